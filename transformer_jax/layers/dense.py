@@ -1,0 +1,96 @@
+"""Embeddings, norms and einsum projections: the parameter-holding leaves of every model."""
+
+from __future__ import annotations
+
+from typing import Literal, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from transformer_jax import ops
+from transformer_jax.layers.common import normal, ones, param, zeros
+from transformer_jax.parallel import axes as ax
+
+
+class Projection(nnx.Module):
+  """A linear map written as an einsum, e.g. ``"BTD,DNH->BTNH"``, with an optional bias.
+
+  The kernel's shape and logical axes are given explicitly, so attention projections keep their
+  head structure (``[D, N, H]``) and need no reshapes.
+  """
+
+  def __init__(self, einsum: str, kernel_shape: Sequence[int], kernel_axes: Sequence[str], *,
+               bias_shape: Sequence[int] | None = None, bias_axes: Sequence[str] | None = None,
+               init_std: float, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs):
+    self.einsum = einsum
+    self.dtype = dtype
+    self.kernel = param(rngs, normal(init_std), kernel_shape, kernel_axes, param_dtype)
+    self.bias = (param(rngs, zeros, bias_shape, bias_axes, param_dtype)
+                 if bias_shape is not None else None)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    y = jnp.einsum(self.einsum, x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+    if self.bias is not None:
+      y = y + self.bias[...].astype(self.dtype)
+    return y
+
+
+class Embed(nnx.Module):
+  """A lookup table ``[V, D]``; ``attend`` reuses it as the (tied) output projection."""
+
+  def __init__(self, num_embeddings: int, features: int, *, init_std: float, dtype: jnp.dtype,
+               param_dtype: jnp.dtype, rngs: nnx.Rngs,
+               axes: tuple[str, str] = (ax.VOCAB, ax.EMBED)):
+    self.dtype = dtype
+    self.embedding = param(rngs, normal(init_std), (num_embeddings, features), axes, param_dtype)
+
+  def __call__(self, ids: jax.Array) -> jax.Array:
+    # Ids are range-checked by the models before tracing; "clip" keeps XLA from producing NaN.
+    return jnp.take(self.embedding[...], ids, axis=0, mode="clip").astype(self.dtype)
+
+  def attend(self, x_BTD: jax.Array) -> jax.Array:
+    """``x @ E^T``: logits ``[B, T, V]`` from hidden states."""
+    return jnp.einsum("BTD,VD->BTV", x_BTD.astype(self.dtype),
+                      self.embedding[...].astype(self.dtype))
+
+
+class Norm(nnx.Module):
+  """LayerNorm (scale and bias) or RMSNorm (scale only), statistics in float32."""
+
+  def __init__(self, features: int, *, kind: Literal["layernorm", "rmsnorm"], eps: float,
+               param_dtype: jnp.dtype, rngs: nnx.Rngs):
+    match kind:
+      case "layernorm" | "rmsnorm":
+        pass
+      case _:
+        raise ValueError(f"norm kind {kind!r} must be 'layernorm' or 'rmsnorm'")
+    self.kind = kind
+    self.eps = eps
+    self.scale = param(rngs, ones, (features,), (ax.EMBED,), param_dtype)
+    self.bias = (param(rngs, zeros, (features,), (ax.EMBED,), param_dtype)
+                 if kind == "layernorm" else None)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    if self.kind == "layernorm":
+      return ops.layer_norm(x, self.scale[...], self.bias[...], self.eps)
+    return ops.rms_norm(x, self.scale[...], self.eps)
+
+
+class RelativePositionBias(nnx.Module):
+  """T5's learned per-head bias over bucketed relative positions; returns ``[1, N, T, S]``."""
+
+  def __init__(self, num_heads: int, *, num_buckets: int, max_distance: int, bidirectional: bool,
+               init_std: float, param_dtype: jnp.dtype, rngs: nnx.Rngs):
+    self.num_buckets = num_buckets
+    self.max_distance = max_distance
+    self.bidirectional = bidirectional
+    self.embedding = param(rngs, normal(init_std), (num_buckets, num_heads),
+                           (ax.BUCKETS, ax.HEADS), param_dtype)
+
+  def __call__(self, q_len: int, k_len: int) -> jax.Array:
+    buckets_TS = ops.relative_position_bucket(
+        ops.relative_positions(q_len, k_len), bidirectional=self.bidirectional,
+        num_buckets=self.num_buckets, max_distance=self.max_distance)
+    bias_TSN = jnp.take(self.embedding[...], buckets_TS, axis=0)
+    return jnp.transpose(bias_TSN, (2, 0, 1))[None].astype(jnp.float32)

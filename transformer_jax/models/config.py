@@ -1,0 +1,253 @@
+"""Model configs: frozen, hashable dataclasses validated at construction.
+
+Field names follow the papers and are shared by the families (``vocab_size``, ``d_model``, ``d_ff``,
+``num_heads``, ``num_kv_heads``, ``head_dim``, ``max_len``, ``dropout_rate``, ``dtype``...). A bad value
+raises ``ValueError`` naming the field and the value. Configs are hashable, so they can be static
+arguments of ``jax.jit``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax.numpy as jnp
+
+from transformer_jax import ops
+from transformer_jax.layers import BlockConfig, Remat
+
+Norm = Literal["layernorm", "rmsnorm"]
+_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
+_REMATS = ("none", "full", "dots")
+
+
+def _positive(cfg, *names):
+  for name in names:
+    value = getattr(cfg, name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise ValueError(f"{name}={value!r} must be a positive integer")
+
+
+def _choice(cfg, name, choices):
+  value = getattr(cfg, name)
+  if value not in choices:
+    raise ValueError(f"{name}={value!r} must be one of {', '.join(map(repr, choices))}")
+
+
+def _rate(cfg, *names):
+  for name in names:
+    value = getattr(cfg, name)
+    if not 0.0 <= value < 1.0:
+      raise ValueError(f"{name}={value!r} must be in [0, 1)")
+
+
+def _dtype(cfg, *names):
+  for name in names:
+    value = getattr(cfg, name)
+    try:
+      dt = jnp.dtype(value)
+    except TypeError:
+      raise ValueError(f"{name}={value!r} is not a dtype name") from None
+    if not jnp.issubdtype(dt, jnp.floating):
+      raise ValueError(f"{name}={value!r} must be a floating dtype")
+
+
+class _Heads:
+  """Shared head arithmetic and validation for the attention fields."""
+
+  __slots__ = ()
+
+  @property
+  def kv_heads(self) -> int:
+    """Key/value heads K (``num_kv_heads`` or, when unset, ``num_heads``)."""
+    return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+  @property
+  def head_size(self) -> int:
+    """Head dim H (``head_dim`` or, when unset, ``d_model // num_heads``)."""
+    return self.d_model // self.num_heads if self.head_dim is None else self.head_dim
+
+  def _validate_heads(self):
+    _positive(self, "d_model", "num_heads", "d_ff", "vocab_size", "max_len")
+    if self.head_dim is None:
+      if self.d_model % self.num_heads:
+        raise ValueError(f"num_heads={self.num_heads} does not divide d_model={self.d_model}")
+    else:
+      _positive(self, "head_dim")
+    if self.num_kv_heads is not None:
+      _positive(self, "num_kv_heads")
+      if self.num_heads % self.num_kv_heads:
+        raise ValueError(
+            f"num_kv_heads={self.num_kv_heads} does not divide num_heads={self.num_heads}")
+    _rate(self, "dropout_rate", "attention_dropout_rate")
+    _dtype(self, "dtype", "param_dtype")
+    _choice(self, "remat", _REMATS)
+    if not self.norm_eps > 0:
+      raise ValueError(f"norm_eps={self.norm_eps!r} must be > 0")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GPTConfig(_Heads):
+  """A decoder-only language model: GPT-2 by default, LLaMA with rope/rmsnorm/silu+gated/GQA."""
+
+  vocab_size: int = 50257
+  d_model: int = 768
+  num_layers: int = 12
+  num_heads: int = 12
+  num_kv_heads: int | None = None      # None: as many as num_heads (MHA); 1: MQA
+  head_dim: int | None = None          # None: d_model // num_heads
+  d_ff: int = 3072
+  max_len: int = 1024                  # context; size of the learned/sinusoidal position table
+  position: Literal["learned", "sinusoidal", "rope", "alibi", "none"] = "learned"
+  norm: Norm = "layernorm"
+  norm_eps: float = 1e-5
+  activation: ops.Activation = "gelu_tanh"
+  gated: bool = False                  # SwiGLU/GeGLU feed-forward (LLaMA)
+  use_bias: bool = True                # biases on projections (GPT-2 yes, LLaMA no)
+  tie_embeddings: bool = True          # output projection = token embedding^T (GPT-2)
+  rope_theta: float = 10000.0
+  rope_interleaved: bool = False       # GPT-J pairing; default is LLaMA's rotate-half
+  rope_scaling: ops.RopeScaling | None = None
+  sliding_window: int | None = None    # local attention over the last `sliding_window` tokens
+  dropout_rate: float = 0.0            # embedding and residual dropout (GPT-2 used 0.1)
+  attention_dropout_rate: float = 0.0
+  init_std: float = 0.02
+  dtype: str = "float32"               # compute dtype
+  param_dtype: str = "float32"
+  remat: Remat = "none"
+  scan_layers: bool = True             # False: unrolled Python loop (debugging)
+
+  def __post_init__(self):
+    self._validate_heads()
+    _positive(self, "num_layers")
+    _choice(self, "position", ("learned", "sinusoidal", "rope", "alibi", "none"))
+    _choice(self, "norm", ("layernorm", "rmsnorm"))
+    _choice(self, "activation", _ACTIVATIONS)
+    if self.sliding_window is not None:
+      _positive(self, "sliding_window")
+    if self.position == "rope" and self.head_size % 2:
+      raise ValueError(f"head_dim={self.head_size} must be even for rotary positions")
+    if self.position == "sinusoidal" and self.d_model % 2:
+      raise ValueError(f"d_model={self.d_model} must be even for sinusoidal positions")
+
+  def block_config(self) -> BlockConfig:
+    return BlockConfig(
+        d_model=self.d_model, num_heads=self.num_heads, num_kv_heads=self.kv_heads,
+        head_dim=self.head_size, d_ff=self.d_ff, activation=self.activation, gated=self.gated,
+        norm=self.norm, norm_eps=self.norm_eps, pre_norm=True, use_bias=self.use_bias,
+        rope_theta=self.rope_theta if self.position == "rope" else None,
+        rope_interleaved=self.rope_interleaved, rope_scaling=self.rope_scaling,
+        dropout_rate=self.dropout_rate, attention_dropout_rate=self.attention_dropout_rate,
+        init_std=self.init_std,
+        # GPT-2: "scale the weights of residual layers at initialization by 1/sqrt(N)".
+        out_init_std=self.init_std / (2 * self.num_layers) ** 0.5,
+        dtype=self.dtype, param_dtype=self.param_dtype)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BERTConfig(_Heads):
+  """BERT (Devlin et al.): post-LayerNorm encoder with MLM, NSP and optional classification heads."""
+
+  vocab_size: int = 30522
+  d_model: int = 768
+  num_layers: int = 12
+  num_heads: int = 12
+  num_kv_heads: int | None = None
+  head_dim: int | None = None
+  d_ff: int = 3072
+  max_len: int = 512
+  type_vocab_size: int = 2             # segment A / segment B
+  norm_eps: float = 1e-12
+  activation: ops.Activation = "gelu"
+  num_labels: int = 0                  # > 0 adds a sequence-classification head
+  dropout_rate: float = 0.1
+  attention_dropout_rate: float = 0.1
+  init_std: float = 0.02
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  remat: Remat = "none"
+  scan_layers: bool = True
+
+  def __post_init__(self):
+    self._validate_heads()
+    _positive(self, "num_layers", "type_vocab_size")
+    _choice(self, "activation", _ACTIVATIONS)
+    if not isinstance(self.num_labels, int) or self.num_labels < 0:
+      raise ValueError(f"num_labels={self.num_labels!r} must be an integer >= 0")
+
+  def block_config(self) -> BlockConfig:
+    return BlockConfig(
+        d_model=self.d_model, num_heads=self.num_heads, num_kv_heads=self.kv_heads,
+        head_dim=self.head_size, d_ff=self.d_ff, activation=self.activation, gated=False,
+        norm="layernorm", norm_eps=self.norm_eps, pre_norm=False, use_bias=True,
+        dropout_rate=self.dropout_rate, attention_dropout_rate=self.attention_dropout_rate,
+        init_std=self.init_std, out_init_std=self.init_std, dtype=self.dtype,
+        param_dtype=self.param_dtype)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Seq2SeqConfig(_Heads):
+  """Encoder-decoder: the Transformer of Vaswani et al. by default; T5 with relative/rmsnorm/pre-norm."""
+
+  vocab_size: int = 37000              # one vocabulary shared by source and target
+  d_model: int = 512
+  num_encoder_layers: int = 6
+  num_decoder_layers: int = 6
+  num_heads: int = 8
+  num_kv_heads: int | None = None
+  head_dim: int | None = None
+  d_ff: int = 2048
+  max_len: int = 512                   # size of the sinusoidal table (unused by relative)
+  position: Literal["sinusoidal", "relative"] = "sinusoidal"
+  relative_num_buckets: int = 32       # T5 relative attention buckets
+  relative_max_distance: int = 128
+  norm: Norm = "layernorm"
+  norm_eps: float = 1e-6
+  pre_norm: bool = False               # Vaswani: post-norm; T5: pre-norm plus a final norm
+  activation: ops.Activation = "relu"
+  gated: bool = False                  # T5 v1.1: gated GELU
+  use_bias: bool = True
+  tie_embeddings: bool = True          # output projection = shared embedding^T
+  embed_scale: bool = True             # multiply embeddings by sqrt(d_model) (Vaswani 3.4)
+  logits_rescale: bool = False         # T5 (tied): decoder output * d_model^-0.5 before projecting
+  scale_attention: bool = True         # T5 folds 1/sqrt(H) into its initialisation: False
+  dropout_rate: float = 0.1
+  attention_dropout_rate: float = 0.0
+  ffn_dropout_rate: float = 0.0        # after the feed-forward activation (T5 uses dropout_rate)
+  init_std: float = 0.02
+  embed_init_std: float | None = None  # None: d_model^-0.5 (embeddings are scaled by sqrt(d))
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  remat: Remat = "none"
+  scan_layers: bool = True
+
+  def __post_init__(self):
+    self._validate_heads()
+    _positive(self, "num_encoder_layers", "num_decoder_layers", "relative_num_buckets",
+              "relative_max_distance")
+    _choice(self, "position", ("sinusoidal", "relative"))
+    _rate(self, "ffn_dropout_rate")
+    _choice(self, "norm", ("layernorm", "rmsnorm"))
+    _choice(self, "activation", _ACTIVATIONS)
+    if self.position == "sinusoidal" and self.d_model % 2:
+      raise ValueError(f"d_model={self.d_model} must be even for sinusoidal positions")
+    if self.position == "relative" and self.relative_num_buckets < 4:
+      raise ValueError(f"relative_num_buckets={self.relative_num_buckets} must be >= 4")
+
+  @property
+  def embedding_init_std(self) -> float:
+    return self.d_model**-0.5 if self.embed_init_std is None else self.embed_init_std
+
+  def block_config(self, *, decoder: bool) -> BlockConfig:
+    return BlockConfig(
+        d_model=self.d_model, num_heads=self.num_heads, num_kv_heads=self.kv_heads,
+        head_dim=self.head_size, d_ff=self.d_ff, activation=self.activation, gated=self.gated,
+        norm=self.norm, norm_eps=self.norm_eps, pre_norm=self.pre_norm, use_bias=self.use_bias,
+        cross_attention=decoder, attention_scale=None if self.scale_attention else 1.0,
+        dropout_rate=self.dropout_rate, attention_dropout_rate=self.attention_dropout_rate,
+        ffn_dropout_rate=self.ffn_dropout_rate,
+        init_std=self.init_std, out_init_std=self.init_std, dtype=self.dtype,
+        param_dtype=self.param_dtype)
+
+
+ModelConfig = GPTConfig | BERTConfig | Seq2SeqConfig

@@ -1,0 +1,60 @@
+"""Models as pure functions: ``init(config, key) -> params`` and ``apply(config, params, *inputs)``.
+
+Built on ``nnx.split``/``nnx.merge``: the graph definition is derived once per config (configs are
+hashable) and the parameters are a plain pytree, so ``jax.grad``, ``jax.vmap`` and ``jax.jit`` treat a
+model like any function.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from flax import nnx
+
+from transformer_jax.models.bert import BERT
+from transformer_jax.models.config import BERTConfig, GPTConfig, ModelConfig, Seq2SeqConfig
+from transformer_jax.models.gpt import GPT
+from transformer_jax.models.seq2seq import Seq2Seq
+
+
+def model_class(config: ModelConfig) -> type[nnx.Module]:
+  match config:
+    case GPTConfig():
+      return GPT
+    case BERTConfig():
+      return BERT
+    case Seq2SeqConfig():
+      return Seq2Seq
+    case _:
+      raise TypeError(f"not a model config: {type(config).__name__}")
+
+
+def create(config: ModelConfig, *, rngs: nnx.Rngs | None = None) -> nnx.Module:
+  """The NNX module for ``config`` (GPT, BERT or Seq2Seq)."""
+  return model_class(config)(config, rngs=rngs if rngs is not None else nnx.Rngs(0))
+
+
+def abstract(config: ModelConfig) -> nnx.Module:
+  """The module with ``ShapeDtypeStruct`` parameters: no memory, any size (``nnx.eval_shape``)."""
+  return nnx.eval_shape(lambda: create(config))
+
+
+@functools.lru_cache(maxsize=64)
+def graphdef(config: ModelConfig) -> nnx.GraphDef:
+  return nnx.split(abstract(config))[0]
+
+
+def init(config: ModelConfig, key: jax.Array) -> nnx.State:
+  """Freshly initialised parameters (an ``nnx.State`` pytree) for ``config``."""
+  return nnx.state(create(config, rngs=nnx.Rngs(params=key)), nnx.Param)
+
+
+def apply(config: ModelConfig, params: nnx.State, *inputs, method: str | None = None, **kwargs):
+  """Runs the model for ``config`` with ``params``: ``apply(cfg, params, tokens)``.
+
+  ``method`` picks another entry point (``"encode"``, ``"decode"``, ``"classify"``...).
+  """
+  model = nnx.merge(graphdef(config), params)
+  fn = model if method is None else getattr(model, method)
+  return fn(*inputs, **kwargs)

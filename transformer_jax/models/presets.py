@@ -1,0 +1,126 @@
+"""Named configurations: the papers' sizes plus ``*-tiny`` sizes for tests and CPU demos.
+
+``get_config("gpt2-small", vocab_size=8192)`` returns a preset with fields replaced (and
+re-validated). Parameter counts at the papers' vocabularies are in the README and checked by tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+
+from transformer_jax import ops
+from transformer_jax.models.config import BERTConfig, GPTConfig, ModelConfig, Seq2SeqConfig
+
+
+def _gpt2(d_model: int, num_layers: int, num_heads: int) -> GPTConfig:
+  # Radford et al. 2019: vocabulary 50257, context 1024, d_ff = 4 d_model, tied embeddings.
+  return GPTConfig(vocab_size=50257, d_model=d_model, num_layers=num_layers, num_heads=num_heads,
+                   d_ff=4 * d_model, max_len=1024)
+
+
+_LLAMA = dict(position="rope", norm="rmsnorm", activation="silu", gated=True, use_bias=False,
+              tie_embeddings=False)
+
+
+def _llama(**kw) -> GPTConfig:
+  return GPTConfig(**{**_LLAMA, **kw})
+
+
+def _bert(d_model: int, num_layers: int) -> BERTConfig:
+  # Devlin et al. and Turc et al. ("Well-Read Students Learn Better"): 64-dim heads, d_ff = 4 d.
+  return BERTConfig(d_model=d_model, num_layers=num_layers, num_heads=d_model // 64,
+                    d_ff=4 * d_model)
+
+
+def _transformer(d_model: int, num_heads: int, d_ff: int, dropout: float) -> Seq2SeqConfig:
+  # Vaswani et al. 2017, Table 3: shared source/target BPE vocabulary of about 37000 tokens.
+  return Seq2SeqConfig(vocab_size=37000, d_model=d_model, num_heads=num_heads, d_ff=d_ff,
+                       dropout_rate=dropout)
+
+
+_T5 = dict(position="relative", norm="rmsnorm", norm_eps=1e-6, pre_norm=True, activation="relu",
+           use_bias=False, tie_embeddings=True, embed_scale=False, logits_rescale=True,
+           scale_attention=False, dropout_rate=0.1, ffn_dropout_rate=0.1, embed_init_std=1.0)
+
+
+def _t5(**kw) -> Seq2SeqConfig:
+  # Raffel et al. 2020: SentencePiece vocabulary of 32000 padded to 32128; 64-dim heads.
+  kw = {"vocab_size": 32128, "head_dim": 64, "init_std": kw["d_model"] ** -0.5, **_T5, **kw}
+  return Seq2SeqConfig(**kw)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # --- GPT-2 (decoder-only, learned positions, pre-LayerNorm, GELU-tanh, tied).
+    "gpt2-small": _gpt2(768, 12, 12),
+    "gpt2-medium": _gpt2(1024, 24, 16),
+    "gpt2-large": _gpt2(1280, 36, 20),
+    "gpt2-xl": _gpt2(1600, 48, 25),
+    "gpt2-tiny": GPTConfig(vocab_size=512, d_model=64, num_layers=2, num_heads=4, d_ff=256,
+                           max_len=128),
+    # --- GPT with ALiBi (Press et al.) instead of learned positions.
+    "gpt-alibi-tiny": GPTConfig(vocab_size=512, d_model=64, num_layers=2, num_heads=4, d_ff=256,
+                                max_len=128, position="alibi"),
+    # --- LLaMA flavour (RoPE, RMSNorm, SwiGLU, GQA, no biases, untied).
+    "llama2-7b": _llama(vocab_size=32000, d_model=4096, num_layers=32, num_heads=32, d_ff=11008,
+                        max_len=4096, norm_eps=1e-5),
+    "llama3-8b": _llama(vocab_size=128256, d_model=4096, num_layers=32, num_heads=32,
+                        num_kv_heads=8, d_ff=14336, max_len=8192, norm_eps=1e-5,
+                        rope_theta=500000.0),
+    "llama3.2-1b": _llama(vocab_size=128256, d_model=2048, num_layers=16, num_heads=32,
+                          num_kv_heads=8, d_ff=8192, max_len=131072, norm_eps=1e-5,
+                          rope_theta=500000.0, tie_embeddings=True,
+                          rope_scaling=ops.RopeScaling("llama3", factor=32.0, low_freq_factor=1.0,
+                                                       high_freq_factor=4.0,
+                                                       original_max_len=8192)),
+    "llama-tiny": _llama(vocab_size=512, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                         d_ff=176, max_len=128, norm_eps=1e-5),
+    # --- BERT (post-LayerNorm encoder, MLM + NSP heads).
+    "bert-base": _bert(768, 12),
+    "bert-large": BERTConfig(d_model=1024, num_layers=24, num_heads=16, d_ff=4096),
+    "bert-tiny": _bert(128, 2),      # Turc et al. BERT-Tiny  (L=2, H=128)
+    "bert-mini": _bert(256, 4),      # Turc et al. BERT-Mini  (L=4, H=256)
+    "bert-small": _bert(512, 4),     # Turc et al. BERT-Small (L=4, H=512)
+    "bert-medium": _bert(512, 8),    # Turc et al. BERT-Medium (L=8, H=512)
+    # --- The Transformer (Vaswani et al.): sinusoidal, post-LayerNorm, ReLU, shared embeddings.
+    "transformer-base": _transformer(512, 8, 2048, 0.1),
+    "transformer-big": Seq2SeqConfig(vocab_size=37000, d_model=1024, num_heads=16, d_ff=4096,
+                                     dropout_rate=0.3),
+    "transformer-tiny": Seq2SeqConfig(vocab_size=512, d_model=64, num_encoder_layers=2,
+                                      num_decoder_layers=2, num_heads=4, d_ff=256, max_len=128),
+    # --- T5 (relative bias, pre-RMSNorm, no biases). v1.0: ReLU, tied; v1.1: gated GELU, untied.
+    "t5-small": _t5(d_model=512, num_encoder_layers=6, num_decoder_layers=6, num_heads=8,
+                    d_ff=2048),
+    "t5-base": _t5(d_model=768, num_encoder_layers=12, num_decoder_layers=12, num_heads=12,
+                   d_ff=3072),
+    "t5-v1.1-small": _t5(d_model=512, num_encoder_layers=8, num_decoder_layers=8, num_heads=6,
+                         d_ff=1024, activation="gelu_tanh", gated=True, tie_embeddings=False,
+                         logits_rescale=False, dropout_rate=0.0, ffn_dropout_rate=0.0),
+    "t5-tiny": _t5(vocab_size=512, d_model=64, num_encoder_layers=2, num_decoder_layers=2,
+                   num_heads=4, head_dim=16, d_ff=128, relative_num_buckets=16,
+                   relative_max_distance=32),
+}
+
+
+def list_presets() -> list[str]:
+  """Names of every preset, in definition order."""
+  return list(PRESETS)
+
+
+def get_config(name: str, **overrides) -> ModelConfig:
+  """The preset ``name`` with ``overrides`` applied (validated like any config).
+
+  Raises:
+    ValueError: for an unknown preset (suggesting close names) or an unknown field.
+  """
+  if name not in PRESETS:
+    close = difflib.get_close_matches(name, PRESETS, n=3)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    raise ValueError(f"unknown preset {name!r}{hint} (see list_presets())")
+  config = PRESETS[name]
+  fields = {f.name for f in dataclasses.fields(config)}
+  unknown = sorted(set(overrides) - fields)
+  if unknown:
+    raise ValueError(
+        f"{type(config).__name__} has no field(s) {', '.join(unknown)} (preset {name!r})")
+  return dataclasses.replace(config, **overrides)
