@@ -20,7 +20,7 @@ def param(rngs: nnx.Rngs, init: Initializer, shape: Sequence[int], axes: Sequenc
   """
   if len(shape) != len(axes):
     raise ValueError(f"shape {tuple(shape)} and axes {tuple(axes)} differ in length")
-  return nnx.Param(init(rngs.params(), tuple(shape), dtype), sharding_names=tuple(axes),
+  return nnx.Param(init(rngs.params(), tuple(shape), dtype), out_sharding=tuple(axes),
                    eager_sharding=False)
 
 

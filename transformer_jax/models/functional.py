@@ -31,13 +31,19 @@ def model_class(config: ModelConfig) -> type[nnx.Module]:
 
 
 def create(config: ModelConfig, *, rngs: nnx.Rngs | None = None) -> nnx.Module:
-  """The NNX module for ``config`` (GPT, BERT or Seq2Seq)."""
-  return model_class(config)(config, rngs=rngs if rngs is not None else nnx.Rngs(0))
+  """The NNX module for ``config`` (GPT, BERT or Seq2Seq).
+
+  Without ``rngs`` the parameters come from ``init(config, jax.random.key(0))``: one compiled
+  initialisation instead of hundreds of eagerly dispatched ops.
+  """
+  if rngs is None:
+    return nnx.merge(graphdef(config), init(config, jax.random.key(0)))
+  return model_class(config)(config, rngs=rngs)
 
 
 def abstract(config: ModelConfig) -> nnx.Module:
   """The module with ``ShapeDtypeStruct`` parameters: no memory, any size (``nnx.eval_shape``)."""
-  return nnx.eval_shape(lambda: create(config))
+  return nnx.eval_shape(lambda: model_class(config)(config, rngs=nnx.Rngs(0)))
 
 
 @functools.lru_cache(maxsize=64)
@@ -45,9 +51,16 @@ def graphdef(config: ModelConfig) -> nnx.GraphDef:
   return nnx.split(abstract(config))[0]
 
 
+@functools.lru_cache(maxsize=64)
+def _jitted_init(config: ModelConfig):
+  return jax.jit(lambda key: nnx.state(create(config, rngs=nnx.Rngs(params=key)), nnx.Param))
+
+
 def init(config: ModelConfig, key: jax.Array) -> nnx.State:
-  """Freshly initialised parameters (an ``nnx.State`` pytree) for ``config``."""
-  return nnx.state(create(config, rngs=nnx.Rngs(params=key)), nnx.Param)
+  """Freshly initialised parameters (an ``nnx.State`` pytree) for ``config``; jit- and vmap-safe."""
+  if isinstance(key, jax.core.Tracer):  # already inside a transformation: trace through
+    return nnx.state(create(config, rngs=nnx.Rngs(params=key)), nnx.Param)
+  return _jitted_init(config)(key)
 
 
 def apply(config: ModelConfig, params: nnx.State, *inputs, method: str | None = None, **kwargs):

@@ -1,0 +1,47 @@
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from transformer_jax import models
+
+VOCAB = 97
+
+
+def tiny(name, **overrides):
+  return models.get_config(name, **{"vocab_size": VOCAB, **overrides})
+
+
+@pytest.fixture
+def tokens():
+  return jax.random.randint(jax.random.key(7), (2, 12), 0, VOCAB)
+
+
+def forward(model, config, tokens, **kw):
+  """The family's main output as one array (MLM logits for BERT, decoder logits for Seq2Seq)."""
+  match config:
+    case models.BERTConfig():
+      return model(tokens, jnp.zeros_like(tokens), jnp.ones_like(tokens), **kw).mlm_logits
+    case models.Seq2SeqConfig():
+      return model(tokens, tokens[:, ::-1], **kw)
+    case _:
+      return model(tokens, **kw)
+
+
+@functools.lru_cache(maxsize=None)
+def jit_forward(config):
+  """``(params, tokens, dropout_rng=None) -> output`` compiled once per config."""
+
+  @jax.jit
+  def fn(params, tokens, dropout_rng=None):
+    from flax import nnx
+    return forward(nnx.merge(models.graphdef(config), params), config, tokens,
+                   dropout_rng=dropout_rng)
+
+  return fn
+
+
+@functools.lru_cache(maxsize=None)
+def params_for(config, seed=0):
+  return models.init(config, jax.random.key(seed))

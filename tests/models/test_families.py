@@ -1,0 +1,163 @@
+"""Every family: jit, forward, backward, pure-function form, scan == unroll, remat, dropout."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from transformer_jax import models
+from tests.models.conftest import VOCAB, forward, jit_forward, params_for, tiny
+
+FAMILIES = ["gpt2-tiny", "llama-tiny", "gpt-alibi-tiny", "bert-tiny", "transformer-tiny", "t5-tiny"]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_tiny_preset_jits_forward_and_backward(name, tokens):
+  config = tiny(name)
+  graphdef, params = models.graphdef(config), params_for(config)
+
+  @jax.jit
+  def loss_fn(params, tokens):
+    logits = forward(nnx.merge(graphdef, params), config, tokens)
+    return jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+  loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+  assert np.isfinite(float(loss))
+  leaves = jax.tree.leaves(grads)
+  assert all(np.isfinite(np.asarray(g)).all() for g in leaves)
+  # Every parameter gets a gradient signal (no dead branches), except pieces the forward
+  # never touches: NSP/pooler heads for BERT's MLM output.
+  norms = {jax.tree_util.keystr(p): float(np.abs(np.asarray(g)).sum())
+           for p, g in jax.tree_util.tree_leaves_with_path(grads)}
+  unused = ("pooler", "nsp")
+  dead = [k for k, v in norms.items() if v == 0.0 and not any(u in k for u in unused)]
+  assert not dead, dead
+  assert jit_forward(config)(params, tokens).shape[-1] == VOCAB
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_pure_function_form_equals_module(name, tokens):
+  config = tiny(name)
+  params = models.init(config, jax.random.key(3))
+  module = nnx.merge(models.graphdef(config), params)
+  expected = forward(module, config, tokens)
+  match config:
+    case models.BERTConfig():
+      got = jax.jit(lambda p, t: models.apply(config, p, t, jnp.zeros_like(t),
+                                              jnp.ones_like(t)).mlm_logits)(params, tokens)
+    case models.Seq2SeqConfig():
+      got = jax.jit(lambda p, t: models.apply(config, p, t, t[:, ::-1]))(params, tokens)
+    case _:
+      got = jax.jit(lambda p, t: models.apply(config, p, t))(params, tokens)
+  np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)
+  # init is a function of the key: same key, same params; different key, different params.
+  again = models.init(config, jax.random.key(3))
+  other = models.init(config, jax.random.key(4))
+  same = jax.tree.leaves(jax.tree.map(lambda a, b: bool((a == b).all()), params, again))
+  assert all(same)
+  assert not all(jax.tree.leaves(jax.tree.map(lambda a, b: bool((a == b).all()), params, other)))
+
+
+def test_pure_function_form_vmaps_over_params(tokens):
+  config = tiny("gpt2-tiny")
+  keys = jax.random.split(jax.random.key(0), 2)
+  stacked = jax.vmap(lambda k: models.init(config, k))(keys)
+  out = jax.jit(jax.vmap(lambda p: models.apply(config, p, tokens)))(stacked)
+  for i in range(2):
+    single = jit_forward(config)(models.init(config, keys[i]), tokens)
+    np.testing.assert_allclose(out[i], single, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_scanned_stack_equals_unrolled_stack(name, tokens):
+  scanned = tiny(name)
+  unrolled = dataclasses.replace(scanned, scan_layers=False)
+  params = params_for(scanned)
+  a = jit_forward(scanned)(params, tokens)
+  b = jit_forward(unrolled)(params, tokens)
+  np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_remat_gives_same_loss_and_gradients(remat, tokens):
+  base = tiny("llama-tiny")
+  other = dataclasses.replace(base, remat=remat)
+  params = models.init(base, jax.random.key(1))
+
+  def loss(config):
+    return lambda p: jnp.mean(models.apply(config, p, tokens) ** 2)
+
+  la, ga = jax.jit(jax.value_and_grad(loss(base)))(params)
+  lb, gb = jax.jit(jax.value_and_grad(loss(other)))(params)
+  np.testing.assert_allclose(la, lb, rtol=1e-6)
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-6, rtol=1e-5), ga, gb)
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "bert-tiny", "t5-tiny", "transformer-tiny"])
+def test_dropout_active_only_with_rng_and_deterministic_per_key(name, tokens):
+  config = tiny(name, dropout_rate=0.3)
+  params, fn = params_for(config), jit_forward(config)
+  plain = fn(params, tokens)
+  np.testing.assert_array_equal(plain, fn(params, tokens))
+  k = jax.random.key(5)
+  a = fn(params, tokens, k)
+  b = fn(params, tokens, k)
+  c = fn(params, tokens, jax.random.key(6))
+  np.testing.assert_array_equal(a, b)
+  assert not np.allclose(a, plain) and not np.allclose(a, c)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16"])
+def test_bf16_compute_stays_close_to_fp32(dtype, tokens):
+  base = tiny("llama-tiny")
+  low = dataclasses.replace(base, dtype=dtype)
+  params = params_for(base)
+  a = jit_forward(base)(params, tokens)
+  b = jit_forward(low)(params, tokens)
+  assert b.dtype == jnp.float32  # logits come back in float32
+  np.testing.assert_allclose(a, b, atol=0.05)
+
+
+def test_bert_heads_shapes_and_classification():
+  config = tiny("bert-tiny", num_labels=3)
+  model = models.create(config)
+  tokens = jax.random.randint(jax.random.key(0), (4, 9), 0, VOCAB)
+  out = model(tokens, jnp.zeros_like(tokens), jnp.ones_like(tokens))
+  assert out.mlm_logits.shape == (4, 9, VOCAB) and out.nsp_logits.shape == (4, 2)
+  assert model.classify(tokens).shape == (4, 3)
+  with pytest.raises(ValueError, match="num_labels"):
+    models.create(tiny("bert-tiny")).classify(tokens)
+
+
+def test_seq2seq_encode_decode_equal_call(tokens):
+  config = tiny("t5-tiny")
+  model = models.create(config)
+  src, tgt = tokens, tokens[:, :5]
+  enc = model.encode(src)
+  np.testing.assert_allclose(model.decode(tgt, enc), model(src, tgt), atol=1e-6)
+  assert enc.shape == (*src.shape, config.d_model)
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "bert-tiny", "t5-tiny"])
+def test_out_of_range_token_is_a_clear_error(name, tokens):
+  config = tiny(name)
+  model = models.create(config)
+  bad = tokens.at[1, 4].set(VOCAB + 3)
+  with pytest.raises(ValueError, match=rf"\[1, 4\] = {VOCAB + 3} is outside the vocabulary"):
+    forward(model, config, bad)
+
+
+def test_too_long_input_for_learned_positions_is_a_clear_error():
+  config = tiny("gpt2-tiny", max_len=8)
+  tokens = jnp.zeros((1, 9), jnp.int32)
+  with pytest.raises(ValueError, match="length 9, more than max_len=8"):
+    models.create(config)(tokens)
+
+
+def test_mismatched_mask_shape_is_a_clear_error(tokens):
+  model = models.create(tiny("bert-tiny"))
+  with pytest.raises(ValueError, match=r"attention_mask.shape=\(2, 5\) must equal tokens.shape"):
+    model(tokens, None, jnp.ones((2, 5)))

@@ -1,0 +1,88 @@
+"""The ``tjax`` command: ``info``, ``prepare``, ``train``, ``eval``, ``convert``, ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _human(n: float) -> str:
+  for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+    if abs(n) >= div:
+      return f"{n / div:.2f}{unit}"
+  return f"{n:.0f}"
+
+
+def _bytes(n: float) -> str:
+  for unit, div in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if n >= div:
+      return f"{n / div:.2f} {unit}"
+  return f"{n:.0f} B"
+
+
+def info_text(preset: str, *, vocab_size: int | None = None, batch_size: int = 8,
+              seq_len: int | None = None) -> str:
+  """What ``tjax info PRESET`` prints: parameters, training FLOPs per token, memory estimate."""
+  from transformer_jax import models
+
+  overrides = {} if vocab_size is None else {"vocab_size": vocab_size}
+  cfg = models.get_config(preset, **overrides)
+  seq_len = min(cfg.max_len, 1024) if seq_len is None else seq_len
+  pc = models.param_count(cfg)
+  flops = models.train_flops_per_token(cfg, seq_len)
+  mem = models.train_memory_bytes(cfg, batch_size, seq_len)
+  lines = [
+      f"{preset}: {type(cfg).__name__}",
+      f"  parameters        {pc.total:>16,d}  ({_human(pc.total)})",
+      f"  embedding         {pc.embedding:>16,d}",
+      f"  non-embedding     {pc.non_embedding:>16,d}  ({_human(pc.non_embedding)})",
+      f"  train FLOPs/token {flops:>16,.0f}  ({_human(flops)}; 6N + attention at T={seq_len})",
+      f"  memory estimate   batch={batch_size} seq_len={seq_len}, AdamW fp32, dtype={cfg.dtype}:",
+  ]
+  lines += [f"    {k:<12s}{_bytes(v):>14s}" for k, v in mem.items()]
+  return "\n".join(lines)
+
+
+def presets_table() -> str:
+  from transformer_jax import models
+
+  rows = [f"{'preset':<18s}{'family':<15s}{'parameters':>16s}"]
+  for name in models.list_presets():
+    cfg = models.get_config(name)
+    rows.append(f"{name:<18s}{type(cfg).__name__:<15s}{models.count_params(cfg):>16,d}")
+  return "\n".join(rows)
+
+
+def _cmd_info(args) -> int:
+  if args.preset is None:
+    print(presets_table())
+    return 0
+  print(info_text(args.preset, vocab_size=args.vocab_size, batch_size=args.batch_size,
+                  seq_len=args.seq_len))
+  return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="tjax", description=__doc__)
+  sub = parser.add_subparsers(dest="command", required=True)
+
+  info = sub.add_parser("info", help="parameters, FLOPs and memory of a preset (no preset: list)")
+  info.add_argument("preset", nargs="?")
+  info.add_argument("--vocab-size", type=int, default=None)
+  info.add_argument("--batch-size", type=int, default=8)
+  info.add_argument("--seq-len", type=int, default=None)
+  info.set_defaults(func=_cmd_info)
+  return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+  try:
+    return args.func(args)
+  except ValueError as e:  # bad input: one clear line, no traceback
+    print(f"tjax {args.command}: error: {e}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())
