@@ -118,7 +118,7 @@ def apply_rope(
   positions = jnp.asarray(positions)
   if positions.ndim == 1:
     positions = positions[None, :]
-  angles_BTF = positions.astype(jnp.float32)[..., None] * inv_freq  # F = H // 2
+  angles_BTF = positions.astype(jnp.float32)[..., None] * inv_freq[None, None, :]  # F = H // 2
   sin = jnp.sin(angles_BTF)[:, :, None, :]  # [B, T, 1, H/2]
   cos = jnp.cos(angles_BTF)[:, :, None, :]
   xf = x.astype(jnp.float32)
