@@ -62,6 +62,56 @@ def _cmd_info(args) -> int:
   return 0
 
 
+def _cmd_prepare(args) -> int:
+  from transformer_jax.data import run_prepare
+  return run_prepare(args)
+
+
+def _cmd_train(args) -> int:
+  from transformer_jax.train import TrainingDiverged, load_experiment, train
+  exp = load_experiment(args.config, args.overrides)
+  try:
+    final = train(exp, progress=not args.no_progress)
+  except TrainingDiverged as e:
+    print(f"tjax train: {e}", file=sys.stderr)
+    return 1
+  failed = [name for name, r in final.get("bars", {}).items() if not r["passed"]]
+  if failed:
+    print(f"tjax train: learning bar(s) not reached: {', '.join(failed)}", file=sys.stderr)
+    return 3
+  return 0
+
+
+def _cmd_eval(args) -> int:
+  import json
+  from transformer_jax.train import evaluate_run
+  print(json.dumps(evaluate_run(args.run_dir, best=args.best), indent=2))
+  return 0
+
+
+def _cmd_convert(args) -> int:
+  from transformer_jax.hf import convert
+  if (args.from_hf is None) == (args.to_hf is None):
+    raise ValueError("give exactly one of --from-hf HF_DIR or --to-hf RUN_DIR")
+  if args.from_hf is not None:
+    convert.from_hf(args.from_hf, args.out)
+  else:
+    convert.to_hf(args.to_hf, args.out)
+  print(f"wrote {args.out}")
+  return 0
+
+
+def _cmd_bench(args) -> int:
+  import runpy
+  import os
+  script = os.path.join(os.getcwd(), "experiments", "bench_train.py")
+  if not os.path.exists(script):
+    raise ValueError("tjax bench runs experiments/bench_train.py from the repository root")
+  sys.argv = [script, *args.bench_args]
+  runpy.run_path(script, run_name="__main__")
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="tjax", description=__doc__)
   sub = parser.add_subparsers(dest="command", required=True)
@@ -72,6 +122,32 @@ def build_parser() -> argparse.ArgumentParser:
   info.add_argument("--batch-size", type=int, default=8)
   info.add_argument("--seq-len", type=int, default=None)
   info.set_defaults(func=_cmd_info)
+
+  from transformer_jax.data import add_prepare_args
+  prep = sub.add_parser("prepare", help="tokenize text/jsonl/TSV/stdlib/synthetic into a dataset")
+  add_prepare_args(prep)
+  prep.set_defaults(func=_cmd_prepare)
+
+  train = sub.add_parser("train", help="train (or resume) an experiment: CONFIG.yaml key=value ...")
+  train.add_argument("config")
+  train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=200")
+  train.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+  train.set_defaults(func=_cmd_train)
+
+  ev = sub.add_parser("eval", help="evaluate a run directory's latest (or best) checkpoint")
+  ev.add_argument("run_dir")
+  ev.add_argument("--best", action="store_true")
+  ev.set_defaults(func=_cmd_eval)
+
+  conv = sub.add_parser("convert", help="Hugging Face checkpoint <-> run directory")
+  conv.add_argument("--from-hf", metavar="HF_DIR")
+  conv.add_argument("--to-hf", metavar="RUN_DIR")
+  conv.add_argument("--out", required=True)
+  conv.set_defaults(func=_cmd_convert)
+
+  bench = sub.add_parser("bench", help="time the train step (experiments/bench_train.py)")
+  bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+  bench.set_defaults(func=_cmd_bench)
   return parser
 
 

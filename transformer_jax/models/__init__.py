@@ -1,17 +1,19 @@
 """The three model families, their configs and presets, and pure-function forms."""
 
 from transformer_jax.models.bert import BERT, BERTOutput
-from transformer_jax.models.config import BERTConfig, GPTConfig, ModelConfig, Seq2SeqConfig
+from transformer_jax.models.config import (
+    BERTConfig, GPTConfig, ModelConfig, Seq2SeqConfig, config_from_dict, config_to_dict)
 from transformer_jax.models.counting import (
     ParamCount, count_params, param_count, train_flops_per_token, train_memory_bytes)
-from transformer_jax.models.functional import abstract, apply, create, graphdef, init, model_class
+from transformer_jax.models.functional import (
+    abstract, apply, create, graphdef, init, init_abstract, model_class)
 from transformer_jax.models.gpt import GPT
 from transformer_jax.models.presets import PRESETS, get_config, list_presets
 from transformer_jax.models.seq2seq import Seq2Seq
 
 __all__ = [
     "BERT", "BERTConfig", "BERTOutput", "GPT", "GPTConfig", "ModelConfig", "PRESETS", "ParamCount",
-    "Seq2Seq", "Seq2SeqConfig", "abstract", "apply", "count_params", "create", "get_config",
-    "graphdef", "init", "list_presets", "model_class", "param_count", "train_flops_per_token",
+    "Seq2Seq", "Seq2SeqConfig", "abstract", "apply", "config_from_dict", "config_to_dict",
+    "count_params", "create", "get_config", "graphdef", "init", "init_abstract", "list_presets", "model_class", "param_count", "train_flops_per_token",
     "train_memory_bytes",
 ]

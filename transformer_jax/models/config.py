@@ -251,3 +251,31 @@ class Seq2SeqConfig(_Heads):
 
 
 ModelConfig = GPTConfig | BERTConfig | Seq2SeqConfig
+
+
+_FAMILIES = {"gpt": GPTConfig, "bert": BERTConfig, "seq2seq": Seq2SeqConfig}
+
+
+def config_to_dict(config: ModelConfig) -> dict:
+  """``{"family": "gpt", **fields}``, YAML-able (RoPE scaling becomes a nested mapping)."""
+  family = next(k for k, v in _FAMILIES.items() if isinstance(config, v))
+  fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+  if fields.get("rope_scaling") is not None:
+    fields["rope_scaling"] = dataclasses.asdict(fields["rope_scaling"])
+  return {"family": family, **fields}
+
+
+def config_from_dict(spec: dict) -> ModelConfig:
+  """Inverse of ``config_to_dict``; unknown fields raise ``ValueError`` naming them."""
+  spec = dict(spec)
+  family = spec.pop("family", None)
+  if family not in _FAMILIES:
+    raise ValueError(f"family={family!r} must be one of {', '.join(_FAMILIES)}")
+  cls = _FAMILIES[family]
+  known = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(spec) - known)
+  if unknown:
+    raise ValueError(f"{cls.__name__} has no field(s) {', '.join(unknown)}")
+  if isinstance(spec.get("rope_scaling"), dict):
+    spec["rope_scaling"] = ops.RopeScaling(**spec["rope_scaling"])
+  return cls(**spec)

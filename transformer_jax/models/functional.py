@@ -56,6 +56,11 @@ def _jitted_init(config: ModelConfig):
   return jax.jit(lambda key: nnx.state(create(config, rngs=nnx.Rngs(params=key)), nnx.Param))
 
 
+def init_abstract(config: ModelConfig) -> nnx.State:
+  """Parameter shapes and dtypes (``ShapeDtypeStruct`` leaves) without allocating anything."""
+  return nnx.state(abstract(config), nnx.Param)
+
+
 def init(config: ModelConfig, key: jax.Array) -> nnx.State:
   """Freshly initialised parameters (an ``nnx.State`` pytree) for ``config``; jit- and vmap-safe."""
   if isinstance(key, jax.core.Tracer):  # already inside a transformation: trace through

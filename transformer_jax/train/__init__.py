@@ -1,0 +1,14 @@
+"""Training: experiment configs, Optax steps, checkpoints and the ``tjax train`` loop."""
+
+from transformer_jax.train.checkpoint import Checkpoints, load_model, save_model
+from transformer_jax.train.config import Experiment, load_experiment
+from transformer_jax.train.optim import learning_rate_schedule, make_optimizer
+from transformer_jax.train.step import (
+    TrainState, create_state, make_eval_step, make_mesh, make_train_step, shard_batch)
+from transformer_jax.train.trainer import TrainingDiverged, evaluate_run, train
+
+__all__ = [
+    "Checkpoints", "Experiment", "TrainState", "TrainingDiverged", "create_state",
+    "evaluate_run", "learning_rate_schedule", "load_experiment", "load_model", "make_eval_step",
+    "make_mesh", "make_optimizer", "make_train_step", "save_model", "shard_batch", "train",
+]

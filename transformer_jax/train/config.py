@@ -1,0 +1,244 @@
+"""Experiment configs: YAML files in ``experiments/`` plus dotted ``key=value`` overrides.
+
+Sections: ``model`` (a preset plus any model-config field), ``data``, ``train``, ``mesh`` and the
+top-level ``run_dir``. Every key is checked: an unknown key or a wrong type raises ``ValueError``
+naming it (``train.stpes: unknown key; expected one of ...``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any, Literal
+
+import yaml
+
+from transformer_jax import models
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  path: str | None = None                 # a prepared dataset directory (tjax prepare)
+  inputs: tuple[str, ...] = ()            # prepared into `path` on first use if it is missing
+  task: Literal["gpt", "bert", "seq2seq"] = "gpt"
+  tokenizer: str = "cl100k_base"
+  compact_vocab: bool = False
+  val_fraction: float = 0.05
+  mask_prob: float = 0.15                 # BERT masked-LM rate
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  steps: int = 1000
+  batch_size: int = 16                    # global batch (all processes, all devices)
+  seq_len: int = 128                      # GPT/BERT window; ignored by seq2seq (bucketed)
+  microbatches: int = 1                   # gradient accumulation inside the step
+  seed: int = 0
+  lr: float = 1e-3
+  schedule: Literal["cosine", "linear", "rsqrt", "constant"] = "cosine"
+  warmup_steps: int = 100
+  min_lr_ratio: float = 0.1               # cosine/linear decay to lr * min_lr_ratio
+  weight_decay: float = 0.1               # not applied to biases, norm scales
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  clip_norm: float | None = 1.0
+  label_smoothing: float = 0.0
+  z_loss: float = 0.0
+  dtype: str | None = None                # compute dtype override (e.g. bfloat16); params stay fp32
+  log_every: int = 10
+  eval_every: int = 200
+  eval_batches: int = 20
+  checkpoint_every: int = 200
+  keep_checkpoints: int = 3
+  async_checkpoints: bool = True
+  samples: int = 3                        # generated samples printed at the end (GPT)
+  sample_tokens: int = 48
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  data: int = -1                          # -1: every remaining device
+  fsdp: int = 1
+  tensor: int = 1
+  sequence: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+  run_dir: str
+  model: dict[str, Any]                   # {"preset": name, **model-config overrides}
+  data: DataConfig
+  train: TrainConfig
+  mesh: MeshConfig
+  bars: dict[str, Any] = dataclasses.field(default_factory=dict)  # learning bars to check at the end
+
+  def model_config(self, **defaults) -> models.ModelConfig:
+    """The model config: preset, then ``defaults`` (e.g. the dataset's vocab size), then the YAML."""
+    spec = dict(self.model)
+    preset = spec.pop("preset", None)
+    if preset is None:
+      raise ValueError("model.preset is required (see `tjax info` for the list)")
+    if self.train.dtype is not None:
+      spec.setdefault("dtype", self.train.dtype)
+    return models.get_config(preset, **{**defaults, **spec})
+
+  def to_dict(self) -> dict[str, Any]:
+    out = dataclasses.asdict(self)
+    out["data"]["inputs"] = list(self.data.inputs)
+    return out
+
+
+_SECTIONS = {"data": DataConfig, "train": TrainConfig, "mesh": MeshConfig}
+_TOP = ("run_dir", "model", "data", "train", "mesh", "bars")
+
+
+def _unknown(where: str, key: str, choices) -> ValueError:
+  close = difflib.get_close_matches(key, list(choices), n=1)
+  hint = f" (did you mean {close[0]!r}?)" if close else ""
+  return ValueError(f"{where}{key}: unknown key{hint}; expected one of {', '.join(choices)}")
+
+
+def _coerce(name: str, value: Any, annotation) -> Any:
+  """Checks ``value`` against a field annotation (evaluated type), coercing int -> float and list ->
+  tuple; raises ``ValueError`` naming the key otherwise."""
+  origin = typing.get_origin(annotation)
+  args = typing.get_args(annotation)
+  if origin in (typing.Union, types.UnionType):
+    errors = []
+    for arg in args:
+      try:
+        return _coerce(name, value, arg)
+      except ValueError as e:
+        errors.append(e)
+    raise ValueError(f"{name}={value!r}: expected {_describe(annotation)}")
+  if annotation is type(None):
+    if value is None:
+      return None
+    raise ValueError(f"{name}={value!r}: expected null")
+  if origin is Literal:
+    if value in args:
+      return value
+    raise ValueError(f"{name}={value!r}: expected one of {', '.join(map(repr, args))}")
+  if origin is tuple:
+    if isinstance(value, str):
+      value = [value]
+    if not isinstance(value, (list, tuple)):
+      raise ValueError(f"{name}={value!r}: expected a list")
+    return tuple(_coerce(name, v, args[0]) for v in value)
+  if annotation is bool:
+    if isinstance(value, bool):
+      return value
+    raise ValueError(f"{name}={value!r}: expected true or false")
+  if annotation is int:
+    if isinstance(value, int) and not isinstance(value, bool):
+      return value
+    raise ValueError(f"{name}={value!r}: expected an integer")
+  if annotation is float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+      return float(value)
+    raise ValueError(f"{name}={value!r}: expected a number")
+  if annotation is str:
+    if isinstance(value, str):
+      return value
+    raise ValueError(f"{name}={value!r}: expected a string")
+  return value
+
+
+def _describe(annotation) -> str:
+  args = typing.get_args(annotation)
+  return " or ".join(getattr(a, "__name__", str(a)).replace("NoneType", "null") for a in args)
+
+
+def _build_section(cls, name: str, raw: Any):
+  if raw is None:
+    raw = {}
+  if not isinstance(raw, dict):
+    raise ValueError(f"{name}: expected a mapping, got {raw!r}")
+  hints = typing.get_type_hints(cls)
+  fields = [f.name for f in dataclasses.fields(cls)]
+  kwargs = {}
+  for key, value in raw.items():
+    if key not in fields:
+      raise _unknown(f"{name}.", key, fields)
+    kwargs[key] = _coerce(f"{name}.{key}", value, hints[key])
+  return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+  keys = dotted.split(".")
+  node = tree
+  for key in keys[:-1]:
+    node = node.setdefault(key, {})
+    if not isinstance(node, dict):
+      raise ValueError(f"{dotted}: {key} is not a section")
+  node[keys[-1]] = value
+
+
+def parse_overrides(items: list[str]) -> list[tuple[str, Any]]:
+  """``["train.steps=200", "model.d_model=64"]`` -> ``[("train.steps", 200), ...]`` (YAML values)."""
+  out = []
+  for item in items:
+    if "=" not in item:
+      raise ValueError(f"override {item!r} must look like section.key=value")
+    key, text = item.split("=", 1)
+    out.append((key.strip(), yaml.safe_load(text) if text != "" else None))
+  return out
+
+
+def load_experiment(path: str | None, overrides: list[str] = (), *,
+                    raw: dict | None = None) -> Experiment:
+  """Reads a YAML experiment (or ``raw``), applies ``key=value`` overrides and validates it."""
+  if raw is None:
+    try:
+      with open(path) as f:
+        raw = yaml.safe_load(f) or {}
+    except FileNotFoundError:
+      raise ValueError(f"experiment config {path!r} not found") from None
+  raw = dict(raw)
+  for key, value in parse_overrides(list(overrides)):
+    top = key.split(".")[0]
+    if top not in _TOP:
+      raise _unknown("", top, _TOP)
+    if "." not in key:
+      raw[key] = value
+    else:
+      raw.setdefault(top, {})
+      raw[top] = dict(raw[top] or {})
+      _set_dotted(raw, key, value)
+  for key in raw:
+    if key not in _TOP:
+      raise _unknown("", key, _TOP)
+  model = dict(raw.get("model") or {})
+  run_dir = raw.get("run_dir")
+  if not isinstance(run_dir, str):
+    raise ValueError(f"run_dir={run_dir!r}: expected a directory path")
+  exp = Experiment(
+      run_dir=run_dir, model=model,
+      data=_build_section(DataConfig, "data", raw.get("data")),
+      train=_build_section(TrainConfig, "train", raw.get("train")),
+      mesh=_build_section(MeshConfig, "mesh", raw.get("mesh")),
+      bars=dict(raw.get("bars") or {}))
+  _validate(exp)
+  return exp
+
+
+def _validate(exp: Experiment) -> None:
+  t = exp.train
+  for name in ("steps", "batch_size", "seq_len", "microbatches", "log_every", "eval_every",
+               "eval_batches", "checkpoint_every", "keep_checkpoints"):
+    if getattr(t, name) < 1:
+      raise ValueError(f"train.{name}={getattr(t, name)} must be >= 1")
+  if t.batch_size % t.microbatches:
+    raise ValueError(
+        f"train.microbatches={t.microbatches} does not divide train.batch_size={t.batch_size}")
+  if t.lr <= 0:
+    raise ValueError(f"train.lr={t.lr} must be > 0")
+  if t.warmup_steps < 0:
+    raise ValueError(f"train.warmup_steps={t.warmup_steps} must be >= 0")
+  if exp.data.path is None and not exp.data.inputs:
+    raise ValueError("data.path or data.inputs must be given")
+  if "preset" not in exp.model:
+    raise ValueError("model.preset is required (see `tjax info` for the list)")

@@ -1,0 +1,111 @@
+"""Training objectives per family, written as token-weighted sums so gradient accumulation over
+microbatches gives exactly the full-batch gradient.
+
+Each task gives ``counts(batch)`` (the denominators, computed on the whole batch) and
+``sums(model, batch, rng, ...)`` (numerators: loss sums and metric sums over one microbatch). The
+loss is ``sum_c sums[c] / counts[c]`` over the loss components ``c``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from transformer_jax import ops
+
+Batch = dict[str, jax.Array]
+
+
+def _ce_sum(logits, labels, mask, label_smoothing, z_loss):
+  loss, count = ops.cross_entropy(logits, labels, mask=mask, label_smoothing=label_smoothing,
+                                  z_loss=z_loss)
+  return loss * count
+
+
+def _correct(logits, labels, mask):
+  return jnp.sum((jnp.argmax(logits, -1) == labels) * mask.astype(jnp.float32))
+
+
+class GPTTask:
+  """Next-token prediction on packed windows (segment ids keep documents apart)."""
+
+  loss_terms = ("lm",)
+  keys = ("tokens", "labels", "segment_ids", "positions", "loss_mask")
+
+  @staticmethod
+  def counts(batch: Batch) -> dict[str, jax.Array]:
+    return {"lm": jnp.sum(batch["loss_mask"].astype(jnp.float32))}
+
+  @staticmethod
+  def sums(model, batch: Batch, rng, *, label_smoothing=0.0, z_loss=0.0):
+    logits = model(batch["tokens"], batch["positions"], batch["segment_ids"], dropout_rng=rng)
+    mask = batch["loss_mask"]
+    loss = {"lm": _ce_sum(logits, batch["labels"], mask, label_smoothing, z_loss)}
+    metrics = {"lm_correct": _correct(logits, batch["labels"], mask)}
+    return loss, metrics
+
+
+class BERTTask:
+  """Masked-LM plus next-sentence prediction (the two losses added, as in the BERT paper)."""
+
+  loss_terms = ("mlm", "nsp")
+  keys = ("tokens", "token_types", "attention_mask", "mlm_labels", "mlm_mask", "nsp_labels")
+
+  @staticmethod
+  def counts(batch: Batch) -> dict[str, jax.Array]:
+    return {"mlm": jnp.sum(batch["mlm_mask"].astype(jnp.float32)),
+            "nsp": jnp.sum(jnp.any(batch["attention_mask"], -1).astype(jnp.float32))}
+
+  @staticmethod
+  def sums(model, batch: Batch, rng, *, label_smoothing=0.0, z_loss=0.0):
+    out = model(batch["tokens"], batch["token_types"], batch["attention_mask"], dropout_rng=rng)
+    real = jnp.any(batch["attention_mask"], -1)
+    loss = {
+        "mlm": _ce_sum(out.mlm_logits, batch["mlm_labels"], batch["mlm_mask"], label_smoothing,
+                       z_loss),
+        "nsp": _ce_sum(out.nsp_logits, batch["nsp_labels"], real, 0.0, 0.0),
+    }
+    metrics = {"mlm_correct": _correct(out.mlm_logits, batch["mlm_labels"], batch["mlm_mask"]),
+               "nsp_correct": _correct(out.nsp_logits, batch["nsp_labels"], real)}
+    return loss, metrics
+
+
+class Seq2SeqTask:
+  """Teacher-forced target prediction."""
+
+  loss_terms = ("s2s",)
+  keys = ("src", "src_mask", "tgt_in", "tgt_out", "tgt_mask")
+
+  @staticmethod
+  def counts(batch: Batch) -> dict[str, jax.Array]:
+    return {"s2s": jnp.sum(batch["tgt_mask"].astype(jnp.float32))}
+
+  @staticmethod
+  def sums(model, batch: Batch, rng, *, label_smoothing=0.0, z_loss=0.0):
+    logits = model(batch["src"], batch["tgt_in"], batch["src_mask"], batch["tgt_mask"],
+                   dropout_rng=rng)
+    mask = batch["tgt_mask"]
+    loss = {"s2s": _ce_sum(logits, batch["tgt_out"], mask, label_smoothing, z_loss)}
+    metrics = {"s2s_correct": _correct(logits, batch["tgt_out"], mask)}
+    return loss, metrics
+
+
+TASKS = {"gpt": GPTTask, "bert": BERTTask, "seq2seq": Seq2SeqTask}
+
+
+def get_task(name: str):
+  try:
+    return TASKS[name]
+  except KeyError:
+    raise ValueError(f"data.task={name!r}: expected one of {', '.join(TASKS)}") from None
+
+
+def summarize(task, sums: dict[str, jax.Array], counts: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """Per-term mean losses and accuracies from accumulated sums and counts."""
+  out = {}
+  for term in task.loss_terms:
+    c = jnp.maximum(counts[term], 1.0)
+    out[f"{term}_loss"] = sums[term] / c
+    out[f"{term}_accuracy"] = sums[f"{term}_correct"] / c
+  out["loss"] = sum(out[f"{t}_loss"] for t in task.loss_terms)
+  return out
