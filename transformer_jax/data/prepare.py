@@ -339,7 +339,7 @@ def _is_up_to_date(out: str, content_hash: str) -> dict[str, Any] | None:
 
 # ---- entry point --------------------------------------------------------------------------------------
 
-def prepare(inputs: Sequence[str], out: str, *, tokenizer: str = "cl100k_base", compact_vocab: bool = False,
+def prepare(inputs: Sequence[str], out: str, *, tokenizer: str = "cl100k_base", compact_vocab: bool | int = False,
             task: str = "gpt", val_fraction: float = 0.05, seed: int = 0, workers: int = 2,
             text_field: str = "text", force: bool = False, progress: bool = True) -> dict[str, Any]:
     """Tokenizes a corpus into a dataset directory (see the module docstring for the layout).
@@ -350,7 +350,9 @@ def prepare(inputs: Sequence[str], out: str, *, tokenizer: str = "cl100k_base", 
         tokenizer: Tokenizer name (tiktoken encoding or ``chars:ALPHABET``); synthetic inputs always use
             ``chars:0123456789+``.
         compact_vocab: Re-number the ids the corpus uses (train and val) into a dense range (saves embedding
-            rows); stored as ``vocab.json``.
+            rows); stored as ``vocab.json``. An integer ``N`` keeps only the ``N`` most frequent ids of the
+            training documents (the rest become ``[UNK]``): for small CPU runs the softmax over the
+            vocabulary dominates the step.
         task: ``"gpt"``, ``"bert"`` (same on-disk format) or ``"seq2seq"`` (pairs).
         val_fraction: Fraction of documents for validation, or a whole number ``>= 1`` of validation documents.
         seed: Seed of the train/val split and of synthetic data.
@@ -374,7 +376,8 @@ def prepare(inputs: Sequence[str], out: str, *, tokenizer: str = "cl100k_base", 
         tokenizer = SYNTHETIC_TOKENIZER
     tok = Tokenizer.from_name(tokenizer)
     options = {"format_version": FORMAT_VERSION, "task": task, "tokenizer": tokenizer,
-               "compact_vocab": bool(compact_vocab), "val_fraction": val_fraction, "seed": seed,
+               "compact_vocab": compact_vocab if isinstance(compact_vocab, bool) else int(compact_vocab),
+               "val_fraction": val_fraction, "seed": seed,
                "text_field": text_field, "synthetic": synthetic}
     content_hash = _content_hash(options, sources, max(1, workers))
     if not force and (meta := _is_up_to_date(out, content_hash)) is not None:
@@ -408,20 +411,28 @@ def prepare(inputs: Sequence[str], out: str, *, tokenizer: str = "cl100k_base", 
         print(f"warning: {replaced} undecodable byte sequences in {bad_docs} file(s) were replaced by U+FFFD",
               file=sys.stderr)
 
+    is_val = split_documents(keys, val_fraction, seed)
     compact = None
     if compact_vocab:
-        used = [np.unique(a) for a in docs + (targets or [])]
         if tok.name.startswith(CHARS_PREFIX):
             base_eot = []
         else:
             base_eot = [tok._backend.eot_token]  # pylint: disable=protected-access; GPT separator always kept
-        compact = CompactVocab(np.unique(np.concatenate(used + [np.array(base_eot, np.int64)])),
+        if compact_vocab is True:
+            kept = np.unique(np.concatenate([np.unique(a) for a in docs + (targets or [])]))
+        else:
+            # Capped: the `compact_vocab` most frequent ids of the training documents; the rest -> [UNK].
+            train_docs = [a for a, v in zip(docs, is_val) if not v]
+            counts = np.bincount(np.concatenate(train_docs + [np.zeros(0, np.uint32)]).astype(np.int64),
+                                 minlength=tok.base_vocab_size)
+            order = np.argsort(-counts, kind="stable")
+            kept = order[:int(compact_vocab)][counts[order[:int(compact_vocab)]] > 0]
+        compact = CompactVocab(np.unique(np.concatenate([kept, np.array(base_eot, np.int64)])),
                                tok.base_vocab_size)
         docs = [compact.to_compact(a).astype(np.uint32) for a in docs]
         targets = [compact.to_compact(a).astype(np.uint32) for a in targets] if targets is not None else None
         tok = Tokenizer(tok.name, compact)
 
-    is_val = split_documents(keys, val_fraction, seed)
     os.makedirs(out, exist_ok=True)
     meta_path = os.path.join(out, METADATA_FILE)
     if os.path.exists(meta_path):
@@ -464,7 +475,9 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                         help="files, globs, directories, 'stdlib', or synthetic:reverse|sort|add[:COUNT]")
     parser.add_argument("--out", required=True, help="output dataset directory")
     parser.add_argument("--tokenizer", default="cl100k_base", help="tiktoken encoding or chars:ALPHABET")
-    parser.add_argument("--compact-vocab", action="store_true", help="keep only the ids the corpus uses")
+    parser.add_argument("--compact-vocab", nargs="?", const=True, default=False, type=int,
+                        metavar="N", help="keep only the ids the corpus uses (or its N most frequent ids; "
+                        "the rest become [UNK])")
     parser.add_argument("--task", choices=TASKS, default="gpt")
     parser.add_argument("--val-fraction", type=float, default=0.05,
                         help="fraction of documents for validation, or a whole number >= 1 of documents")

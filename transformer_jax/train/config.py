@@ -24,7 +24,7 @@ class DataConfig:
   inputs: tuple[str, ...] = ()            # prepared into `path` on first use if it is missing
   task: Literal["gpt", "bert", "seq2seq"] = "gpt"
   tokenizer: str = "cl100k_base"
-  compact_vocab: bool = False
+  compact_vocab: bool | int = False       # true: ids the corpus uses; N: its N most frequent
   val_fraction: float = 0.05
   mask_prob: float = 0.15                 # BERT masked-LM rate
 
@@ -139,6 +139,11 @@ def _coerce(name: str, value: Any, annotation) -> Any:
   if annotation is float:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
       return float(value)
+    if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+      try:
+        return float(value)
+      except ValueError:
+        pass
     raise ValueError(f"{name}={value!r}: expected a number")
   if annotation is str:
     if isinstance(value, str):

@@ -348,8 +348,8 @@ def train(exp: Experiment, *, progress: bool = True) -> dict[str, Any]:
 def _restore(ckpt, step, params, opt_state, optimizer):
   """Restores a training checkpoint; a converted model (params only) gets a fresh optimizer."""
   import orbax.checkpoint as ocp
-  items = ckpt.latest.item_metadata(step)
-  if items is not None and items.get("opt_state") is None:
+  # A fresh manager cannot describe items it has no handler for yet: look at the files instead.
+  if not os.path.isdir(os.path.join(ckpt.directory, str(step), "opt_state")):
     out = ckpt.latest.restore(step, args=ocp.args.Composite(
         params=ocp.args.StandardRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, params)),
         meta=ocp.args.JsonRestore()))
