@@ -1,0 +1,123 @@
+"""Bad checkpoints and unsupported options give the documented errors, naming what is wrong."""
+
+import json
+import subprocess
+import sys
+
+import dataclasses
+import pytest
+
+import hf_cases as hc
+import transformer_jax as tj
+import transformer_jax.hf as tjhf
+from transformer_jax.hf import io
+
+
+@pytest.fixture
+def gpt2_dir(tmp_path):
+  hc.build("gpt2-base").save_pretrained(tmp_path)
+  return tmp_path
+
+
+def _edit_tensors(path, fn):
+  tensors = {k: v.copy() for k, v in io.read_safetensors(path / "model.safetensors").items()}
+  fn(tensors)
+  io.write_safetensors(path / "model.safetensors", tensors)
+
+
+def _edit_config(path, **changes):
+  cfg = json.loads((path / "config.json").read_text())
+  cfg.update(changes)
+  (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_missing_unexpected_and_misshaped_tensors_are_all_listed(gpt2_dir):
+  def damage(t):
+    del t["transformer.h.1.mlp.c_fc.weight"]
+    del t["transformer.ln_f.bias"]
+    t["transformer.wpe.weight"] = t["transformer.wpe.weight"][:-1]
+    t["transformer.h.0.extra.weight"] = t["transformer.ln_f.weight"]
+  _edit_tensors(gpt2_dir, damage)
+  with pytest.raises(tjhf.CheckpointError) as e:
+    tjhf.load(gpt2_dir)
+  msg = str(e.value)
+  assert isinstance(e.value, ValueError)
+  for s in ("missing tensors (2)", "transformer.h.1.mlp.c_fc.weight", "transformer.ln_f.bias",
+            "unexpected tensors (1)", "transformer.h.0.extra.weight",
+            "wrong shape (1)", "transformer.wpe.weight: shape (39, 48), expected (40, 48)"):
+    assert s in msg, msg
+
+
+def test_truncated_safetensors_is_a_checkpoint_error(gpt2_dir):
+  f = gpt2_dir / "model.safetensors"
+  f.write_bytes(f.read_bytes()[:-1000])
+  with pytest.raises(tjhf.CheckpointError, match="truncated"):
+    tjhf.load(gpt2_dir)
+  f.write_bytes(f.read_bytes()[:20])
+  with pytest.raises(tjhf.CheckpointError, match="truncated"):
+    tjhf.load(gpt2_dir)
+
+
+def test_unsupported_model_type_is_refused_by_name(gpt2_dir):
+  _edit_config(gpt2_dir, model_type="gpt_neox", architectures=["GPTNeoXForCausalLM"])
+  with pytest.raises(tjhf.UnsupportedError, match="model_type='gpt_neox'"):
+    tjhf.load(gpt2_dir)
+
+
+def test_unsupported_architecture_is_refused_by_name(gpt2_dir):
+  _edit_config(gpt2_dir, architectures=["GPT2ForTokenClassification"])
+  with pytest.raises(tjhf.UnsupportedError, match="GPT2ForTokenClassification"):
+    tjhf.load(gpt2_dir)
+
+
+@pytest.mark.parametrize("name,changes,match", [
+    ("llama-gqa", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
+     "'yarn'"),
+    ("llama-gqa", dict(rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}),
+     "'dynamic'"),
+    ("llama-gqa", dict(attention_bias=True), "attention_bias=True with mlp_bias=False"),
+    ("bert-model", dict(position_embedding_type="relative_key"), "position_embedding_type"),
+    ("gpt2-base", dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
+    ("gpt2-base", dict(activation_function="quick_gelu"), "quick_gelu"),
+    ("t5-v1.0", dict(feed_forward_proj="gated-quick_gelu"), "quick_gelu"),
+])
+def test_unsupported_config_options_are_refused_by_name(name, changes, match, tmp_path):
+  hc.build(name).save_pretrained(tmp_path)
+  _edit_config(tmp_path, **changes)
+  with pytest.raises(tjhf.UnsupportedError, match=match):
+    tjhf.load(tmp_path)
+
+
+def test_tied_tensors_that_differ_are_an_error(tmp_path):
+  hc.build("bert-pretraining").save_pretrained(tmp_path)
+  def untie(t):
+    t["cls.predictions.decoder.bias"] = t["cls.predictions.bias"] + 1
+  _edit_tensors(tmp_path, untie)
+  with pytest.raises(tjhf.CheckpointError, match="cls.predictions.decoder.bias"):
+    tjhf.load(tmp_path)
+
+
+def test_save_refuses_what_the_architecture_cannot_express(tmp_path):
+  cfg = tj.models.get_config("gpt-alibi-tiny")
+  with pytest.raises(tjhf.UnsupportedError, match="position='alibi'"):
+    tjhf.save(tj.models.abstract(cfg), cfg, tmp_path)
+  cfg = tj.models.get_config("transformer-tiny")  # norm_eps 1e-6; Marian's LayerNorm uses 1e-5
+  with pytest.raises(tjhf.UnsupportedError, match="norm_eps"):
+    tjhf.save(tj.models.abstract(cfg), cfg, tmp_path)
+  cfg = dataclasses.replace(tj.models.get_config("llama-tiny"), rope_interleaved=True)
+  with pytest.raises(tjhf.UnsupportedError, match="rope_interleaved"):
+    tjhf.save(tj.models.abstract(cfg), cfg, tmp_path)
+
+
+def test_no_weights_and_not_a_directory(tmp_path):
+  (tmp_path / "config.json").write_text("{}")
+  with pytest.raises(tjhf.CheckpointError, match="no weights"):
+    tjhf.load(tmp_path)
+  with pytest.raises(tjhf.CheckpointError, match="not a directory"):
+    tjhf.load(tmp_path / "absent")
+
+
+def test_importing_transformer_jax_needs_no_torch():
+  code = ("import sys, transformer_jax, transformer_jax.hf; "
+          "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
+  subprocess.run([sys.executable, "-c", code], check=True)

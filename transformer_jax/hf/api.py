@@ -1,0 +1,248 @@
+"""``load`` and ``save``: Hugging Face checkpoints <-> transformer_jax models."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from transformer_jax import models
+from transformer_jax.hf import configs, io, params
+from transformer_jax.hf.errors import CheckpointError, UnsupportedError, listing
+from transformer_jax.models import ModelConfig
+from transformer_jax.parallel import axes as ax
+
+# The input embedding of each family whose output projection may be tied to it.
+_EMBEDDING = {"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weight",
+              "t5": "shared.weight"}
+
+
+def _from_transformers(model) -> tuple[dict, dict[str, np.ndarray]]:
+  """Config dict and tensors of an in-memory ``transformers`` model."""
+  hf = model.config.to_dict()
+  hf["architectures"] = [type(model).__name__]
+  return hf, io.torch_to_numpy(model.state_dict())
+
+
+def _with_prefix(tensors: dict, prefix: str) -> dict:
+  # A checkpoint of the bare base model (e.g. the original "gpt2" weights) lacks the prefix that the
+  # head model adds; give it the prefix.
+  if not prefix or any(k.startswith(prefix) for k in tensors):
+    return tensors
+  return {prefix + k: v for k, v in tensors.items()}
+
+
+def _resolve_tie(config: ModelConfig, arch: str, tensors: dict) -> ModelConfig:
+  """Unties the output projection when the checkpoint has its own, different ``lm_head.weight``.
+
+  transformers does the same ("both are present with different values, so we will NOT tie them").
+  """
+  family = configs.ARCHITECTURES[arch][0]
+  emb = _EMBEDDING.get(family)
+  if emb is None or not config.tie_embeddings or "lm_head.weight" not in tensors:
+    return config
+  head, table = tensors["lm_head.weight"], tensors.get(emb)
+  if table is not None and head.shape == table.shape and np.array_equal(head, table):
+    return config
+  if getattr(config, "logits_rescale", False):
+    raise UnsupportedError(
+        "T5 with tie_word_embeddings=True (decoder output scaled by d_model**-0.5) but a separate "
+        "lm_head.weight is not supported")
+  return dataclasses.replace(config, tie_embeddings=False)
+
+
+def _flat_params(state: nnx.State) -> dict[str, nnx.Variable]:
+  return {".".join(map(str, path)): v for path, v in nnx.to_flat_state(state)}
+
+
+def _embed_axes(var: nnx.Variable) -> list[int]:
+  names = var.get_metadata().get("out_sharding") or ()
+  return [i for i, n in enumerate(names) if n == ax.EMBED]
+
+
+def _check_marian_extras(config, tensors: dict) -> None:
+  bias = tensors.pop("final_logits_bias", None)
+  if bias is not None and np.any(np.asarray(bias) != 0):
+    raise UnsupportedError("a non-zero final_logits_bias is not supported")
+  for side in ("encoder", "decoder"):
+    table = tensors.get(f"model.{side}.embed_positions.weight")
+    if table is not None:
+      ref = params.marian_sinusoid(*table.shape)
+      if not np.allclose(np.asarray(table, np.float32), ref, atol=1e-5):
+        raise UnsupportedError(f"model.{side}.embed_positions.weight is not the sinusoid table "
+                               "(learned positions are not supported)")
+
+
+def _convert(config: ModelConfig, arch: str, tensors: dict) -> tuple[dict, list[str]]:
+  """Our flat parameters from Hugging Face tensors; one ``CheckpointError`` lists every problem."""
+  t = params.table(config, arch)
+  d = params.dims(config)
+  _, state = nnx.split(models.abstract(config))
+  expected = _flat_params(state)
+  tensors = dict(tensors)
+  problems_tied = []
+  for alias, canon in t.aliases.items():
+    if alias not in tensors:
+      continue
+    value = tensors.pop(alias)
+    if canon not in tensors:
+      tensors[canon] = value
+    elif value.shape != tensors[canon].shape or not np.array_equal(value, tensors[canon]):
+      problems_tied.append(f"{alias} (tied to {canon} but different)")
+  tensors = {k: v for k, v in tensors.items() if not params.matches_ignored(k, t)}
+
+  out, missing, misshaped, consumed = {}, [], [], set()
+  for rule in t.rules:
+    per_layer = tuple(expected[p].get_value().shape[1 if rule.num_layers else 0:] for p in rule.ours)
+    want = params.hf_shape(rule.transform, per_layer)
+    layers = []
+    for i in range(rule.num_layers or 1):
+      name = rule.hf.format(i=i)
+      if name not in tensors:
+        missing.append(name)
+        continue
+      consumed.add(name)
+      got = tuple(tensors[name].shape)
+      if got != want:
+        misshaped.append(f"{name}: shape {got}, expected {want}")
+        continue
+      layers.append(params.to_ours(rule.transform, np.asarray(tensors[name]), d))
+    if len(layers) == (rule.num_layers or 1):
+      for j, path in enumerate(rule.ours):
+        out[path] = np.stack([x[j] for x in layers]) if rule.num_layers else layers[0][j]
+  unexpected = sorted(set(tensors) - consumed)
+  if missing or unexpected or misshaped or problems_tied:
+    parts = [f"checkpoint does not match {arch} with this config.json:"]
+    for title, items in (("missing tensors", missing), ("unexpected tensors", unexpected),
+                         ("tensors with the wrong shape", misshaped),
+                         ("tied tensors that differ", problems_tied)):
+      if items:
+        parts.append(listing(title, items))
+    raise CheckpointError("\n".join(parts))
+
+  filled = []
+  for path, var in expected.items():
+    if path not in out:
+      # A head this architecture does not have (e.g. NSP for BertForMaskedLM): the identity for norm
+      # scales, zeros elsewhere, so it is deterministic and trains from there.
+      shape, dtype = var.get_value().shape, var.get_value().dtype
+      out[path] = np.ones(shape, dtype) if path.endswith(".scale") else np.zeros(shape, dtype)
+      filled.append(path)
+  if t.permute_embed:
+    inv = np.argsort(params.marian_permutation(config.d_model))
+    for path, var in expected.items():
+      for axis in _embed_axes(var):
+        out[path] = np.take(out[path], inv, axis=axis)
+  return out, filled
+
+
+def _build(config: ModelConfig, flat: dict[str, np.ndarray]) -> nnx.Module:
+  graphdef, state = nnx.split(models.abstract(config))
+  dtype = jnp.dtype(config.param_dtype)
+  pure: dict = {}
+  for path, var in nnx.to_flat_state(state):
+    node = pure
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = jnp.asarray(np.asarray(flat[".".join(map(str, path))]), dtype=dtype)
+  nnx.replace_by_pure_dict(state, pure)
+  return nnx.merge(graphdef, state)
+
+
+def load(path_or_model, *, param_dtype: str | None = None,
+         dtype: str | None = None) -> tuple[ModelConfig, nnx.Module]:
+  """Loads a Hugging Face checkpoint into a transformer_jax model.
+
+  Args:
+    path_or_model: a local directory with ``config.json`` and ``model.safetensors`` (or sharded
+      safetensors with ``model.safetensors.index.json``, or ``pytorch_model.bin``, read with
+      ``torch.load(weights_only=True)``), or an in-memory ``transformers`` model.
+    param_dtype: dtype of the loaded parameters (default float32, whatever the file holds).
+    dtype: compute dtype (default float32).
+
+  Returns:
+    ``(config, model)``: a GPTConfig / BERTConfig / Seq2SeqConfig and the NNX module. Weights are
+    written into an abstract (``nnx.eval_shape``) model: no random initialisation is materialised.
+
+  Raises:
+    UnsupportedError: the architecture, ``model_type`` or a config option is not supported (named).
+    CheckpointError: missing, unexpected or mis-shaped tensors (all listed), tied tensors that
+      differ, or a truncated/corrupt file.
+  """
+  if isinstance(path_or_model, (str, os.PathLike)):
+    hf, tensors = io.read_directory(path_or_model)
+  elif hasattr(path_or_model, "state_dict") and hasattr(path_or_model, "config"):
+    hf, tensors = _from_transformers(path_or_model)
+  else:
+    raise TypeError(f"load() takes a directory or a transformers model, not "
+                    f"{type(path_or_model).__name__}")
+  arch = configs.architecture_of(hf)
+  try:
+    config = configs.from_hf(hf, arch)
+  except (TypeError, KeyError) as e:
+    raise CheckpointError(f"config.json of {arch} is malformed: {type(e).__name__}: {e}") from None
+  config = dataclasses.replace(config, param_dtype=param_dtype or "float32",
+                               dtype=dtype or "float32")
+  tensors = _with_prefix(tensors, params.table(config, arch).prefix)
+  if configs.ARCHITECTURES[arch][0] == "marian":
+    _check_marian_extras(config, tensors)
+  config = _resolve_tie(config, arch, tensors)
+  flat, filled = _convert(config, arch, tensors)
+  if filled:
+    warnings.warn(f"{arch} has no weights for {', '.join(filled)}; they were set to zeros (norm "
+                  "scales to ones)", stacklevel=2)
+  return config, _build(config, flat)
+
+
+def save(model: nnx.Module, config: ModelConfig, path: str | os.PathLike, *,
+         architecture: str | None = None) -> str:
+  """Writes ``config.json`` + ``model.safetensors`` that ``transformers`` ``from_pretrained`` loads.
+
+  Args:
+    model: a transformer_jax model (or an ``nnx.State`` of its parameters) for ``config``.
+    config: its config.
+    path: the output directory (created).
+    architecture: the transformers class to write (default: GPT2LMHeadModel or LlamaForCausalLM
+      for GPTConfig, BertForPreTraining (BertForSequenceClassification when ``num_labels``) for
+      BERTConfig, T5ForConditionalGeneration or MarianMTModel for Seq2SeqConfig). Heads the
+      architecture lacks are not written.
+
+  Returns:
+    The architecture written.
+
+  Raises:
+    UnsupportedError: the architecture cannot express ``config`` (the fields are named).
+  """
+  arch = architecture or configs.default_architecture(config)
+  hf = configs.to_hf(config, arch)
+  state = model if isinstance(model, nnx.State) else nnx.state(model, nnx.Param)
+  variables = _flat_params(state)
+  flat = {p: np.asarray(v.get_value()) for p, v in variables.items()}
+  t = params.table(config, arch)
+  if t.permute_embed:
+    perm = params.marian_permutation(config.d_model)
+    for name, var in variables.items():
+      for axis in _embed_axes(var):
+        flat[name] = np.take(flat[name], perm, axis=axis)
+  d = params.dims(config)
+  tensors = {}
+  for rule in t.rules:
+    for i in range(rule.num_layers or 1):
+      xs = tuple(flat[p][i] if rule.num_layers else flat[p] for p in rule.ours)
+      tensors[rule.hf.format(i=i)] = np.ascontiguousarray(params.to_hf(rule.transform, xs, d))
+  family = configs.ARCHITECTURES[arch][0]
+  if family == "t5" and config.tie_embeddings and not config.logits_rescale:
+    # Tied without the v1.0 rescale is what transformers calls tie_word_embeddings=False: it wants
+    # an lm_head.weight of its own.
+    tensors["lm_head.weight"] = tensors["shared.weight"]
+  if family == "marian":
+    table = params.marian_sinusoid(config.max_len, config.d_model)
+    tensors["model.encoder.embed_positions.weight"] = table
+    tensors["model.decoder.embed_positions.weight"] = table
+    tensors["final_logits_bias"] = np.zeros((1, config.vocab_size), flat["embed.embedding"].dtype)
+  io.write_directory(path, hf, tensors)
+  return arch

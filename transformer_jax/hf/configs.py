@@ -1,0 +1,380 @@
+"""Config translation: a Hugging Face ``config.json`` dict <-> GPTConfig / BERTConfig / Seq2SeqConfig.
+
+Each family has a reader (``hf dict -> our config``) and a writer (``our config -> hf dict``). Options
+we do not implement are refused by name (``UnsupportedError``), never approximated. A writer refuses a
+config the target architecture cannot express by translating back and naming the fields that differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from transformer_jax import ops
+from transformer_jax.hf.errors import UnsupportedError
+from transformer_jax.models import BERTConfig, GPTConfig, ModelConfig, Seq2SeqConfig
+
+# Architecture name -> (family, model_type). The family picks the config reader/writer and params table.
+ARCHITECTURES = {
+    "GPT2LMHeadModel": ("gpt2", "gpt2"),
+    "BertForPreTraining": ("bert", "bert"),
+    "BertForMaskedLM": ("bert", "bert"),
+    "BertForSequenceClassification": ("bert", "bert"),
+    "BertModel": ("bert", "bert"),
+    "T5ForConditionalGeneration": ("t5", "t5"),
+    "LlamaForCausalLM": ("llama", "llama"),
+    "MarianMTModel": ("marian", "marian"),
+}
+
+# Hugging Face activation names (ACT2FN) -> ours.
+_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+                "relu": "relu", "silu": "silu", "swish": "silu"}
+_ACTIVATIONS_BACK = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}
+
+# Fields that do not change the function a model computes; ignored when checking a round trip.
+_NON_ARCHITECTURAL = {"dropout_rate", "attention_dropout_rate", "ffn_dropout_rate", "init_std",
+                      "embed_init_std", "dtype", "param_dtype", "remat", "scan_layers"}
+
+
+def architecture_of(hf: dict) -> str:
+  """The single supported architecture named in ``hf["architectures"]`` (refused by name otherwise)."""
+  archs = hf.get("architectures") or []
+  model_type = hf.get("model_type")
+  if model_type not in {mt for _, mt in ARCHITECTURES.values()}:
+    raise UnsupportedError(
+        f"model_type={model_type!r} is not supported; supported: "
+        f"{', '.join(sorted({mt for _, mt in ARCHITECTURES.values()}))}")
+  if len(archs) != 1:
+    raise UnsupportedError(
+        f"config.json must name exactly one architecture (got architectures={archs!r}); "
+        f"supported: {', '.join(ARCHITECTURES)}")
+  arch = archs[0]
+  if arch not in ARCHITECTURES:
+    raise UnsupportedError(f"architecture {arch!r} is not supported; supported: "
+                           f"{', '.join(ARCHITECTURES)}")
+  if ARCHITECTURES[arch][1] != model_type:
+    raise UnsupportedError(f"architecture {arch!r} does not go with model_type={model_type!r}")
+  return arch
+
+
+def _activation(name, field: str) -> ops.Activation:
+  if name not in _ACTIVATIONS:
+    raise UnsupportedError(f"{field}={name!r} is not supported; supported: {sorted(_ACTIVATIONS)}")
+  return _ACTIVATIONS[name]
+
+
+def _require(hf: dict, field: str, expected, default=None) -> None:
+  value = hf.get(field, default)
+  if value != expected:
+    raise UnsupportedError(f"{field}={value!r} is not supported (only {expected!r})")
+
+
+# --- GPT-2 -----------------------------------------------------------------------------------------
+
+
+def _gpt2_from(hf: dict) -> GPTConfig:
+  _require(hf, "scale_attn_weights", True, True)
+  _require(hf, "scale_attn_by_inverse_layer_idx", False, False)
+  _require(hf, "add_cross_attention", False, False)
+  d = hf.get("n_embd", 768)
+  return GPTConfig(
+      vocab_size=hf.get("vocab_size", 50257), d_model=d, num_layers=hf.get("n_layer", 12),
+      num_heads=hf.get("n_head", 12), d_ff=hf.get("n_inner") or 4 * d,
+      max_len=hf.get("n_positions", 1024), position="learned", norm="layernorm",
+      norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+      activation=_activation(hf.get("activation_function", "gelu_new"), "activation_function"),
+      gated=False, use_bias=True, tie_embeddings=hf.get("tie_word_embeddings", True),
+      dropout_rate=hf.get("resid_pdrop", 0.1), attention_dropout_rate=hf.get("attn_pdrop", 0.1),
+      init_std=hf.get("initializer_range", 0.02))
+
+
+def _gpt2_to(c: GPTConfig) -> dict:
+  return dict(
+      model_type="gpt2", vocab_size=c.vocab_size, n_embd=c.d_model, n_layer=c.num_layers,
+      n_head=c.num_heads, n_inner=c.d_ff, n_positions=c.max_len, layer_norm_epsilon=c.norm_eps,
+      activation_function=_ACTIVATIONS_BACK[c.activation], tie_word_embeddings=c.tie_embeddings,
+      resid_pdrop=c.dropout_rate, embd_pdrop=c.dropout_rate, attn_pdrop=c.attention_dropout_rate,
+      initializer_range=c.init_std, scale_attn_weights=True)
+
+
+# --- LLaMA -----------------------------------------------------------------------------------------
+
+
+def _llama_rope(hf: dict) -> tuple[float, ops.RopeScaling | None]:
+  # transformers 5 writes rope_parameters {rope_type, rope_theta, ...}; 4.x wrote rope_theta plus
+  # rope_scaling {type|rope_type, factor, ...}. Both are read.
+  params = dict(hf.get("rope_scaling") or {})
+  params.update(hf.get("rope_parameters") or {})
+  theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+  kind = params.get("rope_type", params.get("type", "default"))
+  if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+    raise UnsupportedError("partial_rotary_factor != 1 (partial rotary embedding) is not supported")
+  if params.get("attention_factor") not in (None, 1.0):
+    raise UnsupportedError(f"rope attention_factor={params['attention_factor']!r} is not supported")
+  match kind:
+    case "default":
+      return theta, None
+    case "linear":
+      return theta, ops.RopeScaling("linear", factor=float(params["factor"]))
+    case "llama3":
+      return theta, ops.RopeScaling(
+          "llama3", factor=float(params["factor"]),
+          low_freq_factor=float(params["low_freq_factor"]),
+          high_freq_factor=float(params["high_freq_factor"]),
+          original_max_len=int(params["original_max_position_embeddings"]))
+    case _:
+      raise UnsupportedError(
+          f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+
+
+def _llama_from(hf: dict) -> GPTConfig:
+  attn_bias, mlp_bias = hf.get("attention_bias", False), hf.get("mlp_bias", False)
+  if attn_bias != mlp_bias:
+    raise UnsupportedError(
+        f"attention_bias={attn_bias} with mlp_bias={mlp_bias} is not supported: biases are on both "
+        "the attention and MLP projections or on neither")
+  theta, scaling = _llama_rope(hf)
+  d, n = hf.get("hidden_size", 4096), hf.get("num_attention_heads", 32)
+  return GPTConfig(
+      vocab_size=hf.get("vocab_size", 32000), d_model=d, num_layers=hf.get("num_hidden_layers", 32),
+      num_heads=n, num_kv_heads=hf.get("num_key_value_heads") or n,
+      head_dim=hf.get("head_dim") or d // n, d_ff=hf.get("intermediate_size", 11008),
+      max_len=hf.get("max_position_embeddings", 2048), position="rope", norm="rmsnorm",
+      norm_eps=hf.get("rms_norm_eps", 1e-6),
+      activation=_activation(hf.get("hidden_act", "silu"), "hidden_act"), gated=True,
+      use_bias=bool(attn_bias), tie_embeddings=hf.get("tie_word_embeddings", False),
+      rope_theta=theta, rope_scaling=scaling, dropout_rate=0.0,
+      attention_dropout_rate=float(hf.get("attention_dropout", 0.0)),
+      init_std=hf.get("initializer_range", 0.02))
+
+
+def _llama_to(c: GPTConfig) -> dict:
+  rope = {"rope_type": "default", "rope_theta": c.rope_theta}
+  s = c.rope_scaling
+  if s is not None and s.kind == "linear":
+    rope.update(rope_type="linear", factor=s.factor)
+  elif s is not None and s.kind == "llama3":
+    rope.update(rope_type="llama3", factor=s.factor, low_freq_factor=s.low_freq_factor,
+                high_freq_factor=s.high_freq_factor,
+                original_max_position_embeddings=s.original_max_len)
+  elif s is not None:
+    raise UnsupportedError(f"RopeScaling kind {s.kind!r} has no LLaMA equivalent in transformers")
+  return dict(
+      model_type="llama", vocab_size=c.vocab_size, hidden_size=c.d_model,
+      num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+      num_key_value_heads=c.kv_heads, head_dim=c.head_size, intermediate_size=c.d_ff,
+      max_position_embeddings=c.max_len, rms_norm_eps=c.norm_eps,
+      hidden_act=_ACTIVATIONS_BACK[c.activation], attention_bias=c.use_bias, mlp_bias=c.use_bias,
+      tie_word_embeddings=c.tie_embeddings, rope_parameters=rope,
+      # transformers 4.x reads these two instead of rope_parameters.
+      rope_theta=c.rope_theta, rope_scaling=None if rope["rope_type"] == "default" else rope,
+      attention_dropout=c.attention_dropout_rate, initializer_range=c.init_std)
+
+
+# --- BERT ------------------------------------------------------------------------------------------
+
+
+def _bert_from(hf: dict, arch: str) -> BERTConfig:
+  _require(hf, "position_embedding_type", "absolute", "absolute")
+  _require(hf, "is_decoder", False, False)
+  _require(hf, "add_cross_attention", False, False)
+  num_labels = 0
+  if arch == "BertForSequenceClassification":
+    num_labels = len(hf["id2label"]) if hf.get("id2label") else hf.get("num_labels", 2)
+  return BERTConfig(
+      vocab_size=hf.get("vocab_size", 30522), d_model=hf.get("hidden_size", 768),
+      num_layers=hf.get("num_hidden_layers", 12), num_heads=hf.get("num_attention_heads", 12),
+      d_ff=hf.get("intermediate_size", 3072), max_len=hf.get("max_position_embeddings", 512),
+      type_vocab_size=hf.get("type_vocab_size", 2), norm_eps=hf.get("layer_norm_eps", 1e-12),
+      activation=_activation(hf.get("hidden_act", "gelu"), "hidden_act"), num_labels=num_labels,
+      dropout_rate=hf.get("hidden_dropout_prob", 0.1),
+      attention_dropout_rate=hf.get("attention_probs_dropout_prob", 0.1),
+      init_std=hf.get("initializer_range", 0.02))
+
+
+def _bert_to(c: BERTConfig) -> dict:
+  out = dict(
+      model_type="bert", vocab_size=c.vocab_size, hidden_size=c.d_model,
+      num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, intermediate_size=c.d_ff,
+      max_position_embeddings=c.max_len, type_vocab_size=c.type_vocab_size,
+      layer_norm_eps=c.norm_eps, hidden_act=_ACTIVATIONS_BACK[c.activation],
+      hidden_dropout_prob=c.dropout_rate, attention_probs_dropout_prob=c.attention_dropout_rate,
+      initializer_range=c.init_std, position_embedding_type="absolute")
+  if c.num_labels:
+    out["id2label"] = {str(i): f"LABEL_{i}" for i in range(c.num_labels)}
+    out["label2id"] = {f"LABEL_{i}": i for i in range(c.num_labels)}
+  return out
+
+
+# --- T5 --------------------------------------------------------------------------------------------
+
+
+def _t5_from(hf: dict) -> Seq2SeqConfig:
+  proj = hf.get("feed_forward_proj", "relu")
+  parts = proj.split("-")
+  if len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated"):
+    raise UnsupportedError(f"feed_forward_proj={proj!r} is not supported")
+  act = "gelu_new" if proj == "gated-gelu" else parts[-1]  # transformers' own legacy rule
+  # T5 v1.0 scales the decoder output by d_model^-0.5 before the tied projection; v1.1 does not.
+  # transformers 5 records this as scale_decoder_outputs; 4.x inferred it from tie_word_embeddings.
+  rescale = hf.get("scale_decoder_outputs", hf.get("tie_word_embeddings", True) is not False)
+  d = hf.get("d_model", 512)
+  rate = hf.get("dropout_rate", 0.1)
+  return Seq2SeqConfig(
+      vocab_size=hf.get("vocab_size", 32128), d_model=d,
+      num_encoder_layers=hf.get("num_layers", 6),
+      num_decoder_layers=hf.get("num_decoder_layers") or hf.get("num_layers", 6),
+      num_heads=hf.get("num_heads", 8), head_dim=hf.get("d_kv", 64), d_ff=hf.get("d_ff", 2048),
+      max_len=hf.get("n_positions", 512), position="relative",
+      relative_num_buckets=hf.get("relative_attention_num_buckets", 32),
+      relative_max_distance=hf.get("relative_attention_max_distance", 128), norm="rmsnorm",
+      norm_eps=hf.get("layer_norm_epsilon", 1e-6), pre_norm=True,
+      activation=_activation(act, "feed_forward_proj"), gated=parts[0] == "gated", use_bias=False,
+      # Tied unless the weights say otherwise: the loader unties when lm_head.weight differs.
+      tie_embeddings=hf.get("tie_word_embeddings", True) is not False or rescale,
+      embed_scale=False, logits_rescale=bool(rescale), scale_attention=False, dropout_rate=rate,
+      attention_dropout_rate=rate, ffn_dropout_rate=rate, init_std=d**-0.5, embed_init_std=1.0)
+
+
+def _t5_to(c: Seq2SeqConfig) -> dict:
+  if not c.tie_embeddings and c.logits_rescale:
+    raise UnsupportedError("logits_rescale=True with tie_embeddings=False has no T5 equivalent")
+  act = _ACTIVATIONS_BACK[c.activation]
+  if c.gated:
+    proj = "gated-gelu" if c.activation == "gelu_tanh" else f"gated-{act}"
+    if c.activation == "gelu":
+      raise UnsupportedError("gated exact GELU has no T5 feed_forward_proj ('gated-gelu' is tanh)")
+  else:
+    if c.activation == "gelu_tanh":
+      raise UnsupportedError("ungated tanh-GELU has no T5 feed_forward_proj")
+    proj = act
+  return dict(
+      model_type="t5", vocab_size=c.vocab_size, d_model=c.d_model, d_kv=c.head_size, d_ff=c.d_ff,
+      num_layers=c.num_encoder_layers, num_decoder_layers=c.num_decoder_layers,
+      num_heads=c.num_heads, relative_attention_num_buckets=c.relative_num_buckets,
+      relative_attention_max_distance=c.relative_max_distance, layer_norm_epsilon=c.norm_eps,
+      feed_forward_proj=proj, dropout_rate=c.dropout_rate, is_encoder_decoder=True,
+      # transformers reads tie_word_embeddings as "scale the decoder output" (see _t5_from).
+      tie_word_embeddings=c.logits_rescale, scale_decoder_outputs=c.logits_rescale,
+      decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+
+
+# --- Marian (the Transformer of Vaswani et al.) ----------------------------------------------------
+
+
+def _marian_from(hf: dict) -> Seq2SeqConfig:
+  for a, b, default in (("encoder_attention_heads", "decoder_attention_heads", 16),
+                        ("encoder_ffn_dim", "decoder_ffn_dim", 4096)):
+    if hf.get(a, default) != hf.get(b, default):
+      raise UnsupportedError(f"{a}={hf.get(a)} != {b}={hf.get(b)}: encoder and decoder must match")
+  if hf.get("share_encoder_decoder_embeddings", True) is not True:
+    raise UnsupportedError("share_encoder_decoder_embeddings=False is not supported")
+  if hf.get("decoder_vocab_size") not in (None, hf.get("vocab_size")):
+    raise UnsupportedError("a decoder_vocab_size different from vocab_size is not supported")
+  if hf.get("normalize_before", False) or hf.get("normalize_embedding", False):
+    raise UnsupportedError("normalize_before/normalize_embedding are not supported")
+  if hf.get("tie_word_embeddings", True) is False:
+    raise UnsupportedError("tie_word_embeddings=False is not supported for Marian")
+  return Seq2SeqConfig(
+      vocab_size=hf.get("vocab_size", 58101), d_model=hf.get("d_model", 1024),
+      num_encoder_layers=hf.get("encoder_layers", 12),
+      num_decoder_layers=hf.get("decoder_layers", 12),
+      num_heads=hf.get("encoder_attention_heads", 16), d_ff=hf.get("encoder_ffn_dim", 4096),
+      max_len=hf.get("max_position_embeddings", 1024), position="sinusoidal", norm="layernorm",
+      norm_eps=1e-5, pre_norm=False,
+      activation=_activation(hf.get("activation_function", "gelu"), "activation_function"),
+      gated=False, use_bias=True, tie_embeddings=True, embed_scale=hf.get("scale_embedding", False),
+      logits_rescale=False, scale_attention=True, dropout_rate=hf.get("dropout", 0.1),
+      attention_dropout_rate=hf.get("attention_dropout", 0.0),
+      ffn_dropout_rate=hf.get("activation_dropout", 0.0), init_std=hf.get("init_std", 0.02))
+
+
+def _marian_to(c: Seq2SeqConfig) -> dict:
+  return dict(
+      model_type="marian", vocab_size=c.vocab_size, decoder_vocab_size=c.vocab_size,
+      d_model=c.d_model, encoder_layers=c.num_encoder_layers, decoder_layers=c.num_decoder_layers,
+      encoder_attention_heads=c.num_heads, decoder_attention_heads=c.num_heads,
+      encoder_ffn_dim=c.d_ff, decoder_ffn_dim=c.d_ff, max_position_embeddings=c.max_len,
+      activation_function=_ACTIVATIONS_BACK[c.activation], scale_embedding=c.embed_scale,
+      dropout=c.dropout_rate, attention_dropout=c.attention_dropout_rate,
+      activation_dropout=c.ffn_dropout_rate, init_std=c.init_std, is_encoder_decoder=True,
+      share_encoder_decoder_embeddings=True, tie_word_embeddings=True,
+      pad_token_id=c.vocab_size - 1, decoder_start_token_id=c.vocab_size - 1, eos_token_id=0)
+
+
+# --- Dispatch --------------------------------------------------------------------------------------
+
+
+def from_hf(hf: dict, arch: str) -> ModelConfig:
+  """Our config for the Hugging Face config dict ``hf`` of architecture ``arch``."""
+  match ARCHITECTURES[arch][0]:
+    case "gpt2":
+      return _gpt2_from(hf)
+    case "llama":
+      return _llama_from(hf)
+    case "bert":
+      return _bert_from(hf, arch)
+    case "t5":
+      return _t5_from(hf)
+    case "marian":
+      return _marian_from(hf)
+    case family:
+      raise UnsupportedError(f"no config reader for family {family!r}")
+
+
+def default_architecture(config: ModelConfig) -> str:
+  """The architecture ``save`` writes when none is given."""
+  match config:
+    case GPTConfig(position="rope"):
+      return "LlamaForCausalLM"
+    case GPTConfig():
+      return "GPT2LMHeadModel"
+    case BERTConfig(num_labels=0):
+      return "BertForPreTraining"
+    case BERTConfig():
+      return "BertForSequenceClassification"
+    case Seq2SeqConfig(position="relative"):
+      return "T5ForConditionalGeneration"
+    case Seq2SeqConfig():
+      return "MarianMTModel"
+    case _:
+      raise TypeError(f"not a model config: {type(config).__name__}")
+
+
+def to_hf(config: ModelConfig, arch: str) -> dict:
+  """The Hugging Face config dict for ``config`` as ``arch``.
+
+  Raises:
+    UnsupportedError: ``arch`` cannot express ``config`` (the differing fields are named).
+  """
+  if arch not in ARCHITECTURES:
+    raise UnsupportedError(f"architecture {arch!r} is not supported; supported: "
+                           f"{', '.join(ARCHITECTURES)}")
+  family = ARCHITECTURES[arch][0]
+  writers = {"gpt2": (GPTConfig, _gpt2_to), "llama": (GPTConfig, _llama_to),
+             "bert": (BERTConfig, _bert_to), "t5": (Seq2SeqConfig, _t5_to),
+             "marian": (Seq2SeqConfig, _marian_to)}
+  cls, writer = writers[family]
+  if not isinstance(config, cls):
+    raise UnsupportedError(f"{arch} needs a {cls.__name__}, not a {type(config).__name__}")
+  try:
+    hf = writer(config)
+  except KeyError as e:
+    raise UnsupportedError(f"{arch} has no equivalent for {e.args[0]!r}") from None
+  hf["architectures"] = [arch]
+  hf["dtype"] = str(config.param_dtype)
+  back = from_hf(hf, arch)
+  if isinstance(config, BERTConfig) and arch != "BertForSequenceClassification":
+    back = dataclasses.replace(back, num_labels=config.num_labels)  # the head is just not written
+  if family == "t5":
+    # A tied T5 without the v1.0 rescale is written with its lm_head.weight (see params.py).
+    back = dataclasses.replace(back, tie_embeddings=config.tie_embeddings)
+  def value(c, name):  # head counts compare by their effective values (None = the default)
+    return {"head_dim": lambda: c.head_size, "num_kv_heads": lambda: c.kv_heads}.get(
+        name, lambda: getattr(c, name))()
+
+  differ = [f.name for f in dataclasses.fields(config)
+            if f.name not in _NON_ARCHITECTURAL and value(config, f.name) != value(back, f.name)]
+  if differ:
+    raise UnsupportedError(f"{arch} cannot express this {type(config).__name__}: "
+                           + ", ".join(f"{n}={getattr(config, n)!r}" for n in differ))
+  return hf

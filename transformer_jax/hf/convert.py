@@ -1,0 +1,40 @@
+"""``tjax convert``: a Hugging Face checkpoint directory <-> a transformer_jax run directory.
+
+The run-directory format belongs to ``transformer_jax.train.run_dir`` (``save_model`` and
+``load_model``); this module only joins it to ``load``/``save``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from flax import nnx
+
+from transformer_jax import models
+from transformer_jax.hf import configs
+from transformer_jax.hf.api import load, save
+
+
+def from_hf(hf_dir: str | os.PathLike, out_run_dir: str | os.PathLike) -> str:
+  """Converts the checkpoint in ``hf_dir`` into a run directory; returns the architecture read."""
+  from transformer_jax.train import run_dir  # programs above hf/; imported when used
+
+  config, model = load(hf_dir)
+  run_dir.save_model(out_run_dir, config, nnx.state(model, nnx.Param))
+  return configs.architecture_of(json.loads((Path(hf_dir) / "config.json").read_text()))
+
+
+def to_hf(run_dir_path: str | os.PathLike, out_dir: str | os.PathLike, *,
+          architecture: str | None = None) -> str:
+  """Writes the model of a run directory as a Hugging Face checkpoint; returns the architecture."""
+  from transformer_jax.train import run_dir
+
+  config, params = run_dir.load_model(run_dir_path)
+  if not isinstance(params, nnx.State):
+    # A plain nested dict of arrays: put it into the abstract model's state.
+    _, state = nnx.split(models.abstract(config))
+    nnx.replace_by_pure_dict(state, params)
+    params = state
+  return save(params, config, out_dir, architecture=architecture)

@@ -1,0 +1,170 @@
+"""Reading and writing checkpoint files: safetensors (single or sharded), ``pytorch_model.bin``.
+
+Safetensors is parsed here directly (an 8-byte header length, a JSON header, raw little-endian data),
+so loading needs neither torch nor the ``safetensors`` package and a damaged file gives a
+``CheckpointError`` that says what is wrong. ``pytorch_model.bin`` is read only through
+``torch.load(..., weights_only=True)``: no arbitrary unpickling.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from transformer_jax.hf.errors import CheckpointError, UnsupportedError
+
+SAFETENSORS = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+PYTORCH_BIN = "pytorch_model.bin"
+CONFIG = "config.json"
+
+_DTYPES = {
+    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
+  """All tensors of one ``.safetensors`` file, as NumPy arrays (memory-mapped, read-only).
+
+  Raises:
+    CheckpointError: the file is truncated, its header is not valid, or a tensor lies outside it.
+  """
+  path = Path(path)
+  size = path.stat().st_size
+  with open(path, "rb") as f:
+    head = f.read(8)
+    if len(head) < 8:
+      raise CheckpointError(f"{path} is truncated or not a safetensors file ({size} bytes)")
+    (n,) = struct.unpack("<Q", head)
+    if 8 + n > size:
+      raise CheckpointError(
+          f"{path} is truncated: its header claims {n} bytes but the file has {size}")
+    try:
+      header = json.loads(f.read(n))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+      raise CheckpointError(f"{path} has a corrupt safetensors header: {e}") from None
+  header.pop("__metadata__", None)
+  data_size = size - 8 - n
+  data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if data_size else np.zeros(0, np.uint8)
+  out = {}
+  for name, info in header.items():
+    try:
+      dtype = _DTYPES[info["dtype"]]
+      begin, end = info["data_offsets"]
+      shape = tuple(info["shape"])
+    except (KeyError, TypeError, ValueError):
+      raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry {info!r}") from None
+    if end > data_size:
+      raise CheckpointError(
+          f"{path} is truncated: tensor {name!r} needs bytes up to {end} of the data section, "
+          f"which has {data_size}")
+    if end - begin != int(np.prod(shape)) * dtype.itemsize:
+      raise CheckpointError(f"{path}: tensor {name!r} has {end - begin} bytes for shape {shape}")
+    out[name] = data[begin:end].view(dtype).reshape(shape)
+  return out
+
+
+def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray]) -> None:
+  """Writes ``tensors`` (sorted by name, contiguous, little-endian) with ``{"format": "pt"}``."""
+  header, offset, arrays = {}, 0, []
+  for name in sorted(tensors):
+    arr = np.ascontiguousarray(tensors[name])
+    if arr.dtype not in _NAMES:
+      raise ValueError(f"cannot write tensor {name!r} of dtype {arr.dtype} to safetensors")
+    header[name] = {"dtype": _NAMES[arr.dtype], "shape": list(arr.shape),
+                    "data_offsets": [offset, offset + arr.nbytes]}
+    offset += arr.nbytes
+    arrays.append(arr)
+  header["__metadata__"] = {"format": "pt"}
+  blob = json.dumps(header, separators=(",", ":")).encode()
+  blob += b" " * (-len(blob) % 8)  # align the data section to 8 bytes
+  with open(path, "wb") as f:
+    f.write(struct.pack("<Q", len(blob)))
+    f.write(blob)
+    for arr in arrays:
+      f.write(arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes())
+
+
+def _read_bin(path: Path) -> dict[str, np.ndarray]:
+  import torch  # lazy: only .bin checkpoints need torch
+
+  try:
+    state = torch.load(path, map_location="cpu", weights_only=True)
+  except Exception as e:  # torch raises many types for corrupt or unsafe pickles
+    raise CheckpointError(
+        f"{path} could not be read with torch.load(weights_only=True): {type(e).__name__}: {e}"
+    ) from None
+  if not isinstance(state, dict):
+    raise CheckpointError(f"{path} does not hold a state dict (got {type(state).__name__})")
+  return torch_to_numpy(state)
+
+
+def torch_to_numpy(state) -> dict[str, np.ndarray]:
+  """A torch state dict as float32/int NumPy arrays (bfloat16 is widened: NumPy lacks it in torch)."""
+  import torch
+
+  out = {}
+  for name, t in state.items():
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+      out[name] = t.float().numpy().astype(ml_dtypes.bfloat16)
+    else:
+      out[name] = t.numpy()
+  return out
+
+
+def read_directory(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
+  """``(config dict, tensors)`` of a local Hugging Face checkpoint directory.
+
+  Looks for ``model.safetensors``, then ``model.safetensors.index.json`` (shards), then
+  ``pytorch_model.bin``.
+  """
+  path = Path(path)
+  if not path.is_dir():
+    raise CheckpointError(f"{path} is not a directory (expected config.json plus weights)")
+  if not (path / CONFIG).is_file():
+    raise CheckpointError(f"{path} has no {CONFIG}")
+  try:
+    config = json.loads((path / CONFIG).read_text())
+  except json.JSONDecodeError as e:
+    raise CheckpointError(f"{path / CONFIG} is not valid JSON: {e}") from None
+  if (path / SAFETENSORS).is_file():
+    return config, read_safetensors(path / SAFETENSORS)
+  if (path / SAFETENSORS_INDEX).is_file():
+    index = json.loads((path / SAFETENSORS_INDEX).read_text())
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict):
+      raise CheckpointError(f"{path / SAFETENSORS_INDEX} has no weight_map")
+    tensors = {}
+    for shard in sorted(set(weight_map.values())):
+      if not (path / shard).is_file():
+        raise CheckpointError(f"{path} lacks the shard {shard} named in {SAFETENSORS_INDEX}")
+      tensors.update(read_safetensors(path / shard))
+    absent = sorted(set(weight_map) - set(tensors))
+    if absent:
+      raise CheckpointError(f"{path}: tensors listed in the index are absent from their shards: "
+                            f"{', '.join(absent[:20])}")
+    return config, tensors
+  if (path / PYTORCH_BIN).is_file():
+    return config, _read_bin(path / PYTORCH_BIN)
+  if any(path.glob("*.h5")) or any(path.glob("*.msgpack")):
+    raise UnsupportedError(f"{path} holds only TensorFlow/Flax weights; convert them to safetensors")
+  raise CheckpointError(
+      f"{path} has no weights: expected {SAFETENSORS}, {SAFETENSORS_INDEX} or {PYTORCH_BIN}")
+
+
+def write_directory(path: str | os.PathLike, config: dict, tensors: dict[str, np.ndarray]) -> None:
+  """Writes ``config.json`` and ``model.safetensors`` into ``path`` (created if needed)."""
+  path = Path(path)
+  path.mkdir(parents=True, exist_ok=True)
+  (path / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+  write_safetensors(path / SAFETENSORS, tensors)
