@@ -1,0 +1,205 @@
+"""The trainer end to end: exact resume after SIGKILL, data parallel == one device, gradient
+accumulation == full batch, NaN stops with the last good checkpoint intact, the run directory."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import numpy as np
+import pytest
+import yaml
+
+from transformer_jax import models
+from transformer_jax.train import load_experiment, train
+from transformer_jax.train.checkpoint import restore_params
+from tests.train.conftest import REPO, run_tjax
+
+TINY_GPT = {"preset": "gpt2-tiny", "d_model": 32, "num_layers": 2, "num_heads": 2, "d_ff": 64,
+            "max_len": 32, "dropout_rate": 0.1}
+
+
+def _write_experiment(path, run_dir, dataset, **train):
+  exp = {
+      "run_dir": str(run_dir), "model": TINY_GPT, "data": {"path": dataset, "task": "gpt"},
+      "train": {"batch_size": 4, "seq_len": 32, "lr": 3e-3, "warmup_steps": 5, "log_every": 1,
+                "eval_every": 1000, "eval_batches": 2, "samples": 0, **train},
+  }
+  path.write_text(yaml.safe_dump(exp))
+  return str(path)
+
+
+def _metrics(run_dir):
+  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def _params(run_dir):
+  with open(os.path.join(run_dir, "model.yaml")) as f:
+    config = models.config_from_dict(yaml.safe_load(f))
+  params, step = restore_params(os.path.join(run_dir, "checkpoints"), config)
+  return params, step
+
+
+def test_sigkill_and_resume_equals_uninterrupted_run(tmp_path, text_dataset):
+  steps = 120
+  common = dict(steps=steps, checkpoint_every=10, keep_checkpoints=2)
+  straight = tmp_path / "straight"
+  cfg_a = _write_experiment(tmp_path / "a.yaml", straight, text_dataset, **common)
+  done = run_tjax("train", cfg_a, "--no-progress", timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+
+  killed = tmp_path / "killed"
+  cfg_b = _write_experiment(tmp_path / "b.yaml", killed, text_dataset, **common)
+  proc = subprocess.Popen([sys.executable, "-m", "transformer_jax.cli", "train", cfg_b,
+                           "--no-progress"], cwd=REPO, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  metrics_path = killed / "metrics.jsonl"
+  deadline = time.time() + 300
+  while time.time() < deadline:  # kill mid-way: after step 35, well before step 120
+    if metrics_path.exists() and sum(1 for _ in open(metrics_path)) >= 35:
+      break
+    time.sleep(0.01)
+  proc.send_signal(signal.SIGKILL)
+  assert proc.wait() == -signal.SIGKILL, "the run finished before it could be killed"
+  lines_at_kill = _metrics(killed)
+  assert 35 <= lines_at_kill[-1]["step"] < steps
+
+  resumed = run_tjax("train", cfg_b, "--no-progress", timeout=600)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert "resuming from" in resumed.stdout
+
+  a, b = _metrics(straight), _metrics(killed)
+  train_a = [r for r in a if "loss" in r]
+  train_b = [r for r in b if "loss" in r]
+  assert [r["step"] for r in train_b] == list(range(1, steps + 1))
+  assert [r["batch_hash"] for r in train_a] == [r["batch_hash"] for r in train_b]
+  assert [r["loss"] for r in train_a] == [r["loss"] for r in train_b]
+  (pa, sa), (pb, sb) = _params(straight), _params(killed)
+  assert sa == sb == steps
+  for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # bitwise
+
+
+DP_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax, numpy as np
+    from transformer_jax.train import load_experiment, step as S, trainer
+    from transformer_jax import models
+    exp = load_experiment(sys.argv[1], sys.argv[2:])
+    run = trainer.Run.build(exp)
+    loader = trainer.make_train_loader(exp, run.dataset)
+    out = {}
+    for name, devices in (("one", jax.devices()[:1]), ("eight", jax.devices())):
+      mesh = S.make_mesh({"data": -1}, devices)
+      params = models.init(run.model_config, jax.random.key(0))
+      state = jax.device_put(S.create_state(params, run.optimizer), S.replicated(mesh))
+      step = S.jit_train_step(S.make_train_step(run.graphdef, run.task, run.optimizer, seed=0,
+                                                microbatches=exp.train.microbatches), mesh, state)
+      losses = []
+      for s in range(4):
+        state, m = step(state, S.shard_batch(loader.batch_at(s), mesh, run.task.keys))
+        losses.append(float(m["loss"]))
+      out[name] = {"losses": losses, "devices": len(devices),
+                   "param_sum": float(sum(np.abs(np.asarray(x)).sum()
+                                          for x in jax.tree.leaves(state.params)))}
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.parametrize("task", ["gpt", "bert", "seq2seq"])
+def test_data_parallel_on_8_devices_equals_one_device(tmp_path, text_dataset, reverse_dataset,
+                                                      task):
+  model = {"gpt": TINY_GPT, "bert": {"preset": "bert-tiny", "d_model": 32, "num_heads": 2,
+                                     "d_ff": 64, "max_len": 32},
+           "seq2seq": {"preset": "t5-tiny", "d_model": 32, "d_ff": 64}}[task]
+  dataset = reverse_dataset if task == "seq2seq" else text_dataset
+  exp = {"run_dir": str(tmp_path / "r"), "model": model, "data": {"path": dataset, "task": task},
+         "train": {"batch_size": 16, "seq_len": 32, "lr": 3e-3, "warmup_steps": 1,
+                   "microbatches": 2}}
+  (tmp_path / "e.yaml").write_text(yaml.safe_dump(exp))
+  script = tmp_path / "dp.py"
+  script.write_text(DP_SCRIPT)
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+         "JAX_PLATFORMS": "cpu"}
+  res = subprocess.run([sys.executable, str(script), str(tmp_path / "e.yaml")], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=600)
+  assert res.returncode == 0, res.stderr[-3000:]
+  out = json.loads(res.stdout.strip().splitlines()[-1])
+  assert out["eight"]["devices"] == 8 and out["one"]["devices"] == 1
+  np.testing.assert_allclose(out["eight"]["losses"], out["one"]["losses"], rtol=1e-5)
+  np.testing.assert_allclose(out["eight"]["param_sum"], out["one"]["param_sum"], rtol=1e-5)
+  assert out["one"]["losses"][-1] < out["one"]["losses"][0]
+
+
+def test_gradient_accumulation_equals_full_batch(text_dataset, tmp_path):
+  from transformer_jax.train import step as S, trainer
+  raw = {"run_dir": str(tmp_path / "r"), "model": {**TINY_GPT, "dropout_rate": 0.0},
+         "data": {"path": text_dataset, "task": "gpt"},
+         "train": {"batch_size": 8, "seq_len": 32, "warmup_steps": 1}}
+  results = {}
+  for micro in (1, 4):
+    exp = load_experiment(None, [f"train.microbatches={micro}"], raw=raw)
+    run = trainer.Run.build(exp)
+    loader = trainer.make_train_loader(exp, run.dataset)
+    params = models.init(run.model_config, jax.random.key(0))
+    state = jax.device_put(S.create_state(params, run.optimizer), S.replicated(run.mesh))
+    step = S.jit_train_step(S.make_train_step(run.graphdef, run.task, run.optimizer, seed=0,
+                                              microbatches=micro), run.mesh, state)
+    for s in range(2):
+      state, m = step(state, S.shard_batch(loader.batch_at(s), run.mesh, run.task.keys))
+    results[micro] = (float(m["loss"]), state.params)
+  np.testing.assert_allclose(results[1][0], results[4][0], rtol=1e-5)
+  for x, y in zip(jax.tree.leaves(results[1][1]), jax.tree.leaves(results[4][1])):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)
+
+
+def test_run_directory_contents_and_eval(tmp_path, text_dataset):
+  run_dir = tmp_path / "run"
+  cfg = _write_experiment(tmp_path / "e.yaml", run_dir, text_dataset, steps=12, eval_every=6,
+                          checkpoint_every=6, samples=1, sample_tokens=4)
+  res = run_tjax("train", cfg, timeout=600)
+  assert res.returncode == 0, res.stderr[-3000:]
+  for name in ("config.yaml", "model.yaml", "metrics.jsonl", "loss.png", "final.json",
+               "samples.txt"):
+    assert (run_dir / name).exists(), name
+  assert any(f.startswith("events.out.tfevents") for f in os.listdir(run_dir / "tensorboard"))
+  records = _metrics(run_dir)
+  train_lines = [r for r in records if "loss" in r]
+  eval_lines = [r for r in records if "val_loss" in r]
+  assert {"step", "loss", "tokens_per_sec", "lr"} <= set(train_lines[0])
+  assert [r["step"] for r in eval_lines] == [6, 12]
+  assert os.path.isdir(run_dir / "checkpoints" / "best")
+  ev = run_tjax("eval", str(run_dir), timeout=600)
+  assert ev.returncode == 0, ev.stderr[-3000:]
+  result = json.loads(ev.stdout[ev.stdout.index("{"):])
+  assert result["step"] == 12
+  np.testing.assert_allclose(result["val_loss"], eval_lines[-1]["val_loss"], rtol=1e-5)
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, text_dataset):
+  run_dir = tmp_path / "nan"
+  # An absurd learning rate: the first update leaves finite but enormous weights (step 1 is
+  # checkpointed), the next forward pass overflows.
+  cfg = _write_experiment(tmp_path / "e.yaml", run_dir, text_dataset, steps=50, lr=1e30,
+                          warmup_steps=0, clip_norm=None, checkpoint_every=1, log_every=1,
+                          schedule="constant", weight_decay=0.0)
+  res = run_tjax("train", cfg, "--no-progress", timeout=600)
+  assert res.returncode == 1
+  assert "loss became" in res.stderr and "at step" in res.stderr
+  bad_step = int(res.stderr.split("at step ")[1].split(";")[0])
+  params, step = _params(str(run_dir))
+  assert 1 <= step < bad_step
+  assert f"last good checkpoint (step {step})" in res.stderr
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
+
+
+def test_wrong_task_for_model_is_a_clear_error(tmp_path, text_dataset):
+  cfg = _write_experiment(tmp_path / "e.yaml", tmp_path / "r", text_dataset, steps=2)
+  res = run_tjax("train", cfg, "data.task=bert", timeout=600)
+  assert res.returncode == 2
+  assert "data.task='bert' does not fit a GPTConfig" in res.stderr
