@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv clean
+.PHONY: demo tour test venv clean
 
 # (Re)create the virtual environment when it is missing or pyproject.toml changed.
 $(STAMP): pyproject.toml
@@ -15,7 +15,13 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# The main job on the embedded corpus (the Python standard library): prepare, train, evaluate,
+# checkpoint, plot, sample. Leaves runs/gpt_tiny/. Running it again resumes (and finds it done).
 demo: $(STAMP)
+	$(PY) -m transformer_jax.cli train experiments/gpt_tiny.yaml
+
+# A tour of the model families: each tiny preset's forward pass and `tjax info` for a few presets.
+tour: $(STAMP)
 	$(PY) -m transformer_jax.demo
 
 test: $(STAMP)

@@ -46,27 +46,44 @@ class GPTTask:
 
 
 class BERTTask:
-  """Masked-LM plus next-sentence prediction (the two losses added, as in the BERT paper)."""
+  """Masked-LM plus next-sentence prediction (the two losses added, as in the BERT paper).
+
+  Only the masked positions go through the MLM head: each row's (at most ``max_predictions``)
+  masked positions are gathered first, as BERT's own pretraining code does, which saves most of
+  the vocabulary projection.
+  """
 
   loss_terms = ("mlm", "nsp")
   keys = ("tokens", "token_types", "attention_mask", "mlm_labels", "mlm_mask", "nsp_labels")
+
+  def __init__(self, max_predictions: int | None = None):
+    self.max_predictions = max_predictions
 
   @staticmethod
   def counts(batch: Batch) -> dict[str, jax.Array]:
     return {"mlm": jnp.sum(batch["mlm_mask"].astype(jnp.float32)),
             "nsp": jnp.sum(jnp.any(batch["attention_mask"], -1).astype(jnp.float32))}
 
-  @staticmethod
-  def sums(model, batch: Batch, rng, *, label_smoothing=0.0, z_loss=0.0):
-    out = model(batch["tokens"], batch["token_types"], batch["attention_mask"], dropout_rng=rng)
+  def sums(self, model, batch: Batch, rng, *, label_smoothing=0.0, z_loss=0.0):
+    x_BTD, pooled_BD = model.encode(batch["tokens"], batch["token_types"], batch["attention_mask"],
+                                    dropout_rng=rng)
+    mask_BT, labels_BT = batch["mlm_mask"], batch["mlm_labels"]
+    t = mask_BT.shape[1]
+    k = t if self.max_predictions is None else min(self.max_predictions, t)
+    # Masked positions first (stable), then the first k of them: [B, K].
+    idx_BK = jnp.argsort(~mask_BT, axis=1, stable=True)[:, :k]
+    x_BKD = jnp.take_along_axis(x_BTD, idx_BK[..., None], axis=1)
+    mask_BK = jnp.take_along_axis(mask_BT, idx_BK, axis=1)
+    labels_BK = jnp.take_along_axis(labels_BT, idx_BK, axis=1)
+    mlm_logits = model.mlm_logits(x_BKD)
+    nsp_logits = model.nsp(pooled_BD).astype(jnp.float32)
     real = jnp.any(batch["attention_mask"], -1)
     loss = {
-        "mlm": _ce_sum(out.mlm_logits, batch["mlm_labels"], batch["mlm_mask"], label_smoothing,
-                       z_loss),
-        "nsp": _ce_sum(out.nsp_logits, batch["nsp_labels"], real, 0.0, 0.0),
+        "mlm": _ce_sum(mlm_logits, labels_BK, mask_BK, label_smoothing, z_loss),
+        "nsp": _ce_sum(nsp_logits, batch["nsp_labels"], real, 0.0, 0.0),
     }
-    metrics = {"mlm_correct": _correct(out.mlm_logits, batch["mlm_labels"], batch["mlm_mask"]),
-               "nsp_correct": _correct(out.nsp_logits, batch["nsp_labels"], real)}
+    metrics = {"mlm_correct": _correct(mlm_logits, labels_BK, mask_BK),
+               "nsp_correct": _correct(nsp_logits, batch["nsp_labels"], real)}
     return loss, metrics
 
 
@@ -93,11 +110,14 @@ class Seq2SeqTask:
 TASKS = {"gpt": GPTTask, "bert": BERTTask, "seq2seq": Seq2SeqTask}
 
 
-def get_task(name: str):
+def get_task(name: str, **options):
+  """An instance of the task ``name`` (``gpt``, ``bert``, ``seq2seq``); BERT takes
+  ``max_predictions``."""
   try:
-    return TASKS[name]
+    cls = TASKS[name]
   except KeyError:
     raise ValueError(f"data.task={name!r}: expected one of {', '.join(TASKS)}") from None
+  return cls(**options)
 
 
 def summarize(task, sums: dict[str, jax.Array], counts: dict[str, jax.Array]) -> dict[str, jax.Array]:

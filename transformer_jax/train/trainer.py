@@ -210,7 +210,11 @@ class Run:
       raise ValueError(f"train.batch_size={exp.train.batch_size} must be divisible by "
                        f"{n_data} data-parallel devices x train.microbatches="
                        f"{exp.train.microbatches}")
-    return cls(exp, dataset, model_config, tasks_lib.get_task(exp.data.task), mesh,
+    options = {}
+    if exp.data.task == "bert":
+      # The loader masks max(1, round(mask_prob * n)) of n <= seq_len tokens per row.
+      options["max_predictions"] = int(math.ceil(exp.data.mask_prob * exp.train.seq_len)) + 1
+    return cls(exp, dataset, model_config, tasks_lib.get_task(exp.data.task, **options), mesh,
                models.graphdef(model_config), make_optimizer(exp.train))
 
   def evaluate(self, params, eval_step) -> dict[str, float]:
