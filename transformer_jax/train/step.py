@@ -80,7 +80,7 @@ def make_train_step(graphdef: nnx.GraphDef, task, optimizer: optax.GradientTrans
     params = optax.apply_updates(state.params, updates)
     metrics = tasks_lib.summarize(task, sums, counts)
     metrics["loss"] = loss
-    metrics["grad_norm"] = optax.global_norm(grads)
+    metrics["grad_norm"] = optax.tree.norm(grads)
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
   return train_step
