@@ -85,7 +85,7 @@ def _cmd_train(args) -> int:
 def _cmd_eval(args) -> int:
   import json
   from transformer_jax.train import evaluate_run
-  print(json.dumps(evaluate_run(args.run_dir, best=args.best), indent=2))
+  print(json.dumps(evaluate_run(args.run_dir, args.overrides, best=args.best), indent=2))
   return 0
 
 
@@ -136,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
 
   ev = sub.add_parser("eval", help="evaluate a run directory's latest (or best) checkpoint")
   ev.add_argument("run_dir")
+  ev.add_argument("overrides", nargs="*", help="e.g. data.path=DIR for a converted checkpoint")
   ev.add_argument("--best", action="store_true")
   ev.set_defaults(func=_cmd_eval)
 

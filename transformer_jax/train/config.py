@@ -78,11 +78,14 @@ class Experiment:
   def model_config(self, **defaults) -> models.ModelConfig:
     """The model config: preset, then ``defaults`` (e.g. the dataset's vocab size), then the YAML."""
     spec = dict(self.model)
-    preset = spec.pop("preset", None)
-    if preset is None:
-      raise ValueError("model.preset is required (see `tjax info` for the list)")
     if self.train.dtype is not None:
       spec.setdefault("dtype", self.train.dtype)
+    if "family" in spec:  # a complete config, as in a run directory's model.yaml
+      return models.config_from_dict({**defaults, **spec})
+    preset = spec.pop("preset", None)
+    if preset is None:
+      raise ValueError("model.preset (or a full model with model.family) is required; "
+                       "see `tjax info` for the presets")
     return models.get_config(preset, **{**defaults, **spec})
 
   def to_dict(self) -> dict[str, Any]:
@@ -245,5 +248,6 @@ def _validate(exp: Experiment) -> None:
     raise ValueError(f"train.warmup_steps={t.warmup_steps} must be >= 0")
   if exp.data.path is None and not exp.data.inputs:
     raise ValueError("data.path or data.inputs must be given")
-  if "preset" not in exp.model:
-    raise ValueError("model.preset is required (see `tjax info` for the list)")
+  if "preset" not in exp.model and "family" not in exp.model:
+    raise ValueError("model.preset (or a full model with model.family) is required; "
+                     "see `tjax info` for the presets")

@@ -455,17 +455,26 @@ def print_samples(run: Run, params) -> list[str]:
   return texts
 
 
-def evaluate_run(run_dir: str, *, best: bool = False) -> dict[str, float]:
-  """``tjax eval RUN_DIR``: evaluates the latest (or best) checkpoint on the validation split."""
+def evaluate_run(run_dir: str, overrides: list[str] = (), *, best: bool = False) -> dict[str, float]:
+  """``tjax eval RUN_DIR [key=value ...]``: evaluates the latest (or best) checkpoint on the
+  validation split. A directory made by ``tjax convert`` has no experiment yet: give it data with
+  ``data.path=DIR`` (the task follows the model's family)."""
   from transformer_jax.train.checkpoint import restore_params
   from transformer_jax.train.config import load_experiment
   path = os.path.join(run_dir, "config.yaml")
-  if not os.path.exists(path):
-    raise ValueError(f"{run_dir} has no config.yaml: not a training run directory")
-  with open(path) as f:
-    raw = yaml.safe_load(f)
+  if os.path.exists(path):
+    with open(path) as f:
+      raw = yaml.safe_load(f)
+  else:
+    spec_path = os.path.join(run_dir, "model.yaml")
+    if not os.path.exists(spec_path):
+      raise ValueError(f"{run_dir} is not a run directory (no config.yaml or model.yaml)")
+    with open(spec_path) as f:
+      spec = yaml.safe_load(f)
+    task = {"gpt": "gpt", "bert": "bert", "seq2seq": "seq2seq"}[spec["family"]]
+    raw = {"model": spec, "data": {"task": task}}
   raw["run_dir"] = run_dir
-  exp = load_experiment(None, raw=raw)
+  exp = load_experiment(None, list(overrides), raw=raw)
   run = Run.build(exp)
   params, step = restore_params(os.path.join(run_dir, "checkpoints"), run.model_config, best=best)
   params = jax.device_put(params, step_lib.replicated(run.mesh))
