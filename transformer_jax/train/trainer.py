@@ -258,16 +258,19 @@ def train(exp: Experiment, *, progress: bool = True) -> dict[str, Any]:
   _write_snapshot(run)
   ckpt = Checkpoints(os.path.join(exp.run_dir, "checkpoints"), keep=t.keep_checkpoints,
                      async_save=t.async_checkpoints)
-  params = models.init(run.model_config, jax.random.key(t.seed))
-  opt_state = run.optimizer.init(params)
   loader = make_train_loader(exp, run.dataset)
   start = ckpt.latest_step() or 0
   if ckpt.latest_step() is not None:
+    # Restore into shapes only: nothing is initialised just to be overwritten.
+    params = models.init_abstract(run.model_config)
+    opt_state = jax.eval_shape(run.optimizer.init, params)
     params, opt_state, meta = _restore(ckpt, start, params, opt_state, run.optimizer)
     if meta.get("loader"):
       loader.set_state(meta["loader"])
     _log0(f"resuming from {ckpt.directory} at step {start}")
   else:
+    params = models.init(run.model_config, jax.random.key(t.seed))
+    opt_state = run.optimizer.init(params)
     loader.set_state({"step": 0})
   state = step_lib.TrainState(step=np.int32(start), params=params, opt_state=opt_state)
   state = jax.device_put(state, step_lib.replicated(run.mesh))
