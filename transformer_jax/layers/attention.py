@@ -43,7 +43,10 @@ class Attention(nnx.Module):
   def __call__(self, x_BTD: jax.Array, kv_BSD: jax.Array | None = None, *,
                mask: jax.Array | None = None, bias: jax.Array | None = None,
                positions: jax.Array | None = None, dropout_rate: float = 0.0,
-               dropout_rng: jax.Array | None = None) -> jax.Array:
+               dropout_rng: jax.Array | None = None,
+               kv_cache: tuple[jax.Array, jax.Array] | None = None,
+               cache_index: jax.Array | None = None
+               ) -> jax.Array | tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Self-attention over ``x`` or, with ``kv_BSD``, cross-attention to it.
 
     Args:
@@ -52,7 +55,19 @@ class Attention(nnx.Module):
       mask: bool, broadcastable to ``[B, N, T, S]``, True = attend.
       bias: additive, broadcastable to ``[B, N, T, S]``.
       positions: ``[B, T]`` or ``[T]``, used by RoPE (self-attention only).
+      kv_cache: optional ``(k, v)``, each ``[B, S, K, H]`` (keys already rotated). With
+        ``cache_index`` the new keys/values of ``x`` are written into it at that slot of each row and
+        the queries attend to the whole cache (``mask``/``bias`` are over the ``S`` cache slots);
+        without it the cache is read-only, e.g. cross-attention keys/values projected once by
+        ``project_kv``.
+      cache_index: ``[B]`` int, the cache slot of each row's first new token.
+
+    Returns:
+      ``[B, T, D]``; with ``kv_cache``, ``(out, new_kv_cache)``.
     """
+    if kv_cache is not None:
+      return self._cached(x_BTD, kv_cache, cache_index, mask=mask, bias=bias,
+                          positions=positions)
     kv_BSD = x_BTD if kv_BSD is None else kv_BSD
     q_BTNH = self.query(x_BTD)
     k_BSKH = self.key(kv_BSD)
@@ -68,3 +83,30 @@ class Attention(nnx.Module):
         q_BTNH, k_BSKH, v_BSKH, bias=bias, mask=mask, scale=self.scale,
         dropout_rate=dropout_rate, dropout_rng=dropout_rng)
     return self.out(out_BTNH)
+
+  def project_kv(self, kv_BSD: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Keys and values ``[B, S, K, H]`` of ``kv_BSD`` (no RoPE): a read-only cross-attention cache."""
+    return self.key(kv_BSD), self.value(kv_BSD)
+
+  def _cached(self, x_BTD, kv_cache, cache_index, *, mask, bias, positions):
+    """Attention against a key/value cache (decoding); dropout is never applied here."""
+    k_cache_BSKH, v_cache_BSKH = kv_cache
+    q_BTNH = self.query(x_BTD)
+    if cache_index is not None:
+      k_BTKH = self.key(x_BTD)
+      v_BTKH = self.value(x_BTD)
+      if self.rope_theta is not None:
+        if positions is None:
+          raise ValueError("RoPE with a key/value cache needs positions [B, T]")
+        rope = dict(theta=self.rope_theta, interleaved=self.rope_interleaved,
+                    scaling=self.rope_scaling)
+        q_BTNH = ops.apply_rope(q_BTNH, positions, **rope)
+        k_BTKH = ops.apply_rope(k_BTKH, positions, **rope)
+      # Each row writes its T new entries at its own slot (rows of a batch have different lengths).
+      write = jax.vmap(lambda c, x, i: jax.lax.dynamic_update_slice_in_dim(c, x, i, axis=0))
+      k_cache_BSKH = write(k_cache_BSKH, k_BTKH.astype(k_cache_BSKH.dtype), cache_index)
+      v_cache_BSKH = write(v_cache_BSKH, v_BTKH.astype(v_cache_BSKH.dtype), cache_index)
+    out_BTNH = ops.dot_product_attention(
+        q_BTNH, k_cache_BSKH.astype(q_BTNH.dtype), v_cache_BSKH.astype(q_BTNH.dtype), bias=bias,
+        mask=mask, scale=self.scale)
+    return self.out(out_BTNH), (k_cache_BSKH, v_cache_BSKH)

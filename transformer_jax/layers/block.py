@@ -81,8 +81,20 @@ class Block(nnx.Module):
                bias: jax.Array | None = None, positions: jax.Array | None = None,
                encoder_out: jax.Array | None = None, encoder_mask: jax.Array | None = None,
                encoder_bias: jax.Array | None = None,
-               dropout_rng: jax.Array | None = None) -> jax.Array:
-    """Args: x ``[B, T, D]``; masks/biases broadcastable to ``[B, N, T, S]``; encoder_out ``[B, S, D]``."""
+               dropout_rng: jax.Array | None = None,
+               kv_cache: dict | None = None,
+               cache_index: jax.Array | None = None) -> jax.Array | tuple[jax.Array, dict]:
+    """Args: x ``[B, T, D]``; masks/biases broadcastable to ``[B, N, T, S]``; encoder_out ``[B, S, D]``.
+
+    ``kv_cache`` (decoding) is ``{"self": (k, v)}`` plus, for cross-attention blocks,
+    ``"cross": (k, v)`` projected once from the encoder output (``encoder_out`` is then unused);
+    each array is ``[B, S, K, H]``. Self-attention writes at ``cache_index`` ``[B]``. With a cache
+    the block returns ``(x, new_kv_cache)``.
+    """
+    if kv_cache is not None:
+      return self._cached(x_BTD, kv_cache, cache_index, mask=mask, bias=bias,
+                          positions=positions, encoder_mask=encoder_mask,
+                          encoder_bias=encoder_bias)
     cfg = self.cfg
     r_attn, r_attn_w, r_cross, r_cross_w, r_mlp, r_mlp_in = split_key(dropout_rng, 6)
     attn_drop = cfg.attention_dropout_rate
@@ -97,3 +109,23 @@ class Block(nnx.Module):
           dropout_rng=r_cross_w), r_cross)
     return self._residual(x, self.mlp_norm, lambda h: self.mlp(
         h, dropout_rate=cfg.ffn_dropout_rate, dropout_rng=r_mlp_in), r_mlp)
+
+  def init_cross_cache(self, encoder_out_BSD: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Cross-attention keys/values ``[B, S, K, H]`` of the encoder output, computed once."""
+    return self.cross_attn.project_kv(encoder_out_BSD)
+
+  def _cached(self, x_BTD, kv_cache, cache_index, *, mask, bias, positions, encoder_mask,
+              encoder_bias):
+    """The block at inference (no dropout) against key/value caches."""
+    new_cache = dict(kv_cache)
+
+    def self_attn(h):
+      out, new_cache["self"] = self.attn(h, mask=mask, bias=bias, positions=positions,
+                                         kv_cache=kv_cache["self"], cache_index=cache_index)
+      return out
+
+    x = self._residual(x_BTD, self.attn_norm, self_attn, None)
+    if self.cross_attn is not None:
+      x = self._residual(x, self.cross_norm, lambda h: self.cross_attn(
+          h, mask=encoder_mask, bias=encoder_bias, kv_cache=kv_cache["cross"])[0], None)
+    return self._residual(x, self.mlp_norm, self.mlp, None), new_cache

@@ -94,3 +94,12 @@ class RelativePositionBias(nnx.Module):
         num_buckets=self.num_buckets, max_distance=self.max_distance)
     bias_TSN = jnp.take(self.embedding[...], buckets_TS, axis=0)
     return jnp.transpose(bias_TSN, (2, 0, 1))[None].astype(jnp.float32)
+
+  def for_relative_positions(self, relative_BTS: jax.Array) -> jax.Array:
+    """``[B, N, T, S]`` float32 bias for explicit ``key_pos - query_pos`` ``[B, T, S]`` (decoding,
+    where each row's queries sit at their own position in a key/value cache)."""
+    buckets_BTS = ops.relative_position_bucket(
+        relative_BTS, bidirectional=self.bidirectional, num_buckets=self.num_buckets,
+        max_distance=self.max_distance)
+    bias_BTSN = jnp.take(self.embedding[...], buckets_BTS, axis=0)
+    return jnp.transpose(bias_BTSN, (0, 3, 1, 2)).astype(jnp.float32)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from transformer_jax.layers.block import Block, BlockConfig
@@ -44,9 +45,15 @@ class Stack(nnx.Module):
     self.layers = make(rngs)
 
   def __call__(self, x_BTD: jax.Array, *, dropout_rng: jax.Array | None = None,
-               **block_kwargs) -> jax.Array:
+               kv_cache=None, **block_kwargs) -> jax.Array | tuple[jax.Array, object]:
     """Runs every block on ``x``; ``block_kwargs`` (masks, biases, positions, encoder output) are
-    shared by all layers."""
+    shared by all layers.
+
+    ``kv_cache`` (decoding): the blocks' caches stacked along a leading ``[L]`` axis (see
+    ``Block``); each layer gets its slice and the stack returns ``(x, new_kv_cache)``.
+    """
+    if kv_cache is not None:
+      return self._cached(x_BTD, kv_cache, **block_kwargs)
     graphdef, params = nnx.split(self.layers)
     keys = None if dropout_rng is None else jax.random.split(dropout_rng, self.num_layers)
 
@@ -62,3 +69,25 @@ class Stack(nnx.Module):
       return x_BTD
     x_BTD, _ = jax.lax.scan(body, x_BTD, (params, keys))
     return x_BTD
+
+  def _cached(self, x_BTD, kv_cache, **block_kwargs):
+    """Scans over the layers and their cache slices together (inference: no dropout, no remat)."""
+    graphdef, params = nnx.split(self.layers)
+
+    def body(x, layer):
+      layer_params, layer_cache = layer
+      return nnx.merge(graphdef, layer_params)(x, kv_cache=layer_cache, **block_kwargs)
+
+    if self.unroll:
+      outs = []
+      for i in range(self.num_layers):
+        x_BTD, c = body(x_BTD, jax.tree.map(lambda a: a[i], (params, kv_cache)))
+        outs.append(c)
+      return x_BTD, jax.tree.map(lambda *a: jnp.stack(a), *outs)
+    return jax.lax.scan(body, x_BTD, (params, kv_cache))
+
+  def map_layers(self, fn):
+    """``fn(block)`` for every layer, outputs stacked along a leading ``[L]`` axis (e.g. the
+    cross-attention keys/values of each decoder layer, computed once per source)."""
+    graphdef, params = nnx.split(self.layers)
+    return jax.vmap(lambda p: fn(nnx.merge(graphdef, p)))(params)

@@ -36,7 +36,8 @@ class GPT(nnx.Module):
 
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                segment_ids: jax.Array | None = None, attention_mask: jax.Array | None = None, *,
-               dropout_rng: jax.Array | None = None) -> jax.Array:
+               dropout_rng: jax.Array | None = None, kv_cache=None,
+               cache_index: jax.Array | None = None):
     """Next-token logits.
 
     Args:
@@ -45,10 +46,22 @@ class GPT(nnx.Module):
       segment_ids: ``[B, T]`` ints; tokens attend only within their segment (packed documents).
       attention_mask: ``[B, T]`` bool/0-1, False for padding keys.
       dropout_rng: a PRNG key turns dropout on (training); None means deterministic.
+      kv_cache: decoding (see ``transformer_jax.generate``): ``{"self": (k, v)}`` with k, v
+        ``[L, B, S, K, H]``. The T new tokens of row b sit at positions ``cache_index[b] + t`` and
+        are written to those cache slots; they attend to the cache slots up to their own position
+        (slots past a row's position may hold stale entries: they are masked). ``positions``,
+        ``segment_ids`` and ``attention_mask`` must then be None.
+      cache_index: ``[B]`` int, each row's number of tokens already in the cache.
 
     Returns:
-      float32 logits ``[B, T, V]``.
+      float32 logits ``[B, T, V]``; with ``kv_cache``, ``(logits, new_kv_cache)``.
     """
+    if kv_cache is not None:
+      if positions is not None or segment_ids is not None or attention_mask is not None:
+        raise ValueError("with kv_cache, positions/segment_ids/attention_mask must be None "
+                         "(positions come from cache_index)")
+      x_BTD, kv_cache = self._cached_hidden_states(tokens, kv_cache, cache_index)
+      return self.logits(x_BTD), kv_cache
     return self.logits(self.hidden_states(
         tokens, positions, segment_ids, attention_mask, dropout_rng=dropout_rng))
 
@@ -87,6 +100,33 @@ class GPT(nnx.Module):
 
     x_BTD = self.blocks(x_BTD, mask=mask, bias=bias, positions=positions, dropout_rng=blocks_rng)
     return self.final_norm(x_BTD)
+
+  def _cached_hidden_states(self, tokens, kv_cache, cache_index):
+    """``hidden_states`` for T new tokens per row against a key/value cache (inference only)."""
+    c = self.config
+    check_tokens("tokens", tokens, c.vocab_size)
+    t = tokens.shape[1]
+    s = kv_cache["self"][0].shape[2]
+    q_pos_BT = cache_index[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None, :]
+    k_pos_S = jnp.arange(s, dtype=jnp.int32)
+    dist_BTS = q_pos_BT[:, :, None] - k_pos_S[None, None, :]       # query minus key position
+
+    x_BTD = self.embed(tokens)
+    if self.pos_embed is not None:
+      x_BTD = x_BTD + self.pos_embed(q_pos_BT)
+    elif c.position == "sinusoidal":
+      x_BTD = x_BTD + jnp.take(ops.sinusoidal_positions(c.max_len, c.d_model), q_pos_BT,
+                               axis=0, mode="clip").astype(x_BTD.dtype)
+    mask_BTS = dist_BTS >= 0
+    if c.sliding_window is not None:
+      mask_BTS = mask_BTS & (dist_BTS < c.sliding_window)
+    bias = None
+    if c.position == "alibi":
+      slopes_N = jnp.asarray(ops.alibi_slopes(c.num_heads), jnp.float32)
+      bias = -slopes_N[None, :, None, None] * jnp.abs(dist_BTS)[:, None].astype(jnp.float32)
+    x_BTD, kv_cache = self.blocks(x_BTD, mask=mask_BTS[:, None], bias=bias, positions=q_pos_BT,
+                                  kv_cache=kv_cache, cache_index=cache_index)
+    return self.final_norm(x_BTD), kv_cache
 
   def logits(self, x_BTD: jax.Array) -> jax.Array:
     """Output projection (tied to the embedding unless ``tie_embeddings=False``), float32."""

@@ -70,8 +70,19 @@ class Seq2Seq(nnx.Module):
 
   def decode(self, tgt_in: jax.Array, encoder_out: jax.Array, src_mask: jax.Array | None = None,
              tgt_mask: jax.Array | None = None, *,
-             dropout_rng: jax.Array | None = None) -> jax.Array:
-    """Logits ``[B, T, V]`` (float32) for decoder inputs ``[B, T]`` given encoder states."""
+             dropout_rng: jax.Array | None = None, kv_cache: dict | None = None,
+             cache_index: jax.Array | None = None):
+    """Logits ``[B, T, V]`` (float32) for decoder inputs ``[B, T]`` given encoder states.
+
+    With ``kv_cache`` (decoding, see ``transformer_jax.generate``): ``{"self": (k, v), "cross":
+    (k, v)}``, self-attention arrays ``[L, B, S, K, H]`` and cross-attention ones from
+    ``cross_kv(encoder_out)``; ``encoder_out`` is then unused. Row b's T new tokens sit at
+    positions ``cache_index[b] + t``. Returns ``(logits, new_kv_cache)``.
+    """
+    if kv_cache is not None:
+      if tgt_mask is not None:
+        raise ValueError("with kv_cache, tgt_mask must be None (positions come from cache_index)")
+      return self._cached_decode(tgt_in, kv_cache, cache_index, src_mask)
     c = self.config
     check_tokens("tgt_in", tgt_in, c.vocab_size)
     check_same_shape("tgt_mask", tgt_mask, "tgt_in", tgt_in)
@@ -92,6 +103,39 @@ class Seq2Seq(nnx.Module):
     if c.logits_rescale:
       x_BTD = x_BTD * jnp.asarray(c.d_model**-0.5, x_BTD.dtype)
     return self.embed.attend(x_BTD).astype(jnp.float32)
+
+  def cross_kv(self, encoder_out: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Every decoder layer's cross-attention keys/values ``[L, B, S, K, H]``, computed once."""
+    return self.decoder.map_layers(lambda block: block.init_cross_cache(encoder_out))
+
+  def _cached_decode(self, tgt_in, kv_cache, cache_index, src_mask):
+    """``decode`` for T new tokens per row against key/value caches (inference only)."""
+    c = self.config
+    check_tokens("tgt_in", tgt_in, c.vocab_size)
+    t = tgt_in.shape[1]
+    s = kv_cache["self"][0].shape[2]
+    q_pos_BT = cache_index[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None, :]
+    rel_BTS = jnp.arange(s, dtype=jnp.int32)[None, None, :] - q_pos_BT[:, :, None]  # key - query
+
+    x_BTD = self.embed(tgt_in)
+    if c.embed_scale:
+      x_BTD = x_BTD * jnp.asarray(c.d_model**0.5, x_BTD.dtype)
+    if c.position == "sinusoidal":
+      x_BTD = x_BTD + jnp.take(ops.sinusoidal_positions(c.max_len, c.d_model), q_pos_BT,
+                               axis=0, mode="clip").astype(x_BTD.dtype)
+    self_mask = (rel_BTS <= 0)[:, None]
+    cross_mask = None if src_mask is None else ops.padding_mask(src_mask)
+    bias = (None if self.decoder_rel_bias is None
+            else self.decoder_rel_bias.for_relative_positions(rel_BTS))
+    x_BTD, kv_cache = self.decoder(x_BTD, mask=self_mask, bias=bias, encoder_mask=cross_mask,
+                                   kv_cache=kv_cache, cache_index=cache_index)
+    if self.decoder_norm is not None:
+      x_BTD = self.decoder_norm(x_BTD)
+    if self.lm_head is not None:
+      return self.lm_head(x_BTD).astype(jnp.float32), kv_cache
+    if c.logits_rescale:
+      x_BTD = x_BTD * jnp.asarray(c.d_model**-0.5, x_BTD.dtype)
+    return self.embed.attend(x_BTD).astype(jnp.float32), kv_cache
 
   def __call__(self, src: jax.Array, tgt_in: jax.Array, src_mask: jax.Array | None = None,
                tgt_mask: jax.Array | None = None, *,
