@@ -11,8 +11,11 @@ from flax import nnx
 
 def sample_gpt(graphdef, params, prompts: list[list[int]], *, max_new_tokens: int, max_len: int,
                temperature: float = 0.8, top_k: int = 40, seed: int = 0,
-               stop_id: int | None = None) -> list[list[int]]:
-  """Samples continuations of each prompt (temperature + top-k); returns the new tokens."""
+               stop_id: int | None = None, banned_ids=()) -> list[list[int]]:
+  """Samples continuations of each prompt (temperature + top-k); returns the new tokens.
+
+  ``banned_ids`` (e.g. ``[UNK]`` and the other special tokens) are never sampled.
+  """
   n = len(prompts)
   width = min(max_len, max(len(p) for p in prompts) + max_new_tokens)
   buf = np.zeros((n, width), np.int32)
@@ -20,10 +23,14 @@ def sample_gpt(graphdef, params, prompts: list[list[int]], *, max_new_tokens: in
   for i, p in enumerate(prompts):
     buf[i, :len(p)] = p
 
+  banned = sorted(set(int(i) for i in banned_ids) - {stop_id})
+
   @jax.jit
   def next_token(params, buf, pos, key):
     logits = nnx.merge(graphdef, params)(buf)                      # [n, W, V]
     logits = jnp.take_along_axis(logits, (pos - 1)[:, None, None], axis=1)[:, 0]
+    if banned:
+      logits = logits.at[:, jnp.asarray(banned)].set(-jnp.inf)
     if temperature == 0.0:
       return jnp.argmax(logits, -1)
     kth = jax.lax.top_k(logits, top_k)[0][:, -1:]

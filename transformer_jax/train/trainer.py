@@ -448,7 +448,8 @@ def print_samples(run: Run, params) -> list[str]:
   prompts = [tok.encode(p) for p in prompts_text]
   new = sampling.sample_gpt(run.graphdef, params, prompts, max_new_tokens=run.exp.train.sample_tokens,
                             max_len=min(run.model_config.max_len, run.exp.train.seq_len),
-                            stop_id=tok.eot_id)
+                            stop_id=tok.eot_id,
+                            banned_ids=run.dataset.meta["special_tokens"].values())
   texts = [p + tok.decode(n) for p, n in zip(prompts_text, new)]
   print("\nsamples:", flush=True)
   for text in texts:
