@@ -24,10 +24,6 @@ def param(rngs: nnx.Rngs, init: Initializer, shape: Sequence[int], axes: Sequenc
                    eager_sharding=False)
 
 
-def as_dtype(name: str | jnp.dtype) -> jnp.dtype:
-  return jnp.dtype(name)
-
-
 def split_key(key: jax.Array | None, n: int) -> list[jax.Array | None]:
   """``n`` independent keys from ``key``, or ``n`` Nones when there is no key (no dropout)."""
   if key is None:

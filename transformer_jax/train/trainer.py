@@ -54,7 +54,8 @@ def ensure_dataset(exp: Experiment) -> data_lib.Dataset:
       data_lib.prepare(list(d.inputs), path, tokenizer=d.tokenizer, compact_vocab=d.compact_vocab,
                        task=d.task, val_fraction=d.val_fraction, seed=exp.train.seed)
   dataset = data_lib.load_dataset(path)
-  if dataset.task != d.task and not (d.task in ("gpt", "bert") and dataset.task in ("gpt", "bert")):
+  shared_format = {dataset.task, d.task} <= {"gpt", "bert"}  # both read plain text documents
+  if dataset.task != d.task and not shared_format:
     raise ValueError(f"dataset {path} was prepared for task {dataset.task!r}, not {d.task!r}")
   return dataset
 
@@ -475,8 +476,7 @@ def evaluate_run(run_dir: str, overrides: list[str] = (), *, best: bool = False)
       raise ValueError(f"{run_dir} is not a run directory (no config.yaml or model.yaml)")
     with open(spec_path) as f:
       spec = yaml.safe_load(f)
-    task = {"gpt": "gpt", "bert": "bert", "seq2seq": "seq2seq"}[spec["family"]]
-    raw = {"model": spec, "data": {"task": task}}
+    raw = {"model": spec, "data": {"task": spec.get("family")}}  # family names are task names
   raw["run_dir"] = run_dir
   exp = load_experiment(None, list(overrides), raw=raw)
   run = Run.build(exp)
