@@ -24,8 +24,10 @@ demo: $(STAMP)
 tour: $(STAMP)
 	$(PY) -m transformer_jax.demo
 
+# tests/parallel run in their own process: they need 8 simulated devices from the start.
 test: $(STAMP)
-	$(PY) -m pytest tests -n 2
+	$(PY) -m pytest tests -n 2 --ignore=tests/parallel
+	$(PY) -m pytest tests/parallel -n 2
 
 clean:
 	rm -rf $(VENV) runs
