@@ -1,0 +1,291 @@
+"""Ring attention: exact self-attention with the sequence axis sharded over a mesh axis.
+
+Sequence (context) parallelism for long inputs. The length axis of ``q``, ``k`` and ``v`` is
+split into ``n`` equal blocks over the mesh axis ``seq_axis``; device ``i`` keeps query block ``i``
+for the whole computation and sees every key/value block in turn. At each of the ``n`` steps it
+attends its queries to the key/value block it currently holds, folds the result into a streaming
+(flash-style) float32 softmax (running max, running denominator, running numerator), and passes
+the block on to the next device of the ring with ``jax.lax.ppermute``. After ``n`` steps every
+query has met every key, and the result equals ``ops.dot_product_attention`` on the unsharded
+arrays up to float rounding.
+
+Memory: the logits a device holds at any step are ``[B, N, T/n, T/n]`` instead of the
+``[B, N, T, T]`` of full attention, i.e. O((T/n)^2) rather than O(T^2) per device, and the
+key/value blocks it holds are O(T/n). Under ``jax.grad`` each step's attention is recomputed in
+the backward pass (``jax.checkpoint``), so what is saved between the passes is, per step, one
+key/value block and the softmax statistics: O(T) per device in all, with no quadratic term.
+
+Causal masking uses global positions: with ``T == S`` the block that device ``i`` holds at step
+``s`` started on device ``(i - s) mod n``, so it lies entirely in the past (``0 < s <= i``: no
+mask), on the diagonal (step 0: a lower-triangular mask) or entirely in the future (``s > i``:
+skipped with ``lax.cond``). Devices late in the ring therefore do more work than early ones; a
+striped or zig-zag token layout would balance that, at the price of a permuted sequence layout.
+
+Letters as in ``ops/attention.py``: B batch, T query length, S key length (== T here), N query
+heads, K key/value heads, G = N // K, H head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+__all__ = ["ring_attention"]
+
+# The same finite mask value as ops.dot_product_attention: exp() of it is exactly 0 and a fully
+# masked row stays finite. Kept local so that ``parallel`` depends only on JAX.
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def _check_inputs(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
+                  kv_mask_BS: jax.Array | None, segment_ids_BT: jax.Array | None) -> None:
+  if q_BTNH.ndim != 4 or k_BSKH.ndim != 4 or v_BSKH.ndim != 4:
+    raise ValueError(
+        f"q, k and v must be 4-D [B, T, N|K, H]; got q.shape={q_BTNH.shape}, "
+        f"k.shape={k_BSKH.shape}, v.shape={v_BSKH.shape}")
+  if k_BSKH.shape != v_BSKH.shape:
+    raise ValueError(f"k.shape={k_BSKH.shape} and v.shape={v_BSKH.shape} must be equal")
+  (b, t, n, h), (bk, s, kh, hk) = q_BTNH.shape, k_BSKH.shape
+  if b != bk or h != hk:
+    raise ValueError(
+        f"q.shape={q_BTNH.shape} and k.shape={k_BSKH.shape} must share batch B and head dim H")
+  if t != s:
+    raise ValueError(
+        f"ring attention is self-attention: query length T={t} must equal key length S={s}")
+  if n % kh:
+    raise ValueError(f"query heads N={n} must be a multiple of key/value heads K={kh}")
+  if kv_mask_BS is not None and kv_mask_BS.shape != (b, s):
+    raise ValueError(f"kv_mask_BS.shape={kv_mask_BS.shape} must be [B, S] = {(b, s)}")
+  if segment_ids_BT is not None and segment_ids_BT.shape != (b, t):
+    raise ValueError(f"segment_ids_BT.shape={segment_ids_BT.shape} must be [B, T] = {(b, t)}")
+
+
+def _block_attention(q_BTKGH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
+                     valid_BKGTS: jax.Array | None, scale: float
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Softmax statistics of one query block against one key/value block.
+
+  Returns ``(max [B,K,G,T], denominator [B,K,G,T], numerator [B,K,G,T,H])`` in float32, with
+  ``numerator / denominator`` the block's attention output. Masked entries contribute exactly 0;
+  a row with no valid key has max ``_MASK_VALUE`` and zero denominator and numerator.
+  """
+  logits_BKGTS = jnp.einsum(
+      "BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
+  logits_BKGTS = logits_BKGTS * jnp.float32(scale)
+  if valid_BKGTS is not None:
+    logits_BKGTS = jnp.where(valid_BKGTS, logits_BKGTS, _MASK_VALUE)
+  # The output does not depend on the value subtracted before exp(), so the max needs no gradient.
+  max_BKGT = jax.lax.stop_gradient(jnp.max(logits_BKGTS, axis=-1))
+  probs_BKGTS = jnp.exp(logits_BKGTS - max_BKGT[..., None])
+  if valid_BKGTS is not None:
+    probs_BKGTS = jnp.where(valid_BKGTS, probs_BKGTS, 0.0)
+  denom_BKGT = jnp.sum(probs_BKGTS, axis=-1)
+  numer_BKGTH = jnp.einsum(
+      "BKGTS,BSKH->BKGTH", probs_BKGTS.astype(v_BSKH.dtype), v_BSKH,
+      preferred_element_type=jnp.float32)
+  return max_BKGT, denom_BKGT, numer_BKGTH
+
+
+def _merge(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+  """Combines the softmax statistics of two disjoint key sets (the online-softmax update)."""
+  max_a, denom_a, numer_a = a
+  max_b, denom_b, numer_b = b
+  max_BKGT = jnp.maximum(max_a, max_b)
+  corr_a = jnp.exp(max_a - max_BKGT)
+  corr_b = jnp.exp(max_b - max_BKGT)
+  denom_BKGT = denom_a * corr_a + denom_b * corr_b
+  numer_BKGTH = numer_a * corr_a[..., None] + numer_b * corr_b[..., None]
+  return max_BKGT, denom_BKGT, numer_BKGTH
+
+
+def _kv_valid(kv_mask_BS: jax.Array | None, q_seg_BT: jax.Array | None,
+              kv_seg_BS: jax.Array | None) -> jax.Array | None:
+  """Boolean ``[B, 1, 1, T|1, S]`` from the key padding mask and segment ids, or None."""
+  valid = None
+  if kv_mask_BS is not None:
+    valid = kv_mask_BS[:, None, None, None, :]
+  if q_seg_BT is not None:
+    same_BTS = q_seg_BT[:, :, None] == kv_seg_BS[:, None, :]
+    same = same_BTS[:, None, None]
+    valid = same if valid is None else valid & same
+  return valid
+
+
+def _and(a: jax.Array | None, b: jax.Array | None) -> jax.Array | None:
+  if a is None:
+    return b
+  return a if b is None else a & b
+
+
+def _ring_body(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
+               kv_mask_BS: jax.Array | None, seg_BT: jax.Array | None, *, seq_axis: str,
+               axis_size: int, causal: bool, scale: float) -> jax.Array:
+  """Per-device program (inside ``shard_map``): local blocks in, local output block out."""
+  b, t, n, h = q_BTNH.shape
+  kh = k_BSKH.shape[2]
+  q_BTKGH = q_BTNH.reshape(b, t, kh, n // kh, h)
+  my_block = jax.lax.axis_index(seq_axis)
+  # Send to the next device, so that at step s a device holds the block of device (i - s) mod n.
+  perm = [(j, (j + 1) % axis_size) for j in range(axis_size)]
+
+  def attend(k_blk, v_blk, kvm_blk, kv_seg_blk, extra_valid=None):
+    valid = _and(_kv_valid(kvm_blk, seg_BT, kv_seg_blk), extra_valid)
+    return _block_attention(q_BTKGH, k_blk, v_blk, valid, scale)
+
+  # Recompute each step's attention in the backward pass instead of saving its [T/n, T/n] arrays.
+  attend = jax.checkpoint(attend, prevent_cse=False)
+
+  # Step 0: the diagonal block, the only one that needs the triangular part of a causal mask.
+  diag_TS = jnp.tril(jnp.ones((t, t), bool))[None, None, None] if causal else None
+  state = attend(k_BSKH, v_BSKH, kv_mask_BS, seg_BT, diag_TS)
+
+  def accumulate(state, blocks, s):
+    if not causal:
+      return _merge(state, attend(*blocks))
+    # The block held at step s started on device (i - s) mod n: entirely in the past iff s <= i,
+    # entirely in the future otherwise, and then skipped.
+    return jax.lax.cond(s <= my_block, lambda st, blk: _merge(st, attend(*blk)),
+                        lambda st, blk: st, state, blocks)
+
+  def step(carry, s):
+    state, blocks = carry
+    # Pass the block on before attending to it, so that communication can overlap compute.
+    next_blocks = jax.lax.ppermute(blocks, seq_axis, perm)
+    return (accumulate(state, blocks, s), next_blocks), None
+
+  if axis_size > 1:
+    blocks = jax.lax.ppermute((k_BSKH, v_BSKH, kv_mask_BS, seg_BT), seq_axis, perm)
+    (state, blocks), _ = jax.lax.scan(step, (state, blocks), jnp.arange(1, axis_size - 1))
+    # The last block received is not sent on again.
+    state = accumulate(state, blocks, axis_size - 1)
+
+  _, denom_BKGT, numer_BKGTH = state
+  # Rows with no valid key have zero numerator and denominator: divide by 1 to return zeros.
+  out_BKGTH = numer_BKGTH / jnp.where(denom_BKGT == 0.0, 1.0, denom_BKGT)[..., None]
+  out_BTNH = out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+  return out_BTNH.astype(q_BTNH.dtype)
+
+
+def _axis_sizes(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh) -> dict[str, int]:
+  return dict(zip(mesh.axis_names, mesh.axis_sizes))
+
+
+def ring_attention(
+    q_BTNH: jax.Array,
+    k_BSKH: jax.Array,
+    v_BSKH: jax.Array,
+    *,
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+    seq_axis: str = "sequence",
+    causal: bool = False,
+    kv_mask_BS: jax.Array | None = None,
+    segment_ids_BT: jax.Array | None = None,
+    scale: float | None = None,
+    batch_axes: Sequence[str] | None = ("data", "fsdp"),
+    head_axis: str | None = "tensor",
+) -> jax.Array:
+  """Self-attention ``softmax(scale * q k^T, masked) v`` with the length axis sharded over a ring.
+
+  Computes what ``ops.dot_product_attention(q, k, v, mask=..., causal=causal, scale=scale)``
+  computes (multi-, multi-query and grouped-query heads; float32 softmax; a query with no valid key
+  gives zeros), but with ``T`` split into equal blocks over the mesh axis ``seq_axis`` and the
+  key/value blocks passed around the ring (see the module docstring). Gradients work through it.
+
+  It wraps a ``jax.shard_map`` and is meant to be called on global arrays, eagerly or inside
+  ``jit`` under GSPMD: on a mesh of ``Auto`` axes (``jax.sharding.Mesh``'s default, which the
+  package's meshes use) arrays sharded otherwise are resharded to ``[batch_axes, seq_axis,
+  head_axis, -]`` on the way in and the output comes back sharded that way; on a mesh with
+  ``Explicit`` axes (``jax.make_mesh``'s default) the inputs are resharded explicitly and the output
+  is returned sharded like ``q``. Sharding the activations' length over ``seq_axis`` upstream
+  (logical axis ``length`` -> ``sequence``) makes both reshardings no-ops. An attention layer
+  plugs it in where it would call ``ops.dot_product_attention`` for self-attention without a
+  key/value cache, for example::
+
+    if ring_mesh is not None and kv_BSD is None and kv_cache is None and bias is None:
+      out_BTNH = ring_attention(q_BTNH, k_BSKH, v_BSKH, mesh=ring_mesh, causal=causal,
+                                kv_mask_BS=key_valid_BS, scale=self.scale)
+
+  after RoPE (positions must be the global ones, which ``jnp.arange(T)`` on the global array
+  already is). Dense ``[B, N, T, S]`` masks and additive biases (ALiBi, T5 buckets) are not
+  supported: express padding as ``kv_mask_BS`` and packing as ``segment_ids_BT``.
+
+  Args:
+    q_BTNH: queries ``[B, T, N, H]``.
+    k_BSKH: keys ``[B, S, K, H]`` with ``S == T`` and ``N % K == 0``.
+    v_BSKH: values ``[B, S, K, H]``.
+    mesh: the device mesh; default the one set by ``jax.set_mesh``.
+    seq_axis: mesh axis the length is split over; ``T`` must be a multiple of its size.
+    causal: query ``i`` attends only to keys ``j <= i`` (global positions).
+    kv_mask_BS: optional ``[B, S]`` bool (or 0/1), True for real keys; padded keys get no weight.
+    segment_ids_BT: optional ``[B, T]`` int ids of packed sequences; tokens attend only within
+      their own segment (``ops.segment_mask``).
+    scale: logits scale; default ``1 / sqrt(H)``.
+    batch_axes: mesh axes (or one axis) the batch is sharded over. Names the mesh lacks are left out; ``B`` must
+      be a multiple of the product of the sizes of the others.
+    head_axis: mesh axis the heads are sharded over, if the mesh has it. It is used only when
+      ``K`` is a multiple of its size (``N`` then is too); otherwise (e.g. MQA under tensor
+      parallelism) heads are replicated over it and each device computes all of them.
+
+  Returns:
+    ``[B, T, N, H]`` in q's dtype, sharded ``[batch_axes, seq_axis, head_axis, -]`` (like ``q`` on
+    an ``Explicit`` mesh).
+
+  Raises:
+    ValueError: on inconsistent shapes, a missing ``seq_axis``, a ``seq_axis`` also named in
+      ``batch_axes``/``head_axis``, or a length or batch not divisible by its mesh axes.
+  """
+  _check_inputs(q_BTNH, k_BSKH, v_BSKH, kv_mask_BS, segment_ids_BT)
+  if mesh is None:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+      raise ValueError("ring_attention needs a mesh: pass mesh= or call it under jax.set_mesh")
+  sizes = _axis_sizes(mesh)
+  if seq_axis not in sizes:
+    raise ValueError(f"seq_axis={seq_axis!r} is not an axis of the mesh {tuple(sizes)}")
+  if isinstance(batch_axes, str):
+    batch_axes = (batch_axes,)
+  batch_axes = tuple(a for a in (batch_axes or ()) if a in sizes)
+  if seq_axis in batch_axes or seq_axis == head_axis:
+    raise ValueError(
+        f"seq_axis={seq_axis!r} cannot also be a batch axis {batch_axes} or the head axis "
+        f"{head_axis!r}")
+
+  b, t, n, h = q_BTNH.shape
+  kh = k_BSKH.shape[2]
+  axis_size = sizes[seq_axis]
+  if t % axis_size:
+    raise ValueError(
+        f"sequence length T={t} is not divisible by the size {axis_size} of mesh axis "
+        f"{seq_axis!r}")
+  batch_size = 1
+  for a in batch_axes:
+    batch_size *= sizes[a]
+  if b % batch_size:
+    raise ValueError(
+        f"batch B={b} is not divisible by {batch_size}, the size of mesh axes {batch_axes}")
+  head = head_axis if head_axis in sizes and kh % sizes[head_axis] == 0 else None
+
+  batch = batch_axes if batch_axes else None
+  x_spec = P(batch, seq_axis, head, None)
+  bt_spec = P(batch, seq_axis)
+  if kv_mask_BS is not None:
+    kv_mask_BS = kv_mask_BS.astype(bool)
+  body = functools.partial(
+      _ring_body, seq_axis=seq_axis, axis_size=axis_size, causal=causal,
+      scale=h**-0.5 if scale is None else scale)
+  mapped = jax.shard_map(
+      body, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, bt_spec, bt_spec), out_specs=x_spec)
+  args = (q_BTNH, k_BSKH, v_BSKH, kv_mask_BS, segment_ids_BT)
+  if jax.sharding.AxisType.Explicit not in mesh.axis_types:
+    return mapped(*args)  # Auto axes: GSPMD reshards the inputs to the specs.
+  # Explicit axes: shard_map takes arguments already sharded as in_specs; hand the output back
+  # sharded like q, as a drop-in for ops.dot_product_attention.
+  q_spec = jax.typeof(q_BTNH).sharding.spec
+  args = [None if a is None else jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh, spec))
+          for a, spec in zip(args, (x_spec, x_spec, x_spec, bt_spec, bt_spec))]
+  out_BTNH = mapped(*args)
+  return jax.sharding.reshard(out_BTNH, jax.sharding.NamedSharding(mesh, q_spec))
