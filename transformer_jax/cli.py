@@ -68,6 +68,11 @@ def _cmd_prepare(args) -> int:
 
 
 def _cmd_train(args) -> int:
+  from transformer_jax.parallel import distributed
+  # Before anything touches JAX: a multi-process job must be joined before its backend starts.
+  if distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
+                            auto=args.distributed):
+    distributed.log_topology()
   from transformer_jax.train import TrainingDiverged, load_experiment, train
   exp = load_experiment(args.config, args.overrides)
   try:
@@ -132,6 +137,15 @@ def build_parser() -> argparse.ArgumentParser:
   train.add_argument("config")
   train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=200")
   train.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+  train.add_argument("--distributed", action="store_true",
+                     help="multi-process: jax.distributed.initialize() detects the cluster (TPU "
+                     "pod, SLURM, Open MPI)")
+  train.add_argument("--coordinator-address", metavar="HOST:PORT", default=None,
+                     help="multi-process: process 0's address (else $JAX_COORDINATOR_ADDRESS)")
+  train.add_argument("--num-processes", metavar="N", type=int, default=None,
+                     help="multi-process: number of processes (else $JAX_NUM_PROCESSES)")
+  train.add_argument("--process-id", metavar="I", type=int, default=None,
+                     help="multi-process: this process's id in [0, N) (else $JAX_PROCESS_ID)")
   train.set_defaults(func=_cmd_train)
 
   ev = sub.add_parser("eval", help="evaluate a run directory's latest (or best) checkpoint")

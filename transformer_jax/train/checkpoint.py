@@ -4,6 +4,12 @@ A checkpoint step holds three items: ``params`` (the model's ``nnx.State``), ``o
 ``meta`` (JSON: step, loader state). Evaluation and conversion restore ``params`` alone. The best
 parameters by validation loss are kept apart in ``checkpoints/best`` so that "keep the last N"
 never deletes them.
+
+Multi-host: every process calls every method here (orbax synchronises them); each writes the shards
+of its own devices and process 0 alone writes metadata and JSON. A restore places arrays where its
+target says: give ``jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))`` leaves
+(or arrays) and each array lands directly on those shards, whatever mesh or device count saved it.
+Leaves without a sharding go to :func:`default_sharding`.
 """
 
 from __future__ import annotations
@@ -12,14 +18,41 @@ import os
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 import yaml
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, Sharding
 
 from transformer_jax import models
 
 
-def _abstract(tree):
-  return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+def default_sharding() -> Sharding:
+  """Where a restored array goes when its target names no sharding.
+
+  A single process: its first local device. A multi-process job: replicated over every device, so
+  that each process holds the arrays it computes with.
+  """
+  if jax.process_count() == 1:
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  return NamedSharding(Mesh(np.asarray(jax.devices()), ("devices",)), P())
+
+
+def abstract_target(tree, sharding: Sharding | None = None):
+  """``tree`` as ``ShapeDtypeStruct`` leaves for a restore, each with a sharding.
+
+  Leaves may be arrays or ``ShapeDtypeStruct``; a leaf's own sharding is kept. Leaves without one
+  get ``sharding`` (default :func:`default_sharding`), since orbax can only fall back on the
+  sharding saved in the checkpoint, which names the devices of the job that wrote it.
+  """
+  fallback = default_sharding() if sharding is None else sharding
+
+  def leaf(x):
+    s = ocp.utils.to_shape_dtype_struct(x)
+    if not isinstance(s, jax.ShapeDtypeStruct) or s.sharding is not None:
+      return s
+    return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=fallback)
+
+  return jax.tree.map(leaf, tree)
 
 
 class Checkpoints:
@@ -48,12 +81,31 @@ class Checkpoints:
     self.best.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)),
                    metrics={"val_loss": float(val_loss)})
 
-  def restore(self, step: int, params, opt_state):
-    """Restores (params, opt_state, meta) of ``step`` into the structure of the given trees."""
-    out = self.latest.restore(step, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(_abstract(params)),
-        opt_state=ocp.args.StandardRestore(_abstract(opt_state)), meta=ocp.args.JsonRestore()))
-    return out.params, out.opt_state, out.meta
+  def has_opt_state(self, step: int) -> bool:
+    """Whether ``step`` holds optimizer state (a converted model holds parameters only)."""
+    # A fresh manager cannot describe items it has no handler for yet: look at the files instead.
+    return os.path.isdir(os.path.join(self.directory, str(step), "opt_state"))
+
+  def restore(self, step: int, params, opt_state, *, sharding: Sharding | None = None):
+    """Restores ``(params, opt_state, meta)`` of ``step`` into the structure of the given trees.
+
+    Args:
+      step: The checkpoint step.
+      params: Target parameters: arrays or ``ShapeDtypeStruct`` leaves. Each restored array takes
+        the leaf's sharding, so a mesh different from the one that saved is fine.
+      opt_state: Target optimizer state, likewise.
+      sharding: For leaves without a sharding (default :func:`default_sharding`).
+
+    Returns:
+      ``(params, opt_state, meta)``; ``opt_state`` is None when ``step`` has none (see
+      :meth:`has_opt_state`): start a fresh optimizer then.
+    """
+    items = dict(params=ocp.args.StandardRestore(abstract_target(params, sharding)),
+                 meta=ocp.args.JsonRestore())
+    if self.has_opt_state(step):
+      items["opt_state"] = ocp.args.StandardRestore(abstract_target(opt_state, sharding))
+    out = self.latest.restore(step, args=ocp.args.Composite(**items))
+    return out.params, out.get("opt_state"), out.meta
 
   def wait(self) -> None:
     self.latest.wait_until_finished()
@@ -64,16 +116,27 @@ class Checkpoints:
     self.best.close()
 
 
-def restore_params(directory: str, config: models.ModelConfig, *, best: bool = False):
-  """The model parameters of the latest (or best) checkpoint under ``directory``."""
+def restore_params(directory: str, config: models.ModelConfig, *, best: bool = False,
+                   target=None, sharding: Sharding | None = None):
+  """The model parameters of the latest (or best) checkpoint under ``directory``, and its step.
+
+  Args:
+    directory: A ``checkpoints/`` directory.
+    config: The model's config (gives the parameter shapes).
+    best: Restore ``best/`` (the lowest validation loss) instead of the latest step.
+    target: Parameter shapes with shardings (``ShapeDtypeStruct`` leaves) to restore into; default
+      the model's shapes.
+    sharding: For target leaves without a sharding (default :func:`default_sharding`).
+  """
   directory = os.path.abspath(directory)
   if best:
     directory = os.path.join(directory, "best")
   manager = ocp.CheckpointManager(directory)
   step = manager.latest_step() if not best else (manager.best_step() or manager.latest_step())
   if step is None:
+    manager.close()
     raise ValueError(f"no checkpoint found in {directory}")
-  abstract = _abstract(models.init_abstract(config))
+  abstract = abstract_target(models.init_abstract(config) if target is None else target, sharding)
   params = manager.restore(step, args=ocp.args.Composite(
       params=ocp.args.StandardRestore(abstract))).params
   manager.close()
@@ -94,9 +157,10 @@ def save_model(run_dir: str, config: models.ModelConfig, params) -> None:
 
   ``tjax eval`` reads it, and ``tjax train`` fine-tunes from it (the optimizer starts fresh).
   """
-  os.makedirs(run_dir, exist_ok=True)
-  with open(os.path.join(run_dir, "model.yaml"), "w") as f:
-    yaml.safe_dump(model_spec(config), f, sort_keys=False)
+  if jax.process_index() == 0:
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "model.yaml"), "w") as f:
+      yaml.safe_dump(model_spec(config), f, sort_keys=False)
   ckpt = Checkpoints(os.path.join(run_dir, "checkpoints"), async_save=False)
   ckpt.latest.save(0, args=ocp.args.Composite(
       params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave({"step": 0, "loader": None})))
