@@ -19,7 +19,7 @@ import pytest
 import yaml
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from transformer_jax import cli, data, models
+from transformer_jax import cli, data, models, parallel
 from transformer_jax.parallel import distributed
 from transformer_jax.train import load_experiment
 from transformer_jax.train import step as step_lib
@@ -28,7 +28,7 @@ from transformer_jax.train.checkpoint import Checkpoints
 from transformer_jax.train.optim import make_optimizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-MESH = "mesh.data=8"      # the two-process run's mesh: one override string
+MESH = "mesh.data=2 mesh.fsdp=4"  # the two-process run: FSDP spanning both processes
 STEPS = 3                 # checkpoints at STEPS - 1 and STEPS
 TIMEOUT_S = 300
 TINY_GPT = {"preset": "gpt2-tiny", "d_model": 32, "num_layers": 2, "num_heads": 2, "d_ff": 64,
@@ -171,31 +171,34 @@ def _check_restore_onto_other_meshes_gives_identical_params(run_dir):
 
 
 def _check_restore_and_one_step_matches_the_continued_run(run_dir):
-  """Step STEPS - 1 restored on 4 devices, plus one step here == step STEPS of the 2-process run."""
-  mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
-  rep = NamedSharding(mesh, P())
-  config, exp, optimizer, params, opt_state = _targets(run_dir, mesh, lambda shape: P())
+  """Step STEPS - 1 restored the way the trainer resumes, onto all 8 local devices as
+  fsdp=4 x tensor=2 (the run used data=2 x fsdp=4 over two processes), plus one sharded train step
+  == step STEPS of the two-process run (logged loss and saved parameters)."""
+  with open(os.path.join(run_dir, "model.yaml")) as f:
+    config = models.config_from_dict(yaml.safe_load(f))
+  exp = load_experiment(os.path.join(run_dir, "config.yaml"))
+  optimizer = make_optimizer(exp.train)
+  mesh = parallel.make_mesh({"fsdp": 4, "tensor": 2})
+  target = step_lib.abstract_state(config, optimizer, mesh)
   ckpt = Checkpoints(os.path.join(run_dir, "checkpoints"), async_save=False)
-  params, opt_state, meta = ckpt.restore(STEPS - 1, params, opt_state)
-  expected, _, _ = ckpt.restore(STEPS, params, opt_state)
+  params, opt_state, meta = ckpt.restore(STEPS - 1, target.params, target.opt_state)
+  expected, _, _ = ckpt.restore(STEPS, target.params, target.opt_state)
   ckpt.close()
   assert meta["loader"] == {"step": STEPS - 1}
+  assert any("tensor" in str(a.sharding.spec) for a in jax.tree.leaves(params))
 
   t = exp.train
   task = tasks_lib.get_task("gpt")
-  state = step_lib.TrainState(step=jax.device_put(jnp.int32(STEPS - 1), rep), params=params,
-                              opt_state=opt_state)
-  train_step = jax.jit(
+  state = step_lib.place_state(step_lib.TrainState(step=np.int32(STEPS - 1), params=params,
+                                                   opt_state=opt_state), mesh)
+  train_step = step_lib.jit_train_step(
       step_lib.make_train_step(models.graphdef(config), task, optimizer, seed=t.seed,
                                microbatches=t.microbatches, label_smoothing=t.label_smoothing,
-                               z_loss=t.z_loss),
-      in_shardings=(jax.tree.map(lambda _: rep, state), NamedSharding(mesh, P("data"))),
-      out_shardings=rep)
+                               z_loss=t.z_loss), mesh, state)
   loader = data.GPTLoader(data.load_dataset(exp.data.path), batch_size=t.batch_size,
                           seq_len=t.seq_len, seed=t.seed, process_index=0, process_count=1)
-  batch = {k: jax.device_put(v, NamedSharding(mesh, P("data")))
-           for k, v in loader.batch_at(STEPS - 1).items() if k in task.keys}
-  new_state, metrics = train_step(state, batch)
+  new_state, metrics = train_step(state, step_lib.shard_batch(loader.batch_at(STEPS - 1), mesh,
+                                                              task.keys))
 
   logged = next(r for r in _metrics(run_dir) if r["step"] == STEPS and "loss" in r)
   assert abs(float(metrics["loss"]) - logged["loss"]) < 1e-5

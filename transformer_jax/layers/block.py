@@ -83,13 +83,15 @@ class Block(nnx.Module):
                encoder_bias: jax.Array | None = None,
                dropout_rng: jax.Array | None = None,
                kv_cache: dict | None = None,
-               cache_index: jax.Array | None = None) -> jax.Array | tuple[jax.Array, dict]:
+               cache_index: jax.Array | None = None,
+               mask_parts=None) -> jax.Array | tuple[jax.Array, dict]:
     """Args: x ``[B, T, D]``; masks/biases broadcastable to ``[B, N, T, S]``; encoder_out ``[B, S, D]``.
 
     ``kv_cache`` (decoding) is ``{"self": (k, v)}`` plus, for cross-attention blocks,
     ``"cross": (k, v)`` projected once from the encoder output (``encoder_out`` is then unused);
     each array is ``[B, S, K, H]``. Self-attention writes at ``cache_index`` ``[B]``. With a cache
-    the block returns ``(x, new_kv_cache)``.
+    the block returns ``(x, new_kv_cache)``. ``mask_parts``: the self-attention mask by parts
+    (``layers.attention.MaskParts``), for ring attention.
     """
     if kv_cache is not None:
       return self._cached(x_BTD, kv_cache, cache_index, mask=mask, bias=bias,
@@ -100,7 +102,7 @@ class Block(nnx.Module):
     attn_drop = cfg.attention_dropout_rate
     x = self._residual(x_BTD, self.attn_norm, lambda h: self.attn(
         h, mask=mask, bias=bias, positions=positions, dropout_rate=attn_drop,
-        dropout_rng=r_attn_w), r_attn)
+        dropout_rng=r_attn_w, mask_parts=mask_parts), r_attn)
     if self.cross_attn is not None:
       if encoder_out is None:
         raise ValueError("this block has cross-attention: pass encoder_out [B, S, D]")

@@ -13,8 +13,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from transformer_jax.layers.attention import StackedKV
 from transformer_jax.layers.block import Block, BlockConfig
 from transformer_jax.parallel import axes as ax
+from transformer_jax.parallel.rules import ACTIVATION_BTD, constrain
 
 Remat = Literal["none", "full", "dots"]
 
@@ -59,6 +61,8 @@ class Stack(nnx.Module):
 
     def body(x, layer):
       layer_params, key = layer
+      # Block boundary: under a mesh, activations split over batch (and length), width whole.
+      x = constrain(x, ACTIVATION_BTD)
       return nnx.merge(graphdef, layer_params)(x, dropout_rng=key, **block_kwargs), None
 
     if self.remat != "none":
@@ -66,25 +70,51 @@ class Stack(nnx.Module):
     if self.unroll:
       for i in range(self.num_layers):
         x_BTD, _ = body(x_BTD, jax.tree.map(lambda a: a[i], (params, keys)))
-      return x_BTD
+      return constrain(x_BTD, ACTIVATION_BTD)
     x_BTD, _ = jax.lax.scan(body, x_BTD, (params, keys))
-    return x_BTD
+    return constrain(x_BTD, ACTIVATION_BTD)
 
   def _cached(self, x_BTD, kv_cache, **block_kwargs):
-    """Scans over the layers and their cache slices together (inference: no dropout, no remat)."""
+    """The layers at inference (no dropout, no remat) against the ``[L, ...]`` caches.
+
+    Each layer writes its new keys/values into the stacked cache arrays in place (``StackedKV``);
+    the cache is threaded from layer to layer, never sliced out and stacked back. ``kv_cache`` may
+    also hold ``"layers"``: this stack's parameters already split into one state per layer
+    (``split_layers``). A decoding loop splits them once, outside the loop, and the layers then run
+    unrolled on them; otherwise (prefill) the layers are scanned and each layer's weights are
+    sliced out of the stacked ones.
+    """
     graphdef, params = nnx.split(self.layers)
+    layers = kv_cache.get("layers")
+    k, v = kv_cache["self"]
+    cross = kv_cache.get("cross")
 
-    def body(x, layer):
-      layer_params, layer_cache = layer
-      return nnx.merge(graphdef, layer_params)(x, kv_cache=layer_cache, **block_kwargs)
+    def body(x, k, v, layer_params, i):
+      caches = {"self": StackedKV(k, v, i)}
+      if cross is not None:
+        caches["cross"] = StackedKV(cross[0], cross[1], i)
+      x, new = nnx.merge(graphdef, layer_params)(x, kv_cache=caches, **block_kwargs)
+      return x, new["self"].k, new["self"].v
 
-    if self.unroll:
-      outs = []
-      for i in range(self.num_layers):
-        x_BTD, c = body(x_BTD, jax.tree.map(lambda a: a[i], (params, kv_cache)))
-        outs.append(c)
-      return x_BTD, jax.tree.map(lambda *a: jnp.stack(a), *outs)
-    return jax.lax.scan(body, x_BTD, (params, kv_cache))
+    if layers is None and self.unroll:
+      layers = self.split_layers()
+    if layers is not None:
+      for i, layer_params in enumerate(layers):
+        x_BTD, k, v = body(x_BTD, k, v, layer_params, i)
+    else:
+      def scan_body(carry, layer):
+        return body(*carry, *layer), None
+      (x_BTD, k, v), _ = jax.lax.scan(scan_body, (x_BTD, k, v),
+                                      (params, jnp.arange(self.num_layers)))
+    new_cache = {"self": (k, v)}
+    if cross is not None:
+      new_cache["cross"] = cross
+    return x_BTD, new_cache
+
+  def split_layers(self) -> tuple[nnx.State, ...]:
+    """This stack's parameters as one state per layer (each array sliced out of the stacked one)."""
+    _, params = nnx.split(self.layers)
+    return tuple(jax.tree.map(lambda a: a[i], params) for i in range(self.num_layers))
 
   def map_layers(self, fn):
     """``fn(block)`` for every layer, outputs stacked along a leading ``[L]`` axis (e.g. the

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from transformer_jax import ops
-from transformer_jax.layers import Embed, Norm, Projection, Stack
+from transformer_jax.layers import Embed, MaskParts, Norm, Projection, Stack
 from transformer_jax.layers.common import param, zeros
 from transformer_jax.models.common import check_length, check_same_shape, check_tokens
 from transformer_jax.models.config import BERTConfig
@@ -78,7 +78,8 @@ class BERT(nnx.Module):
     x_BTD = self.embed(tokens) + self.pos_embed(positions) + self.type_embed(token_types)
     x_BTD = ops.dropout(self.embed_norm(x_BTD), c.dropout_rate, embed_rng)
     mask = None if attention_mask is None else ops.padding_mask(attention_mask)
-    x_BTD = self.blocks(x_BTD, mask=mask, dropout_rng=blocks_rng)
+    x_BTD = self.blocks(x_BTD, mask=mask, dropout_rng=blocks_rng,
+                        mask_parts=MaskParts(kv_valid_BS=attention_mask))
     pooled_BD = jnp.tanh(self.pooler(x_BTD[:, 0]))
     return x_BTD, pooled_BD
 

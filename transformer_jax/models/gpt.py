@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from transformer_jax import ops
-from transformer_jax.layers import Embed, Norm, Projection, Stack
+from transformer_jax.layers import Embed, MaskParts, Norm, Projection, Stack
 from transformer_jax.models.common import check_length, check_same_shape, check_tokens
 from transformer_jax.models.config import GPTConfig
 from transformer_jax.parallel import axes as ax
@@ -97,8 +97,11 @@ class GPT(nnx.Module):
     if c.sliding_window is not None:
       mask = ops.and_masks(mask, ops.sliding_window_mask(t, t, c.sliding_window))
     bias = ops.alibi_bias(c.num_heads, t, t) if c.position == "alibi" else None
+    parts = (MaskParts(causal=True, kv_valid_BS=attention_mask, segment_ids_BT=segment_ids)
+             if c.sliding_window is None else None)
 
-    x_BTD = self.blocks(x_BTD, mask=mask, bias=bias, positions=positions, dropout_rng=blocks_rng)
+    x_BTD = self.blocks(x_BTD, mask=mask, bias=bias, positions=positions, dropout_rng=blocks_rng,
+                        mask_parts=parts)
     return self.final_norm(x_BTD)
 
   def _cached_hidden_states(self, tokens, kv_cache, cache_index):

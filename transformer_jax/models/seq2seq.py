@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from transformer_jax import ops
-from transformer_jax.layers import Embed, Norm, Projection, RelativePositionBias, Stack
+from transformer_jax.layers import Embed, MaskParts, Norm, Projection, RelativePositionBias, Stack
 from transformer_jax.models.common import check_length, check_same_shape, check_tokens
 from transformer_jax.models.config import Seq2SeqConfig
 from transformer_jax.parallel import axes as ax
@@ -63,7 +63,8 @@ class Seq2Seq(nnx.Module):
     s = src.shape[1]
     mask = None if src_mask is None else ops.padding_mask(src_mask)
     bias = None if self.encoder_rel_bias is None else self.encoder_rel_bias(s, s)
-    x_BSD = self.encoder(self._embed(src, embed_rng), mask=mask, bias=bias, dropout_rng=blocks_rng)
+    x_BSD = self.encoder(self._embed(src, embed_rng), mask=mask, bias=bias, dropout_rng=blocks_rng,
+                         mask_parts=MaskParts(kv_valid_BS=src_mask))
     if self.encoder_norm is not None:
       x_BSD = ops.dropout(self.encoder_norm(x_BSD), c.dropout_rate, out_rng)
     return x_BSD
@@ -95,7 +96,8 @@ class Seq2Seq(nnx.Module):
     cross_mask = None if src_mask is None else ops.padding_mask(src_mask)
     bias = None if self.decoder_rel_bias is None else self.decoder_rel_bias(t, t)
     x_BTD = self.decoder(self._embed(tgt_in, embed_rng), mask=self_mask, bias=bias,
-                         encoder_out=encoder_out, encoder_mask=cross_mask, dropout_rng=blocks_rng)
+                         encoder_out=encoder_out, encoder_mask=cross_mask, dropout_rng=blocks_rng,
+                         mask_parts=MaskParts(causal=True, kv_valid_BS=tgt_mask))
     if self.decoder_norm is not None:
       x_BTD = ops.dropout(self.decoder_norm(x_BTD), c.dropout_rate, out_rng)
     if self.lm_head is not None:

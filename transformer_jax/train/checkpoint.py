@@ -78,6 +78,10 @@ class Checkpoints:
         meta=ocp.args.JsonSave(meta)))
 
   def save_best(self, step: int, params, val_loss: float) -> None:
+    # Two managers saving the same step at once would run orbax's multi-host barriers under the
+    # same names ("... is already ongoing"): let the training checkpoint finish first.
+    if jax.process_count() > 1:
+      self.latest.wait_until_finished()
     self.best.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)),
                    metrics={"val_loss": float(val_loss)})
 

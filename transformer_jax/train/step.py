@@ -15,8 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx, struct
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
+from transformer_jax import models, parallel
+from transformer_jax.parallel.mesh import batch_sharding, make_mesh, replicated
 from transformer_jax.train import tasks as tasks_lib
 
 
@@ -99,45 +101,71 @@ def make_eval_step(graphdef: nnx.GraphDef, task) -> Callable:
 
 
 # -------------------------------------------------------------------------------------------------
-# Data parallelism over a mesh.
+# Sharded state and steps on a mesh (data, fsdp, tensor, sequence; see ``transformer_jax.parallel``).
 
 
-def make_mesh(shape: dict[str, int] | None = None, devices=None) -> Mesh:
-  """A mesh with axes (data, fsdp, tensor, sequence); one entry may be -1 (the remaining devices)."""
-  devices = np.asarray(jax.devices() if devices is None else devices)
-  shape = dict(shape or {"data": -1})
-  names = ("data", "fsdp", "tensor", "sequence")
-  sizes = [shape.get(n, 1) for n in names]
-  free = [i for i, s in enumerate(sizes) if s == -1]
-  if len(free) > 1:
-    raise ValueError(f"only one mesh axis may be -1; got {dict(zip(names, sizes))}")
-  known = int(np.prod([s for s in sizes if s != -1]))
-  if free:
-    if devices.size % known:
-      raise ValueError(f"mesh {dict(zip(names, sizes))} does not divide {devices.size} devices")
-    sizes[free[0]] = devices.size // known
-  if int(np.prod(sizes)) != devices.size:
-    raise ValueError(
-        f"mesh {dict(zip(names, sizes))} has {int(np.prod(sizes))} devices, but there are "
-        f"{devices.size}")
-  return Mesh(devices.reshape(sizes), names)
+def state_shardings(state: TrainState, mesh: Mesh, rules: parallel.Rules = parallel.RULES):
+  """``NamedSharding`` of every leaf of ``state`` (arrays or shapes): parameters by their logical
+  axes, optimizer moments like their parameters, counters replicated."""
+  params = parallel.param_shardings(state.params, mesh, rules)
+  return TrainState(step=replicated(mesh), params=params,
+                    opt_state=parallel.shardings_like(state.opt_state, state.params, params, mesh))
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """Batch rows split over the data-parallel axes."""
-  return NamedSharding(mesh, P(("data", "fsdp")))
+def abstract_state(model_config, optimizer: optax.GradientTransformation, mesh: Mesh,
+                   rules: parallel.Rules = parallel.RULES) -> TrainState:
+  """The train state as ``ShapeDtypeStruct`` leaves carrying their shardings: nothing allocated.
+
+  A restore target (orbax places each array straight onto its shards) and what ``--dry-run``
+  compiles against."""
+  params = models.init_abstract(model_config)
+  state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
+                     opt_state=jax.eval_shape(optimizer.init, params))
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
+                      state_shardings(state, mesh, rules))
 
 
-def replicated(mesh: Mesh) -> NamedSharding:
-  return NamedSharding(mesh, P())
+def init_state(model_config, optimizer: optax.GradientTransformation, mesh: Mesh,
+               key: jax.Array, rules: parallel.Rules = parallel.RULES) -> TrainState:
+  """A fresh train state initialised directly sharded: one jitted function whose outputs are laid
+  out on the mesh, so no device ever holds more than its shards (a model too large for one device
+  is never materialised on one)."""
+  shardings = jax.tree.map(lambda a: a.sharding,
+                           abstract_state(model_config, optimizer, mesh, rules))
+  make = lambda k: create_state(models.init(model_config, k), optimizer)
+  return jax.jit(make, out_shardings=shardings)(key)
 
 
-def jit_train_step(train_step: Callable, mesh: Mesh, state: TrainState):
-  """Compiles ``train_step`` with replicated state and a data-sharded batch (donating the state)."""
-  rep = replicated(mesh)
-  state_sharding = jax.tree.map(lambda _: rep, state)
-  return jax.jit(train_step, in_shardings=(state_sharding, batch_sharding(mesh)),
-                 out_shardings=(state_sharding, rep), donate_argnums=(0,))
+def place_state(state: TrainState, mesh: Mesh, rules: parallel.Rules = parallel.RULES):
+  """``state`` (host or device arrays) laid out on ``mesh``."""
+  return jax.device_put(state, state_shardings(state, mesh, rules))
+
+
+def _in_mesh(fn: Callable, mesh: Mesh, rules: parallel.Rules) -> Callable:
+  """``fn`` traced with the mesh active, so layers pin activations and may use ring attention."""
+
+  def wrapped(*args):
+    with parallel.activation_sharding(mesh, rules):
+      return fn(*args)
+
+  return wrapped
+
+
+def jit_train_step(train_step: Callable, mesh: Mesh, state: TrainState,
+                   rules: parallel.Rules = parallel.RULES):
+  """Compiles ``train_step`` for ``mesh``: state sharded by the rules (and donated), the batch split
+  over the data axes, metrics replicated."""
+  shardings = state_shardings(state, mesh, rules)
+  return jax.jit(_in_mesh(train_step, mesh, rules),
+                 in_shardings=(shardings, batch_sharding(mesh)),
+                 out_shardings=(shardings, replicated(mesh)), donate_argnums=(0,))
+
+
+def jit_eval_step(eval_step: Callable, mesh: Mesh, params, rules: parallel.Rules = parallel.RULES):
+  """Compiles ``eval_step(params, batch)`` for ``mesh`` (parameters sharded as in training)."""
+  return jax.jit(_in_mesh(eval_step, mesh, rules),
+                 in_shardings=(parallel.param_shardings(params, mesh, rules), batch_sharding(mesh)),
+                 out_shardings=replicated(mesh))
 
 
 def shard_batch(batch: dict[str, np.ndarray], mesh: Mesh, keys=None) -> dict[str, jax.Array]:

@@ -16,6 +16,14 @@ from transformer_jax import ops
 Batch = dict[str, jax.Array]
 
 
+def _shapes(batch_size: int, seq_len: int, ints=(), bools=(), rows=()) -> dict:
+  """``ShapeDtypeStruct`` batch: int32/bool ``[B, T]`` fields and int32 ``[B]`` fields."""
+  out = {k: jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32) for k in ints}
+  out.update({k: jax.ShapeDtypeStruct((batch_size, seq_len), jnp.bool_) for k in bools})
+  out.update({k: jax.ShapeDtypeStruct((batch_size,), jnp.int32) for k in rows})
+  return out
+
+
 def _ce_sum(logits, labels, mask, label_smoothing, z_loss):
   loss, count = ops.cross_entropy(logits, labels, mask=mask, label_smoothing=label_smoothing,
                                   z_loss=z_loss)
@@ -35,6 +43,12 @@ class GPTTask:
   @staticmethod
   def counts(batch: Batch) -> dict[str, jax.Array]:
     return {"lm": jnp.sum(batch["loss_mask"].astype(jnp.float32))}
+
+  @staticmethod
+  def batch_shapes(batch_size: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """The shapes of a batch (what ``--dry-run`` compiles against)."""
+    return _shapes(batch_size, seq_len, ints=("tokens", "labels", "segment_ids", "positions"),
+                   bools=("loss_mask",))
 
   @staticmethod
   def sums(model, batch: Batch, rng, *, label_smoothing=0.0, z_loss=0.0):
@@ -63,6 +77,11 @@ class BERTTask:
   def counts(batch: Batch) -> dict[str, jax.Array]:
     return {"mlm": jnp.sum(batch["mlm_mask"].astype(jnp.float32)),
             "nsp": jnp.sum(jnp.any(batch["attention_mask"], -1).astype(jnp.float32))}
+
+  @staticmethod
+  def batch_shapes(batch_size: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
+    return _shapes(batch_size, seq_len, ints=("tokens", "token_types", "mlm_labels"),
+                   bools=("attention_mask", "mlm_mask"), rows=("nsp_labels",))
 
   def sums(self, model, batch: Batch, rng, *, label_smoothing=0.0, z_loss=0.0):
     x_BTD, pooled_BD = model.encode(batch["tokens"], batch["token_types"], batch["attention_mask"],
@@ -96,6 +115,12 @@ class Seq2SeqTask:
   @staticmethod
   def counts(batch: Batch) -> dict[str, jax.Array]:
     return {"s2s": jnp.sum(batch["tgt_mask"].astype(jnp.float32))}
+
+  @staticmethod
+  def batch_shapes(batch_size: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """Source and target both ``seq_len`` long (the loader's buckets vary; this is the longest)."""
+    return _shapes(batch_size, seq_len, ints=("src", "tgt_in", "tgt_out"),
+                   bools=("src_mask", "tgt_mask"))
 
   @staticmethod
   def sums(model, batch: Batch, rng, *, label_smoothing=0.0, z_loss=0.0):

@@ -22,7 +22,7 @@ import numpy as np
 import yaml
 
 from transformer_jax import data as data_lib
-from transformer_jax import models
+from transformer_jax import models, parallel
 from transformer_jax.train import sampling
 from transformer_jax.train import step as step_lib
 from transformer_jax.train import tasks as tasks_lib
@@ -53,6 +53,9 @@ def ensure_dataset(exp: Experiment) -> data_lib.Dataset:
       print(f"preparing {', '.join(d.inputs)} -> {path}", flush=True)
       data_lib.prepare(list(d.inputs), path, tokenizer=d.tokenizer, compact_vocab=d.compact_vocab,
                        task=d.task, val_fraction=d.val_fraction, seed=exp.train.seed)
+  if jax.process_count() > 1:  # the others wait for process 0's preparation
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices("tjax dataset")
   dataset = data_lib.load_dataset(path)
   shared_format = {dataset.task, d.task} <= {"gpt", "bert"}  # both read plain text documents
   if dataset.task != d.task and not shared_format:
@@ -202,15 +205,11 @@ class Run:
       raise ValueError(f"data.task={exp.data.task!r} does not fit a {type(model_config).__name__}"
                        f" (use data.task={expected!r})")
     m = exp.mesh
-    if (m.fsdp, m.tensor, m.sequence) != (1, 1, 1):
-      raise ValueError(f"mesh fsdp={m.fsdp} tensor={m.tensor} sequence={m.sequence}: only data "
-                       "parallelism is implemented so far; set them to 1")
-    mesh = step_lib.make_mesh({"data": m.data})
-    n_data = mesh.shape["data"]
-    if exp.train.batch_size % (n_data * exp.train.microbatches):
-      raise ValueError(f"train.batch_size={exp.train.batch_size} must be divisible by "
-                       f"{n_data} data-parallel devices x train.microbatches="
-                       f"{exp.train.microbatches}")
+    mesh = parallel.make_mesh({"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor,
+                               "sequence": m.sequence})
+    seq_len = exp.train.seq_len if exp.data.task != "seq2seq" else None
+    parallel.check_config(model_config, mesh, batch_size=exp.train.batch_size, seq_len=seq_len,
+                          microbatches=exp.train.microbatches)
     options = {}
     if exp.data.task == "bert":
       # The loader masks max(1, round(mask_prob * n)) of n <= seq_len tokens per row.
@@ -262,24 +261,26 @@ def train(exp: Experiment, *, progress: bool = True) -> dict[str, Any]:
   loader = make_train_loader(exp, run.dataset)
   start = ckpt.latest_step() or 0
   if ckpt.latest_step() is not None:
-    # Restore into shapes only: nothing is initialised just to be overwritten.
-    params = models.init_abstract(run.model_config)
-    opt_state = jax.eval_shape(run.optimizer.init, params)
-    params, opt_state, meta = _restore(ckpt, start, params, opt_state, run.optimizer)
+    # Restore into shapes carrying this run's shardings: orbax places each array straight onto its
+    # shards (the checkpoint may come from another mesh or device count), nothing is initialised.
+    target = step_lib.abstract_state(run.model_config, run.optimizer, run.mesh)
+    params, opt_state, meta = _restore(ckpt, start, target.params, target.opt_state,
+                                       run.optimizer)
+    state = step_lib.place_state(
+        step_lib.TrainState(step=np.int32(start), params=params, opt_state=opt_state), run.mesh)
     if meta.get("loader"):
       loader.set_state(meta["loader"])
     _log0(f"resuming from {ckpt.directory} at step {start}")
   else:
-    params = models.init(run.model_config, jax.random.key(t.seed))
-    opt_state = run.optimizer.init(params)
+    state = step_lib.init_state(run.model_config, run.optimizer, run.mesh,
+                                jax.random.key(t.seed))
     loader.set_state({"step": 0})
-  state = step_lib.TrainState(step=np.int32(start), params=params, opt_state=opt_state)
-  state = jax.device_put(state, step_lib.replicated(run.mesh))
   train_step = step_lib.jit_train_step(
       step_lib.make_train_step(run.graphdef, run.task, run.optimizer, seed=t.seed,
                                microbatches=t.microbatches, label_smoothing=t.label_smoothing,
                                z_loss=t.z_loss), run.mesh, state)
-  eval_step = jax.jit(step_lib.make_eval_step(run.graphdef, run.task))
+  eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(run.graphdef, run.task), run.mesh,
+                                     state.params)
   schedule = learning_rate_schedule(t)
   log = MetricsLog(exp.run_dir, start)
   bar = _progress(start, t.steps, progress)
@@ -343,26 +344,25 @@ def train(exp: Experiment, *, progress: bool = True) -> dict[str, Any]:
     log.close()
 
   final = {"step": t.steps, **last_eval}
+  params = state.params
+  if jax.process_count() > 1:  # parameters may span hosts: every process joins the gather
+    from jax.experimental import multihost_utils
+    params = multihost_utils.process_allgather(params, tiled=True)
   if jax.process_index() == 0:
     plot_loss(exp.run_dir)
-    final["bars"] = check_bars(run, state.params, last_eval)
+    final["bars"] = check_bars(run, params, last_eval)
     if run.exp.data.task == "gpt" and t.samples:
-      final["samples"] = print_samples(run, state.params)
+      final["samples"] = print_samples(run, params)
     with open(os.path.join(exp.run_dir, "final.json"), "w") as f:
       json.dump(final, f, indent=2)
   return final
 
 
 def _restore(ckpt, step, params, opt_state, optimizer):
-  """Restores a training checkpoint; a converted model (params only) gets a fresh optimizer."""
-  import orbax.checkpoint as ocp
-  # A fresh manager cannot describe items it has no handler for yet: look at the files instead.
-  if not os.path.isdir(os.path.join(ckpt.directory, str(step), "opt_state")):
-    out = ckpt.latest.restore(step, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, params)),
-        meta=ocp.args.JsonRestore()))
-    return out.params, optimizer.init(out.params), out.meta
-  return ckpt.restore(step, params, opt_state)
+  """Restores a training checkpoint into the given (sharded) targets; a converted model (params
+  only) gets a fresh optimizer state."""
+  params, restored, meta = ckpt.restore(step, params, opt_state)
+  return params, (optimizer.init(params) if restored is None else restored), meta
 
 
 def _log0(msg: str) -> None:
@@ -373,7 +373,7 @@ def _log0(msg: str) -> None:
 class _NoBar:
   def update(self, n): pass
   def set_postfix(self, **kw): pass
-  def write(self, msg): print(msg, flush=True)
+  def write(self, msg): _log0(msg)
   def close(self): pass
 
 
@@ -481,6 +481,7 @@ def evaluate_run(run_dir: str, overrides: list[str] = (), *, best: bool = False)
   exp = load_experiment(None, list(overrides), raw=raw)
   run = Run.build(exp)
   params, step = restore_params(os.path.join(run_dir, "checkpoints"), run.model_config, best=best)
-  params = jax.device_put(params, step_lib.replicated(run.mesh))
-  result = run.evaluate(params, jax.jit(step_lib.make_eval_step(run.graphdef, run.task)))
+  params = jax.device_put(params, parallel.param_shardings(params, run.mesh))
+  result = run.evaluate(params, step_lib.jit_eval_step(
+      step_lib.make_eval_step(run.graphdef, run.task), run.mesh, params))
   return {"step": step, **result}

@@ -1,0 +1,77 @@
+"""``tjax train CONFIG --dry-run``: compiles the sharded step on simulated devices, reads no data."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import optax
+import pytest
+import yaml
+
+from transformer_jax import models, parallel
+from transformer_jax.train import load_experiment
+from transformer_jax.train import dry_run as dry
+from transformer_jax.train import step as step_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _config(tmp_path, mesh, **train):
+  path = tmp_path / "exp.yaml"
+  path.write_text(yaml.safe_dump({
+      "run_dir": str(tmp_path / "run"), "model": {"preset": "gpt2-tiny"},
+      "data": {"path": str(tmp_path / "no-data"), "task": "gpt"},
+      "train": {"batch_size": 16, "seq_len": 64, **train}, "mesh": mesh}))
+  return str(path)
+
+
+def _tjax(*args):
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+  return subprocess.run([sys.executable, "-m", "transformer_jax.cli", *args], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=300)
+
+
+def test_dry_run_prints_per_device_memory_for_a_16_device_mesh(tmp_path):
+  config = _config(tmp_path, {"data": 2, "fsdp": 4, "tensor": 2, "sequence": 1})
+  out = _tjax("train", config, "--dry-run")
+  assert out.returncode == 0, out.stderr
+  text = out.stdout
+  assert "mesh data=2 x fsdp=4 x tensor=2 x sequence=1 on 16 simulated devices" in text
+  for line in ("parameters (fp32)", "optimizer state", "activations + scratch", "peak estimate"):
+    assert line in text
+  assert not os.path.exists(tmp_path / "run")  # nothing written, no data needed
+
+
+def test_dry_run_needs_a_device_count_for_a_free_axis(tmp_path):
+  out = _tjax("train", _config(tmp_path, {"data": -1}), "--dry-run")
+  assert out.returncode != 0
+  assert "--devices N" in out.stderr and "Traceback" not in out.stderr
+  out = _tjax("train", _config(tmp_path, {"data": -1, "tensor": 2}), "--dry-run", "--devices", "4")
+  assert out.returncode == 0, out.stderr
+  assert "mesh data=2 x fsdp=1 x tensor=2 x sequence=1 on 4 simulated devices" in out.stdout
+
+
+def test_dry_run_rejects_heads_not_divisible_by_tensor(tmp_path):
+  out = _tjax("train", _config(tmp_path, {"data": 1, "tensor": 8}), "--dry-run")
+  assert out.returncode != 0
+  assert "num_heads=4 is not divisible by mesh.tensor=8" in out.stderr
+  assert "Traceback" not in out.stderr
+
+
+def test_report_bytes_match_the_sharded_state(tmp_path):
+  """The report's per-device parameter and optimizer bytes are what a real sharded state puts on
+  each device (in-process, on the 8 test devices)."""
+  exp = load_experiment(_config(tmp_path, {"fsdp": 8}))
+  report = dry.dry_run(exp)
+  config = exp.model_config()
+  state = step_lib.init_state(config, optax.adamw(1e-3), parallel.make_mesh({"fsdp": 8}),
+                              jax.random.key(0))
+  device = jax.devices()[3]
+  held = lambda tree: sum(s.data.nbytes for x in jax.tree.leaves(tree)
+                          for s in x.addressable_shards if s.device == device)
+  assert report["per_device_bytes"]["parameters"] == held(state.params)
+  # make_optimizer's chain may hold extra scalars; the moments dominate.
+  assert abs(report["per_device_bytes"]["optimizer_state"] - held(state.opt_state)) < 1024
+  assert report["parameters"] == models.count_params(config)
+  assert report["per_device_bytes"]["temporaries"] > 0

@@ -1,0 +1,185 @@
+"""Logical axis names -> mesh axes: one table decides how every parameter and activation is split.
+
+Parameters name their dimensions when they are built (``layers.common.param``: the query kernel is
+``("embed", "heads", "head_dim")``, stacked blocks add ``"layers"`` in front). ``RULES`` maps each name
+onto mesh axes (``data``, ``fsdp``, ``tensor``, ``sequence``):
+
+- data parallel: the ``batch`` of activations over ``data`` (and ``fsdp``); parameters replicated.
+- FSDP: parameters' ``embed`` dimension (present in every large matrix) over ``fsdp``, so parameters,
+  gradients and optimizer state are split 1/fsdp per device; inside the layer scan XLA gathers one
+  layer's weights at a time. The batch is split over ``fsdp`` as well (FSDP is data parallel).
+- tensor (Megatron): attention ``heads``/``kv_heads`` and ``mlp`` columns over ``tensor``, so the
+  query/key/value and MLP-in projections are column-split and the output projections row-split; the
+  vocabulary too (embedding rows, logits).
+- sequence: the ``length`` of activations over ``sequence``; self-attention then runs as ring
+  attention (``parallel.ring``).
+
+A dimension that a mesh axis does not divide stays whole along that axis (a 97-token vocabulary on
+``tensor=2`` is replicated, say); the splits that must divide (heads, sequence length, batch) are
+checked up front by ``parallel.mesh.check_config``. To change the parallelism, change the table (or
+pass another one), never the model code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from typing import Any, Iterator, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from transformer_jax.parallel import axes as ax
+
+MeshAxes = str | tuple[str, ...] | None
+Rules = tuple[tuple[str, MeshAxes], ...]
+
+RULES: Rules = (
+    # Activations.
+    (ax.BATCH, ("data", "fsdp")),
+    (ax.LENGTH, "sequence"),
+    # Vocabulary: embedding rows and logits.
+    (ax.VOCAB, "tensor"),
+    # Attention: Megatron column split of q/k/v, row split of the output projection.
+    (ax.HEADS, "tensor"),
+    (ax.KV_HEADS, "tensor"),
+    (ax.HEAD_DIM, None),
+    # Dense: the model width of every matrix is where FSDP splits; MLP columns/rows over tensor.
+    (ax.EMBED, "fsdp"),
+    (ax.MLP, "tensor"),
+    # Small or scanned axes stay whole.
+    (ax.LAYERS, None),
+    (ax.POSITIONS, None),
+    (ax.TYPES, None),
+    (ax.BUCKETS, None),
+    (ax.CLASSES, None),
+)
+
+# Activations at block boundaries: [B, T, D] split over batch and length, the width whole.
+ACTIVATION_BTD = (ax.BATCH, ax.LENGTH, None)
+
+
+def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+  if axes is None:
+    return ()
+  return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def mesh_axes(logical: Sequence[str | None], rules: Rules = RULES, mesh: Mesh | None = None,
+              shape: Sequence[int] | None = None) -> P:
+  """The ``PartitionSpec`` over mesh axes for a tensor whose dimensions have ``logical`` names.
+
+  With ``mesh`` and ``shape``, mesh axes absent from the mesh, of size 1, already used by an earlier
+  dimension, or not dividing the dimension are left out (that dimension is replicated over them).
+
+  Raises:
+    KeyError: a logical name the rules do not know.
+  """
+  table = dict(rules)
+  used: set[str] = set()
+  out = []
+  for i, name in enumerate(logical):
+    if name is None:
+      out.append(None)
+      continue
+    if name not in table:
+      raise KeyError(f"logical axis {name!r} has no rule; known: {sorted(table)}")
+    kept, size = [], 1
+    for axis in _as_tuple(table[name]):
+      if axis in used:
+        continue
+      if mesh is not None:
+        n = mesh.shape.get(axis, 1)
+        if n == 1 or (shape is not None and shape[i] % (size * n)):
+          continue
+        size *= n
+      kept.append(axis)
+    used.update(kept)
+    out.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+  while out and out[-1] is None:
+    out.pop()
+  return P(*out)
+
+
+def logical_specs(params) -> Any:
+  """The logical ``PartitionSpec`` (axis names) of each leaf of an ``nnx.State`` of parameters."""
+  from flax import nnx  # parallel depends only on JAX; Flax is needed just to read the metadata
+  return nnx.get_partition_spec(params)
+
+
+def param_shardings(params, mesh: Mesh, rules: Rules = RULES) -> Any:
+  """``NamedSharding`` for every parameter (concrete or ``ShapeDtypeStruct``) from its axis names."""
+  specs = logical_specs(params)
+  return jax.tree.map(
+      lambda spec, x: NamedSharding(mesh, mesh_axes(tuple(spec), rules, mesh, x.shape)),
+      specs, params, is_leaf=lambda x: isinstance(x, P))
+
+
+def shardings_like(tree, params, params_shardings, mesh: Mesh) -> Any:
+  """Shardings for a tree holding copies of ``params`` (optimizer moments): every subtree shaped like
+  ``params`` gets ``params_shardings``; everything else (step counts, scalars) is replicated."""
+  params_def = jax.tree.structure(params)
+  replicated = NamedSharding(mesh, P())
+
+  def is_params(x):
+    return jax.tree.structure(x) == params_def and jax.tree.leaves(x) != [x]
+
+  def visit(sub):
+    if is_params(sub):
+      return params_shardings
+    return jax.tree.map(lambda _: replicated, sub)
+
+  return jax.tree.map(visit, tree, is_leaf=is_params)
+
+
+def bytes_per_device(tree, shardings) -> int:
+  """Bytes one device holds of ``tree`` (arrays or ``ShapeDtypeStruct``) under ``shardings``."""
+  total = 0
+  for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
+    total += math.prod(s.shard_shape(x.shape)) * jax.numpy.dtype(x.dtype).itemsize
+  return total
+
+
+# -------------------------------------------------------------------------------------------------
+# Activations: a context entered once, where a step is traced, tells the layers the mesh.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Context:
+  mesh: Mesh
+  rules: Rules
+
+
+_active: list[_Context] = []
+
+
+@contextlib.contextmanager
+def activation_sharding(mesh: Mesh, rules: Rules = RULES) -> Iterator[None]:
+  """Within this context (entered where a step function is traced, e.g. by ``train.jit_train_step``)
+  ``constrain`` pins activations to ``mesh`` and self-attention may run as ring attention. Outside
+  it, ``constrain`` does nothing: the model code is the same on one device."""
+  _active.append(_Context(mesh, rules))
+  try:
+    yield
+  finally:
+    _active.pop()
+
+
+def current_mesh() -> Mesh | None:
+  """The mesh of the innermost ``activation_sharding`` context, or None."""
+  return _active[-1].mesh if _active else None
+
+
+def axis_size(name: str) -> int:
+  """Size of mesh axis ``name`` in the active context (1 outside one)."""
+  return _active[-1].mesh.shape.get(name, 1) if _active else 1
+
+
+def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+  """``with_sharding_constraint`` of ``x`` to its logical axes under the active mesh (else ``x``)."""
+  if not _active:
+    return x
+  ctx = _active[-1]
+  spec = mesh_axes(logical, ctx.rules, ctx.mesh, x.shape)
+  return jax.lax.with_sharding_constraint(x, NamedSharding(ctx.mesh, spec))

@@ -1,0 +1,121 @@
+"""``tjax train CONFIG --dry-run``: plan a pod run on a laptop.
+
+Lowers and compiles the real train step for the configured mesh on simulated host devices, against
+``ShapeDtypeStruct`` parameters, optimizer state and batch (nothing is allocated, no data is read),
+and reports per-device memory from the sharding of the state and from the compiled executable.
+The CLI sets the number of simulated CPU devices before JAX starts (``simulate_devices``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import jax
+
+from transformer_jax import models, parallel
+from transformer_jax.train import step as step_lib
+from transformer_jax.train import tasks as tasks_lib
+from transformer_jax.train.config import Experiment
+from transformer_jax.train.optim import make_optimizer
+
+
+def simulate_devices(exp: Experiment, num_devices: int | None) -> int:
+  """Makes JAX's CPU backend present ``num_devices`` devices (default: the product of the mesh
+  sizes). Must run before anything touches a JAX backend.
+
+  Raises:
+    ValueError: the mesh has a -1 axis and no device count was given.
+  """
+  sizes = [exp.mesh.data, exp.mesh.fsdp, exp.mesh.tensor, exp.mesh.sequence]
+  if num_devices is None:
+    if -1 in sizes:
+      raise ValueError(f"mesh {dict(zip(parallel.AXES, sizes))} has a -1 axis: give the device "
+                       "count to simulate with --devices N")
+    num_devices = 1
+    for s in sizes:
+      num_devices *= s
+  jax.config.update("jax_platforms", "cpu")
+  jax.config.update("jax_num_cpu_devices", int(num_devices))
+  return int(num_devices)
+
+
+def _model_config(exp: Experiment) -> tuple[models.ModelConfig, str]:
+  """The model config, with the prepared dataset's vocabulary when there is one (else the
+  preset's)."""
+  path = exp.data.path
+  meta = None if path is None else os.path.join(path, "metadata.json")
+  if meta and os.path.exists(meta):
+    with open(meta) as f:
+      vocab = json.load(f)["vocab_size"]
+    return exp.model_config(vocab_size=vocab), f"vocabulary {vocab} from {path}"
+  config = exp.model_config()
+  return config, f"vocabulary {config.vocab_size} from the model config (no prepared dataset)"
+
+
+def dry_run(exp: Experiment) -> dict[str, Any]:
+  """Compiles one train step of ``exp`` on the available devices; returns the memory report."""
+  config, vocab_note = _model_config(exp)
+  m = exp.mesh
+  mesh = parallel.make_mesh({"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor,
+                             "sequence": m.sequence})
+  t = exp.train
+  parallel.check_config(config, mesh, batch_size=t.batch_size, seq_len=t.seq_len,
+                        microbatches=t.microbatches)
+  task = tasks_lib.get_task(exp.data.task)
+  optimizer = make_optimizer(t)
+  state = step_lib.abstract_state(config, optimizer, mesh)
+  batch_sharding = parallel.batch_sharding(mesh)
+  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding)
+           for k, v in task.batch_shapes(t.batch_size, t.seq_len).items()}
+  step = step_lib.jit_train_step(
+      step_lib.make_train_step(models.graphdef(config), task, optimizer, seed=t.seed,
+                               microbatches=t.microbatches), mesh, state)
+  start = time.perf_counter()
+  compiled = step.lower(state, batch).compile()
+  compile_s = time.perf_counter() - start
+
+  def per_device(tree):
+    return parallel.bytes_per_device(tree, jax.tree.map(lambda a: a.sharding, tree))
+
+  mem = compiled.memory_analysis()
+  report = {
+      "model": type(config).__name__, "parameters": models.count_params(config),
+      "vocab": vocab_note, "devices": jax.device_count(), "mesh": dict(mesh.shape),
+      "batch_size": t.batch_size, "seq_len": t.seq_len, "microbatches": t.microbatches,
+      "dtype": config.dtype, "compile_seconds": round(compile_s, 1),
+      "per_device_bytes": {
+          "parameters": per_device(state.params),
+          "optimizer_state": per_device(state.opt_state),
+          "arguments": int(mem.argument_size_in_bytes),
+          "outputs": int(mem.output_size_in_bytes),
+          "aliased": int(mem.alias_size_in_bytes),
+          "temporaries": int(mem.temp_size_in_bytes),
+      },
+  }
+  b = report["per_device_bytes"]
+  b["peak_estimate"] = b["arguments"] + b["outputs"] - b["aliased"] + b["temporaries"]
+  return report
+
+
+def format_report(report: dict[str, Any]) -> str:
+  gib = lambda n: f"{n / 2**30:10.3f} GiB"
+  mesh = " x ".join(f"{k}={v}" for k, v in report["mesh"].items())
+  b = report["per_device_bytes"]
+  lines = [
+      f"dry run: {report['model']} with {report['parameters']:,} parameters, {report['vocab']}",
+      f"  mesh {mesh} on {report['devices']} simulated devices",
+      f"  global batch {report['batch_size']} x {report['seq_len']} tokens, "
+      f"{report['microbatches']} microbatch(es), compute dtype {report['dtype']}",
+      f"  train step compiled in {report['compile_seconds']} s",
+      "  per device:",
+      f"    parameters (fp32)       {gib(b['parameters'])}",
+      f"    optimizer state         {gib(b['optimizer_state'])}",
+      f"    activations + scratch   {gib(b['temporaries'])}   (XLA temporaries of the step)",
+      f"    step inputs / outputs   {gib(b['arguments'])} / {gib(b['outputs']).strip()} "
+      f"({gib(b['aliased']).strip()} donated)",
+      f"    peak estimate           {gib(b['peak_estimate'])}",
+  ]
+  return "\n".join(lines)
