@@ -1,4 +1,5 @@
-"""The ``tjax`` command: ``info``, ``prepare``, ``train``, ``eval``, ``convert``, ``bench``."""
+"""The ``tjax`` command: ``info``, ``prepare``, ``train``, ``eval``, ``generate``, ``fill-mask``,
+``convert``, ``bench``."""
 
 from __future__ import annotations
 
@@ -94,6 +95,16 @@ def _cmd_eval(args) -> int:
   return 0
 
 
+def _cmd_generate(args) -> int:
+  from transformer_jax.generate.commands import run_generate
+  return run_generate(args)
+
+
+def _cmd_fill_mask(args) -> int:
+  from transformer_jax.generate.commands import run_fill_mask
+  return run_fill_mask(args)
+
+
 def _cmd_convert(args) -> int:
   from transformer_jax.hf import convert
   if (args.from_hf is None) == (args.to_hf is None):
@@ -153,6 +164,15 @@ def build_parser() -> argparse.ArgumentParser:
   ev.add_argument("overrides", nargs="*", help="e.g. data.path=DIR for a converted checkpoint")
   ev.add_argument("--best", action="store_true")
   ev.set_defaults(func=_cmd_eval)
+
+  from transformer_jax.generate.commands import add_fill_mask_args, add_generate_args
+  gen = sub.add_parser("generate", help="continue a prompt with a run's model (sampling or beams)")
+  add_generate_args(gen)
+  gen.set_defaults(func=_cmd_generate)
+
+  fill = sub.add_parser("fill-mask", help="a BERT run's top candidates for each [MASK] in a text")
+  add_fill_mask_args(fill)
+  fill.set_defaults(func=_cmd_fill_mask)
 
   conv = sub.add_parser("convert", help="Hugging Face checkpoint <-> run directory")
   conv.add_argument("--from-hf", metavar="HF_DIR")

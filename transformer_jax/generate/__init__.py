@@ -1,12 +1,17 @@
-"""Fast generation: a preallocated key/value cache and a decode loop compiled once (``lax.while_loop``).
+"""Fast generation: a preallocated key/value cache and decode loops compiled once (``lax.while_loop``).
 
-``generate(model, prompt_ids, max_new_tokens=...)`` for GPT; ``KVCache``/``init_cache``/``extend`` are
-the pieces (prefill a prompt in one call, then one-token steps).
+``generate(model, prompt_ids, max_new_tokens=...)`` samples or decodes greedily (GPT, Seq2Seq);
+``beam_search`` keeps the best ``num_beams`` hypotheses; ``fill_mask`` ranks a BERT's candidates at
+each ``[MASK]``. ``KVCache``/``init_cache``/``extend`` are the pieces (prefill a prompt in one call,
+then one-token steps).
 """
 
+from transformer_jax.generate.beam import BeamSearchOutput, beam_search
 from transformer_jax.generate.cache import KVCache, extend, init_cache, with_encoder
 from transformer_jax.generate.decode import generate, prompt_bucket
+from transformer_jax.generate.fill_mask import FillMaskOutput, fill_mask
 from transformer_jax.generate.sampling import apply_repetition_penalty, next_token, truncate_logits
 
-__all__ = ["KVCache", "apply_repetition_penalty", "extend", "generate", "init_cache", "next_token", "prompt_bucket",
-           "truncate_logits", "with_encoder"]
+__all__ = ["BeamSearchOutput", "FillMaskOutput", "KVCache", "apply_repetition_penalty",
+           "beam_search", "extend", "fill_mask", "generate", "init_cache", "next_token",
+           "prompt_bucket", "truncate_logits", "with_encoder"]

@@ -1,0 +1,407 @@
+"""``tjax generate`` and ``tjax fill-mask``: text in, text out, from a run directory.
+
+A run directory written by ``tjax train`` holds ``model.yaml``, ``checkpoints/`` and ``config.yaml``,
+whose ``data.path`` names the prepared dataset; its metadata rebuilds the tokenizer (compact
+vocabulary included). ``tjax generate`` prints the continuation while it is produced: the first token
+comes from the prefill, then each jitted call runs a chunk of up to ``--chunk`` one-token steps with
+the key/value cache carried from call to call (compiled once per chunk size, not per token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+from typing import Callable, Iterator, Sequence, TextIO
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import yaml
+from flax import nnx
+
+from transformer_jax.generate.beam import beam_search
+from transformer_jax.generate.cache import KVCache, extend, init_cache
+from transformer_jax.generate.decode import (
+    _check_options, _right_padded, _split_model, generate, prompt_bucket)
+from transformer_jax.generate.fill_mask import fill_mask
+from transformer_jax.generate.sampling import next_token
+from transformer_jax.models.common import check_tokens
+from transformer_jax.models.config import BERTConfig, GPTConfig, Seq2SeqConfig
+
+MASK_TEXT = "[MASK]"
+
+# Number of times the streaming step loop has been traced (each trace is one compilation).
+trace_count = 0
+
+
+# -------------------------------------------------------------------------------------------------
+# Streaming: the same tokens as ``generate``, handed out a chunk at a time.
+
+
+def stream_generate(model, prompt_ids, *, max_new_tokens: int, chunk_size: int = 16,
+                    temperature: float = 0.0, top_k: int | None = None,
+                    top_p: float | None = None, eos_id: int | None = None,
+                    key: jax.Array | None = None,
+                    suppress_ids: Sequence[int] = ()) -> Iterator[np.ndarray]:
+  """Continues GPT prompts like ``generate``, yielding the new tokens as they are produced.
+
+  With the same arguments (and no ``suppress_ids``) the concatenated chunks equal ``generate``'s
+  output up to the point where every row has produced ``eos_id``: the sampling keys are the same.
+
+  Args:
+    model: a ``GPT`` module or a ``(config, params)`` pair.
+    prompt_ids: ``[B, P]`` ids (all P real) or a list of B id lists.
+    max_new_tokens: tokens to generate per row; prompt + new tokens must fit in ``max_len``.
+    chunk_size: one-token steps per jitted call after the first token.
+    temperature, top_k, top_p, eos_id, key: as for ``generate``.
+    suppress_ids: ids never produced (their logits are set to -inf before choosing).
+
+  Yields:
+    int32 ``[B, n]`` arrays of new tokens: first ``n = 1`` (from the prefill), then chunks of up
+    to ``chunk_size``. After a row's ``eos_id`` its entries are ``eos_id``; the stream ends early
+    once every row has produced it.
+
+  Raises:
+    ValueError: as ``generate`` (empty or too long prompts, bad options), or ``chunk_size < 1``.
+    TypeError: a model that is not a GPT.
+  """
+  config, graphdef, params = _split_model(model)
+  if not isinstance(config, GPTConfig):
+    raise TypeError(f"stream_generate needs a GPT model; got a {type(config).__name__}")
+  _check_options(config, max_new_tokens, temperature, top_k, top_p, eos_id, 1.0)
+  if not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
+    raise ValueError(f"chunk_size={chunk_size!r} must be a positive integer")
+  tokens, lengths = _right_padded(prompt_ids, None, "right")
+  longest = int(lengths.max())
+  if longest + max_new_tokens > config.max_len:
+    raise ValueError(f"prompt length {longest} + max_new_tokens={max_new_tokens} exceeds the "
+                     f"model's context max_len={config.max_len}")
+  check_tokens("prompt_ids", tokens, config.vocab_size)
+  bucket = prompt_bucket(longest, config.max_len)
+  padded = np.zeros((tokens.shape[0], bucket), np.int32)
+  padded[:, :tokens.shape[1]] = tokens
+  suppress = [int(i) for i in suppress_ids]
+  if any(not 0 <= i < config.vocab_size for i in suppress):
+    raise ValueError(f"suppress_ids {suppress} must lie in the vocabulary [0, {config.vocab_size})")
+  suppress_V = np.zeros((config.vocab_size,), bool)
+  suppress_V[suppress] = True
+  prefill, steps = _stream_fns(
+      graphdef, min(bucket + max_new_tokens, config.max_len), int(chunk_size), float(temperature),
+      None if top_k is None else int(top_k), None if top_p is None else float(top_p))
+  key = jax.random.key(0) if key is None else key
+  # Traced, so that they share one compilation: the ids to suppress and EOS (-1: none).
+  opts = (jnp.asarray(suppress_V), jnp.int32(-1 if eos_id is None else eos_id))
+  tok_B, done_B, cache = prefill(params, jnp.asarray(padded), jnp.asarray(lengths, jnp.int32),
+                                 key, opts)
+  yield np.asarray(tok_B)[:, None]
+  produced = 1
+  while produced < max_new_tokens and not bool(np.all(done_B)):
+    count = min(chunk_size, max_new_tokens - produced)
+    out_BC, tok_B, done_B, cache = steps(params, tok_B, done_B, cache, jnp.int32(produced),
+                                         jnp.int32(count), key, opts)
+    yield np.asarray(out_BC)[:, :count]
+    produced += count
+
+
+@functools.lru_cache(maxsize=16)
+def _stream_fns(graphdef, cache_len, chunk_size, temperature, top_k, top_p):
+  """Jitted ``prefill`` (prompt -> first token + cache) and ``steps`` (up to a chunk of tokens).
+
+  Both take ``opts = (suppress_V, eos_id)``: a ``[V]`` bool mask of ids never produced and the
+  int32 EOS id (-1 for none).
+  """
+  choose = functools.partial(next_token, temperature=temperature, top_k=top_k, top_p=top_p)
+
+  def pick(logits_BV, suppress_V, key):
+    return choose(jnp.where(suppress_V[None], -jnp.inf, logits_BV), key)
+
+  def prefill(params, prompt_BP, lengths_B, key, opts):
+    suppress_V, eos_id = opts
+    model = nnx.merge(graphdef, params)
+    cache = init_cache(model.config, prompt_BP.shape[0], cache_len)
+    logits_BPV, cache = extend(model, prompt_BP, cache, num_valid=lengths_B)
+    last_BV = jnp.take_along_axis(logits_BPV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+    tok_B = pick(last_BV, suppress_V, jax.random.fold_in(key, 0))
+    return tok_B, tok_B == eos_id, cache
+
+  def steps(params, tok_B, done_B, cache: KVCache, start, count, key, opts):
+    """Tokens ``start .. start + count - 1`` (count <= chunk_size), fed ``tok_B`` = token start-1."""
+    global trace_count
+    trace_count += 1
+    suppress_V, eos_id = opts
+    pad = jnp.maximum(eos_id, 0)
+    model = nnx.merge(graphdef, params)
+    out_BC = jnp.full((tok_B.shape[0], chunk_size), pad, jnp.int32)
+
+    def cond(state):
+      j, _, _, _, done_B = state
+      return (j < count) & ~jnp.all(done_B)
+
+    def body(state):
+      j, tok_B, out_BC, cache, done_B = state
+      logits_B1V, cache = extend(model, tok_B[:, None], cache)
+      new_B = pick(logits_B1V[:, 0], suppress_V, jax.random.fold_in(key, start + j))
+      new_B = jnp.where(done_B, pad, new_B)
+      out_BC = jax.lax.dynamic_update_slice_in_dim(out_BC, new_B[:, None], j, axis=1)
+      return j + 1, new_B, out_BC, cache, done_B | (new_B == eos_id)
+
+    _, tok_B, out_BC, cache, done_B = jax.lax.while_loop(
+        cond, body, (jnp.int32(0), tok_B, out_BC, cache, done_B))
+    return out_BC, tok_B, done_B, cache
+
+  return jax.jit(prefill), jax.jit(steps, donate_argnums=(3,))
+
+
+# -------------------------------------------------------------------------------------------------
+# Run directories.
+
+
+def load_run(run_dir: str, *, best: bool = False, data: str | None = None,
+             check: Callable | None = None):
+  """``(config, params, tokenizer)`` of a run directory's latest (or best) checkpoint.
+
+  The tokenizer is the one of the dataset named by ``config.yaml``'s ``data.path`` (or ``data``).
+
+  Args:
+    run_dir: a directory written by ``tjax train`` (or ``save_model`` / ``tjax convert``).
+    best: the best checkpoint by validation loss instead of the latest.
+    data: a prepared dataset directory to take the tokenizer from.
+    check: called as ``check(config, tokenizer)`` before the parameters are read (to refuse a run
+      early); it raises ``ValueError``.
+
+  Raises:
+    ValueError: not a run directory, no checkpoint, no dataset to read the tokenizer from, or a
+      tokenizer whose vocabulary differs from the model's.
+  """
+  from transformer_jax import models
+  from transformer_jax.data import load_dataset
+  from transformer_jax.train.checkpoint import restore_params
+
+  if not os.path.isdir(run_dir):
+    raise ValueError(f"{run_dir} is not a directory")
+  spec = os.path.join(run_dir, "model.yaml")
+  if not os.path.exists(spec):
+    raise ValueError(f"{run_dir} is not a run directory (no model.yaml)")
+  ckpt_dir = os.path.join(run_dir, "checkpoints")
+  look = os.path.join(ckpt_dir, "best") if best else ckpt_dir
+  if not os.path.isdir(look) or not any(name.isdigit() for name in os.listdir(look)):
+    raise ValueError(f"{run_dir} has no {'best ' if best else ''}checkpoint (nothing in "
+                     f"{look}); train it first")
+  with open(spec) as f:
+    config = models.config_from_dict(yaml.safe_load(f))
+  if data is None:
+    path = os.path.join(run_dir, "config.yaml")
+    if os.path.exists(path):
+      with open(path) as f:
+        data = ((yaml.safe_load(f) or {}).get("data") or {}).get("path")
+    if data is None:
+      raise ValueError(f"{run_dir} names no dataset (no data.path in a config.yaml) to read the "
+                       "tokenizer from; give one with --data DIR")
+  try:
+    tokenizer = load_dataset(data).tokenizer
+  except FileNotFoundError as e:
+    raise ValueError(f"cannot read the tokenizer: {e}") from None
+  if tokenizer.vocab_size != config.vocab_size:
+    raise ValueError(f"the dataset {data} has {tokenizer.vocab_size} token ids but the model "
+                     f"has vocab_size={config.vocab_size}")
+  if check is not None:
+    check(config, tokenizer)
+  params, _ = restore_params(ckpt_dir, config, best=best)
+  return config, params, tokenizer
+
+
+def _family(config) -> str:
+  return {BERTConfig: "BERT", GPTConfig: "GPT", Seq2SeqConfig: "Seq2Seq"}[type(config)]
+
+
+def _suppressed(tokenizer, keep: int) -> list[int]:
+  """Special ids a model should not write in text ([UNK], [PAD], ...), all but ``keep``."""
+  return sorted(set(tokenizer.special_ids.values()) - {keep})
+
+
+class _TextStream:
+  """Prints the decoding of a growing id list, holding back a trailing partial UTF-8 character."""
+
+  def __init__(self, tokenizer, out: TextIO):
+    self.tokenizer, self.out = tokenizer, out
+    self.ids: list[int] = []
+    self.printed = 0
+
+  def add(self, ids, final: bool = False) -> None:
+    self.ids += [int(i) for i in ids]
+    text = self.tokenizer.decode(self.ids)
+    end = len(text) if final else len(text.rstrip("\ufffd"))
+    if end > self.printed:
+      self.out.write(text[self.printed:end])
+      self.out.flush()
+      self.printed = end
+
+
+def _until_eos(ids, eos_id: int) -> list[int]:
+  ids = [int(i) for i in ids]
+  return ids[:ids.index(eos_id)] if eos_id in ids else ids
+
+
+# -------------------------------------------------------------------------------------------------
+# tjax generate
+
+
+def add_generate_args(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("run_dir")
+  parser.add_argument("--prompt", required=True, help="text to continue (Seq2Seq: the source)")
+  parser.add_argument("--max-new-tokens", type=int, default=64)
+  parser.add_argument("--temperature", type=float, default=None,
+                      help="0 = greedy; default 0.8 (GPT) or 0 (Seq2Seq)")
+  parser.add_argument("--top-k", type=int, default=None, help="default 40 when sampling")
+  parser.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1]")
+  parser.add_argument("--num-beams", type=int, default=1,
+                      help="> 1: beam search (deterministic; prints the best hypothesis at the end)")
+  parser.add_argument("--length-penalty", type=float, default=1.0, help="beam search only")
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--chunk", type=int, default=8, help="tokens per printed chunk")
+  parser.add_argument("--best", action="store_true", help="the best checkpoint, not the latest")
+  parser.add_argument("--data", default=None, metavar="DIR",
+                      help="dataset whose tokenizer to use (default: data.path of config.yaml)")
+
+
+def run_generate(args, out: TextIO | None = None) -> int:
+  """``tjax generate RUN_DIR --prompt TEXT``: prints the prompt and its continuation."""
+  out = sys.stdout if out is None else out
+  if not args.prompt:
+    raise ValueError("the prompt is empty; give some text with --prompt")
+  if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
+    raise ValueError(f"--top-p {args.top_p} must be in (0, 1]")
+  if args.num_beams < 1:
+    raise ValueError(f"--num-beams {args.num_beams} must be >= 1")
+  beams = args.num_beams > 1
+  if beams and (args.temperature, args.top_k, args.top_p) != (None, None, None):
+    raise ValueError("--num-beams > 1 searches deterministically: --temperature, --top-k and "
+                     "--top-p are for sampling")
+  def check(config, tok):
+    if isinstance(config, BERTConfig):
+      raise ValueError(f"{args.run_dir} is a BERT run (a masked language model): it cannot "
+                       "generate text; use tjax fill-mask")
+    ids = tok.encode(args.prompt)
+    seq2seq = isinstance(config, Seq2SeqConfig)
+    if len(ids) > config.max_len - (0 if seq2seq else 1):
+      raise ValueError(f"the prompt is {len(ids)} tokens, too long for the model's context "
+                       f"max_len={config.max_len}")
+    room = config.max_len - (0 if seq2seq else len(ids))
+    if args.max_new_tokens < 1 or args.max_new_tokens > room:
+      raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be in [1, {room}]: the "
+                       f"{_family(config)} model's context is max_len={config.max_len}"
+                       + ("" if seq2seq else f" and the prompt takes {len(ids)} of them"))
+
+  config, params, tok = load_run(args.run_dir, best=args.best, data=args.data, check=check)
+  ids = tok.encode(args.prompt)
+  seq2seq = isinstance(config, Seq2SeqConfig)
+  eos = tok.eos_id if seq2seq else tok.eot_id
+  suppress = _suppressed(tok, eos)
+  model = (config, params)
+  key = jax.random.key(args.seed)
+  # Defaults: sampling for a language model, greedy for a Seq2Seq (translation-like) model.
+  temperature = (0.0 if seq2seq else 0.8) if args.temperature is None else args.temperature
+  top_k = 40 if args.top_k is None and temperature > 0 else args.top_k
+  if seq2seq:
+    start = tok.bos_id
+    if beams:
+      new = beam_search(model, [ids], num_beams=args.num_beams, max_new_tokens=args.max_new_tokens,
+                        eos_id=eos, decoder_start_id=start, length_penalty=args.length_penalty,
+                        suppress_ids=suppress).sequences[0]
+    else:
+      new = generate(model, [ids], max_new_tokens=args.max_new_tokens, temperature=temperature,
+                     top_k=top_k, top_p=args.top_p, eos_id=eos, key=key,
+                     decoder_start_id=start)[0]
+    out.write(tok.decode(_until_eos(np.asarray(new), eos)) + "\n")
+    return 0
+  out.write(args.prompt)
+  out.flush()
+  stream = _TextStream(tok, out)
+  if beams:
+    result = beam_search(model, [ids], num_beams=args.num_beams,
+                         max_new_tokens=args.max_new_tokens, eos_id=eos,
+                         length_penalty=args.length_penalty, suppress_ids=suppress)
+    stream.add(_until_eos(np.asarray(result.sequences[0]), eos), final=True)
+  else:
+    for chunk in stream_generate(model, [ids], max_new_tokens=args.max_new_tokens,
+                                 chunk_size=args.chunk, temperature=temperature, top_k=top_k,
+                                 top_p=args.top_p, eos_id=eos, key=key, suppress_ids=suppress):
+      new = _until_eos(chunk[0], eos)
+      stream.add(new)
+      if len(new) < chunk.shape[1]:
+        break
+    stream.add([], final=True)
+  out.write("\n")
+  return 0
+
+
+# -------------------------------------------------------------------------------------------------
+# tjax fill-mask
+
+
+def add_fill_mask_args(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument("run_dir")
+  parser.add_argument("text", help=f"text with one or more {MASK_TEXT}")
+  parser.add_argument("--top-k", type=int, default=5)
+  parser.add_argument("--best", action="store_true", help="the best checkpoint, not the latest")
+  parser.add_argument("--data", default=None, metavar="DIR",
+                      help="dataset whose tokenizer to use (default: data.path of config.yaml)")
+
+
+def encode_masked(tokenizer, text: str) -> list[int]:
+  """``[CLS] text [SEP]`` ids with each ``[MASK]`` in ``text`` as the mask id.
+
+  Pieces between masks are encoded as plain text. A space just before a mask is left to the mask:
+  BPE tokens carry their leading space (`` self``), so that is the token the mask stands for.
+
+  Raises:
+    ValueError: ``text`` holds no ``[MASK]``.
+  """
+  pieces = text.split(MASK_TEXT)
+  if len(pieces) == 1:
+    raise ValueError(f"the text has no {MASK_TEXT} to fill: {text!r}")
+  ids = [tokenizer.cls_id]
+  for i, piece in enumerate(pieces):
+    if i < len(pieces) - 1 and piece.endswith(" "):
+      piece = piece[:-1]
+    ids += tokenizer.encode(piece)
+    if i < len(pieces) - 1:
+      ids.append(tokenizer.mask_id)
+  return ids + [tokenizer.sep_id]
+
+
+def run_fill_mask(args, out: TextIO | None = None) -> int:
+  """``tjax fill-mask RUN_DIR TEXT``: prints the top-k candidates of each ``[MASK]``."""
+  out = sys.stdout if out is None else out
+  if MASK_TEXT not in args.text:
+    raise ValueError(f"the text has no {MASK_TEXT} to fill: {args.text!r}")
+  if args.top_k < 1:
+    raise ValueError(f"--top-k {args.top_k} must be >= 1")
+
+  def check(config, tok):
+    if not isinstance(config, BERTConfig):
+      raise ValueError(f"{args.run_dir} is a {_family(config)} run: fill-mask needs a BERT "
+                       "(masked language model) run")
+    n = len(encode_masked(tok, args.text))
+    if n > config.max_len:
+      raise ValueError(f"the text is {n} tokens with [CLS] and [SEP], longer than the model's "
+                       f"context max_len={config.max_len}")
+
+  config, params, tok = load_run(args.run_dir, best=args.best, data=args.data, check=check)
+  ids = encode_masked(tok, args.text)
+  result = fill_mask((config, params), np.asarray([ids]), top_k=min(args.top_k, config.vocab_size),
+                     mask_id=tok.mask_id)
+  pieces = args.text.split(MASK_TEXT)
+  best = pieces[0]
+  for m in range(len(result.positions)):
+    out.write(f"{MASK_TEXT} {m + 1} of {len(result.positions)}:\n")
+    for cand, prob in zip(result.token_ids[m], result.probs[m]):
+      out.write(f"  {prob:7.2%}  {tok.decode([cand])!r}\n")
+    word = tok.decode([result.token_ids[m, 0]])
+    if best.endswith(" ") and word[:1].isspace():   # the space went to the mask (encode_masked)
+      best = best[:-1]
+    best += word + pieces[m + 1]
+  out.write("best: " + best + "\n")
+  return 0
