@@ -69,6 +69,8 @@ def _cmd_prepare(args) -> int:
 
 
 def _cmd_train(args) -> int:
+  if args.dry_run:
+    return _dry_run(args)
   from transformer_jax.parallel import distributed
   # Before anything touches JAX: a multi-process job must be joined before its backend starts.
   if distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
@@ -85,6 +87,15 @@ def _cmd_train(args) -> int:
   if failed:
     print(f"tjax train: learning bar(s) not reached: {', '.join(failed)}", file=sys.stderr)
     return 3
+  return 0
+
+
+def _dry_run(args) -> int:
+  from transformer_jax.train import load_experiment
+  from transformer_jax.train import dry_run as dry
+  exp = load_experiment(args.config, args.overrides)
+  dry.simulate_devices(exp, args.devices)   # before JAX starts its backend
+  print(dry.format_report(dry.dry_run(exp)))
   return 0
 
 
@@ -157,6 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="multi-process: number of processes (else $JAX_NUM_PROCESSES)")
   train.add_argument("--process-id", metavar="I", type=int, default=None,
                      help="multi-process: this process's id in [0, N) (else $JAX_PROCESS_ID)")
+  train.add_argument("--dry-run", action="store_true",
+                     help="compile the train step for the configured mesh on simulated CPU devices "
+                     "and print per-device memory; trains nothing, reads no data")
+  train.add_argument("--devices", metavar="N", type=int, default=None,
+                     help="--dry-run: devices to simulate (default: the product of the mesh sizes)")
   train.set_defaults(func=_cmd_train)
 
   ev = sub.add_parser("eval", help="evaluate a run directory's latest (or best) checkpoint")
