@@ -15,17 +15,23 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
+from transformer_jax.layers.attention import LayerCaches
 from transformer_jax.models.config import GPTConfig, Seq2SeqConfig
 
 
 @flax.struct.dataclass
 class KVCache:
-  """Self-attention keys/values of every layer plus each row's length."""
+  """Self-attention keys/values of every layer plus each row's length.
 
-  k: jax.Array        # [L, B, S, K, H] keys, RoPE already applied
-  v: jax.Array        # [L, B, S, K, H] values
-  lengths: jax.Array  # [B] int32: tokens in the cache = position of the row's next token
+  ``k``/``v`` (and ``cross``) are ``[L, B, S, K, H]`` arrays, or ``LayerCaches`` with that logical
+  shape after ``per_layer``.
+  """
+
+  k: jax.Array | LayerCaches  # [L, B, S, K, H] keys, RoPE already applied
+  v: jax.Array | LayerCaches  # [L, B, S, K, H] values
+  lengths: jax.Array          # [B] int32: tokens in the cache = position of the row's next token
   cross: tuple[jax.Array, jax.Array] | None = None  # Seq2Seq: ([L, B, S_src, K, H],) * 2
   src_mask: jax.Array | None = None                  # Seq2Seq: [B, S_src] bool, False = padding
 
@@ -39,6 +45,18 @@ class KVCache:
     if self.cross is None:
       return {"self": (self.k, self.v)}
     return {"self": (self.k, self.v), "cross": self.cross}
+
+
+def per_layer(cache: KVCache) -> KVCache:
+  """``cache`` with its arrays as ``LayerCaches``: one heads-major ``[B * K, S, H]`` array per layer.
+
+  The same cache for ``extend`` (the same logits), in the layout a one-token step reads fastest on
+  CPU; a decoding loop converts once, before it starts. ``LayerCaches.stacked()`` converts back.
+  """
+  def convert(x):
+    return x if isinstance(x, LayerCaches) else LayerCaches.from_stacked(x)
+  cross = None if cache.cross is None else tuple(convert(x) for x in cache.cross)
+  return cache.replace(k=convert(cache.k), v=convert(cache.v), cross=cross)
 
 
 def init_cache(config: GPTConfig | Seq2SeqConfig, batch_size: int, max_len: int,
@@ -75,8 +93,22 @@ def with_encoder(model, cache: KVCache, encoder_out_BSD: jax.Array,
   return cache.replace(cross=model.cross_kv(encoder_out_BSD), src_mask=src_mask_BS)
 
 
+def split_layers(model) -> tuple[nnx.State, ...]:
+  """The decoder layers' parameters, one state per layer, for ``extend(..., layers=...)``.
+
+  Call it once, outside a decoding loop (best in a ``jit`` of its own, as ``generate`` does: XLA
+  then copies each slice with a plain memory copy): the loop body reads every layer's weights where
+  they are. Without it each step slices them out of the layer-stacked arrays, i.e. copies all the
+  weights of the model once per token (decoding one token is bound by reading the weights, so that
+  copy costs about as much as the step itself).
+  """
+  stack = model.decoder if isinstance(model.config, Seq2SeqConfig) else model.blocks
+  return stack.split_layers()
+
+
 def extend(model, tokens_BT: jax.Array, cache: KVCache,
-           num_valid: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+           num_valid: jax.Array | None = None, *,
+           layers: tuple[nnx.State, ...] | None = None) -> tuple[jax.Array, KVCache]:
   """Runs ``T`` new tokens per row through a GPT with the cache: prefill (T = prompt) or a step (T = 1).
 
   Args:
@@ -85,19 +117,21 @@ def extend(model, tokens_BT: jax.Array, cache: KVCache,
     cache: the cache; ``lengths[b] + T`` must not exceed ``cache.max_len``.
     num_valid: ``[B]`` how many of the T tokens are real (right padding); default all T. Padding
       tokens are written but lie past the row's new length, so later tokens overwrite them.
+    layers: the model's ``split_layers`` (optional; the same numbers, faster inside a loop).
 
   Returns:
     float32 logits ``[B, T, V]`` (each equal to a full forward pass over the row so far) and the
     updated cache.
   """
   t = tokens_BT.shape[1]
+  layer_caches = cache.as_layer_caches()
+  if layers is not None:
+    layer_caches["layers"] = layers
   if cache.cross is None:
-    logits_BTV, layer_caches = model(tokens_BT, kv_cache=cache.as_layer_caches(),
-                                     cache_index=cache.lengths)
+    logits_BTV, layer_caches = model(tokens_BT, kv_cache=layer_caches, cache_index=cache.lengths)
   else:
     logits_BTV, layer_caches = model.decode(tokens_BT, None, cache.src_mask,
-                                            kv_cache=cache.as_layer_caches(),
-                                            cache_index=cache.lengths)
+                                            kv_cache=layer_caches, cache_index=cache.lengths)
   k, v = layer_caches["self"]
   added = t if num_valid is None else jnp.asarray(num_valid, jnp.int32)
   return logits_BTV, cache.replace(k=k, v=v, lengths=cache.lengths + added)

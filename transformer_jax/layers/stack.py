@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from transformer_jax.layers.attention import StackedKV
+from transformer_jax.layers.attention import LayerCaches, StackedKV
 from transformer_jax.layers.block import Block, BlockConfig
 from transformer_jax.parallel import axes as ax
 from transformer_jax.parallel.rules import ACTIVATION_BTD, constrain
@@ -75,14 +75,14 @@ class Stack(nnx.Module):
     return constrain(x_BTD, ACTIVATION_BTD)
 
   def _cached(self, x_BTD, kv_cache, **block_kwargs):
-    """The layers at inference (no dropout, no remat) against the ``[L, ...]`` caches.
+    """The layers at inference (no dropout, no remat) against the caches of every layer.
 
-    Each layer writes its new keys/values into the stacked cache arrays in place (``StackedKV``);
-    the cache is threaded from layer to layer, never sliced out and stacked back. ``kv_cache`` may
-    also hold ``"layers"``: this stack's parameters already split into one state per layer
-    (``split_layers``). A decoding loop splits them once, outside the loop, and the layers then run
-    unrolled on them; otherwise (prefill) the layers are scanned and each layer's weights are
-    sliced out of the stacked ones.
+    ``kv_cache["self"]`` (and ``["cross"]``) hold ``[L, B, S, K, H]`` arrays or ``LayerCaches``. Each
+    layer writes its new keys/values into them in place (``StackedKV``) and hands them to the next:
+    nothing is sliced out and stacked back. ``kv_cache`` may also hold ``"layers"``: this stack's
+    parameters already split per layer (``split_layers``). A decoding loop splits them once, outside
+    the loop, and the layers run unrolled on them; otherwise stacked caches are scanned over, each
+    layer's weights sliced out of the stacked ones (a copy: fine once, for a prefill).
     """
     graphdef, params = nnx.split(self.layers)
     layers = kv_cache.get("layers")
@@ -96,7 +96,7 @@ class Stack(nnx.Module):
       x, new = nnx.merge(graphdef, layer_params)(x, kv_cache=caches, **block_kwargs)
       return x, new["self"].k, new["self"].v
 
-    if layers is None and self.unroll:
+    if layers is None and (self.unroll or isinstance(k, LayerCaches)):
       layers = self.split_layers()
     if layers is not None:
       for i, layer_params in enumerate(layers):
