@@ -305,6 +305,8 @@ def main(argv=None) -> dict:
   floor = {d: weight_bytes[d] / (bandwidth["best_gb_per_s"] * 1e9) for d in weight_bytes}
   result = {
       "benchmark": "greedy generation, transformer_jax vs transformers (issue 5)",
+      "command": " ".join(["python", "experiments/bench_generate.py"] +
+                          (sys.argv[1:] if argv is None else list(argv))),
       "preset": args.preset,
       "config": {"params": models.count_params(config32), "d_model": config32.d_model,
                  "num_layers": config32.num_layers, "num_heads": config32.num_heads,

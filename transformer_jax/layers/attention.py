@@ -166,7 +166,7 @@ class Attention(nnx.Module):
     """
     b, t, n, h = out_BTNH.shape
     proj = self.out
-    kernel_ED = proj.kernel[...].reshape(n * h, -1).astype(proj.dtype)
+    kernel_ED = proj.kernel[...].reshape(n * h, -1).astype(proj.dtype)  # E = N * H
     y_BTD = jnp.einsum("BTE,ED->BTD", out_BTNH.reshape(b, t, n * h).astype(proj.dtype), kernel_ED)
     if proj.bias is not None:
       y_BTD = y_BTD + proj.bias[...].astype(proj.dtype)
