@@ -32,8 +32,7 @@ from flax import nnx
 
 from transformer_jax.generate.cache import KVCache, extend, init_cache, with_encoder
 from transformer_jax.generate.decode import (
-    _check_options, _right_padded, _split_model, prompt_bucket)
-from transformer_jax.models.common import check_tokens
+    _check_options, _padded_inputs, _split_model)
 from transformer_jax.models.config import Seq2SeqConfig
 
 # Score of an empty slot / a candidate that must not be chosen (transformers uses the same value,
@@ -109,26 +108,8 @@ def beam_search(model, inputs, *, num_beams: int, length_penalty: float = 1.0,
   suppress = tuple(sorted({int(i) for i in suppress_ids}))
   if suppress and not 0 <= suppress[0] <= suppress[-1] < config.vocab_size:
     raise ValueError(f"suppress_ids {suppress} must lie in the vocabulary [0, {config.vocab_size})")
-  if seq2seq:
-    if decoder_start_id is None or not 0 <= decoder_start_id < config.vocab_size:
-      raise ValueError(f"decoder_start_id={decoder_start_id!r} must be an id in "
-                       f"[0, {config.vocab_size}) for a Seq2Seq model")
-  elif decoder_start_id is not None:
-    raise ValueError(f"decoder_start_id={decoder_start_id!r} is for Seq2Seq models only")
-  tokens, lengths = _right_padded(inputs, prompt_lengths, "right")
-  longest = int(lengths.max())
-  if longest > config.max_len:
-    raise ValueError(f"a prompt of length {longest} is longer than the model's context "
-                     f"max_len={config.max_len}")
-  if not seq2seq and longest + max_new_tokens > config.max_len:
-    raise ValueError(f"prompt length {longest} + max_new_tokens={max_new_tokens} exceeds the "
-                     f"model's context max_len={config.max_len}")
-  check_tokens("inputs", tokens, config.vocab_size)
-  bucket = prompt_bucket(longest, config.max_len)
-  padded = np.zeros((tokens.shape[0], bucket), np.int32)
-  width = min(bucket, tokens.shape[1])
-  padded[:, :width] = tokens[:, :width]
-  cache_len = max_new_tokens if seq2seq else min(bucket + max_new_tokens, config.max_len)
+  padded, lengths, cache_len = _padded_inputs(config, inputs, prompt_lengths, "right",
+                                              max_new_tokens, decoder_start_id, "inputs")
   run = _compiled(graphdef, cache_len, int(num_beams), int(max_new_tokens), seq2seq)
   suppress_V = np.zeros((config.vocab_size,), bool)
   suppress_V[list(suppress)] = True

@@ -9,7 +9,7 @@ it crosses a bucket: one compilation per (batch size, prompt bucket, max_new_tok
 from __future__ import annotations
 
 import functools
-from typing import Literal, Sequence
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +36,11 @@ def prompt_bucket(length: int, max_len: int) -> int:
   return min(bucket, max_len)
 
 
-def _split_model(model) -> tuple[GPTConfig | Seq2SeqConfig, nnx.GraphDef, nnx.State]:
+def _split_model(model, kinds=(GPTConfig, Seq2SeqConfig), *, what: str = "a GPT",
+                 needs: str = "generate needs a GPT or Seq2Seq model"
+                 ) -> tuple[GPTConfig | Seq2SeqConfig, nnx.GraphDef, nnx.State]:
+  """``(config, graphdef, params)`` of a module or a ``(config, params)`` pair whose config is one
+  of ``kinds`` (``what``/``needs`` word the errors)."""
   if isinstance(model, nnx.Module):
     graphdef, params = nnx.split(model)
     config = model.config
@@ -44,9 +48,9 @@ def _split_model(model) -> tuple[GPTConfig | Seq2SeqConfig, nnx.GraphDef, nnx.St
     config, params = model
     graphdef = models.graphdef(config)
   else:
-    raise TypeError(f"model must be a GPT module or a (config, params) pair; got {type(model)}")
-  if not isinstance(config, (GPTConfig, Seq2SeqConfig)):
-    raise TypeError(f"generate needs a GPT or Seq2Seq model; got a {type(config).__name__}")
+    raise TypeError(f"model must be {what} module or a (config, params) pair; got {type(model)}")
+  if not isinstance(config, kinds):
+    raise TypeError(f"{needs}; got a {type(config).__name__}")
   return config, graphdef, params
 
 
@@ -147,30 +151,9 @@ def generate(model, prompt_ids, *, prompt_lengths=None, max_new_tokens: int,
       top-p outside (0, 1], ids outside the vocabulary, and other bad options.
   """
   config, graphdef, params = _split_model(model)
-  seq2seq = isinstance(config, Seq2SeqConfig)
   _check_options(config, max_new_tokens, temperature, top_k, top_p, eos_id, repetition_penalty)
-  if seq2seq:
-    if decoder_start_id is None or not 0 <= decoder_start_id < config.vocab_size:
-      raise ValueError(f"decoder_start_id={decoder_start_id!r} must be an id in "
-                       f"[0, {config.vocab_size}) for a Seq2Seq model")
-  elif decoder_start_id is not None:
-    raise ValueError(f"decoder_start_id={decoder_start_id!r} is for Seq2Seq models only")
-  tokens, lengths = _right_padded(prompt_ids, prompt_lengths, padding_side)
-  longest = int(lengths.max())
-  if longest > config.max_len:
-    raise ValueError(f"a prompt of length {longest} is longer than the model's context "
-                     f"max_len={config.max_len}")
-  if not seq2seq and longest + max_new_tokens > config.max_len:
-    raise ValueError(f"prompt length {longest} + max_new_tokens={max_new_tokens} exceeds the "
-                     f"model's context max_len={config.max_len}")
-  check_tokens("prompt_ids", tokens, config.vocab_size)
-  bucket = prompt_bucket(longest, config.max_len)
-  padded = np.zeros((tokens.shape[0], bucket), np.int32)
-  width = min(bucket, tokens.shape[1])
-  padded[:, :width] = tokens[:, :width]
-  # GPT: prompt and new tokens share the cache. Seq2Seq: the decoder cache holds the start token
-  # and the new tokens but the last one (the source lives in the cross-attention cache).
-  cache_len = max_new_tokens if seq2seq else min(bucket + max_new_tokens, config.max_len)
+  padded, lengths, cache_len = _padded_inputs(config, prompt_ids, prompt_lengths, padding_side,
+                                              max_new_tokens, decoder_start_id, "prompt_ids")
   run = _compiled(graphdef, cache_len, int(max_new_tokens), float(temperature),
                   None if top_k is None else int(top_k), None if top_p is None else float(top_p),
                   None if eos_id is None else int(eos_id),
@@ -191,6 +174,37 @@ def _layer_splitter(graphdef):
   that run several times slower (about half of GPT-2 small's time to first token at batch 1).
   """
   return jax.jit(lambda params: split_layers(nnx.merge(graphdef, params)))
+
+
+def _padded_inputs(config, inputs, prompt_lengths, padding_side, max_new_tokens,
+                   decoder_start_id, name: str) -> tuple[np.ndarray, np.ndarray, int]:
+  """Validated inputs right-padded to their power-of-two bucket: ``(padded [B, bucket] int32,
+  lengths [B], cache_len)``. Checks the decoder start id, the prompt lengths against the context
+  and the ids against the vocabulary (``name`` is the argument named in errors)."""
+  seq2seq = isinstance(config, Seq2SeqConfig)
+  if seq2seq:
+    if decoder_start_id is None or not 0 <= decoder_start_id < config.vocab_size:
+      raise ValueError(f"decoder_start_id={decoder_start_id!r} must be an id in "
+                       f"[0, {config.vocab_size}) for a Seq2Seq model")
+  elif decoder_start_id is not None:
+    raise ValueError(f"decoder_start_id={decoder_start_id!r} is for Seq2Seq models only")
+  tokens, lengths = _right_padded(inputs, prompt_lengths, padding_side)
+  longest = int(lengths.max())
+  if longest > config.max_len:
+    raise ValueError(f"a prompt of length {longest} is longer than the model's context "
+                     f"max_len={config.max_len}")
+  if not seq2seq and longest + max_new_tokens > config.max_len:
+    raise ValueError(f"prompt length {longest} + max_new_tokens={max_new_tokens} exceeds the "
+                     f"model's context max_len={config.max_len}")
+  check_tokens(name, tokens, config.vocab_size)
+  bucket = prompt_bucket(longest, config.max_len)
+  padded = np.zeros((tokens.shape[0], bucket), np.int32)
+  width = min(bucket, tokens.shape[1])
+  padded[:, :width] = tokens[:, :width]
+  # GPT: prompt and new tokens share the cache. Seq2Seq: the decoder cache holds the start token
+  # and the new tokens but the last one (the source lives in the cross-attention cache).
+  cache_len = max_new_tokens if seq2seq else min(bucket + max_new_tokens, config.max_len)
+  return padded, lengths, cache_len
 
 
 @functools.lru_cache(maxsize=64)

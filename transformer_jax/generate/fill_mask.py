@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from transformer_jax import models
+from transformer_jax.generate.decode import _split_model
 from transformer_jax.models.common import check_tokens
 from transformer_jax.models.config import BERTConfig
 
@@ -25,20 +25,6 @@ class FillMaskOutput(NamedTuple):
   positions: np.ndarray  # [M, 2] int: (row, column) of each mask in ``tokens``
   token_ids: np.ndarray  # [M, top_k] int32: most likely first
   probs: np.ndarray      # [M, top_k] float32: softmax over the whole vocabulary
-
-
-def _split_bert(model) -> tuple[BERTConfig, nnx.GraphDef, nnx.State]:
-  if isinstance(model, nnx.Module):
-    graphdef, params = nnx.split(model)
-    config = model.config
-  elif isinstance(model, tuple) and len(model) == 2:
-    config, params = model
-    graphdef = models.graphdef(config)
-  else:
-    raise TypeError(f"model must be a BERT module or a (config, params) pair; got {type(model)}")
-  if not isinstance(config, BERTConfig):
-    raise TypeError(f"fill_mask needs a BERT (masked language) model; got a {type(config).__name__}")
-  return config, graphdef, params
 
 
 def fill_mask(model, tokens, *, top_k: int = 5, mask_id: int, attention_mask=None,
@@ -60,7 +46,8 @@ def fill_mask(model, tokens, *, top_k: int = 5, mask_id: int, attention_mask=Non
     ValueError: no ``mask_id`` in ``tokens``, ids outside the vocabulary, bad ``top_k`` or shapes.
     TypeError: a model that is not a BERT.
   """
-  config, graphdef, params = _split_bert(model)
+  config, graphdef, params = _split_model(
+      model, BERTConfig, what="a BERT", needs="fill_mask needs a BERT (masked language) model")
   tokens = np.asarray(tokens)
   if tokens.ndim == 1:
     tokens = tokens[None]
