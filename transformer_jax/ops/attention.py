@@ -12,17 +12,28 @@ Masks are boolean with ``True`` meaning *attend*. Additive biases (ALiBi, T5 rel
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, Literal
+
 import jax
 import jax.numpy as jnp
 
-from transformer_jax.ops.masks import and_masks, causal_mask
+from transformer_jax.ops.masks import and_masks, segment_mask
 
 # A large finite negative rather than -inf: exp() of it is exactly 0, and a row whose every entry is
 # masked still gives finite numbers (we zero such rows explicitly afterwards).
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def _check_shapes(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
+Implementation = Literal["xla", "chunked", "cudnn"]
+
+# A bias function: ``bias_fn(bias_params, q_pos_BT, k_pos_S) -> [B|1, N|1, T, S]`` float32 additive
+# logits bias (``ops.AlibiBias``, ``ops.RelativeBias``). Kernels that work block by block call it on
+# each block's positions, so a position bias never needs a dense ``[T, S]`` array.
+BiasFn = Callable[[Any, jax.Array, jax.Array], jax.Array]
+
+
+def _check_inputs(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None) -> None:
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
     raise ValueError(
         f"q, k and v must be 4-D [B, T|S, N|K, H]; got q.shape={q.shape}, k.shape={k.shape}, "
@@ -35,6 +46,60 @@ def _check_shapes(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
         f"q.shape={q.shape} and k.shape={k.shape} must share batch B and head dim H")
   if n % kh:
     raise ValueError(f"query heads N={n} must be a multiple of key/value heads K={kh}")
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise ValueError(f"{name} must be a floating-point array; got dtype {x.dtype}")
+  if mask is not None and mask.dtype != jnp.bool_:
+    raise ValueError(
+        f"mask must be boolean (True = attend); got dtype {mask.dtype}. An additive float mask "
+        "belongs in `bias`")
+
+
+def _query_positions(q_positions: jax.Array | None, b: int, t: int, s: int) -> jax.Array:
+  """``[B|1, T]`` int32 position of each query; by default aligned to the end of the keys."""
+  if q_positions is None:
+    return (jnp.arange(t, dtype=jnp.int32) + (s - t))[None]
+  q_positions = jnp.asarray(q_positions)
+  if q_positions.ndim == 1:
+    q_positions = q_positions[None]
+  if q_positions.ndim != 2 or q_positions.shape[1] != t or q_positions.shape[0] not in (1, b):
+    raise ValueError(f"q_positions must be [B, T] or [T] with T={t}; got shape {q_positions.shape}")
+  return q_positions.astype(jnp.int32)
+
+
+def _parts_mask(q_pos_BT: jax.Array, s: int, *, causal: bool, window: int | None,
+                kv_valid: jax.Array | None, q_segment_ids: jax.Array | None,
+                kv_segment_ids: jax.Array | None) -> jax.Array | None:
+  """The dense ``[B|1, 1, T, S]`` mask of the parts (None when there are none)."""
+  k_pos_S = jnp.arange(s, dtype=jnp.int32)
+  masks = []
+  if causal:
+    masks.append((k_pos_S[None, None, :] <= q_pos_BT[:, :, None])[:, None])
+  if window is not None:
+    masks.append((jnp.abs(q_pos_BT[:, :, None] - k_pos_S[None, None, :]) < window)[:, None])
+  if kv_valid is not None:
+    masks.append(kv_valid.astype(bool)[:, None, None, :])
+  if q_segment_ids is not None:
+    masks.append(segment_mask(q_segment_ids, kv_segment_ids))
+  return and_masks(*masks)
+
+
+def _check_parts(b: int, t: int, s: int, *, window, kv_valid, q_segment_ids, kv_segment_ids):
+  if window is not None and window < 1:
+    raise ValueError(f"window={window} must be >= 1")
+  if kv_valid is not None and kv_valid.shape != (b, s):
+    raise ValueError(f"kv_valid must be [B, S] = {(b, s)}; got shape {kv_valid.shape}")
+  if q_segment_ids is not None:
+    if q_segment_ids.shape != (b, t):
+      raise ValueError(
+          f"q_segment_ids must be [B, T] = {(b, t)}; got shape {q_segment_ids.shape}")
+    if kv_segment_ids is None and t != s:
+      raise ValueError(f"kv_segment_ids [B, S] is needed when T={t} != S={s}")
+    if kv_segment_ids is not None and kv_segment_ids.shape != (b, s):
+      raise ValueError(
+          f"kv_segment_ids must be [B, S] = {(b, s)}; got shape {kv_segment_ids.shape}")
+  elif kv_segment_ids is not None:
+    raise ValueError("kv_segment_ids needs q_segment_ids")
 
 
 def dot_product_attention(
@@ -49,8 +114,21 @@ def dot_product_attention(
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     return_weights: bool = False,
+    implementation: Implementation | None = None,
+    kv_valid: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    window: int | None = None,
+    q_positions: jax.Array | None = None,
+    bias_fn: BiasFn | None = None,
+    bias_params: Any = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """softmax(scale * q k^T + bias, masked) v, with multi-, multi-query and grouped-query heads.
+
+  The mask may be given densely (``mask``) and/or by its parts (``causal``, ``window``,
+  ``kv_valid``, segment ids); the parts are ANDed. Key ``j`` sits at position ``j``; query ``i`` at
+  ``q_positions[b, i]``, by default ``S - T + i`` (aligned to the end of the keys, which is what a
+  key/value cache needs).
 
   Args:
     q: queries ``[B, T, N, H]``.
@@ -58,21 +136,56 @@ def dot_product_attention(
     v: values ``[B, S, K, H]``.
     bias: additive logits bias broadcastable to ``[B, N, T, S]``.
     mask: boolean, broadcastable to ``[B, N, T, S]``; True = attend.
-    causal: also apply a causal mask. Queries are aligned to the *end* of the keys (query ``i`` sits
-      at key position ``S - T + i``), which is what a key/value cache needs.
+    causal: query at position ``p`` sees keys at positions ``<= p``.
     scale: logits scale; default ``1 / sqrt(H)``.
     dropout_rate: dropout on the attention weights (needs ``dropout_rng``).
     dropout_rng: PRNG key for attention dropout; ``None`` disables dropout.
-    return_weights: also return the attention weights ``[B, N, T, S]`` (float32).
+    return_weights: also return the attention weights ``[B, N, T, S]`` (float32; "xla" only).
+    implementation: ``"xla"`` (dense ``[B, N, T, S]`` scores), ``"chunked"`` (memory-efficient,
+      key/value blocks with an online softmax), ``"cudnn"`` (fused GPU kernel), or ``None`` to pick.
+    kv_valid: ``[B, S]`` bool, False for padding keys.
+    q_segment_ids: ``[B, T]`` int; queries see only keys of the same segment (packed sequences).
+    kv_segment_ids: ``[B, S]`` int (default ``q_segment_ids``, which needs ``T == S``).
+    window: sliding window: only keys with ``|q_pos - k_pos| < window``.
+    q_positions: ``[B, T]`` or ``[T]`` int positions of the queries.
+    bias_fn: additive bias as a function of positions (``ops.AlibiBias``, ``ops.RelativeBias``):
+      ``bias_fn(bias_params, q_pos_BT, k_pos_S) -> [B|1, N|1, T, S]``.
+    bias_params: the (differentiable) parameters of ``bias_fn``.
 
   Returns:
     ``[B, T, N, H]`` in q's dtype (and the weights if asked). A query row whose every key is
     masked yields zeros, not NaN.
 
   Raises:
-    ValueError: on inconsistent shapes.
+    ValueError: on inconsistent shapes, a non-boolean mask, non-float q/k/v or an unknown
+      implementation.
   """
-  _check_shapes(q, k, v)
+  _check_inputs(q, k, v, mask)
+  b, t, _, _ = q.shape
+  s = k.shape[1]
+  _check_parts(b, t, s, window=window, kv_valid=kv_valid, q_segment_ids=q_segment_ids,
+               kv_segment_ids=kv_segment_ids)
+  match implementation:
+    case None | "xla":
+      q_pos_BT = _query_positions(q_positions, b, t, s)
+      parts = _parts_mask(q_pos_BT, s, causal=causal, window=window, kv_valid=kv_valid,
+                          q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+      mask = and_masks(mask, parts)
+      if bias_fn is not None:
+        block_bias = bias_fn(bias_params, q_pos_BT, jnp.arange(s, dtype=jnp.int32))
+        bias = block_bias if bias is None else bias + block_bias
+      return _xla_attention(q, k, v, bias=bias, mask=mask, scale=scale,
+                            dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+                            return_weights=return_weights)
+    case "chunked" | "cudnn":
+      raise NotImplementedError(f"implementation={implementation!r} is not available yet")
+    case _:
+      raise ValueError(
+          f"implementation={implementation!r} must be None, 'xla', 'chunked' or 'cudnn'")
+
+
+def _xla_attention(q, k, v, *, bias, mask, scale, dropout_rate, dropout_rng, return_weights):
+  """The dense kernel: the whole ``[B, N, T, S]`` score matrix at once."""
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
   g = n // kh
@@ -85,8 +198,6 @@ def dot_product_attention(
   if bias is not None:
     logits_BNTS = logits_BNTS + bias.astype(jnp.float32)
 
-  if causal:
-    mask = and_masks(mask, causal_mask(t, s))
   if mask is not None:
     mask = jnp.broadcast_to(mask, logits_BNTS.shape)
     logits_BNTS = jnp.where(mask, logits_BNTS, _MASK_VALUE)

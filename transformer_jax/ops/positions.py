@@ -213,3 +213,40 @@ def relative_positions(q_len: int, k_len: int | None = None) -> jax.Array:
   k_len = q_len if k_len is None else k_len
   q_pos = jnp.arange(q_len)[:, None] + (k_len - q_len)
   return jnp.arange(k_len)[None, :] - q_pos
+
+
+# ---------------------------------------------------------------------------------------------------
+# Additive position biases as functions of positions, for attention kernels that build the bias block
+# by block (``dot_product_attention(bias_fn=..., bias_params=...)``) instead of taking a dense
+# ``[B, N, T, S]`` array. Frozen dataclasses: hashable, so they can be static arguments of a kernel.
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AlibiBias:
+  """ALiBi as a ``bias_fn``: ``params`` are the slopes ``[N]`` (``alibi_slopes``); the bias of query
+  position ``i`` and key position ``j`` is ``-slope_n * |i - j|``, as ``alibi_bias``."""
+
+  def __call__(self, slopes_N: jax.Array, q_pos_BT: jax.Array, k_pos_S: jax.Array) -> jax.Array:
+    """``[B, N, T, S]`` float32."""
+    dist_BTS = jnp.abs(q_pos_BT[:, :, None] - k_pos_S[None, None, :]).astype(jnp.float32)
+    return -slopes_N.astype(jnp.float32)[None, :, None, None] * dist_BTS[:, None]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RelativeBias:
+  """T5's learned relative-position bias as a ``bias_fn``: ``params`` is the table ``[U, N]`` of
+  ``U = num_buckets`` rows; the bias of query position ``i`` and key position ``j`` is
+  ``table[relative_position_bucket(j - i), n]``."""
+
+  num_buckets: int
+  max_distance: int
+  bidirectional: bool
+
+  def __call__(self, table_UN: jax.Array, q_pos_BT: jax.Array, k_pos_S: jax.Array) -> jax.Array:
+    """``[B, N, T, S]`` float32."""
+    rel_BTS = k_pos_S[None, None, :] - q_pos_BT[:, :, None]
+    buckets_BTS = relative_position_bucket(
+        rel_BTS, bidirectional=self.bidirectional, num_buckets=self.num_buckets,
+        max_distance=self.max_distance)
+    bias_BTSN = jnp.take(table_UN, buckets_BTS, axis=0)
+    return jnp.transpose(bias_BTSN, (0, 3, 1, 2)).astype(jnp.float32)
