@@ -18,6 +18,9 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
+import numpy as np
+
+from transformer_jax.ops.chunked import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, chunked_attention
 from transformer_jax.ops.masks import and_masks, segment_mask
 
 # A large finite negative rather than -inf: exp() of it is exactly 0, and a row whose every entry is
@@ -26,6 +29,12 @@ _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 Implementation = Literal["xla", "chunked", "cudnn"]
+
+# implementation=None picks "chunked" from this many query-key pairs (T * S) up, "xla" below. On a
+# 2-core x86 CPU, forward + backward of causal [1, T, 12, 64] float32 attention, chunked stops
+# being slower than xla around T = S = 1024 (experiments/attention_memory.py); above it the dense
+# [B, N, T, S] temporaries also grow past what small machines hold.
+AUTO_CHUNKED_MIN_TS = 1024 * 1024
 
 # A bias function: ``bias_fn(bias_params, q_pos_BT, k_pos_S) -> [B|1, N|1, T, S]`` float32 additive
 # logits bias (``ops.AlibiBias``, ``ops.RelativeBias``). Kernels that work block by block call it on
@@ -122,6 +131,8 @@ def dot_product_attention(
     q_positions: jax.Array | None = None,
     bias_fn: BiasFn | None = None,
     bias_params: Any = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """softmax(scale * q k^T + bias, masked) v, with multi-, multi-query and grouped-query heads.
 
@@ -142,7 +153,8 @@ def dot_product_attention(
     dropout_rng: PRNG key for attention dropout; ``None`` disables dropout.
     return_weights: also return the attention weights ``[B, N, T, S]`` (float32; "xla" only).
     implementation: ``"xla"`` (dense ``[B, N, T, S]`` scores), ``"chunked"`` (memory-efficient,
-      key/value blocks with an online softmax), ``"cudnn"`` (fused GPU kernel), or ``None`` to pick.
+      key/value blocks with an online softmax), ``"cudnn"`` (fused GPU kernel), or ``None``: "chunked" when
+      ``T * S >= AUTO_CHUNKED_MIN_TS`` and ``return_weights`` is False, else "xla".
     kv_valid: ``[B, S]`` bool, False for padding keys.
     q_segment_ids: ``[B, T]`` int; queries see only keys of the same segment (packed sequences).
     kv_segment_ids: ``[B, S]`` int (default ``q_segment_ids``, which needs ``T == S``).
@@ -151,6 +163,8 @@ def dot_product_attention(
     bias_fn: additive bias as a function of positions (``ops.AlibiBias``, ``ops.RelativeBias``):
       ``bias_fn(bias_params, q_pos_BT, k_pos_S) -> [B|1, N|1, T, S]``.
     bias_params: the (differentiable) parameters of ``bias_fn``.
+    block_q: query rows per block of the "chunked" kernel (default ``ops.chunked.DEFAULT_BLOCK_Q``).
+    block_k: keys per block of the "chunked" kernel (default ``ops.chunked.DEFAULT_BLOCK_K``).
 
   Returns:
     ``[B, T, N, H]`` in q's dtype (and the weights if asked). A query row whose every key is
@@ -165,9 +179,12 @@ def dot_product_attention(
   s = k.shape[1]
   _check_parts(b, t, s, window=window, kv_valid=kv_valid, q_segment_ids=q_segment_ids,
                kv_segment_ids=kv_segment_ids)
+  if implementation is None:
+    implementation = "chunked" if t * s >= AUTO_CHUNKED_MIN_TS and not return_weights else "xla"
+  q_pos_BT = _query_positions(q_positions, b, t, s)
+  h = q.shape[-1]
   match implementation:
-    case None | "xla":
-      q_pos_BT = _query_positions(q_positions, b, t, s)
+    case "xla":
       parts = _parts_mask(q_pos_BT, s, causal=causal, window=window, kv_valid=kv_valid,
                           q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
       mask = and_masks(mask, parts)
@@ -177,11 +194,81 @@ def dot_product_attention(
       return _xla_attention(q, k, v, bias=bias, mask=mask, scale=scale,
                             dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                             return_weights=return_weights)
-    case "chunked" | "cudnn":
-      raise NotImplementedError(f"implementation={implementation!r} is not available yet")
+    case "chunked":
+      if return_weights:
+        raise ValueError(
+            "return_weights=True needs the dense weights: use implementation='xla' (the chunked "
+            "kernel never forms them)")
+      return chunked_attention(
+          q, k, v, q_pos=q_pos_BT, scale=h**-0.5 if scale is None else scale, causal=causal,
+          window=window, bias=bias, mask=mask, bias_fn=bias_fn, bias_params=bias_params,
+          kv_valid=kv_valid, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+          dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+          block_q=DEFAULT_BLOCK_Q if block_q is None else block_q,
+          block_k=DEFAULT_BLOCK_K if block_k is None else block_k)
+    case "cudnn":
+      return _cudnn_attention(
+          q, k, v, q_pos_BT, bias=bias, mask=mask, causal=causal, scale=scale,
+          dropout_rate=dropout_rate, dropout_rng=dropout_rng, return_weights=return_weights,
+          kv_valid=kv_valid, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+          window=window, q_positions=q_positions, bias_fn=bias_fn, bias_params=bias_params)
     case _:
       raise ValueError(
           f"implementation={implementation!r} must be None, 'xla', 'chunked' or 'cudnn'")
+
+
+def _cudnn_attention(q, k, v, q_pos_BT, *, bias, mask, causal, scale, dropout_rate, dropout_rng,
+                     return_weights, kv_valid, q_segment_ids, kv_segment_ids, window, q_positions,
+                     bias_fn, bias_params):
+  """Delegates to cuDNN's fused kernel through ``jax.nn.dot_product_attention``.
+
+  The mask parts become what that API takes: ``causal`` (``T == S`` with default positions:
+  cuDNN aligns the causal mask to the first key), ``window`` (``local_window_size``), ``kv_valid``
+  (key lengths when it is concretely a prefix, else a dense mask), segment ids (a dense mask) and
+  ``bias_fn`` (a dense bias)."""
+  platform = jax.default_backend()
+  if platform != "gpu":
+    raise ValueError(
+        f"implementation='cudnn' needs an NVIDIA GPU; the default backend is {platform!r}: use "
+        "'chunked' or 'xla'")
+  b, t, _, _ = q.shape
+  s = k.shape[1]
+  if return_weights:
+    raise ValueError("return_weights=True is not available with implementation='cudnn'")
+  if dropout_rate > 0.0 and dropout_rng is not None:
+    raise ValueError("attention dropout is not available with implementation='cudnn'")
+  if causal and (t != s or q_positions is not None):
+    raise ValueError(
+        f"implementation='cudnn' takes causal only with T == S and default positions; got T={t}, "
+        f"S={s}, q_positions={'given' if q_positions is not None else None}")
+  if window is not None and q_positions is not None:
+    raise ValueError("implementation='cudnn' takes window only with default positions")
+  key_lengths = None
+  if kv_valid is not None:
+    try:
+      valid = np.asarray(kv_valid).astype(bool)
+      lengths = valid.sum(axis=1)
+      if (valid == (np.arange(s)[None] < lengths[:, None])).all():
+        key_lengths = jnp.asarray(lengths, jnp.int32)
+    except jax.errors.TracerArrayConversionError:
+      pass  # traced: not known to be a prefix, so it goes in as a dense mask
+  parts = _parts_mask(q_pos_BT, s, causal=False, window=None,
+                      kv_valid=kv_valid if key_lengths is None else None,
+                      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+  mask = and_masks(mask, parts)
+  if bias_fn is not None:
+    fn_bias = bias_fn(bias_params, q_pos_BT, jnp.arange(s, dtype=jnp.int32))
+    bias = fn_bias if bias is None else bias + fn_bias
+  if mask is not None:
+    mask = jnp.broadcast_to(mask, (b, mask.shape[-3] if mask.ndim >= 3 else 1, t, s))
+  if bias is not None:
+    bias = bias.astype(q.dtype)
+  local = None
+  if window is not None:
+    local = (window - 1, 0) if causal else (window - 1, window - 1)
+  return jax.nn.dot_product_attention(
+      q, k, v, bias=bias, mask=mask, scale=scale, is_causal=causal,
+      key_value_seq_lengths=key_lengths, local_window_size=local, implementation="cudnn")
 
 
 def _xla_attention(q, k, v, *, bias, mask, scale, dropout_rate, dropout_rng, return_weights):

@@ -9,11 +9,17 @@ the block on to the next device of the ring with ``jax.lax.ppermute``. After ``n
 query has met every key, and the result equals ``ops.dot_product_attention`` on the unsharded
 arrays up to float rounding.
 
+Each step is the block step of the chunked kernel (``ops.chunked``: block scores with the mask
+evaluated from global positions and ids, online softmax update), so the two share one copy of the
+softmax and mask code. The gradient is a ``jax.custom_vjp`` over the whole ring, as in the chunked
+kernel: the forward saves only the output and the per-row log-sum-exp, and the backward sends the
+key/value blocks around the ring again together with their gradients ``dk, dv``, to which every
+device adds its share before passing them on; after ``n`` hops they are home.
+
 Memory: the logits a device holds at any step are ``[B, N, T/n, T/n]`` instead of the
 ``[B, N, T, T]`` of full attention, i.e. O((T/n)^2) rather than O(T^2) per device, and the
-key/value blocks it holds are O(T/n). Under ``jax.grad`` each step's attention is recomputed in
-the backward pass (``jax.checkpoint``), so what is saved between the passes is, per step, one
-key/value block and the softmax statistics: O(T) per device in all, with no quadratic term.
+key/value blocks it holds are O(T/n). Between the passes it keeps its own q, k, v, output and
+log-sum-exp: O(T/n), with no quadratic term.
 
 Causal masking uses global positions: with ``T == S`` the block that device ``i`` holds at step
 ``s`` started on device ``(i - s) mod n``, so it lies entirely in the past (``0 < s <= i``: no
@@ -34,12 +40,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from transformer_jax.ops import chunked
+
 __all__ = ["ring_attention"]
-
-# The same finite mask value as ops.dot_product_attention: exp() of it is exactly 0 and a fully
-# masked row stays finite. Kept local so that ``parallel`` depends only on JAX.
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-
 
 def _check_inputs(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
                   kv_mask_BS: jax.Array | None, segment_ids_BT: jax.Array | None) -> None:
@@ -64,110 +67,111 @@ def _check_inputs(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
     raise ValueError(f"segment_ids_BT.shape={segment_ids_BT.shape} must be [B, T] = {(b, t)}")
 
 
-def _block_attention(q_BTKGH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
-                     valid_BKGTS: jax.Array | None, scale: float
-                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Softmax statistics of one query block against one key/value block.
-
-  Returns ``(max [B,K,G,T], denominator [B,K,G,T], numerator [B,K,G,T,H])`` in float32, with
-  ``numerator / denominator`` the block's attention output. Masked entries contribute exactly 0;
-  a row with no valid key has max ``_MASK_VALUE`` and zero denominator and numerator.
-  """
-  logits_BKGTS = jnp.einsum(
-      "BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
-  logits_BKGTS = logits_BKGTS * jnp.float32(scale)
-  if valid_BKGTS is not None:
-    logits_BKGTS = jnp.where(valid_BKGTS, logits_BKGTS, _MASK_VALUE)
-  # The output does not depend on the value subtracted before exp(), so the max needs no gradient.
-  max_BKGT = jax.lax.stop_gradient(jnp.max(logits_BKGTS, axis=-1))
-  probs_BKGTS = jnp.exp(logits_BKGTS - max_BKGT[..., None])
-  if valid_BKGTS is not None:
-    probs_BKGTS = jnp.where(valid_BKGTS, probs_BKGTS, 0.0)
-  denom_BKGT = jnp.sum(probs_BKGTS, axis=-1)
-  numer_BKGTH = jnp.einsum(
-      "BKGTS,BSKH->BKGTH", probs_BKGTS.astype(v_BSKH.dtype), v_BSKH,
-      preferred_element_type=jnp.float32)
-  return max_BKGT, denom_BKGT, numer_BKGTH
-
-
-def _merge(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-  """Combines the softmax statistics of two disjoint key sets (the online-softmax update)."""
-  max_a, denom_a, numer_a = a
-  max_b, denom_b, numer_b = b
-  max_BKGT = jnp.maximum(max_a, max_b)
-  corr_a = jnp.exp(max_a - max_BKGT)
-  corr_b = jnp.exp(max_b - max_BKGT)
-  denom_BKGT = denom_a * corr_a + denom_b * corr_b
-  numer_BKGTH = numer_a * corr_a[..., None] + numer_b * corr_b[..., None]
-  return max_BKGT, denom_BKGT, numer_BKGTH
-
-
-def _kv_valid(kv_mask_BS: jax.Array | None, q_seg_BT: jax.Array | None,
-              kv_seg_BS: jax.Array | None) -> jax.Array | None:
-  """Boolean ``[B, 1, 1, T|1, S]`` from the key padding mask and segment ids, or None."""
-  valid = None
-  if kv_mask_BS is not None:
-    valid = kv_mask_BS[:, None, None, None, :]
-  if q_seg_BT is not None:
-    same_BTS = q_seg_BT[:, :, None] == kv_seg_BS[:, None, :]
-    same = same_BTS[:, None, None]
-    valid = same if valid is None else valid & same
-  return valid
-
-
-def _and(a: jax.Array | None, b: jax.Array | None) -> jax.Array | None:
-  if a is None:
-    return b
-  return a if b is None else a & b
+def _varying_like(tree, ref: jax.Array):
+  """Marks fresh constants (loop carries' initial values) as varying over the mesh axes ``ref``
+  varies over, as ``shard_map`` requires of a carry that the loop makes varying."""
+  aval = jax.typeof(ref)
+  axes = getattr(aval, "vma", None)  # older JAX; newer ones keep it in the manual axis type
+  axes = tuple(sorted(aval.mat.varying if axes is None else axes))
+  if not axes:
+    return tree
+  return jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), tree)
 
 
 def _ring_body(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
                kv_mask_BS: jax.Array | None, seg_BT: jax.Array | None, *, seq_axis: str,
                axis_size: int, causal: bool, scale: float) -> jax.Array:
-  """Per-device program (inside ``shard_map``): local blocks in, local output block out."""
+  """Per-device program (inside ``shard_map``): local blocks in, local output block out.
+
+  The forward and backward block steps are the chunked kernel's (``ops.chunked``); only the
+  schedule differs: the key/value blocks come from the ring instead of a loop over slices."""
   b, t, n, h = q_BTNH.shape
   kh = k_BSKH.shape[2]
-  q_BTKGH = q_BTNH.reshape(b, t, kh, n // kh, h)
-  my_block = jax.lax.axis_index(seq_axis)
+  g = n // kh
+  st = chunked.Static(scale=scale, causal=causal)
   # Send to the next device, so that at step s a device holds the block of device (i - s) mod n.
   perm = [(j, (j + 1) % axis_size) for j in range(axis_size)]
 
-  def attend(k_blk, v_blk, kvm_blk, kv_seg_blk, extra_valid=None):
-    valid = _and(_kv_valid(kvm_blk, seg_BT, kv_seg_blk), extra_valid)
-    return _block_attention(q_BTKGH, k_blk, v_blk, valid, scale)
+  # (Everything below is traced inside the custom_vjp's functions, which must not close over
+  # values traced outside them: the device index is looked up in each.)
+  def block(s, q_seg, kv_mask, kv_seg):
+    my_block = jax.lax.axis_index(seq_axis)
+    src = (my_block - s) % axis_size  # where the block held at step s started
+    return chunked.Block(q_pos=(my_block * t + jnp.arange(t, dtype=jnp.int32))[None],
+                         k_pos=src * t + jnp.arange(t, dtype=jnp.int32), kv_valid=kv_mask,
+                         q_seg=q_seg, kv_seg=kv_seg)
 
-  # Recompute each step's attention in the backward pass instead of saving its [T/n, T/n] arrays.
-  attend = jax.checkpoint(attend, prevent_cse=False)
-
-  # Step 0: the diagonal block, the only one that needs the triangular part of a causal mask.
-  diag_TS = jnp.tril(jnp.ones((t, t), bool))[None, None, None] if causal else None
-  state = attend(k_BSKH, v_BSKH, kv_mask_BS, seg_BT, diag_TS)
-
-  def accumulate(state, blocks, s):
+  def visit(s, step_fn, skip_fn, *args):
+    """Runs a block step, or under ``causal`` skips a block that lies entirely in the future (it
+    started on a later device): devices late in the ring do more work than early ones."""
     if not causal:
-      return _merge(state, attend(*blocks))
-    # The block held at step s started on device (i - s) mod n: entirely in the past iff s <= i,
-    # entirely in the future otherwise, and then skipped.
-    return jax.lax.cond(s <= my_block, lambda st, blk: _merge(st, attend(*blk)),
-                        lambda st, blk: st, state, blocks)
+      return step_fn(*args)
+    my_block = jax.lax.axis_index(seq_axis)
+    return jax.lax.cond((my_block - s) % axis_size <= my_block, step_fn, skip_fn, *args)
 
-  def step(carry, s):
-    state, blocks = carry
-    # Pass the block on before attending to it, so that communication can overlap compute.
-    next_blocks = jax.lax.ppermute(blocks, seq_axis, perm)
-    return (accumulate(state, blocks, s), next_blocks), None
+  def forward(q_BTNH, k_BSKH, v_BSKH, kv_mask_BS, seg_BT):
+    q_BTKGH = q_BTNH.reshape(b, t, kh, g, h)
 
-  if axis_size > 1:
-    blocks = jax.lax.ppermute((k_BSKH, v_BSKH, kv_mask_BS, seg_BT), seq_axis, perm)
-    (state, blocks), _ = jax.lax.scan(step, (state, blocks), jnp.arange(1, axis_size - 1))
-    # The last block received is not sent on again.
-    state = accumulate(state, blocks, axis_size - 1)
+    def attend(s, state, blocks):
+      k_blk, v_blk, kvm_blk, seg_blk = blocks
+      blk = block(s, seg_BT, kvm_blk, seg_blk)
+      return visit(s, lambda st_: chunked.online_update(st_, q_BTKGH, k_blk, v_blk, blk, st),
+                   lambda st_: st_, state)
 
-  _, denom_BKGT, numer_BKGTH = state
-  # Rows with no valid key have zero numerator and denominator: divide by 1 to return zeros.
-  out_BKGTH = numer_BKGTH / jnp.where(denom_BKGT == 0.0, 1.0, denom_BKGT)[..., None]
-  out_BTNH = out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
-  return out_BTNH.astype(q_BTNH.dtype)
+    def step(carry, s):
+      state, blocks = carry
+      # Pass the block on before attending to it, so that communication can overlap compute.
+      next_blocks = jax.lax.ppermute(blocks, seq_axis, perm)
+      return (attend(s, state, blocks), next_blocks), None
+
+    blocks = (k_BSKH, v_BSKH, kv_mask_BS, seg_BT)
+    state = _varying_like(chunked.initial_state(b, kh, g, t, h), q_BTNH)
+    (state, blocks), _ = jax.lax.scan(step, (state, blocks), jnp.arange(axis_size - 1))
+    state = attend(axis_size - 1, state, blocks)  # the last block is not sent on again
+    out_BKGTH, lse_BKGT = chunked.finish(state)
+    out_BTNH = out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q_BTNH.dtype)
+    return out_BTNH, lse_BKGT
+
+  @jax.custom_vjp
+  def ring(q_BTNH, k_BSKH, v_BSKH, kv_mask_BS, seg_BT):
+    return forward(q_BTNH, k_BSKH, v_BSKH, kv_mask_BS, seg_BT)[0]
+
+  def ring_fwd(q_BTNH, k_BSKH, v_BSKH, kv_mask_BS, seg_BT):
+    out_BTNH, lse_BKGT = forward(q_BTNH, k_BSKH, v_BSKH, kv_mask_BS, seg_BT)
+    return out_BTNH, (q_BTNH, k_BSKH, v_BSKH, kv_mask_BS, seg_BT, out_BTNH, lse_BKGT)
+
+  def ring_bwd(res, do_BTNH):
+    """The key/value blocks go around the ring once more, now with their gradients ``dk, dv``,
+    which every device adds to; after ``n`` hops they are back on the device that owns them."""
+    q_BTNH, k_BSKH, v_BSKH, kv_mask_BS, seg_BT, out_BTNH, lse_BKGT = res
+    q_BTKGH = q_BTNH.reshape(b, t, kh, g, h)
+    do_BTKGH = do_BTNH.reshape(b, t, kh, g, h)
+    delta_BTKG = jnp.sum(do_BTKGH.astype(jnp.float32)
+                         * out_BTNH.reshape(b, t, kh, g, h).astype(jnp.float32), axis=-1)
+    delta_BKGT = delta_BTKG.transpose(0, 2, 3, 1)
+
+    def step(carry, s):
+      dq, blocks, grads = carry
+      k_blk, v_blk, kvm_blk, seg_blk = blocks
+      blk = block(s, seg_BT, kvm_blk, seg_blk)
+
+      def grad_step(dq, grads):
+        dq_i, dk_i, dv_i, _ = chunked.block_grads(q_BTKGH, k_blk, v_blk, do_BTKGH, lse_BKGT,
+                                                  delta_BKGT, blk, st)
+        return dq + dq_i, (grads[0] + dk_i, grads[1] + dv_i)
+      dq, grads = visit(s, grad_step, lambda dq, grads: (dq, grads), dq, grads)
+      blocks, grads = jax.lax.ppermute((blocks, grads), seq_axis, perm)
+      return (dq, blocks, grads), None
+
+    zeros = _varying_like(jnp.zeros(k_BSKH.shape, jnp.float32), k_BSKH)
+    init = (_varying_like(jnp.zeros(q_BTKGH.shape, jnp.float32), q_BTNH),
+            (k_BSKH, v_BSKH, kv_mask_BS, seg_BT), (zeros, zeros))
+    (dq, _, (dk, dv)), _ = jax.lax.scan(step, init, jnp.arange(axis_size))
+    return (dq.reshape(b, t, n, h).astype(q_BTNH.dtype), dk.astype(k_BSKH.dtype),
+            dv.astype(v_BSKH.dtype), None, None)
+
+  ring.defvjp(ring_fwd, ring_bwd)
+  return ring(q_BTNH, k_BSKH, v_BSKH, kv_mask_BS, seg_BT)
 
 
 def _axis_sizes(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh) -> dict[str, int]:
