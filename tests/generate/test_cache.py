@@ -1,5 +1,6 @@
 """Cached decoding equals full recomputation, step by step, for every position-encoding flavour."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,8 +57,10 @@ def test_cached_logits_match_full_forward_every_step(case):
 def test_cache_stores_only_kv_heads():
   config = gpt_config("llama-rope-mqa")
   cache = generate.init_cache(config, 3, 16)
-  assert cache.k.shape == (config.num_layers, 3, 16, 1, config.head_size)
-  assert cache.v.shape == cache.k.shape
+  assert cache.shape == (config.num_layers, 3, 16, 1, config.head_size)
+  # One heads-major [B * K, S, H] array per layer, for keys and for values.
+  chex.assert_shape(cache.k + cache.v, (3 * 1, 16, config.head_size))
+  assert len(cache.k) == len(cache.v) == config.num_layers
 
 
 def test_init_cache_rejects_length_beyond_learned_positions():
@@ -69,5 +72,4 @@ def test_cache_requires_no_positions_argument():
   model = gpt_model("gpt2-learned")
   cache = generate.init_cache(model.config, 1, 8)
   with pytest.raises(ValueError, match="positions"):
-    model(jnp.zeros((1, 2), jnp.int32), positions=jnp.zeros((1, 2), jnp.int32),
-          kv_cache=cache.as_layer_caches(), cache_index=cache.lengths)
+    model(jnp.zeros((1, 2), jnp.int32), positions=jnp.zeros((1, 2), jnp.int32), cache=cache)

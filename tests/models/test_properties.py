@@ -1,6 +1,8 @@
 """Model-level properties: causality, bidirectionality, padding and packing invariance, relative
 positions, GQA == MHA, and a float64 NumPy GPT-2 forward as an independent reference."""
 
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -141,8 +143,7 @@ def test_gqa_attention_equals_mha_with_repeated_kv_heads():
     dst.kernel[...] = jnp.repeat(src.kernel[...], n // k, axis=1)
     dst.bias[...] = jnp.repeat(src.bias[...], n // k, axis=0)
   x = jax.random.normal(jax.random.key(0), (2, 6, d))
-  mask = jnp.tril(jnp.ones((6, 6), bool))[None, None]
-  np.testing.assert_allclose(gqa(x, mask=mask), mha(x, mask=mask), atol=1e-5)
+  np.testing.assert_allclose(gqa(x, causal=True)[0], mha(x, causal=True)[0], atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,3 +201,33 @@ def test_gpt2_matches_float64_numpy_reference():
   got = jit_forward(config)(params, tokens)
   ref = _np_gpt2(nnx.to_pure_dict(params), np.asarray(tokens), config)
   np.testing.assert_allclose(np.asarray(got), ref, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "bert-tiny", "t5-tiny"])
+def test_attention_impl_reaches_the_kernel_of_every_attention(name, tokens, monkeypatch):
+  """The config's ``attention_impl`` is what every attention call passes to the kernel."""
+  from transformer_jax import ops
+  from tests.models.conftest import forward
+  seen = []
+  real = ops.dot_product_attention
+
+  def spy(*args, implementation=None, **kw):
+    seen.append(implementation)
+    return real(*args, implementation="xla", **kw)
+
+  monkeypatch.setattr(ops, "dot_product_attention", spy)
+  config = tiny(name, attention_impl="cudnn", scan_layers=False)
+  model = models.create(config, rngs=nnx.Rngs(0))
+  forward(model, config, tokens)
+  layers = config.num_layers if hasattr(config, "num_layers") else (
+      config.num_encoder_layers + 2 * config.num_decoder_layers)  # decoder: self + cross
+  assert seen == ["cudnn"] * layers
+
+
+def test_attention_impl_is_validated_and_set_from_the_command_line():
+  with pytest.raises(ValueError, match=r"attention_impl='flash' must be one of None, 'xla'"):
+    tiny("gpt2-tiny", attention_impl="flash")
+  from transformer_jax.train.config import load_experiment
+  path = pathlib.Path(__file__).parents[2] / "experiments" / "gpt_tiny.yaml"
+  exp = load_experiment(str(path), ["model.attention_impl=chunked"])
+  assert exp.model_config().attention_impl == "chunked"

@@ -96,7 +96,8 @@ def _train(family, mesh):
   state = step_lib.place_state(step_lib.create_state(
       models.init(config, jax.random.key(0)), optimizer), mesh)
   fn = step_lib.jit_train_step(
-      step_lib.make_train_step(models.graphdef(config), task, optimizer, seed=0), mesh, state)
+      step_lib.make_train_step(models.graphdef(config, mesh), task, optimizer, seed=0), mesh,
+      state)
   losses, grad_norms = [], []
   for s in range(STEPS):
     batch = step_lib.shard_batch(_batch(family, s), mesh, task.keys)
@@ -136,8 +137,8 @@ def test_sequence_parallel_runs_ring_attention(family, ring):
   state = step_lib.abstract_state(config, optimizer, mesh)
   batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=parallel.batch_sharding(mesh))
            for k, v in task.batch_shapes(BATCH, LENGTH).items()}
-  fn = step_lib.jit_train_step(step_lib.make_train_step(models.graphdef(config), task, optimizer,
-                                                        seed=0), mesh, state)
+  fn = step_lib.jit_train_step(step_lib.make_train_step(models.graphdef(config, mesh), task,
+                                                        optimizer, seed=0), mesh, state)
   hlo = fn.lower(state, batch).as_text()
   assert ("collective_permute" in hlo or "ppermute" in hlo) == ring
 
@@ -146,21 +147,21 @@ def test_gradients_match_one_device():
   """Gradients themselves (not only their norm), leaf by leaf, under data x fsdp x tensor."""
   config = _config("llama")
   task = _task("llama")
-  graphdef = models.graphdef(config)
   params = models.init(config, jax.random.key(1))
   host = _batch("llama", 7)
 
-  def loss_fn(p, batch):
+  def loss_fn(graphdef, p, batch):
     from flax import nnx
     sums, _ = task.sums(nnx.merge(graphdef, p), batch, None)
     return sums["lm"] / task.counts(batch)["lm"]
 
-  ref = jax.jit(jax.grad(loss_fn))(params, {k: jnp.asarray(v) for k, v in host.items()})
+  ref = jax.jit(jax.grad(functools.partial(loss_fn, models.graphdef(config))))(
+      params, {k: jnp.asarray(v) for k, v in host.items()})
   mesh = parallel.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
   shardings = parallel.param_shardings(params, mesh)
-  with parallel.activation_sharding(mesh):
-    got = jax.jit(jax.grad(loss_fn), in_shardings=(shardings, parallel.batch_sharding(mesh)))(
-        jax.device_put(params, shardings), step_lib.shard_batch(host, mesh))
+  got = jax.jit(jax.grad(functools.partial(loss_fn, models.graphdef(config, mesh))),
+                in_shardings=(shardings, parallel.batch_sharding(mesh)))(
+      jax.device_put(params, shardings), step_lib.shard_batch(host, mesh))
   # Each leaf within 1e-5 of its own norm; leaves whose gradient is analytically zero (key biases)
   # hold only round-off, measured against the whole gradient's norm instead.
   total = float(optax.tree.norm(ref))

@@ -32,7 +32,7 @@ from flax import nnx
 
 from transformer_jax.generate.cache import KVCache, extend, init_cache, with_encoder
 from transformer_jax.generate.decode import (
-    _check_options, _padded_inputs, _split_model)
+    _check_options, _layer_splitter, _padded_inputs, _split_model)
 from transformer_jax.models.config import Seq2SeqConfig
 
 # Score of an empty slot / a candidate that must not be chosen (transformers uses the same value,
@@ -119,16 +119,8 @@ def beam_search(model, inputs, *, num_beams: int, length_penalty: float = 1.0,
                      length_penalty=jnp.float32(length_penalty),
                      start_id=jnp.int32(0 if decoder_start_id is None else decoder_start_id),
                      suppress_V=jnp.asarray(suppress_V))
-  return run(params, jnp.asarray(padded), jnp.asarray(lengths, jnp.int32), options)
-
-
-def _repeat_rows(cache: KVCache, k: int) -> KVCache:
-  """Each row of ``cache`` repeated ``k`` times (row b -> rows b*k .. b*k + k - 1)."""
-  rows = lambda x: jnp.repeat(x, k, axis=1)   # [L, B, ...] arrays
-  return cache.replace(
-      k=rows(cache.k), v=rows(cache.v), lengths=jnp.repeat(cache.lengths, k),
-      cross=None if cache.cross is None else tuple(rows(x) for x in cache.cross),
-      src_mask=None if cache.src_mask is None else jnp.repeat(cache.src_mask, k, axis=0))
+  layers = _layer_splitter(graphdef)(params)
+  return run(params, layers, jnp.asarray(padded), jnp.asarray(lengths, jnp.int32), options)
 
 
 def _gather(x_BN, idx_BJ):
@@ -183,23 +175,24 @@ def _compiled(graphdef, cache_len, num_beams, max_new_tokens, seq2seq):
     """Cache rows of the parents of the new live beams (beams of one row share the rest)."""
     b = parents_BK.shape[0]
     rows = (jnp.arange(b)[:, None] * k + parents_BK).reshape(-1)
-    return cache.replace(k=jnp.take(cache.k, rows, axis=1), v=jnp.take(cache.v, rows, axis=1))
+    return cache.take_rows(rows)
 
-  def run(params, inputs_BP, lengths_B, opt: _Options):
+  def run(params, layers, inputs_BP, lengths_B, opt: _Options):
     global trace_count
     trace_count += 1
     model = nnx.merge(graphdef, params)
     b = inputs_BP.shape[0]
     cache = init_cache(model.config, b, cache_len)
     if not seq2seq:  # GPT: prefill each prompt once, before it is split into beams
-      logits_BPV, cache = extend(model, inputs_BP, cache, num_valid=lengths_B)
+      logits_BPV, cache = extend(model, inputs_BP, cache, num_valid=lengths_B, layers=layers)
       last_BV = jnp.take_along_axis(logits_BPV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
     else:  # Seq2Seq: encode once, then the start token
       src_mask_BP = jnp.arange(inputs_BP.shape[1])[None, :] < lengths_B[:, None]
       cache = with_encoder(model, cache, model.encode(inputs_BP, src_mask_BP), src_mask_BP)
-      last_B1V, cache = extend(model, jnp.full((b, 1), opt.start_id, jnp.int32), cache)
+      last_B1V, cache = extend(model, jnp.full((b, 1), opt.start_id, jnp.int32), cache,
+                               layers=layers)
       last_BV = last_B1V[:, 0]
-    cache = _repeat_rows(cache, k)
+    cache = cache.take_rows(jnp.repeat(jnp.arange(b), k))  # row b -> rows b*k .. b*k + k - 1
     vocab = last_BV.shape[-1]
     logp_BKV = jnp.broadcast_to(jax.nn.log_softmax(last_BV)[:, None], (b, k, vocab))
     # Only beam 0 is live at first (the others are copies), as in transformers.
@@ -220,7 +213,7 @@ def _compiled(graphdef, cache_len, num_beams, max_new_tokens, seq2seq):
     def body(carry):
       i, cache, st = carry
       last_tok = st.running_seqs_BKM[:, :, i - 1].reshape(b * k, 1)
-      logits_N1V, cache = extend(model, last_tok, cache)
+      logits_N1V, cache = extend(model, last_tok, cache, layers=layers)
       logp_BKV = jax.nn.log_softmax(logits_N1V[:, 0]).reshape(b, k, vocab)
       st, parents_BK = select(i, logp_BKV, st, opt)
       return i + 1, reorder(cache, parents_BK), st

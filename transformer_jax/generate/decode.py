@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from transformer_jax import models
-from transformer_jax.generate.cache import extend, init_cache, per_layer, split_layers, with_encoder
+from transformer_jax.generate.cache import extend, init_cache, split_layers, with_encoder
 from transformer_jax.generate.sampling import apply_repetition_penalty, next_token
 from transformer_jax.models.common import check_tokens
 from transformer_jax.models.config import GPTConfig, Seq2SeqConfig
@@ -229,8 +229,7 @@ def _compiled(graphdef, cache_len, max_new_tokens, temperature, top_k, top_p, eo
     trace_count += 1
     model = nnx.merge(graphdef, params)
     b = prompt_BP.shape[0]
-    # One heads-major [B * K, S, H] cache array per layer: the layout one-token steps read fastest.
-    cache = per_layer(init_cache(model.config, b, cache_len))
+    cache = init_cache(model.config, b, cache_len)
     vocab = model.config.vocab_size
     if decoder_start_id is None:  # GPT: prefill the prompt in one call
       logits_BPV, cache = extend(model, prompt_BP, cache, num_valid=lengths_B, layers=layers)
@@ -241,8 +240,7 @@ def _compiled(graphdef, cache_len, max_new_tokens, temperature, top_k, top_p, eo
                          axis=1))
     else:  # Seq2Seq: encode once, project cross-attention keys/values once, feed the start token
       src_mask_BP = jnp.arange(prompt_BP.shape[1])[None, :] < lengths_B[:, None]
-      cache = per_layer(with_encoder(model, cache, model.encode(prompt_BP, src_mask_BP),
-                                     src_mask_BP))
+      cache = with_encoder(model, cache, model.encode(prompt_BP, src_mask_BP), src_mask_BP)
       start_B1 = jnp.full((b, 1), decoder_start_id, jnp.int32)
       last_BV, cache = extend(model, start_B1, cache, layers=layers)
       last_BV = last_BV[:, 0]

@@ -1,10 +1,10 @@
 """Flax NNX layers built on ``transformer_jax.ops``: every parameter names its logical axes."""
 
-from transformer_jax.layers.attention import Attention, MaskParts
+from transformer_jax.layers.attention import Attention, KVCache
 from transformer_jax.layers.block import Block, BlockConfig
 from transformer_jax.layers.dense import Embed, Norm, Projection, RelativePositionBias
 from transformer_jax.layers.mlp import MLP
 from transformer_jax.layers.stack import Remat, Stack
 
-__all__ = ["Attention", "MaskParts", "Block", "BlockConfig", "Embed", "MLP", "Norm", "Projection",
+__all__ = ["Attention", "Block", "BlockConfig", "Embed", "KVCache", "MLP", "Norm", "Projection",
            "RelativePositionBias", "Remat", "Stack"]

@@ -1,34 +1,133 @@
-"""Multi-head attention (self or cross; MHA/MQA/GQA; optional RoPE) around ``ops.dot_product_attention``."""
+"""Multi-head attention (self or cross; MHA/MQA/GQA; optional RoPE) around
+``ops.dot_product_attention``, and the key/value cache that decoding passes in and out of it."""
 
 from __future__ import annotations
 
-import dataclasses
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from transformer_jax import ops
 from transformer_jax.layers.dense import Projection
 from transformer_jax.parallel import axes as ax
-from transformer_jax.parallel import rules
 from transformer_jax.parallel.ring import ring_attention
 
 
-@dataclasses.dataclass(frozen=True)
-class MaskParts:
-  """A self-attention mask described by its parts instead of a dense ``[B, N, T, S]`` array.
+@flax.struct.dataclass
+class KVCache:
+  """Keys and values of a stack of attention layers for decoding, one heads-major array per layer.
 
-  Models pass it next to the dense ``mask`` when their mask is exactly ``causal`` AND key padding
-  AND same-segment; kernels that build the mask block by block use it (ring attention under
-  sequence parallelism). ``None`` parts are absent.
+  Each layer's keys (and values) are one ``[B * K, S, H]`` array: ``S`` slots per row, the token at
+  position ``p`` in slot ``p``. On CPU a one-token step reads this layout several times faster than
+  one ``[L, B, S, K, H]`` array: slicing a layer out of the stacked array copies it, and a
+  ``[B, S, K, H]`` layer is transposed to heads-major for the batched products of attention (copied
+  again), at every layer of every step. Batch and heads are merged so that the products read the
+  array as stored, with no size-1 axis to drop when B = 1.
+
+  A self-attention cache has ``lengths``: row ``b`` holds ``lengths[b]`` tokens, its new tokens are
+  written at slots ``lengths[b] ..`` and attend causally by position (slots past a row's position
+  may hold stale entries; they are masked). A read-only cache (``lengths`` None) holds keys/values
+  projected once, e.g. an encoder's output for cross-attention, with ``kv_valid`` marking padding;
+  a decoder's cache carries it in ``cross``. ``layer(i)`` is the one-layer view an attention layer
+  reads and returns.
   """
 
-  causal: bool = False
-  kv_valid_BS: jax.Array | None = None    # [B, S] bool, False for padding keys
-  segment_ids_BT: jax.Array | None = None  # [B, T] int, packed documents
+  k: tuple[jax.Array, ...]            # L arrays [B * K, S, H] (keys already rotated by RoPE)
+  v: tuple[jax.Array, ...]            # L arrays [B * K, S, H]
+  lengths: jax.Array | None           # [B] int32 tokens cached per row; None: read-only
+  kv_heads: int = flax.struct.field(pytree_node=False)  # K
+  kv_valid: jax.Array | None = None   # [B, S] bool, False = padding key (read-only caches)
+  cross: KVCache | None = None        # a decoder's cross-attention keys/values (read-only)
+
+  @classmethod
+  def zeros(cls, num_layers: int, batch_size: int, max_len: int, kv_heads: int, head_dim: int,
+            dtype: jnp.dtype) -> KVCache:
+    """An empty self-attention cache of ``max_len`` slots per row."""
+    empty = lambda: tuple(jnp.zeros((batch_size * kv_heads, max_len, head_dim), dtype)
+                          for _ in range(num_layers))
+    return cls(empty(), empty(), jnp.zeros((batch_size,), jnp.int32), kv_heads)
+
+  @classmethod
+  def read_only(cls, k_LBSKH: jax.Array, v_LBSKH: jax.Array,
+                kv_valid_BS: jax.Array | None = None) -> KVCache:
+    """A read-only cache of stacked keys/values ``[L, B, S, K, H]`` (cross-attention)."""
+    l, b, s, k, h = k_LBSKH.shape
+    heads_major = lambda x: tuple(
+        jnp.transpose(x[i], (0, 2, 1, 3)).reshape(b * k, s, h) for i in range(l))
+    valid = None if kv_valid_BS is None else jnp.asarray(kv_valid_BS, bool)
+    return cls(heads_major(k_LBSKH), heads_major(v_LBSKH), None, k, kv_valid=valid)
+
+  @property
+  def shape(self) -> tuple[int, int, int, int, int]:
+    """The logical ``(L, B, S, K, H)``."""
+    bk, s, h = self.k[0].shape
+    return (len(self.k), bk // self.kv_heads, s, self.kv_heads, h)
+
+  @property
+  def max_len(self) -> int:
+    """S, the number of slots per row."""
+    return self.k[0].shape[1]
+
+  @property
+  def dtype(self) -> jnp.dtype:
+    return self.k[0].dtype
+
+  def layer(self, i: int) -> KVCache:
+    """Layer ``i`` alone (with its cross-attention layer)."""
+    return self.replace(k=(self.k[i],), v=(self.v[i],),
+                        cross=None if self.cross is None else self.cross.layer(i))
+
+  def read(self) -> tuple[jax.Array, jax.Array]:
+    """A one-layer cache's keys and values ``[B, S, K, H]`` (a transpose XLA folds into the
+    attention products, which want heads-major operands)."""
+    _, b, s, k, h = self.shape
+    return tuple(jnp.transpose(x[0].reshape(b, k, s, h), (0, 2, 1, 3)) for x in (self.k, self.v))
+
+  def write(self, k_BTKH: jax.Array, v_BTKH: jax.Array) -> KVCache:
+    """A one-layer cache with row b's T new entries in slots ``lengths[b] .. + T - 1``.
+
+    Updated in place under ``jit``: a scatter (rows may sit at different slots) or, for one row, a
+    ``dynamic_update_slice`` (XLA rewrites a one-row scatter into a bounds-checked update that it
+    then duplicates into each consumer, copying the layer's cache several times per step).
+    """
+    b, t = k_BTKH.shape[:2]
+    index_B = self.lengths.astype(jnp.int32)
+
+    def put(x, new_BTKH):
+      new_BTKH = new_BTKH.astype(x.dtype)
+      if b == 1:  # x is [K, S, H]
+        zero = jnp.zeros((), jnp.int32)
+        return jax.lax.dynamic_update_slice(x, jnp.swapaxes(new_BTKH[0], 0, 1),
+                                            (zero, index_B[0], zero))
+      # [B, K, S, H] indexed by (rows, :, slots): the [B, T] index dimensions come first.
+      rows_B1 = jnp.arange(b)[:, None]
+      slots_BT = index_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+      x = x.reshape(b, -1, *x.shape[1:]).at[rows_B1, :, slots_BT].set(new_BTKH, mode="clip")
+      return x.reshape(-1, *x.shape[2:])
+
+    return self.replace(k=(put(self.k[0], k_BTKH),), v=(put(self.v[0], v_BTKH),))
+
+  def positions(self, t: int) -> jax.Array:
+    """``[B, T]`` positions of T new tokens per row."""
+    return self.lengths[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None, :]
+
+  def take_rows(self, rows_R: jax.Array) -> KVCache:
+    """The cache of batch rows ``rows`` (repeated or reordered beams), ``cross`` included."""
+    k = self.kv_heads
+
+    def take(x):  # [B * K, S, H] -> [R * K, S, H]
+      x = jnp.take(x.reshape(-1, k, *x.shape[1:]), rows_R, axis=0)
+      return x.reshape(-1, *x.shape[2:])
+
+    pick = lambda x: None if x is None else jnp.take(x, rows_R, axis=0)
+    return self.replace(k=tuple(map(take, self.k)), v=tuple(map(take, self.v)),
+                        lengths=pick(self.lengths), kv_valid=pick(self.kv_valid),
+                        cross=None if self.cross is None else self.cross.take_rows(rows_R))
 
 
 class Attention(nnx.Module):
@@ -38,7 +137,11 @@ class Attention(nnx.Module):
                use_bias: bool, init_std: float, out_init_std: float, dtype: jnp.dtype,
                param_dtype: jnp.dtype, rngs: nnx.Rngs,
                rope_theta: float | None = None, rope_interleaved: bool = False,
-               rope_scaling: ops.RopeScaling | None = None, scale: float | None = None):
+               rope_scaling: ops.RopeScaling | None = None, scale: float | None = None,
+               implementation: ops.Implementation | None = None, mesh: Mesh | None = None):
+    """``implementation``: the kernel of ``ops.dot_product_attention`` (None: its choice).
+    ``mesh``: the mesh the model runs on; self-attention runs as ring attention when it has a
+    ``sequence`` axis of size > 1 (see ``__call__``)."""
     if num_heads % num_kv_heads:
       raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     d, n, k, h = d_model, num_heads, num_kv_heads, head_dim
@@ -59,103 +162,89 @@ class Attention(nnx.Module):
     self.rope_interleaved = rope_interleaved
     self.rope_scaling = rope_scaling
     self.scale = scale
+    self.implementation = implementation
+    self.mesh = mesh
 
   def __call__(self, x_BTD: jax.Array, kv_BSD: jax.Array | None = None, *,
-               mask: jax.Array | None = None, bias: jax.Array | None = None,
-               positions: jax.Array | None = None, dropout_rate: float = 0.0,
-               dropout_rng: jax.Array | None = None,
-               kv_cache: tuple[jax.Array, jax.Array] | StackedKV | None = None,
-               cache_index: jax.Array | None = None, mask_parts: MaskParts | None = None
-               ) -> jax.Array | tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """Self-attention over ``x`` or, with ``kv_BSD``, cross-attention to it.
+               positions: jax.Array | None = None, causal: bool = False,
+               kv_valid: jax.Array | None = None, segment_ids: jax.Array | None = None,
+               window: int | None = None, bias_fn: Callable[..., jax.Array] | None = None,
+               bias_params: Any = None, dropout_rate: float = 0.0,
+               dropout_rng: jax.Array | None = None, cache: KVCache | None = None
+               ) -> tuple[jax.Array, KVCache | None]:
+    """Self-attention over ``x`` or, with ``kv_BSD`` (or a read-only ``cache``), cross-attention.
+
+    The mask is given by its parts (see ``ops.dot_product_attention``), never as a dense array.
 
     Args:
       x_BTD: queries' inputs ``[B, T, D]``.
       kv_BSD: keys'/values' inputs ``[B, S, D]`` (default ``x``).
-      mask: bool, broadcastable to ``[B, N, T, S]``, True = attend.
-      bias: additive, broadcastable to ``[B, N, T, S]``.
-      positions: ``[B, T]`` or ``[T]``, used by RoPE (self-attention only).
-      kv_cache: optional ``(k, v)``, each ``[B, S, K, H]`` (keys already rotated). With
-        ``cache_index`` the new keys/values of ``x`` are written into it at that slot of each row and
-        the queries attend to the whole cache (``mask``/``bias`` are over the ``S`` cache slots);
-        without it the cache is read-only, e.g. cross-attention keys/values projected once by
-        ``project_kv``. A ``StackedKV`` (one layer of ``[L, B, S, K, H]`` arrays) works the same way
-        and is returned as one.
-      cache_index: ``[B]`` int, the cache slot of each row's first new token.
-      mask_parts: the same mask as ``mask``, by parts. Under a mesh with a ``sequence`` axis
-        (``parallel.activation_sharding``) self-attention without bias or attention dropout then
-        runs as ring attention; otherwise ``mask`` is used.
+      positions: ``[B, T]`` or ``[T]`` positions for RoPE (default ``0..T-1``, or the cache slots).
+      causal: queries see keys at positions up to their own.
+      kv_valid: ``[B, S]`` bool, False for padding keys.
+      segment_ids: ``[B, T]`` int; tokens attend only within their segment (self-attention).
+      window: sliding window: keys less than ``window`` positions away.
+      bias_fn: additive bias of the positions (``ops.AlibiBias``, ``ops.RelativeBias``), with its
+        ``bias_params``.
+      dropout_rate: on the attention weights, applied when ``dropout_rng`` is given.
+      cache: one layer of a ``KVCache`` (decoding). A self-attention cache gets the keys/values of
+        ``x`` written at its slots ``lengths[b] ..``, which are the queries' positions; the queries
+        attend to the whole cache. A read-only cache supplies the keys/values (``kv_BSD`` unused)
+        and its ``kv_valid``.
 
     Returns:
-      ``[B, T, D]``; with ``kv_cache``, ``(out, new_kv_cache)``.
+      ``(out [B, T, D], cache)``: the cache with the new entries written (None without one).
+
+    Under a mesh with a ``sequence`` axis of size > 1, self-attention without a cache, bias,
+    window or attention dropout runs as ring attention (``parallel.ring``); GSPMD handles the rest.
     """
-    if kv_cache is not None:
-      return self._cached(x_BTD, kv_cache, cache_index, mask=mask, bias=bias,
-                          positions=positions)
-    kv_BSD = x_BTD if kv_BSD is None else kv_BSD
     q_BTNH = self.query(x_BTD)
-    k_BSKH = self.key(kv_BSD)
-    v_BSKH = self.value(kv_BSD)
-    if self.rope_theta is not None:
-      if positions is None:
-        positions = jnp.arange(x_BTD.shape[1])
-      rope = dict(theta=self.rope_theta, interleaved=self.rope_interleaved,
-                  scaling=self.rope_scaling)
-      q_BTNH = ops.apply_rope(q_BTNH, positions, **rope)
-      k_BSKH = ops.apply_rope(k_BSKH, positions, **rope)
-    if self._use_ring(x_BTD, kv_BSD is x_BTD, mask_parts, bias, dropout_rate, dropout_rng):
-      out_BTNH = ring_attention(
-          q_BTNH, k_BSKH, v_BSKH, mesh=rules.current_mesh(), causal=mask_parts.causal,
-          kv_mask_BS=mask_parts.kv_valid_BS, segment_ids_BT=mask_parts.segment_ids_BT,
-          scale=self.scale)
+    q_positions = None
+    if cache is not None and cache.lengths is None:   # keys/values projected once
+      k_BSKH, v_BSKH = cache.read()
+      kv_valid = cache.kv_valid
+    else:
+      kv_BSD = x_BTD if kv_BSD is None else kv_BSD
+      k_BSKH, v_BSKH = self.key(kv_BSD), self.value(kv_BSD)
+      if cache is not None:
+        positions = q_positions = cache.positions(x_BTD.shape[1])
+      if self.rope_theta is not None:
+        if positions is None:
+          positions = jnp.arange(x_BTD.shape[1])
+        rope = dict(theta=self.rope_theta, interleaved=self.rope_interleaved,
+                    scaling=self.rope_scaling)
+        q_BTNH = ops.apply_rope(q_BTNH, positions, **rope)
+        k_BSKH = ops.apply_rope(k_BSKH, positions, **rope)
+      if cache is not None:
+        cache = cache.write(k_BSKH, v_BSKH)
+        k_BSKH, v_BSKH = cache.read()
+    dropout = dropout_rate > 0.0 and dropout_rng is not None
+    if (cache is None and kv_BSD is x_BTD and bias_fn is None and window is None and not dropout
+        and self._ring_fits(x_BTD)):
+      out_BTNH = ring_attention(q_BTNH, k_BSKH, v_BSKH, mesh=self.mesh, causal=causal,
+                                kv_mask_BS=kv_valid, segment_ids_BT=segment_ids, scale=self.scale)
     else:
       out_BTNH = ops.dot_product_attention(
-          q_BTNH, k_BSKH, v_BSKH, bias=bias, mask=mask, scale=self.scale,
-          dropout_rate=dropout_rate, dropout_rng=dropout_rng)
-    return self.out(out_BTNH)
+          q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype), causal=causal,
+          kv_valid=kv_valid, q_segment_ids=segment_ids, window=window, q_positions=q_positions,
+          bias_fn=bias_fn, bias_params=bias_params, scale=self.scale,
+          dropout_rate=dropout_rate, dropout_rng=dropout_rng, implementation=self.implementation)
+    if cache is not None:
+      return self._out_merged(out_BTNH), cache
+    return self.out(out_BTNH), None
 
-  @staticmethod
-  def _use_ring(x_BTD, self_attention, mask_parts, bias, dropout_rate, dropout_rng) -> bool:
-    """Ring attention when the sequence is split over a mesh and the mask is expressible by parts
-    (no additive bias such as ALiBi or T5's, no attention dropout); GSPMD handles the rest."""
-    n = rules.axis_size("sequence")
-    rows = rules.axis_size("data") * rules.axis_size("fsdp")
-    return (n > 1 and self_attention and mask_parts is not None and bias is None
-            and not (dropout_rate > 0.0 and dropout_rng is not None)
-            and x_BTD.shape[1] % n == 0 and x_BTD.shape[0] % rows == 0)
+  def _ring_fits(self, x_BTD: jax.Array) -> bool:
+    """The mesh splits the sequence and divides this batch and length."""
+    if self.mesh is None:
+      return False
+    sizes = self.mesh.shape
+    n = sizes.get("sequence", 1)
+    rows = sizes.get("data", 1) * sizes.get("fsdp", 1)
+    return n > 1 and x_BTD.shape[1] % n == 0 and x_BTD.shape[0] % rows == 0
 
   def project_kv(self, kv_BSD: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Keys and values ``[B, S, K, H]`` of ``kv_BSD`` (no RoPE): a read-only cross-attention cache."""
     return self.key(kv_BSD), self.value(kv_BSD)
-
-  def _cached(self, x_BTD, kv_cache, cache_index, *, mask, bias, positions):
-    """Attention against a key/value cache (decoding); dropout is never applied here.
-
-    ``kv_cache`` is a ``(k, v)`` pair of ``[B, S, K, H]`` arrays or a ``StackedKV`` (one layer of a
-    model's caches); it comes back in the same form with the new entries written.
-    """
-    stacked = isinstance(kv_cache, StackedKV)
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
-    layer = kv_cache.layer if stacked else None
-    q_BTNH = self.query(x_BTD)
-    if cache_index is not None:
-      k_BTKH = self.key(x_BTD)
-      v_BTKH = self.value(x_BTD)
-      if self.rope_theta is not None:
-        if positions is None:
-          raise ValueError("RoPE with a key/value cache needs positions [B, T]")
-        rope = dict(theta=self.rope_theta, interleaved=self.rope_interleaved,
-                    scaling=self.rope_scaling)
-        q_BTNH = ops.apply_rope(q_BTNH, positions, **rope)
-        k_BTKH = ops.apply_rope(k_BTKH, positions, **rope)
-      k_cache = _write(k_cache, k_BTKH, cache_index, layer)
-      v_cache = _write(v_cache, v_BTKH, cache_index, layer)
-    k_BSKH, v_BSKH = _read(k_cache, layer), _read(v_cache, layer)
-    out_BTNH = ops.dot_product_attention(
-        q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype), bias=bias, mask=mask,
-        scale=self.scale)
-    new_cache = StackedKV(k_cache, v_cache, layer) if stacked else (k_cache, v_cache)
-    return self._out_merged(out_BTNH), new_cache
 
   def _out_merged(self, out_BTNH: jax.Array) -> jax.Array:
     """``self.out`` with the heads merged into one contracted axis (the same numbers).
@@ -171,102 +260,3 @@ class Attention(nnx.Module):
     if proj.bias is not None:
       y_BTD = y_BTD + proj.bias[...].astype(proj.dtype)
     return y_BTD
-
-
-@flax.struct.dataclass
-class LayerCaches:
-  """Keys (or values) of ``L`` layers as ``L`` separate heads-major arrays: the decoding layout.
-
-  Each layer's array is ``[B * K, S, H]`` (rows of one batch row's heads together); ``shape`` is the
-  logical ``[L, B, S, K, H]`` of the stacked form. On CPU a one-token step reads the cache several
-  times faster this way than from one ``[L, B, S, K, H]`` array: slicing a layer out of the stacked
-  array copies it, and a ``[B, S, K, H]`` slice is transposed to heads-major for the batched matrix
-  products of attention (copied again), at every layer of every step. The batch and head axes are
-  merged so that the products read the array exactly as stored, with no size-1 axis to drop when
-  B = 1 (XLA then fuses a copy of the cache update into the reader).
-  """
-
-  layers: tuple[jax.Array, ...]                        # L arrays [B * K, S, H]
-  kv_heads: int = flax.struct.field(pytree_node=False)  # K
-
-  @property
-  def shape(self) -> tuple[int, ...]:
-    """``(L, B, S, K, H)``."""
-    bk, s, h = self.layers[0].shape
-    return (len(self.layers), bk // self.kv_heads, s, self.kv_heads, h)
-
-  @property
-  def dtype(self) -> jnp.dtype:
-    return self.layers[0].dtype
-
-  @classmethod
-  def from_stacked(cls, x_LBSKH: jax.Array) -> "LayerCaches":
-    l, b, s, k, h = x_LBSKH.shape
-    return cls(tuple(jnp.transpose(x_LBSKH[i], (0, 2, 1, 3)).reshape(b * k, s, h)
-                     for i in range(l)), k)
-
-  def layer_BSKH(self, i: int) -> jax.Array:
-    """Layer ``i`` as ``[B, S, K, H]`` (a transpose XLA folds into the attention products)."""
-    _, b, s, k, h = self.shape
-    return jnp.transpose(self.layers[i].reshape(b, k, s, h), (0, 2, 1, 3))
-
-  def stacked(self) -> jax.Array:
-    """The ``[L, B, S, K, H]`` array."""
-    return jnp.stack([self.layer_BSKH(i) for i in range(len(self.layers))])
-
-
-class StackedKV(NamedTuple):
-  """Layer ``layer`` of a model's key/value caches, passed to ``Attention`` as its ``kv_cache``.
-
-  ``k`` and ``v`` are either ``[L, B, S, K, H]`` arrays or ``LayerCaches``. Attention writes its new
-  entries into them in place (under ``jit``) and the next layer gets them: nothing is sliced out and
-  stacked back, which would copy the whole cache at every step.
-  """
-
-  k: jax.Array | LayerCaches
-  v: jax.Array | LayerCaches
-  layer: int | jax.Array   # which layer this attention reads and writes (an int for LayerCaches)
-
-
-def _read(cache, layer) -> jax.Array:
-  """One layer's ``[B, S, K, H]`` (transposing ``LayerCaches`` back is free: XLA folds it into the
-  attention products, which want heads-major operands)."""
-  if isinstance(cache, LayerCaches):
-    return cache.layer_BSKH(layer)
-  return cache if layer is None else cache[layer]
-
-
-def _write(cache, new_BTKH, cache_index_B, layer):
-  """``cache`` with row b's T new entries at slots ``cache_index[b] .. + T - 1`` (of ``layer``).
-
-  Updated in place under ``jit``: a scatter (rows may sit at different slots), or for one row a
-  ``dynamic_update_slice``. XLA rewrites a one-row scatter into a bounds-checked update that it then
-  duplicates into each consumer, copying the layer's cache several times per step.
-  """
-  b, t = new_BTKH.shape[:2]
-  index_B = cache_index_B.astype(jnp.int32)
-  new_BTKH = new_BTKH.astype(cache.dtype)
-  heads_major = isinstance(cache, LayerCaches)
-  x = cache.layers[layer] if heads_major else cache
-  if b == 1:
-    zero = jnp.zeros((), jnp.int32)
-    if heads_major:  # [K, S, H]
-      x = jax.lax.dynamic_update_slice(x, jnp.swapaxes(new_BTKH[0], 0, 1), (zero, index_B[0], zero))
-    else:
-      start = (zero, index_B[0], zero, zero)
-      x = jax.lax.dynamic_update_slice(
-          x, new_BTKH if layer is None else new_BTKH[None],
-          start if layer is None else (jnp.asarray(layer, jnp.int32),) + start)
-  else:
-    rows_B1 = jnp.arange(b)[:, None]
-    slots_BT = index_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    if heads_major:  # [B, K, S, H] indexed by (rows, :, slots): the [B, T] index dims come first
-      x = x.reshape(b, -1, *x.shape[1:]).at[rows_B1, :, slots_BT].set(new_BTKH, mode="clip")
-      x = x.reshape(-1, *x.shape[2:])
-    elif layer is None:
-      x = x.at[rows_B1, slots_BT].set(new_BTKH, mode="clip")
-    else:
-      x = x.at[layer, rows_B1, slots_BT].set(new_BTKH, mode="clip")
-  if heads_major:
-    return LayerCaches(cache.layers[:layer] + (x,) + cache.layers[layer + 1:], cache.kv_heads)
-  return x

@@ -9,8 +9,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax.sharding import Mesh
+
 from transformer_jax import ops
-from transformer_jax.layers.attention import Attention
+from transformer_jax.layers.attention import Attention, KVCache
 from transformer_jax.layers.common import split_key
 from transformer_jax.layers.dense import Norm
 from transformer_jax.layers.mlp import MLP
@@ -36,6 +38,7 @@ class BlockConfig:
   rope_interleaved: bool = False
   rope_scaling: ops.RopeScaling | None = None
   attention_scale: float | None = None    # None: 1/sqrt(head_dim); T5 uses 1.0
+  attention_impl: ops.Implementation | None = None  # kernel of ops.dot_product_attention; None: auto
   dropout_rate: float = 0.0               # on each residual branch
   attention_dropout_rate: float = 0.0     # on the attention weights
   ffn_dropout_rate: float = 0.0           # after the MLP activation (T5)
@@ -48,19 +51,21 @@ class BlockConfig:
 class Block(nnx.Module):
   """``x + attn(norm x)`` then ``x + mlp(norm x)`` (pre-norm) or ``norm(x + attn x)`` (post-norm)."""
 
-  def __init__(self, cfg: BlockConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: BlockConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None):
     self.cfg = cfg
     dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     norm = dict(kind=cfg.norm, eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
     attn = dict(use_bias=cfg.use_bias, init_std=cfg.init_std, out_init_std=cfg.out_init_std,
-                dtype=dtype, param_dtype=param_dtype, rngs=rngs, scale=cfg.attention_scale)
+                dtype=dtype, param_dtype=param_dtype, rngs=rngs, scale=cfg.attention_scale,
+                implementation=cfg.attention_impl, mesh=mesh)
     self.attn_norm = Norm(cfg.d_model, **norm)
     self.attn = Attention(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                           rope_theta=cfg.rope_theta, rope_interleaved=cfg.rope_interleaved,
                           rope_scaling=cfg.rope_scaling, **attn)
     if cfg.cross_attention:
       self.cross_norm = Norm(cfg.d_model, **norm)
-      # Cross-attention keys come from the encoder: no rotary embedding, all heads (MHA).
+      # Cross-attention keys come from the encoder: no rotary embedding; the same heads (and
+      # key/value heads) as self-attention.
       self.cross_attn = Attention(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                   **attn)
     else:
@@ -77,57 +82,48 @@ class Block(nnx.Module):
       return x + ops.dropout(fn(norm(x)), rate, rng)
     return norm(x + ops.dropout(fn(x), rate, rng))
 
-  def __call__(self, x_BTD: jax.Array, *, mask: jax.Array | None = None,
-               bias: jax.Array | None = None, positions: jax.Array | None = None,
-               encoder_out: jax.Array | None = None, encoder_mask: jax.Array | None = None,
-               encoder_bias: jax.Array | None = None,
-               dropout_rng: jax.Array | None = None,
-               kv_cache: dict | None = None,
-               cache_index: jax.Array | None = None,
-               mask_parts=None) -> jax.Array | tuple[jax.Array, dict]:
-    """Args: x ``[B, T, D]``; masks/biases broadcastable to ``[B, N, T, S]``; encoder_out ``[B, S, D]``.
+  def __call__(self, x_BTD: jax.Array, *, positions: jax.Array | None = None,
+               causal: bool = False, kv_valid: jax.Array | None = None,
+               segment_ids: jax.Array | None = None, window: int | None = None,
+               bias_fn=None, bias_params=None, encoder_out: jax.Array | None = None,
+               encoder_valid: jax.Array | None = None, dropout_rng: jax.Array | None = None,
+               cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
+    """The block on ``x`` ``[B, T, D]``.
 
-    ``kv_cache`` (decoding) is ``{"self": (k, v)}`` plus, for cross-attention blocks,
-    ``"cross": (k, v)`` projected once from the encoder output (``encoder_out`` is then unused);
-    each array is ``[B, S, K, H]``. Self-attention writes at ``cache_index`` ``[B]``. With a cache
-    the block returns ``(x, new_kv_cache)``. ``mask_parts``: the self-attention mask by parts
-    (``layers.attention.MaskParts``), for ring attention.
+    The self-attention mask and bias come by parts (``positions``, ``causal``, ``kv_valid``,
+    ``segment_ids``, ``window``, ``bias_fn``/``bias_params``: see ``Attention``); cross-attention
+    attends to ``encoder_out`` ``[B, S, D]`` with ``encoder_valid`` ``[B, S]`` marking its padding.
+    ``cache`` (decoding) is one layer of a ``KVCache``: self-attention writes into it, and
+    cross-attention reads ``cache.cross`` (``encoder_out`` is then unused).
+
+    Returns:
+      ``(x [B, T, D], cache)``, the cache with this step's keys/values (None without one).
     """
-    if kv_cache is not None:
-      return self._cached(x_BTD, kv_cache, cache_index, mask=mask, bias=bias,
-                          positions=positions, encoder_mask=encoder_mask,
-                          encoder_bias=encoder_bias)
     cfg = self.cfg
     r_attn, r_attn_w, r_cross, r_cross_w, r_mlp, r_mlp_in = split_key(dropout_rng, 6)
     attn_drop = cfg.attention_dropout_rate
-    x = self._residual(x_BTD, self.attn_norm, lambda h: self.attn(
-        h, mask=mask, bias=bias, positions=positions, dropout_rate=attn_drop,
-        dropout_rng=r_attn_w, mask_parts=mask_parts), r_attn)
-    if self.cross_attn is not None:
-      if encoder_out is None:
-        raise ValueError("this block has cross-attention: pass encoder_out [B, S, D]")
-      x = self._residual(x, self.cross_norm, lambda h: self.cross_attn(
-          h, encoder_out, mask=encoder_mask, bias=encoder_bias, dropout_rate=attn_drop,
-          dropout_rng=r_cross_w), r_cross)
-    return self._residual(x, self.mlp_norm, lambda h: self.mlp(
-        h, dropout_rate=cfg.ffn_dropout_rate, dropout_rng=r_mlp_in), r_mlp)
-
-  def init_cross_cache(self, encoder_out_BSD: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Cross-attention keys/values ``[B, S, K, H]`` of the encoder output, computed once."""
-    return self.cross_attn.project_kv(encoder_out_BSD)
-
-  def _cached(self, x_BTD, kv_cache, cache_index, *, mask, bias, positions, encoder_mask,
-              encoder_bias):
-    """The block at inference (no dropout) against key/value caches."""
-    new_cache = dict(kv_cache)
 
     def self_attn(h):
-      out, new_cache["self"] = self.attn(h, mask=mask, bias=bias, positions=positions,
-                                         kv_cache=kv_cache["self"], cache_index=cache_index)
+      nonlocal cache
+      out, cache = self.attn(h, positions=positions, causal=causal, kv_valid=kv_valid,
+                             segment_ids=segment_ids, window=window, bias_fn=bias_fn,
+                             bias_params=bias_params, dropout_rate=attn_drop,
+                             dropout_rng=r_attn_w, cache=cache)
       return out
 
-    x = self._residual(x_BTD, self.attn_norm, self_attn, None)
+    x = self._residual(x_BTD, self.attn_norm, self_attn, r_attn)
     if self.cross_attn is not None:
+      cross = None if cache is None else cache.cross
+      if encoder_out is None and cross is None:
+        raise ValueError("this block has cross-attention: pass encoder_out [B, S, D] (or a cache "
+                         "with its cross-attention keys/values)")
       x = self._residual(x, self.cross_norm, lambda h: self.cross_attn(
-          h, mask=encoder_mask, bias=encoder_bias, kv_cache=kv_cache["cross"])[0], None)
-    return self._residual(x, self.mlp_norm, self.mlp, None), new_cache
+          h, encoder_out, kv_valid=encoder_valid, dropout_rate=attn_drop, dropout_rng=r_cross_w,
+          cache=cross)[0], r_cross)
+    x = self._residual(x, self.mlp_norm, lambda h: self.mlp(
+        h, dropout_rate=cfg.ffn_dropout_rate, dropout_rng=r_mlp_in), r_mlp)
+    return x, cache
+
+  def project_cross_kv(self, encoder_out_BSD: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Cross-attention keys/values ``[B, S, K, H]`` of the encoder output, computed once."""
+    return self.cross_attn.project_kv(encoder_out_BSD)

@@ -78,28 +78,20 @@ class Norm(nnx.Module):
 
 
 class RelativePositionBias(nnx.Module):
-  """T5's learned per-head bias over bucketed relative positions; returns ``[1, N, T, S]``."""
+  """T5's learned per-head bias over bucketed relative positions.
+
+  Attention evaluates it on positions (``ops.RelativeBias``, block by block in memory-efficient
+  kernels): pass ``bias_fn=layer.bias_fn, bias_params=layer.table()``. The table is a traced
+  argument of the kernel, so its gradient flows.
+  """
 
   def __init__(self, num_heads: int, *, num_buckets: int, max_distance: int, bidirectional: bool,
                init_std: float, param_dtype: jnp.dtype, rngs: nnx.Rngs):
-    self.num_buckets = num_buckets
-    self.max_distance = max_distance
-    self.bidirectional = bidirectional
+    self.bias_fn = ops.RelativeBias(num_buckets=num_buckets, max_distance=max_distance,
+                                    bidirectional=bidirectional)
     self.embedding = param(rngs, normal(init_std), (num_buckets, num_heads),
                            (ax.BUCKETS, ax.HEADS), param_dtype)
 
-  def __call__(self, q_len: int, k_len: int) -> jax.Array:
-    buckets_TS = ops.relative_position_bucket(
-        ops.relative_positions(q_len, k_len), bidirectional=self.bidirectional,
-        num_buckets=self.num_buckets, max_distance=self.max_distance)
-    bias_TSN = jnp.take(self.embedding[...], buckets_TS, axis=0)
-    return jnp.transpose(bias_TSN, (2, 0, 1))[None].astype(jnp.float32)
-
-  def for_relative_positions(self, relative_BTS: jax.Array) -> jax.Array:
-    """``[B, N, T, S]`` float32 bias for explicit ``key_pos - query_pos`` ``[B, T, S]`` (decoding,
-    where each row's queries sit at their own position in a key/value cache)."""
-    buckets_BTS = ops.relative_position_bucket(
-        relative_BTS, bidirectional=self.bidirectional, num_buckets=self.num_buckets,
-        max_distance=self.max_distance)
-    bias_BTSN = jnp.take(self.embedding[...], buckets_BTS, axis=0)
-    return jnp.transpose(bias_BTSN, (0, 3, 1, 2)).astype(jnp.float32)
+  def table(self) -> jax.Array:
+    """The bias table ``[U, N]`` (U buckets), ``bias_params`` of ``bias_fn``."""
+    return self.embedding[...]

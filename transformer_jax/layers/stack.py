@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import Literal
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
-from transformer_jax.layers.attention import LayerCaches, StackedKV
+from transformer_jax.layers.attention import KVCache
 from transformer_jax.layers.block import Block, BlockConfig
 from transformer_jax.parallel import axes as ax
 from transformer_jax.parallel.rules import ACTIVATION_BTD, constrain
@@ -32,84 +32,71 @@ class Stack(nnx.Module):
   """``num_layers`` blocks sharing one config; parameters are stacked along axis 0."""
 
   def __init__(self, cfg: BlockConfig, num_layers: int, *, remat: Remat = "none",
-               unroll: bool = False, rngs: nnx.Rngs):
+               unroll: bool = False, rngs: nnx.Rngs, mesh: Mesh | None = None):
+    """``mesh``: where the model runs (activations are pinned to it at block boundaries and
+    self-attention may run as ring attention); None on one device."""
     if remat != "none" and remat not in _REMAT_POLICIES:
       raise ValueError(f"remat={remat!r} must be one of 'none', {', '.join(map(repr, _REMAT_POLICIES))}")
     self.num_layers = num_layers
     self.remat = remat
     self.unroll = unroll
+    self.mesh = mesh
 
     @nnx.split_rngs(splits=num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: ax.LAYERS})
     def make(rngs):
-      return Block(cfg, rngs=rngs)
+      return Block(cfg, rngs=rngs, mesh=mesh)
 
     self.layers = make(rngs)
 
   def __call__(self, x_BTD: jax.Array, *, dropout_rng: jax.Array | None = None,
-               kv_cache=None, **block_kwargs) -> jax.Array | tuple[jax.Array, object]:
-    """Runs every block on ``x``; ``block_kwargs`` (masks, biases, positions, encoder output) are
-    shared by all layers.
+               cache: KVCache | None = None,
+               layer_params: tuple[nnx.State, ...] | None = None,
+               **block_kwargs) -> tuple[jax.Array, KVCache | None]:
+    """Runs every block on ``x``; ``block_kwargs`` (mask parts, bias, positions, encoder output)
+    are shared by all layers.
 
-    ``kv_cache`` (decoding): the blocks' caches stacked along a leading ``[L]`` axis (see
-    ``Block``); each layer gets its slice and the stack returns ``(x, new_kv_cache)``.
+    Args:
+      x_BTD: ``[B, T, D]``.
+      dropout_rng: a key turns dropout on (one key per layer is split from it).
+      cache: a ``KVCache`` of every layer (decoding): layer ``i`` reads and writes ``cache.layer(i)``
+        and the T new tokens advance ``lengths``. The layers then run one after another (their
+        caches are separate arrays); without a cache they run under ``lax.scan``.
+      layer_params: this stack's parameters split per layer (``split_layers``), for a decoding
+        loop: split once outside the loop, each step reads every layer's weights where they are
+        instead of slicing (copying) them out of the stacked arrays.
+
+    Returns:
+      ``(x [B, T, D], cache)``: the updated cache, or None without one.
     """
-    if kv_cache is not None:
-      return self._cached(x_BTD, kv_cache, **block_kwargs)
     graphdef, params = nnx.split(self.layers)
+    if cache is not None:
+      if layer_params is None:
+        layer_params = self.split_layers()
+      ks, vs = [], []
+      for i, p in enumerate(layer_params):
+        x_BTD, new = nnx.merge(graphdef, p)(x_BTD, cache=cache.layer(i), **block_kwargs)
+        ks.append(new.k[0])
+        vs.append(new.v[0])
+      cache = cache.replace(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + x_BTD.shape[1])
+      return x_BTD, cache
+
     keys = None if dropout_rng is None else jax.random.split(dropout_rng, self.num_layers)
 
     def body(x, layer):
       layer_params, key = layer
       # Block boundary: under a mesh, activations split over batch (and length), width whole.
-      x = constrain(x, ACTIVATION_BTD)
-      return nnx.merge(graphdef, layer_params)(x, dropout_rng=key, **block_kwargs), None
+      x = constrain(x, ACTIVATION_BTD, self.mesh)
+      return nnx.merge(graphdef, layer_params)(x, dropout_rng=key, **block_kwargs)[0], None
 
     if self.remat != "none":
       body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.remat], prevent_cse=False)
     if self.unroll:
       for i in range(self.num_layers):
         x_BTD, _ = body(x_BTD, jax.tree.map(lambda a: a[i], (params, keys)))
-      return constrain(x_BTD, ACTIVATION_BTD)
-    x_BTD, _ = jax.lax.scan(body, x_BTD, (params, keys))
-    return constrain(x_BTD, ACTIVATION_BTD)
-
-  def _cached(self, x_BTD, kv_cache, **block_kwargs):
-    """The layers at inference (no dropout, no remat) against the caches of every layer.
-
-    ``kv_cache["self"]`` (and ``["cross"]``) hold ``[L, B, S, K, H]`` arrays or ``LayerCaches``. Each
-    layer writes its new keys/values into them in place (``StackedKV``) and hands them to the next:
-    nothing is sliced out and stacked back. ``kv_cache`` may also hold ``"layers"``: this stack's
-    parameters already split per layer (``split_layers``). A decoding loop splits them once, outside
-    the loop, and the layers run unrolled on them; otherwise stacked caches are scanned over, each
-    layer's weights sliced out of the stacked ones (a copy: fine once, for a prefill).
-    """
-    graphdef, params = nnx.split(self.layers)
-    layers = kv_cache.get("layers")
-    k, v = kv_cache["self"]
-    cross = kv_cache.get("cross")
-
-    def body(x, k, v, layer_params, i):
-      caches = {"self": StackedKV(k, v, i)}
-      if cross is not None:
-        caches["cross"] = StackedKV(cross[0], cross[1], i)
-      x, new = nnx.merge(graphdef, layer_params)(x, kv_cache=caches, **block_kwargs)
-      return x, new["self"].k, new["self"].v
-
-    if layers is None and (self.unroll or isinstance(k, LayerCaches)):
-      layers = self.split_layers()
-    if layers is not None:
-      for i, layer_params in enumerate(layers):
-        x_BTD, k, v = body(x_BTD, k, v, layer_params, i)
     else:
-      def scan_body(carry, layer):
-        return body(*carry, *layer), None
-      (x_BTD, k, v), _ = jax.lax.scan(scan_body, (x_BTD, k, v),
-                                      (params, jnp.arange(self.num_layers)))
-    new_cache = {"self": (k, v)}
-    if cross is not None:
-      new_cache["cross"] = cross
-    return x_BTD, new_cache
+      x_BTD, _ = jax.lax.scan(body, x_BTD, (params, keys))
+    return constrain(x_BTD, ACTIVATION_BTD, self.mesh), None
 
   def split_layers(self) -> tuple[nnx.State, ...]:
     """This stack's parameters as one state per layer (each array sliced out of the stacked one)."""

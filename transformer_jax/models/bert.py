@@ -8,9 +8,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from transformer_jax import ops
-from transformer_jax.layers import Embed, MaskParts, Norm, Projection, Stack
+from transformer_jax.layers import Embed, Norm, Projection, Stack
 from transformer_jax.layers.common import param, zeros
 from transformer_jax.models.common import check_length, check_same_shape, check_tokens
 from transformer_jax.models.config import BERTConfig
@@ -25,7 +26,8 @@ class BERTOutput(NamedTuple):
 class BERT(nnx.Module):
   """``BERT(config, rngs=...)(tokens, token_types, attention_mask) -> BERTOutput``."""
 
-  def __init__(self, config: BERTConfig, *, rngs: nnx.Rngs):
+  def __init__(self, config: BERTConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None):
+    """``mesh``: the device mesh the model runs on (see ``GPT``); None on one device."""
     self.config = config
     c = config
     dtype, param_dtype = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
@@ -37,7 +39,7 @@ class BERT(nnx.Module):
     self.embed_norm = Norm(c.d_model, kind="layernorm", eps=c.norm_eps, param_dtype=param_dtype,
                            rngs=rngs)
     self.blocks = Stack(c.block_config(), c.num_layers, remat=c.remat, unroll=not c.scan_layers,
-                        rngs=rngs)
+                        rngs=rngs, mesh=mesh)
     self.pooler = Projection("BD,DE->BE", (c.d_model, c.d_model), (ax.EMBED, ax.EMBED),
                              bias_shape=(c.d_model,), bias_axes=(ax.EMBED,), **dense)
     # Masked-LM head: transform (dense, activation, LayerNorm), then the tied decoder plus a bias.
@@ -77,9 +79,9 @@ class BERT(nnx.Module):
     positions = jnp.arange(tokens.shape[1])[None, :]
     x_BTD = self.embed(tokens) + self.pos_embed(positions) + self.type_embed(token_types)
     x_BTD = ops.dropout(self.embed_norm(x_BTD), c.dropout_rate, embed_rng)
-    mask = None if attention_mask is None else ops.padding_mask(attention_mask)
-    x_BTD = self.blocks(x_BTD, mask=mask, dropout_rng=blocks_rng,
-                        mask_parts=MaskParts(kv_valid_BS=attention_mask))
+    valid_BT = None if attention_mask is None else jnp.broadcast_to(
+        jnp.asarray(attention_mask).astype(bool), tokens.shape)
+    x_BTD, _ = self.blocks(x_BTD, kv_valid=valid_BT, dropout_rng=blocks_rng)
     pooled_BD = jnp.tanh(self.pooler(x_BTD[:, 0]))
     return x_BTD, pooled_BD
 

@@ -19,6 +19,7 @@ from transformer_jax.layers import BlockConfig, Remat
 Norm = Literal["layernorm", "rmsnorm"]
 _ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
 _REMATS = ("none", "full", "dots")
+_ATTENTION_IMPLS = (None, "xla", "chunked", "cudnn")
 
 
 def _positive(cfg, *names):
@@ -82,6 +83,7 @@ class _Heads:
     _rate(self, "dropout_rate", "attention_dropout_rate")
     _dtype(self, "dtype", "param_dtype")
     _choice(self, "remat", _REMATS)
+    _choice(self, "attention_impl", _ATTENTION_IMPLS)
     if not self.norm_eps > 0:
       raise ValueError(f"norm_eps={self.norm_eps!r} must be > 0")
 
@@ -116,6 +118,8 @@ class GPTConfig(_Heads):
   param_dtype: str = "float32"
   remat: Remat = "none"
   scan_layers: bool = True             # False: unrolled Python loop (debugging)
+  # Kernel of ops.dot_product_attention: "xla", "chunked", "cudnn"; None picks by size.
+  attention_impl: ops.Implementation | None = None
 
   def __post_init__(self):
     self._validate_heads()
@@ -141,7 +145,7 @@ class GPTConfig(_Heads):
         init_std=self.init_std,
         # GPT-2: "scale the weights of residual layers at initialization by 1/sqrt(N)".
         out_init_std=self.init_std / (2 * self.num_layers) ** 0.5,
-        dtype=self.dtype, param_dtype=self.param_dtype)
+        dtype=self.dtype, param_dtype=self.param_dtype, attention_impl=self.attention_impl)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -167,6 +171,8 @@ class BERTConfig(_Heads):
   param_dtype: str = "float32"
   remat: Remat = "none"
   scan_layers: bool = True
+  # Kernel of ops.dot_product_attention: "xla", "chunked", "cudnn"; None picks by size.
+  attention_impl: ops.Implementation | None = None
 
   def __post_init__(self):
     self._validate_heads()
@@ -182,7 +188,7 @@ class BERTConfig(_Heads):
         norm="layernorm", norm_eps=self.norm_eps, pre_norm=False, use_bias=True,
         dropout_rate=self.dropout_rate, attention_dropout_rate=self.attention_dropout_rate,
         init_std=self.init_std, out_init_std=self.init_std, dtype=self.dtype,
-        param_dtype=self.param_dtype)
+        param_dtype=self.param_dtype, attention_impl=self.attention_impl)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -220,6 +226,8 @@ class Seq2SeqConfig(_Heads):
   param_dtype: str = "float32"
   remat: Remat = "none"
   scan_layers: bool = True
+  # Kernel of ops.dot_product_attention: "xla", "chunked", "cudnn"; None picks by size.
+  attention_impl: ops.Implementation | None = None
 
   def __post_init__(self):
     self._validate_heads()
@@ -247,7 +255,7 @@ class Seq2SeqConfig(_Heads):
         dropout_rate=self.dropout_rate, attention_dropout_rate=self.attention_dropout_rate,
         ffn_dropout_rate=self.ffn_dropout_rate,
         init_std=self.init_std, out_init_std=self.init_std, dtype=self.dtype,
-        param_dtype=self.param_dtype)
+        param_dtype=self.param_dtype, attention_impl=self.attention_impl)
 
 
 ModelConfig = GPTConfig | BERTConfig | Seq2SeqConfig

@@ -11,6 +11,7 @@ import functools
 
 import jax
 from flax import nnx
+from jax.sharding import Mesh
 
 from transformer_jax.models.bert import BERT
 from transformer_jax.models.config import BERTConfig, GPTConfig, ModelConfig, Seq2SeqConfig
@@ -30,25 +31,28 @@ def model_class(config: ModelConfig) -> type[nnx.Module]:
       raise TypeError(f"not a model config: {type(config).__name__}")
 
 
-def create(config: ModelConfig, *, rngs: nnx.Rngs | None = None) -> nnx.Module:
-  """The NNX module for ``config`` (GPT, BERT or Seq2Seq).
+def create(config: ModelConfig, *, rngs: nnx.Rngs | None = None,
+           mesh: Mesh | None = None) -> nnx.Module:
+  """The NNX module for ``config`` (GPT, BERT or Seq2Seq), built for ``mesh`` (see ``GPT``).
 
   Without ``rngs`` the parameters come from ``init(config, jax.random.key(0))``: one compiled
   initialisation instead of hundreds of eagerly dispatched ops.
   """
   if rngs is None:
-    return nnx.merge(graphdef(config), init(config, jax.random.key(0)))
-  return model_class(config)(config, rngs=rngs)
+    return nnx.merge(graphdef(config, mesh), init(config, jax.random.key(0)))
+  return model_class(config)(config, rngs=rngs, mesh=mesh)
 
 
-def abstract(config: ModelConfig) -> nnx.Module:
+def abstract(config: ModelConfig, mesh: Mesh | None = None) -> nnx.Module:
   """The module with ``ShapeDtypeStruct`` parameters: no memory, any size (``nnx.eval_shape``)."""
-  return nnx.eval_shape(lambda: model_class(config)(config, rngs=nnx.Rngs(0)))
+  return nnx.eval_shape(lambda: model_class(config)(config, rngs=nnx.Rngs(0), mesh=mesh))
 
 
 @functools.lru_cache(maxsize=64)
-def graphdef(config: ModelConfig) -> nnx.GraphDef:
-  return nnx.split(abstract(config))[0]
+def graphdef(config: ModelConfig, mesh: Mesh | None = None) -> nnx.GraphDef:
+  """The model's graph definition; ``mesh``: the mesh its layers run on (ring attention and
+  activation shardings; see ``GPT``). Parameters do not depend on it."""
+  return nnx.split(abstract(config, mesh))[0]
 
 
 @functools.lru_cache(maxsize=64)

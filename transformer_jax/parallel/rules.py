@@ -12,7 +12,7 @@ onto mesh axes (``data``, ``fsdp``, ``tensor``, ``sequence``):
   query/key/value and MLP-in projections are column-split and the output projections row-split; the
   vocabulary too (embedding rows, logits).
 - sequence: the ``length`` of activations over ``sequence``; self-attention then runs as ring
-  attention (``parallel.ring``).
+  attention (``parallel.ring``) in models built with that mesh (``mesh=`` of the model constructors).
 
 A dimension that a mesh axis does not divide stays whole along that axis (a 97-token vocabulary on
 ``tensor=2`` is replicated, say); the splits that must divide (heads, sequence length, batch) are
@@ -22,10 +22,8 @@ pass another one), never the model code.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import math
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -141,45 +139,14 @@ def bytes_per_device(tree, shardings) -> int:
   return total
 
 
-# -------------------------------------------------------------------------------------------------
-# Activations: a context entered once, where a step is traced, tells the layers the mesh.
+def constrain(x: jax.Array, logical: Sequence[str | None], mesh: Mesh | None,
+              rules: Rules = RULES) -> jax.Array:
+  """``with_sharding_constraint`` of ``x`` to its logical axes on ``mesh``; ``x`` itself without one.
 
-
-@dataclasses.dataclass(frozen=True)
-class _Context:
-  mesh: Mesh
-  rules: Rules
-
-
-_active: list[_Context] = []
-
-
-@contextlib.contextmanager
-def activation_sharding(mesh: Mesh, rules: Rules = RULES) -> Iterator[None]:
-  """Within this context (entered where a step function is traced, e.g. by ``train.jit_train_step``)
-  ``constrain`` pins activations to ``mesh`` and self-attention may run as ring attention. Outside
-  it, ``constrain`` does nothing: the model code is the same on one device."""
-  _active.append(_Context(mesh, rules))
-  try:
-    yield
-  finally:
-    _active.pop()
-
-
-def current_mesh() -> Mesh | None:
-  """The mesh of the innermost ``activation_sharding`` context, or None."""
-  return _active[-1].mesh if _active else None
-
-
-def axis_size(name: str) -> int:
-  """Size of mesh axis ``name`` in the active context (1 outside one)."""
-  return _active[-1].mesh.shape.get(name, 1) if _active else 1
-
-
-def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
-  """``with_sharding_constraint`` of ``x`` to its logical axes under the active mesh (else ``x``)."""
-  if not _active:
+  Layers call it with the mesh their model was built with (``mesh=`` of the model constructors), so
+  the same model code runs on one device (``mesh=None``) and on a mesh.
+  """
+  if mesh is None:
     return x
-  ctx = _active[-1]
-  spec = mesh_axes(logical, ctx.rules, ctx.mesh, x.shape)
-  return jax.lax.with_sharding_constraint(x, NamedSharding(ctx.mesh, spec))
+  spec = mesh_axes(logical, rules, mesh, x.shape)
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

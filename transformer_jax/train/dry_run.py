@@ -71,7 +71,7 @@ def dry_run(exp: Experiment) -> dict[str, Any]:
   batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding)
            for k, v in task.batch_shapes(t.batch_size, t.seq_len).items()}
   step = step_lib.jit_train_step(
-      step_lib.make_train_step(models.graphdef(config), task, optimizer, seed=t.seed,
+      step_lib.make_train_step(models.graphdef(config, mesh), task, optimizer, seed=t.seed,
                                microbatches=t.microbatches), mesh, state)
   start = time.perf_counter()
   compiled = step.lower(state, batch).compile()

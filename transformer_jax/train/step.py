@@ -141,29 +141,21 @@ def place_state(state: TrainState, mesh: Mesh, rules: parallel.Rules = parallel.
   return jax.device_put(state, state_shardings(state, mesh, rules))
 
 
-def _in_mesh(fn: Callable, mesh: Mesh, rules: parallel.Rules) -> Callable:
-  """``fn`` traced with the mesh active, so layers pin activations and may use ring attention."""
-
-  def wrapped(*args):
-    with parallel.activation_sharding(mesh, rules):
-      return fn(*args)
-
-  return wrapped
-
-
 def jit_train_step(train_step: Callable, mesh: Mesh, state: TrainState,
                    rules: parallel.Rules = parallel.RULES):
   """Compiles ``train_step`` for ``mesh``: state sharded by the rules (and donated), the batch split
-  over the data axes, metrics replicated."""
+  over the data axes, metrics replicated. Build the step's model for the same mesh
+  (``models.graphdef(config, mesh)``): its layers then pin activations to it and may run ring
+  attention."""
   shardings = state_shardings(state, mesh, rules)
-  return jax.jit(_in_mesh(train_step, mesh, rules),
+  return jax.jit(train_step,
                  in_shardings=(shardings, batch_sharding(mesh)),
                  out_shardings=(shardings, replicated(mesh)), donate_argnums=(0,))
 
 
 def jit_eval_step(eval_step: Callable, mesh: Mesh, params, rules: parallel.Rules = parallel.RULES):
   """Compiles ``eval_step(params, batch)`` for ``mesh`` (parameters sharded as in training)."""
-  return jax.jit(_in_mesh(eval_step, mesh, rules),
+  return jax.jit(eval_step,
                  in_shardings=(parallel.param_shardings(params, mesh, rules), batch_sharding(mesh)),
                  out_shardings=replicated(mesh))
 
