@@ -134,7 +134,8 @@ def main(argv=None) -> dict:
                   "load_average_before": load_before, "load_average_after": os.getloadavg(),
                   "note": "shared machine: other processes ran at the same time, so seconds are "
                           "noisy (the load averages bracket the run); peak RSS is not affected"},
-      "settings": {"reps": args.reps, "sweep_reps": args.sweep_reps, "memory_limit_gib": args.memory_limit_gib,
+      "settings": {"reps": args.reps, "sweep_reps": args.sweep_reps,
+                   "memory_limit_gib": args.memory_limit_gib,
                    "block_q": args.block_q or chunked.DEFAULT_BLOCK_Q,
                    "block_k": args.block_k or chunked.DEFAULT_BLOCK_K,
                    "auto_chunked_min_ts": attention.AUTO_CHUNKED_MIN_TS},

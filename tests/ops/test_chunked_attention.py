@@ -218,7 +218,8 @@ def test_dense_mask_and_parts_are_anded():
 
 
 def dropout_keep(rng, rate, b, n, t, s):
-  """The kernel's dropout mask, assembled from its per-block draws (fold_in(rng, qi), ki)."""
+  """The kernel's dropout mask, assembled from its per-block draws (fold_in(rng, qi), ki). The
+  block sizes are BQ and BK: the lengths used (37) split into blocks of exactly those sizes."""
   nq, nk = -(-t // BQ), -(-s // BK)
   draw = lambda qi, ki: jax.random.bernoulli(
       jax.random.fold_in(jax.random.fold_in(rng, qi), ki), 1.0 - rate, (b, n, BQ, BK))
