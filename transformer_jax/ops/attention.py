@@ -41,10 +41,11 @@ _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 Implementation = Literal["xla", "chunked", "cudnn"]
 
 # implementation=None picks "chunked" from this many query-key pairs (T * S) up, "xla" below. On a
-# 2-core x86 CPU, forward + backward of causal [1, T, 12, 64] float32 attention, chunked stops
-# being slower than xla around T = S = 1024 (experiments/attention_memory.py); above it the dense
-# [B, N, T, S] temporaries also grow past what small machines hold.
-AUTO_CHUNKED_MIN_TS = 1024 * 1024
+# 2-core x86 CPU, forward + backward of causal [1, T, 12, 64] float32 attention, chunked is slower
+# than xla at T = S = 512 and no slower from 768 up (experiments/attention_memory.py, its
+# auto_threshold_sweep); above that the dense [B, N, T, S] temporaries also grow past what small
+# machines hold.
+AUTO_CHUNKED_MIN_TS = 768 * 768
 
 # A bias function: ``bias_fn(bias_params, q_pos_BT, k_pos_S) -> [B|1, N|1, T, S]`` float32 additive
 # logits bias (``ops.AlibiBias``, ``ops.RelativeBias``). Kernels that work block by block call it on
