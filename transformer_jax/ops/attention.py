@@ -6,6 +6,16 @@ Letter legend (as in ``jax.nn.dot_product_attention``), used for every shape suf
   G = N // K query heads per key/value head, H head dim, D model width, F feed-forward width,
   V vocabulary, L layers.
 
+Implementations (``implementation=``):
+
+  ``"xla"``      dense ``[B, N, T, S]`` scores, weights and their gradients: O(T * S) memory; any
+                 backend; the reference, and the only one with ``return_weights``.
+  ``"chunked"``  ``ops.chunked``: FlashAttention-2's blocks and online softmax in ``lax`` loops
+                 with its own backward: O(T + S) memory (plus one block of scores); any backend;
+                 masks and position biases by parts, causal / window blocks skipped.
+  ``"cudnn"``    ``jax.nn.dot_product_attention(implementation="cudnn")``: NVIDIA GPUs only.
+  ``None``       "chunked" from ``AUTO_CHUNKED_MIN_TS`` query-key pairs up, else "xla".
+
 Masks are boolean with ``True`` meaning *attend*. Additive biases (ALiBi, T5 relative bias) go in
 ``bias``. Softmax runs in float32 whatever the input dtype.
 """
@@ -31,10 +41,11 @@ _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 Implementation = Literal["xla", "chunked", "cudnn"]
 
 # implementation=None picks "chunked" from this many query-key pairs (T * S) up, "xla" below. On a
-# 2-core x86 CPU, forward + backward of causal [1, T, 12, 64] float32 attention, chunked stops
-# being slower than xla around T = S = 1024 (experiments/attention_memory.py); above it the dense
-# [B, N, T, S] temporaries also grow past what small machines hold.
-AUTO_CHUNKED_MIN_TS = 1024 * 1024
+# 2-core x86 CPU, forward + backward of causal [1, T, 12, 64] float32 attention, chunked is slower
+# than xla at T = S = 512 and no slower from 768 up (experiments/attention_memory.py, its
+# auto_threshold_sweep); above that the dense [B, N, T, S] temporaries also grow past what small
+# machines hold.
+AUTO_CHUNKED_MIN_TS = 768 * 768
 
 # A bias function: ``bias_fn(bias_params, q_pos_BT, k_pos_S) -> [B|1, N|1, T, S]`` float32 additive
 # logits bias (``ops.AlibiBias``, ``ops.RelativeBias``). Kernels that work block by block call it on
@@ -153,8 +164,8 @@ def dot_product_attention(
     dropout_rng: PRNG key for attention dropout; ``None`` disables dropout.
     return_weights: also return the attention weights ``[B, N, T, S]`` (float32; "xla" only).
     implementation: ``"xla"`` (dense ``[B, N, T, S]`` scores), ``"chunked"`` (memory-efficient,
-      key/value blocks with an online softmax), ``"cudnn"`` (fused GPU kernel), or ``None``: "chunked" when
-      ``T * S >= AUTO_CHUNKED_MIN_TS`` and ``return_weights`` is False, else "xla".
+      key/value blocks with an online softmax), ``"cudnn"`` (fused GPU kernel), or ``None``:
+      "chunked" when ``T * S >= AUTO_CHUNKED_MIN_TS`` and ``return_weights`` is False, else "xla".
     kv_valid: ``[B, S]`` bool, False for padding keys.
     q_segment_ids: ``[B, T]`` int; queries see only keys of the same segment (packed sequences).
     kv_segment_ids: ``[B, S]`` int (default ``q_segment_ids``, which needs ``T == S``).
@@ -163,8 +174,10 @@ def dot_product_attention(
     bias_fn: additive bias as a function of positions (``ops.AlibiBias``, ``ops.RelativeBias``):
       ``bias_fn(bias_params, q_pos_BT, k_pos_S) -> [B|1, N|1, T, S]``.
     bias_params: the (differentiable) parameters of ``bias_fn``.
-    block_q: query rows per block of the "chunked" kernel (default ``ops.chunked.DEFAULT_BLOCK_Q``).
-    block_k: keys per block of the "chunked" kernel (default ``ops.chunked.DEFAULT_BLOCK_K``).
+    block_q: the most query rows per block of the "chunked" kernel (default
+      ``ops.chunked.DEFAULT_BLOCK_Q``; the blocks are evened out: ``ceil(T / ceil(T / block_q))``).
+    block_k: the most keys per block of the "chunked" kernel (default
+      ``ops.chunked.DEFAULT_BLOCK_K``).
 
   Returns:
     ``[B, T, N, H]`` in q's dtype (and the weights if asked). A query row whose every key is
@@ -225,7 +238,8 @@ def _cudnn_attention(q, k, v, q_pos_BT, *, bias, mask, causal, scale, dropout_ra
   The mask parts become what that API takes: ``causal`` (``T == S`` with default positions:
   cuDNN aligns the causal mask to the first key), ``window`` (``local_window_size``), ``kv_valid``
   (key lengths when it is concretely a prefix, else a dense mask), segment ids (a dense mask) and
-  ``bias_fn`` (a dense bias)."""
+  ``bias_fn`` (a dense bias). cuDNN folds a dense mask into its bias, so a query row whose every
+  key is masked follows cuDNN's convention, not the zeros of "xla" and "chunked"."""
   platform = jax.default_backend()
   if platform != "gpu":
     raise ValueError(
@@ -260,7 +274,7 @@ def _cudnn_attention(q, k, v, q_pos_BT, *, bias, mask, causal, scale, dropout_ra
     fn_bias = bias_fn(bias_params, q_pos_BT, jnp.arange(s, dtype=jnp.int32))
     bias = fn_bias if bias is None else bias + fn_bias
   if mask is not None:
-    mask = jnp.broadcast_to(mask, (b, mask.shape[-3] if mask.ndim >= 3 else 1, t, s))
+    mask = jnp.broadcast_to(mask, (b, q.shape[2], t, s))
   if bias is not None:
     bias = bias.astype(q.dtype)
   local = None

@@ -233,15 +233,20 @@ def chunked_attention(q, k, v, *, q_pos, scale, causal=False, window=None, bias=
                       kv_segment_ids=None, dropout_rate=0.0, dropout_rng=None,
                       block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K):
   """The "chunked" kernel (see the module docstring); arguments as ``ops.dot_product_attention``,
-  already checked, with ``q_pos`` the ``[B|1, T]`` int32 query positions."""
+  already checked, with ``q_pos`` the ``[B|1, T]`` int32 query positions. ``block_q`` and
+  ``block_k`` are the largest block sizes; the blocks used are ``ceil(T / ceil(T / block_q))``
+  rows (and the same for keys), and the dropout mask of block ``(i, j)`` is drawn from
+  ``fold_in(fold_in(dropout_rng, i), j)``."""
   if block_q < 1 or block_k < 1:
     raise ValueError(f"block_q={block_q} and block_k={block_k} must be >= 1")
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
   g = n // kh
-  bq, bk = min(block_q, t), min(block_k, s)
-  tp, sp = -(-t // bq) * bq, -(-s // bk) * bk
-  nq, nk = tp // bq, sp // bk
+  # As few blocks as block_q / block_k allow, evened out so that padding stays under one row per
+  # block (T = 768 with block_q = 512 gives two blocks of 384, not 512 + 256 padded to 1024).
+  nq, nk = -(-t // min(block_q, t)), -(-s // min(block_k, s))
+  bq, bk = -(-t // nq), -(-s // nk)
+  tp, sp = nq * bq, nk * bk
   drop = dropout_rate > 0.0 and dropout_rng is not None
   st = Static(scale=scale, causal=causal, window=window, s_len=s if sp != s else None,
               bias_fn=bias_fn, dropout_rate=dropout_rate if drop else 0.0)

@@ -228,8 +228,8 @@ def ring_attention(
     segment_ids_BT: optional ``[B, T]`` int ids of packed sequences; tokens attend only within
       their own segment (``ops.segment_mask``).
     scale: logits scale; default ``1 / sqrt(H)``.
-    batch_axes: mesh axes (or one axis) the batch is sharded over. Names the mesh lacks are left out; ``B`` must
-      be a multiple of the product of the sizes of the others.
+    batch_axes: mesh axes (or one axis) the batch is sharded over. Names the mesh lacks are left
+      out; ``B`` must be a multiple of the product of the sizes of the others.
     head_axis: mesh axis the heads are sharded over, if the mesh has it. It is used only when
       ``K`` is a multiple of its size (``N`` then is too); otherwise (e.g. MQA under tensor
       parallelism) heads are replicated over it and each device computes all of them.
