@@ -1,7 +1,8 @@
 """Flax NNX layers built on ``transformer_jax.ops``: every parameter names its logical axes."""
 
-from transformer_jax.layers.attention import Attention, KVCache
+from transformer_jax.layers.attention import Attention
 from transformer_jax.layers.block import Block, BlockConfig
+from transformer_jax.layers.cache import KVCache
 from transformer_jax.layers.dense import Embed, Norm, Projection, RelativePositionBias
 from transformer_jax.layers.mlp import MLP
 from transformer_jax.layers.stack import Remat, Stack

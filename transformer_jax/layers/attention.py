@@ -1,133 +1,21 @@
 """Multi-head attention (self or cross; MHA/MQA/GQA; optional RoPE) around
-``ops.dot_product_attention``, and the key/value cache that decoding passes in and out of it."""
+``ops.dot_product_attention``; decoding passes a ``KVCache`` in and out."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
 from transformer_jax import ops
+from transformer_jax.layers.cache import KVCache
 from transformer_jax.layers.dense import Projection
 from transformer_jax.parallel import axes as ax
 from transformer_jax.parallel.ring import ring_attention
-
-
-@flax.struct.dataclass
-class KVCache:
-  """Keys and values of a stack of attention layers for decoding, one heads-major array per layer.
-
-  Each layer's keys (and values) are one ``[B * K, S, H]`` array: ``S`` slots per row, the token at
-  position ``p`` in slot ``p``. On CPU a one-token step reads this layout several times faster than
-  one ``[L, B, S, K, H]`` array: slicing a layer out of the stacked array copies it, and a
-  ``[B, S, K, H]`` layer is transposed to heads-major for the batched products of attention (copied
-  again), at every layer of every step. Batch and heads are merged so that the products read the
-  array as stored, with no size-1 axis to drop when B = 1.
-
-  A self-attention cache has ``lengths``: row ``b`` holds ``lengths[b]`` tokens, its new tokens are
-  written at slots ``lengths[b] ..`` and attend causally by position (slots past a row's position
-  may hold stale entries; they are masked). A read-only cache (``lengths`` None) holds keys/values
-  projected once, e.g. an encoder's output for cross-attention, with ``kv_valid`` marking padding;
-  a decoder's cache carries it in ``cross``. ``layer(i)`` is the one-layer view an attention layer
-  reads and returns.
-  """
-
-  k: tuple[jax.Array, ...]            # L arrays [B * K, S, H] (keys already rotated by RoPE)
-  v: tuple[jax.Array, ...]            # L arrays [B * K, S, H]
-  lengths: jax.Array | None           # [B] int32 tokens cached per row; None: read-only
-  kv_heads: int = flax.struct.field(pytree_node=False)  # K
-  kv_valid: jax.Array | None = None   # [B, S] bool, False = padding key (read-only caches)
-  cross: KVCache | None = None        # a decoder's cross-attention keys/values (read-only)
-
-  @classmethod
-  def zeros(cls, num_layers: int, batch_size: int, max_len: int, kv_heads: int, head_dim: int,
-            dtype: jnp.dtype) -> KVCache:
-    """An empty self-attention cache of ``max_len`` slots per row."""
-    empty = lambda: tuple(jnp.zeros((batch_size * kv_heads, max_len, head_dim), dtype)
-                          for _ in range(num_layers))
-    return cls(empty(), empty(), jnp.zeros((batch_size,), jnp.int32), kv_heads)
-
-  @classmethod
-  def read_only(cls, k_LBSKH: jax.Array, v_LBSKH: jax.Array,
-                kv_valid_BS: jax.Array | None = None) -> KVCache:
-    """A read-only cache of stacked keys/values ``[L, B, S, K, H]`` (cross-attention)."""
-    l, b, s, k, h = k_LBSKH.shape
-    heads_major = lambda x: tuple(
-        jnp.transpose(x[i], (0, 2, 1, 3)).reshape(b * k, s, h) for i in range(l))
-    valid = None if kv_valid_BS is None else jnp.asarray(kv_valid_BS, bool)
-    return cls(heads_major(k_LBSKH), heads_major(v_LBSKH), None, k, kv_valid=valid)
-
-  @property
-  def shape(self) -> tuple[int, int, int, int, int]:
-    """The logical ``(L, B, S, K, H)``."""
-    bk, s, h = self.k[0].shape
-    return (len(self.k), bk // self.kv_heads, s, self.kv_heads, h)
-
-  @property
-  def max_len(self) -> int:
-    """S, the number of slots per row."""
-    return self.k[0].shape[1]
-
-  @property
-  def dtype(self) -> jnp.dtype:
-    return self.k[0].dtype
-
-  def layer(self, i: int) -> KVCache:
-    """Layer ``i`` alone (with its cross-attention layer)."""
-    return self.replace(k=(self.k[i],), v=(self.v[i],),
-                        cross=None if self.cross is None else self.cross.layer(i))
-
-  def read(self) -> tuple[jax.Array, jax.Array]:
-    """A one-layer cache's keys and values ``[B, S, K, H]`` (a transpose XLA folds into the
-    attention products, which want heads-major operands)."""
-    _, b, s, k, h = self.shape
-    return tuple(jnp.transpose(x[0].reshape(b, k, s, h), (0, 2, 1, 3)) for x in (self.k, self.v))
-
-  def write(self, k_BTKH: jax.Array, v_BTKH: jax.Array) -> KVCache:
-    """A one-layer cache with row b's T new entries in slots ``lengths[b] .. + T - 1``.
-
-    Updated in place under ``jit``: a scatter (rows may sit at different slots) or, for one row, a
-    ``dynamic_update_slice`` (XLA rewrites a one-row scatter into a bounds-checked update that it
-    then duplicates into each consumer, copying the layer's cache several times per step).
-    """
-    b, t = k_BTKH.shape[:2]
-    index_B = self.lengths.astype(jnp.int32)
-
-    def put(x, new_BTKH):
-      new_BTKH = new_BTKH.astype(x.dtype)
-      if b == 1:  # x is [K, S, H]
-        zero = jnp.zeros((), jnp.int32)
-        return jax.lax.dynamic_update_slice(x, jnp.swapaxes(new_BTKH[0], 0, 1),
-                                            (zero, index_B[0], zero))
-      # [B, K, S, H] indexed by (rows, :, slots): the [B, T] index dimensions come first.
-      rows_B1 = jnp.arange(b)[:, None]
-      slots_BT = index_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-      x = x.reshape(b, -1, *x.shape[1:]).at[rows_B1, :, slots_BT].set(new_BTKH, mode="clip")
-      return x.reshape(-1, *x.shape[2:])
-
-    return self.replace(k=(put(self.k[0], k_BTKH),), v=(put(self.v[0], v_BTKH),))
-
-  def positions(self, t: int) -> jax.Array:
-    """``[B, T]`` positions of T new tokens per row."""
-    return self.lengths[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None, :]
-
-  def take_rows(self, rows_R: jax.Array) -> KVCache:
-    """The cache of batch rows ``rows`` (repeated or reordered beams), ``cross`` included."""
-    k = self.kv_heads
-
-    def take(x):  # [B * K, S, H] -> [R * K, S, H]
-      x = jnp.take(x.reshape(-1, k, *x.shape[1:]), rows_R, axis=0)
-      return x.reshape(-1, *x.shape[2:])
-
-    pick = lambda x: None if x is None else jnp.take(x, rows_R, axis=0)
-    return self.replace(k=tuple(map(take, self.k)), v=tuple(map(take, self.v)),
-                        lengths=pick(self.lengths), kv_valid=pick(self.kv_valid),
-                        cross=None if self.cross is None else self.cross.take_rows(rows_R))
 
 
 class Attention(nnx.Module):

@@ -12,7 +12,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from transformer_jax import ops
-from transformer_jax.layers.attention import Attention, KVCache
+from transformer_jax.layers.attention import Attention
+from transformer_jax.layers.cache import KVCache
 from transformer_jax.layers.common import split_key
 from transformer_jax.layers.dense import Norm
 from transformer_jax.layers.mlp import MLP

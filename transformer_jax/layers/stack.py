@@ -13,7 +13,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
-from transformer_jax.layers.attention import KVCache
+from transformer_jax.layers.cache import KVCache
 from transformer_jax.layers.block import Block, BlockConfig
 from transformer_jax.parallel import axes as ax
 from transformer_jax.parallel.rules import ACTIVATION_BTD, constrain
