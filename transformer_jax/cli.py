@@ -229,10 +229,10 @@ def _one_line(e: BaseException) -> str:
   """A one-line description of an error, naming the file for I/O errors."""
   from transformer_jax.runs import describe_oserror
   seen = e
-  while seen is not None:  # orbax and tensorstore wrap the OSError that caused them
+  while seen is not None and not isinstance(seen, ValueError):  # an OSError wrapped by a library
     if isinstance(seen, OSError):
       return describe_oserror(seen)
-    seen = seen.__cause__ or seen.__context__
+    seen = seen.__cause__ or (None if seen.__suppress_context__ else seen.__context__)
   import re
   text = " ".join(str(e).split()) or type(e).__name__
   # Checkpoint writes go through tensorstore, whose errors carry an absl status and the file.
@@ -270,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     # reports the failure (-v keeps them).
     import logging
     logging.getLogger("absl").setLevel(logging.CRITICAL)
+    logging.getLogger("tensorboardX").setLevel(logging.ERROR)  # the guard reports a NaN itself
     sys.unraisablehook = _drop_closed_loop_reports
   try:
     return args.func(args)

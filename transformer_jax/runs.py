@@ -295,10 +295,15 @@ def _finite_leaves(tree):
           if jnp.issubdtype(x.dtype, jnp.inexact)]
 
 
+def _path(path) -> str:
+  keys = [getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path]
+  return ".".join(str(k) for k in keys if k != "value")
+
+
 def nonfinite_leaves(tree) -> list[str]:
   """Paths of the floating-point leaves of ``tree`` holding a NaN or an infinity."""
   flags = jax.device_get(_finite_leaves(tree))
-  paths = [jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_leaves_with_path(tree)
+  paths = [_path(p) for p, x in jax.tree_util.tree_leaves_with_path(tree)
            if jnp.issubdtype(x.dtype, jnp.inexact)]
   return [p for p, ok in zip(paths, flags) if not ok]
 
@@ -307,14 +312,14 @@ def verify_tree(what: str, tree, target) -> None:
   """Raises ``ValueError`` unless ``tree`` has ``target``'s structure, shapes and dtypes."""
   got, want = jax.tree.structure(tree), jax.tree.structure(target)
   if got != want:
-    got_paths = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)}
-    want_paths = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(target)}
+    got_paths = {_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)}
+    want_paths = {_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(target)}
     missing, extra = sorted(want_paths - got_paths), sorted(got_paths - want_paths)
     raise ValueError(f"{what}: tree structure differs (missing {missing[:3]}, unexpected "
                      f"{extra[:3]})")
   for (path, x), t in zip(jax.tree_util.tree_leaves_with_path(tree), jax.tree.leaves(target)):
     if tuple(x.shape) != tuple(t.shape) or jnp.dtype(x.dtype) != jnp.dtype(t.dtype):
-      raise ValueError(f"{what}{jax.tree_util.keystr(path)}: {x.dtype}{list(x.shape)}, expected "
+      raise ValueError(f"{what}.{_path(path)}: {x.dtype}{list(x.shape)}, expected "
                        f"{t.dtype}{list(t.shape)}")
 
 

@@ -123,13 +123,22 @@ def changed_keys(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
   return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
+def fixed_changes(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
+  """The changes from ``old`` to ``new`` that an existing run refuses: :data:`FIXED` keys, and
+  turning clipping on or off (the optimizer state changes structure)."""
+  out = []
+  for key, a, b in changed_keys(old, new):
+    fixed = any(key == f or key.startswith(f + ".") for f in FIXED)
+    if fixed or (key == "train.clip_norm" and (a is None) != (b is None)):
+      out.append((key, a, b))
+  return out
+
+
 # Learning bars: checked and reported at the end of a run (enforced with ``--check-bars``).
 BARS = ("val_loss_below_unigram", "mlm_accuracy_over_baseline", "exact_match")
-# Settings a resumed run may change: how long it runs, what it logs and keeps, where it runs.
-RESUMABLE = ("train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
-             "train.checkpoint_every", "train.keep_checkpoints", "train.async_checkpoints",
-             "train.samples", "train.sample_tokens", "mesh.data", "mesh.fsdp", "mesh.tensor",
-             "mesh.sequence", "bars", "run_dir")
+# What defines an existing run: its model, its data and the order it reads them in. A resumed run
+# may change anything else (steps, optimisation, logging, mesh), as MaxText and the HF Trainer allow.
+FIXED = ("model", "data", "train.batch_size", "train.seq_len", "train.seed", "train.dtype")
 
 _SECTIONS = {"data": DataConfig, "train": TrainConfig, "mesh": MeshConfig}
 _TOP = ("run_dir", "model", "data", "train", "mesh", "bars")

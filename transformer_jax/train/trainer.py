@@ -5,8 +5,9 @@ The run directory's format belongs to :mod:`transformer_jax.runs`: ``config.yaml
 events in ``tensorboard/``, ``loss.png`` and ``final.json`` (last metrics and learning bars).
 
 Resuming follows MaxText and the HF Trainer: a finished run says so and does nothing; a larger
-``train.steps`` continues it; a setting that would change its model, data or optimisation is
-refused by name (start over with ``force_new`` or another ``run_dir``). Nothing in the directory is
+``train.steps`` continues it; a setting that would change its model or data is
+refused by name (start over with ``force_new`` or another ``run_dir``); optimisation, logging and
+mesh settings may change. Nothing in the directory is
 rewritten before the experiment, the dataset and the checkpoint to resume from have been checked.
 SIGINT and SIGTERM save a checkpoint at the end of the current step and return.
 """
@@ -31,7 +32,7 @@ from transformer_jax import data as data_lib
 from transformer_jax import models, parallel, runs
 from transformer_jax.train import step as step_lib
 from transformer_jax.train import tasks as tasks_lib
-from transformer_jax.train.config import RESUMABLE, Experiment, changed_keys, load_experiment
+from transformer_jax.train.config import Experiment, fixed_changes, load_experiment
 from transformer_jax.train.optim import learning_rate_schedule, make_optimizer
 
 
@@ -260,12 +261,12 @@ def _resumed_model(exp: Experiment, rd: runs.RunDir, stored: dict | None, vocab:
     _log0(f"fine-tuning the model in {rd.path} ({runs.MODEL}; the experiment's model section is "
           "not used)")
     return stored_model, True
-  changes = [(k, a, b) for k, a, b in changed_keys(_normalised(stored), exp.to_dict())
-             if k not in RESUMABLE]
+  changes = fixed_changes(_normalised(stored), exp.to_dict())
   if changes:
     listed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changes)
-    raise ValueError(f"run_dir {rd.path} holds a run with other settings ({listed}); resume it "
-                     "without them, or start over with --force-new or another run_dir")
+    raise ValueError(f"run_dir {rd.path} holds a run with another model or data ({listed}); "
+                     "resume it without these changes, or start over with --force-new or another "
+                     "run_dir")
   if steps[-1] > exp.train.steps:
     raise ValueError(f"train.steps={exp.train.steps} is below the run's last checkpoint (step "
                      f"{steps[-1]}); give train.steps >= {steps[-1]}")
