@@ -16,9 +16,10 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 # The main job on the embedded corpus (the Python standard library): prepare, train, evaluate,
-# checkpoint, plot, sample. Leaves runs/gpt_tiny/. Running it again resumes (and finds it done).
+# checkpoint, plot, sample. Leaves runs/gpt_tiny/. Running it again finds the run finished (exit 0).
+# --check-bars: exit 3 if the learning bar is not reached (a plain `tjax train` only reports it).
 demo: $(STAMP)
-	$(PY) -m transformer_jax.cli train experiments/gpt_tiny.yaml
+	$(PY) -m transformer_jax.cli train experiments/gpt_tiny.yaml --check-bars
 
 # A tour of the model families: each tiny preset's forward pass and `tjax info` for a few presets.
 tour: $(STAMP)

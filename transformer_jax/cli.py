@@ -78,13 +78,15 @@ def _cmd_train(args) -> int:
     distributed.log_topology()
   from transformer_jax.train import TrainingDiverged, load_experiment, train
   exp = load_experiment(args.config, args.overrides)
+  hint = " ".join(["tjax train", args.config, *args.overrides])
   try:
-    final = train(exp, progress=not args.no_progress)
+    final = train(exp, progress=False if args.no_progress else None, force_new=args.force_new,
+                  resume_hint=hint)
   except TrainingDiverged as e:
     print(f"tjax train: {e}", file=sys.stderr)
     return 1
   failed = [name for name, r in final.get("bars", {}).items() if not r["passed"]]
-  if failed:
+  if failed and args.check_bars:
     print(f"tjax train: learning bar(s) not reached: {', '.join(failed)}", file=sys.stderr)
     return 3
   return 0
@@ -141,7 +143,17 @@ def _cmd_bench(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="tjax", description=__doc__)
+  parser.add_argument("-v", "--verbose", action="store_true", help="show the traceback of an error")
+  common = argparse.ArgumentParser(add_help=False)  # -v also after the command
+  common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                      help="show the traceback of an error")
   sub = parser.add_subparsers(dest="command", required=True)
+  add = sub.add_parser
+
+  def add_parser(name, **kw):
+    return add(name, parents=[common], **kw)
+
+  sub.add_parser = add_parser
 
   info = sub.add_parser("info", help="parameters, FLOPs and memory of a preset (no preset: list)")
   info.add_argument("preset", nargs="?")
@@ -158,7 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
   train = sub.add_parser("train", help="train (or resume) an experiment: CONFIG.yaml key=value ...")
   train.add_argument("config")
   train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=200")
-  train.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+  train.add_argument("--no-progress", action="store_true",
+                     help="plain log lines instead of the tqdm bar (the default without a "
+                     "terminal)")
+  train.add_argument("--check-bars", action="store_true",
+                     help="exit 3 when a learning bar of the experiment is not reached (they are "
+                     "always reported)")
+  train.add_argument("--force-new", action="store_true",
+                     help="start over in an existing run_dir (what the old run wrote is removed)")
   train.add_argument("--distributed", action="store_true",
                      help="multi-process: jax.distributed.initialize() detects the cluster (TPU "
                      "pod, SLURM, Open MPI)")
@@ -202,13 +221,72 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
+# Subcommands whose positional ``key=value`` overrides may come after options.
+_OVERRIDES = ("train", "eval")
+
+
+def _one_line(e: BaseException) -> str:
+  """A one-line description of an error, naming the file for I/O errors."""
+  from transformer_jax.runs import describe_oserror
+  seen = e
+  while seen is not None and not isinstance(seen, ValueError):  # an OSError wrapped by a library
+    if isinstance(seen, OSError):
+      return describe_oserror(seen)
+    seen = seen.__cause__ or (None if seen.__suppress_context__ else seen.__context__)
+  import re
+  text = " ".join(str(e).split()) or type(e).__name__
+  # Checkpoint writes go through tensorstore, whose errors carry an absl status and the file.
+  file = re.search(r'(?:local )?file "([^"]+)"', text)
+  for marks, reason in ((("RESOURCE_EXHAUSTED", "No space left"), "no space left on the device"),
+                        (("PERMISSION_DENIED", "Permission denied"), "permission denied")):
+    if any(m in text for m in marks):
+      return f"{file.group(1) if file else text}: {reason}"
+  text = text.split(" See full TensorStore details")[0]
+  return text if isinstance(e, ValueError) else f"{type(e).__name__}: {text}"
+
+
+def _drop_closed_loop_reports(unraisable, _default=sys.unraisablehook) -> None:
+  # When a checkpoint write fails, tensorstore's pending callbacks reach orbax's closed asyncio
+  # loop and each reports "Event loop is closed": echoes of the failure reported in one line.
+  if isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(
+      unraisable.exc_value):
+    return
+  _default(unraisable)
+
+
 def main(argv: list[str] | None = None) -> int:
-  args = build_parser().parse_args(argv)
+  """Runs one ``tjax`` command. Bad input (``ValueError``, ``OSError``, YAML and checkpoint errors)
+  is one line on stderr and exit 2, any other failure one line and exit 1; ``-v`` re-raises with
+  the traceback."""
+  parser = build_parser()
+  args, rest = parser.parse_known_args(argv)
+  if rest:  # ``tjax train CONFIG --no-progress key=value``: overrides after options
+    if args.command in _OVERRIDES and not any(r.startswith("-") for r in rest):
+      args.overrides = list(args.overrides) + rest
+    else:
+      parser.error(f"unrecognized arguments: {' '.join(rest)}")
+  if not args.verbose:
+    # orbax logs the tracebacks of its background threads through absl; the one line below
+    # reports the failure (-v keeps them).
+    import logging
+    logging.getLogger("absl").setLevel(logging.CRITICAL)
+    logging.getLogger("tensorboardX").setLevel(logging.ERROR)  # the guard reports a NaN itself
+    sys.unraisablehook = _drop_closed_loop_reports
   try:
     return args.func(args)
-  except ValueError as e:  # bad input: one clear line, no traceback
-    print(f"tjax {args.command}: error: {e}", file=sys.stderr)
-    return 2
+  except KeyboardInterrupt:
+    if args.verbose:
+      raise
+    print(f"tjax {args.command}: interrupted", file=sys.stderr)
+    return 130
+  except Exception as e:  # noqa: BLE001 (every failure becomes one line; -v shows the traceback)
+    if args.verbose:
+      raise
+    bad_input = isinstance(e, (ValueError, OSError)) or type(e).__module__.startswith(
+        ("yaml", "orbax", "tensorstore"))
+    hint = "" if bad_input else " (-v for the traceback)"
+    print(f"tjax {args.command}: error: {_one_line(e)}{hint}", file=sys.stderr)
+    return 2 if bad_input else 1
 
 
 if __name__ == "__main__":

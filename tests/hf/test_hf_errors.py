@@ -48,6 +48,29 @@ def test_missing_unexpected_and_misshaped_tensors_are_all_listed(gpt2_dir):
     assert s in msg, msg
 
 
+@pytest.mark.parametrize("dtype", ["int32", "bool"])
+def test_integer_and_bool_weights_are_refused_by_name(gpt2_dir, dtype):
+  def damage(t):
+    t["transformer.h.0.attn.c_attn.bias"] = t["transformer.h.0.attn.c_attn.bias"].astype(dtype)
+  _edit_tensors(gpt2_dir, damage)
+  with pytest.raises(tjhf.CheckpointError, match=(
+      rf"(?s)non-float dtype.*transformer.h.0.attn.c_attn.bias: dtype {dtype}")) as e:
+    tjhf.load(gpt2_dir)
+  assert "c_attn.weight" not in str(e.value)  # only the bad tensor is named
+
+
+def test_convert_refuses_a_non_empty_out_directory(gpt2_dir, tmp_path):
+  out = tmp_path / "run"
+  out.mkdir()
+  (out / "model.yaml").write_text("kept: true\n")
+  res = subprocess.run([sys.executable, "-m", "transformer_jax.cli", "convert", "--from-hf",
+                        str(gpt2_dir), "--out", str(out)], capture_output=True, text=True)
+  assert res.returncode == 2, res.stderr
+  assert res.stderr.count("\n") == 1 and "exists and is not empty" in res.stderr
+  assert (out / "model.yaml").read_text() == "kept: true\n"
+  assert sorted(p.name for p in out.iterdir()) == ["model.yaml"]
+
+
 def test_truncated_safetensors_is_a_checkpoint_error(gpt2_dir):
   f = gpt2_dir / "model.safetensors"
   f.write_bytes(f.read_bytes()[:-1000])

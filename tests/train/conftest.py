@@ -37,3 +37,7 @@ def run_tjax(*args, env=None, **kw):
   full_env = {**os.environ, **(env or {})}
   return subprocess.run([sys.executable, "-m", "transformer_jax.cli", *args], cwd=REPO,
                         env=full_env, capture_output=True, text=True, **kw)
+
+
+def pytest_configure(config):
+  config.addinivalue_line("markers", "slow: end-to-end runs of the CLI in subprocesses")

@@ -1,7 +1,7 @@
 """``tjax generate`` and ``tjax fill-mask``: text in, text out, from a run directory.
 
-A run directory written by ``tjax train`` holds ``model.yaml``, ``checkpoints/`` and ``config.yaml``,
-whose ``data.path`` names the prepared dataset; its metadata rebuilds the tokenizer (compact
+A run directory (``transformer_jax.runs``) holds ``model.yaml``, ``checkpoints/`` and
+``dataset.json``, whose absolute ``path`` names the prepared dataset; its metadata rebuilds the tokenizer (compact
 vocabulary included). ``tjax generate`` prints the continuation while it is produced: the first token
 comes from the prefill, then each jitted call runs a chunk of up to ``--chunk`` one-token steps with
 the key/value cache carried from call to call (compiled once per chunk size, not per token).
@@ -18,7 +18,6 @@ from typing import Callable, Iterator, Sequence, TextIO
 import jax
 import jax.numpy as jnp
 import numpy as np
-import yaml
 from flax import nnx
 
 from transformer_jax.generate.beam import beam_search
@@ -162,7 +161,7 @@ def load_run(run_dir: str, *, best: bool = False, data: str | None = None,
              check: Callable | None = None):
   """``(config, params, tokenizer)`` of a run directory's latest (or best) checkpoint.
 
-  The tokenizer is the one of the dataset named by ``config.yaml``'s ``data.path`` (or ``data``).
+  The tokenizer is the one of the dataset named by ``dataset.json`` (or ``data``).
 
   Args:
     run_dir: a directory written by ``tjax train`` (or ``save_model`` / ``tjax convert``).
@@ -173,42 +172,38 @@ def load_run(run_dir: str, *, best: bool = False, data: str | None = None,
 
   Raises:
     ValueError: not a run directory, no checkpoint, no dataset to read the tokenizer from, or a
-      tokenizer whose vocabulary differs from the model's.
+      tokenizer whose vocabulary differs from the model's, or no intact checkpoint.
   """
-  from transformer_jax import models
+  from transformer_jax import runs
   from transformer_jax.data import load_dataset
-  from transformer_jax.train.checkpoint import restore_params
 
-  if not os.path.isdir(run_dir):
+  rd = runs.RunDir(run_dir)
+  if not rd.exists():
     raise ValueError(f"{run_dir} is not a directory")
-  spec = os.path.join(run_dir, "model.yaml")
-  if not os.path.exists(spec):
-    raise ValueError(f"{run_dir} is not a run directory (no model.yaml)")
-  ckpt_dir = os.path.join(run_dir, "checkpoints")
-  look = os.path.join(ckpt_dir, "best") if best else ckpt_dir
-  if not os.path.isdir(look) or not any(name.isdigit() for name in os.listdir(look)):
+  config = rd.read_model()
+  if config is None:
+    raise ValueError(f"{run_dir} is not a run directory (no {runs.MODEL})")
+  if not rd.checkpoint_steps(best=best):
+    look = os.path.join(rd.checkpoint_dir, "best") if best else rd.checkpoint_dir
     raise ValueError(f"{run_dir} has no {'best ' if best else ''}checkpoint (nothing in "
                      f"{look}); train it first")
-  with open(spec) as f:
-    config = models.config_from_dict(yaml.safe_load(f))
   if data is None:
-    path = os.path.join(run_dir, "config.yaml")
-    if os.path.exists(path):
-      with open(path) as f:
-        data = ((yaml.safe_load(f) or {}).get("data") or {}).get("path")
+    ref = rd.read_dataset_ref()
+    if ref is not None:   # absolute: the run works from any folder
+      data = ref["path"]
+    else:                 # a run directory written before dataset.json existed
+      data = ((rd.read_config() or {}).get("data") or {}).get("path")
     if data is None:
-      raise ValueError(f"{run_dir} names no dataset (no data.path in a config.yaml) to read the "
-                       "tokenizer from; give one with --data DIR")
+      raise ValueError(f"{run_dir} names no dataset (no {runs.DATASET}) to read the tokenizer "
+                       "from; give one with --data DIR")
   try:
     tokenizer = load_dataset(data).tokenizer
   except FileNotFoundError as e:
     raise ValueError(f"cannot read the tokenizer: {e}") from None
-  if tokenizer.vocab_size != config.vocab_size:
-    raise ValueError(f"the dataset {data} has {tokenizer.vocab_size} token ids but the model "
-                     f"has vocab_size={config.vocab_size}")
+  runs.check_vocab(tokenizer.vocab_size, config, data)
   if check is not None:
     check(config, tokenizer)
-  params, _ = restore_params(ckpt_dir, config, best=best)
+  params, _ = runs.restore_params(rd.checkpoint_dir, config, best=best)
   return config, params, tokenizer
 
 

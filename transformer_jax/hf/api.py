@@ -95,7 +95,7 @@ def _convert(config: ModelConfig, arch: str, tensors: dict) -> tuple[dict, list[
       problems_tied.append(f"{alias} (tied to {canon} but different)")
   tensors = {k: v for k, v in tensors.items() if not params.matches_ignored(k, t)}
 
-  out, missing, misshaped, consumed = {}, [], [], set()
+  out, missing, misshaped, consumed, mistyped = {}, [], [], set(), []
   for rule in t.rules:
     per_layer = tuple(expected[p].get_value().shape[1 if rule.num_layers else 0:] for p in rule.ours)
     want = params.hf_shape(rule.transform, per_layer)
@@ -110,15 +110,20 @@ def _convert(config: ModelConfig, arch: str, tensors: dict) -> tuple[dict, list[
       if got != want:
         misshaped.append(f"{name}: shape {got}, expected {want}")
         continue
+      dtype = np.asarray(tensors[name]).dtype
+      if not jnp.issubdtype(dtype, jnp.floating):  # an int/bool weight would be cast silently
+        mistyped.append(f"{name}: dtype {dtype}, expected a floating-point type")
+        continue
       layers.append(params.to_ours(rule.transform, np.asarray(tensors[name]), d))
     if len(layers) == (rule.num_layers or 1):
       for j, path in enumerate(rule.ours):
         out[path] = np.stack([x[j] for x in layers]) if rule.num_layers else layers[0][j]
   unexpected = sorted(set(tensors) - consumed)
-  if missing or unexpected or misshaped or problems_tied:
+  if missing or unexpected or misshaped or mistyped or problems_tied:
     parts = [f"checkpoint does not match {arch} with this config.json:"]
     for title, items in (("missing tensors", missing), ("unexpected tensors", unexpected),
                          ("tensors with the wrong shape", misshaped),
+                         ("tensors with a non-float dtype", mistyped),
                          ("tied tensors that differ", problems_tied)):
       if items:
         parts.append(listing(title, items))

@@ -1,7 +1,7 @@
 """``tjax convert``: a Hugging Face checkpoint directory <-> a transformer_jax run directory.
 
-The run-directory format belongs to ``transformer_jax.train.run_dir`` (``save_model`` and
-``load_model``); this module only joins it to ``load``/``save``.
+The run-directory format belongs to ``transformer_jax.runs`` (``save_model`` and ``load_model``);
+this module only joins it to ``load``/``save``.
 """
 
 from __future__ import annotations
@@ -19,19 +19,21 @@ from transformer_jax.hf.api import load, save
 
 def from_hf(hf_dir: str | os.PathLike, out_run_dir: str | os.PathLike) -> str:
   """Converts the checkpoint in ``hf_dir`` into a run directory; returns the architecture read."""
-  from transformer_jax.train import run_dir  # programs above hf/; imported when used
+  from transformer_jax import runs
 
+  if not runs.RunDir(out_run_dir).is_empty():  # before the (slow) read of the checkpoint
+    raise ValueError(f"--out {out_run_dir} exists and is not empty; give a new directory")
   config, model = load(hf_dir)
-  run_dir.save_model(out_run_dir, config, nnx.state(model, nnx.Param))
+  runs.save_model(out_run_dir, config, nnx.state(model, nnx.Param))
   return configs.architecture_of(json.loads((Path(hf_dir) / "config.json").read_text()))
 
 
 def to_hf(run_dir_path: str | os.PathLike, out_dir: str | os.PathLike, *,
           architecture: str | None = None) -> str:
   """Writes the model of a run directory as a Hugging Face checkpoint; returns the architecture."""
-  from transformer_jax.train import run_dir
+  from transformer_jax import runs
 
-  config, params = run_dir.load_model(run_dir_path)
+  config, params = runs.load_model(run_dir_path)
   if not isinstance(params, nnx.State):
     # A plain nested dict of arrays: put it into the abstract model's state.
     _, state = nnx.split(models.abstract(config))

@@ -1,6 +1,6 @@
 """Training: experiment configs, Optax steps, checkpoints and the ``tjax train`` loop."""
 
-from transformer_jax.train.checkpoint import Checkpoints, load_model, save_model
+from transformer_jax.runs import Checkpoints, load_model, save_model
 from transformer_jax.train.config import Experiment, load_experiment
 from transformer_jax.train.optim import learning_rate_schedule, make_optimizer
 from transformer_jax.train.step import (

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import os
 import types
 import typing
 from typing import Any, Literal
@@ -93,6 +95,50 @@ class Experiment:
     out["data"]["inputs"] = list(self.data.inputs)
     return out
 
+  def absolute(self) -> "Experiment":
+    """This experiment with ``run_dir``, ``data.path`` and ``data.inputs`` made absolute (a run
+    directory must work from any folder)."""
+    def absolute(p):
+      return p if p is None or ":" in p.split(os.sep)[0] else os.path.abspath(p)
+    data = dataclasses.replace(self.data, path=absolute(self.data.path),
+                               inputs=tuple(absolute(p) for p in self.data.inputs))
+    return dataclasses.replace(self, run_dir=os.path.abspath(self.run_dir), data=data)
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+  """``{"train": {"lr": 1}}`` -> ``{"train.lr": 1}`` (``bars`` stays one value)."""
+  out = {}
+  for key, value in tree.items():
+    name = f"{prefix}{key}"
+    if isinstance(value, dict) and name != "bars":
+      out.update(flatten(value, name + "."))
+    else:
+      out[name] = value
+  return out
+
+
+def changed_keys(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
+  """``(key, old, new)`` of every dotted key whose value differs between two ``to_dict`` trees."""
+  a, b = flatten(old), flatten(new)
+  return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+def fixed_changes(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
+  """The changes from ``old`` to ``new`` that an existing run refuses: :data:`FIXED` keys, and
+  turning clipping on or off (the optimizer state changes structure)."""
+  out = []
+  for key, a, b in changed_keys(old, new):
+    fixed = any(key == f or key.startswith(f + ".") for f in FIXED)
+    if fixed or (key == "train.clip_norm" and (a is None) != (b is None)):
+      out.append((key, a, b))
+  return out
+
+
+# Learning bars: checked and reported at the end of a run (enforced with ``--check-bars``).
+BARS = ("val_loss_below_unigram", "mlm_accuracy_over_baseline", "exact_match")
+# What defines an existing run: its model, its data and the order it reads them in. A resumed run
+# may change anything else (steps, optimisation, logging, mesh), as MaxText and the HF Trainer allow.
+FIXED = ("model", "data", "train.batch_size", "train.seq_len", "train.seed", "train.dtype")
 
 _SECTIONS = {"data": DataConfig, "train": TrainConfig, "mesh": MeshConfig}
 _TOP = ("run_dir", "model", "data", "train", "mesh", "bars")
@@ -192,7 +238,11 @@ def parse_overrides(items: list[str]) -> list[tuple[str, Any]]:
     if "=" not in item:
       raise ValueError(f"override {item!r} must look like section.key=value")
     key, text = item.split("=", 1)
-    out.append((key.strip(), yaml.safe_load(text) if text != "" else None))
+    try:
+      value = yaml.safe_load(text) if text != "" else None
+    except yaml.YAMLError:
+      raise ValueError(f"override {item!r}: the value is not valid YAML") from None
+    out.append((key.strip(), value))
   return out
 
 
@@ -200,11 +250,13 @@ def load_experiment(path: str | None, overrides: list[str] = (), *,
                     raw: dict | None = None) -> Experiment:
   """Reads a YAML experiment (or ``raw``), applies ``key=value`` overrides and validates it."""
   if raw is None:
-    try:
-      with open(path) as f:
-        raw = yaml.safe_load(f) or {}
-    except FileNotFoundError:
-      raise ValueError(f"experiment config {path!r} not found") from None
+    from transformer_jax.runs import load_yaml
+    if not os.path.isfile(path):
+      raise ValueError(f"experiment config {path!r} not found" if not os.path.exists(path)
+                       else f"experiment config {path!r} is not a file")
+    raw = load_yaml(path) or {}
+    if not isinstance(raw, dict):
+      raise ValueError(f"{path}: expected a mapping of sections (run_dir, model, data, ...)")
   raw = dict(raw)
   for key, value in parse_overrides(list(overrides)):
     top = key.split(".")[0]
@@ -233,6 +285,13 @@ def load_experiment(path: str | None, overrides: list[str] = (), *,
   return exp
 
 
+def _check_range(name: str, value, lo, hi, lo_in: bool, hi_in: bool) -> None:
+  ok = (value >= lo if lo_in else value > lo) and (value <= hi if hi_in else value < hi)
+  if not ok:
+    interval = f"{'[' if lo_in else '('}{lo}, {hi}{']' if hi_in else ')'}".replace("inf", "inf")
+    raise ValueError(f"{name}={value} must lie in {interval}")
+
+
 def _validate(exp: Experiment) -> None:
   t = exp.train
   for name in ("steps", "batch_size", "seq_len", "microbatches", "log_every", "eval_every",
@@ -242,10 +301,35 @@ def _validate(exp: Experiment) -> None:
   if t.batch_size % t.microbatches:
     raise ValueError(
         f"train.microbatches={t.microbatches} does not divide train.batch_size={t.batch_size}")
-  if t.lr <= 0:
-    raise ValueError(f"train.lr={t.lr} must be > 0")
-  if t.warmup_steps < 0:
-    raise ValueError(f"train.warmup_steps={t.warmup_steps} must be >= 0")
+  for f in dataclasses.fields(t):
+    value = getattr(t, f.name)
+    if isinstance(value, float) and not math.isfinite(value):
+      raise ValueError(f"train.{f.name}={value} must be a finite number")
+  ranges = {  # name: (low, high, low included, high included)
+      "lr": (0.0, math.inf, False, False), "min_lr_ratio": (0.0, 1.0, True, True),
+      "weight_decay": (0.0, math.inf, True, False), "b1": (0.0, 1.0, True, False),
+      "b2": (0.0, 1.0, True, False), "eps": (0.0, math.inf, False, False),
+      "label_smoothing": (0.0, 1.0, True, False), "z_loss": (0.0, math.inf, True, False),
+      "warmup_steps": (0, math.inf, True, False), "samples": (0, math.inf, True, False),
+      "sample_tokens": (1, math.inf, True, False)}
+  for name, (lo, hi, lo_in, hi_in) in ranges.items():
+    _check_range(f"train.{name}", getattr(t, name), lo, hi, lo_in, hi_in)
+  if t.clip_norm is not None:
+    _check_range("train.clip_norm", t.clip_norm, 0.0, math.inf, False, False)
+  d = exp.data
+  _check_range("data.mask_prob", d.mask_prob, 0.0, 1.0, False, False)
+  if not math.isfinite(d.val_fraction) or d.val_fraction <= 0:
+    raise ValueError(f"data.val_fraction={d.val_fraction} must be > 0 (a fraction, or a count "
+                     "of documents)")
+  for name in ("data", "fsdp", "tensor", "sequence"):
+    size = getattr(exp.mesh, name)
+    if size != -1 and size < 1:
+      raise ValueError(f"mesh.{name}={size} must be >= 1 (or -1: every remaining device)")
+  for key, value in exp.bars.items():
+    if key not in BARS:
+      raise _unknown("bars.", key, BARS)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+      raise ValueError(f"bars.{key}={value!r}: expected a finite number")
   if exp.data.path is None and not exp.data.inputs:
     raise ValueError("data.path or data.inputs must be given")
   if "preset" not in exp.model and "family" not in exp.model:

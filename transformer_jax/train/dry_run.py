@@ -15,11 +15,9 @@ from typing import Any
 
 import jax
 
-from transformer_jax import models, parallel
+from transformer_jax import models, parallel, runs
 from transformer_jax.train import step as step_lib
-from transformer_jax.train import tasks as tasks_lib
 from transformer_jax.train.config import Experiment
-from transformer_jax.train.optim import make_optimizer
 
 
 def simulate_devices(exp: Experiment, num_devices: int | None) -> int:
@@ -43,8 +41,12 @@ def simulate_devices(exp: Experiment, num_devices: int | None) -> int:
 
 
 def _model_config(exp: Experiment) -> tuple[models.ModelConfig, str]:
-  """The model config, with the prepared dataset's vocabulary when there is one (else the
-  preset's)."""
+  """The model a real run would build: an existing run's own ``model.yaml``; else the experiment's
+  model with the prepared dataset's vocabulary when there is one (else the preset's)."""
+  rd = runs.RunDir(exp.run_dir)
+  if rd.checkpoint_steps() and rd.read_model() is not None:
+    config = rd.read_model()
+    return config, f"vocabulary {config.vocab_size} from {rd.file(runs.MODEL)}"
   path = exp.data.path
   meta = None if path is None else os.path.join(path, "metadata.json")
   if meta and os.path.exists(meta):
@@ -56,23 +58,21 @@ def _model_config(exp: Experiment) -> tuple[models.ModelConfig, str]:
 
 
 def dry_run(exp: Experiment) -> dict[str, Any]:
-  """Compiles one train step of ``exp`` on the available devices; returns the memory report."""
+  """Compiles one train step of ``exp`` on the available devices; returns the memory report.
+
+  Task, mesh, optimizer and step are built by the trainer's own functions (``trainer.plan`` and
+  ``trainer.make_step``); only the dataset is replaced by batch shapes.
+  """
+  from transformer_jax.train import trainer
   config, vocab_note = _model_config(exp)
-  m = exp.mesh
-  mesh = parallel.make_mesh({"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor,
-                             "sequence": m.sequence})
+  task, mesh, optimizer = trainer.plan(exp, config)
   t = exp.train
-  parallel.check_config(config, mesh, batch_size=t.batch_size, seq_len=t.seq_len,
-                        microbatches=t.microbatches)
-  task = tasks_lib.get_task(exp.data.task)
-  optimizer = make_optimizer(t)
   state = step_lib.abstract_state(config, optimizer, mesh)
   batch_sharding = parallel.batch_sharding(mesh)
   batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding)
            for k, v in task.batch_shapes(t.batch_size, t.seq_len).items()}
   step = step_lib.jit_train_step(
-      step_lib.make_train_step(models.graphdef(config, mesh), task, optimizer, seed=t.seed,
-                               microbatches=t.microbatches), mesh, state)
+      trainer.make_step(exp, models.graphdef(config, mesh), task, optimizer), mesh, state)
   start = time.perf_counter()
   compiled = step.lower(state, batch).compile()
   compile_s = time.perf_counter() - start

@@ -8,10 +8,13 @@ loss is ``sum_c sums[c] / counts[c]`` over the loss components ``c``.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
-from transformer_jax import ops
+from transformer_jax import data as data_lib
+from transformer_jax import models, ops
 
 Batch = dict[str, jax.Array]
 
@@ -37,8 +40,28 @@ def _correct(logits, labels, mask):
 class GPTTask:
   """Next-token prediction on packed windows (segment ids keep documents apart)."""
 
+  name = "gpt"
+  config_type = models.GPTConfig
   loss_terms = ("lm",)
   keys = ("tokens", "labels", "segment_ids", "positions", "loss_mask")
+  token_keys = ("tokens", "labels")     # ids checked against the vocabulary on the host
+  uses_seq_len = True
+  bars = ("val_loss_below_unigram",)   # learning bars this task can check
+
+  @classmethod
+  def from_experiment(cls, exp) -> "GPTTask":
+    return cls()
+
+  @staticmethod
+  def loader(dataset, exp):
+    t = exp.train
+    return data_lib.GPTLoader(dataset, batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed)
+
+  @staticmethod
+  def eval_batches(dataset, exp):
+    t = exp.train
+    return data_lib.gpt_eval_batches(dataset, batch_size=t.batch_size, seq_len=t.seq_len,
+                                     max_batches=t.eval_batches)
 
   @staticmethod
   def counts(batch: Batch) -> dict[str, jax.Array]:
@@ -67,11 +90,33 @@ class BERTTask:
   the vocabulary projection.
   """
 
+  name = "bert"
+  config_type = models.BERTConfig
   loss_terms = ("mlm", "nsp")
   keys = ("tokens", "token_types", "attention_mask", "mlm_labels", "mlm_mask", "nsp_labels")
+  token_keys = ("tokens", "mlm_labels")
+  uses_seq_len = True
+  bars = ("mlm_accuracy_over_baseline",)
 
   def __init__(self, max_predictions: int | None = None):
     self.max_predictions = max_predictions
+
+  @classmethod
+  def from_experiment(cls, exp) -> "BERTTask":
+    # The loader masks max(1, round(mask_prob * n)) of n <= seq_len tokens per row.
+    return cls(max_predictions=int(math.ceil(exp.data.mask_prob * exp.train.seq_len)) + 1)
+
+  @staticmethod
+  def loader(dataset, exp):
+    t = exp.train
+    return data_lib.BertLoader(dataset, batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed,
+                               mask_prob=exp.data.mask_prob)
+
+  @staticmethod
+  def eval_batches(dataset, exp):
+    t = exp.train
+    return data_lib.bert_eval_batches(dataset, batch_size=t.batch_size, seq_len=t.seq_len,
+                                      num_batches=t.eval_batches)
 
   @staticmethod
   def counts(batch: Batch) -> dict[str, jax.Array]:
@@ -109,8 +154,26 @@ class BERTTask:
 class Seq2SeqTask:
   """Teacher-forced target prediction."""
 
+  name = "seq2seq"
+  config_type = models.Seq2SeqConfig
   loss_terms = ("s2s",)
   keys = ("src", "src_mask", "tgt_in", "tgt_out", "tgt_mask")
+  token_keys = ("src", "tgt_in", "tgt_out")
+  uses_seq_len = False                  # length-bucketed batches
+  bars = ("exact_match",)
+
+  @classmethod
+  def from_experiment(cls, exp) -> "Seq2SeqTask":
+    return cls()
+
+  @staticmethod
+  def loader(dataset, exp):
+    return data_lib.Seq2SeqLoader(dataset, batch_size=exp.train.batch_size, seed=exp.train.seed)
+
+  @staticmethod
+  def eval_batches(dataset, exp):
+    batches = data_lib.seq2seq_eval_batches(dataset, batch_size=exp.train.batch_size)
+    return (b for _, b in zip(range(exp.train.eval_batches), batches))
 
   @staticmethod
   def counts(batch: Batch) -> dict[str, jax.Array]:
@@ -143,6 +206,38 @@ def get_task(name: str, **options):
   except KeyError:
     raise ValueError(f"data.task={name!r}: expected one of {', '.join(TASKS)}") from None
   return cls(**options)
+
+
+def for_experiment(exp, model_config: models.ModelConfig):
+  """The task of ``exp`` (``data.task``), checked against the model's family."""
+  if exp.data.task not in TASKS:
+    raise ValueError(f"data.task={exp.data.task!r}: expected one of {', '.join(TASKS)}")
+  cls = TASKS[exp.data.task]
+  if not isinstance(model_config, cls.config_type):
+    fits = family_task(model_config)
+    raise ValueError(f"data.task={exp.data.task!r} does not fit a {type(model_config).__name__}"
+                     f" (use data.task={fits!r})")
+  for bar in exp.bars:
+    if bar not in cls.bars:
+      raise ValueError(f"bars.{bar}: not a learning bar of data.task={cls.name!r} (it has "
+                       f"{', '.join(cls.bars)})")
+  return cls.from_experiment(exp)
+
+
+def family_task(config: models.ModelConfig) -> str:
+  """The task name of a model's family (``gpt``, ``bert``, ``seq2seq``)."""
+  return next(name for name, c in TASKS.items() if isinstance(config, c.config_type))
+
+
+def check_token_ids(task, batch, vocab_size: int) -> None:
+  """Refuses a host batch holding ids outside ``[0, vocab_size)`` before it enters a jitted step
+  (where a gather would clamp them silently)."""
+  for key in task.token_keys:
+    ids = batch[key]
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+      bad = ids[(ids < 0) | (ids >= vocab_size)].flat[0]
+      raise ValueError(f"batch field {key!r} holds token id {int(bad)}, outside the model's "
+                       f"vocabulary [0, {vocab_size})")
 
 
 def summarize(task, sums: dict[str, jax.Array], counts: dict[str, jax.Array]) -> dict[str, jax.Array]:

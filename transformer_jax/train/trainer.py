@@ -1,17 +1,25 @@
-"""``tjax train``: a run that logs, checkpoints, survives being killed and resumes exactly.
+"""``tjax train``: a run that logs, checkpoints, survives faults and resumes exactly.
 
-The run directory holds ``config.yaml`` (the experiment, as run), ``model.yaml`` (the model config),
-``checkpoints/`` (orbax: last N plus ``best/``), ``metrics.jsonl`` (training lines: ``step``,
-``loss``, ``tokens_per_sec``, ``lr``...; eval lines: ``step``, ``val_loss``...), TensorBoard events in
-``tensorboard/``, ``loss.png`` and ``final.json`` (last metrics and learning bars).
+The run directory's format belongs to :mod:`transformer_jax.runs`: ``config.yaml``, ``model.yaml``,
+``dataset.json``, ``checkpoints/`` (orbax: last N plus ``best/``), ``metrics.jsonl``, TensorBoard
+events in ``tensorboard/``, ``loss.png`` and ``final.json`` (last metrics and learning bars).
+
+Resuming follows MaxText and the HF Trainer: a finished run says so and does nothing; a larger
+``train.steps`` continues it; a setting that would change its model or data is
+refused by name (start over with ``force_new`` or another ``run_dir``); optimisation, logging and
+mesh settings may change. Nothing in the directory is
+rewritten before the experiment, the dataset and the checkpoint to resume from have been checked.
+SIGINT and SIGTERM save a checkpoint at the end of the current step and return.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
+import signal
 import sys
 import time
 import zlib
@@ -19,34 +27,33 @@ from typing import Any
 
 import jax
 import numpy as np
-import yaml
 
 from transformer_jax import data as data_lib
-from transformer_jax import models, parallel
-from transformer_jax.train import sampling
+from transformer_jax import models, parallel, runs
 from transformer_jax.train import step as step_lib
 from transformer_jax.train import tasks as tasks_lib
-from transformer_jax.train.checkpoint import Checkpoints, model_spec
-from transformer_jax.train.config import Experiment
+from transformer_jax.train.config import Experiment, fixed_changes, load_experiment
 from transformer_jax.train.optim import learning_rate_schedule, make_optimizer
-
-_FAMILY_TASK = {models.GPTConfig: "gpt", models.BERTConfig: "bert", models.Seq2SeqConfig: "seq2seq"}
 
 
 class TrainingDiverged(RuntimeError):
-  """The loss became NaN or infinite."""
+  """The loss or the parameters became NaN or infinite."""
 
 
 # -------------------------------------------------------------------------------------------------
 # Data.
 
 
-def ensure_dataset(exp: Experiment) -> data_lib.Dataset:
-  """Loads ``data.path``, preparing it from ``data.inputs`` first if it does not exist yet."""
+def ensure_dataset(exp: Experiment, *, prepare: bool = True) -> data_lib.Dataset:
+  """Loads ``data.path``, preparing it from ``data.inputs`` first if it does not exist yet (and
+  ``prepare``)."""
   d = exp.data
   path = d.path or os.path.join(exp.run_dir, "data")
   meta = os.path.join(path, "metadata.json")
   if not os.path.exists(meta):
+    if not prepare:
+      raise ValueError(f"data.path={path!r} holds no prepared dataset; give one with "
+                       "data.path=DIR")
     if not d.inputs:
       raise ValueError(f"data.path={path!r} holds no prepared dataset and data.inputs is empty")
     if jax.process_index() == 0:
@@ -64,29 +71,11 @@ def ensure_dataset(exp: Experiment) -> data_lib.Dataset:
 
 
 def make_train_loader(exp: Experiment, dataset):
-  t = exp.train
-  match exp.data.task:
-    case "gpt":
-      return data_lib.GPTLoader(dataset, batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed)
-    case "bert":
-      return data_lib.BertLoader(dataset, batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed,
-                                 mask_prob=exp.data.mask_prob)
-    case "seq2seq":
-      return data_lib.Seq2SeqLoader(dataset, batch_size=t.batch_size, seed=t.seed)
+  return tasks_lib.TASKS[exp.data.task].loader(dataset, exp)
 
 
 def eval_batches(exp: Experiment, dataset):
-  t = exp.train
-  match exp.data.task:
-    case "gpt":
-      return data_lib.gpt_eval_batches(dataset, batch_size=t.batch_size, seq_len=t.seq_len,
-                                       max_batches=t.eval_batches)
-    case "bert":
-      return data_lib.bert_eval_batches(dataset, batch_size=t.batch_size, seq_len=t.seq_len,
-                                        num_batches=t.eval_batches)
-    case "seq2seq":
-      batches = data_lib.seq2seq_eval_batches(dataset, batch_size=t.batch_size)
-      return (b for i, b in zip(range(t.eval_batches), batches))
+  return tasks_lib.TASKS[exp.data.task].eval_batches(dataset, exp)
 
 
 def _batch_tokens(batch) -> int:
@@ -100,8 +89,6 @@ def _batch_hash(batch) -> int:
   for key in sorted(batch):
     crc = zlib.crc32(np.ascontiguousarray(batch[key]).tobytes(), crc)
   return crc
-
-
 # -------------------------------------------------------------------------------------------------
 # Logging.
 
@@ -184,6 +171,27 @@ def plot_loss(run_dir: str) -> str | None:
 # The run.
 
 
+def plan(exp: Experiment, model_config: models.ModelConfig):
+  """``(task, mesh, optimizer)`` of ``exp`` for ``model_config``, checked: what a real run and
+  ``--dry-run`` both build on."""
+  task = tasks_lib.for_experiment(exp, model_config)
+  m = exp.mesh
+  mesh = parallel.make_mesh({"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor,
+                             "sequence": m.sequence})
+  parallel.check_config(model_config, mesh, batch_size=exp.train.batch_size,
+                        seq_len=exp.train.seq_len if task.uses_seq_len else None,
+                        microbatches=exp.train.microbatches)
+  return task, mesh, make_optimizer(exp.train)
+
+
+def make_step(exp: Experiment, graphdef, task, optimizer):
+  """The (unjitted) train step of ``exp``: what a run executes and ``--dry-run`` compiles."""
+  t = exp.train
+  return step_lib.make_train_step(graphdef, task, optimizer, seed=t.seed,
+                                  microbatches=t.microbatches, label_smoothing=t.label_smoothing,
+                                  z_loss=t.z_loss)
+
+
 @dataclasses.dataclass
 class Run:
   """Everything a run needs, built once from the experiment."""
@@ -197,32 +205,33 @@ class Run:
   optimizer: Any
 
   @classmethod
-  def build(cls, exp: Experiment) -> "Run":
-    dataset = ensure_dataset(exp)
-    model_config = _model_config(exp, dataset)
-    expected = _FAMILY_TASK[type(model_config)]
-    if exp.data.task != expected:
-      raise ValueError(f"data.task={exp.data.task!r} does not fit a {type(model_config).__name__}"
-                       f" (use data.task={expected!r})")
-    m = exp.mesh
-    mesh = parallel.make_mesh({"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor,
-                               "sequence": m.sequence})
-    seq_len = exp.train.seq_len if exp.data.task != "seq2seq" else None
-    parallel.check_config(model_config, mesh, batch_size=exp.train.batch_size, seq_len=seq_len,
-                          microbatches=exp.train.microbatches)
-    options = {}
-    if exp.data.task == "bert":
-      # The loader masks max(1, round(mask_prob * n)) of n <= seq_len tokens per row.
-      options["max_predictions"] = int(math.ceil(exp.data.mask_prob * exp.train.seq_len)) + 1
-    return cls(exp, dataset, model_config, tasks_lib.get_task(exp.data.task, **options), mesh,
-               models.graphdef(model_config), make_optimizer(exp.train))
+  def build(cls, exp: Experiment, model_config: models.ModelConfig | None = None, *,
+            prepare: bool = True) -> "Run":
+    """Loads (or prepares) the dataset and checks the model against it.
+
+    Args:
+      exp: The experiment.
+      model_config: The model (default: the experiment's, with the dataset's vocabulary).
+      prepare: Prepare a missing dataset from ``data.inputs`` (else refuse).
+    """
+    dataset = ensure_dataset(exp, prepare=prepare)
+    if model_config is None:
+      model_config = exp.model_config(vocab_size=dataset.vocab_size)
+    runs.check_vocab(dataset.vocab_size, model_config, dataset.path)
+    task, mesh, optimizer = plan(exp, model_config)
+    return cls(exp, dataset, model_config, task, mesh, models.graphdef(model_config, mesh),
+               optimizer)
 
   def evaluate(self, params, eval_step) -> dict[str, float]:
     sums, counts = None, None
     for batch in eval_batches(self.exp, self.dataset):
+      tasks_lib.check_token_ids(self.task, batch, self.model_config.vocab_size)
       s, c = eval_step(params, step_lib.shard_batch(batch, self.mesh, self.task.keys))
       sums = s if sums is None else jax.tree.map(np.add, sums, s)
       counts = c if counts is None else jax.tree.map(np.add, counts, c)
+    if sums is None:
+      raise ValueError(f"the validation split of {self.dataset.path} gives no batch of "
+                       f"{self.exp.train.batch_size}; lower train.batch_size")
     out = {k: float(v) for k, v in tasks_lib.summarize(self.task, sums, counts).items()}
     result = {"val_loss": out.pop("loss")}
     for term in self.task.loss_terms:
@@ -233,62 +242,147 @@ class Run:
     return result
 
 
-def _model_config(exp: Experiment, dataset) -> models.ModelConfig:
-  spec_path = os.path.join(exp.run_dir, "model.yaml")
-  if os.path.exists(spec_path):  # an existing run (or a converted checkpoint) owns its model
-    with open(spec_path) as f:
-      return models.config_from_dict(yaml.safe_load(f))
-  return exp.model_config(vocab_size=dataset.vocab_size)
+def _normalised(raw: dict) -> dict:
+  """A stored ``config.yaml`` as a full, absolute experiment tree (for comparing with a new one)."""
+  return load_experiment(None, raw=raw).absolute().to_dict()
 
 
-def _write_snapshot(run: Run) -> None:
-  if jax.process_index() != 0:
-    return
-  os.makedirs(run.exp.run_dir, exist_ok=True)
-  with open(os.path.join(run.exp.run_dir, "config.yaml"), "w") as f:
-    yaml.safe_dump(run.exp.to_dict(), f, sort_keys=False)
-  with open(os.path.join(run.exp.run_dir, "model.yaml"), "w") as f:
-    yaml.safe_dump(model_spec(run.model_config), f, sort_keys=False)
+def _resumed_model(exp: Experiment, rd: runs.RunDir, stored: dict | None, vocab: int | None,
+                   force_new: bool):
+  """Checks ``exp`` against the run already in ``rd``; returns the model config to use (None: the
+  experiment's) and whether there is a run to resume."""
+  steps = rd.checkpoint_steps()
+  if force_new or not steps:
+    return None, False      # nothing to lose: a failed start's snapshot files are replaced
+  stored_model = rd.read_model()
+  if stored_model is None:
+    raise ValueError(f"run_dir {rd.path} has checkpoints but no {runs.MODEL}; use --force-new "
+                     "to start over, or another run_dir")
+  if stored is None:        # a converted model: its own model.yaml decides the model
+    _log0(f"fine-tuning the model in {rd.path} ({runs.MODEL}; the experiment's model section is "
+          "not used)")
+    return stored_model, True
+  changes = fixed_changes(_normalised(stored), exp.to_dict())
+  if changes:
+    listed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changes)
+    raise ValueError(f"run_dir {rd.path} holds a run with another model or data ({listed}); "
+                     "resume it without these changes, or start over with --force-new or another "
+                     "run_dir")
+  if steps[-1] > exp.train.steps:
+    raise ValueError(f"train.steps={exp.train.steps} is below the run's last checkpoint (step "
+                     f"{steps[-1]}); give train.steps >= {steps[-1]}")
+  if vocab is not None:
+    mine = exp.model_config(vocab_size=vocab)
+    if mine != stored_model:
+      raise ValueError(f"{rd.file(runs.MODEL)} does not describe the model of "
+                       f"{rd.file(runs.CONFIG)}; the run directory was altered")
+  return stored_model, True
 
 
-def train(exp: Experiment, *, progress: bool = True) -> dict[str, Any]:
-  """Runs (or resumes) the experiment; returns the final metrics and learning-bar results."""
-  run = Run.build(exp)
+def _stored_vocab(rd: runs.RunDir) -> int | None:
+  ref = rd.read_dataset_ref()
+  return None if ref is None else ref.get("vocab_size")
+
+
+def train(exp: Experiment, *, progress: bool | None = None, force_new: bool = False,
+          resume_hint: str | None = None) -> dict[str, Any]:
+  """Runs (or resumes) the experiment; returns the final metrics and learning-bar results.
+
+  Args:
+    exp: The experiment.
+    progress: A tqdm bar (True), one plain line per ``train.log_every`` steps (False), or a bar
+      only when stderr is a terminal (None).
+    force_new: Start over in an existing run directory (what the run wrote is removed).
+    resume_hint: The command to print for resuming after an interruption.
+
+  Returns:
+    ``final.json``'s contents, plus ``finished_before`` (the run was already done) or
+    ``interrupted`` (stopped by SIGINT/SIGTERM after saving).
+
+  Raises:
+    ValueError: a bad experiment, dataset, run directory or checkpoint (one line, named).
+    TrainingDiverged: the loss or the parameters became non-finite.
+    RunLocked: another trainer holds the run directory.
+  """
+  exp = exp.absolute()
+  rd = runs.RunDir(exp.run_dir)
+  rd.check_usable()
+  lock = rd.lock() if jax.process_index() == 0 else contextlib.nullcontext()
+  with lock:
+    return _train_locked(exp, rd, progress, force_new, resume_hint)
+
+
+def _train_locked(exp, rd, progress, force_new, resume_hint):
   t = exp.train
-  _write_snapshot(run)
-  ckpt = Checkpoints(os.path.join(exp.run_dir, "checkpoints"), keep=t.keep_checkpoints,
-                     async_save=t.async_checkpoints)
+  stored = None if force_new else rd.read_config()
+  model_config, resuming = _resumed_model(exp, rd, stored, _stored_vocab(rd), force_new)
+  if resuming:
+    final = rd.read_final()
+    last = rd.checkpoint_steps()[-1]
+    if last >= t.steps and final is not None and final.get("step") == last:
+      _log0(f"{rd.path} is finished (step {last} of train.steps={t.steps}); nothing to do. "
+            "Give a larger train.steps to continue it.")
+      return {**final, "finished_before": True}
+  run = Run.build(exp, model_config)
+  ref = runs.dataset_ref(run.dataset)
+  old_ref = rd.read_dataset_ref() if resuming else None
+  if old_ref is not None and old_ref.get("hash") != ref["hash"]:
+    raise ValueError(f"the dataset {ref['path']} changed since this run started (content hash "
+                     f"{old_ref.get('hash', '?')[:12]} -> {ref['hash'][:12]}); use the same data, "
+                     "or --force-new / another run_dir")
+  if force_new and jax.process_index() == 0:
+    rd.clear()
+  ckpt = runs.Checkpoints(rd.checkpoint_dir, keep=t.keep_checkpoints,
+                          async_save=t.async_checkpoints)
+  try:
+    return _train_loop(run, rd, ckpt, ref, progress, resume_hint)
+  finally:
+    ckpt.close()
+
+
+def _train_loop(run: Run, rd: runs.RunDir, ckpt, ref, progress, resume_hint):
+  exp, t = run.exp, run.exp.train
   loader = make_train_loader(exp, run.dataset)
-  start = ckpt.latest_step() or 0
-  if ckpt.latest_step() is not None:
-    # Restore into shapes carrying this run's shardings: orbax places each array straight onto its
-    # shards (the checkpoint may come from another mesh or device count), nothing is initialised.
-    target = step_lib.abstract_state(run.model_config, run.optimizer, run.mesh)
-    params, opt_state, meta = _restore(ckpt, start, target.params, target.opt_state,
-                                       run.optimizer)
+  # Restore into shapes carrying this run's shardings: orbax places each array straight onto its
+  # shards (the checkpoint may come from another mesh or device count), nothing is initialised.
+  target = step_lib.abstract_state(run.model_config, run.optimizer, run.mesh)
+  start, params, opt_state, meta, damaged = ckpt.restore_newest_good(target.params,
+                                                                     target.opt_state)
+  if start is not None:
+    if damaged:
+      ckpt.set_aside([s for s, _ in damaged])
+      runs.warn(f"resuming from step {start}, the newest intact checkpoint; the damaged steps "
+                f"are kept as damaged-<step> in {ckpt.directory}")
+    if opt_state is None:     # a converted model: parameters only
+      _log0(f"fine-tuning the parameters of step {start} with a fresh optimizer state")
+      opt_state = run.optimizer.init(params)
     state = step_lib.place_state(
         step_lib.TrainState(step=np.int32(start), params=params, opt_state=opt_state), run.mesh)
     if meta.get("loader"):
       loader.set_state(meta["loader"])
     _log0(f"resuming from {ckpt.directory} at step {start}")
   else:
+    start = 0
     state = step_lib.init_state(run.model_config, run.optimizer, run.mesh,
                                 jax.random.key(t.seed))
     loader.set_state({"step": 0})
+  # Everything is checked: only now is the directory's snapshot (re)written.
+  rd.write_snapshot(exp.to_dict(), run.model_config, ref)
   train_step = step_lib.jit_train_step(
-      step_lib.make_train_step(run.graphdef, run.task, run.optimizer, seed=t.seed,
-                               microbatches=t.microbatches, label_smoothing=t.label_smoothing,
-                               z_loss=t.z_loss), run.mesh, state)
+      make_step(exp, run.graphdef, run.task, run.optimizer), run.mesh, state)
   eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(run.graphdef, run.task), run.mesh,
                                      state.params)
   schedule = learning_rate_schedule(t)
-  log = MetricsLog(exp.run_dir, start)
+  log = MetricsLog(rd.path, start)
+  if progress is None:
+    progress = sys.stderr.isatty()
   bar = _progress(start, t.steps, progress)
 
   pending: list[tuple[int, dict, int, int]] = []
   last_flush = time.perf_counter()
   last_eval: dict[str, float] = {}
-  last_good = start
+  last_good = start if ckpt.latest_step() is not None else None
+  stop = _StopFlag()
 
   def flush():
     nonlocal last_flush, pending
@@ -300,9 +394,7 @@ def train(exp: Experiment, *, progress: bool = True) -> dict[str, Any]:
     for (s, _, _, h), m in zip(pending, fetched):
       loss = float(m["loss"])
       if not math.isfinite(loss):
-        raise TrainingDiverged(
-            f"loss became {loss} at step {s}; stopping. The last good checkpoint (step "
-            f"{last_good}) in {ckpt.directory} is intact.")
+        raise TrainingDiverged(f"loss became {loss} at step {s}; stopping. " + _good(last_good))
       record = {"step": s, "loss": loss, "tokens_per_sec": tokens / max(elapsed, 1e-9),
                 "lr": float(schedule(s - 1)), "grad_norm": float(m["grad_norm"]),
                 "batch_hash": h}
@@ -310,59 +402,112 @@ def train(exp: Experiment, *, progress: bool = True) -> dict[str, Any]:
       log.write(record)
     bar.update(len(pending))
     bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:.0f}")
+    if not progress and record["step"] % t.log_every == 0:
+      _log0(f"step {record['step']}/{t.steps}  loss {record['loss']:.4f}  lr {record['lr']:.3e}"
+            f"  tokens/s {record['tokens_per_sec']:.0f}")
     log.flush()
     pending = []
     last_flush = time.perf_counter()
 
+  def save(done):
+    nonlocal last_good
+    bad = runs.nonfinite_leaves(state.params)  # the loss was finite before this update
+    if bad:
+      raise TrainingDiverged(f"parameters became non-finite at step {done} (in "
+                             f"{', '.join(bad[:3])}); not saved. " + _good(last_good))
+    ckpt.save(done, state.params, state.opt_state, {"step": done, "loader": loader.get_state()})
+    if last_eval.get("step") == done:
+      ckpt.save_best(done, state.params, last_eval["val_loss"])
+    last_good = done
+
+  vocab = run.model_config.vocab_size
+  done = start
   try:
-    for s in range(start, t.steps):
-      host = loader.batch_at(s)
-      loader.set_state({"step": s + 1})
-      state, metrics = train_step(state, step_lib.shard_batch(host, run.mesh, run.task.keys))
-      done = s + 1
-      pending.append((done, metrics, _batch_tokens(host) * jax.process_count(),
-                      _batch_hash(host)))
-      is_last = done == t.steps
-      eval_due = done % t.eval_every == 0 or is_last
-      ckpt_due = done % t.checkpoint_every == 0 or is_last
-      if done % t.log_every == 0 or eval_due or ckpt_due:
-        flush()  # also checks the loss is finite before anything is saved
-      if eval_due:
-        last_eval = run.evaluate(state.params, eval_step)
-        log.write({"step": done, **last_eval}, prefix="eval")
-        log.flush()
-        bar.write(f"step {done}: " + ", ".join(f"{k}={v:.4f}" for k, v in last_eval.items()))
-      if ckpt_due:
-        ckpt.save(done, state.params, state.opt_state, {"step": done, "loader": loader.get_state()})
+    with stop.installed():
+      for s in range(start, t.steps):
+        host = loader.batch_at(s)
+        tasks_lib.check_token_ids(run.task, host, vocab)
+        loader.set_state({"step": s + 1})
+        state, metrics = train_step(state, step_lib.shard_batch(host, run.mesh, run.task.keys))
+        done = s + 1
+        pending.append((done, metrics, _batch_tokens(host) * jax.process_count(),
+                        _batch_hash(host)))
+        is_last = done == t.steps
+        eval_due = done % t.eval_every == 0 or is_last
+        ckpt_due = done % t.checkpoint_every == 0 or is_last
+        if done % t.log_every == 0 or eval_due or ckpt_due or stop.signal:
+          flush()  # also checks the loss is finite before anything is saved
         if eval_due:
-          ckpt.save_best(done, state.params, last_eval["val_loss"])
-        last_good = done
+          last_eval = {"step": done, **run.evaluate(state.params, eval_step)}
+          log.write(last_eval, prefix="eval")
+          log.flush()
+          bar.write(f"step {done}: " + ", ".join(f"{k}={v:.4f}" for k, v in last_eval.items()
+                                                 if k != "step"))
+        if ckpt_due or stop.signal:
+          save(done)
+        if stop.signal and not is_last:
+          break
   finally:
     bar.close()
-    ckpt.wait()
-    ckpt.close()
-    log.close()
+    try:
+      ckpt.wait()
+    finally:
+      log.close()
 
-  final = {"step": t.steps, **last_eval}
+  if stop.signal and done < t.steps:
+    hint = resume_hint or "run the same training command again"
+    _log0(f"stopped by {stop.signal} at step {done}; checkpoint saved in {ckpt.directory}. "
+          f"To resume: {hint}")
+    return {"step": done, "interrupted": stop.signal}
+
   params = state.params
+  if not last_eval:  # resumed at the end (the previous run stopped before its final report)
+    last_eval = {"step": done, **run.evaluate(params, eval_step)}
+  final = {"step": t.steps, **{k: v for k, v in last_eval.items() if k != "step"}}
   if jax.process_count() > 1:  # parameters may span hosts: every process joins the gather
     from jax.experimental import multihost_utils
     params = multihost_utils.process_allgather(params, tiled=True)
   if jax.process_index() == 0:
-    plot_loss(exp.run_dir)
+    plot_loss(rd.path)
     final["bars"] = check_bars(run, params, last_eval)
-    if run.exp.data.task == "gpt" and t.samples:
+    if run.task.name == "gpt" and t.samples:
       final["samples"] = print_samples(run, params)
-    with open(os.path.join(exp.run_dir, "final.json"), "w") as f:
-      json.dump(final, f, indent=2)
+    rd.write_final(final)
   return final
 
 
-def _restore(ckpt, step, params, opt_state, optimizer):
-  """Restores a training checkpoint into the given (sharded) targets; a converted model (params
-  only) gets a fresh optimizer state."""
-  params, restored, meta = ckpt.restore(step, params, opt_state)
-  return params, (optimizer.init(params) if restored is None else restored), meta
+def _good(step: int | None) -> str:
+  if step is None:
+    return "No checkpoint was saved before it."
+  return f"The last good checkpoint (step {step}) is intact."
+
+
+class _StopFlag:
+  """SIGINT/SIGTERM set ``signal`` (its name); the loop saves and stops at the end of the step. A
+  second signal acts as usual (KeyboardInterrupt or termination)."""
+
+  def __init__(self):
+    self.signal: str | None = None
+
+  def _handle(self, signum, frame):
+    self.signal = signal.Signals(signum).name
+    signal.signal(signum, self._previous[signum])
+    _log0(f"\n{self.signal}: saving a checkpoint at the end of this step (again to abort)")
+
+  @contextlib.contextmanager
+  def installed(self):
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+      yield
+      return
+    self._previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for s in self._previous:
+      signal.signal(s, self._handle)
+    try:
+      yield
+    finally:
+      for s, h in self._previous.items():
+        signal.signal(s, h)
 
 
 def _log0(msg: str) -> None:
@@ -385,12 +530,15 @@ def _progress(start: int, total: int, enabled: bool):
               file=sys.stderr)
 
 
+
+
 # -------------------------------------------------------------------------------------------------
 # Learning bars and samples.
 
 
 def check_bars(run: Run, params, last_eval: dict[str, float]) -> dict[str, Any]:
-  """Checks the experiment's ``bars``; each result records the figure, the bar and pass/fail."""
+  """Checks the experiment's ``bars`` and prints one line each; each result records the figure,
+  the bar and pass/fail (reported: ``tjax train --check-bars`` makes a failure an error)."""
   bars = run.exp.bars
   results = {}
   if "val_loss_below_unigram" in bars:
@@ -412,7 +560,9 @@ def check_bars(run: Run, params, last_eval: dict[str, float]) -> dict[str, Any]:
     results["exact_match"] = {"exact_match": em, "required": float(bars["exact_match"]),
                               "passed": em >= float(bars["exact_match"])}
   for name, r in results.items():
-    print(f"learning bar {name}: {'PASS' if r['passed'] else 'FAIL'} {r}", flush=True)
+    figures = ", ".join(f"{k}={v:.4g}" for k, v in r.items() if k != "passed")
+    print(f"learning bar {name}: {'reached' if r['passed'] else 'NOT reached'} ({figures})",
+          flush=True)
   return results
 
 
@@ -425,18 +575,22 @@ def most_frequent_token_accuracy(run: Run) -> float:
 
 
 def seq2seq_exact_match(run: Run, params, max_examples: int = 512) -> float:
-  """Greedy-decoding exact match on held-out (validation) examples."""
+  """Greedy-decoding exact match on held-out (validation) examples (``generate``, cached)."""
+  from transformer_jax.generate import generate
   specials = run.dataset.meta["special_tokens"]
   bos, eos = specials["<bos>"], specials["<eos>"]
   right = total = 0
   for batch in data_lib.seq2seq_eval_batches(run.dataset, batch_size=run.exp.train.batch_size):
-    valid = batch["src_mask"].any(-1)
-    width = batch["tgt_out"].shape[1]
-    pred = sampling.greedy_seq2seq(run.graphdef, params, batch["src"], batch["src_mask"],
-                                   bos_id=bos, eos_id=eos, max_len=width)
-    for i in np.flatnonzero(valid):
+    rows = np.flatnonzero(batch["src_mask"].any(-1))
+    if not rows.size:
+      continue
+    width = min(batch["tgt_out"].shape[1], run.model_config.max_len)
+    pred = np.asarray(generate((run.model_config, params), batch["src"][rows],
+                               prompt_lengths=batch["src_mask"][rows].sum(-1),
+                               max_new_tokens=width, eos_id=eos, decoder_start_id=bos))
+    for j, i in enumerate(rows):
       target = batch["tgt_out"][i][batch["tgt_mask"][i]]       # target + EOS
-      right += int(np.array_equal(pred[i, :target.size], target))
+      right += int(np.array_equal(pred[j, :target.size], target))
       total += 1
     if total >= max_examples:
       break
@@ -444,43 +598,77 @@ def seq2seq_exact_match(run: Run, params, max_examples: int = 512) -> float:
 
 
 def print_samples(run: Run, params) -> list[str]:
+  """Samples a few continuations (``tjax generate``'s sampler: temperature 0.8, top-k 40; special
+  tokens such as [UNK] are never drawn) and writes them to ``samples.txt``."""
+  from transformer_jax.generate.commands import stream_generate
   tok = run.dataset.tokenizer
   prompts_text = ["def ", "import ", "class ", "    return "][: run.exp.train.samples]
   prompts = [tok.encode(p) for p in prompts_text]
-  new = sampling.sample_gpt(run.graphdef, params, prompts, max_new_tokens=run.exp.train.sample_tokens,
-                            max_len=min(run.model_config.max_len, run.exp.train.seq_len),
-                            stop_id=tok.eot_id,
-                            banned_ids=run.dataset.meta["special_tokens"].values())
-  texts = [p + tok.decode(n) for p, n in zip(prompts_text, new)]
+  room = min(run.model_config.max_len, run.exp.train.seq_len) - max(len(p) for p in prompts)
+  suppress = sorted(set(tok.special_ids.values()) - {tok.eot_id})
+  rows = [[] for _ in prompts]
+  for chunk in stream_generate((run.model_config, params), prompts,
+                               max_new_tokens=max(1, min(run.exp.train.sample_tokens, room)),
+                               temperature=0.8, top_k=40, eos_id=tok.eot_id,
+                               key=jax.random.key(run.exp.train.seed), suppress_ids=suppress):
+    for row, new in zip(rows, np.asarray(chunk)):
+      row.extend(int(i) for i in new)
+  rows = [r[:r.index(tok.eot_id)] if tok.eot_id in r else r for r in rows]
+  texts = [p + tok.decode(n) for p, n in zip(prompts_text, rows)]
   print("\nsamples:", flush=True)
   for text in texts:
     print("-" * 60 + "\n" + text, flush=True)
-  with open(os.path.join(run.exp.run_dir, "samples.txt"), "w") as f:
-    f.write(("\n" + "-" * 60 + "\n").join(texts))
+  runs.write_atomic(os.path.join(run.exp.run_dir, "samples.txt"),
+                    ("\n" + "-" * 60 + "\n").join(texts))
   return texts
 
 
+# -------------------------------------------------------------------------------------------------
+# tjax eval
+
+
+# What ``tjax eval`` may set: where the data is and how much of it to read, and the mesh.
+_EVAL_KEYS = ("data.path", "train.eval_batches", "train.batch_size", "mesh.data", "mesh.fsdp",
+              "mesh.tensor", "mesh.sequence")
+
+
 def evaluate_run(run_dir: str, overrides: list[str] = (), *, best: bool = False) -> dict[str, float]:
-  """``tjax eval RUN_DIR [key=value ...]``: evaluates the latest (or best) checkpoint on the
-  validation split. A directory made by ``tjax convert`` has no experiment yet: give it data with
-  ``data.path=DIR`` (the task follows the model's family)."""
-  from transformer_jax.train.checkpoint import restore_params
-  from transformer_jax.train.config import load_experiment
-  path = os.path.join(run_dir, "config.yaml")
-  if os.path.exists(path):
-    with open(path) as f:
-      raw = yaml.safe_load(f)
-  else:
-    spec_path = os.path.join(run_dir, "model.yaml")
-    if not os.path.exists(spec_path):
-      raise ValueError(f"{run_dir} is not a run directory (no config.yaml or model.yaml)")
-    with open(spec_path) as f:
-      spec = yaml.safe_load(f)
-    raw = {"model": spec, "data": {"task": spec.get("family")}}  # family names are task names
-  raw["run_dir"] = run_dir
-  exp = load_experiment(None, list(overrides), raw=raw)
-  run = Run.build(exp)
-  params, step = restore_params(os.path.join(run_dir, "checkpoints"), run.model_config, best=best)
+  """``tjax eval RUN_DIR [key=value ...]``: evaluates the latest (or best) intact checkpoint on the
+  validation split of the run's dataset. A directory made by ``tjax convert`` has no experiment
+  yet: give it data with ``data.path=DIR`` (the task follows the model's family).
+
+  Raises:
+    ValueError: not a run directory, an override other than data, batch and mesh settings, a
+      missing or changed dataset, a vocabulary that differs from the model's, or no intact
+      checkpoint.
+  """
+  rd = runs.RunDir(run_dir)
+  if not rd.exists():
+    raise ValueError(f"{rd.path} is not a directory")
+  model_config = rd.read_model()
+  if model_config is None:
+    raise ValueError(f"{rd.path} is not a run directory (no {runs.MODEL})")
+  from transformer_jax.train.config import parse_overrides
+  for key, _ in parse_overrides(list(overrides)):
+    if key not in _EVAL_KEYS:
+      raise ValueError(f"{key}: tjax eval takes only {', '.join(_EVAL_KEYS)} (the model and the "
+                       "rest of the run are its own)")
+  raw = rd.read_config()
+  if raw is None:
+    family = tasks_lib.family_task(model_config)
+    raw = {"model": runs.model_spec(model_config), "data": {"task": family}}
+  raw = {**raw, "run_dir": rd.path}
+  ref = rd.read_dataset_ref()
+  if ref is not None:  # the dataset the run trained on, wherever the command runs from
+    raw["data"] = {**raw["data"], "path": ref["path"]}
+  exp = load_experiment(None, list(overrides), raw=raw).absolute()
+  run = Run.build(exp, model_config, prepare=False)
+  if ref is not None and os.path.abspath(run.dataset.path) == ref["path"]:
+    now = runs.dataset_fingerprint(ref["path"])
+    if now != ref["hash"]:
+      raise ValueError(f"the dataset {ref['path']} changed since the run trained on it (content "
+                       f"hash {ref['hash'][:12]} -> {now[:12]})")
+  params, step = runs.restore_params(rd.checkpoint_dir, model_config, best=best)
   params = jax.device_put(params, parallel.param_shardings(params, run.mesh))
   result = run.evaluate(params, step_lib.jit_eval_step(
       step_lib.make_eval_step(run.graphdef, run.task), run.mesh, params))

@@ -1,0 +1,409 @@
+"""Runs you can trust: faults and bad inputs on a tiny run directory.
+
+Each case names what a user (or a preempted machine) does, and checks what happens: a finished run
+is reported, damaged checkpoints fall back to the newest intact step with a warning naming the bad
+one, the divergence guard never saves non-finite parameters, SIGTERM saves and exits 0, a second
+trainer is refused, and every bad input is one line (exit 2) naming it.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+import yaml
+
+from transformer_jax import data, runs
+from transformer_jax.train import TrainingDiverged, evaluate_run, load_experiment, train
+from transformer_jax.train import tasks as tasks_lib
+from tests.train.conftest import REPO, run_tjax
+
+MODEL = {"preset": "gpt2-tiny", "d_model": 32, "num_layers": 2, "num_heads": 2, "d_ff": 64,
+         "max_len": 32, "dropout_rate": 0.0}
+TRAIN = {"steps": 6, "batch_size": 4, "seq_len": 32, "lr": 3e-3, "warmup_steps": 2,
+         "schedule": "constant",   # the same learning rates whatever train.steps a resume gives
+         "log_every": 2, "eval_every": 6, "eval_batches": 2, "checkpoint_every": 2,
+         "keep_checkpoints": 3, "samples": 0}
+
+
+def _raw(run_dir, dataset, **train_overrides):
+  return {"run_dir": str(run_dir), "model": dict(MODEL), "data": {"path": dataset, "task": "gpt"},
+          "train": {**TRAIN, **train_overrides}, "bars": {"val_loss_below_unigram": 100.0}}
+
+
+def _write(path, raw):
+  path.write_text(yaml.safe_dump(raw))
+  return str(path)
+
+
+def _metrics(run_dir):
+  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, text_dataset):
+  """A finished 6-step run (checkpoints 2, 4, 6) trained through the CLI without a terminal."""
+  root = tmp_path_factory.mktemp("finished")
+  cfg = _write(root / "e.yaml", _raw(root / "run", text_dataset))
+  res = run_tjax("train", cfg, timeout=600)
+  assert res.returncode == 0, res.stderr[-3000:]   # a bar that is not reached is reported only
+  return {"config": cfg, "run": str(root / "run"), "stdout": res.stdout, "stderr": res.stderr}
+
+
+def _copy(finished, tmp_path, name="run"):
+  dst = tmp_path / name
+  shutil.copytree(finished["run"], dst)
+  os.remove(dst / ".lock")
+  return str(dst)
+
+
+def _exp(run_dir, dataset, overrides=(), **train_overrides):
+  return load_experiment(None, list(overrides), raw=_raw(run_dir, dataset, **train_overrides))
+
+
+# -------------------------------------------------------------------------------------------------
+# Logs, bars, finished runs.
+
+
+def test_without_a_terminal_one_plain_line_per_log_every(finished):
+  lines = [l for l in finished["stdout"].splitlines() if l.startswith("step ") and "  loss " in l]
+  assert [l.split()[1] for l in lines] == ["2/6", "4/6", "6/6"]
+  assert all("lr" in l and "tokens/s" in l for l in lines)
+  assert "\r" not in finished["stdout"] + finished["stderr"]
+
+
+def test_bars_are_reported_and_enforced_only_with_check_bars(finished):
+  assert "learning bar val_loss_below_unigram: NOT reached" in finished["stdout"]
+  with open(os.path.join(finished["run"], "final.json")) as f:
+    final = json.load(f)
+  assert final["bars"]["val_loss_below_unigram"]["passed"] is False
+  checked = run_tjax("train", finished["config"], "--check-bars", timeout=600)
+  assert checked.returncode == 3 and "not reached: val_loss_below_unigram" in checked.stderr
+
+
+def test_a_finished_run_says_so_and_changes_nothing(finished):
+  before = {n: os.path.getmtime(os.path.join(finished["run"], n))
+            for n in ("config.yaml", "model.yaml", "metrics.jsonl", "final.json")}
+  res = run_tjax("train", finished["config"], "--no-progress", "mesh.data=1", timeout=600)
+  assert res.returncode == 0, res.stderr
+  assert "is finished (step 6 of train.steps=6); nothing to do" in res.stdout
+  assert before == {n: os.path.getmtime(os.path.join(finished["run"], n)) for n in before}
+
+
+def test_more_steps_continue_the_run(finished, tmp_path, text_dataset):
+  run_dir = _copy(finished, tmp_path)
+  final = train(_exp(run_dir, text_dataset, steps=8), progress=False)
+  assert final["step"] == 8
+  steps = [r["step"] for r in _metrics(run_dir) if "loss" in r]
+  assert steps == list(range(1, 9))
+
+
+def test_model_and_data_overrides_are_refused_and_nothing_is_rewritten(finished, tmp_path,
+                                                                         text_dataset):
+  run_dir = _copy(finished, tmp_path)
+  snapshot = {n: open(os.path.join(run_dir, n)).read() for n in ("config.yaml", "model.yaml")}
+  for overrides, named in ((["model.d_model=64"], "model.d_model: 32 -> 64"),
+                           (["model.d_modle=64"], "model.d_modle: None -> 64"),   # misspelt
+                           (["train.seq_len=16", "train.steps=10"], "train.seq_len: 32 -> 16"),
+                           (["data.path=/elsewhere"], "data.path")):
+    with pytest.raises(ValueError, match="holds a run with another model or data") as e:
+      train(_exp(run_dir, text_dataset, overrides), progress=False)
+    assert named in str(e.value)
+  with pytest.raises(ValueError, match="train.steps=4 is below the run's last checkpoint"):
+    train(_exp(run_dir, text_dataset, steps=4), progress=False)
+  assert snapshot == {n: open(os.path.join(run_dir, n)).read() for n in snapshot}
+  assert not os.path.exists(os.path.join(run_dir, "checkpoints", "8"))
+
+
+def test_force_new_starts_over(finished, tmp_path, text_dataset):
+  run_dir = _copy(finished, tmp_path)
+  final = train(_exp(run_dir, text_dataset, ["model.d_model=16", "model.num_heads=1"], steps=2),
+                progress=False, force_new=True)
+  assert final["step"] == 2
+  assert runs.RunDir(run_dir).read_model().d_model == 16
+  assert runs.RunDir(run_dir).checkpoint_steps() == [2]
+
+
+def test_a_failed_start_leaves_no_snapshot_behind(tmp_path, text_dataset):
+  run_dir = tmp_path / "r"
+  with pytest.raises(ValueError, match="does not fit a GPTConfig"):
+    train(_exp(run_dir, text_dataset, ["data.task=bert"]), progress=False)
+  assert not (run_dir / "model.yaml").exists() and not (run_dir / "config.yaml").exists()
+
+
+# -------------------------------------------------------------------------------------------------
+# Damaged checkpoints.
+
+
+def _truncate_largest_shard(step_dir):
+  shards = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(step_dir, "params"))
+            for f in fs if os.sep + "d" + os.sep in os.path.join(d, f) + os.sep]
+  largest = max(shards, key=os.path.getsize)
+  with open(largest, "r+b") as f:
+    f.truncate(8)
+
+
+DAMAGE = {
+    "truncated shard": _truncate_largest_shard,
+    "missing _METADATA": lambda d: os.remove(os.path.join(d, "params", "_METADATA")),
+    "missing meta": lambda d: shutil.rmtree(os.path.join(d, "meta")),
+    "missing opt_state": lambda d: shutil.rmtree(os.path.join(d, "opt_state")),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_latest_step_falls_back_to_the_newest_intact_one(finished, tmp_path, capfd,
+                                                                 text_dataset, damage):
+  run_dir = _copy(finished, tmp_path)
+  DAMAGE[damage](os.path.join(run_dir, "checkpoints", "6"))
+  final = train(_exp(run_dir, text_dataset, steps=7), progress=False)
+  err = capfd.readouterr().err
+  assert "checkpoint step 6" in err and "damaged" in err and "resuming from step 4" in err
+  assert final["step"] == 7
+  # Steps 5 and 6 were trained again from step 4's parameters *and optimizer state*: the loss of
+  # step 6 depends on the update of step 5, so a fresh optimizer would not reproduce it.
+  original = {r["step"]: r["loss"] for r in _metrics(finished["run"]) if "loss" in r}
+  again = {r["step"]: r["loss"] for r in _metrics(run_dir) if "loss" in r}
+  assert again[5] == original[5] and again[6] == original[6]
+  assert os.path.isdir(os.path.join(run_dir, "checkpoints", "damaged-6"))
+
+
+def test_every_step_damaged_is_one_error_naming_each(finished, tmp_path, text_dataset):
+  run_dir = _copy(finished, tmp_path)
+  for step in (2, 4, 6):
+    _truncate_largest_shard(os.path.join(run_dir, "checkpoints", str(step)))
+  with pytest.raises(runs.CheckpointDamaged, match="step 6: .*step 4: .*step 2: "):
+    train(_exp(run_dir, text_dataset, steps=8), progress=False)
+  res = run_tjax("eval", run_dir, timeout=600)
+  assert res.returncode == 2
+  assert res.stderr.strip().splitlines()[-1].startswith("tjax eval: error: no intact checkpoint")
+  assert "Traceback" not in res.stderr and "Event loop is closed" not in res.stderr
+
+
+@pytest.mark.slow
+def test_sigkill_during_a_save_leaves_a_resumable_run(tmp_path, text_dataset):
+  run_dir = tmp_path / "killed"
+  cfg = _write(tmp_path / "e.yaml", _raw(run_dir, text_dataset, steps=400, checkpoint_every=1,
+                                         log_every=1, eval_every=1000))
+  proc = subprocess.Popen([sys.executable, "-m", "transformer_jax.cli", "train", cfg],
+                          cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  ckpt = run_dir / "checkpoints"
+  deadline = time.time() + 300
+  try:
+    while time.time() < deadline and proc.poll() is None:  # a step being written, past step 3
+      names = os.listdir(ckpt) if ckpt.exists() else []
+      done = [int(n) for n in names if n.isdigit()]
+      if done and max(done) >= 3 and any("tmp" in n for n in names):
+        break
+      time.sleep(0.002)
+  finally:
+    proc.send_signal(signal.SIGKILL)
+  assert proc.wait() == -signal.SIGKILL, "the run finished before it could be killed"
+  last = max(runs.RunDir(run_dir).checkpoint_steps())
+  final = train(_exp(run_dir, text_dataset, steps=last + 2, checkpoint_every=1, log_every=1,
+                     eval_every=1000), progress=False)
+  assert final["step"] == last + 2 and np.isfinite(final["val_loss"])
+
+
+# -------------------------------------------------------------------------------------------------
+# Divergence.
+
+
+def test_divergence_before_the_first_checkpoint_says_none_was_saved(tmp_path, text_dataset):
+  exp = _exp(tmp_path / "r", text_dataset, lr=1e30, warmup_steps=0, clip_norm=None,
+             schedule="constant", weight_decay=0.0, checkpoint_every=100, log_every=1)
+  with pytest.raises(TrainingDiverged, match="No checkpoint was saved before it"):
+    train(exp, progress=False)
+
+
+def test_divergence_guard_never_saves_non_finite_parameters(tmp_path, text_dataset):
+  run_dir = tmp_path / "r"
+  exp = _exp(run_dir, text_dataset, ["train.lr=1e9"], steps=20, checkpoint_every=1, log_every=1,
+             warmup_steps=0, schedule="constant")
+  with pytest.raises(TrainingDiverged, match=r"became .* at step (\d+).*\(step (\d+)\) is intact"):
+    train(exp, progress=False)
+  rd = runs.RunDir(run_dir)
+  for step in rd.checkpoint_steps():
+    ckpt = runs.Checkpoints(rd.checkpoint_dir)
+    try:
+      from transformer_jax.train import step as step_lib
+      from transformer_jax.train.optim import make_optimizer
+      target = step_lib.abstract_state(rd.read_model(), make_optimizer(exp.train),
+                                       step_lib.make_mesh({"data": 1}))
+      params, _, _ = ckpt.restore(step, target.params, target.opt_state)   # verifies finiteness
+    finally:
+      ckpt.close()
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
+
+
+# -------------------------------------------------------------------------------------------------
+# Signals and the lock.
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_and_exits_0(tmp_path, text_dataset):
+  run_dir = tmp_path / "term"
+  cfg = _write(tmp_path / "e.yaml", _raw(run_dir, text_dataset, steps=2000, log_every=1,
+                                         checkpoint_every=1000, eval_every=1000))
+  proc = subprocess.Popen([sys.executable, "-m", "transformer_jax.cli", "train", cfg],
+                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  metrics = run_dir / "metrics.jsonl"
+  deadline = time.time() + 300
+  while time.time() < deadline and proc.poll() is None:
+    if metrics.exists() and sum(1 for _ in open(metrics)) >= 3:
+      break
+    time.sleep(0.01)
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=300)
+  assert proc.returncode == 0, err[-2000:]
+  assert "stopped by SIGTERM at step" in out and "To resume: tjax train" in out
+  stopped = int(out.split("stopped by SIGTERM at step ")[1].split(";")[0])
+  assert runs.RunDir(run_dir).checkpoint_steps() == [stopped]
+  assert stopped < 2000 and _metrics(run_dir)[-1]["step"] == stopped
+
+
+def test_a_second_trainer_is_refused(finished, tmp_path, text_dataset):
+  run_dir = _copy(finished, tmp_path)
+  with runs.RunDir(run_dir).lock():
+    with pytest.raises(runs.RunLocked, match="is in use by pid"):
+      train(_exp(run_dir, text_dataset, steps=8), progress=False)
+    res = run_tjax("train", finished["config"], f"run_dir={run_dir}", "train.steps=8",
+                   timeout=600)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "is in use" in res.stderr
+  assert train(_exp(run_dir, text_dataset, steps=7), progress=False)["step"] == 7
+
+
+# -------------------------------------------------------------------------------------------------
+# Eval from anywhere, vocabularies, datasets.
+
+
+def test_eval_works_from_another_folder_and_prepares_nothing(finished, tmp_path, monkeypatch):
+  here = evaluate_run(finished["run"])
+  monkeypatch.chdir(tmp_path)
+  there = evaluate_run(finished["run"])
+  assert here == there and here["step"] == 6
+  assert os.listdir(tmp_path) == []
+
+
+def test_vocabulary_mismatch_is_refused_at_eval(finished, tmp_path):
+  corpus = tmp_path / "c"
+  corpus.mkdir()
+  (corpus / "a.txt").write_text("only a few other words here\n" * 20)
+  (corpus / "b.txt").write_text("and some more of them\n" * 20)
+  other = str(tmp_path / "ds")
+  data.prepare([str(corpus)], other, compact_vocab=True, progress=False, val_fraction=1)
+  with pytest.raises(ValueError, match=r"has vocab_size=\d+ but the model has vocab_size=\d+"):
+    evaluate_run(finished["run"], [f"data.path={other}"])
+
+
+def test_a_changed_dataset_is_refused(finished, tmp_path):
+  run_dir = _copy(finished, tmp_path)
+  ref_file = os.path.join(run_dir, "dataset.json")
+  ref = json.load(open(ref_file))
+  ref["hash"] = "0" * 64
+  json.dump(ref, open(ref_file, "w"))
+  with pytest.raises(ValueError, match="changed since the run trained on it"):
+    evaluate_run(run_dir)
+
+
+def test_eval_refuses_model_overrides(finished):
+  with pytest.raises(ValueError, match="model.d_model: tjax eval takes only"):
+    evaluate_run(finished["run"], ["model.d_model=64"])
+
+
+def test_out_of_range_token_ids_are_refused_on_the_host():
+  batch = {"tokens": np.array([[1, 2, 70]]), "labels": np.array([[2, 70, 3]])}
+  with pytest.raises(ValueError, match=r"'tokens' holds token id 70, outside .*\[0, 50\)"):
+    tasks_lib.check_token_ids(tasks_lib.GPTTask(), batch, 50)
+  tasks_lib.check_token_ids(tasks_lib.GPTTask(), batch, 71)
+
+
+# -------------------------------------------------------------------------------------------------
+# One-line errors from the command line.
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.clip_norm=-1", "train.clip_norm=-1.0 must lie in (0.0, inf)"),
+    ("train.lr=nan", "train.lr=nan must be a finite number"),
+    ("train.lr=0", "train.lr=0.0 must lie in (0.0, inf)"),
+    ("bars.val_loss_below_unigarm=1", "bars.val_loss_below_unigarm: unknown key (did you mean"),
+    ("train.b2=1.5", "train.b2=1.5 must lie in [0.0, 1.0)"),
+])
+def test_config_ranges_after_options_are_one_line(tmp_path, text_dataset, override, message):
+  cfg = _write(tmp_path / "e.yaml", _raw(tmp_path / "r", text_dataset))
+  res = run_tjax("train", cfg, "--no-progress", override, timeout=600)   # options first
+  assert res.returncode == 2, res.stderr
+  assert res.stderr.count("\n") == 1 and message in res.stderr, res.stderr
+  assert not (tmp_path / "r").exists()
+
+
+def test_broken_yaml_names_the_file_and_line(tmp_path):
+  cfg = tmp_path / "broken.yaml"
+  cfg.write_text("run_dir: r\ntrain:\n  steps: [1, 2\n  lr: 3\n")
+  res = run_tjax("train", str(cfg), timeout=600)
+  assert res.returncode == 2 and res.stderr.count("\n") == 1
+  assert f"{cfg}:" in res.stderr and "broken YAML" in res.stderr
+  verbose = run_tjax("train", str(cfg), "-v", timeout=600)
+  assert "Traceback" in verbose.stderr
+
+
+def test_bad_run_dirs_are_one_line(tmp_path, text_dataset):
+  afile = tmp_path / "afile"
+  afile.write_text("x")
+  for run_dir, message in ((afile, "is not a directory"),
+                           (afile / "sub", "is not writable")):
+    cfg = _write(tmp_path / "e.yaml", _raw(run_dir, text_dataset))
+    res = run_tjax("train", cfg, timeout=600)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert message in res.stderr and str(afile) in res.stderr
+  res = run_tjax("train", str(tmp_path / "missing.yaml"), timeout=600)
+  assert res.returncode == 2 and "missing.yaml' not found" in res.stderr
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_read_only_run_dir_is_one_line(tmp_path, text_dataset):
+  run_dir = tmp_path / "ro"
+  run_dir.mkdir()
+  run_dir.chmod(0o555)
+  cfg = _write(tmp_path / "e.yaml", _raw(run_dir, text_dataset))
+  res = run_tjax("train", cfg, timeout=600)
+  assert res.returncode == 2 and res.stderr.count("\n") == 1 and "not writable" in res.stderr
+
+
+def _small_filesystem(path):
+  """Mounts a 700 KiB tmpfs at ``path`` (root on Linux); False where the platform refuses."""
+  path.mkdir()
+  if sys.platform != "linux" or os.geteuid() != 0:
+    return False
+  res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=700k", "tmpfs", str(path)],
+                       capture_output=True)
+  return res.returncode == 0
+
+
+@pytest.mark.slow
+def test_a_full_disk_is_one_line_and_earlier_checkpoints_survive(tmp_path, text_dataset):
+  small = tmp_path / "small"
+  if not _small_filesystem(small):
+    pytest.skip("mounting a small filesystem needs root on Linux")
+  try:
+    cfg = _write(tmp_path / "e.yaml", _raw(small / "r", text_dataset, steps=40, checkpoint_every=1,
+                                           keep_checkpoints=5))
+    res = run_tjax("train", cfg, timeout=600)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr.count("\n") == 1 and "no space left on the device" in res.stderr
+    assert str(small / "r" / "checkpoints") in res.stderr
+    steps = runs.RunDir(small / "r").checkpoint_steps()
+    assert steps
+    subprocess.run(["mount", "-o", "remount,size=16m", str(small)], check=True)
+    final = train(_exp(small / "r", text_dataset, steps=steps[-1] + 1, checkpoint_every=1,
+                       keep_checkpoints=2), progress=False)
+    assert final["step"] == steps[-1] + 1
+  finally:
+    subprocess.run(["umount", str(small)], capture_output=True)
