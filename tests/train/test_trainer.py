@@ -98,7 +98,8 @@ DP_SCRIPT = textwrap.dedent("""
       mesh = S.make_mesh({"data": -1}, devices)
       params = models.init(run.model_config, jax.random.key(0))
       state = jax.device_put(S.create_state(params, run.optimizer), S.replicated(mesh))
-      step = S.jit_train_step(S.make_train_step(run.graphdef, run.task, run.optimizer, seed=0,
+      graphdef = models.graphdef(run.model_config, mesh)  # the layers run on this mesh
+      step = S.jit_train_step(S.make_train_step(graphdef, run.task, run.optimizer, seed=0,
                                                 microbatches=exp.train.microbatches), mesh, state)
       losses = []
       for s in range(4):
