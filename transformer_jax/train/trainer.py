@@ -617,9 +617,10 @@ def print_samples(run: Run, params) -> list[str]:
 # tjax eval
 
 
-# What ``tjax eval`` may set: where the data is and how much of it to read, and the mesh.
-_EVAL_KEYS = ("data.path", "train.eval_batches", "train.batch_size", "mesh.data", "mesh.fsdp",
-              "mesh.tensor", "mesh.sequence")
+# What ``tjax eval`` may set: where the data is, how much of it to read and in what windows, and
+# the mesh.
+_EVAL_KEYS = ("data.path", "train.eval_batches", "train.batch_size", "train.seq_len", "mesh.data",
+              "mesh.fsdp", "mesh.tensor", "mesh.sequence")
 
 
 def evaluate_run(run_dir: str, overrides: list[str] = (), *, best: bool = False) -> dict[str, float]:
