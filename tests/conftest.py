@@ -2,10 +2,10 @@
 
 ``TJAX_ATTENTION_IMPL=chunked python -m pytest tests/...`` runs the tests with that attention kernel:
 every model config built in this test process (presets, ``get_config``, configs read from Hugging
-Face or a run directory) that leaves ``attention_impl`` at its default None gets it. This is a
-test-session patch of the config classes, applied here; the library itself has no such switch
-(the kernel is always the config's ``attention_impl``). Commands run in subprocesses are not
-affected.
+Face or a run directory) that leaves ``attention_impl`` at its default None gets it, and tests that
+build layers directly pass ``FORCED_IMPL``. This is a test-session patch of the config classes,
+applied here; the library itself has no such switch (the kernel is always the config's
+``attention_impl``). Commands run in subprocesses are not affected.
 """
 
 import os
@@ -14,19 +14,19 @@ import pytest
 
 from transformer_jax.models import config as config_lib
 
-_FORCED_IMPL = os.environ.get("TJAX_ATTENTION_IMPL") or None
+FORCED_IMPL = os.environ.get("TJAX_ATTENTION_IMPL") or None
 
 
 def pytest_report_header(config):
-  return f"attention implementation: {_FORCED_IMPL or 'the configs own (default None = auto)'}"
+  return f"attention implementation: {FORCED_IMPL or 'the configs own (default None = auto)'}"
 
 
 def pytest_configure(config):
   """Patches the config classes before collection, so configs built at import time are covered."""
-  if _FORCED_IMPL is None:
+  if FORCED_IMPL is None:
     return
-  if _FORCED_IMPL not in config_lib._ATTENTION_IMPLS:
-    raise pytest.UsageError(f"TJAX_ATTENTION_IMPL={_FORCED_IMPL!r} must be one of "
+  if FORCED_IMPL not in config_lib._ATTENTION_IMPLS:
+    raise pytest.UsageError(f"TJAX_ATTENTION_IMPL={FORCED_IMPL!r} must be one of "
                             f"{', '.join(map(repr, config_lib._ATTENTION_IMPLS[1:]))}")
   patch = pytest.MonkeyPatch()
   for cls in (config_lib.GPTConfig, config_lib.BERTConfig, config_lib.Seq2SeqConfig):
@@ -37,6 +37,6 @@ def pytest_configure(config):
 def _forcing(post_init):
   def wrapped(self):
     if self.attention_impl is None:
-      object.__setattr__(self, "attention_impl", _FORCED_IMPL)  # frozen dataclass
+      object.__setattr__(self, "attention_impl", FORCED_IMPL)  # frozen dataclass
     post_init(self)
   return wrapped

@@ -10,13 +10,15 @@ from flax import nnx
 
 from transformer_jax import ops
 from transformer_jax.layers import Attention, KVCache
+from tests.conftest import FORCED_IMPL
 
 D, N, K, H = 16, 4, 2, 8
 
 
 def _attention(num_kv_heads=K, **kw):
   return Attention(D, N, num_kv_heads, H, use_bias=True, init_std=0.3, out_init_std=0.3,
-                   dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0), **kw)
+                   dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0),
+                   implementation=FORCED_IMPL, **kw)
 
 
 def _reference(attn, x, kv, allowed_BTS, bias_BNTS=None):

@@ -1,10 +1,11 @@
 """``tjax generate`` and ``tjax fill-mask``: text in, text out, from a run directory.
 
 A run directory (``transformer_jax.runs``) holds ``model.yaml``, ``checkpoints/`` and
-``dataset.json``, whose absolute ``path`` names the prepared dataset; its metadata rebuilds the tokenizer (compact
-vocabulary included). ``tjax generate`` prints the continuation while it is produced: the first token
-comes from the prefill, then each jitted call runs a chunk of up to ``--chunk`` one-token steps with
-the key/value cache carried from call to call (compiled once per chunk size, not per token).
+``dataset.json``, whose absolute ``path`` names the prepared dataset; its metadata rebuilds the
+tokenizer (compact vocabulary included). ``tjax generate`` prints the continuation while it is
+produced: the first token comes from the prefill, then each jitted call runs a chunk of up to
+``--chunk`` one-token steps with the key/value cache carried from call to call (compiled once per
+chunk size, not per token).
 """
 
 from __future__ import annotations

@@ -99,9 +99,13 @@ class Experiment:
     """This experiment with ``run_dir``, ``data.path`` and ``data.inputs`` made absolute (a run
     directory must work from any folder)."""
     def absolute(p):
-      return p if p is None or ":" in p.split(os.sep)[0] else os.path.abspath(p)
+      return None if p is None else os.path.abspath(p)
+
+    def absolute_input(p):  # the named inputs (stdlib, synthetic:TASK) are not paths
+      named = p.startswith("synthetic:") or (p == "stdlib" and not os.path.exists(p))
+      return p if named else os.path.abspath(p)
     data = dataclasses.replace(self.data, path=absolute(self.data.path),
-                               inputs=tuple(absolute(p) for p in self.data.inputs))
+                               inputs=tuple(absolute_input(p) for p in self.data.inputs))
     return dataclasses.replace(self, run_dir=os.path.abspath(self.run_dir), data=data)
 
 
@@ -137,7 +141,7 @@ def fixed_changes(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
 # Learning bars: checked and reported at the end of a run (enforced with ``--check-bars``).
 BARS = ("val_loss_below_unigram", "mlm_accuracy_over_baseline", "exact_match")
 # What defines an existing run: its model, its data and the order it reads them in. A resumed run
-# may change anything else (steps, optimisation, logging, mesh), as MaxText and the HF Trainer allow.
+# may change anything else (steps, optimisation, logging, mesh), as MaxText and HF Trainer allow.
 FIXED = ("model", "data", "train.batch_size", "train.seq_len", "train.seed", "train.dtype")
 
 _SECTIONS = {"data": DataConfig, "train": TrainConfig, "mesh": MeshConfig}
