@@ -32,7 +32,8 @@ _ACTIVATIONS_BACK = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "s
 
 # Fields that do not change the function a model computes; ignored when checking a round trip.
 _NON_ARCHITECTURAL = {"dropout_rate", "attention_dropout_rate", "ffn_dropout_rate", "init_std",
-                      "embed_init_std", "dtype", "param_dtype", "remat", "scan_layers"}
+                      "embed_init_std", "dtype", "param_dtype", "remat", "scan_layers",
+                      "attention_impl"}
 
 
 def architecture_of(hf: dict) -> str:

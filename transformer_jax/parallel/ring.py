@@ -206,14 +206,9 @@ def ring_attention(
   ``Explicit`` axes (``jax.make_mesh``'s default) the inputs are resharded explicitly and the output
   is returned sharded like ``q``. Sharding the activations' length over ``seq_axis`` upstream
   (logical axis ``length`` -> ``sequence``) makes both reshardings no-ops. An attention layer
-  plugs it in where it would call ``ops.dot_product_attention`` for self-attention without a
-  key/value cache, for example::
-
-    if ring_mesh is not None and kv_BSD is None and kv_cache is None and bias is None:
-      out_BTNH = ring_attention(q_BTNH, k_BSKH, v_BSKH, mesh=ring_mesh, causal=causal,
-                                kv_mask_BS=key_valid_BS, scale=self.scale)
-
-  after RoPE (positions must be the global ones, which ``jnp.arange(T)`` on the global array
+  (``layers.Attention``) calls it instead of ``ops.dot_product_attention`` for self-attention
+  without a key/value cache, a bias function or attention dropout, when the mesh it was built with
+  has a ``sequence`` axis, after RoPE (positions must be the global ones, which ``jnp.arange(T)`` on the global array
   already is). Dense ``[B, N, T, S]`` masks and additive biases (ALiBi, T5 buckets) are not
   supported: express padding as ``kv_mask_BS`` and packing as ``segment_ids_BT``.
 
