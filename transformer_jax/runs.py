@@ -177,6 +177,19 @@ class RunDir:
     except (TypeError, KeyError) as e:
       raise ValueError(f"{path}: not a model config ({type(e).__name__}: {e})") from None
 
+  def require_model(self) -> models.ModelConfig:
+    """The model config of an existing run directory (what eval, generate and convert open).
+
+    Raises:
+      ValueError: the path is not a directory, or holds no model config.
+    """
+    if not self.exists():
+      raise ValueError(f"{self.path} is not a directory")
+    config = self.read_model()
+    if config is None:
+      raise ValueError(f"{self.path} is not a run directory (no {MODEL})")
+    return config
+
   def read_dataset_ref(self) -> dict | None:
     path = self.file(DATASET)
     if not os.path.exists(path):
@@ -335,17 +348,29 @@ def _reason(e: BaseException) -> str:
   return f"{type(e).__name__}: {first}"[:240]
 
 
+def _is_abandoned_read(unraisable) -> bool:
+  """An "Exception ignored in coroutine" report of a read orbax abandoned on a damaged step."""
+  return (getattr(unraisable.object, "__qualname__", "").startswith("_read_array")
+          or "while reading array index" in str(unraisable.exc_value))
+
+
 @contextlib.contextmanager
 def _quiet_aborted_reads():
   """Drops the "Exception ignored in coroutine" reports of the reads orbax abandons when a step
-  is damaged: the damage is reported once, by name, instead."""
+  is damaged: the damage is reported once, by name, instead. Those coroutines may be collected
+  later, on orbax's event-loop thread or at exit, so the filter stays installed (once) and drops
+  nothing else."""
   hook = sys.unraisablehook
-  sys.unraisablehook = lambda unraisable: None
+  if not getattr(hook, "drops_abandoned_reads", False):
+    def drop(unraisable, previous=hook):
+      if not _is_abandoned_read(unraisable):
+        previous(unraisable)
+    drop.drops_abandoned_reads = True
+    sys.unraisablehook = drop
   try:
     yield
   finally:
     gc.collect()
-    sys.unraisablehook = hook
 
 
 class Checkpoints:
@@ -569,9 +594,7 @@ def save_model(run_dir: str, config: models.ModelConfig, params) -> None:
 def load_model(run_dir: str, *, best: bool = False):
   """``(config, params)`` from a run directory written by ``tjax train`` or ``save_model``."""
   rd = RunDir(run_dir)
-  config = rd.read_model()
-  if config is None:
-    raise ValueError(f"{rd.path} is not a run directory (no {MODEL})")
+  config = rd.require_model()
   params, _ = restore_params(rd.checkpoint_dir, config, best=best)
   return config, params
 

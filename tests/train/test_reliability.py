@@ -183,7 +183,7 @@ def test_every_step_damaged_is_one_error_naming_each(finished, tmp_path, text_da
     train(_exp(run_dir, text_dataset, steps=8), progress=False)
   res = run_tjax("eval", run_dir, timeout=600)
   assert res.returncode == 2
-  assert res.stderr.strip().splitlines()[-1].startswith("tjax eval: error: no intact checkpoint")
+  assert res.stderr.strip().splitlines()[-1].startswith("tjax eval: error: no intact checkpoint"), res.stderr
   assert "Traceback" not in res.stderr and "Event loop is closed" not in res.stderr
 
 

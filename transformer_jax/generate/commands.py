@@ -179,11 +179,7 @@ def load_run(run_dir: str, *, best: bool = False, data: str | None = None,
   from transformer_jax.data import load_dataset
 
   rd = runs.RunDir(run_dir)
-  if not rd.exists():
-    raise ValueError(f"{run_dir} is not a directory")
-  config = rd.read_model()
-  if config is None:
-    raise ValueError(f"{run_dir} is not a run directory (no {runs.MODEL})")
+  config = rd.require_model()
   if not rd.checkpoint_steps(best=best):
     look = os.path.join(rd.checkpoint_dir, "best") if best else rd.checkpoint_dir
     raise ValueError(f"{run_dir} has no {'best ' if best else ''}checkpoint (nothing in "

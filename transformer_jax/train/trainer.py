@@ -635,11 +635,7 @@ def evaluate_run(run_dir: str, overrides: list[str] = (), *, best: bool = False)
       checkpoint.
   """
   rd = runs.RunDir(run_dir)
-  if not rd.exists():
-    raise ValueError(f"{rd.path} is not a directory")
-  model_config = rd.read_model()
-  if model_config is None:
-    raise ValueError(f"{rd.path} is not a run directory (no {runs.MODEL})")
+  model_config = rd.require_model()
   from transformer_jax.train.config import parse_overrides
   for key, _ in parse_overrides(list(overrides)):
     if key not in _EVAL_KEYS:
