@@ -14,7 +14,7 @@ from flax import nnx
 
 from transformer_jax import cli, data, generate, models
 from transformer_jax.generate import commands
-from transformer_jax.train.checkpoint import save_model
+from transformer_jax.runs import save_model
 from tests.generate.conftest import gpt_model, last_logits, random_prompts
 
 MAX_LEN = 32

@@ -24,7 +24,7 @@ from transformer_jax.parallel import distributed
 from transformer_jax.train import load_experiment
 from transformer_jax.train import step as step_lib
 from transformer_jax.train import tasks as tasks_lib
-from transformer_jax.train.checkpoint import Checkpoints
+from transformer_jax.runs import Checkpoints
 from transformer_jax.train.optim import make_optimizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -16,7 +16,7 @@ import yaml
 
 from transformer_jax import models
 from transformer_jax.train import load_experiment, train
-from transformer_jax.train.checkpoint import restore_params
+from transformer_jax.runs import restore_params
 from tests.train.conftest import REPO, run_tjax
 
 TINY_GPT = {"preset": "gpt2-tiny", "d_model": 32, "num_layers": 2, "num_heads": 2, "d_ff": 64,
