@@ -16,6 +16,10 @@ from transformer_jax.models import config as config_lib
 
 FORCED_IMPL = os.environ.get("TJAX_ATTENTION_IMPL") or None
 
+# Tests compile afresh and leave no files in the user's cache folder (tests/test_runtime.py checks
+# the persistent compilation cache itself, in a temporary folder).
+os.environ.setdefault("TJAX_COMPILATION_CACHE", "0")
+
 
 def pytest_report_header(config):
   return f"attention implementation: {FORCED_IMPL or 'the configs own (default None = auto)'}"

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from transformer_jax import data as data_lib
-from transformer_jax import models, parallel, runs
+from transformer_jax import models, parallel, runs, runtime
 from transformer_jax.train import step as step_lib
 from transformer_jax.train import tasks as tasks_lib
 from transformer_jax.train.config import Experiment, fixed_changes, load_experiment
@@ -314,6 +314,8 @@ def _train_locked(exp, rd, progress, force_new, resume_hint):
       _log0(f"{rd.path} is finished (step {last} of train.steps={t.steps}); nothing to do. "
             "Give a larger train.steps to continue it.")
       return {**final, "finished_before": True}
+  runtime.enable_compilation_cache()
+  runtime.bf16_notice(model_config.dtype)
   run = Run.build(exp, model_config)
   ref = runs.dataset_ref(run.dataset)
   old_ref = rd.read_dataset_ref() if resuming else None

@@ -1,0 +1,82 @@
+"""Process settings: the persistent compilation cache, the allocator launcher, the bf16 notice."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from transformer_jax import runtime
+from transformer_jax.bench import machine
+
+
+def test_allocator_env_preloads_mimalloc_once(monkeypatch):
+  lib = runtime.mimalloc_path()
+  if lib is None:
+    pytest.fail("cmeel-mimalloc is a declared dependency on Linux and must be installed")
+  env = runtime.allocator_env({"PATH": "/bin"})
+  assert env["LD_PRELOAD"] == lib and env["MIMALLOC_PURGE_DELAY"] == "-1"
+  # Already preloaded (the re-executed process), or turned off: nothing to do.
+  assert runtime.allocator_env(env) is None
+  assert runtime.allocator_env({"TJAX_MALLOC": "0"}) is None
+  assert runtime.allocator_env({"TJAX_MALLOC": "system"}) is None
+  # A user's own preload is kept after ours.
+  assert runtime.allocator_env({"LD_PRELOAD": "/x/libfoo.so"})["LD_PRELOAD"] == f"{lib} /x/libfoo.so"
+
+
+def test_second_process_loads_the_compiled_step_from_the_cache(tmp_path):
+  """A second process compiling the same function finds it in the folder and does not compile."""
+  script = textwrap.dedent("""
+      import jax, jax.numpy as jnp, sys
+      from transformer_jax import runtime
+      print(runtime.enable_compilation_cache(sys.argv[1]))
+      jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+      hits = []
+      jax.monitoring.register_event_listener(
+          lambda name, **kw: hits.append(name) if name.endswith("/cache_hits") else None)
+      f = jax.jit(lambda x: jnp.tanh(x @ x.T).sum())
+      f(jnp.ones((64, 64))).block_until_ready()
+      print(len(hits))
+  """)
+  env = {**os.environ, "TJAX_COMPILATION_CACHE": ""}
+  cache = tmp_path / "xla"
+  seen = []
+  for _ in range(2):
+    out = subprocess.run([sys.executable, "-c", script, str(cache)], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    folder, hits = out.split()
+    assert folder == str(cache)
+    seen.append((int(hits), sorted(p for p in os.listdir(cache) if p.endswith("-cache"))))
+  (hits0, files0), (hits1, files1) = seen
+  assert hits0 == 0 and any(p.startswith("jit__lambda-") for p in files0), files0
+  assert hits1 >= 1 and files1 == files0   # loaded from the folder, nothing compiled anew
+
+
+def test_cache_can_be_turned_off(monkeypatch):
+  monkeypatch.setenv("TJAX_COMPILATION_CACHE", "0")
+  assert runtime.enable_compilation_cache() is None
+
+
+def test_bf16_notice_only_without_bf16_hardware(monkeypatch):
+  assert runtime.bf16_notice("float32") is None
+  monkeypatch.setattr(machine, "has_bf16_hardware", lambda: False)
+  monkeypatch.setattr(runtime, "_warned_bf16", False)
+  with pytest.warns(UserWarning, match="slower than dtype=float32"):
+    text = runtime.bf16_notice("bfloat16")
+  assert "avx512_bf16" in text
+  monkeypatch.setattr(machine, "has_bf16_hardware", lambda: True)
+  assert runtime.bf16_notice("bfloat16") is None
+
+
+def test_machine_description_names_cpu_and_flags():
+  d = machine.describe()
+  assert d["cpu"] and isinstance(d["cpu_flags"], list)
+  assert d["bf16_hardware"] == any(f in d["cpu_flags"] for f in machine.BF16_FLAGS)
+
+
+def test_matmul_limit_counts_flops_of_each_layout():
+  r = machine.matmul_limit([(64, 32, 48)], reps=1)
+  rates = r["per_shape"]["64x32x48"]
+  assert set(rates) == {"x@W", "dy@W^T", "x^T@dy"}
+  assert r["flops_per_sec"] == max(rates.values()) > 0

@@ -1,0 +1,144 @@
+"""The machine a benchmark ran on, and its limits measured in the same run.
+
+A benchmark's absolute time says little across machines (these CPUs differ by 2-5x and by whether
+they have bfloat16 hardware); a fraction of a limit measured in the same process does. Two limits:
+
+* ``matmul_limit``: the best FLOP/s of the work's own matmul shapes (forward ``x @ W``, the
+  backward's ``dy @ W^T`` and ``x^T @ dy``), best of several calls: no training step can use
+  the matrix units faster, so ``model FLOP/s / limit`` is a utilisation (MFU) against this machine.
+* ``weight_bandwidth``: the rate of a matrix-vector product over a large weight matrix, the
+  operation batch-1 decoding repeats for every weight: ``weight bytes / bandwidth`` is the floor on
+  the time of one decoded token.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import os
+import platform
+import time
+from typing import Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# cpuinfo flags that decide which kernels are fast: vector width, FMA, bfloat16 and AMX units.
+_FLAGS_OF_INTEREST = ("avx", "avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16",
+                      "amx_tile", "amx_int8", "asimd", "sve", "bf16")
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@functools.cache
+def _cpuinfo() -> tuple[str, frozenset[str]]:
+  name, flags = platform.processor() or platform.machine(), set()
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and name in ("", platform.processor(), platform.machine()):
+          name = value.strip()
+        elif key in ("flags", "Features"):
+          flags.update(value.split())
+  except OSError:
+    pass
+  return name, frozenset(flags)
+
+
+def cpu_name() -> str:
+  """The CPU's model name (``/proc/cpuinfo``), or what ``platform`` knows."""
+  return _cpuinfo()[0]
+
+
+def cpu_flags() -> list[str]:
+  """The instruction-set flags that matter for these kernels, among those the CPU reports."""
+  return [f for f in _FLAGS_OF_INTEREST if f in _cpuinfo()[1]]
+
+
+def has_bf16_hardware() -> bool:
+  """Whether the CPU has bfloat16 matrix instructions (AVX-512 BF16 or AMX). Without them XLA
+  emulates bfloat16 dots through float32 conversions and they run slower than float32."""
+  return any(f in _cpuinfo()[1] for f in BF16_FLAGS)
+
+
+def allocator() -> str:
+  """The malloc preloaded into this process (``LD_PRELOAD``), or ``"glibc"``."""
+  pre = os.environ.get("LD_PRELOAD", "")
+  for name in ("jemalloc", "tcmalloc", "mimalloc"):
+    if name in pre:
+      return name
+  return "glibc"
+
+
+def _version(dist: str) -> str | None:
+  try:
+    return importlib.metadata.version(dist)
+  except importlib.metadata.PackageNotFoundError:
+    return None
+
+
+def describe(extra_versions: Iterable[str] = ()) -> dict:
+  """CPU, flags, cores, devices, allocator, load average and package versions, for a result file."""
+  versions = {d: _version(d) for d in ("jax", "jaxlib", "flax", "optax", *extra_versions)}
+  versions["python"] = platform.python_version()
+  return {
+      "cpu": cpu_name(), "cpu_flags": cpu_flags(), "bf16_hardware": has_bf16_hardware(),
+      "cpu_count": os.cpu_count(), "platform": jax.default_backend(),
+      "devices": [d.device_kind for d in jax.devices()], "allocator": allocator(),
+      "xla_flags": os.environ.get("XLA_FLAGS", ""), "load_average": list(os.getloadavg()),
+      "versions": versions,
+  }
+
+
+def _best_time(fn, *args, reps: int) -> float:
+  jax.block_until_ready(fn(*args))
+  best = float("inf")
+  for _ in range(reps):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    best = min(best, time.perf_counter() - start)
+  return best
+
+
+def matmul_limit(shapes: Sequence[tuple[int, int, int]], dtype: str = "float32",
+                 reps: int = 3) -> dict:
+  """Best FLOP/s of ``[m, k] @ [k, n]`` over ``shapes`` (each ``(m, k, n)``), each in the three
+  layouts a training step uses: ``x @ W``, ``dy @ W^T`` and ``x^T @ dy``.
+
+  Inputs are ``dtype``; bfloat16 accumulates in float32 (``preferred_element_type``), as the
+  models do. Returns ``{"flops_per_sec": best, "per_shape": {...}}``.
+  """
+  dt = jnp.dtype(dtype)
+  rng = np.random.default_rng(0)
+  per_shape, best = {}, 0.0
+  for m, k, n in shapes:
+    a = jnp.asarray(rng.standard_normal((m, k), np.float32), dt)
+    w = jnp.asarray(rng.standard_normal((k, n), np.float32), dt)
+    dy = jnp.asarray(rng.standard_normal((m, n), np.float32), dt)
+    dot = functools.partial(jnp.matmul, preferred_element_type=jnp.float32)
+    layouts = {
+        "x@W": (jax.jit(dot), (a, w)),
+        "dy@W^T": (jax.jit(lambda dy, w: dot(dy, w.T)), (dy, w)),
+        "x^T@dy": (jax.jit(lambda a, dy: dot(a.T, dy)), (a, dy)),
+    }
+    rates = {}
+    for name, (fn, args) in layouts.items():
+      rates[name] = 2.0 * m * k * n / _best_time(fn, *args, reps=reps)
+    per_shape[f"{m}x{k}x{n}"] = rates
+    best = max(best, *rates.values())
+  return {"dtype": dtype, "flops_per_sec": best, "per_shape": per_shape}
+
+
+def weight_bandwidth(nbytes: int = 512 << 20, dtype: str = "float32", reps: int = 7) -> dict:
+  """Bytes per second of a jitted matrix-vector product ``W @ x`` over an ``nbytes`` matrix: the
+  rate at which a decoding step can stream its weights."""
+  dt = jnp.dtype(dtype)
+  cols = 4096
+  rows = max(nbytes // (cols * dt.itemsize), 1)
+  w = jnp.ones((rows, cols), dt)
+  x = jnp.ones((cols,), dt)
+  gemv = jax.jit(lambda w, x: w @ x)
+  t = _best_time(gemv, w, x, reps=reps)
+  return {"dtype": dtype, "bytes": int(w.nbytes), "bytes_per_sec": w.nbytes / t}

@@ -1,0 +1,269 @@
+"""``tjax bench train``: the jitted training step against PyTorch eager, interleaved in one process.
+
+Ours is the real step (``train.step.make_train_step`` + ``jit_train_step``: the task's token-mean
+cross-entropy, clipping and AdamW from ``train.optim.make_optimizer``) on a batch built once with
+NumPy and placed on the device, so host loading is not timed. Theirs (``--against torch``, GPT
+presets) is ``transformers.GPT2LMHeadModel`` holding the same weights (written by
+``transformer_jax.hf.save``), in train mode, with the same tokens, the same loss (token-mean
+cross-entropy over the same labels), ``clip_grad_norm_`` and ``torch.optim.AdamW`` with the same
+hyper-parameters; dropout is off on both sides. Steps alternate (ours, theirs, ours, ...) so both
+see the same machine, and medians are compared. ``--against torch.compile`` adds a
+``torch.compile``-d forward+backward when it compiles within ``--compile-timeout`` seconds.
+
+The machine's limit is measured in the same run: the best matmul rate on the step's own shapes
+(``machine.matmul_limit``), from which ``mfu = model FLOP/s / limit`` and the step's floor
+``model FLOPs / limit`` follow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+
+from transformer_jax import models
+from transformer_jax.bench import machine
+from transformer_jax.models.config import BERTConfig, GPTConfig, Seq2SeqConfig
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--preset", default="gpt2-small", help="model preset (tjax info lists them)")
+  p.add_argument("--batch-size", type=int, default=4)
+  p.add_argument("--seq-len", type=int, default=256)
+  p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                 help="compute dtype (parameters stay float32)")
+  p.add_argument("--steps", type=int, default=5, help="timed steps per side")
+  p.add_argument("--warmup", type=int, default=1, help="untimed steps per side after the first")
+  p.add_argument("--against", default="torch",
+                 help="comma-separated rivals: torch (eager), torch.compile, none")
+  p.add_argument("--compile-timeout", type=float, default=180.0,
+                 help="seconds torch.compile may take before it is left out")
+  p.add_argument("--remat", choices=("none", "full", "dots"), default="none")
+  p.add_argument("--seed", type=int, default=0)
+
+
+def random_batch(config, batch: int, seq_len: int, seed: int) -> tuple[dict[str, np.ndarray], str]:
+  """A batch shaped like the loaders' output for ``config``'s family, and the task's name."""
+  rng = np.random.default_rng(seed)
+  ids = lambda: rng.integers(0, config.vocab_size, (batch, seq_len), dtype=np.int32)  # noqa: E731
+  match config:
+    case GPTConfig():
+      return {"tokens": ids(), "labels": ids(), "segment_ids": np.ones((batch, seq_len), np.int32),
+              "positions": np.tile(np.arange(seq_len, dtype=np.int32), (batch, 1)),
+              "loss_mask": np.ones((batch, seq_len), bool)}, "gpt"
+    case BERTConfig():
+      token_types = np.zeros((batch, seq_len), np.int32)
+      token_types[:, seq_len // 2:] = 1
+      mlm_mask = rng.random((batch, seq_len)) < 0.15
+      mlm_mask[:, 0] = True
+      return {"tokens": ids(), "token_types": token_types,
+              "attention_mask": np.ones((batch, seq_len), bool),
+              "mlm_labels": np.where(mlm_mask, ids(), 0).astype(np.int32), "mlm_mask": mlm_mask,
+              "nsp_labels": rng.integers(0, 2, (batch,), dtype=np.int32)}, "bert"
+    case Seq2SeqConfig():
+      return {"src": ids(), "src_mask": np.ones((batch, seq_len), bool), "tgt_in": ids(),
+              "tgt_out": ids(), "tgt_mask": np.ones((batch, seq_len), bool)}, "seq2seq"
+  raise TypeError(f"not a model config: {type(config).__name__}")
+
+
+def step_matmul_shapes(config, tokens: int) -> list[tuple[int, int, int]]:
+  """``(m, k, n)`` of the step's projections: attention, feed-forward and vocabulary."""
+  d = config.d_model
+  return [(tokens, d, 3 * d), (tokens, d, config.d_ff), (tokens, config.d_ff, d),
+          (tokens, d, config.vocab_size)]
+
+
+class Ours:
+  """The project's jitted train step on a one-device mesh."""
+
+  def __init__(self, config, host_batch, task_name: str, lr: float, seed: int):
+    from transformer_jax.train import step as step_lib
+    from transformer_jax.train import tasks as tasks_lib
+    from transformer_jax.train.config import TrainConfig
+    from transformer_jax.train.optim import make_optimizer
+
+    self.config = config
+    mesh = step_lib.make_mesh({"data": -1})
+    task = tasks_lib.get_task(task_name)
+    b, t = host_batch["tokens"].shape if "tokens" in host_batch else host_batch["src"].shape
+    tcfg = TrainConfig(steps=1000, batch_size=b, seq_len=t, seed=seed, lr=lr, warmup_steps=0,
+                       schedule="constant")
+    optimizer = make_optimizer(tcfg)
+    self.params = models.init(config, jax.random.key(seed))
+    state = jax.device_put(step_lib.create_state(self.params, optimizer),
+                           step_lib.replicated(mesh))
+    self.batch = step_lib.shard_batch(host_batch, mesh, task.keys)
+    jitted = step_lib.jit_train_step(
+        step_lib.make_train_step(models.graphdef(config, mesh), task, optimizer, seed=seed),
+        mesh, state)
+    start = time.perf_counter()
+    lowered = jitted.lower(state, self.batch)
+    self.trace_s = time.perf_counter() - start
+    start = time.perf_counter()
+    self.step_fn = lowered.compile()
+    self.compile_s = time.perf_counter() - start
+    self.state = state
+    self.losses: list[float] = []
+
+  def step(self) -> float:
+    start = time.perf_counter()
+    self.state, metrics = self.step_fn(self.state, self.batch)
+    loss = float(metrics["loss"])  # blocks until the step is done
+    self.losses.append(loss)
+    return time.perf_counter() - start
+
+
+class Torch:
+  """``GPT2LMHeadModel`` on the same weights: forward, token-mean cross-entropy, backward, clipping,
+  AdamW, in eager mode (or with the forward+loss ``torch.compile``-d)."""
+
+  def __init__(self, config, params, host_batch, lr: float, weight_decay: float, clip: float,
+               b1: float, b2: float, eps: float, compiled: bool = False):
+    import tempfile
+    import warnings
+
+    import torch
+    import transformers
+    from flax import nnx
+
+    from transformer_jax import hf as tjhf
+
+    self.torch = torch
+    transformers.logging.set_verbosity_error()
+    model = nnx.merge(models.graphdef(config), params)
+    with tempfile.TemporaryDirectory() as tmp:
+      tjhf.save(model, config, tmp)
+      with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        self.model = transformers.GPT2LMHeadModel.from_pretrained(
+            tmp, attn_implementation="sdpa").train()
+    # No decay on biases and norm scales, as on our side.
+    decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2]
+    rest = [p for n, p in self.model.named_parameters() if p.dim() < 2]
+    self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                                  {"params": rest, "weight_decay": 0.0}],
+                                 lr=lr, betas=(b1, b2), eps=eps)
+    self.clip = clip
+    self.tokens = torch.as_tensor(host_batch["tokens"], dtype=torch.long)
+    self.labels = torch.as_tensor(host_batch["labels"], dtype=torch.long)
+
+    def loss_fn(tokens, labels):
+      logits = self.model(tokens).logits
+      return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+    self.loss_fn = torch.compile(loss_fn) if compiled else loss_fn
+    self.losses: list[float] = []
+
+  def step(self) -> float:
+    start = time.perf_counter()
+    self.opt.zero_grad(set_to_none=True)
+    loss = self.loss_fn(self.tokens, self.labels)
+    loss.backward()
+    self.torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+    self.opt.step()
+    self.losses.append(float(loss))
+    return time.perf_counter() - start
+
+
+def _summary(times: list[float]) -> dict:
+  return {"median": statistics.median(times), "min": min(times), "all": times}
+
+
+def run(args) -> dict:
+  """Runs the benchmark described by ``args`` (see ``add_args``); returns the result dict."""
+  from transformer_jax.train.config import TrainConfig
+
+  rivals = [r for r in args.against.split(",") if r and r != "none"]
+  for r in rivals:
+    if r not in ("torch", "torch.compile"):
+      raise ValueError(f"--against: {r!r} is not one of torch, torch.compile, none")
+  config = models.get_config(args.preset, dtype=args.dtype, remat=args.remat)
+  if rivals and not isinstance(config, GPTConfig):
+    raise ValueError(f"--against {args.against}: the PyTorch rival is GPT-2 (GPT presets); "
+                     f"{args.preset} is a {type(config).__name__} (use --against none)")
+  if hasattr(config, "dropout_rate"):
+    import dataclasses
+    config = dataclasses.replace(config, dropout_rate=0.0, attention_dropout_rate=0.0)
+  host_batch, task_name = random_batch(config, args.batch_size, args.seq_len, args.seed)
+  tc = TrainConfig()
+  lr = 1e-4
+  limit = machine.matmul_limit(step_matmul_shapes(config, args.batch_size * args.seq_len),
+                               dtype="float32")
+  limits = {"float32": limit}
+  if args.dtype == "bfloat16" and machine.has_bf16_hardware():
+    limits["bfloat16"] = machine.matmul_limit(
+        step_matmul_shapes(config, args.batch_size * args.seq_len), dtype="bfloat16")
+
+  sides = {"ours": Ours(config, host_batch, task_name, lr, args.seed)}
+  for r in rivals:
+    try:
+      side = Torch(config, sides["ours"].params, host_batch, lr, tc.weight_decay, tc.clip_norm,
+                   tc.b1, tc.b2, tc.eps, compiled=r == "torch.compile")
+      if r == "torch.compile":
+        start = time.perf_counter()
+        side.step()   # compiles
+        if time.perf_counter() - start > args.compile_timeout:
+          print(f"# torch.compile took {time.perf_counter() - start:.0f} s: left out",
+                file=sys.stderr)
+          continue
+      sides[r] = side
+    except Exception as e:  # noqa: BLE001 - a rival that fails to build is reported, not fatal
+      print(f"# {r}: could not run ({type(e).__name__}: {e})", file=sys.stderr)
+  first = {name: side.step() for name, side in sides.items()}
+  for _ in range(args.warmup):
+    for side in sides.values():
+      side.step()
+  times = {name: [] for name in sides}
+  for _ in range(args.steps):
+    for name, side in sides.items():
+      times[name].append(side.step())
+  med = {name: statistics.median(t) for name, t in times.items()}
+
+  tokens = args.batch_size * args.seq_len
+  is_s2s = isinstance(config, Seq2SeqConfig)
+  flops_per_token = models.train_flops_per_token(config, args.seq_len) / (2 if is_s2s else 1)
+  tokens_per_step = tokens * (2 if is_s2s else 1)
+  step_flops = flops_per_token * tokens_per_step
+  ref = limits.get(args.dtype, limits["float32"])["flops_per_sec"]
+  ours = sides["ours"]
+  result = {
+      "benchmark": "train step",
+      "preset": args.preset, "batch_size": args.batch_size, "seq_len": args.seq_len,
+      "dtype": args.dtype, "remat": args.remat,
+      "params": models.count_params(config), "model_flops_per_step": step_flops,
+      "ours": {"compile_s": ours.compile_s, "trace_s": ours.trace_s, "first_step_s": first["ours"],
+               "step_s": _summary(times["ours"]),
+               "tokens_per_sec": tokens_per_step / med["ours"],
+               "model_flops_per_sec": step_flops / med["ours"], "mfu": step_flops / med["ours"] / ref,
+               "losses": ours.losses},
+      "limit": {"matmul": limits, "step_floor_s": step_flops / ref},
+  }
+  for name in rivals:
+    if name in sides:
+      result[name] = {"first_step_s": first[name], "step_s": _summary(times[name]),
+                      "tokens_per_sec": tokens_per_step / med[name],
+                      "mfu": step_flops / med[name] / ref, "losses": sides[name].losses}
+      result[f"speedup_vs_{name}"] = med[name] / med["ours"]
+      # Same weights, tokens and loss: the first losses agree to float32 rounding.
+      result[f"first_loss_diff_vs_{name}"] = abs(sides[name].losses[0] - ours.losses[0])
+  return result
+
+
+def table(result: dict) -> str:
+  """The result as a few aligned lines."""
+  ref = result["limit"]["step_floor_s"]
+  lines = [f"train step {result['preset']} {result['batch_size']}x{result['seq_len']} "
+           f"{result['dtype']}: floor {ref:.2f} s at the measured matmul limit "
+           f"({result['limit']['matmul'][list(result['limit']['matmul'])[-1]]['flops_per_sec'] / 1e9:.0f} GFLOP/s)"]
+  for name in ("ours", "torch", "torch.compile"):
+    if name in result:
+      r = result[name]
+      extra = f"  {result.get(f'speedup_vs_{name}', 1.0):.2f}x" if name != "ours" else ""
+      lines.append(f"  {name:<14s} {r['step_s']['median']:7.2f} s/step  "
+                   f"{r['tokens_per_sec']:8.0f} tok/s  MFU {100 * r['mfu']:5.1f}%"
+                   + (f"  (ours is{extra} faster)" if extra else ""))
+  return "\n".join(lines)
