@@ -131,14 +131,24 @@ def _cmd_convert(args) -> int:
 
 
 def _cmd_bench(args) -> int:
-  import runpy
-  import os
-  script = os.path.join(os.getcwd(), "experiments", "bench_train.py")
-  if not os.path.exists(script):
-    raise ValueError("tjax bench runs experiments/bench_train.py from the repository root")
-  sys.argv = [script, *args.bench_args]
-  runpy.run_path(script, run_name="__main__")
+  from transformer_jax import bench
+  if args.kind == "generate":
+    from transformer_jax.bench import generate
+    generate.check_args(args.parser, args)
+  raw = args.raw_argv
+  rest = raw[raw.index(args.kind) + 1:] if args.kind in raw else raw
+  bench.run(args.kind, args, rest)
   return 0
+
+
+def _bench_args(kind: str, p: argparse.ArgumentParser) -> None:
+  if kind == "train":
+    from transformer_jax.bench.train import add_args
+  elif kind == "attention":
+    from transformer_jax.bench.attention import add_args
+  else:
+    from transformer_jax.bench.generate import add_args
+  add_args(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -215,9 +225,20 @@ def build_parser() -> argparse.ArgumentParser:
   conv.add_argument("--out", required=True)
   conv.set_defaults(func=_cmd_convert)
 
-  bench = sub.add_parser("bench", help="time the train step (experiments/bench_train.py)")
-  bench.add_argument("bench_args", nargs=argparse.REMAINDER)
-  bench.set_defaults(func=_cmd_bench)
+  bench = sub.add_parser("bench", help="benchmarks against PyTorch and the machine's limits")
+  kinds = bench.add_subparsers(dest="kind", required=True)
+  from transformer_jax.bench import KINDS
+  helps = {"train": "the training step vs PyTorch eager (interleaved), MFU",
+           "generate": "greedy generation vs transformers, share of the bandwidth floor",
+           "attention": "attention forward+backward per implementation"}
+  for kind in KINDS:
+    kp = kinds.add_parser(kind, help=helps[kind], parents=[common],
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _bench_args(kind, kp)
+    kp.add_argument("--json", default=None,
+                    help="where to write the JSON (default experiments/results/bench_KIND.json "
+                         "when that folder exists)")
+    kp.set_defaults(func=_cmd_bench, parser=kp)
   return parser
 
 
@@ -260,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
   the traceback."""
   parser = build_parser()
   args, rest = parser.parse_known_args(argv)
+  args.raw_argv = list(sys.argv[1:] if argv is None else argv)
   if rest:  # ``tjax train CONFIG --no-progress key=value``: overrides after options
     if args.command in _OVERRIDES and not any(r.startswith("-") for r in rest):
       args.overrides = list(args.overrides) + rest

@@ -177,6 +177,8 @@ def run(args) -> dict:
   """Runs the benchmark described by ``args`` (see ``add_args``); returns the result dict."""
   from transformer_jax.train.config import TrainConfig
 
+  from transformer_jax import runtime
+  runtime.bf16_notice(args.dtype)
   rivals = [r for r in args.against.split(",") if r and r != "none"]
   for r in rivals:
     if r not in ("torch", "torch.compile"):

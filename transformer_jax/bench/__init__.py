@@ -1,0 +1,55 @@
+"""Benchmarks a user runs with one command: ``tjax bench train|generate|attention``.
+
+Each prints a table and writes one JSON file holding the machine (CPU, flags, allocator, versions),
+the exact command, the limits measured in the same run (``machine``) and the result as a fraction
+of them. Targets are not asserted here: these only measure.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import json
+import os
+import sys
+
+KINDS = ("train", "generate", "attention")
+
+
+def module(kind: str):
+  """The benchmark module of ``kind`` (imported on demand: generate needs torch)."""
+  if kind not in KINDS:
+    raise ValueError(f"benchmark {kind!r} is not one of {', '.join(KINDS)}")
+  return importlib.import_module(f"transformer_jax.bench.{kind}")
+
+
+def default_json(kind: str) -> str | None:
+  """``experiments/results/bench_<kind>.json`` when run from the repository root, else None."""
+  folder = os.path.join("experiments", "results")
+  return os.path.join(folder, f"bench_{kind}.json") if os.path.isdir(folder) else None
+
+
+def run(kind: str, args, argv: list[str]) -> dict:
+  """Runs benchmark ``kind`` with parsed ``args``; prints its table; writes ``args.json``."""
+  from transformer_jax.bench import machine
+
+  command = " ".join(["tjax", "bench", kind, *argv])
+  mod = module(kind)
+  load_before = os.getloadavg()
+  if kind == "generate":
+    result = mod.run(args, command=command)
+  else:
+    result = mod.run(args)
+  result["command"] = command
+  result["machine"] = {**machine.describe(("torch", "transformers")), **result.get("machine", {}),
+                       "load_average_before": list(load_before),
+                       "load_average_after": list(os.getloadavg())}
+  result["timestamp"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+  print(mod.table(result), flush=True)
+  out = args.json if args.json is not None else default_json(kind)
+  if out:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+      f.write(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}", file=sys.stderr)
+  return result

@@ -1,0 +1,350 @@
+"""``tjax bench generate``: greedy generation, transformer_jax against Hugging Face ``generate``.
+
+    tjax bench generate                          # gpt2-small shape, prompt 32, 128 new tokens,
+                                                 # batch 1 and 8, float32 and bfloat16
+    tjax bench generate --batch-sizes 1 --dtypes float32 --reps 3 --json x.json
+    python experiments/bench_generate.py ...     # the same (its former command line)
+
+Both sides run the same random weights (``init_std`` 0.02): a transformer_jax model is initialised,
+written with ``transformer_jax.hf.save`` and read back by ``transformers.GPT2LMHeadModel``. They do the
+same work: greedy, exactly ``--new-tokens`` tokens per row (no EOS), batch rows of one prompt length.
+Hugging Face runs its normal path: ``model.generate`` with its KV cache under
+``torch.inference_mode()``, ``torch.set_num_threads(--torch-threads)`` (default: all cores). It is
+also timed with ``--torch-threads-alt`` threads (default 1): when other processes load the machine,
+torch's OpenMP threads wait for each other at every operation and one thread can be several times
+faster than all cores, so ``ratio_vs_their_best_threads`` (against their faster setting) is the
+figure that does not flatter us.
+bfloat16 means bfloat16 weights and compute on both sides (our ``dtype`` and ``param_dtype``,
+``model.to(torch.bfloat16)`` there).
+
+Repetitions alternate (ours, theirs, ours, theirs, ...) so that both see the same machine load, and
+medians are reported. Numbers per (dtype, batch):
+  * ``new_tokens_per_sec``: ``batch * new_tokens / median wall time of one generate call`` (prompt
+    processing included; ``ratio`` = ours / theirs).
+  * ``ttft_s``: time to first token, the median wall time of ``generate`` with one new token
+    (prefill + the first token).
+  * ``decode_tokens_per_sec``: ``batch * (new_tokens - 1) / (median generate - median ttft)``, the
+    rate of the one-token steps alone.
+  * ``compile_s`` (ours): first call minus the median steady call, for the full call and for the
+    one-token call (separate compilations).
+  * ``tokens_equal``: whether the greedy tokens agree. Random weights give near-ties; when the tokens
+    part, the first index where they do and both models' logit gap between the two candidates there
+    are recorded.
+
+The machine's weight-streaming bandwidth (``machine.weight_bandwidth``: a matrix-vector product over
+a 512 MB matrix, which is what a batch-1 step does with every weight) and the weights' size are
+measured in the same run: ``weight_bytes / bandwidth`` is a floor on a batch-1 step's time for both
+sides, and ``fraction_of_floor`` = floor / our median step time. Other processes share the machine;
+the load average is recorded before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import transformer_jax.hf as tjhf
+from transformer_jax import models
+from transformer_jax.bench import machine
+from transformer_jax.generate import generate
+
+_DTYPES = ("float32", "bfloat16")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  add_args(p)
+  return check_args(p, p.parse_args(argv))
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--preset", default="gpt2-small", help="a GPT-2 preset (GPT2LMHeadModel on their side)")
+  p.add_argument("--batch-sizes", default="1,8", help="comma-separated")
+  p.add_argument("--prompt-len", type=int, default=32)
+  p.add_argument("--new-tokens", type=int, default=128)
+  p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
+  p.add_argument("--reps", type=int, default=5, help="timed generate calls per side (float32)")
+  p.add_argument("--bf16-reps", type=int, default=2,
+                 help="timed calls per side in bfloat16 (slow on CPUs: both sides take ~10x longer)")
+  p.add_argument("--ttft-reps", type=int, default=5, help="timed one-token calls per side")
+  p.add_argument("--torch-threads", type=int, default=os.cpu_count())
+  p.add_argument("--torch-threads-alt", type=int, default=1 if (os.cpu_count() or 1) > 1 else 0,
+                 help="also time their generate with this many threads (0: don't); on a loaded "
+                      "machine one thread can beat all cores, and the ratio against their faster "
+                      "setting is reported as well")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--out", default=None, help="also write the JSON here")
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+  args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+  args.dtypes = args.dtypes.split(",")
+  for d in args.dtypes:
+    if d not in _DTYPES:
+      p.error(f"--dtypes: {d!r} is not one of {', '.join(_DTYPES)}")
+  if args.torch_threads_alt < 0:
+    p.error(f"--torch-threads-alt={args.torch_threads_alt} must be >= 0")
+  for name in ("prompt_len", "new_tokens", "reps", "bf16_reps", "ttft_reps", "torch_threads"):
+    if getattr(args, name) < 1:
+      p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+  if min(args.batch_sizes) < 1:
+    p.error(f"--batch-sizes={args.batch_sizes} must be positive")
+  return args
+
+
+# -------------------------------------------------------------------------------------------------
+# The two sides.
+
+
+class Ours:
+  """transformer_jax ``generate`` on ``(config, params)``."""
+
+  def __init__(self, config, params):
+    self.config, self.params = config, params
+    self.module = nnx.merge(models.graphdef(config), params)
+
+  def generate(self, prompt_BP: np.ndarray, new_tokens: int) -> np.ndarray:
+    out = generate((self.config, self.params), prompt_BP, max_new_tokens=new_tokens)
+    return np.asarray(jax.block_until_ready(out))
+
+  def logits(self, ids_1T: np.ndarray) -> np.ndarray:
+    return np.asarray(self.module(jnp.asarray(ids_1T, jnp.int32))[0], np.float32)
+
+
+class Theirs:
+  """Hugging Face ``GPT2LMHeadModel.generate`` with ``threads`` torch threads."""
+
+  def __init__(self, hf_model, threads: int):
+    self.model, self.threads = hf_model, threads
+
+  def generate(self, prompt_BP: np.ndarray, new_tokens: int) -> np.ndarray:
+    import torch
+    ids = torch.as_tensor(prompt_BP, dtype=torch.long)
+    torch.set_num_threads(self.threads)
+    with torch.inference_mode():
+      out = self.model.generate(ids, attention_mask=torch.ones_like(ids),
+                                max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[:, prompt_BP.shape[1]:].numpy()
+
+  def logits(self, ids_1T: np.ndarray) -> np.ndarray:
+    import torch
+    torch.set_num_threads(self.threads)
+    with torch.inference_mode():
+      out = self.model(torch.as_tensor(ids_1T, dtype=torch.long)).logits[0]
+    return out.float().numpy()
+
+
+def _timed(fn, *args):
+  t0 = time.perf_counter()
+  out = fn(*args)
+  return out, time.perf_counter() - t0
+
+
+def divergence(ours: Ours, theirs: Theirs, prompt_BP, ours_BN, theirs_BN) -> dict | None:
+  """Where the greedy tokens first differ and how close a call it was under each model."""
+  rows = [r for r in range(ours_BN.shape[0]) if not np.array_equal(ours_BN[r], theirs_BN[r])]
+  if not rows:
+    return None
+  firsts = {r: int(np.argmax(ours_BN[r] != theirs_BN[r])) for r in rows}
+  r = min(rows, key=lambda r: firsts[r])
+  i = firsts[r]
+  prefix = np.concatenate([prompt_BP[r], ours_BN[r, :i]])[None]
+  a, b = int(ours_BN[r, i]), int(theirs_BN[r, i])
+  gaps = {}
+  for name, side in (("ours", ours), ("theirs", theirs)):
+    last_V = side.logits(prefix)[-1]
+    gaps[name] = {"logit_ours_token_minus_theirs": float(last_V[a] - last_V[b]),
+                  "top2_gap": float(np.diff(np.sort(last_V)[-2:])[0])}
+  return {"rows_differing": rows, "first_row": r, "first_index": i, "ours_token": a,
+          "theirs_token": b, "matching_tokens_fraction": float(np.mean(ours_BN == theirs_BN)),
+          "logit_gap_at_first": gaps}
+
+
+def bench_case(ours: Ours, theirs: Theirs, alt: Theirs | None, batch: int, args, reps: int,
+               rng) -> dict:
+  prompt_BP = rng.integers(0, ours.config.vocab_size, (batch, args.prompt_len), dtype=np.int64)
+  n = args.new_tokens
+  # First calls: ours compiles (full call and one-token call); theirs warms up.
+  _, first_full = _timed(ours.generate, prompt_BP, n)
+  _, first_one = _timed(ours.generate, prompt_BP, 1)
+  sides = {"ours": ours, "theirs": theirs}
+  if alt is not None:
+    sides["theirs_alt_threads"] = alt
+  for obj in sides.values():
+    obj.generate(prompt_BP, 1)
+  times = {k: [] for side in sides for k in (side, side + "_ttft")}
+  outs = {}
+  for _ in range(reps):
+    for side, obj in sides.items():
+      outs[side], dt = _timed(obj.generate, prompt_BP, n)
+      times[side].append(dt)
+  for _ in range(args.ttft_reps):
+    for side, obj in sides.items():
+      _, dt = _timed(obj.generate, prompt_BP, 1)
+      times[side + "_ttft"].append(dt)
+  med = {k: statistics.median(v) for k, v in times.items()}
+  result = {"batch": batch, "reps": reps, "ttft_reps": args.ttft_reps}
+  for side in sides:
+    decode_s = med[side] - med[side + "_ttft"]
+    result[side] = {
+        "new_tokens_per_sec": batch * n / med[side],
+        "generate_s": {"median": med[side], "min": min(times[side]), "all": times[side]},
+        "ttft_s": {"median": med[side + "_ttft"], "min": min(times[side + "_ttft"]),
+                   "all": times[side + "_ttft"]},
+        "decode_tokens_per_sec": batch * (n - 1) / decode_s if n > 1 and decode_s > 0 else None,
+        "ms_per_step": 1e3 * decode_s / (n - 1) if n > 1 else None,
+    }
+  result["ours"]["first_call_s"] = first_full
+  result["ours"]["compile_s"] = first_full - med["ours"]
+  result["ours"]["first_call_one_token_s"] = first_one
+  result["ours"]["compile_one_token_s"] = first_one - med["ours_ttft"]
+  result["ratio"] = result["ours"]["new_tokens_per_sec"] / result["theirs"]["new_tokens_per_sec"]
+  dec_o, dec_t = result["ours"]["decode_tokens_per_sec"], result["theirs"]["decode_tokens_per_sec"]
+  result["decode_ratio"] = dec_o / dec_t if dec_o and dec_t else None
+  result["ttft_ratio"] = med["theirs_ttft"] / med["ours_ttft"]
+  result["theirs"]["torch_threads"] = theirs.threads
+  if alt is not None:
+    result["theirs_alt_threads"]["torch_threads"] = alt.threads
+    best = min(med["theirs"], med["theirs_alt_threads"])
+    result["ratio_vs_their_best_threads"] = best / med["ours"]
+    result["alt_threads_tokens_equal"] = bool(np.array_equal(outs["theirs"],
+                                                             outs["theirs_alt_threads"]))
+  result["tokens_equal"] = bool(np.array_equal(outs["ours"], outs["theirs"]))
+  result["divergence"] = divergence(ours, theirs, prompt_BP, outs["ours"], outs["theirs"])
+  return result
+
+
+def main(argv=None) -> dict:
+  """``experiments/bench_generate.py``'s entry: parse, run, print and write the JSON."""
+  args = parse_args(argv)
+  result = run(args, command=" ".join(["python", "experiments/bench_generate.py"] + (
+      sys.argv[1:] if argv is None else list(argv))))
+  text = json.dumps(result, indent=2)
+  print(text)
+  if args.out:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+      f.write(text + "\n")
+  return result
+
+
+def run(args, command: str) -> dict:
+  """The benchmark of ``args`` (``add_args``/``check_args``): the result dict."""
+  import torch
+  import transformers
+
+  transformers.logging.set_verbosity_error()
+  torch.set_num_threads(args.torch_threads)
+  load_before = os.getloadavg()
+  config32 = models.get_config(args.preset)
+  if args.prompt_len + args.new_tokens > config32.max_len:
+    raise ValueError(f"--prompt-len + --new-tokens exceeds {args.preset}'s max_len={config32.max_len}")
+
+  model32 = models.create(config32, rngs=nnx.Rngs(args.seed))
+  with tempfile.TemporaryDirectory() as tmp:
+    tjhf.save(model32, config32, tmp)
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      hf32 = transformers.GPT2LMHeadModel.from_pretrained(tmp).eval()
+  _, params32 = nnx.split(model32)
+  weight_bytes = {"float32": sum(a.nbytes for a in jax.tree.leaves(params32))}
+
+  # The same weights on both sides: compare one forward pass.
+  check_ids = np.random.default_rng(args.seed).integers(0, config32.vocab_size, (1, 16))
+  ours32, theirs32 = Ours(config32, params32), Theirs(hf32, args.torch_threads)
+  weights_max_abs_logit_diff = float(np.abs(ours32.logits(check_ids) - theirs32.logits(check_ids)).max())
+
+  bandwidth = machine.weight_bandwidth()
+  cases = []
+  for dtype in args.dtypes:
+    if dtype == "float32":
+      ours, hf = ours32, hf32
+    else:
+      config = models.get_config(args.preset, dtype=dtype, param_dtype=dtype)
+      params = jax.tree.map(lambda a: a.astype(dtype), params32)
+      weight_bytes[dtype] = sum(a.nbytes for a in jax.tree.leaves(params))
+      ours = Ours(config, params)
+      hf = copy.deepcopy(hf32).to(getattr(torch, dtype))
+    theirs = Theirs(hf, args.torch_threads)
+    alt = Theirs(hf, args.torch_threads_alt) if args.torch_threads_alt else None
+    reps = args.reps if dtype == "float32" else args.bf16_reps
+    for batch in args.batch_sizes:
+      rng = np.random.default_rng([args.seed, batch])
+      case = {"dtype": dtype, **bench_case(ours, theirs, alt, batch, args, reps, rng)}
+      print(f"# {dtype} batch {batch}: ours {case['ours']['new_tokens_per_sec']:.1f} tok/s, "
+            f"theirs {case['theirs']['new_tokens_per_sec']:.1f} tok/s, ratio {case['ratio']:.2f}, "
+            f"tokens equal {case['tokens_equal']}", file=sys.stderr, flush=True)
+      cases.append(case)
+
+  floor = {d: weight_bytes[d] / bandwidth["bytes_per_sec"] for d in weight_bytes}
+  for c in cases:
+    # A step at batch 1 reads every weight once; at batch b it still reads them once per step.
+    ms = c["ours"]["ms_per_step"]
+    c["ours"]["fraction_of_bandwidth_floor"] = 1e3 * floor[c["dtype"]] / ms if ms else None
+  result = {
+      "benchmark": "greedy generation, transformer_jax vs transformers (issue 5)",
+      "command": command,
+      "preset": args.preset,
+      "config": {"params": models.count_params(config32), "d_model": config32.d_model,
+                 "num_layers": config32.num_layers, "num_heads": config32.num_heads,
+                 "vocab_size": config32.vocab_size, "init_std": config32.init_std},
+      "prompt_len": args.prompt_len,
+      "new_tokens": args.new_tokens,
+      "greedy": True,
+      "weights_max_abs_logit_diff_float32": weights_max_abs_logit_diff,
+      "summary": {f"{c['dtype']}_batch{c['batch']}": {
+          "ours_tokens_per_sec": c["ours"]["new_tokens_per_sec"],
+          "theirs_tokens_per_sec": c["theirs"]["new_tokens_per_sec"],
+          "ratio": c["ratio"], "ratio_vs_their_best_threads": c.get("ratio_vs_their_best_threads"),
+          "decode_ratio": c["decode_ratio"], "ttft_ratio": c["ttft_ratio"],
+          "ours_ttft_s": c["ours"]["ttft_s"]["median"],
+          "theirs_ttft_s": c["theirs"]["ttft_s"]["median"],
+          "ours_compile_s": c["ours"]["compile_s"], "tokens_equal": c["tokens_equal"],
+          "ours_fraction_of_bandwidth_floor": c["ours"]["fraction_of_bandwidth_floor"]}
+          for c in cases},
+      "cases": cases,
+      "weight_bytes": weight_bytes,
+      "memory_bandwidth": bandwidth,
+      "step_floor_s_at_batch1": floor,
+      "machine": {**machine.describe(("torch", "transformers")),
+                  "torch_threads": args.torch_threads,
+                  "torch_threads_alt": args.torch_threads_alt or None,
+                  "load_average_before": load_before, "load_average_after": os.getloadavg()},
+      "hf_attn_implementation": getattr(hf32.config, "_attn_implementation", None),
+      "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+  }
+  return result
+
+
+def table(result: dict) -> str:
+  """The summary as aligned lines."""
+  lines = [f"greedy generation {result['preset']}, prompt {result['prompt_len']} + "
+           f"{result['new_tokens']} new tokens; weights stream at "
+           f"{result['memory_bandwidth']['bytes_per_sec'] / 1e9:.1f} GB/s"]
+  for name, c in result["summary"].items():
+    frac = c.get("ours_fraction_of_bandwidth_floor")
+    lines.append(
+        f"  {name:<16s} ours {c['ours_tokens_per_sec']:7.1f} tok/s  theirs "
+        f"{c['theirs_tokens_per_sec']:7.1f}  ratio {c['ratio']:.2f}x  TTFT ratio "
+        f"{c['ttft_ratio']:.2f}" + (f"  {100 * frac:.0f}% of the bandwidth floor" if frac else "")
+        + ("" if c["tokens_equal"] else "  (tokens differ)"))
+  return "\n".join(lines)
+
+
+if __name__ == "__main__":
+  main()
