@@ -17,7 +17,8 @@ import numpy as np
 from flax import nnx
 
 from transformer_jax import models
-from transformer_jax.generate.cache import extend, init_cache, split_layers, with_encoder
+from transformer_jax.generate.cache import (extend, init_cache, prefill, split_layers,
+                                            with_encoder)
 from transformer_jax.generate.sampling import apply_repetition_penalty, next_token
 from transformer_jax.models.common import check_tokens
 from transformer_jax.models.config import GPTConfig, Seq2SeqConfig
@@ -232,8 +233,7 @@ def _compiled(graphdef, cache_len, max_new_tokens, temperature, top_k, top_p, eo
     cache = init_cache(model.config, b, cache_len)
     vocab = model.config.vocab_size
     if decoder_start_id is None:  # GPT: prefill the prompt in one call
-      logits_BPV, cache = extend(model, prompt_BP, cache, num_valid=lengths_B, layers=layers)
-      last_BV = jnp.take_along_axis(logits_BPV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+      last_BV, cache = prefill(model, prompt_BP, cache, lengths_B, layers=layers)
       in_prompt_BP = jnp.arange(prompt_BP.shape[1])[None, :] < lengths_B[:, None]
       seen_BV = (jnp.zeros((b, 0), bool) if repetition_penalty == 1.0 else
                  jnp.any(jax.nn.one_hot(prompt_BP, vocab, dtype=bool) & in_prompt_BP[..., None],

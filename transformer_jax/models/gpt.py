@@ -66,10 +66,13 @@ class GPT(nnx.Module):
     return logits_BTV if cache is None else (logits_BTV, cache)
 
   def hidden_states(self, tokens, positions=None, segment_ids=None, attention_mask=None, *,
-                    dropout_rng=None) -> jax.Array:
-    """The final-normed hidden states ``[B, T, D]`` (before the output projection)."""
-    return self._hidden_states(tokens, positions, segment_ids, attention_mask,
-                               dropout_rng=dropout_rng)[0]
+                    dropout_rng=None, cache=None, layer_params=None):
+    """The final-normed hidden states ``[B, T, D]`` (before the output projection); with a
+    ``cache`` (as in ``__call__``), ``(hidden states, cache)``."""
+    x_BTD, cache = self._hidden_states(tokens, positions, segment_ids, attention_mask,
+                                       dropout_rng=dropout_rng, cache=cache,
+                                       layer_params=layer_params)
+    return x_BTD if cache is None else (x_BTD, cache)
 
   def _hidden_states(self, tokens, positions=None, segment_ids=None, attention_mask=None, *,
                      dropout_rng=None, cache=None, layer_params=None):
