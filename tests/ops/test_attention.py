@@ -408,6 +408,27 @@ def test_gradients_match_numerical():
     check_grads(f, (q, kk, v, bias), order=1, modes=["rev"], atol=1e-2, rtol=1e-2, eps=1e-3)
 
 
+def test_gradients_with_mask_bias_and_gqa_match_numerical():
+  # The dense kernel's written-out backward (dS = P * (dP - rowsum(dO * O))), bias gradient
+  # summed over its broadcast axes, a fully masked query row included.
+  with jax.enable_x64(True):
+    q, kk, v = make_qkv(40, b=2, t=3, s=5, n=4, k=2, h=4, dtype=jnp.float64)
+    bias = jnp.asarray(np.random.default_rng(41).standard_normal((1, 4, 3, 5)))
+    mask = np.random.default_rng(42).random((2, 1, 3, 5)) > 0.3
+    mask[:, :, :, 0] = True
+    mask[1, 0, 2] = False                     # row (1, 2) sees no key
+    f = jax.jit(lambda q_, k_, v_, b_: dot_product_attention(q_, k_, v_, bias=b_,
+                                                             mask=jnp.asarray(mask)))
+    check_grads(f, (q, kk, v, bias), order=1, modes=["rev"], atol=1e-5, rtol=1e-5, eps=1e-5)
+    # And against differentiating the forward formulas (the path that returns the weights).
+    g = jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), argnums=(0, 1, 2, 3))(q, kk, v, bias)
+    ref = jax.grad(lambda q_, k_, v_, b_: jnp.sum(jnp.sin(dot_product_attention(
+        q_, k_, v_, bias=b_, mask=jnp.asarray(mask), implementation="xla",
+        return_weights=True)[0])), argnums=(0, 1, 2, 3))(q, kk, v, bias)
+    for a, b in zip(g, ref):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
 def test_gradients_match_reference_gradients():
   # Analytic gradient of the op vs finite differences of the float64 NumPy reference.
   q, kk, v = make_qkv(37, b=1, t=3, s=4, n=2, k=1, h=4)

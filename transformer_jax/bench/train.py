@@ -165,7 +165,7 @@ class Torch:
     loss.backward()
     self.torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
     self.opt.step()
-    self.losses.append(float(loss))
+    self.losses.append(float(loss.detach()))
     return time.perf_counter() - start
 
 

@@ -308,6 +308,11 @@ def _dense_core(q_BKMH, k_BKSH, v_BKSH, bias, mask, scale: float, t: int):
   return _dense_core_fwd(q_BKMH, k_BKSH, v_BKSH, bias, mask, scale, t)[0]
 
 
+def _acc_dtype(x: jax.Array) -> jnp.dtype:
+  """Accumulation and softmax dtype: float32, or float64 for float64 inputs."""
+  return jnp.promote_types(x.dtype, jnp.float32)
+
+
 def _bnts(x_BKMS: jax.Array, t: int) -> jax.Array:
   """``[B, K, G*T, S]`` viewed as ``[B, N, T, S]``: a free reshape, K and G being adjacent."""
   b, kh, m, s = x_BKMS.shape
@@ -317,10 +322,11 @@ def _bnts(x_BKMS: jax.Array, t: int) -> jax.Array:
 def _dense_core_fwd(q_BKMH, k_BKSH, v_BKSH, bias, mask, scale, t):
   b, kh, m, _ = q_BKMH.shape
   s = k_BKSH.shape[2]
-  logits_BKMS = jnp.einsum("BKMH,BKSH->BKMS", q_BKMH, k_BKSH, preferred_element_type=jnp.float32)
-  logits_BNTS = _bnts(logits_BKMS, t) * jnp.float32(scale)
+  acc = _acc_dtype(q_BKMH)
+  logits_BKMS = jnp.einsum("BKMH,BKSH->BKMS", q_BKMH, k_BKSH, preferred_element_type=acc)
+  logits_BNTS = _bnts(logits_BKMS, t) * jnp.asarray(scale, acc)
   if bias is not None:
-    logits_BNTS = logits_BNTS + bias.astype(jnp.float32)
+    logits_BNTS = logits_BNTS + bias.astype(acc)
   if mask is not None:
     logits_BNTS = jnp.where(mask, logits_BNTS, _MASK_VALUE)
   weights_BNTS = jax.nn.softmax(logits_BNTS, axis=-1)
@@ -328,22 +334,22 @@ def _dense_core_fwd(q_BKMH, k_BKSH, v_BKSH, bias, mask, scale, t):
     weights_BNTS = jnp.where(mask, weights_BNTS, 0.0)
   p_BKMS = weights_BNTS.reshape(b, kh, m, s)
   out_BKMH = jnp.einsum("BKMS,BKSH->BKMH", p_BKMS.astype(v_BKSH.dtype), v_BKSH,
-                        preferred_element_type=jnp.float32).astype(q_BKMH.dtype)
+                        preferred_element_type=acc).astype(q_BKMH.dtype)
   return out_BKMH, (q_BKMH, k_BKSH, v_BKSH, p_BKMS, out_BKMH, bias, mask)
 
 
 def _dense_core_bwd(scale, t, res, dout_BKMH):
   q_BKMH, k_BKSH, v_BKSH, p_BKMS, out_BKMH, bias, mask = res
-  f32 = jnp.float32
+  acc = _acc_dtype(q_BKMH)
   dv_BKSH = jnp.einsum("BKMS,BKMH->BKSH", p_BKMS.astype(dout_BKMH.dtype), dout_BKMH,
-                       preferred_element_type=f32)
-  dp_BKMS = jnp.einsum("BKMH,BKSH->BKMS", dout_BKMH, v_BKSH, preferred_element_type=f32)
-  delta_BKM1 = jnp.sum(dout_BKMH.astype(f32) * out_BKMH.astype(f32), axis=-1, keepdims=True)
+                       preferred_element_type=acc)
+  dp_BKMS = jnp.einsum("BKMH,BKSH->BKMS", dout_BKMH, v_BKSH, preferred_element_type=acc)
+  delta_BKM1 = jnp.sum(dout_BKMH.astype(acc) * out_BKMH.astype(acc), axis=-1, keepdims=True)
   ds_BKMS = p_BKMS * (dp_BKMS - delta_BKM1)   # d(logits); masked entries have p = 0
   dbias = None if bias is None else _sum_to(_bnts(ds_BKMS, t), bias.shape).astype(bias.dtype)
-  ds_BKMS = (ds_BKMS * f32(scale)).astype(q_BKMH.dtype)
-  dq_BKMH = jnp.einsum("BKMS,BKSH->BKMH", ds_BKMS, k_BKSH, preferred_element_type=f32)
-  dk_BKSH = jnp.einsum("BKMS,BKMH->BKSH", ds_BKMS, q_BKMH, preferred_element_type=f32)
+  ds_BKMS = (ds_BKMS * jnp.asarray(scale, acc)).astype(q_BKMH.dtype)
+  dq_BKMH = jnp.einsum("BKMS,BKSH->BKMH", ds_BKMS, k_BKSH, preferred_element_type=acc)
+  dk_BKSH = jnp.einsum("BKMS,BKMH->BKSH", ds_BKMS, q_BKMH, preferred_element_type=acc)
   dmask = None if mask is None else np.zeros(mask.shape, jax.dtypes.float0)
   return (dq_BKMH.astype(q_BKMH.dtype), dk_BKSH.astype(k_BKSH.dtype),
           dv_BKSH.astype(v_BKSH.dtype), dbias, dmask)
