@@ -315,8 +315,8 @@ def _train_locked(exp, rd, progress, force_new, resume_hint):
             "Give a larger train.steps to continue it.")
       return {**final, "finished_before": True}
   runtime.enable_compilation_cache()
-  runtime.bf16_notice(model_config.dtype)
   run = Run.build(exp, model_config)
+  runtime.bf16_notice(run.model_config.dtype)
   ref = runs.dataset_ref(run.dataset)
   old_ref = rd.read_dataset_ref() if resuming else None
   if old_ref is not None and old_ref.get("hash") != ref["hash"]:
