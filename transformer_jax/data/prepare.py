@@ -46,7 +46,7 @@ from tqdm.auto import tqdm
 from transformer_jax.data.tokenizer import CHARS_PREFIX, CompactVocab, Tokenizer
 
 FORMAT_VERSION = 1
-TASKS = ("gpt", "bert", "seq2seq")
+TASKS = ("gpt", "bert", "seq2seq", "classify")
 SPLITS = ("train", "val")
 METADATA_FILE = "metadata.json"
 COMPACT_VOCAB_FILE = "vocab.json"
@@ -341,7 +341,8 @@ def _is_up_to_date(out: str, content_hash: str) -> dict[str, Any] | None:
 
 def prepare(inputs: Sequence[str], out: str, *, tokenizer: str = "cl100k_base", compact_vocab: bool | int = False,
             task: str = "gpt", val_fraction: float = 0.05, seed: int = 0, workers: int = 2,
-            text_field: str = "text", force: bool = False, progress: bool = True) -> dict[str, Any]:
+            text_field: str = "text", force: bool = False, progress: bool = True,
+            vocab_from: str | None = None) -> dict[str, Any]:
     """Tokenizes a corpus into a dataset directory (see the module docstring for the layout).
 
     Args:
@@ -353,7 +354,8 @@ def prepare(inputs: Sequence[str], out: str, *, tokenizer: str = "cl100k_base", 
             rows); stored as ``vocab.json``. An integer ``N`` keeps only the ``N`` most frequent ids of the
             training documents (the rest become ``[UNK]``): for small CPU runs the softmax over the
             vocabulary dominates the step.
-        task: ``"gpt"``, ``"bert"`` (same on-disk format) or ``"seq2seq"`` (pairs).
+        task: ``"gpt"``, ``"bert"`` (same on-disk format), ``"seq2seq"`` (pairs) or ``"classify"``
+            (labelled examples, see ``data.classify``).
         val_fraction: Fraction of documents for validation, or a whole number ``>= 1`` of validation documents.
         seed: Seed of the train/val split and of synthetic data.
         workers: Threads for reading and tokenizing (tiktoken's BPE releases the GIL, so threads use all
@@ -361,6 +363,8 @@ def prepare(inputs: Sequence[str], out: str, *, tokenizer: str = "cl100k_base", 
         text_field: Field holding the text in ``.jsonl`` inputs.
         force: Rebuild even if the directory is up to date.
         progress: Show a tqdm progress bar.
+        vocab_from: ``classify`` only: a prepared dataset whose tokenizer and compact vocabulary to
+            reuse (the ids of a model pretrained on it).
 
     Returns:
         The metadata dict written to ``out/metadata.json``.
@@ -371,6 +375,12 @@ def prepare(inputs: Sequence[str], out: str, *, tokenizer: str = "cl100k_base", 
     """
     if task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    if task == "classify":
+        from transformer_jax.data.classify import prepare_classify
+        return prepare_classify(inputs, out, tokenizer=tokenizer, vocab_from=vocab_from,
+                                val_fraction=val_fraction, seed=seed, force=force)
+    if vocab_from is not None:
+        raise ValueError(f"vocab_from is for task='classify', not {task!r}")
     sources, synthetic = _resolve_inputs(inputs, task)
     if synthetic:
         tokenizer = SYNTHETIC_TOKENIZER
@@ -472,7 +482,8 @@ def prepare(inputs: Sequence[str], out: str, *, tokenizer: str = "cl100k_base", 
 def add_prepare_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Adds the ``tjax prepare`` arguments to ``parser``."""
     parser.add_argument("inputs", nargs="+", metavar="INPUT",
-                        help="files, globs, directories, 'stdlib', or synthetic:reverse|sort|add[:COUNT]")
+                        help="files, globs, directories, 'stdlib', synthetic:reverse|sort|add[:COUNT], or (classify) "
+                        "stdlib:packages")
     parser.add_argument("--out", required=True, help="output dataset directory")
     parser.add_argument("--tokenizer", default="cl100k_base", help="tiktoken encoding or chars:ALPHABET")
     parser.add_argument("--compact-vocab", nargs="?", const=True, default=False, type=int,
@@ -485,6 +496,8 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--text-field", default="text", help="text field of .jsonl inputs")
     parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    parser.add_argument("--vocab-from", default=None, metavar="DIR",
+                        help="classify: reuse the tokenizer and compact vocabulary of this dataset")
     return parser
 
 
@@ -493,7 +506,7 @@ def run_prepare(args: argparse.Namespace) -> int:
     try:
         meta = prepare(args.inputs, args.out, tokenizer=args.tokenizer, compact_vocab=args.compact_vocab,
                        task=args.task, val_fraction=args.val_fraction, seed=args.seed, workers=args.workers,
-                       text_field=args.text_field, force=args.force)
+                       text_field=args.text_field, force=args.force, vocab_from=args.vocab_from)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"tjax prepare: error: {e}", file=sys.stderr)
         return 1

@@ -59,7 +59,8 @@ def ensure_dataset(exp: Experiment, *, prepare: bool = True) -> data_lib.Dataset
     if jax.process_index() == 0:
       print(f"preparing {', '.join(d.inputs)} -> {path}", flush=True)
       data_lib.prepare(list(d.inputs), path, tokenizer=d.tokenizer, compact_vocab=d.compact_vocab,
-                       task=d.task, val_fraction=d.val_fraction, seed=exp.train.seed)
+                       task=d.task, val_fraction=d.val_fraction, seed=exp.train.seed,
+                       vocab_from=d.vocab_from)
   if jax.process_count() > 1:  # the others wait for process 0's preparation
     from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices("tjax dataset")
@@ -70,12 +71,12 @@ def ensure_dataset(exp: Experiment, *, prepare: bool = True) -> data_lib.Dataset
   return dataset
 
 
-def make_train_loader(exp: Experiment, dataset):
-  return tasks_lib.TASKS[exp.data.task].loader(dataset, exp)
+def make_train_loader(exp: Experiment, dataset, task=None):
+  return (task or tasks_lib.TASKS[exp.data.task]).loader(dataset, exp)
 
 
-def eval_batches(exp: Experiment, dataset):
-  return tasks_lib.TASKS[exp.data.task].eval_batches(dataset, exp)
+def eval_batches(exp: Experiment, dataset, task=None):
+  return (task or tasks_lib.TASKS[exp.data.task]).eval_batches(dataset, exp)
 
 
 def _batch_tokens(batch) -> int:
@@ -216,7 +217,10 @@ class Run:
     """
     dataset = ensure_dataset(exp, prepare=prepare)
     if model_config is None:
-      model_config = exp.model_config(vocab_size=dataset.vocab_size)
+      defaults = {"vocab_size": dataset.vocab_size}
+      if dataset.task == "classify":
+        defaults["num_labels"] = len(dataset.meta["labels"])
+      model_config = exp.model_config(**defaults)
     runs.check_vocab(dataset.vocab_size, model_config, dataset.path)
     task, mesh, optimizer = plan(exp, model_config)
     return cls(exp, dataset, model_config, task, mesh, models.graphdef(model_config, mesh),
@@ -224,7 +228,7 @@ class Run:
 
   def evaluate(self, params, eval_step) -> dict[str, float]:
     sums, counts = None, None
-    for batch in eval_batches(self.exp, self.dataset):
+    for batch in eval_batches(self.exp, self.dataset, self.task):
       tasks_lib.check_token_ids(self.task, batch, self.model_config.vocab_size)
       s, c = eval_step(params, step_lib.shard_batch(batch, self.mesh, self.task.keys))
       sums = s if sums is None else jax.tree.map(np.add, sums, s)
@@ -238,7 +242,13 @@ class Run:
       result[f"val_{term}_loss"] = out[f"{term}_loss"]
       result[f"val_{term}_accuracy"] = out[f"{term}_accuracy"]
     first = self.task.loss_terms[0]
-    result["val_perplexity"] = math.exp(min(out[f"{first}_loss"], 50.0))
+    if self.task.name == "classify":
+      report = self.task.report(sums)
+      result["val_accuracy"] = report["accuracy"]
+      result["val_macro_f1"] = report["macro_f1"]
+      self.per_class = report["per_class"]
+    else:
+      result["val_perplexity"] = math.exp(min(out[f"{first}_loss"], 50.0))
     return result
 
 
@@ -333,7 +343,7 @@ def _train_locked(exp, rd, progress, force_new, resume_hint):
 
 def _train_loop(run: Run, rd: runs.RunDir, ckpt, ref, progress, resume_hint):
   exp, t = run.exp, run.exp.train
-  loader = make_train_loader(exp, run.dataset)
+  loader = make_train_loader(exp, run.dataset, run.task)
   # Restore into shapes carrying this run's shardings: orbax places each array straight onto its
   # shards (the checkpoint may come from another mesh or device count), nothing is initialised.
   target = step_lib.abstract_state(run.model_config, run.optimizer, run.mesh)
@@ -356,6 +366,8 @@ def _train_loop(run: Run, rd: runs.RunDir, ckpt, ref, progress, resume_hint):
     start = 0
     state = step_lib.init_state(run.model_config, run.optimizer, run.mesh,
                                 jax.random.key(t.seed))
+    if exp.model.get("init_from"):
+      state = _init_from(run, rd, state, exp.model["init_from"])
     loader.set_state({"step": 0})
   # Everything is checked: only now is the directory's snapshot (re)written.
   rd.write_snapshot(exp.to_dict(), run.model_config, ref)
@@ -455,6 +467,10 @@ def _train_loop(run: Run, rd: runs.RunDir, ckpt, ref, progress, resume_hint):
   if not last_eval:  # resumed at the end (the previous run stopped before its final report)
     last_eval = {"step": done, **run.evaluate(params, eval_step)}
   final = {"step": t.steps, **{k: v for k, v in last_eval.items() if k != "step"}}
+  if run.task.name == "classify":
+    final["majority_baseline"] = run.dataset.meta["majority_baseline"]["val_accuracy"]
+    final["labels"] = run.dataset.meta["labels"]
+    final["per_class"] = getattr(run, "per_class", None)
   if jax.process_count() > 1:  # parameters may span hosts: every process joins the gather
     from jax.experimental import multihost_utils
     params = multihost_utils.process_allgather(params, tiled=True)
@@ -465,6 +481,20 @@ def _train_loop(run: Run, rd: runs.RunDir, ckpt, ref, progress, resume_hint):
       final["samples"] = print_samples(run, params)
     rd.write_final(final)
   return final
+
+
+def _init_from(run: Run, rd: runs.RunDir, state, init_from: str):
+  """``state`` with the pretrained tensors of ``init_from`` loaded (and a fresh optimizer state);
+  the report goes to the log and to ``init_from.json`` in the run directory."""
+  from transformer_jax.train import finetune
+  params = jax.device_get(state.params)
+  params, report = finetune.load_pretrained(params, init_from)
+  _log0(finetune.describe(report, init_from))
+  if jax.process_index() == 0:
+    runs.write_atomic(os.path.join(rd.path, "init_from.json"),
+                      json.dumps({"init_from": init_from, **report}, indent=1))
+  return step_lib.place_state(step_lib.TrainState(
+      step=state.step, params=params, opt_state=run.optimizer.init(params)), run.mesh)
 
 
 def _good(step: int | None) -> str:
@@ -545,6 +575,13 @@ def check_bars(run: Run, params, last_eval: dict[str, float]) -> dict[str, Any]:
     margin = float(bars["mlm_accuracy_over_baseline"])
     results["mlm_accuracy_over_baseline"] = {
         "mlm_accuracy": acc, "most_frequent_token_baseline": baseline, "required_margin": margin,
+        "passed": acc - baseline >= margin}
+  if "accuracy_over_majority" in bars:
+    baseline = run.dataset.meta["majority_baseline"]["val_accuracy"]
+    acc = last_eval["val_accuracy"]
+    margin = float(bars["accuracy_over_majority"])
+    results["accuracy_over_majority"] = {
+        "val_accuracy": acc, "majority_baseline": baseline, "required_margin": margin,
         "passed": acc - baseline >= margin}
   if "exact_match" in bars:
     em = seq2seq_exact_match(run, params)
