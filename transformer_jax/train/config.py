@@ -18,6 +18,7 @@ from typing import Any, Literal
 import yaml
 
 from transformer_jax import models
+from transformer_jax.lora import LoRAConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,7 @@ class TrainConfig:
   async_checkpoints: bool = True
   samples: int = 3                        # generated samples printed at the end (GPT)
   sample_tokens: int = 48
+  lora: LoRAConfig | None = None          # rank/alpha/targets: train only adapters (and a head)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +101,8 @@ class Experiment:
   def to_dict(self) -> dict[str, Any]:
     out = dataclasses.asdict(self)
     out["data"]["inputs"] = list(self.data.inputs)
+    if out["train"]["lora"] is not None:
+      out["train"]["lora"]["targets"] = list(self.train.lora.targets)
     return out
 
   def absolute(self) -> "Experiment":
@@ -109,7 +113,7 @@ class Experiment:
 
     def absolute_input(p):  # the named inputs (stdlib, synthetic:TASK) are not paths
       named = (p.startswith("synthetic:") or p.startswith("stdlib:")
-               or (p == "stdlib" and not os.path.exists(p)))
+               or (p in ("stdlib", "stdlib-tests") and not os.path.exists(p)))
       return p if named else os.path.abspath(p)
     data = dataclasses.replace(self.data, path=absolute(self.data.path),
                                inputs=tuple(absolute_input(p) for p in self.data.inputs),
@@ -155,7 +159,8 @@ BARS = ("val_loss_below_unigram", "mlm_accuracy_over_baseline", "exact_match",
         "accuracy_over_majority")
 # What defines an existing run: its model, its data and the order it reads them in. A resumed run
 # may change anything else (steps, optimisation, logging, mesh), as MaxText and HF Trainer allow.
-FIXED = ("model", "data", "train.batch_size", "train.seq_len", "train.seed", "train.dtype")
+FIXED = ("model", "data", "train.batch_size", "train.seq_len", "train.seed", "train.dtype",
+         "train.lora")
 
 _SECTIONS = {"data": DataConfig, "train": TrainConfig, "mesh": MeshConfig}
 _TOP = ("run_dir", "model", "data", "train", "mesh", "bars")
@@ -172,7 +177,14 @@ def _coerce(name: str, value: Any, annotation) -> Any:
   tuple; raises ``ValueError`` naming the key otherwise."""
   origin = typing.get_origin(annotation)
   args = typing.get_args(annotation)
+  if dataclasses.is_dataclass(annotation):  # a nested section (train.lora)
+    if not isinstance(value, dict):
+      raise ValueError(f"{name}={value!r}: expected a mapping")
+    return _build_section(annotation, name, value)
   if origin in (typing.Union, types.UnionType):
+    section = next((a for a in args if dataclasses.is_dataclass(a)), None)
+    if section is not None and isinstance(value, dict):  # its own errors name the nested key
+      return _coerce(name, value, section)
     errors = []
     for arg in args:
       try:

@@ -87,3 +87,43 @@ def describe(report: dict[str, list[str]], init_from: str) -> str:
       f"init_from {init_from}: loaded {len(report['loaded'])} tensors ({names(report['loaded'])})",
       f"  new {len(report['new'])} ({names(report['new']) or '-'})",
       f"  dropped {len(report['dropped'])} ({names(report['dropped']) or '-'})"])
+
+
+def lora_start(model_config: models.ModelConfig, lora_config, seed: int,
+               init_from: str | None = None):
+  """``(trainable, frozen, report)`` of a fresh LoRA run: the base initialised from ``seed``
+  (then ``init_from``'s tensors loaded into it), adapters with B = 0, split by
+  ``lora.TRAINABLE``. A pure function of its arguments, so a resumed run rebuilds the same frozen
+  base. ``report``: see :func:`load_pretrained` (None without ``init_from``)."""
+  from transformer_jax import lora
+  full = jax.jit(lambda k: nnx.state(lora.create(model_config, lora_config, k), nnx.Param))(
+      jax.random.key(seed))
+  report = None
+  if init_from:
+    full, report = load_pretrained(jax.device_get(full), init_from)
+  trainable, frozen = nnx.split_state(full, lora.TRAINABLE, nnx.Param)
+  return trainable, frozen, report
+
+
+def lora_run_config(run_dir: str):
+  """The ``LoRAConfig`` of a run directory's experiment, or None (not a LoRA run)."""
+  raw = runs.RunDir(run_dir).read_config()
+  if not raw or not (raw.get("train") or {}).get("lora"):
+    return None
+  from transformer_jax.train.config import load_experiment
+  return load_experiment(None, raw={**raw, "run_dir": run_dir}).train.lora
+
+
+def load_lora_merged(run_dir: str, *, best: bool = False):
+  """``(config, params)`` of a LoRA run with its adapters merged into the base: the base
+  architecture's parameters, as ``runs.load_model`` gives for a plain run."""
+  from transformer_jax import lora
+  from transformer_jax.train.config import load_experiment
+  rd = runs.RunDir(run_dir)
+  config = rd.require_model()
+  exp = load_experiment(None, raw={**rd.read_config(), "run_dir": rd.path})
+  _, trainable_abs, _ = lora.split(lora.abstract(config, exp.train.lora))
+  trainable, _ = runs.restore_params(rd.checkpoint_dir, config, best=best, target=trainable_abs)
+  _, frozen, _ = lora_start(config, exp.train.lora, exp.train.seed, exp.model.get("init_from"))
+  graphdef = nnx.split(lora.abstract(config, exp.train.lora))[0]
+  return config, lora.merged_params(graphdef, trainable, frozen)
