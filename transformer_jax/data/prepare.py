@@ -16,6 +16,8 @@ Input names:
   * a file, a glob (``**`` allowed) or a directory (recursive; hidden entries and binary files skipped);
     each file is a document, except ``.jsonl`` (one document per line, field ``text_field``) and, for the
     seq2seq task, ``.tsv`` (one ``source<TAB>target`` example per line).
+  * ``stdlib-tests``: the same Python's own test suite (``Lib/test``), which ``stdlib`` leaves out: a
+    second code corpus (for adapting a model trained on ``stdlib``).
   * ``stdlib``: the running Python's standard-library ``.py`` files (``sysconfig.get_paths()["stdlib"]``),
     excluding ``site-packages``/``dist-packages``, test directories (``test``, ``tests``, ``idle_test``),
     ``__pycache__``, ``config-*`` and the platform-specific ``_sysconfigdata*`` file: about 730 files, 12 MB
@@ -79,6 +81,20 @@ class _FileResult:
 
 # ---- input discovery ----------------------------------------------------------------------------------
 
+def _stdlib_test_sources() -> list[_Source]:
+    """The standard library's own test suite (``Lib/test``): code the ``stdlib`` corpus leaves out."""
+    root = sysconfig.get_paths()["stdlib"]
+    sources = []
+    for dirpath, dirnames, filenames in os.walk(os.path.join(root, "test")):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__" and not d.startswith("."))
+        for name in sorted(filenames):
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                rel = os.path.relpath(path, root).replace(os.sep, "/")
+                sources.append(_Source(f"stdlib/{rel}", path, "text"))
+    return sources
+
+
 def _stdlib_sources() -> list[_Source]:
     root = sysconfig.get_paths()["stdlib"]
     sources = []
@@ -129,8 +145,8 @@ def _resolve_inputs(inputs: Sequence[str], task: str) -> tuple[list[_Source], li
             _parse_synthetic(name)  # validate early
             synthetic.append(name)
             continue
-        if name == "stdlib" and not os.path.exists(name):
-            found = _stdlib_sources()
+        if name in ("stdlib", "stdlib-tests") and not os.path.exists(name):
+            found = _stdlib_sources() if name == "stdlib" else _stdlib_test_sources()
             if not found:
                 raise FileNotFoundError(f"no .py files found in the stdlib {sysconfig.get_paths()['stdlib']!r}")
             for s in found:
@@ -379,16 +395,26 @@ def prepare(inputs: Sequence[str], out: str, *, tokenizer: str = "cl100k_base", 
         from transformer_jax.data.classify import prepare_classify
         return prepare_classify(inputs, out, tokenizer=tokenizer, vocab_from=vocab_from,
                                 val_fraction=val_fraction, seed=seed, force=force)
-    if vocab_from is not None:
-        raise ValueError(f"vocab_from is for task='classify', not {task!r}")
+    if vocab_from is not None and task == "seq2seq":
+        raise ValueError("vocab_from is for text and classify datasets, not task='seq2seq'")
     sources, synthetic = _resolve_inputs(inputs, task)
     if synthetic:
         tokenizer = SYNTHETIC_TOKENIZER
     tok = Tokenizer.from_name(tokenizer)
+    reused = None
+    if vocab_from is not None:  # another dataset's ids (a model pretrained on it reads these)
+        with open(os.path.join(vocab_from, METADATA_FILE)) as f:
+            src_meta = json.load(f)
+        tokenizer = src_meta["tokenizer"]
+        if src_meta.get("compact_vocab"):
+            reused = CompactVocab.load(os.path.join(vocab_from, src_meta["compact_vocab"]))
+        tok = Tokenizer.from_name(tokenizer)
+        compact_vocab = False
     options = {"format_version": FORMAT_VERSION, "task": task, "tokenizer": tokenizer,
                "compact_vocab": compact_vocab if isinstance(compact_vocab, bool) else int(compact_vocab),
                "val_fraction": val_fraction, "seed": seed,
-               "text_field": text_field, "synthetic": synthetic}
+               "text_field": text_field, "synthetic": synthetic,
+               **({"vocab_from": reused.to_json()} if reused is not None else {})}
     content_hash = _content_hash(options, sources, max(1, workers))
     if not force and (meta := _is_up_to_date(out, content_hash)) is not None:
         print(f"{out} is up to date (content hash {content_hash[:12]}); nothing to do")
@@ -422,7 +448,10 @@ def prepare(inputs: Sequence[str], out: str, *, tokenizer: str = "cl100k_base", 
               file=sys.stderr)
 
     is_val = split_documents(keys, val_fraction, seed)
-    compact = None
+    compact = reused
+    if reused is not None:
+        docs = [reused.to_compact(a).astype(np.uint32) for a in docs]
+        tok = Tokenizer(tok.name, reused)
     if compact_vocab:
         if tok.name.startswith(CHARS_PREFIX):
             base_eot = []
