@@ -3,6 +3,7 @@
 No Flax here; ``jax`` is only imported lazily for the default process index/count of the loaders.
 """
 
+from transformer_jax.data.classify import ClassifyLoader, classify_eval_batches
 from transformer_jax.data.dataset import Dataset, Stream, load_dataset
 from transformer_jax.data.loaders import (
     BertLoader,
@@ -18,7 +19,7 @@ from transformer_jax.data.prepare import add_prepare_args, prepare, run_prepare,
 from transformer_jax.data.tokenizer import SPECIAL_TOKENS, CompactVocab, Tokenizer
 
 __all__ = [
-    "SPECIAL_TOKENS", "BertLoader", "CompactVocab", "Dataset", "GPTLoader", "Seq2SeqLoader", "Stream",
+    "SPECIAL_TOKENS", "BertLoader", "ClassifyLoader", "classify_eval_batches", "CompactVocab", "Dataset", "GPTLoader", "Seq2SeqLoader", "Stream",
     "Tokenizer", "add_prepare_args", "bert_eval_batches", "gpt_eval_batches", "load_dataset", "make_loader",
     "prepare", "run_prepare", "seq2seq_eval_batches", "synthetic_examples", "unigram_cross_entropy",
 ]

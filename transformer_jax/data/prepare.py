@@ -16,6 +16,8 @@ Input names:
   * a file, a glob (``**`` allowed) or a directory (recursive; hidden entries and binary files skipped);
     each file is a document, except ``.jsonl`` (one document per line, field ``text_field``) and, for the
     seq2seq task, ``.tsv`` (one ``source<TAB>target`` example per line).
+  * ``stdlib-tests``: the same Python's own test suite (``Lib/test``), which ``stdlib`` leaves out: a
+    second code corpus (for adapting a model trained on ``stdlib``).
   * ``stdlib``: the running Python's standard-library ``.py`` files (``sysconfig.get_paths()["stdlib"]``),
     excluding ``site-packages``/``dist-packages``, test directories (``test``, ``tests``, ``idle_test``),
     ``__pycache__``, ``config-*`` and the platform-specific ``_sysconfigdata*`` file: about 730 files, 12 MB
@@ -46,7 +48,7 @@ from tqdm.auto import tqdm
 from transformer_jax.data.tokenizer import CHARS_PREFIX, CompactVocab, Tokenizer
 
 FORMAT_VERSION = 1
-TASKS = ("gpt", "bert", "seq2seq")
+TASKS = ("gpt", "bert", "seq2seq", "classify")
 SPLITS = ("train", "val")
 METADATA_FILE = "metadata.json"
 COMPACT_VOCAB_FILE = "vocab.json"
@@ -78,6 +80,20 @@ class _FileResult:
 
 
 # ---- input discovery ----------------------------------------------------------------------------------
+
+def _stdlib_test_sources() -> list[_Source]:
+    """The standard library's own test suite (``Lib/test``): code the ``stdlib`` corpus leaves out."""
+    root = sysconfig.get_paths()["stdlib"]
+    sources = []
+    for dirpath, dirnames, filenames in os.walk(os.path.join(root, "test")):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__" and not d.startswith("."))
+        for name in sorted(filenames):
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                rel = os.path.relpath(path, root).replace(os.sep, "/")
+                sources.append(_Source(f"stdlib/{rel}", path, "text"))
+    return sources
+
 
 def _stdlib_sources() -> list[_Source]:
     root = sysconfig.get_paths()["stdlib"]
@@ -129,8 +145,8 @@ def _resolve_inputs(inputs: Sequence[str], task: str) -> tuple[list[_Source], li
             _parse_synthetic(name)  # validate early
             synthetic.append(name)
             continue
-        if name == "stdlib" and not os.path.exists(name):
-            found = _stdlib_sources()
+        if name in ("stdlib", "stdlib-tests") and not os.path.exists(name):
+            found = _stdlib_sources() if name == "stdlib" else _stdlib_test_sources()
             if not found:
                 raise FileNotFoundError(f"no .py files found in the stdlib {sysconfig.get_paths()['stdlib']!r}")
             for s in found:
@@ -341,7 +357,8 @@ def _is_up_to_date(out: str, content_hash: str) -> dict[str, Any] | None:
 
 def prepare(inputs: Sequence[str], out: str, *, tokenizer: str = "cl100k_base", compact_vocab: bool | int = False,
             task: str = "gpt", val_fraction: float = 0.05, seed: int = 0, workers: int = 2,
-            text_field: str = "text", force: bool = False, progress: bool = True) -> dict[str, Any]:
+            text_field: str = "text", force: bool = False, progress: bool = True,
+            vocab_from: str | None = None) -> dict[str, Any]:
     """Tokenizes a corpus into a dataset directory (see the module docstring for the layout).
 
     Args:
@@ -353,7 +370,8 @@ def prepare(inputs: Sequence[str], out: str, *, tokenizer: str = "cl100k_base", 
             rows); stored as ``vocab.json``. An integer ``N`` keeps only the ``N`` most frequent ids of the
             training documents (the rest become ``[UNK]``): for small CPU runs the softmax over the
             vocabulary dominates the step.
-        task: ``"gpt"``, ``"bert"`` (same on-disk format) or ``"seq2seq"`` (pairs).
+        task: ``"gpt"``, ``"bert"`` (same on-disk format), ``"seq2seq"`` (pairs) or ``"classify"``
+            (labelled examples, see ``data.classify``).
         val_fraction: Fraction of documents for validation, or a whole number ``>= 1`` of validation documents.
         seed: Seed of the train/val split and of synthetic data.
         workers: Threads for reading and tokenizing (tiktoken's BPE releases the GIL, so threads use all
@@ -361,6 +379,8 @@ def prepare(inputs: Sequence[str], out: str, *, tokenizer: str = "cl100k_base", 
         text_field: Field holding the text in ``.jsonl`` inputs.
         force: Rebuild even if the directory is up to date.
         progress: Show a tqdm progress bar.
+        vocab_from: ``classify`` only: a prepared dataset whose tokenizer and compact vocabulary to
+            reuse (the ids of a model pretrained on it).
 
     Returns:
         The metadata dict written to ``out/metadata.json``.
@@ -371,14 +391,30 @@ def prepare(inputs: Sequence[str], out: str, *, tokenizer: str = "cl100k_base", 
     """
     if task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    if task == "classify":
+        from transformer_jax.data.classify import prepare_classify
+        return prepare_classify(inputs, out, tokenizer=tokenizer, vocab_from=vocab_from,
+                                val_fraction=val_fraction, seed=seed, force=force)
+    if vocab_from is not None and task == "seq2seq":
+        raise ValueError("vocab_from is for text and classify datasets, not task='seq2seq'")
     sources, synthetic = _resolve_inputs(inputs, task)
     if synthetic:
         tokenizer = SYNTHETIC_TOKENIZER
     tok = Tokenizer.from_name(tokenizer)
+    reused = None
+    if vocab_from is not None:  # another dataset's ids (a model pretrained on it reads these)
+        with open(os.path.join(vocab_from, METADATA_FILE)) as f:
+            src_meta = json.load(f)
+        tokenizer = src_meta["tokenizer"]
+        if src_meta.get("compact_vocab"):
+            reused = CompactVocab.load(os.path.join(vocab_from, src_meta["compact_vocab"]))
+        tok = Tokenizer.from_name(tokenizer)
+        compact_vocab = False
     options = {"format_version": FORMAT_VERSION, "task": task, "tokenizer": tokenizer,
                "compact_vocab": compact_vocab if isinstance(compact_vocab, bool) else int(compact_vocab),
                "val_fraction": val_fraction, "seed": seed,
-               "text_field": text_field, "synthetic": synthetic}
+               "text_field": text_field, "synthetic": synthetic,
+               **({"vocab_from": reused.to_json()} if reused is not None else {})}
     content_hash = _content_hash(options, sources, max(1, workers))
     if not force and (meta := _is_up_to_date(out, content_hash)) is not None:
         print(f"{out} is up to date (content hash {content_hash[:12]}); nothing to do")
@@ -412,7 +448,10 @@ def prepare(inputs: Sequence[str], out: str, *, tokenizer: str = "cl100k_base", 
               file=sys.stderr)
 
     is_val = split_documents(keys, val_fraction, seed)
-    compact = None
+    compact = reused
+    if reused is not None:
+        docs = [reused.to_compact(a).astype(np.uint32) for a in docs]
+        tok = Tokenizer(tok.name, reused)
     if compact_vocab:
         if tok.name.startswith(CHARS_PREFIX):
             base_eot = []
@@ -472,7 +511,8 @@ def prepare(inputs: Sequence[str], out: str, *, tokenizer: str = "cl100k_base", 
 def add_prepare_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Adds the ``tjax prepare`` arguments to ``parser``."""
     parser.add_argument("inputs", nargs="+", metavar="INPUT",
-                        help="files, globs, directories, 'stdlib', or synthetic:reverse|sort|add[:COUNT]")
+                        help="files, globs, directories, 'stdlib', synthetic:reverse|sort|add[:COUNT], or (classify) "
+                        "stdlib:packages")
     parser.add_argument("--out", required=True, help="output dataset directory")
     parser.add_argument("--tokenizer", default="cl100k_base", help="tiktoken encoding or chars:ALPHABET")
     parser.add_argument("--compact-vocab", nargs="?", const=True, default=False, type=int,
@@ -485,6 +525,8 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--text-field", default="text", help="text field of .jsonl inputs")
     parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    parser.add_argument("--vocab-from", default=None, metavar="DIR",
+                        help="classify: reuse the tokenizer and compact vocabulary of this dataset")
     return parser
 
 
@@ -493,7 +535,7 @@ def run_prepare(args: argparse.Namespace) -> int:
     try:
         meta = prepare(args.inputs, args.out, tokenizer=args.tokenizer, compact_vocab=args.compact_vocab,
                        task=args.task, val_fraction=args.val_fraction, seed=args.seed, workers=args.workers,
-                       text_field=args.text_field, force=args.force)
+                       text_field=args.text_field, force=args.force, vocab_from=args.vocab_from)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"tjax prepare: error: {e}", file=sys.stderr)
         return 1

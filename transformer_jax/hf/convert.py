@@ -30,10 +30,16 @@ def from_hf(hf_dir: str | os.PathLike, out_run_dir: str | os.PathLike) -> str:
 
 def to_hf(run_dir_path: str | os.PathLike, out_dir: str | os.PathLike, *,
           architecture: str | None = None) -> str:
-  """Writes the model of a run directory as a Hugging Face checkpoint; returns the architecture."""
-  from transformer_jax import runs
+  """Writes the model of a run directory as a Hugging Face checkpoint; returns the architecture.
 
-  config, params = runs.load_model(run_dir_path)
+  A LoRA run (``train.lora``) is written with its adapters merged into the base weights."""
+  from transformer_jax import runs
+  from transformer_jax.train import finetune
+
+  if finetune.lora_run_config(os.fspath(run_dir_path)) is not None:
+    config, params = finetune.load_lora_merged(os.fspath(run_dir_path))
+  else:
+    config, params = runs.load_model(run_dir_path)
   if not isinstance(params, nnx.State):
     # A plain nested dict of arrays: put it into the abstract model's state.
     _, state = nnx.split(models.abstract(config))

@@ -147,4 +147,6 @@ class Attention(nnx.Module):
     y_BTD = jnp.einsum("BTE,ED->BTD", out_BTNH.reshape(b, t, n * h).astype(proj.dtype), kernel_ED)
     if proj.bias is not None:
       y_BTD = y_BTD + proj.bias[...].astype(proj.dtype)
+    if proj.lora is not None:
+      y_BTD = y_BTD + proj.lora(out_BTNH.astype(proj.dtype)).astype(y_BTD.dtype)
     return y_BTD

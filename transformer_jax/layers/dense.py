@@ -17,7 +17,8 @@ class Projection(nnx.Module):
   """A linear map written as an einsum, e.g. ``"BTD,DNH->BTNH"``, with an optional bias.
 
   The kernel's shape and logical axes are given explicitly, so attention projections keep their
-  head structure (``[D, N, H]``) and need no reshapes.
+  head structure (``[D, N, H]``) and need no reshapes. ``lora``: an optional low-rank adapter
+  (``transformer_jax.lora``) whose output is added; None in a plain model.
   """
 
   def __init__(self, einsum: str, kernel_shape: Sequence[int], kernel_axes: Sequence[str], *,
@@ -28,11 +29,14 @@ class Projection(nnx.Module):
     self.kernel = param(rngs, normal(init_std), kernel_shape, kernel_axes, param_dtype)
     self.bias = (param(rngs, zeros, bias_shape, bias_axes, param_dtype)
                  if bias_shape is not None else None)
+    self.lora = nnx.data(None)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     y = jnp.einsum(self.einsum, x.astype(self.dtype), self.kernel[...].astype(self.dtype))
     if self.bias is not None:
       y = y + self.bias[...].astype(self.dtype)
+    if self.lora is not None:
+      y = y + self.lora(x.astype(self.dtype)).astype(y.dtype)
     return y
 
 

@@ -29,6 +29,11 @@ def _positive(cfg, *names):
       raise ValueError(f"{name}={value!r} must be a positive integer")
 
 
+def _num_labels(cfg):
+  if isinstance(cfg.num_labels, bool) or not isinstance(cfg.num_labels, int) or cfg.num_labels < 0:
+    raise ValueError(f"num_labels={cfg.num_labels!r} must be an integer >= 0")
+
+
 def _choice(cfg, name, choices):
   value = getattr(cfg, name)
   if value not in choices:
@@ -107,6 +112,7 @@ class GPTConfig(_Heads):
   gated: bool = False                  # SwiGLU/GeGLU feed-forward (LLaMA)
   use_bias: bool = True                # biases on projections (GPT-2 yes, LLaMA no)
   tie_embeddings: bool = True          # output projection = token embedding^T (GPT-2)
+  num_labels: int = 0                  # > 0 adds a classification head on the last real token
   rope_theta: float = 10000.0
   rope_interleaved: bool = False       # GPT-J pairing; default is LLaMA's rotate-half
   rope_scaling: ops.RopeScaling | None = None
@@ -124,6 +130,7 @@ class GPTConfig(_Heads):
   def __post_init__(self):
     self._validate_heads()
     _positive(self, "num_layers")
+    _num_labels(self)
     _choice(self, "position", ("learned", "sinusoidal", "rope", "alibi", "none"))
     _choice(self, "norm", ("layernorm", "rmsnorm"))
     _choice(self, "activation", _ACTIVATIONS)
@@ -178,8 +185,7 @@ class BERTConfig(_Heads):
     self._validate_heads()
     _positive(self, "num_layers", "type_vocab_size")
     _choice(self, "activation", _ACTIVATIONS)
-    if not isinstance(self.num_labels, int) or self.num_labels < 0:
-      raise ValueError(f"num_labels={self.num_labels!r} must be an integer >= 0")
+    _num_labels(self)
 
   def block_config(self) -> BlockConfig:
     return BlockConfig(
@@ -216,6 +222,7 @@ class Seq2SeqConfig(_Heads):
   tie_embeddings: bool = True          # output projection = shared embedding^T
   embed_scale: bool = True             # multiply embeddings by sqrt(d_model) (Vaswani 3.4)
   logits_rescale: bool = False         # T5 (tied): decoder output * d_model^-0.5 before projecting
+  num_labels: int = 0                  # > 0 adds a classification head on the mean encoder state
   scale_attention: bool = True         # T5 folds 1/sqrt(H) into its initialisation: False
   dropout_rate: float = 0.1
   attention_dropout_rate: float = 0.0
@@ -233,6 +240,7 @@ class Seq2SeqConfig(_Heads):
     self._validate_heads()
     _positive(self, "num_encoder_layers", "num_decoder_layers", "relative_num_buckets",
               "relative_max_distance")
+    _num_labels(self)
     _choice(self, "position", ("sinusoidal", "relative"))
     _rate(self, "ffn_dropout_rate")
     _choice(self, "norm", ("layernorm", "rmsnorm"))

@@ -41,6 +41,7 @@ def param_count(config: ModelConfig) -> ParamCount:
       block = _attention(c, c.use_bias) + _mlp(c, c.gated, c.use_bias) + 2 * _norm(c.d_model, c.norm)
       tables = c.vocab_size * c.d_model + (c.max_len * c.d_model if c.position == "learned" else 0)
       head = 0 if c.tie_embeddings else c.d_model * c.vocab_size
+      head += c.d_model * c.num_labels + c.num_labels
       return ParamCount(tables + c.num_layers * block + _norm(c.d_model, c.norm) + head, tables)
     case BERTConfig():
       block = _attention(c, True) + _mlp(c, False, True) + 2 * _norm(c.d_model, "layernorm")
@@ -58,6 +59,7 @@ def param_count(config: ModelConfig) -> ParamCount:
       rel = 2 * c.relative_num_buckets * c.num_heads if c.position == "relative" else 0
       final = 2 * norm if c.pre_norm else 0
       head = 0 if c.tie_embeddings else c.d_model * c.vocab_size
+      head += c.d_model * c.num_labels + c.num_labels
       return ParamCount(tables + rel + enc + dec + final + head, tables + rel)
     case _:
       raise TypeError(f"not a model config: {type(config).__name__}")

@@ -36,6 +36,11 @@ class GPT(nnx.Module):
     self.lm_head = (None if c.tie_embeddings else Projection(
         "BTD,DV->BTV", (c.d_model, c.vocab_size), (ax.EMBED, ax.VOCAB), init_std=c.init_std,
         dtype=dtype, param_dtype=param_dtype, rngs=rngs))
+    self.classifier = (Projection("BD,DC->BC", (c.d_model, c.num_labels), (ax.EMBED, ax.CLASSES),
+                                  bias_shape=(c.num_labels,), bias_axes=(ax.CLASSES,),
+                                  init_std=c.init_std, dtype=dtype, param_dtype=param_dtype,
+                                  rngs=rngs)
+                       if c.num_labels else None)
 
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                segment_ids: jax.Array | None = None, attention_mask: jax.Array | None = None, *,
@@ -114,6 +119,25 @@ class GPT(nnx.Module):
         bias_params=jnp.asarray(ops.alibi_slopes(c.num_heads), jnp.float32) if alibi else None,
         dropout_rng=blocks_rng, cache=cache, layer_params=layer_params)
     return self.final_norm(x_BTD), cache
+
+  def classify(self, tokens: jax.Array, attention_mask: jax.Array | None = None, *,
+               dropout_rng: jax.Array | None = None) -> jax.Array:
+    """Classification logits ``[B, num_labels]`` (float32) from the final hidden state of each
+    row's last real token (the only one that has seen the whole text under a causal mask).
+
+    ``attention_mask``: ``[B, T]``, False for right padding (default: no padding).
+    """
+    if self.classifier is None:
+      raise ValueError("this GPT has no classification head: set num_labels > 0 in its config")
+    x_BTD = self.hidden_states(tokens, attention_mask=attention_mask, dropout_rng=dropout_rng)
+    b, t = tokens.shape
+    if attention_mask is None:
+      last_B = jnp.full((b,), t - 1)
+    else:
+      valid_BT = jnp.broadcast_to(jnp.asarray(attention_mask).astype(bool), (b, t))
+      last_B = jnp.maximum(jnp.sum(valid_BT, axis=1) - 1, 0)
+    x_BD = jnp.take_along_axis(x_BTD, last_B[:, None, None], axis=1)[:, 0]
+    return self.classifier(x_BD).astype(jnp.float32)
 
   @staticmethod
   def init_cache(config: GPTConfig, batch_size: int, max_len: int, dtype: jnp.dtype) -> KVCache:

@@ -43,6 +43,11 @@ class Seq2Seq(nnx.Module):
     self.lm_head = (None if c.tie_embeddings else Projection(
         "BTD,DV->BTV", (c.d_model, c.vocab_size), (ax.EMBED, ax.VOCAB), init_std=c.init_std,
         dtype=dtype, param_dtype=param_dtype, rngs=rngs))
+    self.classifier = (Projection("BD,DC->BC", (c.d_model, c.num_labels), (ax.EMBED, ax.CLASSES),
+                                  bias_shape=(c.num_labels,), bias_axes=(ax.CLASSES,),
+                                  init_std=c.init_std, dtype=dtype, param_dtype=param_dtype,
+                                  rngs=rngs)
+                       if c.num_labels else None)
 
   def _embed(self, ids_BT: jax.Array, positions_BT: jax.Array | None,
              rng: jax.Array | None) -> jax.Array:
@@ -78,6 +83,18 @@ class Seq2Seq(nnx.Module):
     if self.encoder_norm is not None:
       x_BSD = ops.dropout(self.encoder_norm(x_BSD), c.dropout_rate, out_rng)
     return x_BSD
+
+  def classify(self, src: jax.Array, src_mask: jax.Array | None = None, *,
+               dropout_rng: jax.Array | None = None) -> jax.Array:
+    """Classification logits ``[B, num_labels]`` (float32) from the mean of the encoder states
+    over the real source tokens (the encoder has no [CLS] position); the decoder is unused."""
+    if self.classifier is None:
+      raise ValueError("this Seq2Seq has no classification head: set num_labels > 0 in its config")
+    x_BSD = self.encode(src, src_mask, dropout_rng=dropout_rng).astype(jnp.float32)
+    valid_BS = (jnp.ones(src.shape, bool) if src_mask is None else _valid(src_mask, src))
+    w_BS = valid_BS.astype(jnp.float32)
+    pooled_BD = jnp.sum(x_BSD * w_BS[..., None], 1) / jnp.maximum(jnp.sum(w_BS, 1), 1.0)[:, None]
+    return self.classifier(pooled_BD).astype(jnp.float32)
 
   def decode(self, tgt_in: jax.Array, encoder_out: jax.Array | None,
              src_mask: jax.Array | None = None, tgt_mask: jax.Array | None = None, *,

@@ -17,3 +17,4 @@ POSITIONS = "positions"  # learned position table rows
 TYPES = "types"          # token-type table rows
 BUCKETS = "buckets"      # relative-position buckets
 CLASSES = "classes"      # classifier outputs
+LORA_RANK = "lora_rank"  # the rank r of a LoRA adapter

@@ -52,6 +52,9 @@ RULES: Rules = (
     (ax.TYPES, None),
     (ax.BUCKETS, None),
     (ax.CLASSES, None),
+    # LoRA adapters: A [in, r] and B [r, out] name their in/out dims like the kernel they adapt
+    # (embed over fsdp, heads/mlp over tensor); the rank is small and stays whole.
+    (ax.LORA_RANK, None),
 )
 
 # Activations at block boundaries: [B, T, D] split over batch and length, the width whole.

@@ -18,17 +18,19 @@ from typing import Any, Literal
 import yaml
 
 from transformer_jax import models
+from transformer_jax.lora import LoRAConfig
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
   path: str | None = None                 # a prepared dataset directory (tjax prepare)
   inputs: tuple[str, ...] = ()            # prepared into `path` on first use if it is missing
-  task: Literal["gpt", "bert", "seq2seq"] = "gpt"
+  task: Literal["gpt", "bert", "seq2seq", "classify"] = "gpt"
   tokenizer: str = "cl100k_base"
   compact_vocab: bool | int = False       # true: ids the corpus uses; N: its N most frequent
   val_fraction: float = 0.05
   mask_prob: float = 0.15                 # BERT masked-LM rate
+  vocab_from: str | None = None           # classify: reuse this dataset's tokenizer/vocabulary
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +60,7 @@ class TrainConfig:
   async_checkpoints: bool = True
   samples: int = 3                        # generated samples printed at the end (GPT)
   sample_tokens: int = 48
+  lora: LoRAConfig | None = None          # rank/alpha/targets: train only adapters (and a head)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +85,11 @@ class Experiment:
     spec = dict(self.model)
     if self.train.dtype is not None:
       spec.setdefault("dtype", self.train.dtype)
+    init_from = spec.pop("init_from", None)
+    if init_from is not None:  # the pretrained model's architecture, the YAML's keys on top
+      from transformer_jax.train import finetune
+      extra = {k: v for k, v in defaults.items() if k != "vocab_size"}
+      return finetune.model_config(init_from, {**extra, **spec})
     if "family" in spec:  # a complete config, as in a run directory's model.yaml
       return models.config_from_dict({**defaults, **spec})
     preset = spec.pop("preset", None)
@@ -93,6 +101,8 @@ class Experiment:
   def to_dict(self) -> dict[str, Any]:
     out = dataclasses.asdict(self)
     out["data"]["inputs"] = list(self.data.inputs)
+    if out["train"]["lora"] is not None:
+      out["train"]["lora"]["targets"] = list(self.train.lora.targets)
     return out
 
   def absolute(self) -> "Experiment":
@@ -102,11 +112,17 @@ class Experiment:
       return None if p is None else os.path.abspath(p)
 
     def absolute_input(p):  # the named inputs (stdlib, synthetic:TASK) are not paths
-      named = p.startswith("synthetic:") or (p == "stdlib" and not os.path.exists(p))
+      named = (p.startswith("synthetic:") or p.startswith("stdlib:")
+               or (p in ("stdlib", "stdlib-tests") and not os.path.exists(p)))
       return p if named else os.path.abspath(p)
     data = dataclasses.replace(self.data, path=absolute(self.data.path),
-                               inputs=tuple(absolute_input(p) for p in self.data.inputs))
-    return dataclasses.replace(self, run_dir=os.path.abspath(self.run_dir), data=data)
+                               inputs=tuple(absolute_input(p) for p in self.data.inputs),
+                               vocab_from=absolute(self.data.vocab_from))
+    model = dict(self.model)
+    if isinstance(model.get("init_from"), str):
+      model["init_from"] = os.path.abspath(model["init_from"])
+    return dataclasses.replace(self, run_dir=os.path.abspath(self.run_dir), data=data,
+                               model=model)
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
@@ -139,10 +155,12 @@ def fixed_changes(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
 
 
 # Learning bars: checked and reported at the end of a run (enforced with ``--check-bars``).
-BARS = ("val_loss_below_unigram", "mlm_accuracy_over_baseline", "exact_match")
+BARS = ("val_loss_below_unigram", "mlm_accuracy_over_baseline", "exact_match",
+        "accuracy_over_majority")
 # What defines an existing run: its model, its data and the order it reads them in. A resumed run
 # may change anything else (steps, optimisation, logging, mesh), as MaxText and HF Trainer allow.
-FIXED = ("model", "data", "train.batch_size", "train.seq_len", "train.seed", "train.dtype")
+FIXED = ("model", "data", "train.batch_size", "train.seq_len", "train.seed", "train.dtype",
+         "train.lora")
 
 _SECTIONS = {"data": DataConfig, "train": TrainConfig, "mesh": MeshConfig}
 _TOP = ("run_dir", "model", "data", "train", "mesh", "bars")
@@ -159,7 +177,14 @@ def _coerce(name: str, value: Any, annotation) -> Any:
   tuple; raises ``ValueError`` naming the key otherwise."""
   origin = typing.get_origin(annotation)
   args = typing.get_args(annotation)
+  if dataclasses.is_dataclass(annotation):  # a nested section (train.lora)
+    if not isinstance(value, dict):
+      raise ValueError(f"{name}={value!r}: expected a mapping")
+    return _build_section(annotation, name, value)
   if origin in (typing.Union, types.UnionType):
+    section = next((a for a in args if dataclasses.is_dataclass(a)), None)
+    if section is not None and isinstance(value, dict):  # its own errors name the nested key
+      return _coerce(name, value, section)
     errors = []
     for arg in args:
       try:
@@ -336,6 +361,12 @@ def _validate(exp: Experiment) -> None:
       raise ValueError(f"bars.{key}={value!r}: expected a finite number")
   if exp.data.path is None and not exp.data.inputs:
     raise ValueError("data.path or data.inputs must be given")
-  if "preset" not in exp.model and "family" not in exp.model:
+  init_from = exp.model.get("init_from")
+  if init_from is not None and not isinstance(init_from, str):
+    raise ValueError(f"model.init_from={init_from!r}: expected a run directory path")
+  if init_from is not None and ("preset" in exp.model or "family" in exp.model):
+    raise ValueError("model.init_from takes the pretrained model's architecture: drop "
+                     "model.preset/model.family")
+  if "preset" not in exp.model and "family" not in exp.model and init_from is None:
     raise ValueError("model.preset (or a full model with model.family) is required; "
                      "see `tjax info` for the presets")

@@ -27,6 +27,9 @@ class TrainState:
   step: jax.Array            # int32 scalar: optimizer steps taken
   params: Any                # nnx.State of nnx.Param (float32 master weights)
   opt_state: Any             # optax state
+  # Parameters held fixed (the base model of a LoRA run): an input of the forward pass only, not
+  # differentiated, not in the optimizer, not checkpointed. None when every parameter trains.
+  frozen: Any = None
 
 
 def create_state(params, optimizer: optax.GradientTransformation) -> TrainState:
@@ -52,7 +55,8 @@ def make_train_step(graphdef: nnx.GraphDef, task, optimizer: optax.GradientTrans
     rng = step_rng(seed, state.step)
 
     def micro_loss(params, micro, key):
-      model = nnx.merge(graphdef, params)
+      model = (nnx.merge(graphdef, params) if state.frozen is None
+               else nnx.merge(graphdef, params, state.frozen))
       loss_sums, metric_sums = task.sums(model, micro, key, label_smoothing=label_smoothing,
                                          z_loss=z_loss)
       loss = sum(loss_sums[t] / jnp.maximum(counts[t], 1.0) for t in task.loss_terms)
@@ -83,7 +87,8 @@ def make_train_step(graphdef: nnx.GraphDef, task, optimizer: optax.GradientTrans
     metrics = tasks_lib.summarize(task, sums, counts)
     metrics["loss"] = loss
     metrics["grad_norm"] = optax.tree.norm(grads)
-    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
+                      frozen=state.frozen), metrics
 
   return train_step
 
@@ -108,8 +113,11 @@ def state_shardings(state: TrainState, mesh: Mesh, rules: parallel.Rules = paral
   """``NamedSharding`` of every leaf of ``state`` (arrays or shapes): parameters by their logical
   axes, optimizer moments like their parameters, counters replicated."""
   params = parallel.param_shardings(state.params, mesh, rules)
+  frozen = (None if state.frozen is None
+            else parallel.param_shardings(state.frozen, mesh, rules))
   return TrainState(step=replicated(mesh), params=params,
-                    opt_state=parallel.shardings_like(state.opt_state, state.params, params, mesh))
+                    opt_state=parallel.shardings_like(state.opt_state, state.params, params, mesh),
+                    frozen=frozen)
 
 
 def abstract_state(model_config, optimizer: optax.GradientTransformation, mesh: Mesh,

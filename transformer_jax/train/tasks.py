@@ -12,6 +12,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from transformer_jax import data as data_lib
 from transformer_jax import models, ops
@@ -195,7 +196,97 @@ class Seq2SeqTask:
     return loss, metrics
 
 
-TASKS = {"gpt": GPTTask, "bert": BERTTask, "seq2seq": Seq2SeqTask}
+class ClassifyTask:
+  """Sequence classification: cross-entropy over labels, one prediction per example.
+
+  The same task serves every family, each pooling in its own way: BERT the [CLS] position (its
+  pooler), GPT the last real token, a seq2seq model the mean of its encoder states. Eval sums a
+  confusion summary per class (true, predicted, correct) for macro-F1 and per-class counts.
+  """
+
+  name = "classify"
+  config_type = (models.BERTConfig, models.GPTConfig, models.Seq2SeqConfig)
+  loss_terms = ("cls",)
+  keys = ("tokens", "token_types", "attention_mask", "labels", "label_mask")
+  token_keys = ("tokens",)
+  uses_seq_len = True
+  bars = ("accuracy_over_majority",)
+
+  def __init__(self, family: str = "bert", num_labels: int | None = None):
+    if family not in ("bert", "gpt", "seq2seq"):
+      raise ValueError(f"family={family!r}: expected 'bert', 'gpt' or 'seq2seq'")
+    self.family = family
+    self.num_labels = num_labels
+
+  @classmethod
+  def from_experiment(cls, exp, model_config=None) -> "ClassifyTask":
+    family = "bert" if model_config is None else family_task(model_config)
+    return cls(family, getattr(model_config, "num_labels", None))
+
+  def loader(self, dataset, exp):
+    t = exp.train
+    return data_lib.ClassifyLoader(dataset, batch_size=t.batch_size, seq_len=t.seq_len,
+                                   seed=t.seed, cls_token=self.family == "bert")
+
+  def eval_batches(self, dataset, exp):
+    t = exp.train
+    return data_lib.classify_eval_batches(dataset, batch_size=t.batch_size, seq_len=t.seq_len,
+                                          cls_token=self.family == "bert",
+                                          max_batches=t.eval_batches)
+
+  @staticmethod
+  def counts(batch: Batch) -> dict[str, jax.Array]:
+    return {"cls": jnp.sum(batch["label_mask"].astype(jnp.float32))}
+
+  @staticmethod
+  def batch_shapes(batch_size: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
+    out = _shapes(batch_size, seq_len, ints=("tokens", "token_types"), bools=("attention_mask",),
+                  rows=("labels",))
+    out["label_mask"] = jax.ShapeDtypeStruct((batch_size,), jnp.bool_)
+    return out
+
+  def logits(self, model, batch: Batch, rng) -> jax.Array:
+    """``[B, C]`` float32 logits of the family's classification entry point."""
+    mask = batch["attention_mask"]
+    match self.family:
+      case "bert":
+        return model.classify(batch["tokens"], batch["token_types"], mask, dropout_rng=rng)
+      case "gpt":
+        return model.classify(batch["tokens"], mask, dropout_rng=rng)
+      case _:
+        return model.classify(batch["tokens"], mask, dropout_rng=rng)
+
+  def sums(self, model, batch: Batch, rng, *, label_smoothing=0.0, z_loss=0.0):
+    logits_BC = self.logits(model, batch, rng)
+    labels_B, mask_B = batch["labels"], batch["label_mask"]
+    loss = {"cls": _ce_sum(logits_BC[:, None], labels_B[:, None], mask_B[:, None],
+                           label_smoothing, z_loss)}
+    pred_B = jnp.argmax(logits_BC, -1)
+    w_B = mask_B.astype(jnp.float32)
+    c = logits_BC.shape[-1]
+    true_BC = jax.nn.one_hot(labels_B, c) * w_B[:, None]
+    pred_BC = jax.nn.one_hot(pred_B, c) * w_B[:, None]
+    metrics = {"cls_correct": jnp.sum((pred_B == labels_B) * w_B),
+               "cls_true": jnp.sum(true_BC, 0), "cls_pred": jnp.sum(pred_BC, 0),
+               "cls_hit": jnp.sum(true_BC * pred_BC, 0)}
+    return loss, metrics
+
+  @staticmethod
+  def report(sums) -> dict:
+    """Accuracy, macro-F1 (classes with no example and no prediction left out) and per-class
+    counts from summed eval metrics."""
+    true, pred, hit = (np.asarray(sums[k], np.float64) for k in ("cls_true", "cls_pred",
+                                                                  "cls_hit"))
+    denom = true + pred
+    present = denom > 0
+    f1 = np.where(present, 2 * hit / np.maximum(denom, 1), 0.0)
+    return {"accuracy": float(hit.sum() / max(true.sum(), 1)),
+            "macro_f1": float(f1[present].mean()) if present.any() else 0.0,
+            "per_class": {"true": true.astype(int).tolist(), "predicted": pred.astype(int).tolist(),
+                          "correct": hit.astype(int).tolist()}}
+
+
+TASKS = {"gpt": GPTTask, "bert": BERTTask, "seq2seq": Seq2SeqTask, "classify": ClassifyTask}
 
 
 def get_task(name: str, **options):
@@ -221,12 +312,18 @@ def for_experiment(exp, model_config: models.ModelConfig):
     if bar not in cls.bars:
       raise ValueError(f"bars.{bar}: not a learning bar of data.task={cls.name!r} (it has "
                        f"{', '.join(cls.bars)})")
+  if cls is ClassifyTask:
+    if not getattr(model_config, "num_labels", 0):
+      raise ValueError("data.task='classify' needs a model with num_labels > 0 (taken from the "
+                       "dataset's labels)")
+    return cls.from_experiment(exp, model_config)
   return cls.from_experiment(exp)
 
 
 def family_task(config: models.ModelConfig) -> str:
   """The task name of a model's family (``gpt``, ``bert``, ``seq2seq``)."""
-  return next(name for name, c in TASKS.items() if isinstance(config, c.config_type))
+  return next(name for name, c in TASKS.items()
+              if name != "classify" and isinstance(config, c.config_type))
 
 
 def check_token_ids(task, batch, vocab_size: int) -> None:

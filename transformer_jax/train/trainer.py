@@ -26,9 +26,12 @@ import zlib
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from transformer_jax import data as data_lib
+from transformer_jax import lora as lora_lib
 from transformer_jax import models, parallel, runs, runtime
 from transformer_jax.train import step as step_lib
 from transformer_jax.train import tasks as tasks_lib
@@ -59,7 +62,8 @@ def ensure_dataset(exp: Experiment, *, prepare: bool = True) -> data_lib.Dataset
     if jax.process_index() == 0:
       print(f"preparing {', '.join(d.inputs)} -> {path}", flush=True)
       data_lib.prepare(list(d.inputs), path, tokenizer=d.tokenizer, compact_vocab=d.compact_vocab,
-                       task=d.task, val_fraction=d.val_fraction, seed=exp.train.seed)
+                       task=d.task, val_fraction=d.val_fraction, seed=exp.train.seed,
+                       vocab_from=d.vocab_from)
   if jax.process_count() > 1:  # the others wait for process 0's preparation
     from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices("tjax dataset")
@@ -70,12 +74,12 @@ def ensure_dataset(exp: Experiment, *, prepare: bool = True) -> data_lib.Dataset
   return dataset
 
 
-def make_train_loader(exp: Experiment, dataset):
-  return tasks_lib.TASKS[exp.data.task].loader(dataset, exp)
+def make_train_loader(exp: Experiment, dataset, task=None):
+  return (task or tasks_lib.TASKS[exp.data.task]).loader(dataset, exp)
 
 
-def eval_batches(exp: Experiment, dataset):
-  return tasks_lib.TASKS[exp.data.task].eval_batches(dataset, exp)
+def eval_batches(exp: Experiment, dataset, task=None):
+  return (task or tasks_lib.TASKS[exp.data.task]).eval_batches(dataset, exp)
 
 
 def _batch_tokens(batch) -> int:
@@ -216,15 +220,21 @@ class Run:
     """
     dataset = ensure_dataset(exp, prepare=prepare)
     if model_config is None:
-      model_config = exp.model_config(vocab_size=dataset.vocab_size)
+      defaults = {"vocab_size": dataset.vocab_size}
+      if dataset.task == "classify":
+        defaults["num_labels"] = len(dataset.meta["labels"])
+      model_config = exp.model_config(**defaults)
     runs.check_vocab(dataset.vocab_size, model_config, dataset.path)
     task, mesh, optimizer = plan(exp, model_config)
-    return cls(exp, dataset, model_config, task, mesh, models.graphdef(model_config, mesh),
-               optimizer)
+    if exp.train.lora is not None:  # the adapted model's graph (its adapters are parameters too)
+      graphdef = nnx.split(lora_lib.abstract(model_config, exp.train.lora, mesh))[0]
+    else:
+      graphdef = models.graphdef(model_config, mesh)
+    return cls(exp, dataset, model_config, task, mesh, graphdef, optimizer)
 
   def evaluate(self, params, eval_step) -> dict[str, float]:
     sums, counts = None, None
-    for batch in eval_batches(self.exp, self.dataset):
+    for batch in eval_batches(self.exp, self.dataset, self.task):
       tasks_lib.check_token_ids(self.task, batch, self.model_config.vocab_size)
       s, c = eval_step(params, step_lib.shard_batch(batch, self.mesh, self.task.keys))
       sums = s if sums is None else jax.tree.map(np.add, sums, s)
@@ -238,7 +248,13 @@ class Run:
       result[f"val_{term}_loss"] = out[f"{term}_loss"]
       result[f"val_{term}_accuracy"] = out[f"{term}_accuracy"]
     first = self.task.loss_terms[0]
-    result["val_perplexity"] = math.exp(min(out[f"{first}_loss"], 50.0))
+    if self.task.name == "classify":
+      report = self.task.report(sums)
+      result["val_accuracy"] = report["accuracy"]
+      result["val_macro_f1"] = report["macro_f1"]
+      self.per_class = report["per_class"]
+    else:
+      result["val_perplexity"] = math.exp(min(out[f"{first}_loss"], 50.0))
     return result
 
 
@@ -335,10 +351,15 @@ def _train_locked(exp, rd, progress, force_new, resume_hint):
 
 def _train_loop(run: Run, rd: runs.RunDir, ckpt, ref, progress, resume_hint):
   exp, t = run.exp, run.exp.train
-  loader = make_train_loader(exp, run.dataset)
+  loader = make_train_loader(exp, run.dataset, run.task)
   # Restore into shapes carrying this run's shardings: orbax places each array straight onto its
   # shards (the checkpoint may come from another mesh or device count), nothing is initialised.
-  target = step_lib.abstract_state(run.model_config, run.optimizer, run.mesh)
+  frozen = fresh = None
+  if t.lora is not None:  # the frozen base is rebuilt (deterministically); adapters restored
+    fresh, frozen = _lora_start(run, rd)
+    target = _abstract_lora_state(run)
+  else:
+    target = step_lib.abstract_state(run.model_config, run.optimizer, run.mesh)
   start, params, opt_state, meta, damaged = ckpt.restore_newest_good(target.params,
                                                                      target.opt_state)
   if start is not None:
@@ -350,21 +371,29 @@ def _train_loop(run: Run, rd: runs.RunDir, ckpt, ref, progress, resume_hint):
       _log0(f"fine-tuning the parameters of step {start} with a fresh optimizer state")
       opt_state = run.optimizer.init(params)
     state = step_lib.place_state(
-        step_lib.TrainState(step=np.int32(start), params=params, opt_state=opt_state), run.mesh)
+        step_lib.TrainState(step=np.int32(start), params=params, opt_state=opt_state,
+                            frozen=frozen), run.mesh)
     if meta.get("loader"):
       loader.set_state(meta["loader"])
     _log0(f"resuming from {ckpt.directory} at step {start}")
   else:
     start = 0
-    state = step_lib.init_state(run.model_config, run.optimizer, run.mesh,
-                                jax.random.key(t.seed))
+    if t.lora is not None:
+      state = step_lib.place_state(step_lib.TrainState(
+          step=np.int32(0), params=fresh, opt_state=run.optimizer.init(fresh), frozen=frozen),
+          run.mesh)
+    else:
+      state = step_lib.init_state(run.model_config, run.optimizer, run.mesh,
+                                  jax.random.key(t.seed))
+      if exp.model.get("init_from"):
+        state = _init_from(run, rd, state, exp.model["init_from"])
     loader.set_state({"step": 0})
   # Everything is checked: only now is the directory's snapshot (re)written.
   rd.write_snapshot(exp.to_dict(), run.model_config, ref)
   train_step = step_lib.jit_train_step(
       make_step(exp, run.graphdef, run.task, run.optimizer), run.mesh, state)
   eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(run.graphdef, run.task), run.mesh,
-                                     state.params)
+                                     _all_params(state))
   schedule = learning_rate_schedule(t)
   log = MetricsLog(rd.path, start)
   if progress is None:
@@ -431,7 +460,7 @@ def _train_loop(run: Run, rd: runs.RunDir, ckpt, ref, progress, resume_hint):
         if done % t.log_every == 0 or eval_due or ckpt_due or stop.signal:
           flush()  # also checks the loss is finite before anything is saved
         if eval_due:
-          last_eval = {"step": done, **run.evaluate(state.params, eval_step)}
+          last_eval = {"step": done, **run.evaluate(_all_params(state), eval_step)}
           log.write(last_eval, prefix="eval")
           log.flush()
           bar.write(f"step {done}: " + ", ".join(f"{k}={v:.4f}" for k, v in last_eval.items()
@@ -455,8 +484,16 @@ def _train_loop(run: Run, rd: runs.RunDir, ckpt, ref, progress, resume_hint):
 
   params = state.params
   if not last_eval:  # resumed at the end (the previous run stopped before its final report)
-    last_eval = {"step": done, **run.evaluate(params, eval_step)}
+    last_eval = {"step": done, **run.evaluate(_all_params(state), eval_step)}
+  if state.frozen is not None:  # samples and bars run the base architecture, adapters merged
+    params = lora_lib.merged_params(run.graphdef, state.params, state.frozen)
   final = {"step": t.steps, **{k: v for k, v in last_eval.items() if k != "step"}}
+  if state.frozen is not None:
+    final["lora"] = lora_lib.count(state.params, state.frozen)
+  if run.task.name == "classify":
+    final["majority_baseline"] = run.dataset.meta["majority_baseline"]["val_accuracy"]
+    final["labels"] = run.dataset.meta["labels"]
+    final["per_class"] = getattr(run, "per_class", None)
   if jax.process_count() > 1:  # parameters may span hosts: every process joins the gather
     from jax.experimental import multihost_utils
     params = multihost_utils.process_allgather(params, tiled=True)
@@ -467,6 +504,53 @@ def _train_loop(run: Run, rd: runs.RunDir, ckpt, ref, progress, resume_hint):
       final["samples"] = print_samples(run, params)
     rd.write_final(final)
   return final
+
+
+def _init_from(run: Run, rd: runs.RunDir, state, init_from: str):
+  """``state`` with the pretrained tensors of ``init_from`` loaded (and a fresh optimizer state);
+  the report goes to the log and to ``init_from.json`` in the run directory."""
+  from transformer_jax.train import finetune
+  params = jax.device_get(state.params)
+  params, report = finetune.load_pretrained(params, init_from)
+  _log0(finetune.describe(report, init_from))
+  if jax.process_index() == 0:
+    runs.write_atomic(os.path.join(rd.path, "init_from.json"),
+                      json.dumps({"init_from": init_from, **report}, indent=1))
+  return step_lib.place_state(step_lib.TrainState(
+      step=state.step, params=params, opt_state=run.optimizer.init(params)), run.mesh)
+
+
+def _all_params(state):
+  """Every parameter of the model a state trains (a LoRA run's adapters and frozen base)."""
+  return state.params if state.frozen is None else nnx.merge_state(state.params, state.frozen)
+
+
+def _lora_start(run: Run, rd: runs.RunDir):
+  """``(trainable, frozen)`` of a fresh LoRA run: the base initialised from ``train.seed`` (then
+  ``model.init_from`` loaded into it), adapters with B = 0, split by ``lora.TRAINABLE``."""
+  from transformer_jax.train import finetune
+  cfg, lcfg = run.model_config, run.exp.train.lora
+  init_from = run.exp.model.get("init_from")
+  trainable, frozen, report = finetune.lora_start(cfg, lcfg, run.exp.train.seed, init_from)
+  if report is not None:
+    _log0(finetune.describe(report, init_from))
+    if jax.process_index() == 0:
+      runs.write_atomic(os.path.join(rd.path, "init_from.json"),
+                        json.dumps({"init_from": init_from, **report}, indent=1))
+  n = lora_lib.count(trainable, frozen)
+  _log0(f"LoRA rank {lcfg.rank} on {', '.join(lcfg.targets)}: {n['trainable']:,} of "
+        f"{n['total']:,} parameters train ({100 * n['fraction']:.2f}%)")
+  return trainable, frozen
+
+
+def _abstract_lora_state(run: Run):
+  """A LoRA run's train state as sharded shapes: the restore target."""
+  _, trainable, frozen = lora_lib.split(lora_lib.abstract(run.model_config, run.exp.train.lora))
+  state = step_lib.TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=trainable,
+                              opt_state=jax.eval_shape(run.optimizer.init, trainable),
+                              frozen=frozen)
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
+                      step_lib.state_shardings(state, run.mesh))
 
 
 def _good(step: int | None) -> str:
@@ -547,6 +631,13 @@ def check_bars(run: Run, params, last_eval: dict[str, float]) -> dict[str, Any]:
     margin = float(bars["mlm_accuracy_over_baseline"])
     results["mlm_accuracy_over_baseline"] = {
         "mlm_accuracy": acc, "most_frequent_token_baseline": baseline, "required_margin": margin,
+        "passed": acc - baseline >= margin}
+  if "accuracy_over_majority" in bars:
+    baseline = run.dataset.meta["majority_baseline"]["val_accuracy"]
+    acc = last_eval["val_accuracy"]
+    margin = float(bars["accuracy_over_majority"])
+    results["accuracy_over_majority"] = {
+        "val_accuracy": acc, "majority_baseline": baseline, "required_margin": margin,
         "passed": acc - baseline >= margin}
   if "exact_match" in bars:
     em = seq2seq_exact_match(run, params)
@@ -658,7 +749,13 @@ def evaluate_run(run_dir: str, overrides: list[str] = (), *, best: bool = False)
     if now != ref["hash"]:
       raise ValueError(f"the dataset {ref['path']} changed since the run trained on it (content "
                        f"hash {ref['hash'][:12]} -> {now[:12]})")
-  params, step = runs.restore_params(rd.checkpoint_dir, model_config, best=best)
+  from transformer_jax.train import finetune
+  if finetune.lora_run_config(rd.path) is not None:  # adapters merged: the base architecture
+    _, params = finetune.load_lora_merged(rd.path, best=best)
+    step = rd.checkpoint_steps(best)[-1]
+    run.graphdef = models.graphdef(model_config, run.mesh)
+  else:
+    params, step = runs.restore_params(rd.checkpoint_dir, model_config, best=best)
   params = jax.device_put(params, parallel.param_shardings(params, run.mesh))
   result = run.evaluate(params, step_lib.jit_eval_step(
       step_lib.make_eval_step(run.graphdef, run.task), run.mesh, params))
