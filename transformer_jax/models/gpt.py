@@ -74,6 +74,15 @@ class GPT(nnx.Module):
     return self._hidden_states(tokens, positions, segment_ids, attention_mask,
                                dropout_rng=dropout_rng)[0]
 
+  def attention_weights(self, tokens: jax.Array, positions: jax.Array | None = None,
+                        segment_ids: jax.Array | None = None,
+                        attention_mask: jax.Array | None = None) -> jax.Array:
+    """Every layer's self-attention weights ``[L, B, N, T, S]`` (float32, S = T) for ``tokens``,
+    with the masks and ALiBi bias of ``__call__`` (arguments as there; no dropout)."""
+    x_BTD, block_kwargs, _, _ = self._block_inputs(tokens, positions, segment_ids,
+                                                   attention_mask)
+    return self.blocks.attention_weights(x_BTD, **block_kwargs)[1]
+
   def _hidden_states(self, tokens, positions=None, segment_ids=None, attention_mask=None, *,
                      dropout_rng=None, cache=None, layer_params=None):
     x_BTD, block_kwargs, blocks_rng, cache = self._block_inputs(
