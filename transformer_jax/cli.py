@@ -1,5 +1,5 @@
 """The ``tjax`` command: ``info``, ``prepare``, ``train``, ``eval``, ``generate``, ``fill-mask``,
-``convert``, ``bench``."""
+``convert``, ``bench``, ``report``."""
 
 from __future__ import annotations
 
@@ -141,6 +141,13 @@ def _cmd_bench(args) -> int:
   return 0
 
 
+def _cmd_report(args) -> int:
+  from transformer_jax.report import write_report
+  index = write_report(args.run_dirs, args.out, text=args.text, best=args.best)
+  print(f"wrote {index}")
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="tjax", description=__doc__)
   parser.add_argument("-v", "--verbose", action="store_true", help="show the traceback of an error")
@@ -218,6 +225,13 @@ def build_parser() -> argparse.ArgumentParser:
   bench = sub.add_parser("bench", help="time the train step (experiments/bench_train.py)")
   bench.add_argument("bench_args", nargs=argparse.REMAINDER)
   bench.set_defaults(func=_cmd_bench)
+
+  report = sub.add_parser("report", help="one self-contained HTML page (and PNGs) of runs")
+  report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+  report.add_argument("--text", default=None, help="draw the attention maps for this text")
+  report.add_argument("--out", required=True, metavar="DIR", help="writes DIR/index.html")
+  report.add_argument("--best", action="store_true", help="the best checkpoint, not the latest")
+  report.set_defaults(func=_cmd_report)
   return parser
 
 
