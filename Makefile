@@ -18,8 +18,10 @@ venv: $(STAMP)
 # The main job on the embedded corpus (the Python standard library): prepare, train, evaluate,
 # checkpoint, plot, sample. Leaves runs/gpt_tiny/. Running it again finds the run finished (exit 0).
 # --check-bars: exit 3 if the learning bar is not reached (a plain `tjax train` only reports it).
+# Ends with report/index.html: curves, samples, attention maps, position pictures (opens offline).
 demo: $(STAMP)
 	$(PY) -m transformer_jax.cli train experiments/gpt_tiny.yaml --check-bars
+	$(PY) -m transformer_jax.cli report runs/gpt_tiny --text "def add(a, b): return a + b" --out report
 
 # A tour of the model families: each tiny preset's forward pass and `tjax info` for a few presets.
 tour: $(STAMP)
@@ -31,4 +33,4 @@ test: $(STAMP)
 	$(PY) -m pytest tests/parallel -n 2
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs report

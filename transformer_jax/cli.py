@@ -1,5 +1,5 @@
 """The ``tjax`` command: ``info``, ``prepare``, ``train``, ``eval``, ``generate``, ``fill-mask``,
-``convert``, ``bench``."""
+``convert``, ``bench``, ``report``."""
 
 from __future__ import annotations
 
@@ -151,6 +151,13 @@ def _bench_args(kind: str, p: argparse.ArgumentParser) -> None:
   add_args(p)
 
 
+def _cmd_report(args) -> int:
+  from transformer_jax.report import write_report
+  index = write_report(args.run_dirs, args.out, text=args.text, best=args.best)
+  print(f"wrote {index}")
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="tjax", description=__doc__)
   parser.add_argument("-v", "--verbose", action="store_true", help="show the traceback of an error")
@@ -239,6 +246,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="where to write the JSON (default experiments/results/bench_KIND.json "
                          "when that folder exists)")
     kp.set_defaults(func=_cmd_bench, parser=kp)
+
+  report = sub.add_parser("report", help="one self-contained HTML page (and PNGs) of runs")
+  report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+  report.add_argument("--text", default=None, help="draw the attention maps for this text")
+  report.add_argument("--out", required=True, metavar="DIR", help="writes DIR/index.html")
+  report.add_argument("--best", action="store_true", help="the best checkpoint, not the latest")
+  report.set_defaults(func=_cmd_report)
   return parser
 
 

@@ -121,6 +121,27 @@ class Attention(nnx.Module):
       return self._out_merged(out_BTNH), cache
     return self.out(out_BTNH), None
 
+  def weights(self, x_BTD: jax.Array, *, positions: jax.Array | None = None,
+              causal: bool = False, kv_valid: jax.Array | None = None,
+              segment_ids: jax.Array | None = None, window: int | None = None,
+              bias_fn: Callable[..., jax.Array] | None = None, bias_params: Any = None
+              ) -> jax.Array:
+    """The self-attention weights ``[B, N, T, S]`` (float32) that ``__call__`` on ``x`` uses,
+    with the same mask and bias parts (no cache, no dropout): for pictures and inspection."""
+    q_BTNH, k_BSKH = self.query(x_BTD), self.key(x_BTD)
+    if self.rope_theta is not None:
+      positions = jnp.arange(x_BTD.shape[1]) if positions is None else positions
+      rope = dict(theta=self.rope_theta, interleaved=self.rope_interleaved,
+                  scaling=self.rope_scaling)
+      q_BTNH = ops.apply_rope(q_BTNH, positions, **rope)
+      k_BSKH = ops.apply_rope(k_BSKH, positions, **rope)
+    # The values do not change the weights; the keys stand in for them.
+    _, weights_BNTS = ops.dot_product_attention(
+        q_BTNH, k_BSKH.astype(q_BTNH.dtype), k_BSKH.astype(q_BTNH.dtype), causal=causal,
+        kv_valid=kv_valid, q_segment_ids=segment_ids, window=window, bias_fn=bias_fn,
+        bias_params=bias_params, scale=self.scale, return_weights=True, implementation="xla")
+    return weights_BNTS
+
   def _ring_fits(self, x_BTD: jax.Array) -> bool:
     """The mesh splits the sequence and divides this batch and length."""
     if self.mesh is None:

@@ -125,6 +125,12 @@ class Block(nnx.Module):
         h, dropout_rate=cfg.ffn_dropout_rate, dropout_rng=r_mlp_in), r_mlp)
     return x, cache
 
+  def attention_weights(self, x_BTD: jax.Array, **mask_parts) -> jax.Array:
+    """The self-attention weights ``[B, N, T, S]`` of this block on its input ``x`` (the mask and
+    bias parts as in ``__call__``; see ``Attention.weights``)."""
+    h_BTD = self.attn_norm(x_BTD) if self.cfg.pre_norm else x_BTD
+    return self.attn.weights(h_BTD, **mask_parts)
+
   def project_cross_kv(self, encoder_out_BSD: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Cross-attention keys/values ``[B, S, K, H]`` of the encoder output, computed once."""
     return self.cross_attn.project_kv(encoder_out_BSD)

@@ -98,6 +98,27 @@ class Stack(nnx.Module):
       x_BTD, _ = jax.lax.scan(body, x_BTD, (params, keys))
     return constrain(x_BTD, ACTIVATION_BTD, self.mesh), None
 
+  def attention_weights(self, x_BTD: jax.Array, **block_kwargs) -> tuple[jax.Array, jax.Array]:
+    """Every layer's self-attention weights on the way through the stack (no dropout, no cache).
+
+    Args:
+      x_BTD: the stack's input ``[B, T, D]``.
+      block_kwargs: as in ``__call__``; the self-attention mask and bias parts reach the weights.
+
+    Returns:
+      ``(x [B, T, D], weights [L, B, N, T, S])``: the stack's output and each layer's weights.
+    """
+    graphdef, params = nnx.split(self.layers)
+    parts = {k: v for k, v in block_kwargs.items()
+             if k in ("positions", "causal", "kv_valid", "segment_ids", "window", "bias_fn",
+                      "bias_params")}
+
+    def body(x, layer_params):
+      block = nnx.merge(graphdef, layer_params)
+      return block(x, **block_kwargs)[0], block.attention_weights(x, **parts)
+
+    return jax.lax.scan(body, x_BTD, params)
+
   def split_layers(self) -> tuple[nnx.State, ...]:
     """This stack's parameters as one state per layer (each array sliced out of the stacked one)."""
     _, params = nnx.split(self.layers)

@@ -67,6 +67,21 @@ class BERT(nnx.Module):
     Returns:
       ``(hidden [B, T, D], pooled [B, D])``; pooled is ``tanh(W h_[CLS] + b)``.
     """
+    embed_rng, blocks_rng = (None, None) if dropout_rng is None else jax.random.split(dropout_rng)
+    x_BTD, valid_BT = self._embedded(tokens, token_types, attention_mask, embed_rng)
+    x_BTD, _ = self.blocks(x_BTD, kv_valid=valid_BT, dropout_rng=blocks_rng)
+    pooled_BD = jnp.tanh(self.pooler(x_BTD[:, 0]))
+    return x_BTD, pooled_BD
+
+  def attention_weights(self, tokens: jax.Array, token_types: jax.Array | None = None,
+                        attention_mask: jax.Array | None = None) -> jax.Array:
+    """Every layer's self-attention weights ``[L, B, N, T, S]`` (float32, S = T), padding keys
+    masked as in ``encode`` (arguments as there; no dropout)."""
+    x_BTD, valid_BT = self._embedded(tokens, token_types, attention_mask, None)
+    return self.blocks.attention_weights(x_BTD, kv_valid=valid_BT)[1]
+
+  def _embedded(self, tokens, token_types, attention_mask, embed_rng):
+    """Checked inputs embedded ``[B, T, D]`` and the valid keys ``[B, T]`` (None: all)."""
     c = self.config
     check_tokens("tokens", tokens, c.vocab_size)
     check_tokens("token_types", token_types, c.type_vocab_size)
@@ -75,15 +90,12 @@ class BERT(nnx.Module):
     check_length("tokens", tokens.shape[1], c.max_len)
     if token_types is None:
       token_types = jnp.zeros_like(tokens)
-    embed_rng, blocks_rng = (None, None) if dropout_rng is None else jax.random.split(dropout_rng)
     positions = jnp.arange(tokens.shape[1])[None, :]
     x_BTD = self.embed(tokens) + self.pos_embed(positions) + self.type_embed(token_types)
     x_BTD = ops.dropout(self.embed_norm(x_BTD), c.dropout_rate, embed_rng)
     valid_BT = None if attention_mask is None else jnp.broadcast_to(
         jnp.asarray(attention_mask).astype(bool), tokens.shape)
-    x_BTD, _ = self.blocks(x_BTD, kv_valid=valid_BT, dropout_rng=blocks_rng)
-    pooled_BD = jnp.tanh(self.pooler(x_BTD[:, 0]))
-    return x_BTD, pooled_BD
+    return x_BTD, valid_BT
 
   def mlm_logits(self, x_BTD: jax.Array) -> jax.Array:
     """Masked-LM logits ``[B, T, V]`` (float32) from encoder hidden states."""

@@ -24,7 +24,10 @@ class GPT(nnx.Module):
     self.config = config
     c = config
     dtype, param_dtype = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
-    self.embed = Embed(c.vocab_size, c.d_model, init_std=c.init_std, dtype=dtype,
+    # Sinusoidal positions (Vaswani et al. 3.4): token embeddings drawn with std d^-0.5 and
+    # multiplied by sqrt(d), so tokens and the fixed table (entries of size ~1) are of one scale.
+    token_std = c.d_model**-0.5 if c.position == "sinusoidal" else c.init_std
+    self.embed = Embed(c.vocab_size, c.d_model, init_std=token_std, dtype=dtype,
                        param_dtype=param_dtype, rngs=rngs)
     self.pos_embed = (Embed(c.max_len, c.d_model, init_std=c.init_std / 2, dtype=dtype,
                             param_dtype=param_dtype, rngs=rngs, axes=(ax.POSITIONS, ax.EMBED))
@@ -79,8 +82,27 @@ class GPT(nnx.Module):
                                        layer_params=layer_params)
     return x_BTD if cache is None else (x_BTD, cache)
 
+  def attention_weights(self, tokens: jax.Array, positions: jax.Array | None = None,
+                        segment_ids: jax.Array | None = None,
+                        attention_mask: jax.Array | None = None) -> jax.Array:
+    """Every layer's self-attention weights ``[L, B, N, T, S]`` (float32, S = T) for ``tokens``,
+    with the masks and ALiBi bias of ``__call__`` (arguments as there; no dropout)."""
+    x_BTD, block_kwargs, _, _ = self._block_inputs(tokens, positions, segment_ids,
+                                                   attention_mask)
+    return self.blocks.attention_weights(x_BTD, **block_kwargs)[1]
+
   def _hidden_states(self, tokens, positions=None, segment_ids=None, attention_mask=None, *,
                      dropout_rng=None, cache=None, layer_params=None):
+    x_BTD, block_kwargs, blocks_rng, cache = self._block_inputs(
+        tokens, positions, segment_ids, attention_mask, dropout_rng=dropout_rng, cache=cache)
+    x_BTD, cache = self.blocks(x_BTD, **block_kwargs, dropout_rng=blocks_rng, cache=cache,
+                               layer_params=layer_params)
+    return self.final_norm(x_BTD), cache
+
+  def _block_inputs(self, tokens, positions=None, segment_ids=None, attention_mask=None, *,
+                    dropout_rng=None, cache=None):
+    """The embedded tokens ``[B, T, D]``, the blocks' mask and bias parts, their dropout key and
+    the cache (``cache.positions`` give the positions when decoding)."""
     c = self.config
     check_tokens("tokens", tokens, c.vocab_size)
     for name, arr in (("positions", positions), ("segment_ids", segment_ids),
@@ -106,19 +128,20 @@ class GPT(nnx.Module):
     if self.pos_embed is not None:
       x_BTD = x_BTD + self.pos_embed(positions)
     elif c.position == "sinusoidal":
+      # Tokens at init_std (0.02) under a table of size ~1 reach the blocks as noise on the
+      # positions, and the model never gets past the unigram loss: scale them up to the table's.
+      x_BTD = x_BTD * jnp.asarray(c.d_model**0.5, x_BTD.dtype)
       x_BTD = x_BTD + jnp.take(ops.sinusoidal_positions(c.max_len, c.d_model), positions,
                                axis=0, mode="clip").astype(x_BTD.dtype)
     x_BTD = ops.dropout(x_BTD, c.dropout_rate, embed_rng)
 
     # The mask by its parts; ALiBi as a function of positions (slopes as its parameters).
     alibi = c.position == "alibi"
-    x_BTD, cache = self.blocks(
-        x_BTD, positions=positions, causal=True, kv_valid=attention_mask,
-        segment_ids=segment_ids, window=c.sliding_window,
-        bias_fn=ops.AlibiBias() if alibi else None,
-        bias_params=jnp.asarray(ops.alibi_slopes(c.num_heads), jnp.float32) if alibi else None,
-        dropout_rng=blocks_rng, cache=cache, layer_params=layer_params)
-    return self.final_norm(x_BTD), cache
+    block_kwargs = dict(
+        positions=positions, causal=True, kv_valid=attention_mask, segment_ids=segment_ids,
+        window=c.sliding_window, bias_fn=ops.AlibiBias() if alibi else None,
+        bias_params=jnp.asarray(ops.alibi_slopes(c.num_heads), jnp.float32) if alibi else None)
+    return x_BTD, block_kwargs, blocks_rng, cache
 
   def classify(self, tokens: jax.Array, attention_mask: jax.Array | None = None, *,
                dropout_rng: jax.Array | None = None) -> jax.Array:

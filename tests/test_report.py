@@ -1,0 +1,115 @@
+"""``tjax report``: one self-contained page whose pictures are the run's own numbers."""
+
+import base64
+import json
+import os
+import re
+
+import jax
+import numpy as np
+import pytest
+import yaml
+from flax import nnx
+
+from transformer_jax import cli, models, report, runs
+from transformer_jax import data as data_lib
+
+TEXT = "def add(a, b): return a + b"
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tmp_path_factory):
+  """Two tiny GPT run directories (learned and ALiBi positions) on a character-level dataset:
+  random weights saved as a checkpoint, a config, metrics and final results as ``tjax train``
+  writes them."""
+  root = tmp_path_factory.mktemp("report")
+  corpus = root / "corpus"
+  corpus.mkdir()
+  for i in range(6):
+    (corpus / f"f{i}.py").write_text(f"def f{i}(a, b):\n  return a + b * {i}\n" * 20)
+  ds = str(root / "ds")
+  chars = "abcdefghijklmnopqrstuvwxyz0123456789 ():,+*\n"
+  data_lib.prepare([str(corpus)], ds, tokenizer=f"chars:{chars}", progress=False,
+                   val_fraction=0.2)
+  vocab = data_lib.load_dataset(ds).vocab_size
+  made = []
+  for name, position in (("learned", "learned"), ("alibi", "alibi")):
+    config = models.get_config("gpt2-tiny", vocab_size=vocab, d_model=32, num_layers=2,
+                               num_heads=2, d_ff=64, max_len=64, position=position)
+    path = str(root / name)
+    runs.save_model(path, config, models.init(config, jax.random.key(0)))
+    with open(os.path.join(path, runs.DATASET), "w") as f:
+      json.dump({"path": ds}, f)
+    with open(os.path.join(path, runs.CONFIG), "w") as f:
+      yaml.safe_dump({"run_dir": path, "model": {"preset": "gpt2-tiny"}, "data": {"path": ds},
+                      "train": {"steps": 20, "lr": 1e-3, "warmup_steps": 5}}, f)
+    with open(os.path.join(path, runs.METRICS), "w") as f:
+      for step in range(1, 21):
+        f.write(json.dumps({"step": step, "loss": 4.0 - step / 10, "tokens_per_sec": 100.0}) + "\n")
+      f.write(json.dumps({"step": 20, "val_loss": 2.5}) + "\n")
+      f.write('{"step": 21, "lo')                          # a line cut short by a crash
+    with open(os.path.join(path, runs.FINAL), "w") as f:
+      json.dump({"step": 20, "val_loss": 2.5, "samples": ["def f(a):\n  return a"],
+                 "bars": {"val_loss_below_unigram": {"val_loss": 2.5, "passed": True}}}, f)
+    made.append(path)
+  return made
+
+
+def _embedded_images(page: str) -> dict[str, bytes]:
+  """``file name -> PNG bytes`` of every image of the page (all must be data URIs)."""
+  srcs = re.findall(r'<img[^>]*\bsrc="([^"]*)"', page)
+  alts = re.findall(r'<img alt="([^"]*)"', page)
+  assert len(srcs) == len(alts) and srcs
+  images = {}
+  for alt, src in zip(alts, srcs):
+    assert src.startswith("data:image/png;base64,"), src[:40]
+    images[alt] = base64.b64decode(src.split(",", 1)[1])
+  return images
+
+
+def test_report_page_embeds_every_picture_it_writes(tiny_runs, tmp_path):
+  out = tmp_path / "report"
+  assert cli.main(["report", tiny_runs[0], "--text", TEXT, "--out", str(out)]) == 0
+  page = (out / "index.html").read_text()
+  images = _embedded_images(page)
+  pngs = {p.name: p.read_bytes() for p in out.glob("*.png")}
+  assert images == pngs                                     # the same pictures, nothing fetched
+  assert set(pngs) == {f"learned-{k}.png"
+                       for k in ("loss", "lr", "params", "positions", "attention")}
+  assert all(png.startswith(b"\x89PNG") for png in pngs.values())
+  assert "http" not in page.replace("http-equiv", "")       # nothing to fetch when offline
+  for shown in ("Final metrics", "val_loss_below_unigram", "return a", "d_model: 32", TEXT):
+    assert shown in page
+
+
+def test_report_compares_several_runs(tiny_runs, tmp_path):
+  index = report.write_report(tiny_runs, str(tmp_path), text=TEXT)
+  page = open(index).read()
+  assert "<h2>Comparison</h2>" in page and "alibi" in page and "learned" in page
+  assert os.path.exists(tmp_path / "compare-loss.png")
+  assert os.path.exists(tmp_path / "alibi-positions.png")
+
+
+def test_report_attention_map_is_the_models_weights(tiny_runs):
+  config, params = runs.load_model(tiny_runs[1])
+  model = nnx.merge(models.graphdef(config), params)
+  tokenizer = data_lib.load_dataset(json.load(open(os.path.join(tiny_runs[1], runs.DATASET)))
+                                    ["path"]).tokenizer
+  fig, _ = report._attention_picture(config, model, tokenizer, TEXT)
+  ids = tokenizer.encode(TEXT)
+  weights = np.asarray(model.attention_weights(np.asarray([ids])))[:, 0]
+  axes = [ax for ax in fig.axes if ax.images]
+  assert len(axes) == config.num_layers * config.num_heads
+  causal = np.tril(np.ones((len(ids), len(ids)), bool))
+  for i, ax in enumerate(axes):
+    drawn = np.ma.asarray(ax.images[0].get_array())
+    np.testing.assert_array_equal(drawn.mask, ~causal)
+    np.testing.assert_allclose(drawn.filled(0.0), weights[i // 2, i % 2] * causal)
+    assert [t.get_text() for t in ax.get_yticklabels()] == [
+        repr(tokenizer.decode([t]))[1:-1] for t in ids]
+
+
+def test_report_refuses_a_directory_that_is_not_a_run(tmp_path, capsys):
+  assert cli.main(["report", str(tmp_path), "--out", str(tmp_path / "r")]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.endswith("is not a run directory (no model.yaml)") and "\n" not in err
