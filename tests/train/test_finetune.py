@@ -86,3 +86,28 @@ def test_vocab_from_reuses_the_pretraining_ids(tmp_path):
   ids = db.stream("train").doc(0)
   assert ids.tolist() == tok.encode((b / "y.py").read_text())
   assert tok.unk_id in ids.tolist()   # a word the pretraining corpus never had
+
+
+def test_pretrain_runs_first_only_when_init_from_is_absent(tmp_path, pretrained, monkeypatch):
+  from transformer_jax.train import trainer
+
+  calls = []
+  monkeypatch.setattr(trainer, "train", lambda exp, **kw: calls.append(exp.run_dir) or {})
+  pre_yaml = tmp_path / "pre.yaml"
+  missing = tmp_path / "runs" / "pre"
+  pre_yaml.write_text(f"run_dir: {missing}\nmodel: {{preset: bert-tiny}}\n"
+                      "data: {inputs: [stdlib]}\n")
+  raw = {"run_dir": str(tmp_path / "ft"), "pretrain": str(pre_yaml),
+         "data": {"task": "classify", "inputs": ["stdlib:packages"]}}
+  # The pretrained run exists: nothing to do.
+  exp = load_experiment(None, raw={**raw, "model": {"init_from": pretrained[0]}}).absolute()
+  trainer._pretrain_if_absent(exp, progress=False)
+  assert calls == []
+  # It does not: the pretraining experiment is trained first.
+  exp = load_experiment(None, raw={**raw, "model": {"init_from": str(missing)}}).absolute()
+  trainer._pretrain_if_absent(exp, progress=False)
+  assert calls == [str(missing)]
+  # A pretraining experiment that writes elsewhere is refused by name.
+  exp = load_experiment(None, raw={**raw, "model": {"init_from": str(tmp_path / "other")}})
+  with pytest.raises(ValueError, match="pretrain=.*writes .*not model.init_from"):
+    trainer._pretrain_if_absent(exp.absolute(), progress=False)

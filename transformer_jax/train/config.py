@@ -79,6 +79,8 @@ class Experiment:
   train: TrainConfig
   mesh: MeshConfig
   bars: dict[str, Any] = dataclasses.field(default_factory=dict)  # learning bars to check at the end
+  # The experiment whose run is model.init_from: trained first when that run directory is absent.
+  pretrain: str | None = None
 
   def model_config(self, **defaults) -> models.ModelConfig:
     """The model config: preset, then ``defaults`` (e.g. the dataset's vocab size), then the YAML."""
@@ -122,7 +124,7 @@ class Experiment:
     if isinstance(model.get("init_from"), str):
       model["init_from"] = os.path.abspath(model["init_from"])
     return dataclasses.replace(self, run_dir=os.path.abspath(self.run_dir), data=data,
-                               model=model)
+                               model=model, pretrain=absolute(self.pretrain))
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
@@ -163,7 +165,7 @@ FIXED = ("model", "data", "train.batch_size", "train.seq_len", "train.seed", "tr
          "train.lora")
 
 _SECTIONS = {"data": DataConfig, "train": TrainConfig, "mesh": MeshConfig}
-_TOP = ("run_dir", "model", "data", "train", "mesh", "bars")
+_TOP = ("run_dir", "model", "data", "train", "mesh", "bars", "pretrain")
 
 
 def _unknown(where: str, key: str, choices) -> ValueError:
@@ -309,7 +311,9 @@ def load_experiment(path: str | None, overrides: list[str] = (), *,
       data=_build_section(DataConfig, "data", raw.get("data")),
       train=_build_section(TrainConfig, "train", raw.get("train")),
       mesh=_build_section(MeshConfig, "mesh", raw.get("mesh")),
-      bars=dict(raw.get("bars") or {}))
+      bars=dict(raw.get("bars") or {}), pretrain=raw.get("pretrain"))
+  if exp.pretrain is not None and not isinstance(exp.pretrain, str):
+    raise ValueError(f"pretrain={exp.pretrain!r}: expected the path of an experiment YAML")
   _validate(exp)
   return exp
 

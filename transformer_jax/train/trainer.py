@@ -312,11 +312,29 @@ def train(exp: Experiment, *, progress: bool | None = None, force_new: bool = Fa
     RunLocked: another trainer holds the run directory.
   """
   exp = exp.absolute()
+  _pretrain_if_absent(exp, progress)
   rd = runs.RunDir(exp.run_dir)
   rd.check_usable()
   lock = rd.lock() if jax.process_index() == 0 else contextlib.nullcontext()
   with lock:
     return _train_locked(exp, rd, progress, force_new, resume_hint)
+
+
+def _pretrain_if_absent(exp: Experiment, progress) -> None:
+  """Trains ``exp.pretrain`` first when ``model.init_from`` (the run it makes) does not exist yet,
+  so a fine-tuning recipe runs on a fresh clone with one command."""
+  init_from = exp.model.get("init_from")
+  if exp.pretrain is None or init_from is None or runs.RunDir(init_from).exists():
+    return
+  pre = load_experiment(exp.pretrain, []).absolute()
+  if os.path.abspath(pre.run_dir) != os.path.abspath(init_from):
+    raise ValueError(f"pretrain={exp.pretrain} writes {pre.run_dir}, not model.init_from="
+                     f"{init_from}")
+  _log0(f"{init_from} does not exist: training it first ({exp.pretrain})")
+  result = train(pre, progress=progress)
+  if result.get("interrupted"):
+    raise ValueError(f"the pretraining run {init_from} was interrupted; run the command again "
+                     "to resume it")
 
 
 def _train_locked(exp, rd, progress, force_new, resume_hint):
