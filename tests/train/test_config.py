@@ -45,4 +45,11 @@ def test_experiment_files_in_repo_are_valid():
   assert len(files) >= 3
   for path in files:
     exp = load_experiment(path)
-    exp.model_config(vocab_size=1000)
+    if exp.model.get("init_from") is None:
+      exp.model_config(vocab_size=1000)
+    else:  # fine-tuning: its pretraining experiment, which makes model.init_from, must be valid
+      assert exp.pretrain is not None, path
+      pre = load_experiment(os.path.join(REPO, exp.pretrain))
+      assert os.path.abspath(os.path.join(REPO, pre.run_dir)) == os.path.abspath(
+          os.path.join(REPO, exp.model["init_from"])), path
+      pre.model_config(vocab_size=1000)
