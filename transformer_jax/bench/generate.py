@@ -297,7 +297,7 @@ def run(args, command: str) -> dict:
     ms = c["ours"]["ms_per_step"]
     c["ours"]["fraction_of_bandwidth_floor"] = 1e3 * floor[c["dtype"]] / ms if ms else None
   result = {
-      "benchmark": "greedy generation, transformer_jax vs transformers (issue 5)",
+      "benchmark": "greedy generation, transformer_jax vs transformers",
       "command": command,
       "preset": args.preset,
       "config": {"params": models.count_params(config32), "d_model": config32.d_model,
