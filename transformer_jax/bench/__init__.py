@@ -36,10 +36,7 @@ def run(kind: str, args, argv: list[str]) -> dict:
   command = " ".join(["tjax", "bench", kind, *argv])
   mod = module(kind)
   load_before = os.getloadavg()
-  if kind == "generate":
-    result = mod.run(args, command=command)
-  else:
-    result = mod.run(args)
+  result = mod.run(args)
   result["command"] = command
   result["machine"] = {**machine.describe(("torch", "transformers")), **result.get("machine", {}),
                        "load_average_before": list(load_before),

@@ -243,7 +243,7 @@ def main(argv=None) -> dict:
   return result
 
 
-def run(args, command: str) -> dict:
+def run(args, command: str | None = None) -> dict:
   """The benchmark of ``args`` (``add_args``/``check_args``): the result dict."""
   import torch
   import transformers
