@@ -54,3 +54,23 @@ def test_attention_rows_per_implementation(tmp_path):
   for row in r["rows"]:
     assert row["fraction_of_matmul_limit"] == pytest.approx(
         row["useful_flops_per_sec"] / r["limit"]["matmul"]["flops_per_sec"], rel=1e-9)
+
+
+def test_generate_against_transformers_same_tokens_and_floor_from_the_same_moments(tmp_path):
+  pytest.importorskip("transformers")
+  r = _bench(tmp_path, "generate", "--preset", "gpt2-tiny", "--batch-sizes", "1,2",
+             "--prompt-len", "5", "--new-tokens", "6", "--dtypes", "float32", "--reps", "2",
+             "--ttft-reps", "1", "--torch-threads-alt", "0")
+  assert r["weights_max_abs_logit_diff_float32"] < 1e-4
+  assert set(r["summary"]) == {"float32_batch1", "float32_batch2"}
+  for case in r["cases"]:
+    s = r["summary"][f"float32_batch{case['batch']}"]
+    assert s["tokens_equal"], case["divergence"]
+    # The floor comes from the bandwidth read between this case's timed calls.
+    readings = case["bandwidth_bytes_per_sec"]["all"]
+    assert len(readings) == 2 and all(b > 0 for b in readings)
+    floor_ms = 1e3 * r["weight_bytes"]["float32"] / case["bandwidth_bytes_per_sec"]["median"]
+    assert s["step_floor_ms"] == pytest.approx(floor_ms, rel=1e-9)
+    assert s["ours_fraction_of_bandwidth_floor"] == pytest.approx(
+        floor_ms / s["ours_ms_per_step"], rel=1e-9)
+    assert s["ratio"] == pytest.approx(s["ours_tokens_per_sec"] / s["theirs_tokens_per_sec"])

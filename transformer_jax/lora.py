@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from transformer_jax.layers.dense import Projection
+from transformer_jax.layers.dense import Projection, einsum_dims
 from transformer_jax.parallel import axes as ax
 
 TARGETS = ("query", "key", "value", "out", "mlp_in", "mlp_out")
@@ -61,13 +61,6 @@ class LoRAConfig:
         raise ValueError(f"lora.targets: {t!r} is not one of {', '.join(TARGETS)}")
 
 
-def _einsum_dims(einsum: str) -> tuple[str, str, str]:
-  """``"BTD,DNH->BTNH"`` -> (x letters, kernel letters, output letters)."""
-  lhs, out = einsum.replace(" ", "").split("->")
-  x, kernel = lhs.split(",")
-  return x, kernel, out
-
-
 class Adapter(nnx.Module):
   """The low-rank update of one ``Projection``: ``(alpha / r) * x A B`` reshaped to its output.
 
@@ -75,7 +68,7 @@ class Adapter(nnx.Module):
   """
 
   def __init__(self, proj: Projection, rank: int, alpha: float, *, rngs: nnx.Rngs):
-    x_letters, k_letters, _ = _einsum_dims(proj.einsum)
+    x_letters, k_letters, _ = einsum_dims(proj.einsum)
     n_in = sum(1 for c in k_letters if c in x_letters)  # contracted dims come first
     if any(c in x_letters for c in k_letters[n_in:]):
       raise ValueError(f"projection {proj.einsum!r}: contracted dims must lead its kernel")

@@ -32,7 +32,7 @@ from flax import nnx
 
 from transformer_jax.generate.cache import KVCache, extend, init_cache, with_encoder
 from transformer_jax.generate.decode import (
-    _check_options, _layer_splitter, _padded_inputs, _split_model)
+    _check_options, _padded_inputs, _split_model, decode_layers)
 from transformer_jax.models.config import Seq2SeqConfig
 
 # Score of an empty slot / a candidate that must not be chosen (transformers uses the same value,
@@ -119,7 +119,7 @@ def beam_search(model, inputs, *, num_beams: int, length_penalty: float = 1.0,
                      length_penalty=jnp.float32(length_penalty),
                      start_id=jnp.int32(0 if decoder_start_id is None else decoder_start_id),
                      suppress_V=jnp.asarray(suppress_V))
-  layers = _layer_splitter(graphdef)(params)
+  layers = decode_layers(graphdef, params)
   return run(params, layers, jnp.asarray(padded), jnp.asarray(lengths, jnp.int32), options)
 
 

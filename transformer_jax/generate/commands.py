@@ -23,8 +23,9 @@ from flax import nnx
 
 from transformer_jax.generate.beam import beam_search
 from transformer_jax.generate.cache import KVCache, extend, init_cache
+from transformer_jax.generate.cache import prefill as prefill_cache
 from transformer_jax.generate.decode import (
-    _check_options, _right_padded, _split_model, generate, prompt_bucket)
+    _check_options, _right_padded, _split_model, decode_layers, generate, prompt_bucket)
 from transformer_jax.generate.fill_mask import fill_mask
 from transformer_jax.generate.sampling import next_token
 from transformer_jax.models.common import check_tokens
@@ -93,13 +94,14 @@ def stream_generate(model, prompt_ids, *, max_new_tokens: int, chunk_size: int =
   key = jax.random.key(0) if key is None else key
   # Traced, so that they share one compilation: the ids to suppress and EOS (-1: none).
   opts = (jnp.asarray(suppress_V), jnp.int32(-1 if eos_id is None else eos_id))
-  tok_B, done_B, cache = prefill(params, jnp.asarray(padded), jnp.asarray(lengths, jnp.int32),
-                                 key, opts)
+  layers = decode_layers(graphdef, params)
+  tok_B, done_B, cache = prefill(params, layers, jnp.asarray(padded),
+                                 jnp.asarray(lengths, jnp.int32), key, opts)
   yield np.asarray(tok_B)[:, None]
   produced = 1
   while produced < max_new_tokens and not bool(np.all(done_B)):
     count = min(chunk_size, max_new_tokens - produced)
-    out_BC, tok_B, done_B, cache = steps(params, tok_B, done_B, cache, jnp.int32(produced),
+    out_BC, tok_B, done_B, cache = steps(params, layers, tok_B, done_B, cache, jnp.int32(produced),
                                          jnp.int32(count), key, opts)
     yield np.asarray(out_BC)[:, :count]
     produced += count
@@ -117,16 +119,15 @@ def _stream_fns(graphdef, cache_len, chunk_size, temperature, top_k, top_p):
   def pick(logits_BV, suppress_V, key):
     return choose(jnp.where(suppress_V[None], -jnp.inf, logits_BV), key)
 
-  def prefill(params, prompt_BP, lengths_B, key, opts):
+  def prefill(params, layers, prompt_BP, lengths_B, key, opts):
     suppress_V, eos_id = opts
     model = nnx.merge(graphdef, params)
     cache = init_cache(model.config, prompt_BP.shape[0], cache_len)
-    logits_BPV, cache = extend(model, prompt_BP, cache, num_valid=lengths_B)
-    last_BV = jnp.take_along_axis(logits_BPV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+    last_BV, cache = prefill_cache(model, prompt_BP, cache, lengths_B, layers=layers)
     tok_B = pick(last_BV, suppress_V, jax.random.fold_in(key, 0))
     return tok_B, tok_B == eos_id, cache
 
-  def steps(params, tok_B, done_B, cache: KVCache, start, count, key, opts):
+  def steps(params, layers, tok_B, done_B, cache: KVCache, start, count, key, opts):
     """Tokens ``start .. start + count - 1`` (count <= chunk_size), fed ``tok_B`` = token start-1."""
     global trace_count
     trace_count += 1
@@ -141,7 +142,7 @@ def _stream_fns(graphdef, cache_len, chunk_size, temperature, top_k, top_p):
 
     def body(state):
       j, tok_B, out_BC, cache, done_B = state
-      logits_B1V, cache = extend(model, tok_B[:, None], cache)
+      logits_B1V, cache = extend(model, tok_B[:, None], cache, layers=layers)
       new_B = pick(logits_B1V[:, 0], suppress_V, jax.random.fold_in(key, start + j))
       new_B = jnp.where(done_B, pad, new_B)
       out_BC = jax.lax.dynamic_update_slice_in_dim(out_BC, new_B[:, None], j, axis=1)
@@ -151,7 +152,7 @@ def _stream_fns(graphdef, cache_len, chunk_size, temperature, top_k, top_p):
         cond, body, (jnp.int32(0), tok_B, out_BC, cache, done_B))
     return out_BC, tok_B, done_B, cache
 
-  return jax.jit(prefill), jax.jit(steps, donate_argnums=(3,))
+  return jax.jit(prefill), jax.jit(steps, donate_argnums=(4,))
 
 
 # -------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 
 from transformer_jax import ops
 from transformer_jax.layers.cache import KVCache
-from transformer_jax.layers.dense import Projection
+from transformer_jax.layers.dense import OutInKernel, Projection
 from transformer_jax.parallel import axes as ax
 from transformer_jax.parallel.ring import ring_attention
 
@@ -162,8 +162,10 @@ class Attention(nnx.Module):
     copies the ``[N, H, D]`` kernel into an ``[H, N, D]`` layout at every call, i.e. at every layer of
     every decoded token; contracting the merged ``N*H`` axis reads the kernel where it is.
     """
-    b, t, n, h = out_BTNH.shape
     proj = self.out
+    if isinstance(proj.kernel, OutInKernel):  # decoding layout: merges the heads itself
+      return proj(out_BTNH)
+    b, t, n, h = out_BTNH.shape
     kernel_ED = proj.kernel[...].reshape(n * h, -1).astype(proj.dtype)  # E = N * H
     y_BTD = jnp.einsum("BTE,ED->BTD", out_BTNH.reshape(b, t, n * h).astype(proj.dtype), kernel_ED)
     if proj.bias is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal, Sequence
 
 import jax
@@ -11,6 +12,40 @@ from flax import nnx
 from transformer_jax import ops
 from transformer_jax.layers.common import normal, ones, param, zeros
 from transformer_jax.parallel import axes as ax
+
+
+# Decoding multiplies a few rows by every weight matrix once per token, so its speed is the rate at
+# which the weights stream from memory. Below this many rows, the products are written weight-first
+# (``W[out, in] @ x^T``): XLA:CPU's kernels then stream the weights 1.2-2.5x faster than with
+# ``x @ W`` (experiments/PERFORMANCE.md, "Decoding").
+SKINNY_ROWS = 64
+
+
+def einsum_dims(einsum: str) -> tuple[str, str, str]:
+  """``"BTD,DNH->BTNH"`` -> (x letters, kernel letters, output letters)."""
+  lhs, out = einsum.replace(" ", "").split("->")
+  x, kernel = lhs.split(",")
+  return x, kernel, out
+
+
+def weight_first(w_OI: jax.Array, x_RI: jax.Array) -> jax.Array:
+  """``x @ w^T`` for a weight stored ``[out, in]``, computed as ``(w @ x^T)^T``: ``[rows, out]``.
+
+  The product is kept in its ``[out, rows]`` layout (an optimization barrier stops XLA from
+  folding the transpose back into the dot), and the small result is transposed afterwards.
+  """
+  y_OR = jax.lax.dot_general(w_OI, x_RI, (((1,), (1,)), ((), ())))
+  return jax.lax.optimization_barrier(y_OR).T
+
+
+class OutInKernel(nnx.Variable):
+  """A ``Projection`` kernel with its output dims first and contracted dims last (``[out..., in...]``,
+  PyTorch's ``Linear`` layout), for decoding.
+
+  ``Projection.decode_layout`` makes it (``split_layers`` calls that once per generation, in a
+  program of its own); the projection then multiplies weight-first (``weight_first``). It is a
+  read-only copy: training, checkpoints and conversion see only the ``Param``.
+  """
 
 
 class Projection(nnx.Module):
@@ -31,8 +66,35 @@ class Projection(nnx.Module):
                  if bias_shape is not None else None)
     self.lora = nnx.data(None)
 
+  def _n_in(self) -> int:
+    """How many leading kernel dims the einsum contracts (all the kernels here lead with them)."""
+    x_letters, k_letters, out_letters = einsum_dims(self.einsum)
+    n_in = sum(1 for c in k_letters if c in x_letters)
+    if (k_letters[:n_in] != x_letters[len(x_letters) - n_in:]
+        or out_letters != x_letters[:len(x_letters) - n_in] + k_letters[n_in:]):
+      raise ValueError(f"projection {self.einsum!r}: the decoding layout needs x's trailing dims "
+                       "contracted with the kernel's leading ones")
+    return n_in
+
+  def decode_layout(self) -> None:
+    """Replaces the kernel by its ``OutInKernel`` transpose (``[in..., out...]`` ->
+    ``[out..., in...]``): the layout in which a few rows at a time multiply fastest."""
+    if isinstance(self.kernel, OutInKernel):
+      return
+    n_in = self._n_in()
+    kernel = self.kernel[...]
+    self.kernel = OutInKernel(jnp.transpose(kernel, (*range(n_in, kernel.ndim), *range(n_in))))
+
   def __call__(self, x: jax.Array) -> jax.Array:
-    y = jnp.einsum(self.einsum, x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+    kernel = self.kernel[...].astype(self.dtype)
+    if isinstance(self.kernel, OutInKernel):
+      n_in = self._n_in()
+      n_out = kernel.ndim - n_in
+      lead, out = x.shape[:x.ndim - n_in], kernel.shape[:n_out]
+      y = weight_first(kernel.reshape(math.prod(out), -1),
+                       x.astype(self.dtype).reshape(math.prod(lead), -1)).reshape(*lead, *out)
+    else:
+      y = jnp.einsum(self.einsum, x.astype(self.dtype), kernel)
     if self.bias is not None:
       y = y + self.bias[...].astype(self.dtype)
     if self.lora is not None:
@@ -54,9 +116,14 @@ class Embed(nnx.Module):
     return jnp.take(self.embedding[...], ids, axis=0, mode="clip").astype(self.dtype)
 
   def attend(self, x_BTD: jax.Array) -> jax.Array:
-    """``x @ E^T``: logits ``[B, T, V]`` from hidden states."""
-    return jnp.einsum("BTD,VD->BTV", x_BTD.astype(self.dtype),
-                      self.embedding[...].astype(self.dtype))
+    """``x @ E^T``: logits ``[B, T, V]`` from hidden states (weight-first for a few rows, as when
+    decoding: the table is already ``[out, in]``)."""
+    x_BTD = x_BTD.astype(self.dtype)
+    table_VD = self.embedding[...].astype(self.dtype)
+    b, t, d = x_BTD.shape
+    if b * t <= SKINNY_ROWS:
+      return weight_first(table_VD, x_BTD.reshape(b * t, d)).reshape(b, t, -1)
+    return jnp.einsum("BTD,VD->BTV", x_BTD, table_VD)
 
 
 class Norm(nnx.Module):

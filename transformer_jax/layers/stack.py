@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 
 from transformer_jax.layers.cache import KVCache
 from transformer_jax.layers.block import Block, BlockConfig
+from transformer_jax.layers.dense import Projection
 from transformer_jax.parallel import axes as ax
 from transformer_jax.parallel.rules import ACTIVATION_BTD, constrain
 
@@ -120,9 +121,17 @@ class Stack(nnx.Module):
     return jax.lax.scan(body, x_BTD, params)
 
   def split_layers(self) -> tuple[nnx.State, ...]:
-    """This stack's parameters as one state per layer (each array sliced out of the stacked one)."""
-    _, params = nnx.split(self.layers)
-    return tuple(jax.tree.map(lambda a: a[i], params) for i in range(self.num_layers))
+    """This stack's parameters as one state per layer, for decoding: each array sliced out of the
+    stacked one, every projection kernel in its decoding layout (``Projection.decode_layout``)."""
+    graphdef, params = nnx.split(self.layers)
+    out = []
+    for i in range(self.num_layers):
+      block = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], params))
+      for _, node in nnx.iter_graph(block):
+        if isinstance(node, Projection):
+          node.decode_layout()
+      out.append(nnx.state(block))
+    return tuple(out)
 
   def map_layers(self, fn):
     """``fn(block)`` for every layer, outputs stacked along a leading ``[L]`` axis (e.g. the
