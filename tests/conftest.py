@@ -1,4 +1,4 @@
-"""Test-session options shared by every test directory.
+"""Test-session options and datasets shared by every test directory.
 
 ``TJAX_ATTENTION_IMPL=chunked python -m pytest tests/...`` runs the tests with that attention kernel:
 every model config built in this test process (presets, ``get_config``, configs read from Hugging
@@ -9,6 +9,7 @@ applied here; the library itself has no such switch (the kernel is always the co
 """
 
 import os
+import random
 
 import pytest
 
@@ -44,3 +45,30 @@ def _forcing(post_init):
       object.__setattr__(self, "attention_impl", FORCED_IMPL)  # frozen dataclass
     post_init(self)
   return wrapped
+
+
+@pytest.fixture(scope="session")
+def text_dataset(tmp_path_factory):
+  """A small prepared GPT/BERT dataset: 40 documents of pseudo-English lines."""
+  from transformer_jax import data
+
+  root = tmp_path_factory.mktemp("corpus")
+  rng = random.Random(0)
+  words = ["alpha", "beta", "gamma", "delta", "value", "return", "self", "def", "class", "for",
+           "in", "range", "print", "if", "else", "x", "y", "z", "the", "of"]
+  for d in range(40):
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))) for _ in range(30)]
+    (root / f"doc{d:02d}.txt").write_text("\n".join(lines) + "\n")
+  out = str(tmp_path_factory.mktemp("ds") / "text")
+  data.prepare([str(root)], out, compact_vocab=True, progress=False, val_fraction=4)
+  return out
+
+
+@pytest.fixture(scope="session")
+def reverse_dataset(tmp_path_factory):
+  """The synthetic string-reversal Seq2Seq dataset, prepared."""
+  from transformer_jax import data
+
+  out = str(tmp_path_factory.mktemp("ds") / "reverse")
+  data.prepare(["synthetic:reverse"], out, task="seq2seq", progress=False)
+  return out
