@@ -8,6 +8,7 @@ trainer is refused, and every bad input is one line (exit 2) naming it.
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -97,14 +98,6 @@ def test_a_finished_run_says_so_and_changes_nothing(finished):
   assert before == {n: os.path.getmtime(os.path.join(finished["run"], n)) for n in before}
 
 
-def test_more_steps_continue_the_run(finished, tmp_path, text_dataset):
-  run_dir = _copy(finished, tmp_path)
-  final = train(_exp(run_dir, text_dataset, steps=8), progress=False)
-  assert final["step"] == 8
-  steps = [r["step"] for r in _metrics(run_dir) if "loss" in r]
-  assert steps == list(range(1, 9))
-
-
 def test_model_and_data_overrides_are_refused_and_nothing_is_rewritten(finished, tmp_path,
                                                                          text_dataset):
   run_dir = _copy(finished, tmp_path)
@@ -158,21 +151,27 @@ DAMAGE = {
 }
 
 
-@pytest.mark.parametrize("damage", list(DAMAGE))
-def test_damaged_latest_step_falls_back_to_the_newest_intact_one(finished, tmp_path, capfd,
-                                                                 text_dataset, damage):
+# Each resume meets two kinds of damage, at steps 6 and 4 (every kind is met once), so that one
+# training run checks both fall-backs.
+@pytest.mark.parametrize("at_6, at_4", [("truncated shard", "missing opt_state"),
+                                        ("missing meta", "missing _METADATA")])
+def test_damaged_latest_steps_fall_back_to_the_newest_intact_one(finished, tmp_path, capfd,
+                                                                 text_dataset, at_6, at_4):
   run_dir = _copy(finished, tmp_path)
-  DAMAGE[damage](os.path.join(run_dir, "checkpoints", "6"))
+  DAMAGE[at_6](os.path.join(run_dir, "checkpoints", "6"))
+  DAMAGE[at_4](os.path.join(run_dir, "checkpoints", "4"))
   final = train(_exp(run_dir, text_dataset, steps=7), progress=False)
   err = capfd.readouterr().err
-  assert "checkpoint step 6" in err and "damaged" in err and "resuming from step 4" in err
+  assert "checkpoint step 6" in err and "checkpoint step 4" in err and "damaged" in err
+  assert "resuming from step 2" in err
   assert final["step"] == 7
-  # Steps 5 and 6 were trained again from step 4's parameters *and optimizer state*: the loss of
-  # step 6 depends on the update of step 5, so a fresh optimizer would not reproduce it.
+  # Steps 3 to 6 were trained again from step 2's parameters *and optimizer state*: the loss of
+  # step 4 depends on the update of step 3, so a fresh optimizer would not reproduce it.
   original = {r["step"]: r["loss"] for r in _metrics(finished["run"]) if "loss" in r}
   again = {r["step"]: r["loss"] for r in _metrics(run_dir) if "loss" in r}
-  assert again[5] == original[5] and again[6] == original[6]
-  assert os.path.isdir(os.path.join(run_dir, "checkpoints", "damaged-6"))
+  assert [again[s] for s in (3, 4, 5, 6)] == [original[s] for s in (3, 4, 5, 6)]
+  for step in (6, 4):
+    assert os.path.isdir(os.path.join(run_dir, "checkpoints", f"damaged-{step}"))
 
 
 def test_every_step_damaged_is_one_error_naming_each(finished, tmp_path, text_dataset):
@@ -224,12 +223,19 @@ def test_divergence_before_the_first_checkpoint_says_none_was_saved(tmp_path, te
 
 
 def test_divergence_guard_never_saves_non_finite_parameters(tmp_path, text_dataset):
+  """Through the command line: exit 1 (a failure, not bad input) naming the step and the last good
+  checkpoint, which is the newest one saved; no saved step holds a non-finite parameter."""
   run_dir = tmp_path / "r"
-  exp = _exp(run_dir, text_dataset, ["train.lr=1e9"], steps=20, checkpoint_every=1, log_every=1,
-             warmup_steps=0, schedule="constant")
-  with pytest.raises(TrainingDiverged, match=r"became .* at step (\d+).*\(step (\d+)\) is intact"):
-    train(exp, progress=False)
+  cfg = _write(tmp_path / "e.yaml", _raw(run_dir, text_dataset, steps=20, checkpoint_every=1,
+                                         log_every=1, warmup_steps=0, schedule="constant"))
+  code, _, err = run_cli("train", cfg, "--no-progress", "train.lr=1e9")
+  assert code == 1, err
+  match = re.search(r"became .* at step (\d+).*\(step (\d+)\) is intact", err)
+  assert match, err
+  bad_step, good_step = int(match[1]), int(match[2])
   rd = runs.RunDir(run_dir)
+  assert rd.checkpoint_steps() and max(rd.checkpoint_steps()) == good_step < bad_step
+  exp = _exp(run_dir, text_dataset, ["train.lr=1e9"], steps=20)
   for step in rd.checkpoint_steps():
     ckpt = runs.Checkpoints(rd.checkpoint_dir)
     try:
@@ -269,14 +275,17 @@ def test_sigterm_saves_a_checkpoint_and_exits_0(tmp_path, text_dataset):
   assert stopped < 2000 and _metrics(run_dir)[-1]["step"] == stopped
 
 
-def test_a_second_trainer_is_refused(finished, tmp_path, text_dataset):
+def test_a_second_trainer_is_refused_and_more_steps_continue_the_run(finished, tmp_path, text_dataset):
   run_dir = _copy(finished, tmp_path)
   with runs.RunDir(run_dir).lock():
     with pytest.raises(runs.RunLocked, match="is in use by pid"):
       train(_exp(run_dir, text_dataset, steps=8), progress=False)
     code, _, err = run_cli("train", finished["config"], f"run_dir={run_dir}", "train.steps=8")
     assert code == 2 and err.count("\n") == 1 and "is in use" in err
-  assert train(_exp(run_dir, text_dataset, steps=7), progress=False)["step"] == 7
+  # Released: more steps continue the run where it stopped.
+  assert train(_exp(run_dir, text_dataset, steps=8), progress=False)["step"] == 8
+  steps = [r["step"] for r in _metrics(run_dir) if "loss" in r]
+  assert steps == list(range(1, 9))
 
 
 # -------------------------------------------------------------------------------------------------
