@@ -28,10 +28,9 @@ tour: $(STAMP)
 	$(PY) -m transformer_jax.demo
 
 # tests/parallel run in their own process: they need 8 simulated devices from the start.
-# --dist loadgroup: tests marked with one xdist_group run on one worker and share its compilations.
 test: $(STAMP)
-	$(PY) -m pytest tests -n 2 --dist loadgroup --ignore=tests/parallel
-	$(PY) -m pytest tests/parallel -n 2 --dist loadgroup
+	$(PY) -m pytest tests -n 2 --ignore=tests/parallel
+	$(PY) -m pytest tests/parallel -n 2
 
 clean:
 	rm -rf $(VENV) runs report

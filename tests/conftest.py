@@ -35,8 +35,6 @@ def pytest_report_header(config):
 
 def pytest_configure(config):
   """Patches the config classes before collection, so configs built at import time are covered."""
-  # pytest-xdist's mark, known also when the tests run without it (-p no:xdist).
-  config.addinivalue_line("markers", "xdist_group(name): tests that share one xdist worker")
   if FORCED_IMPL is None:
     return
   if FORCED_IMPL not in config_lib._ATTENTION_IMPLS:

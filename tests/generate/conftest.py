@@ -1,5 +1,4 @@
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -81,14 +80,3 @@ def naive_greedy(model, prompt, max_new_tokens, eos_id=None):
 def random_prompts(seed, lengths):
   rng = np.random.RandomState(seed)
   return [list(rng.randint(0, VOCAB, size=n)) for n in lengths]
-
-
-def pytest_collection_modifyitems(config, items):
-  """One xdist group for this folder: under ``--dist loadgroup`` its tests share one worker, and so
-  the models and compiled decoders cached above (most tests reuse another's compilation)."""
-  import pytest
-
-  here = os.path.dirname(os.path.abspath(__file__))
-  for item in items:
-    if str(item.path).startswith(here + os.sep):
-      item.add_marker(pytest.mark.xdist_group("generate"))

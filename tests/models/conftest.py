@@ -1,5 +1,4 @@
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -46,12 +45,3 @@ def jit_forward(config):
 @functools.lru_cache(maxsize=None)
 def params_for(config, seed=0):
   return models.init(config, jax.random.key(seed))
-
-
-def pytest_collection_modifyitems(config, items):
-  """One xdist group for this folder: under ``--dist loadgroup`` its tests share one worker, and so
-  the compiled forwards and parameters cached above."""
-  here = os.path.dirname(os.path.abspath(__file__))
-  for item in items:
-    if str(item.path).startswith(here + os.sep):
-      item.add_marker(pytest.mark.xdist_group("models"))

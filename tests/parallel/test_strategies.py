@@ -112,9 +112,7 @@ def _rel(a, b):
                / max(np.linalg.norm(np.asarray(b, np.float64)), 1e-30))
 
 
-# One xdist group per family (``--dist loadgroup``): its one-device reference is computed once.
-@pytest.mark.parametrize("family,mesh_name", [
-    pytest.param(f, m, marks=pytest.mark.xdist_group(f"strategies-{f}")) for f, m in MATRIX])
+@pytest.mark.parametrize("family,mesh_name", MATRIX)
 def test_same_training_as_one_device(family, mesh_name):
   mesh = parallel.make_mesh(MESHES[mesh_name])
   ref_losses, ref_norms, ref_params, _ = _reference(family)

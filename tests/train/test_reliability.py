@@ -25,9 +25,6 @@ from transformer_jax.train import TrainingDiverged, evaluate_run, load_experimen
 from transformer_jax.train import tasks as tasks_lib
 from tests.train.conftest import REPO, run_cli, run_tjax
 
-# One xdist group (``--dist loadgroup``): the module's finished run is trained once, not per worker.
-pytestmark = pytest.mark.xdist_group("reliability")
-
 MODEL = {"preset": "gpt2-tiny", "d_model": 32, "num_layers": 2, "num_heads": 2, "d_ff": 64,
          "max_len": 32, "dropout_rate": 0.0}
 TRAIN = {"steps": 6, "batch_size": 4, "seq_len": 32, "lr": 3e-3, "warmup_steps": 2,
