@@ -1,4 +1,4 @@
-"""Test-session options shared by every test directory.
+"""Test-session options and datasets shared by every test directory.
 
 ``TJAX_ATTENTION_IMPL=chunked python -m pytest tests/...`` runs the tests with that attention kernel:
 every model config built in this test process (presets, ``get_config``, configs read from Hugging
@@ -9,10 +9,18 @@ applied here; the library itself has no such switch (the kernel is always the co
 """
 
 import os
+import random
 
-import pytest
+# The tests' programs are tiny and run a few times each: XLA:CPU's LLVM optimisation passes cost
+# more than they save (about half of every compilation). Set before JAX starts its backend; commands
+# run in subprocesses inherit it. Numerics are unchanged (no fast-math either way).
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_backend_optimization_level=0").strip()
 
-from transformer_jax.models import config as config_lib
+import pytest  # noqa: E402
+
+from transformer_jax.models import config as config_lib  # noqa: E402
 
 FORCED_IMPL = os.environ.get("TJAX_ATTENTION_IMPL") or None
 
@@ -44,3 +52,30 @@ def _forcing(post_init):
       object.__setattr__(self, "attention_impl", FORCED_IMPL)  # frozen dataclass
     post_init(self)
   return wrapped
+
+
+@pytest.fixture(scope="session")
+def text_dataset(tmp_path_factory):
+  """A small prepared GPT/BERT dataset: 40 documents of pseudo-English lines."""
+  from transformer_jax import data
+
+  root = tmp_path_factory.mktemp("corpus")
+  rng = random.Random(0)
+  words = ["alpha", "beta", "gamma", "delta", "value", "return", "self", "def", "class", "for",
+           "in", "range", "print", "if", "else", "x", "y", "z", "the", "of"]
+  for d in range(40):
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))) for _ in range(30)]
+    (root / f"doc{d:02d}.txt").write_text("\n".join(lines) + "\n")
+  out = str(tmp_path_factory.mktemp("ds") / "text")
+  data.prepare([str(root)], out, compact_vocab=True, progress=False, val_fraction=4)
+  return out
+
+
+@pytest.fixture(scope="session")
+def reverse_dataset(tmp_path_factory):
+  """The synthetic string-reversal Seq2Seq dataset, prepared."""
+  from transformer_jax import data
+
+  out = str(tmp_path_factory.mktemp("ds") / "reverse")
+  data.prepare(["synthetic:reverse"], out, task="seq2seq", progress=False)
+  return out

@@ -84,8 +84,6 @@ def test_bert_heads_missing_from_architecture_are_filled(tmp_path):
 
 
 def test_convert_run_directory_round_trip(tmp_path):
-  run_dir = pytest.importorskip("transformer_jax.train.run_dir")
-  del run_dir
   from transformer_jax.hf import convert
   hf_model = hc.build("gpt2-base")
   hf_model.save_pretrained(tmp_path / "hf")

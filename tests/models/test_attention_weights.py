@@ -62,7 +62,7 @@ def test_gpt_attention_weights_match_a_float64_forward_pass(position):
   # A large init so that the weights are far from uniform and every layer's input matters.
   config = tiny("gpt2-tiny", d_model=16, num_layers=3, num_heads=2, d_ff=32, max_len=16,
                 position=position, init_std=0.4)
-  model = models.GPT(config, rngs=nnx.Rngs(0))
+  model = models.create(config)   # one compiled initialisation, not op by op
   tokens = np.asarray(jax.random.randint(jax.random.key(1), (2, 9), 0, VOCAB))
   valid = np.ones((2, 9), bool)
   valid[1, 6:] = False                                     # row 1: three padding keys
@@ -77,7 +77,7 @@ def test_gpt_attention_weights_match_a_float64_forward_pass(position):
 def test_gpt_attention_weights_agree_with_the_ops_return_weights_in_layer_zero():
   config = tiny("gpt2-tiny", d_model=16, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=32,
                 max_len=16, position="rope")
-  model = models.GPT(config, rngs=nnx.Rngs(3))
+  model = models.create(config)
   tokens = jax.random.randint(jax.random.key(2), (1, 7), 0, VOCAB)
   weights = model.attention_weights(tokens)
   layer0 = jax.tree.map(lambda a: a[0], nnx.state(model.blocks.layers))
@@ -93,7 +93,7 @@ def test_gpt_attention_weights_agree_with_the_ops_return_weights_in_layer_zero()
 
 def test_bert_attention_weights_mask_padding_and_see_both_ways():
   config = tiny("bert-tiny")
-  model = models.BERT(config, rngs=nnx.Rngs(0))
+  model = models.create(config)
   tokens = jax.random.randint(jax.random.key(4), (1, 8), 0, VOCAB)
   valid = np.array([[True] * 6 + [False] * 2])
   weights = np.asarray(model.attention_weights(tokens, attention_mask=valid))
