@@ -26,6 +26,7 @@ import errno
 import gc
 import hashlib
 import json
+import logging
 import os
 import shutil
 import sys
@@ -351,7 +352,38 @@ def _reason(e: BaseException) -> str:
 def _is_abandoned_read(unraisable) -> bool:
   """An "Exception ignored in coroutine" report of a read orbax abandoned on a damaged step."""
   return (getattr(unraisable.object, "__qualname__", "").startswith("_read_array")
-          or "while reading array index" in str(unraisable.exc_value))
+          or _raised_by_a_read(unraisable.exc_value))
+
+
+# How orbax and TensorStore word a failed read of a checkpoint's array.
+_READ_ERROR = "while reading array index"
+_STORE_READ_ERROR = 'Error reading "'
+
+
+def _raised_by_a_read(exc: BaseException | None) -> bool:
+  """Whether ``exc`` (or an exception it chains) comes from orbax's array reads."""
+  seen = 0
+  while exc is not None and seen < 8:
+    if _READ_ERROR in str(exc) or _STORE_READ_ERROR in str(exc):
+      return True
+    tb = exc.__traceback__
+    while tb is not None:
+      if tb.tb_frame.f_code.co_name.startswith("_read_array"):
+        return True
+      tb = tb.tb_next
+    exc, seen = exc.__cause__ or exc.__context__, seen + 1
+  return False
+
+
+class _DropAbandonedReads(logging.Filter):
+  """Drops asyncio's "Task exception was never retrieved" / "Exception in callback" records of
+  the reads orbax abandons on a damaged step (they can come after the loop is closed)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    text = record.getMessage()
+    if "_read_array" in text or _READ_ERROR in text or _STORE_READ_ERROR in text:
+      return False
+    return not (record.exc_info and _raised_by_a_read(record.exc_info[1]))
 
 
 @contextlib.contextmanager
@@ -367,6 +399,9 @@ def _quiet_aborted_reads():
         previous(unraisable)
     drop.drops_abandoned_reads = True
     sys.unraisablehook = drop
+  asyncio_log = logging.getLogger("asyncio")
+  if not any(isinstance(f, _DropAbandonedReads) for f in asyncio_log.filters):
+    asyncio_log.addFilter(_DropAbandonedReads())
   try:
     yield
   finally:

@@ -6,7 +6,9 @@ one, the divergence guard never saves non-finite parameters, SIGTERM saves and e
 trainer is refused, and every bad input is one line (exit 2) naming it.
 """
 
+import io
 import json
+import logging
 import os
 import re
 import shutil
@@ -416,3 +418,36 @@ def test_a_full_disk_is_one_line_and_earlier_checkpoints_survive(tmp_path, text_
     assert final["step"] == steps[-1] + 1
   finally:
     subprocess.run(["umount", str(small)], capture_output=True)
+
+
+def test_asyncio_reports_of_abandoned_reads_are_dropped_and_others_kept():
+  """The reads orbax abandons on a damaged step can report through asyncio's logger after the
+  damage was named once ("Task exception was never retrieved", "Event loop is closed")."""
+  with runs._quiet_aborted_reads():
+    pass
+  out = io.StringIO()
+  handler = logging.StreamHandler(out)
+  log = logging.getLogger("asyncio")
+  log.addHandler(handler)
+
+  def _read_array_index_and_device_put():
+    raise ValueError("Encountered error while reading array index: (slice(0, 2, 1),)")
+
+  try:
+    try:
+      _read_array_index_and_device_put()
+    except ValueError as read_error:
+      raise RuntimeError("Event loop is closed") from read_error
+  except RuntimeError as closed:
+    chained = closed
+  try:
+    log.error("Task exception was never retrieved", exc_info=chained)
+    log.error("future: <Task finished coro=<_read_array_index_and_device_put() done>>")
+    log.error("Exception in callback", exc_info=chained)
+    log.error("Future exception was never retrieved\nfuture: <Future finished exception=ValueError("
+              "'OUT_OF_RANGE: Error reading \"embed.embedding.value/0.0\" in OCDBT database')>")
+    assert out.getvalue() == ""
+    log.error("an unrelated asyncio error")
+    assert out.getvalue() == "an unrelated asyncio error\n"
+  finally:
+    log.removeHandler(handler)
