@@ -263,13 +263,16 @@ _OVERRIDES = ("train", "eval")
 def _one_line(e: BaseException) -> str:
   """A one-line description of an error, naming the file for I/O errors."""
   from transformer_jax.runs import describe_oserror
-  seen = e
+  seen = source = e
   while seen is not None and not isinstance(seen, ValueError):  # an OSError wrapped by a library
     if isinstance(seen, OSError):
-      return describe_oserror(seen)
+      if seen.errno is not None:
+        return describe_oserror(seen)
+      source = seen  # a library's OSError without an errno: its (multi-line) text says what failed
+      break
     seen = seen.__cause__ or (None if seen.__suppress_context__ else seen.__context__)
   import re
-  text = " ".join(str(e).split()) or type(e).__name__
+  text = " ".join(str(source).split()) or type(source).__name__
   # Checkpoint writes go through tensorstore, whose errors carry an absl status and the file.
   file = re.search(r'(?:local )?file "([^"]+)"', text)
   for marks, reason in ((("RESOURCE_EXHAUSTED", "No space left"), "no space left on the device"),

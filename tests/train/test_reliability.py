@@ -451,3 +451,21 @@ def test_asyncio_reports_of_abandoned_reads_are_dropped_and_others_kept():
     assert out.getvalue() == "an unrelated asyncio error\n"
   finally:
     log.removeHandler(handler)
+
+
+def test_a_library_oserror_without_errno_is_one_line_naming_file_and_reason():
+  """TensorStore's write errors reach the CLI as an ``OSError`` with no errno and a multi-line
+  text; a full disk must still read as one line with the file."""
+  from transformer_jax import cli
+  text = ('Error writing local file "/runs/r/checkpoints/2.orbax-checkpoint-tmp/d/ab12":\\n'
+          "  Failed to write 31841 bytes to file 11:\\n  No space left on device [os_error_code='28']")
+  try:
+    try:
+      raise OSError(text)
+    except OSError as inner:
+      raise RuntimeError("checkpoint save failed") from inner
+  except RuntimeError as outer:
+    line = cli._one_line(outer)
+  assert line == "/runs/r/checkpoints/2.orbax-checkpoint-tmp/d/ab12: no space left on the device"
+  assert cli._one_line(OSError(28, "No space left on device", "/x")) == (
+      "/x: no space left on the device")
