@@ -42,9 +42,10 @@ class OutInKernel(nnx.Variable):
   """A ``Projection`` kernel with its output dims first and contracted dims last (``[out..., in...]``,
   PyTorch's ``Linear`` layout), for decoding.
 
-  ``Projection.decode_layout`` makes it (``split_layers`` calls that once per generation, in a
-  program of its own); the projection then multiplies weight-first (``weight_first``). It is a
-  read-only copy: training, checkpoints and conversion see only the ``Param``.
+  ``Projection.decode_layout`` makes it (``split_layers`` calls that once per set of weights, in a
+  program of its own: ``generate.decode.decode_layers``); the projection then multiplies
+  weight-first (``weight_first``). It is a read-only copy: training, checkpoints and conversion see
+  only the ``Param``.
   """
 
 
