@@ -68,10 +68,8 @@ class Adapter(nnx.Module):
   """
 
   def __init__(self, proj: Projection, rank: int, alpha: float, *, rngs: nnx.Rngs):
-    x_letters, k_letters, _ = einsum_dims(proj.einsum)
-    n_in = sum(1 for c in k_letters if c in x_letters)  # contracted dims come first
-    if any(c in x_letters for c in k_letters[n_in:]):
-      raise ValueError(f"projection {proj.einsum!r}: contracted dims must lead its kernel")
+    _, k_letters, _ = einsum_dims(proj.einsum)
+    n_in = proj.contracted_dims()
     kernel = proj.kernel
     lead = kernel.ndim - len(k_letters)         # stacked layers in front
     shape = tuple(kernel.shape)

@@ -67,14 +67,19 @@ class Projection(nnx.Module):
                  if bias_shape is not None else None)
     self.lora = nnx.data(None)
 
-  def _n_in(self) -> int:
-    """How many leading kernel dims the einsum contracts (all the kernels here lead with them)."""
+  def contracted_dims(self) -> int:
+    """How many leading kernel dims the einsum contracts with x's trailing ones (the decoding
+    layout and LoRA adapters rely on that order; every projection here has it).
+
+    Raises:
+      ValueError: for an einsum whose kernel does not lead with the dims it contracts.
+    """
     x_letters, k_letters, out_letters = einsum_dims(self.einsum)
     n_in = sum(1 for c in k_letters if c in x_letters)
     if (k_letters[:n_in] != x_letters[len(x_letters) - n_in:]
         or out_letters != x_letters[:len(x_letters) - n_in] + k_letters[n_in:]):
-      raise ValueError(f"projection {self.einsum!r}: the decoding layout needs x's trailing dims "
-                       "contracted with the kernel's leading ones")
+      raise ValueError(f"projection {self.einsum!r}: contracted dims must lead its kernel and "
+                       "close x")
     return n_in
 
   def decode_layout(self) -> None:
@@ -82,14 +87,14 @@ class Projection(nnx.Module):
     ``[out..., in...]``): the layout in which a few rows at a time multiply fastest."""
     if isinstance(self.kernel, OutInKernel):
       return
-    n_in = self._n_in()
+    n_in = self.contracted_dims()
     kernel = self.kernel[...]
     self.kernel = OutInKernel(jnp.transpose(kernel, (*range(n_in, kernel.ndim), *range(n_in))))
 
   def __call__(self, x: jax.Array) -> jax.Array:
     kernel = self.kernel[...].astype(self.dtype)
     if isinstance(self.kernel, OutInKernel):
-      n_in = self._n_in()
+      n_in = self.contracted_dims()
       n_out = kernel.ndim - n_in
       lead, out = x.shape[:x.ndim - n_in], kernel.shape[:n_out]
       y = weight_first(kernel.reshape(math.prod(out), -1),
