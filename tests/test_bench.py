@@ -30,6 +30,10 @@ def test_train_against_torch_does_the_same_work(tmp_path, capsys):
   assert r["limit"]["step_floor_s"] == pytest.approx(r["model_flops_per_step"] / limit, rel=1e-9)
   assert r["command"].startswith("tjax bench train --preset gpt2-tiny")
   assert r["machine"]["cpu"] and "cpu_flags" in r["machine"]
+  # The compiled step's scratch block, and what each side cost the kernel per step.
+  assert r["ours"]["temp_bytes"] > 0
+  for side in ("ours", "torch"):
+    assert r[side]["minor_faults_per_step"] >= 0 and r[side]["sys_s_per_step"] >= 0
   assert "ours" in capsys.readouterr().out
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import resource
 import statistics
 import sys
 import time
@@ -107,6 +108,9 @@ class Ours:
     start = time.perf_counter()
     self.step_fn = lowered.compile()
     self.compile_s = time.perf_counter() - start
+    # XLA:CPU takes a step's temporaries as one block per call (see runtime.allocator_env).
+    analysis = self.step_fn.memory_analysis()
+    self.temp_bytes = None if analysis is None else int(analysis.temp_size_in_bytes)
     self.state = state
     self.losses: list[float] = []
 
@@ -224,10 +228,19 @@ def run(args) -> dict:
     for side in sides.values():
       side.step()
   times = {name: [] for name in sides}
+  kernel = {name: {"minor_faults": [], "sys_s": []} for name in sides}
   for _ in range(args.steps):
     for name, side in sides.items():
+      before = resource.getrusage(resource.RUSAGE_SELF)
       times[name].append(side.step())
+      after = resource.getrusage(resource.RUSAGE_SELF)
+      # Fresh pages the step faulted in (and the kernel time they cost): memory the allocator
+      # gave back to the kernel and took again.
+      kernel[name]["minor_faults"].append(after.ru_minflt - before.ru_minflt)
+      kernel[name]["sys_s"].append(after.ru_stime - before.ru_stime)
   med = {name: statistics.median(t) for name, t in times.items()}
+  per_step = {name: {f"{k}_per_step": statistics.median(v) for k, v in kernel[name].items()}
+              for name in sides}
 
   tokens = args.batch_size * args.seq_len
   is_s2s = isinstance(config, Seq2SeqConfig)
@@ -245,14 +258,15 @@ def run(args) -> dict:
                "step_s": _summary(times["ours"]),
                "tokens_per_sec": tokens_per_step / med["ours"],
                "model_flops_per_sec": step_flops / med["ours"], "mfu": step_flops / med["ours"] / ref,
-               "losses": ours.losses},
+               "losses": ours.losses, "temp_bytes": ours.temp_bytes, **per_step["ours"]},
       "limit": {"matmul": limits, "step_floor_s": step_flops / ref},
   }
   for name in rivals:
     if name in sides:
       result[name] = {"first_step_s": first[name], "step_s": _summary(times[name]),
                       "tokens_per_sec": tokens_per_step / med[name],
-                      "mfu": step_flops / med[name] / ref, "losses": sides[name].losses}
+                      "mfu": step_flops / med[name] / ref, "losses": sides[name].losses,
+                      **per_step[name]}
       result[f"speedup_vs_{name}"] = med[name] / med["ours"]
       # Same weights, tokens and loss: the first losses agree to float32 rounding.
       result[f"first_loss_diff_vs_{name}"] = abs(sides[name].losses[0] - ours.losses[0])

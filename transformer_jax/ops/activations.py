@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Callable, Literal
 
 import jax
@@ -14,16 +16,57 @@ def relu(x: jax.Array) -> jax.Array:
   return jax.nn.relu(x)
 
 
+def _derivative_rule(f: Callable[[jax.Array], jax.Array],
+                     df: Callable[[jax.Array], jax.Array]) -> Callable[[jax.Array], jax.Array]:
+  """``f`` with its derivative ``df`` as its JVP rule (``jax.custom_jvp``).
+
+  Why: left to autodiff, ``jax.nn.gelu(approximate=True)`` keeps four ``[..., d_ff]``
+  intermediates (``x``, ``x**3``, ``tanh``, ...) for the backward pass; with the rule, reverse
+  mode keeps one, ``df(x)``, computed in the forward's fusion. For GPT-2 small at 4 x 256 that
+  takes 576 MiB off a training step's temporaries (2356 -> 1780 MiB), which also keeps the step's
+  scratch under mimalloc's ~2 GiB limit for blocks it reuses rather than returns to the kernel
+  (see ``runtime.allocator_env``). Forward mode, ``vmap`` and higher derivatives (the rule is
+  itself differentiable) work as before.
+  """
+  rule = jax.custom_jvp(f)
+  rule.defjvp(lambda primals, tangents: (f(primals[0]), df(primals[0]) * tangents[0]))
+  return functools.wraps(f)(rule)
+
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def _gelu_derivative(x: jax.Array) -> jax.Array:
+  """``Phi(x) + x * phi(x)``."""
+  return (0.5 * (1.0 + jax.lax.erf(x * (1.0 / math.sqrt(2.0))))
+          + x * jnp.exp(-0.5 * x * x) * (1.0 / math.sqrt(2.0 * math.pi)))
+
+
+def _gelu_tanh_derivative(x: jax.Array) -> jax.Array:
+  """d/dx of ``x/2 (1 + tanh(u))``, ``u = sqrt(2/pi) (x + 0.044715 x^3)``."""
+  t = jnp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x))
+  return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 0.134145 * x * x)
+
+
+def _silu_derivative(x: jax.Array) -> jax.Array:
+  """``s (1 + x (1 - s))``, ``s = sigmoid(x)``."""
+  s = jax.nn.sigmoid(x)
+  return s * (1.0 + x * (1.0 - s))
+
+
+@functools.partial(_derivative_rule, df=_gelu_derivative)
 def gelu(x: jax.Array) -> jax.Array:
   """Exact GELU, ``x * Phi(x)`` (BERT)."""
   return jax.nn.gelu(x, approximate=False)
 
 
+@functools.partial(_derivative_rule, df=_gelu_tanh_derivative)
 def gelu_tanh(x: jax.Array) -> jax.Array:
   """The tanh approximation of GELU (GPT-2, T5 v1.1's "gelu_new")."""
   return jax.nn.gelu(x, approximate=True)
 
 
+@functools.partial(_derivative_rule, df=_silu_derivative)
 def silu(x: jax.Array) -> jax.Array:
   """``x * sigmoid(x)`` (a.k.a. swish)."""
   return jax.nn.silu(x)
