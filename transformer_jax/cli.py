@@ -342,7 +342,22 @@ def launch() -> None:
       os.execve(sys.executable, [sys.executable, "-m", "transformer_jax.cli", *sys.argv[1:]], env)
     except OSError:
       pass  # run on as we are
-  sys.exit(main())
+  code = main()
+  if code:
+    _quiet_after_the_error()
+  sys.exit(code)
+
+
+def _quiet_after_the_error() -> None:
+  """Sends whatever the process writes to stderr from now on to /dev/null: the error has been
+  reported in one line, and what abandoned background work prints at exit (orbax's save thread,
+  tensorstore's pending writes reaching a closed event loop, with tracebacks hundreds of lines
+  long) only echoes it. ``-v`` re-raises before this point and keeps everything."""
+  import os
+  sys.stderr.flush()
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  os.dup2(devnull, sys.stderr.fileno())   # C++ logging writes to fd 2 directly
+  os.close(devnull)
 
 
 if __name__ == "__main__":

@@ -469,3 +469,35 @@ def test_a_library_oserror_without_errno_is_one_line_naming_file_and_reason():
   assert line == "/runs/r/checkpoints/2.orbax-checkpoint-tmp/d/ab12: no space left on the device"
   assert cli._one_line(OSError(28, "No space left on device", "/x")) == (
       "/x: no space left on the device")
+
+
+_LAUNCH_WITH_LATE_NOISE = """
+import atexit, os, sys, threading
+from transformer_jax import cli
+code = int(sys.argv[1])
+def main():
+  print("tjax train: error: /r/checkpoints/2: no space left on the device", file=sys.stderr)
+  # What abandoned background work does at exit: Python tracebacks and C++ logging on fd 2.
+  atexit.register(lambda: print("Traceback (most recent call last):\\n  ...", file=sys.stderr))
+  atexit.register(lambda: os.write(2, b"E tensorstore: Failed to write\\n"))
+  return code
+cli.main = main
+cli.launch()
+"""
+
+
+@pytest.mark.parametrize("code", [0, 2])
+def test_after_the_one_line_error_the_launcher_keeps_stderr_quiet(code):
+  """A failed checkpoint write leaves orbax/tensorstore work that prints tracebacks at exit (one
+  CI run saw 256 lines after the error); once the error is reported, the launcher drops them.
+  A run that succeeds keeps everything."""
+  res = subprocess.run([sys.executable, "-c", _LAUNCH_WITH_LATE_NOISE, str(code)], cwd=REPO,
+                       env={**os.environ, "TJAX_MALLOC": "0"}, capture_output=True, text=True,
+                       timeout=120)
+  assert res.returncode == code
+  lines = res.stderr.splitlines()
+  assert lines[0] == "tjax train: error: /r/checkpoints/2: no space left on the device"
+  if code:
+    assert lines == lines[:1]
+  else:
+    assert "E tensorstore: Failed to write" in lines and "Traceback (most recent call last):" in lines
