@@ -327,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         ("yaml", "orbax", "tensorstore"))
     hint = "" if bad_input else " (-v for the traceback)"
     print(f"tjax {args.command}: error: {_one_line(e)}{hint}", file=sys.stderr)
+    global _error_reported
+    _error_reported = True
     return 2 if bad_input else 1
 
 
@@ -343,16 +345,20 @@ def launch() -> None:
     except OSError:
       pass  # run on as we are
   code = main()
-  if code:
+  if _error_reported:
     _quiet_after_the_error()
   sys.exit(code)
+
+
+_error_reported = False  # main caught an exception and reported it in one line
 
 
 def _quiet_after_the_error() -> None:
   """Sends whatever the process writes to stderr from now on to /dev/null: the error has been
   reported in one line, and what abandoned background work prints at exit (orbax's save thread,
   tensorstore's pending writes reaching a closed event loop, with tracebacks hundreds of lines
-  long) only echoes it. ``-v`` re-raises before this point and keeps everything."""
+  long) only echoes it. Only after a caught exception: ``-v`` re-raises before this point and
+  keeps everything, and other non-zero exits (a diverged run, an unmet learning bar) too."""
   import os
   sys.stderr.flush()
   devnull = os.open(os.devnull, os.O_WRONLY)

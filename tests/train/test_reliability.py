@@ -477,6 +477,7 @@ from transformer_jax import cli
 code = int(sys.argv[1])
 def main():
   print("tjax train: error: /r/checkpoints/2: no space left on the device", file=sys.stderr)
+  cli._error_reported = code != 0   # as main's handler of a caught exception does
   # What abandoned background work does at exit: Python tracebacks and C++ logging on fd 2.
   atexit.register(lambda: print("Traceback (most recent call last):\\n  ...", file=sys.stderr))
   atexit.register(lambda: os.write(2, b"E tensorstore: Failed to write\\n"))
@@ -501,3 +502,13 @@ def test_after_the_one_line_error_the_launcher_keeps_stderr_quiet(code):
     assert lines == lines[:1]
   else:
     assert "E tensorstore: Failed to write" in lines and "Traceback (most recent call last):" in lines
+
+
+def test_main_marks_only_a_caught_error_for_the_launcher(tmp_path, monkeypatch):
+  from transformer_jax import cli
+  monkeypatch.setattr(cli, "_error_reported", False)
+  code, _, err = run_cli("train", str(tmp_path / "missing.yaml"))
+  assert code == 2 and err.startswith("tjax train: error:") and cli._error_reported
+  monkeypatch.setattr(cli, "_error_reported", False)
+  code, out, _ = run_cli("info")
+  assert code == 0 and not cli._error_reported
