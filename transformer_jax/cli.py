@@ -258,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Subcommands whose positional ``key=value`` overrides may come after options.
 _OVERRIDES = ("train", "eval")
+_error_reported = False  # main caught an exception and reported it in one line (see launch)
 
 
 def _one_line(e: BaseException) -> str:
@@ -348,9 +349,6 @@ def launch() -> None:
   if _error_reported:
     _quiet_after_the_error()
   sys.exit(code)
-
-
-_error_reported = False  # main caught an exception and reported it in one line
 
 
 def _quiet_after_the_error() -> None:
