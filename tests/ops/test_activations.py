@@ -164,7 +164,7 @@ def test_activation_second_derivative_matches_float64(name):
 
 @pytest.mark.parametrize("name", SMOOTH)
 def test_activation_backward_keeps_one_array(name, capsys):
-  """Autodiff of ``jax.nn.gelu(approximate=True)`` keeps x, tanh and two products (4 arrays of
+  """Autodiff of ``jax.nn.gelu(approximate=True)`` keeps x, tanh and three products (5 arrays of
   the activation's shape, the memory of a training step's MLP); the rule keeps its derivative."""
   x = jnp.ones((3, 16), jnp.float32)
   print_saved_residuals(lambda x: FUNCS[name](x).sum(), x)
