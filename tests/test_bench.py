@@ -77,4 +77,11 @@ def test_generate_against_transformers_same_tokens_and_floor_from_the_same_momen
     assert s["step_floor_ms"] == pytest.approx(floor_ms, rel=1e-9)
     assert s["ours_fraction_of_bandwidth_floor"] == pytest.approx(
         floor_ms / s["ours_ms_per_step"], rel=1e-9)
+    # The sustained floor: the same readings' mean rate, never above their best.
+    sustained = case["sustained_bandwidth_bytes_per_sec"]["all"]
+    assert len(sustained) == 2 and all(0 < m <= b for m, b in zip(sustained, readings))
+    sustained_ms = 1e3 * r["weight_bytes"]["float32"] / s["sustained_bandwidth_bytes_per_sec"]
+    assert s["ours_fraction_of_sustained_floor"] == pytest.approx(
+        sustained_ms / s["ours_ms_per_step"], rel=1e-9)
+    assert s["ours_fraction_of_sustained_floor"] >= s["ours_fraction_of_bandwidth_floor"]
     assert s["ratio"] == pytest.approx(s["ours_tokens_per_sec"] / s["theirs_tokens_per_sec"])
