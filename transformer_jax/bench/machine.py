@@ -138,7 +138,8 @@ def weight_bandwidth(nbytes: int = 512 << 20, dtype: str = "float32", reps: int 
   ``bytes_per_sec`` is the best of ``reps`` calls (the limit); ``sustained_bytes_per_sec`` is their
   mean rate (all bytes over all the calls' time), which is what a run of many such products, as a
   decoding loop is, can expect on a machine whose memory bus other machines share: on a 2-core
-  cloud VM the same product's calls spread by 10-30% (experiments/PERFORMANCE.md, "How much the floor itself moves").
+  cloud VM the same product's calls spread by 10-30% (experiments/PERFORMANCE.md, "How much the
+  floor itself moves").
   """
   dt = jnp.dtype(dtype)
   cols = 4096
