@@ -92,14 +92,19 @@ def describe(extra_versions: Iterable[str] = ()) -> dict:
   }
 
 
-def _best_time(fn, *args, reps: int) -> float:
+def _call_times(fn, *args, reps: int) -> list[float]:
+  """Seconds of each of ``reps`` calls of ``fn(*args)``, after one untimed (compiling) call."""
   jax.block_until_ready(fn(*args))
-  best = float("inf")
+  times = []
   for _ in range(reps):
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
-    best = min(best, time.perf_counter() - start)
-  return best
+    times.append(time.perf_counter() - start)
+  return times
+
+
+def _best_time(fn, *args, reps: int) -> float:
+  return min(_call_times(fn, *args, reps=reps))
 
 
 def matmul_limit(shapes: Sequence[tuple[int, int, int]], dtype: str = "float32",
@@ -147,11 +152,6 @@ def weight_bandwidth(nbytes: int = 512 << 20, dtype: str = "float32", reps: int 
   w = jnp.ones((rows, cols), dt)
   x = jnp.ones((cols,), dt)
   gemv = jax.jit(lambda w, x: w @ x)
-  jax.block_until_ready(gemv(w, x))
-  times = []
-  for _ in range(reps):
-    start = time.perf_counter()
-    jax.block_until_ready(gemv(w, x))
-    times.append(time.perf_counter() - start)
+  times = _call_times(gemv, w, x, reps=reps)
   return {"dtype": dtype, "bytes": int(w.nbytes), "bytes_per_sec": w.nbytes / min(times),
           "sustained_bytes_per_sec": w.nbytes * reps / sum(times)}
