@@ -75,13 +75,40 @@ def test_generate_against_transformers_same_tokens_and_floor_from_the_same_momen
     assert len(readings) == 2 and all(b > 0 for b in readings)
     floor_ms = 1e3 * r["weight_bytes"]["float32"] / case["bandwidth_bytes_per_sec"]["median"]
     assert s["step_floor_ms"] == pytest.approx(floor_ms, rel=1e-9)
-    assert s["ours_fraction_of_bandwidth_floor"] == pytest.approx(
-        floor_ms / s["ours_ms_per_step"], rel=1e-9)
     # The sustained floor: the same readings' mean rate, never above their best.
     sustained = case["sustained_bandwidth_bytes_per_sec"]["all"]
     assert len(sustained) == 2 and all(0 < m <= b for m, b in zip(sustained, readings))
+    # The step: each full call minus its one-token partner from the same repetition.
+    ours = case["ours"]
+    diffs = [f - o for f, o in zip(ours["generate_s"]["all"], ours["paired_one_token_s"])]
+    assert ours["decode_s"]["all"] == pytest.approx(diffs, rel=1e-12)
+    if s["ours_ms_per_step"] is None:
+      # gpt2-tiny's 5 steps can drown in the calls' jitter: then no time and no fraction at all.
+      assert sorted(diffs)[0] <= 0 and "jitter" in s["ours_step_unresolved"]
+      assert s["ours_fraction_of_bandwidth_floor"] is None
+      assert s["ours_fraction_of_sustained_floor"] is None
+      continue
+    assert s["ours_ms_per_step"] > 0 and s["ours_step_unresolved"] is None
+    assert s["ours_fraction_of_bandwidth_floor"] == pytest.approx(
+        floor_ms / s["ours_ms_per_step"], rel=1e-9)
     sustained_ms = 1e3 * r["weight_bytes"]["float32"] / s["sustained_bandwidth_bytes_per_sec"]
     assert s["ours_fraction_of_sustained_floor"] == pytest.approx(
         sustained_ms / s["ours_ms_per_step"], rel=1e-9)
     assert s["ours_fraction_of_sustained_floor"] >= s["ours_fraction_of_bandwidth_floor"]
     assert s["ratio"] == pytest.approx(s["ours_tokens_per_sec"] / s["theirs_tokens_per_sec"])
+
+
+def test_step_time_from_paired_calls_never_negative():
+  from transformer_jax.bench.generate import step_time
+
+  # Three pairs, differences 0.9, 1.1 and 3.0 s over 10 steps: the median 1.1 s, 110 ms a step.
+  ok = step_time([1.0, 1.3, 3.5], [0.1, 0.2, 0.5], 11)
+  assert ok["ms_per_step"] == pytest.approx(110.0) and ok["step_unresolved"] is None
+  assert ok["decode_s"]["all"] == pytest.approx([0.9, 1.1, 3.0])
+  # The steps drowned in jitter: the median difference is negative; no time, a reason naming it.
+  lost = step_time([0.010, 0.012, 0.011], [0.011, 0.010, 0.0115], 6)
+  assert lost["ms_per_step"] is None
+  assert "-0.500 ms" in lost["step_unresolved"] and "--new-tokens" in lost["step_unresolved"]
+  assert step_time([0.2], [0.1], 1)["ms_per_step"] is None
+  with pytest.raises(ValueError, match="2 full calls and 1 one-token"):
+    step_time([0.2, 0.3], [0.1], 5)

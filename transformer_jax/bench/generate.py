@@ -23,8 +23,12 @@ medians are reported. Numbers per (dtype, batch):
     processing included; ``ratio`` = ours / theirs).
   * ``ttft_s``: time to first token, the median wall time of ``generate`` with one new token
     (prefill + the first token).
-  * ``decode_tokens_per_sec``: ``batch * (new_tokens - 1) / (median generate - median ttft)``, the
-    rate of the one-token steps alone.
+  * ``decode_tokens_per_sec``: ``batch * (new_tokens - 1) / decode_s``, the rate of the one-token
+    steps alone. ``decode_s`` is the median over repetitions of (full call - one-token call), the two
+    calls made back to back in each repetition so that their difference comes from the same
+    moments. When that median is not positive (a tiny model's steps are shorter than the calls'
+    jitter) the step time, its rate and its fractions of the floor are ``None`` and
+    ``step_unresolved`` says why: never a negative or clamped time.
   * ``compile_s`` (ours): first call minus the median steady call, for the full call and for the
     one-token call (separate compilations).
   * ``tokens_equal``: whether the greedy tokens agree. Random weights give near-ties; when the tokens
@@ -179,6 +183,31 @@ def divergence(ours: Ours, theirs: Theirs, prompt_BP, ours_BN, theirs_BN) -> dic
           "logit_gap_at_first": gaps}
 
 
+def step_time(full_s: list[float], one_token_s: list[float], new_tokens: int) -> dict:
+  """A decoding step's time from paired calls: ``full_s[i]`` generates ``new_tokens`` and
+  ``one_token_s[i]`` one token, back to back in repetition ``i``.
+
+  The median of the paired differences over ``new_tokens - 1`` is the step. When it is not positive
+  the steps drowned in the calls' jitter: ``ms_per_step`` is ``None`` and ``step_unresolved`` names
+  the median difference, rather than a negative time or a clamp."""
+  if len(full_s) != len(one_token_s) or not full_s:
+    raise ValueError(f"step_time: {len(full_s)} full calls and {len(one_token_s)} one-token calls; "
+                     "need the same positive number of each")
+  diffs = [f - o for f, o in zip(full_s, one_token_s)]
+  decode_s = statistics.median(diffs)
+  out = {"decode_s": {"median": decode_s, "all": diffs}, "ms_per_step": None,
+         "step_unresolved": None}
+  if new_tokens < 2:
+    out["step_unresolved"] = "one new token: no decoding step to time"
+  elif decode_s <= 0:
+    out["step_unresolved"] = (
+        f"the {new_tokens - 1} decoding steps took less than the calls' jitter (median of full call "
+        f"- one-token call = {1e3 * decode_s:.3f} ms); time more --new-tokens or a larger preset")
+  else:
+    out["ms_per_step"] = 1e3 * decode_s / (new_tokens - 1)
+  return out
+
+
 def bench_case(ours: Ours, theirs: Theirs, alt: Theirs | None, batch: int, args, reps: int,
                rng) -> dict:
   prompt_BP = rng.integers(0, ours.config.vocab_size, (batch, args.prompt_len), dtype=np.int64)
@@ -191,7 +220,7 @@ def bench_case(ours: Ours, theirs: Theirs, alt: Theirs | None, batch: int, args,
     sides["theirs_alt_threads"] = alt
   for obj in sides.values():
     obj.generate(prompt_BP, 1)
-  times = {k: [] for side in sides for k in (side, side + "_ttft")}
+  times = {k: [] for side in sides for k in (side, side + "_ttft", side + "_paired_one")}
   outs = {}
   bandwidth, sustained = [], []
   for _ in range(reps):
@@ -203,6 +232,9 @@ def bench_case(ours: Ours, theirs: Theirs, alt: Theirs | None, batch: int, args,
     for side, obj in sides.items():
       outs[side], dt = _timed(obj.generate, prompt_BP, n)
       times[side].append(dt)
+      # Its one-token partner, right after: the step time is the pair's difference.
+      _, dt = _timed(obj.generate, prompt_BP, 1)
+      times[side + "_paired_one"].append(dt)
   for _ in range(args.ttft_reps):
     for side, obj in sides.items():
       _, dt = _timed(obj.generate, prompt_BP, 1)
@@ -213,14 +245,16 @@ def bench_case(ours: Ours, theirs: Theirs, alt: Theirs | None, batch: int, args,
             "sustained_bandwidth_bytes_per_sec": {"median": statistics.median(sustained),
                                                   "all": sustained}}
   for side in sides:
-    decode_s = med[side] - med[side + "_ttft"]
+    step = step_time(times[side], times[side + "_paired_one"], n)
+    ms = step["ms_per_step"]
     result[side] = {
         "new_tokens_per_sec": batch * n / med[side],
         "generate_s": {"median": med[side], "min": min(times[side]), "all": times[side]},
         "ttft_s": {"median": med[side + "_ttft"], "min": min(times[side + "_ttft"]),
                    "all": times[side + "_ttft"]},
-        "decode_tokens_per_sec": batch * (n - 1) / decode_s if n > 1 and decode_s > 0 else None,
-        "ms_per_step": 1e3 * decode_s / (n - 1) if n > 1 else None,
+        "paired_one_token_s": times[side + "_paired_one"],
+        "decode_tokens_per_sec": 1e3 * batch / ms if ms else None,
+        **step,
     }
   result["ours"]["first_call_s"] = first_full
   result["ours"]["compile_s"] = first_full - med["ours"]
@@ -336,6 +370,7 @@ def run(args, command: str | None = None) -> dict:
           "ours_compile_s": c["ours"]["compile_s"], "tokens_equal": c["tokens_equal"],
           "ours_fraction_of_bandwidth_floor": c["ours"]["fraction_of_bandwidth_floor"],
           "ours_ms_per_step": c["ours"]["ms_per_step"], "step_floor_ms": c["ours"]["step_floor_ms"],
+          "ours_step_unresolved": c["ours"]["step_unresolved"],
           "bandwidth_bytes_per_sec": c["bandwidth_bytes_per_sec"]["median"],
           "ours_fraction_of_sustained_floor": c["ours"]["fraction_of_sustained_floor"],
           "sustained_bandwidth_bytes_per_sec": c["sustained_bandwidth_bytes_per_sec"]["median"]}
@@ -369,7 +404,8 @@ def table(result: dict) -> str:
            f"({c['step_floor_ms']:.1f} ms at {c['bandwidth_bytes_per_sec'] / 1e9:.1f} GB/s), "
            f"{100 * c['ours_fraction_of_sustained_floor']:.0f}% of the sustained floor "
            f"({c['sustained_bandwidth_bytes_per_sec'] / 1e9:.1f} GB/s)"
-           if frac else "")
+           if frac else f"  step not resolved: {c['ours_step_unresolved']}"
+           if c.get("ours_step_unresolved") else "")
         + ("" if c["tokens_equal"] else "  (tokens differ)"))
   return "\n".join(lines)
 
