@@ -2,6 +2,7 @@
 
 import json
 import math
+import statistics
 
 import pytest
 
@@ -84,7 +85,7 @@ def test_generate_against_transformers_same_tokens_and_floor_from_the_same_momen
     assert ours["decode_s"]["all"] == pytest.approx(diffs, rel=1e-12)
     if s["ours_ms_per_step"] is None:
       # gpt2-tiny's 5 steps can drown in the calls' jitter: then no time and no fraction at all.
-      assert sorted(diffs)[0] <= 0 and "jitter" in s["ours_step_unresolved"]
+      assert statistics.median(diffs) <= 0 and "jitter" in s["ours_step_unresolved"]
       assert s["ours_fraction_of_bandwidth_floor"] is None
       assert s["ours_fraction_of_sustained_floor"] is None
       continue
