@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -166,3 +167,42 @@ def test_mismatched_mask_shape_is_a_clear_error(tokens):
   model = models.create(tiny("bert-tiny"))
   with pytest.raises(ValueError, match=r"attention_mask.shape=\(2, 5\) must equal tokens.shape"):
     model(tokens, None, jnp.ones((2, 5)))
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "bert-tiny", "t5-tiny"])
+def test_bf16_cpu_matmuls_compute_what_xla_einsums_do(name, tokens, monkeypatch):
+  # bfloat16 on a CPU with bfloat16 units sends every projection and the tied head through
+  # ops.linear.matmul (bfloat16 dots in the layouts XLA:CPU keeps, its own backward). Forced on
+  # here, whatever this CPU has: the loss and every gradient match the plain einsum path (which XLA
+  # upcasts to float32 dots) to bfloat16 rounding, and the program runs (a dot left in a layout
+  # XLA cannot run in bfloat16 fails at run time).
+  from transformer_jax.ops import linear
+  from tests.ops.test_linear import _dots
+
+  config = dataclasses.replace(tiny(name), dtype="bfloat16")
+  params = params_for(tiny(name))
+
+  def loss_and_grads(fast: bool):
+    monkeypatch.setattr(linear, "matmul_pays", lambda dtype: fast)
+    graphdef = models.graphdef(config)
+
+    def loss_fn(params, tokens):
+      logits = forward(nnx.merge(graphdef, params), config, tokens)
+      return jnp.mean(jax.nn.log_softmax(logits.astype(jnp.float32))[..., 1])
+
+    fn = jax.jit(jax.value_and_grad(loss_fn))
+    return fn(params, tokens), fn.lower(params, tokens).compile().as_text()
+
+  (loss_xla, grads_xla), _ = loss_and_grads(False)
+  (loss, grads), hlo = loss_and_grads(True)
+  bf16_dots = [d for d in _dots(hlo) if all(t.startswith("bf16[") for t in d[1])]
+  assert len(bf16_dots) >= 6, "the projections did not run as bfloat16 dots"
+  assert abs(float(loss) - float(loss_xla)) < 1e-3 * abs(float(loss_xla))
+  chex.assert_trees_all_equal_shapes_and_dtypes(grads, grads_xla)   # float32 master gradients
+  top = max(float(np.linalg.norm(g)) for g in jax.tree.leaves(grads_xla))
+  for (path, g_xla), g in zip(jax.tree_util.tree_leaves_with_path(grads_xla),
+                              jax.tree.leaves(grads)):
+    scale = float(np.linalg.norm(g_xla))
+    if scale > 1e-6 * top:   # (a key bias's gradient is 0 up to rounding: no relative error)
+      rel = float(np.linalg.norm(np.asarray(g) - np.asarray(g_xla))) / scale
+      assert rel < 2e-2, (jax.tree_util.keystr(path), rel)

@@ -14,6 +14,7 @@ from jax.sharding import Mesh
 from transformer_jax import ops
 from transformer_jax.layers.cache import KVCache
 from transformer_jax.layers.dense import OutInKernel, Projection
+from transformer_jax.ops import linear
 from transformer_jax.parallel import axes as ax
 from transformer_jax.parallel.ring import ring_attention
 
@@ -163,8 +164,8 @@ class Attention(nnx.Module):
     every decoded token; contracting the merged ``N*H`` axis reads the kernel where it is.
     """
     proj = self.out
-    if isinstance(proj.kernel, OutInKernel):  # decoding layout: merges the heads itself
-      return proj(out_BTNH)
+    if isinstance(proj.kernel, OutInKernel) or linear.matmul_pays(proj.dtype):
+      return proj(out_BTNH)   # the decoding layout, or ops.linear: both merge the heads themselves
     b, t, n, h = out_BTNH.shape
     kernel_ED = proj.kernel[...].reshape(n * h, -1).astype(proj.dtype)  # E = N * H
     y_BTD = jnp.einsum("BTE,ED->BTD", out_BTNH.reshape(b, t, n * h).astype(proj.dtype), kernel_ED)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from transformer_jax import ops
+from transformer_jax.ops import linear
 from transformer_jax.layers.common import normal, ones, param, zeros
 from transformer_jax.parallel import axes as ax
 
@@ -99,6 +100,14 @@ class Projection(nnx.Module):
       lead, out = x.shape[:x.ndim - n_in], kernel.shape[:n_out]
       y = weight_first(kernel.reshape(math.prod(out), -1),
                        x.astype(self.dtype).reshape(math.prod(lead), -1)).reshape(*lead, *out)
+    elif linear.matmul_pays(self.dtype):
+      # bfloat16 on CPU: one [rows, in] @ [in, out] product whose backward dots stay in bfloat16
+      # too (ops.matmul). The reshapes are free: the contracted dims close x and lead the kernel.
+      n_in = self.contracted_dims()
+      w = self.kernel[...]
+      k_in, out = math.prod(w.shape[:n_in]), w.shape[n_in:]
+      y = linear.matmul(x.reshape(*x.shape[:x.ndim - n_in], k_in), w.reshape(k_in, -1),
+                        dtype=self.dtype).reshape(*x.shape[:x.ndim - n_in], *out)
     else:
       y = jnp.einsum(self.einsum, x.astype(self.dtype), kernel)
     if self.bias is not None:
@@ -129,6 +138,10 @@ class Embed(nnx.Module):
     b, t, d = x_BTD.shape
     if b * t <= SKINNY_ROWS:
       return weight_first(table_VD, x_BTD.reshape(b * t, d)).reshape(b, t, -1)
+    if linear.matmul_pays(self.dtype):
+      # bfloat16 on CPU: the three dots in bfloat16 (ops.matmul), logits kept in float32.
+      return linear.matmul(x_BTD, self.embedding[...], dtype=self.dtype, out_dtype=jnp.float32,
+                           transpose_w=True)
     return jnp.einsum("BTD,VD->BTV", x_BTD, table_VD)
 
 
