@@ -46,6 +46,25 @@ def test_train_runs_every_family_alone(tmp_path, preset):
   assert "torch" not in r
 
 
+def test_bf16_loss_curve_against_float32_from_the_same_start(tmp_path, capsys):
+  r = _bench(tmp_path, "train", "--preset", "gpt2-tiny", "--dtype", "bfloat16", "--batch-size", "2",
+             "--seq-len", "16", "--steps", "1", "--warmup", "0", "--against", "none",
+             "--curve-steps", "12", "--curve-data", str(tmp_path / "data"))
+  c = r["loss_curves"]
+  f32, b16 = c["losses"]["float32"], c["losses"]["bfloat16"]
+  assert len(f32) == len(b16) == 12 and all(math.isfinite(x) for x in f32 + b16)
+  assert 0 < c["ids_used"] <= 512            # the corpus' ids renumbered into the preset's vocab
+  # Same weights, same first batch: the first losses differ by bfloat16 rounding only.
+  assert abs(b16[0] - f32[0]) < 0.02 * f32[0]
+  assert f32[-1] < f32[0]                    # real text: the loss falls
+  # The gap is recomputed here from the two curves' 10-step trailing means.
+  mean = lambda xs, i: statistics.fmean(xs[max(0, i - 9):i + 1])  # noqa: E731
+  gaps = [abs(mean(b16, i) - mean(f32, i)) / mean(f32, i) for i in range(12)]
+  assert c["relative_gap_10_step_mean"] == pytest.approx(gaps, rel=1e-9)
+  assert c["max_relative_gap"] == pytest.approx(max(gaps), rel=1e-9)
+  assert "loss curves over 12 steps" in capsys.readouterr().out
+
+
 def test_torch_rival_needs_a_gpt_preset(tmp_path, capsys):
   assert cli.main(["bench", "train", "--preset", "bert-tiny", "--json", str(tmp_path / "x")]) == 2
   assert "GPT presets" in capsys.readouterr().err

@@ -46,6 +46,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
                  help="seconds torch.compile may take before it is left out")
   p.add_argument("--remat", choices=("none", "full", "dots"), default="none")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--curve-steps", type=int, default=0,
+                 help="also train float32 and bfloat16 this many steps each (GPT presets), from the "
+                      "same weights on the same batches of the embedded corpus, and compare the "
+                      "two loss curves")
+  p.add_argument("--curve-data", default=None,
+                 help="dataset folder for --curve-steps (default runs/data/stdlib-VOCAB, prepared "
+                      "from the embedded corpus on first use)")
 
 
 def random_batch(config, batch: int, seq_len: int, seed: int) -> tuple[dict[str, np.ndarray], str]:
@@ -82,7 +89,7 @@ def step_matmul_shapes(config, tokens: int) -> list[tuple[int, int, int]]:
 class Ours:
   """The project's jitted train step on a one-device mesh."""
 
-  def __init__(self, config, host_batch, task_name: str, lr: float, seed: int):
+  def __init__(self, config, host_batch, task_name: str, lr: float, seed: int, tcfg=None):
     from transformer_jax.train import step as step_lib
     from transformer_jax.train import tasks as tasks_lib
     from transformer_jax.train.config import TrainConfig
@@ -91,14 +98,15 @@ class Ours:
     self.config = config
     mesh = step_lib.make_mesh({"data": -1})
     task = tasks_lib.get_task(task_name)
+    self._shard = lambda batch: step_lib.shard_batch(batch, mesh, task.keys)  # noqa: E731
     b, t = host_batch["tokens"].shape if "tokens" in host_batch else host_batch["src"].shape
-    tcfg = TrainConfig(steps=1000, batch_size=b, seq_len=t, seed=seed, lr=lr, warmup_steps=0,
-                       schedule="constant")
+    tcfg = tcfg or TrainConfig(steps=1000, batch_size=b, seq_len=t, seed=seed, lr=lr,
+                               warmup_steps=0, schedule="constant")
     optimizer = make_optimizer(tcfg)
     self.params = models.init(config, jax.random.key(seed))
     state = jax.device_put(step_lib.create_state(self.params, optimizer),
                            step_lib.replicated(mesh))
-    self.batch = step_lib.shard_batch(host_batch, mesh, task.keys)
+    self.batch = self._shard(host_batch)
     jitted = step_lib.jit_train_step(
         step_lib.make_train_step(models.graphdef(config, mesh), task, optimizer, seed=seed),
         mesh, state)
@@ -114,9 +122,11 @@ class Ours:
     self.state = state
     self.losses: list[float] = []
 
-  def step(self) -> float:
+  def step(self, host_batch=None) -> float:
+    """One training step (on ``host_batch`` if given, else on the batch it was built with)."""
+    batch = self.batch if host_batch is None else self._shard(host_batch)
     start = time.perf_counter()
-    self.state, metrics = self.step_fn(self.state, self.batch)
+    self.state, metrics = self.step_fn(self.state, batch)
     loss = float(metrics["loss"])  # blocks until the step is done
     self.losses.append(loss)
     return time.perf_counter() - start
@@ -182,6 +192,53 @@ class Torch:
     return time.perf_counter() - start
 
 
+def loss_curves(config, steps: int, batch_size: int, seq_len: int, seed: int,
+                data_dir: str | None = None) -> dict:
+  """float32 and bfloat16 each trained ``steps`` steps from the same initial weights on the same
+  batches of real text, with the same schedule (AdamW, 6e-4 peak, linear warmup over a tenth of the
+  steps, cosine decay): the bfloat16 mode's loss curve against float32's.
+
+  The text is the embedded corpus (the Python standard library's sources, ``tjax prepare stdlib``)
+  in cl100k ids renumbered densely by frequency, so they fit the preset's vocabulary; it is
+  prepared once in ``data_dir`` (default ``runs/data/stdlib-VOCAB``). The curves are compared through their 10-step trailing
+  means (single steps' losses swing with their batch): ``max_relative_gap`` is the largest
+  ``|bf16 - fp32| / fp32`` of those means.
+  """
+  import os
+
+  from transformer_jax import data as data_lib
+  from transformer_jax.train.config import TrainConfig
+
+  if not isinstance(config, GPTConfig):
+    raise ValueError(f"--curve-steps trains on text with the GPT task; {type(config).__name__} "
+                     "is not a GPT preset")
+  out = data_dir or os.path.join("runs", "data", f"stdlib-{config.vocab_size}")
+  # The most frequent ids, plus the separator and the special tokens, fill at most vocab_size.
+  keep = config.vocab_size - len(data_lib.SPECIAL_TOKENS) - 1
+  data_lib.prepare(["stdlib"], out, compact_vocab=keep, progress=False)
+  dataset = data_lib.load_dataset(out)
+  if dataset.vocab_size > config.vocab_size:
+    raise ValueError(f"{out}: {dataset.vocab_size} ids do not fit vocab_size={config.vocab_size}")
+  loader = data_lib.GPTLoader(dataset, batch_size=batch_size, seq_len=seq_len, seed=seed)
+  batches = [loader.batch_at(i) for i in range(steps)]
+  tcfg = TrainConfig(steps=steps, batch_size=batch_size, seq_len=seq_len, seed=seed, lr=6e-4,
+                     warmup_steps=max(1, steps // 10), schedule="cosine")
+  curves = {}
+  for dtype in ("float32", "bfloat16"):
+    side = Ours(dataclasses.replace(config, dtype=dtype), batches[0], "gpt", tcfg.lr, seed,
+                tcfg=tcfg)
+    for batch in batches:
+      side.step(batch)
+    curves[dtype] = side.losses
+    del side
+  mean10 = lambda xs: [statistics.fmean(xs[max(0, i - 9):i + 1]) for i in range(len(xs))]  # noqa: E731
+  gaps = [abs(b - f) / f for f, b in zip(mean10(curves["float32"]), mean10(curves["bfloat16"]))]
+  return {"steps": steps, "data": out, "ids_used": dataset.vocab_size, "lr": tcfg.lr,
+          "warmup_steps": tcfg.warmup_steps, "schedule": tcfg.schedule,
+          "losses": curves, "relative_gap_10_step_mean": gaps, "max_relative_gap": max(gaps),
+          "final_relative_gap": gaps[-1]}
+
+
 def _summary(times: list[float]) -> dict:
   return {"median": statistics.median(times), "min": min(times), "all": times}
 
@@ -192,6 +249,8 @@ def run(args) -> dict:
   from transformer_jax.train.config import TrainConfig
 
   runtime.bf16_notice(args.dtype)
+  if args.curve_steps < 0:
+    raise ValueError(f"--curve-steps {args.curve_steps}: must be 0 (off) or a number of steps")
   rivals = [r for r in args.against.split(",") if r and r != "none"]
   for r in rivals:
     if r not in ("torch", "torch.compile"):
@@ -270,6 +329,10 @@ def run(args) -> dict:
       result[f"speedup_vs_{name}"] = med[name] / med["ours"]
       # Same weights, tokens and loss: the first losses agree to float32 rounding.
       result[f"first_loss_diff_vs_{name}"] = abs(sides[name].losses[0] - ours.losses[0])
+  if args.curve_steps:
+    del sides
+    result["loss_curves"] = loss_curves(config, args.curve_steps, args.batch_size, args.seq_len,
+                                        args.seed, args.curve_data)
   return result
 
 
@@ -286,4 +349,9 @@ def table(result: dict) -> str:
       lines.append(f"  {name:<14s} {r['step_s']['median']:7.2f} s/step  "
                    f"{r['tokens_per_sec']:8.0f} tok/s  MFU {100 * r['mfu']:5.1f}%"
                    + (f"  (ours is{extra} faster)" if extra else ""))
+  if "loss_curves" in result:
+    c = result["loss_curves"]
+    lines.append(f"  loss curves over {c['steps']} steps: bfloat16 within "
+                 f"{100 * c['max_relative_gap']:.2f}% of float32 (10-step means; final "
+                 f"{c['losses']['float32'][-1]:.3f} vs {c['losses']['bfloat16'][-1]:.3f})")
   return "\n".join(lines)
