@@ -66,7 +66,8 @@ def bf16_notice(dtype: str) -> str | None:
   text = (f"dtype=bfloat16 on {machine.cpu_name() or 'this CPU'}, which has no bfloat16 matrix "
           "instructions (avx512_bf16/amx_bf16): XLA converts every bfloat16 dot to float32 and "
           "back, so this runs slower than dtype=float32 (about 0.6x the matmul rate here); use "
-          "float32 on this machine, bfloat16 on CPUs with AMX or on accelerators.")
+          "float32 on this machine, bfloat16 on CPUs with AVX-512 BF16 or AMX, or on "
+          "accelerators.")
   if not _warned_bf16:
     _warned_bf16 = True
     warnings.warn(text, stacklevel=2)

@@ -101,8 +101,9 @@ class Projection(nnx.Module):
       y = weight_first(kernel.reshape(math.prod(out), -1),
                        x.astype(self.dtype).reshape(math.prod(lead), -1)).reshape(*lead, *out)
     elif linear.matmul_pays(self.dtype):
-      # bfloat16 on CPU: one [rows, in] @ [in, out] product whose backward dots stay in bfloat16
-      # too (ops.matmul). The reshapes are free: the contracted dims close x and lead the kernel.
+      # bfloat16 on a CPU with bf16 units: one [rows, in] @ [in, out] product whose backward dots
+      # stay in bfloat16 too (ops.linear). The reshapes are free: the contracted dims close x and
+      # lead the kernel.
       n_in = self.contracted_dims()
       w = self.kernel[...]
       k_in, out = math.prod(w.shape[:n_in]), w.shape[n_in:]
@@ -139,7 +140,8 @@ class Embed(nnx.Module):
     if b * t <= SKINNY_ROWS:
       return weight_first(table_VD, x_BTD.reshape(b * t, d)).reshape(b, t, -1)
     if linear.matmul_pays(self.dtype):
-      # bfloat16 on CPU: the three dots in bfloat16 (ops.matmul), logits kept in float32.
+      # bfloat16 on a CPU with bf16 units: the three dots in bfloat16 (ops.linear), the logits
+      # kept in float32.
       return linear.matmul(x_BTD, self.embedding[...], dtype=self.dtype, out_dtype=jnp.float32,
                            transpose_w=True)
     return jnp.einsum("BTD,VD->BTV", x_BTD, table_VD)
