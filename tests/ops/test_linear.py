@@ -55,6 +55,25 @@ def test_bf16_matmul_and_gradients_match_float64(transpose_w):
   assert _rel(dw, dw_ref.T if transpose_w else dw_ref) < 1e-5
 
 
+@pytest.mark.parametrize("transpose_w", [False, True])
+def test_bias_is_added_in_float32_and_its_gradient_is_the_column_sums(transpose_w):
+  x, w, c = _inputs(2, transpose_w=transpose_w)
+  b = np.random.default_rng(3).standard_normal(16).astype(np.float32)
+
+  def loss(x, w, b):
+    y = linear.matmul(x, w, dtype=jnp.bfloat16, transpose_w=transpose_w, bias=b)
+    return jnp.sum(y.astype(jnp.float32) * c), y
+
+  (_, y), (dx, dw, db) = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, w, b)
+  chex.assert_type([y, db], [jnp.bfloat16, jnp.float32])
+  xb, wb, cb = _bf16(x).reshape(24, 40), _bf16(w), _bf16(c).reshape(24, 16)
+  y_ref = xb @ (wb.T if transpose_w else wb) + b   # one rounding, after the bias
+  assert _rel(np.asarray(y, np.float64).reshape(24, 16), y_ref) < BF16_EPS
+  assert _rel(db, cb.sum(0)) < 1e-6                # column sums of the bf16 output gradient
+  with pytest.raises(ValueError, match=r"bias.shape=\(3,\)"):
+    linear.matmul(x, w, dtype=jnp.bfloat16, transpose_w=transpose_w, bias=b[:3])
+
+
 def test_float32_matmul_matches_float64():
   x, w, c = _inputs(1)
   loss = lambda x, w: jnp.sum(linear.matmul(x, w, dtype=jnp.float32) * c)  # noqa: E731
@@ -103,8 +122,8 @@ def _dots(hlo: str) -> list[tuple[str, list[str], str]]:
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's dot lowering")
-@pytest.mark.parametrize("transpose_w", [False, True])
-def test_every_bf16_dot_stays_bf16_in_the_library_kernel(transpose_w):
+@pytest.mark.parametrize("transpose_w,with_bias", [(False, False), (True, False), (False, True)])
+def test_every_bf16_dot_stays_bf16_in_the_library_kernel(transpose_w, with_bias):
   # The point of ops.linear: the forward dot and both backward dots take bfloat16 operands into
   # XLA:CPU's library kernel (YNNPACK). An upcast shows as float32 operands; a transposed operand
   # folded back into a dot shows as a dot outside the library fusion (and fails at run time).
@@ -112,17 +131,22 @@ def test_every_bf16_dot_stays_bf16_in_the_library_kernel(transpose_w):
   x = jnp.ones((m, k), jnp.float32)
   w = jnp.ones((n, k) if transpose_w else (k, n), jnp.float32)
 
-  def loss(x, w):
-    return jnp.sum(linear.matmul(x, w, dtype=jnp.bfloat16, out_dtype=jnp.float32,
-                                 transpose_w=transpose_w))
+  b = jnp.zeros((n,), jnp.float32) if with_bias else None
 
-  grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))   # the value keeps the forward dot
-  dots = _dots(grad.lower(x, w).compile().as_text())
-  assert len(dots) == 3, [d[0] for d in dots]
+  def loss(x, w, b):
+    return jnp.sum(linear.matmul(x, w, dtype=jnp.bfloat16, out_dtype=jnp.float32,
+                                 transpose_w=transpose_w, bias=b))
+
+  # The value keeps the forward dot; the bias adds the dot of its gradient.
+  grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+  dots = _dots(grad.lower(x, w, b).compile().as_text())
+  assert len(dots) == 3 + with_bias, [d[0] for d in dots]
   for line, types, caller in dots:
     assert all(t.startswith("bf16[") for t in types), (line, types)
     assert "__ynn_fusion" in caller, (line, caller)
-  value, (dx, dw) = grad(x, w)   # runs: no dot was left to a kernel without bfloat16 support
+  value, (dx, dw, db) = grad(x, w, b)   # runs: no dot was left to a kernel without bfloat16 support
   assert float(value) == m * k * n
   np.testing.assert_allclose(dx, np.full((m, k), n), rtol=1e-6)
   np.testing.assert_allclose(dw, np.full(w.shape, m), rtol=1e-6)
+  if with_bias:
+    np.testing.assert_allclose(db, np.full((n,), m), rtol=1e-6)

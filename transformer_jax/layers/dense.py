@@ -93,26 +93,29 @@ class Projection(nnx.Module):
     self.kernel = OutInKernel(jnp.transpose(kernel, (*range(n_in, kernel.ndim), *range(n_in))))
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    kernel = self.kernel[...].astype(self.dtype)
     if isinstance(self.kernel, OutInKernel):
+      kernel = self.kernel[...].astype(self.dtype)
       n_in = self.contracted_dims()
       n_out = kernel.ndim - n_in
       lead, out = x.shape[:x.ndim - n_in], kernel.shape[:n_out]
       y = weight_first(kernel.reshape(math.prod(out), -1),
                        x.astype(self.dtype).reshape(math.prod(lead), -1)).reshape(*lead, *out)
+      if self.bias is not None:
+        y = y + self.bias[...].astype(self.dtype)
     elif linear.matmul_pays(self.dtype):
-      # bfloat16 on a CPU with bf16 units: one [rows, in] @ [in, out] product whose backward dots
-      # stay in bfloat16 too (ops.linear). The reshapes are free: the contracted dims close x and
-      # lead the kernel.
+      # bfloat16 on a CPU with bf16 units: one [rows, in] @ [in, out] product, bias included
+      # (added in float32), whose backward dots stay in bfloat16 too (ops.linear). The reshapes
+      # are free: the contracted dims close x and lead the kernel.
       n_in = self.contracted_dims()
       w = self.kernel[...]
-      k_in, out = math.prod(w.shape[:n_in]), w.shape[n_in:]
-      y = linear.matmul(x.reshape(*x.shape[:x.ndim - n_in], k_in), w.reshape(k_in, -1),
-                        dtype=self.dtype).reshape(*x.shape[:x.ndim - n_in], *out)
+      lead, k_in, out = x.shape[:x.ndim - n_in], math.prod(w.shape[:n_in]), w.shape[n_in:]
+      bias = None if self.bias is None else self.bias[...].reshape(-1)
+      y = linear.matmul(x.reshape(*lead, k_in), w.reshape(k_in, -1), dtype=self.dtype,
+                        bias=bias).reshape(*lead, *out)
     else:
-      y = jnp.einsum(self.einsum, x.astype(self.dtype), kernel)
-    if self.bias is not None:
-      y = y + self.bias[...].astype(self.dtype)
+      y = jnp.einsum(self.einsum, x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+      if self.bias is not None:
+        y = y + self.bias[...].astype(self.dtype)
     if self.lora is not None:
       y = y + self.lora(x.astype(self.dtype)).astype(y.dtype)
     return y

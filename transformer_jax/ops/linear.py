@@ -64,24 +64,27 @@ def transposed(a_MK: jax.Array) -> jax.Array:
   return a_MK.T
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _matmul(x_MK, w, transpose_w: bool, dtype, out_dtype):
-  return _matmul_fwd(x_MK, w, transpose_w, dtype, out_dtype)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _matmul(x_MK, w, b_N, transpose_w: bool, dtype, out_dtype):
+  return _matmul_fwd(x_MK, w, b_N, transpose_w, dtype, out_dtype)[0]
 
 
-def _matmul_fwd(x_MK, w, transpose_w, dtype, out_dtype):
+def _matmul_fwd(x_MK, w, b_N, transpose_w, dtype, out_dtype):
   w_lo = w.astype(dtype)
+  y = _dot_t(x_MK, w_lo) if transpose_w else _dot(x_MK, w_lo)
+  if b_N is not None:   # added to the float32 accumulator, before the rounding to out_dtype
+    y = y + b_N.astype(jnp.float32)
   # The weight gradient needs x transposed; transposing it here, where x is made, is a plain copy,
   # where in the backward the copy would be fused with the slicing of a scanned layer's
-  # residuals, which XLA:CPU emits as a slow strided loop.
-  y = _dot_t(x_MK, w_lo) if transpose_w else _dot(x_MK, w_lo)
-  # w itself is kept (not its low-precision copy): it lives anyway, and a scan over layers would
-  # otherwise stack a second copy of every weight.
-  return y.astype(out_dtype), (x_MK if transpose_w else transposed(x_MK), w)
+  # residuals, which XLA:CPU emits as a slow strided loop. w itself is kept (not its
+  # low-precision copy): it lives anyway, and a scan over layers would otherwise stack a second
+  # copy of every weight.
+  b_dtype = None if b_N is None else jnp.zeros((0,), b_N.dtype)   # b's dtype, as an empty array
+  return y.astype(out_dtype), (x_MK if transpose_w else transposed(x_MK), w, b_dtype)
 
 
 def _matmul_bwd(transpose_w, dtype, out_dtype, res, dy_MN):
-  x, w = res   # x: [M, K], or [K, M] (transposed already) when w is [K, N]
+  x, w, b_dtype = res   # x: [M, K], or [K, M] (transposed already) when w is [K, N]
   w_lo, dy_MN = w.astype(dtype), dy_MN.astype(dtype)
   if transpose_w:   # w is [N, K]
     dx_MK = _dot(dy_MN, w_lo)                 # [M, N] @ [N, K]
@@ -89,16 +92,21 @@ def _matmul_bwd(transpose_w, dtype, out_dtype, res, dy_MN):
   else:             # w is [K, N]
     dx_MK = _dot_t(dy_MN, w_lo)               # [M, N] @ [K, N]^T
     dw = _dot(x, dy_MN)                       # [K, M] @ [M, N]
+  # The bias gradient, the column sums of dy, as a product with a block of ones: the same kernel
+  # reads dy once, where XLA:CPU's reduction over the rows is a slow windowed loop.
+  db = None
+  if b_dtype is not None:
+    db = _dot(jnp.ones((8, dy_MN.shape[0]), dtype), dy_MN)[0].astype(b_dtype.dtype)
   # w's gradient straight from the float32 accumulator into w's dtype: a float32 master weight
   # gets it without a bfloat16 rounding in between.
-  return dx_MK.astype(dtype), dw.astype(w.dtype)
+  return dx_MK.astype(dtype), dw.astype(w.dtype), db
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-def matmul(x: jax.Array, w: jax.Array, *, dtype, out_dtype=None,
-           transpose_w: bool = False) -> jax.Array:
+def matmul(x: jax.Array, w: jax.Array, *, dtype, out_dtype=None, transpose_w: bool = False,
+           bias: jax.Array | None = None) -> jax.Array:
   """``x @ w`` (``x @ w.T`` with ``transpose_w``) over ``x``'s last dim, computed in ``dtype`` with
   float32 accumulation, forward and backward, every dot in the layout XLA:CPU runs fastest.
 
@@ -110,6 +118,8 @@ def matmul(x: jax.Array, w: jax.Array, *, dtype, out_dtype=None,
     dtype: the operands' compute dtype, e.g. ``jnp.bfloat16``.
     out_dtype: the result's dtype (default ``dtype``); float32 keeps the accumulator's precision,
       e.g. for logits.
+    bias: optional ``[N]``, added to the float32 accumulator; its gradient (the column sums of the
+      output's gradient) is a product too.
 
   Returns:
     ``[..., N]`` in ``out_dtype``.
@@ -120,7 +130,9 @@ def matmul(x: jax.Array, w: jax.Array, *, dtype, out_dtype=None,
   dtype = jnp.dtype(dtype)
   out_dtype = dtype if out_dtype is None else jnp.dtype(out_dtype)
   lead, k = x.shape[:-1], x.shape[-1]
-  y = _matmul(x.reshape(-1, k).astype(dtype), w, bool(transpose_w), dtype, out_dtype)
+  if bias is not None and bias.shape != (w.shape[0] if transpose_w else w.shape[1],):
+    raise ValueError(f"matmul: bias.shape={bias.shape} must be the output dim of w.shape={w.shape}")
+  y = _matmul(x.reshape(-1, k).astype(dtype), w, bias, bool(transpose_w), dtype, out_dtype)
   return y.reshape(*lead, y.shape[-1])
 
 
