@@ -111,7 +111,8 @@ def _dots(hlo: str) -> list[tuple[str, list[str], str]]:
       comps[current].append(line)
   found = []
   for name, lines in comps.items():
-    types = {m.group(1): m.group(2) for l in lines if (m := re.match(r"\s*(?:ROOT )?%(\S+) = (\S+) ", l))}
+    types = {m.group(1): m.group(2)
+             for l in lines if (m := re.match(r"\s*(?:ROOT )?%(\S+) = (\S+) ", l))}
     for line in lines:
       if " dot(" in line:
         operands = re.search(r" dot\(([^)]*)\)", line).group(1).replace("%", "").split(", ")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import resource
 import statistics
 import sys
@@ -47,9 +48,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--remat", choices=("none", "full", "dots"), default="none")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--curve-steps", type=int, default=0,
-                 help="also train float32 and bfloat16 this many steps each (GPT presets), from the "
-                      "same weights on the same batches of the embedded corpus, and compare the "
-                      "two loss curves")
+                 help="also train float32 and bfloat16 this many steps each (GPT presets), "
+                      "from the same weights on the same batches of the embedded corpus, and "
+                      "compare the two loss curves")
   p.add_argument("--curve-data", default=None,
                  help="dataset folder for --curve-steps (default runs/data/stdlib-VOCAB, prepared "
                       "from the embedded corpus on first use)")
@@ -200,12 +201,10 @@ def loss_curves(config, steps: int, batch_size: int, seq_len: int, seed: int,
 
   The text is the embedded corpus (the Python standard library's sources, ``tjax prepare stdlib``)
   in cl100k ids renumbered densely by frequency, so they fit the preset's vocabulary; it is
-  prepared once in ``data_dir`` (default ``runs/data/stdlib-VOCAB``). The curves are compared through their 10-step trailing
-  means (single steps' losses swing with their batch): ``max_relative_gap`` is the largest
-  ``|bf16 - fp32| / fp32`` of those means.
+  prepared once in ``data_dir`` (default ``runs/data/stdlib-VOCAB``). The curves are compared
+  through their 10-step trailing means (single steps' losses swing with their batch):
+  ``max_relative_gap`` is the largest ``|bf16 - fp32| / fp32`` of those means.
   """
-  import os
-
   from transformer_jax import data as data_lib
   from transformer_jax.train.config import TrainConfig
 
@@ -231,7 +230,9 @@ def loss_curves(config, steps: int, batch_size: int, seq_len: int, seed: int,
       side.step(batch)
     curves[dtype] = side.losses
     del side
-  mean10 = lambda xs: [statistics.fmean(xs[max(0, i - 9):i + 1]) for i in range(len(xs))]  # noqa: E731
+  def mean10(xs):
+    return [statistics.fmean(xs[max(0, i - 9):i + 1]) for i in range(len(xs))]
+
   gaps = [abs(b - f) / f for f, b in zip(mean10(curves["float32"]), mean10(curves["bfloat16"]))]
   return {"steps": steps, "data": out, "ids_used": dataset.vocab_size, "lr": tcfg.lr,
           "warmup_steps": tcfg.warmup_steps, "schedule": tcfg.schedule,
