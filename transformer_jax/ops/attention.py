@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 import numpy as np
 
+from transformer_jax.ops import precision
 from transformer_jax.ops.chunked import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, chunked_attention
 from transformer_jax.ops.masks import and_masks, segment_mask
 
@@ -294,8 +295,9 @@ def _sum_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   return jnp.sum(x, axis=axes, keepdims=True) if axes else x
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _dense_core(q_BKMH, k_BKSH, v_BKSH, bias, mask, scale: float, t: int):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _dense_core(q_BKMH, k_BKSH, v_BKSH, bias, mask, scale: float, t: int,
+                matmul_precision: str | None):
   """Softmax attention on heads-major operands: ``M = G * T`` query rows per key/value head.
 
   Every dot is a plain batched matrix product over ``(B, K)``, with no layout copies inside, and
@@ -305,7 +307,7 @@ def _dense_core(q_BKMH, k_BKSH, v_BKSH, bias, mask, scale: float, t: int):
   differentiating the forward. ``bias``/``mask`` broadcast to ``[B, N, T, S]``; masked weights are
   exactly 0 and a fully masked row gives zeros.
   """
-  return _dense_core_fwd(q_BKMH, k_BKSH, v_BKSH, bias, mask, scale, t)[0]
+  return _dense_core_fwd(q_BKMH, k_BKSH, v_BKSH, bias, mask, scale, t, matmul_precision)[0]
 
 
 def _acc_dtype(x: jax.Array) -> jnp.dtype:
@@ -319,7 +321,7 @@ def _bnts(x_BKMS: jax.Array, t: int) -> jax.Array:
   return x_BKMS.reshape(b, kh * (m // t), t, s)
 
 
-def _dense_core_fwd(q_BKMH, k_BKSH, v_BKSH, bias, mask, scale, t):
+def _dense_core_fwd(q_BKMH, k_BKSH, v_BKSH, bias, mask, scale, t, matmul_precision):
   b, kh, m, _ = q_BKMH.shape
   s = k_BKSH.shape[2]
   acc = _acc_dtype(q_BKMH)
@@ -338,7 +340,12 @@ def _dense_core_fwd(q_BKMH, k_BKSH, v_BKSH, bias, mask, scale, t):
   return out_BKMH, (q_BKMH, k_BKSH, v_BKSH, p_BKMS, out_BKMH, bias, mask)
 
 
-def _dense_core_bwd(scale, t, res, dout_BKMH):
+def _dense_core_bwd(scale, t, matmul_precision, res, dout_BKMH):
+  with jax.default_matmul_precision(matmul_precision):   # the forward's (ops/precision.py)
+    return _dense_core_grads(scale, t, res, dout_BKMH)
+
+
+def _dense_core_grads(scale, t, res, dout_BKMH):
   q_BKMH, k_BKSH, v_BKSH, p_BKMS, out_BKMH, bias, mask = res
   acc = _acc_dtype(q_BKMH)
   dv_BKSH = jnp.einsum("BKMS,BKMH->BKSH", p_BKMS.astype(dout_BKMH.dtype), dout_BKMH,
@@ -364,7 +371,8 @@ def _dense_attention(q, k, v, *, bias, mask, scale):
   kh = k.shape[2]
   q_BKMH = q.reshape(b, t, kh, n // kh, h).transpose(0, 2, 3, 1, 4).reshape(b, kh, -1, h)
   k_BKSH, v_BKSH = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-  out_BKMH = _dense_core(q_BKMH, k_BKSH, v_BKSH, bias, mask, float(scale), t)
+  out_BKMH = _dense_core(q_BKMH, k_BKSH, v_BKSH, bias, mask, float(scale), t,
+                         precision.current())
   return out_BKMH.reshape(b, kh, n // kh, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 

@@ -25,6 +25,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from transformer_jax.ops import precision
+
 # As in ops.attention: exp() of it is exactly 0, and fully masked rows stay finite.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -366,6 +368,7 @@ def chunked_attention(q, k, v, *, q_pos, scale, causal=False, window=None, bias=
     cast = lambda d, x: None if d is None else d.astype(x.dtype)
     return (cast(dq, q5), cast(dk, k), cast(dv, v), cast(dbias, bias), dparams, None)
 
-  attend.defvjp(attend_fwd, attend_bwd)
+  # The backward is traced after the forward's precision scope has closed (ops/precision.py).
+  attend.defvjp(attend_fwd, precision.within(precision.current(), attend_bwd))
   out_BTKGH = attend(q5, k, v, bias, bias_params, aux)
   return out_BTKGH.reshape(b, tp, n, h)[:, :t]

@@ -23,6 +23,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from transformer_jax.ops import precision
+
 
 def _dot(a_MK: jax.Array, b_KN: jax.Array) -> jax.Array:
   """``a @ b`` for row-major ``[m, k]`` and ``[k, n]``, accumulated and returned in float32."""
@@ -65,12 +67,12 @@ def transposed(a_MK: jax.Array) -> jax.Array:
   return a_MK.T
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _matmul(x_MK, w, b_N, transpose_w: bool, dtype, out_dtype):
-  return _matmul_fwd(x_MK, w, b_N, transpose_w, dtype, out_dtype)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _matmul(x_MK, w, b_N, transpose_w: bool, dtype, out_dtype, matmul_precision):
+  return _matmul_fwd(x_MK, w, b_N, transpose_w, dtype, out_dtype, matmul_precision)[0]
 
 
-def _matmul_fwd(x_MK, w, b_N, transpose_w, dtype, out_dtype):
+def _matmul_fwd(x_MK, w, b_N, transpose_w, dtype, out_dtype, matmul_precision):
   w_lo = w.astype(dtype)
   y = _dot_t(x_MK, w_lo) if transpose_w else _dot(x_MK, w_lo)
   if b_N is not None:   # added to the float32 accumulator, before the rounding to out_dtype
@@ -83,7 +85,12 @@ def _matmul_fwd(x_MK, w, b_N, transpose_w, dtype, out_dtype):
   return y.astype(out_dtype), (x_MK if transpose_w else transposed(x_MK), w, b_N)
 
 
-def _matmul_bwd(transpose_w, dtype, out_dtype, res, dy_MN):
+def _matmul_bwd(transpose_w, dtype, out_dtype, matmul_precision, res, dy_MN):
+  with jax.default_matmul_precision(matmul_precision):   # the forward's (ops/precision.py)
+    return _matmul_grads(transpose_w, dtype, res, dy_MN)
+
+
+def _matmul_grads(transpose_w, dtype, res, dy_MN):
   x, w, b_N = res   # x: [M, K], or [K, M] (transposed already) when w is [K, N]
   w_lo, dy_MN = w.astype(dtype), dy_MN.astype(dtype)
   if transpose_w:   # w is [N, K]
@@ -132,7 +139,8 @@ def matmul(x: jax.Array, w: jax.Array, *, dtype, out_dtype=None, transpose_w: bo
   lead, k = x.shape[:-1], x.shape[-1]
   if bias is not None and bias.shape != (w.shape[0] if transpose_w else w.shape[1],):
     raise ValueError(f"matmul: bias.shape={bias.shape} must be the output dim of w.shape={w.shape}")
-  y = _matmul(x.reshape(-1, k).astype(dtype), w, bias, bool(transpose_w), dtype, out_dtype)
+  y = _matmul(x.reshape(-1, k).astype(dtype), w, bias, bool(transpose_w), dtype, out_dtype,
+              precision.current())
   return y.reshape(*lead, y.shape[-1])
 
 

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from transformer_jax.ops import chunked
+from transformer_jax.ops import chunked, precision
 
 __all__ = ["ring_attention"]
 
@@ -170,7 +170,8 @@ def _ring_body(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
     return (dq.reshape(b, t, n, h).astype(q_BTNH.dtype), dk.astype(k_BSKH.dtype),
             dv.astype(v_BSKH.dtype), None, None)
 
-  ring.defvjp(ring_fwd, ring_bwd)
+  # The backward is traced after the forward's precision scope has closed (ops/precision.py).
+  ring.defvjp(ring_fwd, precision.within(precision.current(), ring_bwd))
   return ring(q_BTNH, k_BSKH, v_BSKH, kv_mask_BS, seg_BT)
 
 
