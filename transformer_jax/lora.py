@@ -105,7 +105,8 @@ class Adapter(nnx.Module):
   def delta(self) -> jax.Array:
     """``(alpha / r) A B`` in the kernel's layout (stacked layers in front)."""
     a, b = self.lora.lora_a[...], self.lora.lora_b[...]
-    d = jnp.matmul(a, b) * self.scale
+    # A weight, not an activation: full float32 products on every backend (ops/precision.py).
+    d = jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST) * self.scale
     return d.reshape(*d.shape[:-2], *self.in_shape, *self.out_shape)
 
 

@@ -193,10 +193,12 @@ def test_bf16_cpu_matmuls_compute_what_xla_einsums_do(name, tokens, monkeypatch)
     fn = jax.jit(jax.value_and_grad(loss_fn))
     return fn(params, tokens), fn.lower(params, tokens).compile().as_text()
 
-  (loss_xla, grads_xla), _ = loss_and_grads(False)
-  (loss, grads), hlo = loss_and_grads(True)
-  bf16_dots = [d for d in _dots(hlo) if all(t.startswith("bf16[") for t in d[1])]
-  assert len(bf16_dots) >= 6, "the projections did not run as bfloat16 dots"
+  with jax.default_matmul_precision(None):   # JAX's own default (tests/conftest.py sets float32)
+    (loss_xla, grads_xla), _ = loss_and_grads(False)
+    (loss, grads), hlo = loss_and_grads(True)
+  if jax.default_backend() == "cpu":   # (a GPU runs its gemms as library calls, not HLO dots)
+    bf16_dots = [d for d in _dots(hlo) if all(t.startswith("bf16[") for t in d[1])]
+    assert len(bf16_dots) >= 6, "the projections did not run as bfloat16 dots"
   assert abs(float(loss) - float(loss_xla)) < 1e-3 * abs(float(loss_xla))
   chex.assert_trees_all_equal_shapes_and_dtypes(grads, grads_xla)   # float32 master gradients
   top = max(float(np.linalg.norm(g)) for g in jax.tree.leaves(grads_xla))
@@ -206,3 +208,56 @@ def test_bf16_cpu_matmuls_compute_what_xla_einsums_do(name, tokens, monkeypatch)
     if scale > 1e-6 * top:   # (a key bias's gradient is 0 up to rounding: no relative error)
       rel = float(np.linalg.norm(np.asarray(g) - np.asarray(g_xla))) / scale
       assert rel < 2e-2, (jax.tree_util.keystr(path), rel)
+
+
+def _dot_precisions(jaxpr, out):
+  """The ``precision`` of every dot_general in ``jaxpr`` and the jaxprs nested in it."""
+  from jax.extend import core as jcore
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      out.append(eqn.params["precision"])
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (list, tuple)) else [value]:
+        if isinstance(sub, jcore.ClosedJaxpr):
+          _dot_precisions(sub.jaxpr, out)
+        elif isinstance(sub, jcore.Jaxpr):
+          _dot_precisions(sub, out)
+  return out
+
+
+@pytest.mark.parametrize("impl,fast", [("xla", False), ("chunked", False), ("xla", True)])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_matmul_precision_reaches_every_dot_forward_and_backward(name, impl, fast, tokens,
+                                                                 monkeypatch):
+  # A GPU computes float32 dots in TensorFloat-32 unless told otherwise (errors ~1e-3 against
+  # PyTorch); config.matmul_precision must reach every dot of the loss's gradient, the hand-written
+  # backward passes (attention cores, ops.linear.matmul) included, which JAX traces after the
+  # forward has returned. Checked on the traced program, so it holds on any backend.
+  from transformer_jax.ops import linear
+  monkeypatch.setattr(linear, "matmul_pays", lambda dtype: fast)
+  base = dataclasses.replace(tiny(name), attention_impl=impl,
+                             dtype="bfloat16" if fast else "float32")
+  params = params_for(tiny(name))
+  expected = {"float32": (jax.lax.Precision.HIGHEST,) * 2,
+              "tensorfloat32": (jax.lax.Precision.HIGH,) * 2, "default": None}
+  # The other kernels differ from "xla" in their hand-written backward passes: "float32" shows them.
+  values = list(expected) if (impl, fast) == ("xla", False) else ["float32"]
+  for value in values:
+    want = expected[value]
+    config = dataclasses.replace(base, matmul_precision=value)
+    graphdef = models.graphdef(config)
+
+    def loss_fn(params, tokens):
+      logits = forward(nnx.merge(graphdef, params), config, tokens)
+      return jnp.mean(jax.nn.log_softmax(logits.astype(jnp.float32))[..., 1])
+
+    with jax.default_matmul_precision(None):   # JAX's default (tests/conftest.py sets float32)
+      got = _dot_precisions(jax.make_jaxpr(jax.grad(loss_fn))(params, tokens).jaxpr, [])
+    assert len(got) >= 12, len(got)
+    # bfloat16 compute keeps JAX's own setting (the config's is about float32 products).
+    assert set(got) == {None if fast else want}, (value, set(got))
+
+
+def test_matmul_precision_is_checked():
+  with pytest.raises(ValueError, match="matmul_precision='tf32' must be one of"):
+    dataclasses.replace(tiny("gpt2-tiny"), matmul_precision="tf32")

@@ -13,7 +13,8 @@ from jax.sharding import Mesh
 from transformer_jax import ops
 from transformer_jax.layers import Embed, Norm, Projection, Stack
 from transformer_jax.layers.common import param, zeros
-from transformer_jax.models.common import check_length, check_same_shape, check_tokens
+from transformer_jax.models.common import (
+    check_length, check_same_shape, check_tokens, with_matmul_precision)
 from transformer_jax.models.config import BERTConfig
 from transformer_jax.parallel import axes as ax
 
@@ -54,6 +55,7 @@ class BERT(nnx.Module):
                                   bias_shape=(c.num_labels,), bias_axes=(ax.CLASSES,), **dense)
                        if c.num_labels else None)
 
+  @with_matmul_precision
   def encode(self, tokens: jax.Array, token_types: jax.Array | None = None,
              attention_mask: jax.Array | None = None, *,
              dropout_rng: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -73,6 +75,7 @@ class BERT(nnx.Module):
     pooled_BD = jnp.tanh(self.pooler(x_BTD[:, 0]))
     return x_BTD, pooled_BD
 
+  @with_matmul_precision
   def attention_weights(self, tokens: jax.Array, token_types: jax.Array | None = None,
                         attention_mask: jax.Array | None = None) -> jax.Array:
     """Every layer's self-attention weights ``[L, B, N, T, S]`` (float32, S = T), padding keys
@@ -97,17 +100,20 @@ class BERT(nnx.Module):
         jnp.asarray(attention_mask).astype(bool), tokens.shape)
     return x_BTD, valid_BT
 
+  @with_matmul_precision
   def mlm_logits(self, x_BTD: jax.Array) -> jax.Array:
     """Masked-LM logits ``[B, T, V]`` (float32) from encoder hidden states."""
     h = self.mlm_norm(ops.get_activation(self.config.activation)(self.mlm_dense(x_BTD)))
     return (self.embed.attend(h) + self.mlm_bias[...]).astype(jnp.float32)
 
+  @with_matmul_precision
   def __call__(self, tokens: jax.Array, token_types: jax.Array | None = None,
                attention_mask: jax.Array | None = None, *,
                dropout_rng: jax.Array | None = None) -> BERTOutput:
     x_BTD, pooled_BD = self.encode(tokens, token_types, attention_mask, dropout_rng=dropout_rng)
     return BERTOutput(self.mlm_logits(x_BTD), self.nsp(pooled_BD).astype(jnp.float32))
 
+  @with_matmul_precision
   def classify(self, tokens: jax.Array, token_types: jax.Array | None = None,
                attention_mask: jax.Array | None = None, *,
                dropout_rng: jax.Array | None = None) -> jax.Array:

@@ -2,8 +2,30 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import jax
+import jax.numpy as jnp
 import numpy as np
+
+from transformer_jax.ops import precision
+
+
+def with_matmul_precision(method):
+  """A model method whose dots, forward and backward, take the precision of the model's
+  ``config.matmul_precision`` (``ops.precision.scope``) when it computes in float32 (the setting is
+  about float32 products). bfloat16 or float16 compute keeps JAX's own setting, so that nothing
+  asks an accelerator for more than the half-precision products that dtype means. Nested calls
+  set it again."""
+  @functools.wraps(method)
+  def wrapped(self, *args, **kwargs):
+    c = self.config
+    scope = (precision.scope(c.matmul_precision) if jnp.dtype(c.dtype) == jnp.float32
+             else contextlib.nullcontext())
+    with scope:
+      return method(self, *args, **kwargs)
+  return wrapped
 
 
 def is_concrete(x) -> bool:

@@ -87,6 +87,7 @@ class _Heads:
             f"num_kv_heads={self.num_kv_heads} does not divide num_heads={self.num_heads}")
     _rate(self, "dropout_rate", "attention_dropout_rate")
     _dtype(self, "dtype", "param_dtype")
+    _choice(self, "matmul_precision", ops.precision.PRECISIONS)
     _choice(self, "remat", _REMATS)
     _choice(self, "attention_impl", _ATTENTION_IMPLS)
     if not self.norm_eps > 0:
@@ -122,6 +123,9 @@ class GPTConfig(_Heads):
   init_std: float = 0.02
   dtype: str = "float32"               # compute dtype
   param_dtype: str = "float32"
+  # Float32 products: "float32" (as PyTorch/NumPy; GPUs and TPUs then run them at their full-
+  # precision rate), "tensorfloat32", "bfloat16", "default" (JAX's setting). ops/precision.py.
+  matmul_precision: str = "float32"
   remat: Remat = "none"
   scan_layers: bool = True             # False: unrolled Python loop (debugging)
   # Kernel of ops.dot_product_attention: "xla", "chunked", "cudnn"; None picks by size.
@@ -176,6 +180,9 @@ class BERTConfig(_Heads):
   init_std: float = 0.02
   dtype: str = "float32"
   param_dtype: str = "float32"
+  # Float32 products: "float32" (as PyTorch/NumPy; GPUs and TPUs then run them at their full-
+  # precision rate), "tensorfloat32", "bfloat16", "default" (JAX's setting). ops/precision.py.
+  matmul_precision: str = "float32"
   remat: Remat = "none"
   scan_layers: bool = True
   # Kernel of ops.dot_product_attention: "xla", "chunked", "cudnn"; None picks by size.
@@ -231,6 +238,9 @@ class Seq2SeqConfig(_Heads):
   embed_init_std: float | None = None  # None: d_model^-0.5 (embeddings are scaled by sqrt(d))
   dtype: str = "float32"
   param_dtype: str = "float32"
+  # Float32 products: "float32" (as PyTorch/NumPy; GPUs and TPUs then run them at their full-
+  # precision rate), "tensorfloat32", "bfloat16", "default" (JAX's setting). ops/precision.py.
+  matmul_precision: str = "float32"
   remat: Remat = "none"
   scan_layers: bool = True
   # Kernel of ops.dot_product_attention: "xla", "chunked", "cudnn"; None picks by size.

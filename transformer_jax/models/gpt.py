@@ -10,7 +10,8 @@ from jax.sharding import Mesh
 
 from transformer_jax import ops
 from transformer_jax.layers import Embed, KVCache, Norm, Projection, Stack
-from transformer_jax.models.common import check_length, check_same_shape, check_tokens
+from transformer_jax.models.common import (
+    check_length, check_same_shape, check_tokens, with_matmul_precision)
 from transformer_jax.models.config import GPTConfig
 from transformer_jax.parallel import axes as ax
 
@@ -45,6 +46,7 @@ class GPT(nnx.Module):
                                   rngs=rngs)
                        if c.num_labels else None)
 
+  @with_matmul_precision
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                segment_ids: jax.Array | None = None, attention_mask: jax.Array | None = None, *,
                dropout_rng: jax.Array | None = None, cache: KVCache | None = None,
@@ -73,6 +75,7 @@ class GPT(nnx.Module):
     logits_BTV = self.logits(x_BTD)
     return logits_BTV if cache is None else (logits_BTV, cache)
 
+  @with_matmul_precision
   def hidden_states(self, tokens, positions=None, segment_ids=None, attention_mask=None, *,
                     dropout_rng=None, cache=None, layer_params=None):
     """The final-normed hidden states ``[B, T, D]`` (before the output projection); with a
@@ -82,6 +85,7 @@ class GPT(nnx.Module):
                                        layer_params=layer_params)
     return x_BTD if cache is None else (x_BTD, cache)
 
+  @with_matmul_precision
   def attention_weights(self, tokens: jax.Array, positions: jax.Array | None = None,
                         segment_ids: jax.Array | None = None,
                         attention_mask: jax.Array | None = None) -> jax.Array:
@@ -143,6 +147,7 @@ class GPT(nnx.Module):
         bias_params=jnp.asarray(ops.alibi_slopes(c.num_heads), jnp.float32) if alibi else None)
     return x_BTD, block_kwargs, blocks_rng, cache
 
+  @with_matmul_precision
   def classify(self, tokens: jax.Array, attention_mask: jax.Array | None = None, *,
                dropout_rng: jax.Array | None = None) -> jax.Array:
     """Classification logits ``[B, num_labels]`` (float32) from the final hidden state of each
@@ -172,6 +177,7 @@ class GPT(nnx.Module):
     """The layers' parameters, one state per layer: ``layer_params`` of a decoding loop."""
     return self.blocks.split_layers()
 
+  @with_matmul_precision
   def logits(self, x_BTD: jax.Array) -> jax.Array:
     """Output projection (tied to the embedding unless ``tie_embeddings=False``), float32."""
     logits_BTV = self.embed.attend(x_BTD) if self.lm_head is None else self.lm_head(x_BTD)

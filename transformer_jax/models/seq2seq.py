@@ -11,7 +11,8 @@ from jax.sharding import Mesh
 
 from transformer_jax import ops
 from transformer_jax.layers import Embed, KVCache, Norm, Projection, RelativePositionBias, Stack
-from transformer_jax.models.common import check_length, check_same_shape, check_tokens
+from transformer_jax.models.common import (
+    check_length, check_same_shape, check_tokens, with_matmul_precision)
 from transformer_jax.models.config import Seq2SeqConfig
 from transformer_jax.parallel import axes as ax
 
@@ -70,6 +71,7 @@ class Seq2Seq(nnx.Module):
       return {}
     return dict(bias_fn=rel_bias.bias_fn, bias_params=rel_bias.table())
 
+  @with_matmul_precision
   def encode(self, src: jax.Array, src_mask: jax.Array | None = None, *,
              dropout_rng: jax.Array | None = None) -> jax.Array:
     """Encoder states ``[B, S, D]`` for source ids ``[B, S]`` (src_mask: False for padding)."""
@@ -84,6 +86,7 @@ class Seq2Seq(nnx.Module):
       x_BSD = ops.dropout(self.encoder_norm(x_BSD), c.dropout_rate, out_rng)
     return x_BSD
 
+  @with_matmul_precision
   def classify(self, src: jax.Array, src_mask: jax.Array | None = None, *,
                dropout_rng: jax.Array | None = None) -> jax.Array:
     """Classification logits ``[B, num_labels]`` (float32) from the mean of the encoder states
@@ -96,6 +99,7 @@ class Seq2Seq(nnx.Module):
     pooled_BD = jnp.sum(x_BSD * w_BS[..., None], 1) / jnp.maximum(jnp.sum(w_BS, 1), 1.0)[:, None]
     return self.classifier(pooled_BD).astype(jnp.float32)
 
+  @with_matmul_precision
   def decode(self, tgt_in: jax.Array, encoder_out: jax.Array | None,
              src_mask: jax.Array | None = None, tgt_mask: jax.Array | None = None, *,
              dropout_rng: jax.Array | None = None, cache: KVCache | None = None,
@@ -143,6 +147,7 @@ class Seq2Seq(nnx.Module):
     return KVCache.zeros(config.num_decoder_layers, batch_size, max_len, config.kv_heads,
                          config.head_size, dtype)
 
+  @with_matmul_precision
   def cross_cache(self, encoder_out: jax.Array, src_mask: jax.Array | None = None) -> KVCache:
     """Every decoder layer's cross-attention keys/values of ``encoder_out`` ``[B, S, D]``,
     projected once, as a read-only ``KVCache`` (``src_mask`` ``[B, S]``: False for padding)."""
@@ -156,6 +161,7 @@ class Seq2Seq(nnx.Module):
     """The decoder layers' parameters, one state per layer: ``layer_params`` of a decoding loop."""
     return self.decoder.split_layers()
 
+  @with_matmul_precision
   def __call__(self, src: jax.Array, tgt_in: jax.Array, src_mask: jax.Array | None = None,
                tgt_mask: jax.Array | None = None, *,
                dropout_rng: jax.Array | None = None) -> jax.Array:
