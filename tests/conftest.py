@@ -17,10 +17,22 @@ import random
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_backend_optimization_level=0").strip()
+# On a GPU, XLA may pick kernels that differ in the last bits between runs and processes (atomic
+# scatter-adds, autotuned gemms): tests that expect a resumed run to equal an uninterrupted one to
+# the last bit ask for deterministic ones. No effect on CPU.
+if "xla_gpu_deterministic_ops" not in os.environ["XLA_FLAGS"]:
+  os.environ["XLA_FLAGS"] += " --xla_gpu_deterministic_ops=true"
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from transformer_jax.models import config as config_lib  # noqa: E402
+
+# Tests compare float32 results with float64 NumPy and with PyTorch. Left to JAX, NVIDIA GPUs compute
+# float32 dots in TensorFloat-32 and TPUs in one bfloat16 pass, so ops and layers called directly
+# run at float32 precision here. Models set it from config.matmul_precision themselves
+# (tests/models/test_families.py checks every dot of their gradients under JAX's own default).
+jax.config.update("jax_default_matmul_precision", "float32")
 
 FORCED_IMPL = os.environ.get("TJAX_ATTENTION_IMPL") or None
 

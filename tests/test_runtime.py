@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 
+import jax
 import pytest
 
 from transformer_jax import runtime
@@ -60,7 +61,10 @@ def test_cache_can_be_turned_off(monkeypatch):
 
 def test_bf16_notice_only_without_bf16_hardware(monkeypatch):
   assert runtime.bf16_notice("float32") is None
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")   # accelerators: never a notice
   monkeypatch.setattr(machine, "has_bf16_hardware", lambda: False)
+  assert runtime.bf16_notice("bfloat16") is None
+  monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
   monkeypatch.setattr(runtime, "_warned_bf16", False)
   with pytest.warns(UserWarning, match="slower than dtype=float32"):
     text = runtime.bf16_notice("bfloat16")
