@@ -216,7 +216,7 @@ def test_attention_impl_reaches_the_kernel_of_every_attention(name, tokens, monk
     return real(*args, implementation="xla", **kw)
 
   monkeypatch.setattr(ops, "dot_product_attention", spy)
-  config = tiny(name, attention_impl="cudnn", scan_layers=False)
+  config = tiny(name, attention_impl="cudnn", dtype="bfloat16", scan_layers=False)
   model = models.create(config, rngs=nnx.Rngs(0))
   forward(model, config, tokens)
   layers = config.num_layers if hasattr(config, "num_layers") else (
@@ -227,6 +227,8 @@ def test_attention_impl_reaches_the_kernel_of_every_attention(name, tokens, monk
 def test_attention_impl_is_validated_and_set_from_the_command_line():
   with pytest.raises(ValueError, match=r"attention_impl='flash' must be one of None, 'xla'"):
     tiny("gpt2-tiny", attention_impl="flash")
+  with pytest.raises(ValueError, match=r"attention_impl='cudnn' computes in bfloat16.*'float32'"):
+    tiny("gpt2-tiny", attention_impl="cudnn")   # cuDNN's fused attention has no float32 kernel
   from transformer_jax.train.config import load_experiment
   path = pathlib.Path(__file__).parents[2] / "experiments" / "gpt_tiny.yaml"
   exp = load_experiment(str(path), ["model.attention_impl=chunked"])

@@ -238,7 +238,8 @@ def _cudnn_attention(q, k, v, q_pos_BT, *, bias, mask, causal, scale, dropout_ra
   """Delegates to cuDNN's fused kernel through ``jax.nn.dot_product_attention``.
 
   The mask parts become what that API takes: ``causal`` (``T == S`` with default positions:
-  cuDNN aligns the causal mask to the first key), ``window`` (``local_window_size``), ``kv_valid``
+  cuDNN aligns the causal mask to the first key), ``window`` (``local_window_size`` when causal;
+  cuDNN has no two-sided window, so without causal it is a dense mask), ``kv_valid``
   (key lengths when it is concretely a prefix, else a dense mask), segment ids (a dense mask) and
   ``bias_fn`` (a dense bias). cuDNN folds a dense mask into its bias, so a query row whose every
   key is masked follows cuDNN's convention, not the zeros of "xla" and "chunked"."""
@@ -247,6 +248,10 @@ def _cudnn_attention(q, k, v, q_pos_BT, *, bias, mask, causal, scale, dropout_ra
     raise ValueError(
         f"implementation='cudnn' needs an NVIDIA GPU; the default backend is {platform!r}: use "
         "'chunked' or 'xla'")
+  if q.dtype not in (jnp.bfloat16, jnp.float16):
+    raise ValueError(
+        f"implementation='cudnn' computes in bfloat16 or float16; got q.dtype={q.dtype}: use "
+        "dtype bfloat16 (a model's config.dtype), or implementation 'xla' or 'chunked'")
   b, t, _, _ = q.shape
   s = k.shape[1]
   if return_weights:
@@ -257,8 +262,6 @@ def _cudnn_attention(q, k, v, q_pos_BT, *, bias, mask, causal, scale, dropout_ra
     raise ValueError(
         f"implementation='cudnn' takes causal only with T == S and default positions; got T={t}, "
         f"S={s}, q_positions={'given' if q_positions is not None else None}")
-  if window is not None and q_positions is not None:
-    raise ValueError("implementation='cudnn' takes window only with default positions")
   key_lengths = None
   if kv_valid is not None:
     try:
@@ -268,7 +271,9 @@ def _cudnn_attention(q, k, v, q_pos_BT, *, bias, mask, causal, scale, dropout_ra
         key_lengths = jnp.asarray(lengths, jnp.int32)
     except jax.errors.TracerArrayConversionError:
       pass  # traced: not known to be a prefix, so it goes in as a dense mask
-  parts = _parts_mask(q_pos_BT, s, causal=False, window=None,
+  # cuDNN's sliding window looks back only (with causal); a two-sided one is a dense mask.
+  dense_window = None if causal else window
+  parts = _parts_mask(q_pos_BT, s, causal=False, window=dense_window,
                       kv_valid=kv_valid if key_lengths is None else None,
                       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
   mask = and_masks(mask, parts)
@@ -279,9 +284,7 @@ def _cudnn_attention(q, k, v, q_pos_BT, *, bias, mask, causal, scale, dropout_ra
     mask = jnp.broadcast_to(mask, (b, q.shape[2], t, s))
   if bias is not None:
     bias = bias.astype(q.dtype)
-  local = None
-  if window is not None:
-    local = (window - 1, 0) if causal else (window - 1, window - 1)
+  local = (window - 1, 0) if causal and window is not None else None
   return jax.nn.dot_product_attention(
       q, k, v, bias=bias, mask=mask, scale=scale, is_causal=causal,
       key_value_seq_lengths=key_lengths, local_window_size=local, implementation="cudnn")

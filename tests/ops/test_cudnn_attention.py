@@ -1,0 +1,142 @@
+"""The "cudnn" attention kernel (cuDNN's fused attention through ``jax.nn.dot_product_attention``)
+against the float64 NumPy reference of ``test_chunked_attention.py``, and whole models with
+``attention_impl="cudnn"`` against ``"xla"``.
+
+They need an NVIDIA GPU: elsewhere the kernel does not exist, and ``test_chunked_attention.py``
+checks the error that says so. What this file checks is the translation of our mask parts (causal,
+window, key lengths, segment ids, position biases) into cuDNN's arguments, forward and backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from transformer_jax import models, ops
+from tests.models.conftest import VOCAB, forward, params_for, tiny
+from tests.ops.test_chunked_attention import assert_close, inputs, reference, valid_mask
+
+pytestmark = pytest.mark.skipif(
+    jax.default_backend() != "gpu", reason="cuDNN's fused attention runs on NVIDIA GPUs only")
+
+# bfloat16 inputs and output, bfloat16 probabilities inside cuDNN's second product: max |error| /
+# max |reference| per array, against float64 on the same (rounded) inputs.
+TOL = 3e-2
+B, T, N, H = 2, 64, 4, 32
+
+
+def _grads(q, k, v, do, bias=None, **kw):
+  """``out`` and the gradients of ``sum(out * do)`` wrt q, k, v (and the dense bias)."""
+  def loss(q, k, v, bias):
+    out = ops.dot_product_attention(q, k, v, bias=bias, implementation="cudnn", **kw)
+    return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32)), out
+  argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
+  grads, out = jax.grad(loss, argnums=argnums, has_aux=True)(q, k, v, bias)
+  return out, grads
+
+
+CASES = {
+    "causal": dict(causal=True),
+    "full": dict(),
+    "causal-window": dict(causal=True, window=16),
+    "window": dict(window=16),
+    "key-lengths": dict(kv_valid=np.arange(T)[None] < np.array([[T], [40]])),
+    "segments": dict(q_seg=np.repeat(np.array([[0, 1], [0, 0]]), T // 2, axis=1)),
+}
+
+
+@pytest.mark.parametrize("kh", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_float64_reference(case, kh):
+  parts = CASES[case]
+  q, k, v, do = inputs(0, b=B, t=T, s=T, n=N, kh=kh, h=H, dtype=jnp.bfloat16)
+  kw = {key: value for key, value in dict(
+      causal=parts.get("causal", False), window=parts.get("window"),
+      kv_valid=parts.get("kv_valid"), q_segment_ids=parts.get("q_seg")).items()
+      if value is not None}
+  out, (dq, dk, dv) = _grads(q, k, v, do, **kw)
+  assert out.dtype == jnp.bfloat16
+  valid = valid_mask(B, T, T, causal=parts.get("causal", False), window=parts.get("window"),
+                     kv_valid=parts.get("kv_valid"), q_seg=parts.get("q_seg"),
+                     kv_seg=parts.get("q_seg"))
+  ref = reference(q, k, v, do, valid=valid)
+  for name, a, e in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), ref):
+    assert_close(a, e, TOL, f"{case} {name}")
+
+
+def test_traced_key_padding_goes_in_as_a_mask():
+  # Under jit the padding is a tracer, not known to be a prefix: it becomes a dense mask.
+  q, k, v, do = inputs(1, b=B, t=T, s=T, n=N, kh=N, h=H, dtype=jnp.bfloat16)
+  kv_valid = np.ones((B, T), bool)
+  kv_valid[1, ::3] = False   # not a prefix
+  out = jax.jit(lambda q, k, v, m: ops.dot_product_attention(
+      q, k, v, kv_valid=m, implementation="cudnn"))(q, k, v, kv_valid)
+  ref = reference(q, k, v, do, valid=valid_mask(B, T, T, kv_valid=kv_valid))
+  assert_close(out, ref[0], TOL, "out")
+
+
+def test_dense_bias_and_its_gradient():
+  q, k, v, do = inputs(2, b=B, t=T, s=T, n=N, kh=N, h=H, dtype=jnp.bfloat16)
+  bias = jnp.asarray(np.random.default_rng(3).standard_normal((1, N, T, T)), jnp.bfloat16)
+  out, (dq, dk, dv, dbias) = _grads(q, k, v, do, bias=bias, causal=True)
+  ref = reference(q, k, v, do, valid=valid_mask(B, T, T, causal=True), bias=bias)
+  for name, a, e in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), ref):
+    assert_close(a, e, TOL, name)
+  assert_close(dbias, ref[4].sum(0, keepdims=True), TOL, "dbias")
+
+
+def test_float32_inputs_get_a_clear_error():
+  q, k, v, _ = inputs(4, b=B, t=T, s=T, n=N, kh=N, h=H, dtype=jnp.float32)
+  with pytest.raises(ValueError, match="implementation='cudnn'.*q.dtype=float32.*bfloat16"):
+    ops.dot_product_attention(q, k, v, implementation="cudnn")
+
+
+def _loss_and_grads(name, impl, dtype):
+  config = dataclasses.replace(tiny(name), dtype=dtype, attention_impl=impl)
+  graphdef = models.graphdef(config)
+  tokens = jax.random.randint(jax.random.key(7), (2, 12), 0, VOCAB)
+
+  def loss_fn(params, tokens):
+    model = nnx.merge(graphdef, params)
+    if isinstance(config, models.Seq2SeqConfig):
+      # Target shorter than the source. (With XLA_FLAGS=--xla_gpu_deterministic_ops=true, which
+      # tests/conftest.py sets, XLA 0.11.2 fails with "IndexError: raw_hash_map<>::at" to run
+      # the backward of a program holding two cuDNN attentions of identical shapes and mask
+      # types, as an encoder's and the cross-attention's are for equal lengths: README.)
+      logits = model(tokens, tokens[:, :8][:, ::-1])
+    else:
+      logits = forward(model, config, tokens)
+    return jnp.mean(jax.nn.log_softmax(logits.astype(jnp.float32))[..., 1])
+  return jax.jit(jax.value_and_grad(loss_fn))(params_for(tiny(name)), tokens)
+
+
+@pytest.mark.parametrize(
+    "name", ["gpt2-tiny", "llama-tiny", "gpt-alibi-tiny", "bert-tiny", "transformer-tiny",
+             "t5-tiny"])
+def test_models_with_cudnn_train_as_accurately_as_with_xla(name):
+  # A bfloat16 model with attention_impl="cudnn" and the same model with "xla", each against the
+  # float32 model: loss and every gradient (T5's learned relative bias included, through cuDNN's
+  # bias gradient) within twice the error of "xla" in bfloat16. (T5 computes unscaled logits:
+  # its bfloat16 gradients are ~9% from float32's with either kernel.)
+  loss_f32, grads_f32 = _loss_and_grads(name, "xla", "float32")
+  loss_xla, grads_xla = _loss_and_grads(name, "xla", "bfloat16")
+  loss, grads = _loss_and_grads(name, "cudnn", "bfloat16")
+  assert abs(float(loss) - float(loss_f32)) <= 2 * abs(float(loss_xla) - float(loss_f32)) + 1e-3
+  as64 = lambda g: np.asarray(g, np.float64)
+  top = max(float(np.linalg.norm(as64(g))) for g in jax.tree.leaves(grads_f32))
+  for (path, g32), g_xla, g in zip(jax.tree_util.tree_leaves_with_path(grads_f32),
+                                   jax.tree.leaves(grads_xla), jax.tree.leaves(grads)):
+    scale = float(np.linalg.norm(as64(g32)))
+    # The key projection's bias has a zero gradient up to rounding (softmax ignores a constant
+    # added to a row's logits): no relative error to speak of.
+    if scale < 1e-5 * top:
+      assert float(np.linalg.norm(as64(g))) < 1e-4 * top, jax.tree_util.keystr(path)
+      continue
+    err_xla = float(np.linalg.norm(as64(g_xla) - as64(g32))) / scale
+    err = float(np.linalg.norm(as64(g) - as64(g32))) / scale
+    assert err <= 2 * err_xla + 1e-2, (jax.tree_util.keystr(path), err, err_xla)
