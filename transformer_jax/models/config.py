@@ -90,7 +90,7 @@ class _Heads:
     _choice(self, "matmul_precision", ops.precision.PRECISIONS)
     _choice(self, "remat", _REMATS)
     _choice(self, "attention_impl", _ATTENTION_IMPLS)
-    if self.attention_impl == "cudnn" and self.dtype not in ("bfloat16", "float16"):
+    if self.attention_impl == "cudnn" and jnp.dtype(self.dtype) not in (jnp.bfloat16, jnp.float16):
       raise ValueError(f"attention_impl='cudnn' computes in bfloat16 or float16; dtype="
                        f"{self.dtype!r}: set dtype='bfloat16' or attention_impl 'xla'/'chunked'")
     if not self.norm_eps > 0:
