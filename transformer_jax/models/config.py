@@ -130,7 +130,9 @@ class GPTConfig(_Heads):
   # precision rate), "tensorfloat32", "bfloat16", "default" (JAX's setting). ops/precision.py.
   matmul_precision: str = "float32"
   remat: Remat = "none"
-  scan_layers: bool = True             # False: unrolled Python loop (debugging)
+  # False: an unrolled Python loop (debugging; also faster for bfloat16 on a Zen 5 CPU, slower in
+  # float32: experiments/PERFORMANCE.md).
+  scan_layers: bool = True
   # Kernel of ops.dot_product_attention: "xla", "chunked", "cudnn"; None picks by size.
   attention_impl: ops.Implementation | None = None
 
