@@ -408,6 +408,18 @@ def _quiet_aborted_reads():
     gc.collect()
 
 
+@contextlib.contextmanager
+def _naming(directory: str):
+  """Gives an ``OSError`` that names no file (orbax's background metadata writes raise a bare
+  ``[Errno 28]`` when the disk fills) the checkpoint directory it was writing to."""
+  try:
+    yield
+  except OSError as e:
+    if e.errno is None or e.filename is not None:
+      raise
+    raise OSError(e.errno, e.strerror or os.strerror(e.errno), directory) from e
+
+
 class Checkpoints:
   """Last-N training checkpoints plus the best parameters by validation loss.
 
@@ -430,17 +442,19 @@ class Checkpoints:
     return self.latest.latest_step()
 
   def save(self, step: int, params, opt_state, meta: dict[str, Any]) -> None:
-    self.latest.save(step, args=ocp.args.Composite(
-        params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
-        meta=ocp.args.JsonSave(meta)))
+    with _naming(self.directory):   # a failed earlier async save surfaces here
+      self.latest.save(step, args=ocp.args.Composite(
+          params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
+          meta=ocp.args.JsonSave(meta)))
 
   def save_best(self, step: int, params, val_loss: float) -> None:
     # Two managers saving the same step at once would run orbax's multi-host barriers under the
     # same names ("... is already ongoing"): let the training checkpoint finish first.
-    if jax.process_count() > 1:
-      self.latest.wait_until_finished()
-    self.best.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)),
-                   metrics={"val_loss": float(val_loss)})
+    with _naming(self.directory):
+      if jax.process_count() > 1:
+        self.latest.wait_until_finished()
+      self.best.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)),
+                     metrics={"val_loss": float(val_loss)})
 
   def read_meta(self, step: int) -> dict:
     """The ``meta`` item of ``step``, read from its file."""
@@ -537,12 +551,14 @@ class Checkpoints:
     self.latest = ocp.CheckpointManager(self.directory, options=options)
 
   def wait(self) -> None:
-    self.latest.wait_until_finished()
-    self.best.wait_until_finished()
+    with _naming(self.directory):
+      self.latest.wait_until_finished()
+      self.best.wait_until_finished()
 
   def close(self) -> None:
-    self.latest.close()
-    self.best.close()
+    with _naming(self.directory):
+      self.latest.close()
+      self.best.close()
 
 
 def restore_params(directory: str, config: models.ModelConfig, *, best: bool = False,

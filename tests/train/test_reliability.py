@@ -398,6 +398,26 @@ def _small_filesystem(path):
   return res.returncode == 0
 
 
+def test_a_bare_full_disk_error_from_orbax_names_the_checkpoint_directory(tmp_path, monkeypatch):
+  # Orbax's background metadata thread raises a bare "[Errno 28] No space left on device" (no
+  # file) when the disk fills at that moment; the one-line error must still say where.
+  from transformer_jax import cli
+
+  ckpt = runs.Checkpoints(str(tmp_path / "checkpoints"))
+
+  def full(*_, **__):
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(ckpt.latest, "wait_until_finished", full)
+  for call in (ckpt.wait, lambda: ckpt.save(1, {"w": np.zeros(2)}, {}, {"step": 1})):
+    monkeypatch.setattr(ckpt.latest, "save", full)
+    with pytest.raises(OSError) as info:
+      call()
+    assert cli._one_line(info.value) == f"{tmp_path / 'checkpoints'}: no space left on the device"
+  monkeypatch.undo()
+  ckpt.close()
+
+
 @pytest.mark.slow
 def test_a_full_disk_is_one_line_and_earlier_checkpoints_survive(tmp_path, text_dataset):
   small = tmp_path / "small"
