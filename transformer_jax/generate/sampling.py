@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from transformer_jax import ops
+
 _NEG_INF = -jnp.inf
 
 
@@ -43,6 +45,6 @@ def next_token(logits_BV: jax.Array, key: jax.Array | None, *, temperature: floa
                top_k: int | None = None, top_p: float | None = None) -> jax.Array:
   """``[B]`` int32: argmax when ``temperature == 0``, else a sample from the truncated softmax."""
   if temperature == 0.0:
-    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    return ops.argmax(logits_BV, axis=-1)
   logits_BV = truncate_logits(logits_BV / jnp.float32(temperature), top_k=top_k, top_p=top_p)
   return jax.random.categorical(key, logits_BV, axis=-1).astype(jnp.int32)

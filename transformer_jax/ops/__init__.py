@@ -12,10 +12,11 @@ from transformer_jax.ops.norms import layer_norm, rms_norm
 from transformer_jax.ops.positions import (
     AlibiBias, RelativeBias, RopeScaling, alibi_bias, alibi_slopes, apply_rope,
     relative_position_bucket, relative_positions, rope_frequencies, sinusoidal_positions)
+from transformer_jax.ops.reductions import argmax
 
 __all__ = [
     "Activation", "AlibiBias", "Implementation", "RelativeBias", "RopeScaling", "alibi_bias",
-    "alibi_slopes", "and_masks", "apply_rope", "causal_mask", "cross_entropy",
+    "alibi_slopes", "and_masks", "apply_rope", "argmax", "causal_mask", "cross_entropy",
     "dot_product_attention", "dropout", "gated", "gelu", "gelu_tanh", "geglu", "get_activation",
     "layer_norm", "matmul", "padding_mask", "relative_position_bucket", "relative_positions", "relu",
     "rms_norm", "rope_frequencies", "segment_mask", "silu", "sinusoidal_positions",

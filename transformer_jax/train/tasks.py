@@ -35,7 +35,7 @@ def _ce_sum(logits, labels, mask, label_smoothing, z_loss):
 
 
 def _correct(logits, labels, mask):
-  return jnp.sum((jnp.argmax(logits, -1) == labels) * mask.astype(jnp.float32))
+  return jnp.sum((ops.argmax(logits, -1) == labels) * mask.astype(jnp.float32))
 
 
 class GPTTask:
@@ -261,7 +261,7 @@ class ClassifyTask:
     labels_B, mask_B = batch["labels"], batch["label_mask"]
     loss = {"cls": _ce_sum(logits_BC[:, None], labels_B[:, None], mask_B[:, None],
                            label_smoothing, z_loss)}
-    pred_B = jnp.argmax(logits_BC, -1)
+    pred_B = ops.argmax(logits_BC, -1)
     w_B = mask_B.astype(jnp.float32)
     c = logits_BC.shape[-1]
     true_BC = jax.nn.one_hot(labels_B, c) * w_B[:, None]
