@@ -132,3 +132,30 @@ def test_step_time_from_paired_calls_never_negative():
   assert step_time([0.2], [0.1], 1)["ms_per_step"] is None
   with pytest.raises(ValueError, match="2 full calls and 1 one-token"):
     step_time([0.2, 0.3], [0.1], 5)
+
+
+def test_results_name_the_commit_they_ran_and_none_outside_a_checkout(tmp_path):
+  import importlib.util
+  import shutil
+  import subprocess
+
+  from transformer_jax.bench import machine
+  root = machine.__file__.rsplit("/transformer_jax/", 1)[0]
+  head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True)
+  if head.returncode == 0:   # this checkout is a git repository (CI's fresh clone is)
+    here = machine.source_revision()
+    assert here["commit"] == head.stdout.strip() and isinstance(here["modified"], bool)
+  # The same module installed outside any git checkout, or in a virtual environment inside
+  # another repository's tree: no commit to name.
+  other = str(tmp_path / "other")
+  subprocess.run(["git", "init", "-q", other], check=True)
+  subprocess.run(["git", "-C", other, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q",
+                  "--allow-empty", "-m", "other"], check=True)
+  for site in (tmp_path / "site", tmp_path / "other" / ".venv" / "site-packages"):
+    pkg = site / "transformer_jax" / "bench"
+    pkg.mkdir(parents=True)
+    shutil.copy(machine.__file__, pkg / "machine.py")
+    spec = importlib.util.spec_from_file_location("machine_copy", pkg / "machine.py")
+    copy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(copy)
+    assert copy.source_revision() is None, site

@@ -17,6 +17,7 @@ import functools
 import importlib.metadata
 import os
 import platform
+import subprocess
 import time
 from typing import Iterable, Sequence
 
@@ -79,8 +80,27 @@ def _version(dist: str) -> str | None:
     return None
 
 
+def source_revision() -> dict | None:
+  """The git commit of this package's checkout and whether tracked files differ from it
+  (``{"commit": ..., "modified": bool}``), or None outside a git checkout (an installed wheel)."""
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+  def git(*args: str) -> str:
+    return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, check=True,
+                          timeout=10).stdout.strip()
+  try:
+    if os.path.realpath(git("rev-parse", "--show-toplevel")) != os.path.realpath(root):
+      return None   # installed inside some other repository's tree (a venv in a checkout)
+    commit = git("rev-parse", "HEAD")
+    modified = bool(git("status", "--porcelain", "--untracked-files=no"))
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return {"commit": commit, "modified": modified}
+
+
 def describe(extra_versions: Iterable[str] = ()) -> dict:
-  """CPU, flags, cores, devices, allocator, load average and package versions, for a result file."""
+  """CPU, flags, cores, devices, allocator, load average, package versions and the git commit of
+  this checkout, for a result file."""
   versions = {d: _version(d) for d in ("jax", "jaxlib", "flax", "optax", *extra_versions)}
   versions["python"] = platform.python_version()
   return {
@@ -88,7 +108,7 @@ def describe(extra_versions: Iterable[str] = ()) -> dict:
       "cpu_count": os.cpu_count(), "platform": jax.default_backend(),
       "devices": [d.device_kind for d in jax.devices()], "allocator": allocator(),
       "xla_flags": os.environ.get("XLA_FLAGS", ""), "load_average": list(os.getloadavg()),
-      "versions": versions,
+      "versions": versions, "source": source_revision(),
   }
 
 
