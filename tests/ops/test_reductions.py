@@ -43,3 +43,16 @@ def test_argmax_under_vmap():
   x = np.random.default_rng(2).standard_normal((3, 4, 17)).astype(np.float32)
   got = jax.vmap(ops.argmax)(jnp.asarray(x))
   np.testing.assert_array_equal(np.asarray(got), np.argmax(x, axis=-1))
+
+
+@pytest.mark.parametrize("chunk,shape", [(64, (7, 3, 20)), (16, (5, 40)), (64, (2, 3, 64))])
+def test_argmax_in_chunks_of_rows_matches_numpy(monkeypatch, chunk, shape):
+  """Large inputs go through a few rows at a time (with a remainder, or one row per step when a
+  row alone fills a chunk): the same indices."""
+  from transformer_jax.ops import reductions
+  monkeypatch.setattr(reductions, "_CHUNK", chunk)
+  x = np.random.default_rng(3).integers(0, 4, shape).astype(np.float32)   # many ties
+  x[0, 1] = np.nan
+  for axis in (-1, 0):
+    np.testing.assert_array_equal(np.asarray(jax.jit(ops.argmax, static_argnums=1)(x, axis)),
+                                  np.argmax(x, axis=axis))

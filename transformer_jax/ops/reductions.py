@@ -14,14 +14,35 @@ def argmax(x: jax.Array, axis: int = -1) -> jax.Array:
 
   ``jnp.argmax`` lowers to one reduction over (value, index) pairs, which XLA:CPU does not
   vectorize: on a 2-core Zen 5 EPYC it takes 0.21 ms for one row of GPT-2's 50257 logits (2% of a
-  batch-1 decoding step) and 108 ms for the accuracy of a 4 x 256 training batch. Here it is two
+  batch-1 decoding step) and 112 ms for the accuracy of a 4 x 256 training batch. Here it is two
   plain reductions instead, a max and then a min over the indices that hold it; both vectorize:
-  0.016 ms and 17 ms on the same inputs (experiments/PERFORMANCE.md).
+  0.016 ms for the row. The second reduction reads an index array as large as ``x``, which XLA
+  materializes. For a training batch's logits that is 205 MB more of the step's temporaries,
+  which took the bfloat16 GPT-2 step past the ~2 GiB block that mimalloc keeps for reuse
+  (``runtime.allocator_env``): every step then mapped fresh pages and took 3.5 s instead of
+  1.76 s. So past 2**22 elements the rows go through in chunks of that size, whose buffer is
+  reused: 42 ms for the training batch (experiments/PERFORMANCE.md).
   """
   axis = axis % x.ndim
-  top = jnp.max(x, axis=axis, keepdims=True)
-  hit = x == top
-  if jnp.issubdtype(x.dtype, jnp.inexact):
-    hit = hit | (jnp.isnan(x) & jnp.isnan(top))
-  index = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis)
-  return jnp.min(jnp.where(hit, index, x.shape[axis]), axis=axis)
+  x = jnp.moveaxis(x, axis, -1)
+  lead, n = x.shape[:-1], x.shape[-1]
+  rows = x.reshape(-1, n)
+  if rows.size <= _CHUNK:
+    return _argmax_rows(rows).reshape(lead)
+  # Many rows (a training batch's logits): a few at a time, so the index array the second
+  # reduction reads is a small buffer reused by every chunk, not a fresh [rows, n] one per call.
+  per_chunk = max(1, _CHUNK // n)
+  return jax.lax.map(_argmax_rows, rows.reshape(-1, 1, n) if per_chunk == 1 else rows,
+                     batch_size=None if per_chunk == 1 else per_chunk).reshape(lead)
+
+
+_CHUNK = 1 << 22   # elements per chunk of rows (16 MB of float32)
+
+
+def _argmax_rows(x_RN: jax.Array) -> jax.Array:
+  top = jnp.max(x_RN, axis=-1, keepdims=True)
+  hit = x_RN == top
+  if jnp.issubdtype(x_RN.dtype, jnp.inexact):
+    hit = hit | (jnp.isnan(x_RN) & jnp.isnan(top))
+  index = jax.lax.broadcasted_iota(jnp.int32, x_RN.shape, x_RN.ndim - 1)
+  return jnp.min(jnp.where(hit, index, x_RN.shape[-1]), axis=-1)
