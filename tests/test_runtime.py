@@ -84,3 +84,20 @@ def test_matmul_limit_counts_flops_of_each_layout():
   rates = r["per_shape"]["64x32x48"]
   assert set(rates) == {"x@W", "dy@W^T", "x^T@dy"}
   assert r["flops_per_sec"] == max(rates.values()) > 0
+
+
+def test_scratch_notice_only_for_cpu_steps_past_mimallocs_reuse_limit():
+  limit = runtime.MIMALLOC_REUSE_LIMIT
+  assert runtime.scratch_notice(limit, platform="cpu", malloc="mimalloc") is None
+  assert runtime.scratch_notice(None, platform="cpu", malloc="mimalloc") is None
+  assert runtime.scratch_notice(3 << 30, platform="gpu", malloc="mimalloc") is None
+  assert runtime.scratch_notice(3 << 30, platform="cpu", malloc="glibc") is None
+  msg = runtime.scratch_notice(3 << 30, platform="cpu", malloc="mimalloc")
+  assert "3.00 GiB" in msg and "microbatches" in msg
+
+
+def test_allocator_names_the_preloaded_malloc(monkeypatch):
+  monkeypatch.setenv("LD_PRELOAD", "/x/libmimalloc.so")
+  assert runtime.allocator() == "mimalloc" and machine.describe()["allocator"] == "mimalloc"
+  monkeypatch.delenv("LD_PRELOAD")
+  assert runtime.allocator() == "glibc"

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import yaml
 
-from transformer_jax import data, runs
+from transformer_jax import data, runs, runtime
 from transformer_jax.train import TrainingDiverged, evaluate_run, load_experiment, train
 from transformer_jax.train import tasks as tasks_lib
 from tests.train.conftest import REPO, run_cli, run_tjax
@@ -532,3 +532,19 @@ def test_main_marks_only_a_caught_error_for_the_launcher(tmp_path, monkeypatch):
   monkeypatch.setattr(cli, "_error_reported", False)
   code, out, _ = run_cli("info")
   assert code == 0 and not cli._error_reported
+
+
+def test_a_step_too_large_for_the_allocator_to_reuse_is_named_once(tmp_path, text_dataset,
+                                                                   monkeypatch, capfd):
+  # A real case needs a step with over 2 GiB of temporaries; here the limit is lowered instead.
+  monkeypatch.setattr(runtime, "MIMALLOC_REUSE_LIMIT", 0)
+  monkeypatch.setattr(runtime, "allocator", lambda: "mimalloc")
+  train(_exp(tmp_path / "r", text_dataset, ["model.d_model=16", "model.num_heads=1"], steps=3),
+        progress=False)
+  out = capfd.readouterr().out
+  assert out.count("notice: one training step needs") == 1, out
+  assert "train.microbatches" in out
+
+
+def test_no_allocator_notice_for_a_small_step(finished):
+  assert "notice: one training step" not in finished["stdout"] + finished["stderr"]

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from transformer_jax import runtime
+
 # cpuinfo flags that decide which kernels are fast: vector width, FMA, bfloat16 and AMX units.
 _FLAGS_OF_INTEREST = ("avx", "avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16",
                       "amx_tile", "amx_int8", "asimd", "sve", "bf16")
@@ -64,15 +66,6 @@ def has_bf16_hardware() -> bool:
   return any(f in _cpuinfo()[1] for f in BF16_FLAGS)
 
 
-def allocator() -> str:
-  """The malloc preloaded into this process (``LD_PRELOAD``), or ``"glibc"``."""
-  pre = os.environ.get("LD_PRELOAD", "")
-  for name in ("jemalloc", "tcmalloc", "mimalloc"):
-    if name in pre:
-      return name
-  return "glibc"
-
-
 def _version(dist: str) -> str | None:
   try:
     return importlib.metadata.version(dist)
@@ -106,7 +99,7 @@ def describe(extra_versions: Iterable[str] = ()) -> dict:
   return {
       "cpu": cpu_name(), "cpu_flags": cpu_flags(), "bf16_hardware": has_bf16_hardware(),
       "cpu_count": os.cpu_count(), "platform": jax.default_backend(),
-      "devices": [d.device_kind for d in jax.devices()], "allocator": allocator(),
+      "devices": [d.device_kind for d in jax.devices()], "allocator": runtime.allocator(),
       "xla_flags": os.environ.get("XLA_FLAGS", ""), "load_average": list(os.getloadavg()),
       "versions": versions, "source": source_revision(),
   }

@@ -468,7 +468,10 @@ def _train_loop(run: Run, rd: runs.RunDir, ckpt, ref, progress, resume_hint):
         host = loader.batch_at(s)
         tasks_lib.check_token_ids(run.task, host, vocab)
         loader.set_state({"step": s + 1})
-        state, metrics = train_step(state, step_lib.shard_batch(host, run.mesh, run.task.keys))
+        batch = step_lib.shard_batch(host, run.mesh, run.task.keys)
+        state, metrics = train_step(state, batch)
+        if s == start:
+          _scratch_notice(train_step, state, batch)
         done = s + 1
         pending.append((done, metrics, _batch_tokens(host) * jax.process_count(),
                         _batch_hash(host)))
@@ -603,6 +606,18 @@ class _StopFlag:
     finally:
       for s, h in self._previous.items():
         signal.signal(s, h)
+
+
+def _scratch_notice(train_step, state, batch) -> None:
+  """On CPU, says once when the step's temporaries are too large for the allocator to reuse
+  (``runtime.scratch_notice``). The compiled step comes from jit's cache: nothing compiles again."""
+  if jax.default_backend() != "cpu":
+    return
+  analysis = train_step.lower(state, batch).compile().memory_analysis()
+  msg = runtime.scratch_notice(None if analysis is None else analysis.temp_size_in_bytes,
+                               platform="cpu", malloc=runtime.allocator())
+  if msg:
+    _log0(msg)
 
 
 def _log0(msg: str) -> None:
