@@ -2,8 +2,9 @@
 notices when bfloat16 would be slower than float32 on this CPU or when a step's temporaries are
 too large for the allocator to reuse.
 
-``tjax`` applies them (the trainer gives the notices); a library user calls ``enable_compilation_cache()`` once (the trainer
-does it too) and may start Python through ``python -m transformer_jax.launch`` to get the allocator.
+``tjax`` applies them (the trainer gives the notices); a library user calls
+``enable_compilation_cache()`` once (the trainer does it too) and may start Python through
+``python -m transformer_jax.launch`` to get the allocator.
 """
 
 from __future__ import annotations
