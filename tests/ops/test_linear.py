@@ -151,3 +151,27 @@ def test_every_bf16_dot_stays_bf16_in_the_library_kernel(transpose_w, with_bias)
   np.testing.assert_allclose(dw, np.full(w.shape, m), rtol=1e-6)
   if with_bias:
     np.testing.assert_allclose(db, np.full((n,), m), rtol=1e-6)
+
+
+def test_scanned_layers_stack_bf16_residuals_in_place_as_bits():
+  """A scan over layers stacks each layer's saved ``x^T`` ([K, M] = [16, 24], stacked [3, 16, 24]).
+  As bfloat16, XLA:CPU would update the stack in float32, converting all of it at every layer;
+  saved as uint16 bits (``ops.residuals``) the update is in place. Same gradients either way."""
+  from transformer_jax.ops import residuals
+
+  ws = jnp.asarray(np.random.default_rng(0).standard_normal((3, 16, 40)), jnp.float32)
+  x = jnp.asarray(np.random.default_rng(1).standard_normal((24, 16)), jnp.bfloat16)
+
+  def loss(ws, x):
+    def layer(h, w):
+      return linear.matmul(h, w, dtype=jnp.bfloat16)[:, :16], None
+    return jnp.sum(jax.lax.scan(layer, x, ws)[0].astype(jnp.float32) ** 2)
+
+  hlo = jax.jit(jax.grad(loss)).lower(ws, x).compile().as_text()
+  assert not re.search(r"f32\[3,16,24\]\{[^}]*\} dynamic-update-slice\(", hlo)
+  assert re.search(r"u16\[3,16,24\]\{[^}]*\} dynamic-update-slice\(", hlo)
+  x16 = jnp.asarray([1.5, -0.0, jnp.inf, jnp.nan, 3e-39], jnp.bfloat16)
+  back = residuals.unpacked(residuals.packed(x16))
+  assert back.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(back).view(np.uint16), np.asarray(x16).view(np.uint16))
+  assert residuals.packed(ws) is ws

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 import numpy as np
 
-from transformer_jax.ops import precision
+from transformer_jax.ops import precision, residuals
 from transformer_jax.ops.chunked import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, chunked_attention
 from transformer_jax.ops.masks import and_masks, segment_mask
 
@@ -340,7 +340,8 @@ def _dense_core_fwd(q_BKMH, k_BKSH, v_BKSH, bias, mask, scale, t, matmul_precisi
   p_BKMS = weights_BNTS.reshape(b, kh, m, s)
   out_BKMH = jnp.einsum("BKMS,BKSH->BKMH", p_BKMS.astype(v_BKSH.dtype), v_BKSH,
                         preferred_element_type=acc).astype(q_BKMH.dtype)
-  return out_BKMH, (q_BKMH, k_BKSH, v_BKSH, p_BKMS, out_BKMH, bias, mask)
+  saved = tuple(residuals.packed(x) for x in (q_BKMH, k_BKSH, v_BKSH, p_BKMS, out_BKMH))
+  return out_BKMH, (*saved, bias, mask)
 
 
 def _dense_core_bwd(scale, t, matmul_precision, res, dout_BKMH):
@@ -349,7 +350,8 @@ def _dense_core_bwd(scale, t, matmul_precision, res, dout_BKMH):
 
 
 def _dense_core_grads(scale, t, res, dout_BKMH):
-  q_BKMH, k_BKSH, v_BKSH, p_BKMS, out_BKMH, bias, mask = res
+  *saved, bias, mask = res
+  q_BKMH, k_BKSH, v_BKSH, p_BKMS, out_BKMH = (residuals.unpacked(x) for x in saved)
   acc = _acc_dtype(q_BKMH)
   dv_BKSH = jnp.einsum("BKMS,BKMH->BKSH", p_BKMS.astype(dout_BKMH.dtype), dout_BKMH,
                        preferred_element_type=acc)

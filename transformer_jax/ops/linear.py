@@ -23,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from transformer_jax.ops import precision
+from transformer_jax.ops import precision, residuals
 
 
 def _dot(a_MK: jax.Array, b_KN: jax.Array) -> jax.Array:
@@ -81,8 +81,8 @@ def _matmul_fwd(x_MK, w, b_N, transpose_w, dtype, out_dtype, matmul_precision):
   # where in the backward the copy would be fused with the slicing of a scanned layer's
   # residuals, which XLA:CPU emits as a slow strided loop. w itself is kept (not its
   # low-precision copy): it lives anyway, and a scan over layers would otherwise stack a second
-  # copy of every weight.
-  return y.astype(out_dtype), (x_MK if transpose_w else transposed(x_MK), w, b_N)
+  # copy of every weight. x goes as its bits (ops.residuals: the scan stacks those in place).
+  return y.astype(out_dtype), (residuals.packed(x_MK if transpose_w else transposed(x_MK)), w, b_N)
 
 
 def _matmul_bwd(transpose_w, dtype, out_dtype, matmul_precision, res, dy_MN):
@@ -92,6 +92,7 @@ def _matmul_bwd(transpose_w, dtype, out_dtype, matmul_precision, res, dy_MN):
 
 def _matmul_grads(transpose_w, dtype, res, dy_MN):
   x, w, b_N = res   # x: [M, K], or [K, M] (transposed already) when w is [K, N]
+  x = residuals.unpacked(x)
   w_lo, dy_MN = w.astype(dtype), dy_MN.astype(dtype)
   if transpose_w:   # w is [N, K]
     dx_MK = _dot(dy_MN, w_lo)                 # [M, N] @ [N, K]
