@@ -21,7 +21,7 @@ def argmax(x: jax.Array, axis: int = -1) -> jax.Array:
   which took the bfloat16 GPT-2 step past the ~2 GiB block that mimalloc keeps for reuse
   (``runtime.allocator_env``): every step then mapped fresh pages and took 3.5 s instead of
   1.76 s. So past 2**22 elements the rows go through in chunks of that size, whose buffer is
-  reused: 42 ms for the training batch (experiments/PERFORMANCE.md).
+  reused: 28-42 ms for the training batch (experiments/PERFORMANCE.md).
   """
   axis = axis % x.ndim
   x = jnp.moveaxis(x, axis, -1)
@@ -31,9 +31,7 @@ def argmax(x: jax.Array, axis: int = -1) -> jax.Array:
     return _argmax_rows(rows).reshape(lead)
   # Many rows (a training batch's logits): a few at a time, so the index array the second
   # reduction reads is a small buffer reused by every chunk, not a fresh [rows, n] one per call.
-  per_chunk = max(1, _CHUNK // n)
-  return jax.lax.map(_argmax_rows, rows.reshape(-1, 1, n) if per_chunk == 1 else rows,
-                     batch_size=None if per_chunk == 1 else per_chunk).reshape(lead)
+  return jax.lax.map(_argmax_rows, rows, batch_size=max(1, _CHUNK // n)).reshape(lead)
 
 
 _CHUNK = 1 << 22   # elements per chunk of rows (16 MB of float32)
