@@ -2,6 +2,8 @@
 tied output projection weight-first for a few rows, and the per-params reuse of the split layers."""
 
 import gc
+import glob
+import re
 
 import chex
 import jax
@@ -12,7 +14,8 @@ from flax import nnx
 
 from transformer_jax import generate
 from transformer_jax.generate import decode
-from transformer_jax.layers.dense import SKINNY_ROWS, Embed, OutInKernel, Projection
+from transformer_jax.layers import dense
+from transformer_jax.layers.dense import SKINNY_ROWS, Embed, OutInKernel, OutInPieces, Projection
 from tests.generate.conftest import gpt_model, naive_greedy, random_prompts
 
 # Every einsum form the models' projections use: (einsum, x shape, kernel shape, bias shape).
@@ -112,3 +115,100 @@ def test_decode_layers_are_made_once_per_params_and_freed_with_them():
   del model2, params2
   gc.collect()
   assert graphdef not in decode._DECODE_LAYERS  # released with the weights it was made from
+
+
+def xla_gemv_blocks(rows, cols, tmp_path):
+  """The block count in the name of the matrix-vector kernel XLA:CPU compiles for a float32
+  ``W[rows, cols] @ x`` (one row of x), read from the compiled code."""
+  out = tmp_path / f"dump_{rows}_{cols}"
+  jax.jit(dense.weight_first).lower(jnp.ones((rows, cols)), jnp.ones((1, cols))).compile(
+      compiler_options={"xla_dump_to": str(out)})
+  found = set()
+  for path in glob.glob(str(out / "*.ll")):
+    found |= {int(b) for r, c, b in re.findall(r"row_major_gemv_F32_\d+_\d+_(\d+)_(\d+)_(\d+)",
+                                               open(path).read()) if (int(r), int(c)) == (rows, cols)}
+  assert len(found) == 1, f"no single row_major_gemv kernel for {rows}x{cols}: {found}"
+  return found.pop()
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's own kernel")
+@pytest.mark.parametrize("rows,cols", [(680, 768), (700, 768), (768, 768), (1536, 768),
+                                       (3072, 768), (768, 3072), (256, 3072), (6144, 768)])
+def test_gemv_blocks_is_how_xla_cpu_cuts_a_matrix_vector_product(rows, cols, tmp_path):
+  # The rule decode_pieces relies on, checked against this jaxlib's compiled kernels: a change
+  # in XLA shows up here, not as a slower decoding loop.
+  assert dense.gemv_blocks(rows * cols * 4) == xla_gemv_blocks(rows, cols, tmp_path)
+
+
+def test_decode_pieces_make_every_piece_share_evenly():
+  # GPT-2 small on 2 threads: the MLP (9.4 MB, 5 blocks) in 3 pieces of 2 blocks, the 768 x 768
+  # attention kernels (2 blocks) and a 64 MB kernel (8 blocks) whole.
+  assert dense.decode_pieces(3072, 1, 768 * 4, 2) == 3
+  assert dense.decode_pieces(768, 1, 3072 * 4, 2) == 3
+  assert dense.decode_pieces(768, 1, 768 * 4, 2) == 1
+  assert dense.decode_pieces(4096, 1, 4096 * 4, 2) == 1
+  assert dense.decode_pieces(3072, 1, 768 * 4, 1) == 1       # one thread: nothing to share
+  assert dense.decode_pieces(3072, 1, 768 * 4, 16) == 1      # more threads than blocks
+  assert dense.decode_pieces(100, 1, 768 * 4, 2) == 1        # small: one block
+  for lead, rest, row_bytes in [(3072, 1, 768 * 4), (768, 1, 3072 * 4), (12, 256, 768 * 4),
+                                (5120, 1, 1024 * 4), (2816, 1, 1024 * 4)]:
+    for threads in (2, 4):
+      p = dense.decode_pieces(lead, rest, row_bytes, threads)
+      blocks = dense.gemv_blocks(lead // p * rest * row_bytes)
+      whole = dense.gemv_blocks(lead * rest * row_bytes)
+      assert p == 1 and whole % threads or blocks % threads == 0, (lead, rest, threads, p)
+      assert lead % p == 0 and (lead // p * rest) % dense.GEMV_TILE_ROWS == 0
+
+
+@pytest.mark.parametrize("einsum,x_shape,kernel_shape,bias_shape", [
+    ("BTF,FD->BTD", (1, 1, 3072), (3072, 768), (768,)),     # GPT-2 small's MLP down projection
+    ("BTF,FD->BTD", (3, 2, 3072), (3072, 768), None),       # several rows
+    ("BTD,DNH->BTNH", (1, 1, 768), (768, 12, 256), (12, 256)),  # cut along the heads
+])
+def test_decode_layout_in_pieces_equals_float64_reference(einsum, x_shape, kernel_shape,
+                                                          bias_shape):
+  proj = projection(einsum, kernel_shape, bias_shape)
+  x = np.random.default_rng(0).standard_normal(x_shape).astype(np.float32)
+  want = np.einsum(einsum, x.astype(np.float64), np.asarray(proj.kernel[...], np.float64))
+  if bias_shape is not None:
+    want = want + np.asarray(proj.bias[...], np.float64)
+  proj.decode_layout(threads=2)
+  assert isinstance(proj.kernel, OutInPieces)
+  pieces = proj.kernel.get_value()
+  assert len(pieces) == 3
+  n_out = len(kernel_shape) - 1
+  chex.assert_equal_shape(pieces)
+  chex.assert_shape(pieces[0], (kernel_shape[1] // 3, *kernel_shape[2:], kernel_shape[0]))
+  assert n_out == pieces[0].ndim - 1
+  got = jax.jit(lambda x: proj(x))(x)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+  # bfloat16 compute keeps one kernel: the pieces are for XLA:CPU's float32 kernel
+  proj16 = projection(einsum, kernel_shape, bias_shape)
+  proj16.dtype = jnp.bfloat16
+  proj16.decode_layout(threads=2)
+  assert type(proj16.kernel) is OutInKernel
+
+
+def test_generate_with_kernels_in_pieces_equals_naive_greedy(monkeypatch):
+  # Blocks of 13 KiB cut the tiny model's 64 KiB MLP kernels into 5, which "2 threads" do not
+  # share evenly: they go in 4 pieces of 2 blocks (the 16 KiB attention kernels stay whole).
+  monkeypatch.setattr(dense, "GEMV_BLOCK_BYTES", 13 << 10)
+  monkeypatch.setattr(dense, "gemv_threads", lambda: 2)
+  model = gpt_model("gpt2-learned")
+  graphdef, params = nnx.split(model)
+  decode._layer_splitter.cache_clear()
+  decode._DECODE_LAYERS.pop(graphdef, None)
+  try:
+    layers = decode.decode_layers(graphdef, params)
+    cut = [v for v in jax.tree.leaves(layers, is_leaf=lambda v: isinstance(v, nnx.Variable))
+           if isinstance(v, OutInPieces)]
+    assert [len(v.get_value()) for v in cut] == [4] * 4  # up and down, 2 layers
+    prompts = random_prompts(5, [3, 6])
+    got = np.asarray(generate.generate(model, prompts, max_new_tokens=5))
+    for row, prompt in enumerate(prompts):
+      assert got[row].tolist() == naive_greedy(model, prompt, 5)
+    one = np.asarray(generate.generate(model, prompts[:1], max_new_tokens=5))  # one row
+    assert one[0].tolist() == naive_greedy(model, prompts[0], 5)
+  finally:
+    decode._layer_splitter.cache_clear()
+    decode._DECODE_LAYERS.pop(graphdef, None)

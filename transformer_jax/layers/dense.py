@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Literal, Sequence
 
 import jax
@@ -39,6 +40,69 @@ def weight_first(w_OI: jax.Array, x_RI: jax.Array) -> jax.Array:
   return jax.lax.optimization_barrier(y_OR).T
 
 
+# XLA:CPU's own matrix-vector kernel (jaxlib 0.10; its name in the compiled code,
+# ``row_major_gemv_F32_<tile>_<tile>_<rows>_<cols>_<blocks>``, says how it is cut) splits a float32
+# product ``W[out, in] @ x`` into min(8, ceil(bytes / 2 MiB)) blocks of rows and shares them over
+# its thread pool. When the count is not a multiple of the threads, one thread streams the last
+# block alone: GPT-2 small's MLP down projection (768 x 3072, 9.4 MB, 5 blocks) streams at 80% of
+# the rate of an evenly shared product on 2 threads (experiments/PERFORMANCE.md, "Even blocks").
+GEMV_BLOCK_BYTES = 2 << 20
+GEMV_MAX_BLOCKS = 8
+GEMV_TILE_ROWS = 8  # the kernel's tile: blocks hold a multiple of 8 rows
+
+
+def gemv_blocks(nbytes: int) -> int:
+  """How many blocks of rows XLA:CPU cuts a float32 matrix-vector product of ``nbytes`` into."""
+  return min(GEMV_MAX_BLOCKS, max(1, -(-nbytes // GEMV_BLOCK_BYTES)))
+
+
+def gemv_threads() -> int:
+  """The threads XLA shares a product over when it runs on CPU (its pool has one per CPU this
+  process may use); 1 on an accelerator, where the pieces below do not apply."""
+  if jax.default_backend() != "cpu":
+    return 1
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:  # not Linux
+    return os.cpu_count() or 1
+
+
+def decode_pieces(lead: int, rest_rows: int, row_bytes: int, threads: int) -> int:
+  """How many pieces to cut a float32 decoding kernel into along its leading output dim so that
+  XLA:CPU shares each piece's product evenly over ``threads``.
+
+  Args:
+    lead: the kernel's leading output dim (the one cut).
+    rest_rows: the product of its other output dims (rows of the flattened ``[out, in]`` kernel
+      per index of ``lead``).
+    row_bytes: bytes of one row of the flattened kernel (its input width times 4).
+    threads: the threads of XLA's pool (``gemv_threads``).
+
+  Returns:
+    The fewest pieces, each a whole number of kernel tiles, whose block count (``gemv_blocks``) is
+    a multiple of ``threads``; 1 when the kernel already is, when no cut gives that, or on one
+    thread or more threads than blocks.
+  """
+  if not 1 < threads <= GEMV_MAX_BLOCKS:
+    return 1
+  for p in range(1, GEMV_MAX_BLOCKS + 1):
+    if lead % p or (lead // p * rest_rows) % GEMV_TILE_ROWS:
+      continue
+    blocks = gemv_blocks(lead // p * rest_rows * row_bytes)
+    if blocks < threads:
+      break
+    if blocks % threads == 0:
+      return p
+  return 1
+
+
+def weight_first_pieces(ws_OI: Sequence[jax.Array], x_RI: jax.Array) -> jax.Array:
+  """``weight_first`` of a kernel cut into row pieces ``ws_OI`` (along ``out``): one product per
+  piece, each kept in its own ``[out_i, rows]`` layout, joined along ``out``."""
+  ys_OR = [jax.lax.dot_general(w, x_RI, (((1,), (1,)), ((), ()))) for w in ws_OI]
+  return jnp.concatenate(jax.lax.optimization_barrier(ys_OR), axis=0).T
+
+
 class OutInKernel(nnx.Variable):
   """A ``Projection`` kernel with its output dims first and contracted dims last (``[out..., in...]``,
   PyTorch's ``Linear`` layout), for decoding.
@@ -48,6 +112,11 @@ class OutInKernel(nnx.Variable):
   weight-first (``weight_first``). It is a read-only copy: training, checkpoints and conversion see
   only the ``Param``.
   """
+
+
+class OutInPieces(OutInKernel):
+  """An ``OutInKernel`` cut along its leading output dim: a tuple of ``[out_i, ..., in...]``
+  arrays (``decode_pieces``), multiplied one product per piece (``weight_first_pieces``)."""
 
 
 class Projection(nnx.Module):
@@ -83,17 +152,41 @@ class Projection(nnx.Module):
                        "close x")
     return n_in
 
-  def decode_layout(self) -> None:
+  def decode_layout(self, threads: int | None = None) -> None:
     """Replaces the kernel by its ``OutInKernel`` transpose (``[in..., out...]`` ->
-    ``[out..., in...]``): the layout in which a few rows at a time multiply fastest."""
+    ``[out..., in...]``): the layout in which a few rows at a time multiply fastest.
+
+    A float32 kernel whose product XLA:CPU would not share evenly over its ``threads`` (default
+    ``gemv_threads()``) is cut along its leading output dim into ``decode_pieces``
+    (``OutInPieces``).
+    """
     if isinstance(self.kernel, OutInKernel):
       return
     n_in = self.contracted_dims()
     kernel = self.kernel[...]
-    self.kernel = OutInKernel(jnp.transpose(kernel, (*range(n_in, kernel.ndim), *range(n_in))))
+    kernel = jnp.transpose(kernel, (*range(n_in, kernel.ndim), *range(n_in)))
+    pieces = 1
+    if kernel.dtype == jnp.float32 and jnp.dtype(self.dtype) == jnp.float32:
+      n_out = kernel.ndim - n_in
+      pieces = decode_pieces(kernel.shape[0], math.prod(kernel.shape[1:n_out]),
+                             math.prod(kernel.shape[n_out:]) * kernel.dtype.itemsize,
+                             gemv_threads() if threads is None else threads)
+    self.kernel = (OutInKernel(kernel) if pieces == 1 else
+                   OutInPieces(tuple(jnp.split(kernel, pieces, axis=0))))
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    if isinstance(self.kernel, OutInKernel):
+    if isinstance(self.kernel, OutInPieces):
+      pieces = self.kernel.get_value()
+      n_in = self.contracted_dims()
+      n_out = pieces[0].ndim - n_in
+      lead = x.shape[:x.ndim - n_in]
+      out = (sum(w.shape[0] for w in pieces), *pieces[0].shape[1:n_out])
+      y = weight_first_pieces([w.reshape(math.prod(w.shape[:n_out]), -1) for w in pieces],
+                              x.astype(self.dtype).reshape(math.prod(lead), -1))
+      y = y.reshape(*lead, *out)
+      if self.bias is not None:
+        y = y + self.bias[...].astype(self.dtype)
+    elif isinstance(self.kernel, OutInKernel):
       kernel = self.kernel[...].astype(self.dtype)
       n_in = self.contracted_dims()
       n_out = kernel.ndim - n_in
