@@ -107,6 +107,7 @@ def test_generate_against_transformers_same_tokens_and_floor_from_the_same_momen
       assert statistics.median(diffs) <= 0 and "jitter" in s["ours_step_unresolved"]
       assert s["ours_fraction_of_bandwidth_floor"] is None
       assert s["ours_fraction_of_sustained_floor"] is None
+      assert s["ours_fraction_of_best_floor"] is None
       continue
     assert s["ours_ms_per_step"] > 0 and s["ours_step_unresolved"] is None
     assert s["ours_fraction_of_bandwidth_floor"] == pytest.approx(
@@ -115,6 +116,12 @@ def test_generate_against_transformers_same_tokens_and_floor_from_the_same_momen
     assert s["ours_fraction_of_sustained_floor"] == pytest.approx(
         sustained_ms / s["ours_ms_per_step"], rel=1e-9)
     assert s["ours_fraction_of_sustained_floor"] >= s["ours_fraction_of_bandwidth_floor"]
+    # The fastest reading's floor: the strictest of the three.
+    best_ms = 1e3 * r["weight_bytes"]["float32"] / max(readings)
+    assert s["best_bandwidth_bytes_per_sec"] == max(readings)
+    assert s["ours_fraction_of_best_floor"] == pytest.approx(best_ms / s["ours_ms_per_step"],
+                                                             rel=1e-9)
+    assert s["ours_fraction_of_best_floor"] <= s["ours_fraction_of_bandwidth_floor"]
     assert s["ratio"] == pytest.approx(s["ours_tokens_per_sec"] / s["theirs_tokens_per_sec"])
 
 

@@ -42,7 +42,10 @@ share the memory bus): ``weight_bytes / median bandwidth`` is a floor on a batch
 both sides, and ``fraction_of_bandwidth_floor`` = that floor / our median step time. Each reading
 is the best of 5 products, a limit; ``fraction_of_sustained_floor`` uses the same products' mean
 rate instead, the like-for-like figure for a step time that is itself a mean over many tokens (the
-same product's calls spread by 10-30% on a shared cloud VM). Other processes share the machine;
+same product's calls spread by 10-30% on a shared cloud VM). ``fraction_of_best_floor`` is the
+strictest: the floor at the case's fastest reading, for a machine whose memory moves between a
+slow and a fast state within one case (the median reading can then fall on the slow side while the
+timed calls ran on the fast one). Other processes share the machine;
 the load average is recorded before and after.
 """
 
@@ -349,6 +352,12 @@ def run(args, command: str | None = None) -> dict:
                          / c["sustained_bandwidth_bytes_per_sec"]["median"])
     c["ours"]["sustained_step_floor_ms"] = 1e3 * sustained_floor_s
     c["ours"]["fraction_of_sustained_floor"] = 1e3 * sustained_floor_s / ms if ms else None
+    # The strictest floor: the fastest reading of the case. When the machine's memory moves
+    # between a slow and a fast state within a case, the median reading can fall on the slow side
+    # while the timed calls ran on the fast one.
+    best_floor_s = weight_bytes[c["dtype"]] / max(c["bandwidth_bytes_per_sec"]["all"])
+    c["ours"]["best_step_floor_ms"] = 1e3 * best_floor_s
+    c["ours"]["fraction_of_best_floor"] = 1e3 * best_floor_s / ms if ms else None
   result = {
       "benchmark": "greedy generation, transformer_jax vs transformers",
       "command": command,
@@ -373,6 +382,8 @@ def run(args, command: str | None = None) -> dict:
           "ours_step_unresolved": c["ours"]["step_unresolved"],
           "bandwidth_bytes_per_sec": c["bandwidth_bytes_per_sec"]["median"],
           "ours_fraction_of_sustained_floor": c["ours"]["fraction_of_sustained_floor"],
+          "ours_fraction_of_best_floor": c["ours"]["fraction_of_best_floor"],
+          "best_bandwidth_bytes_per_sec": max(c["bandwidth_bytes_per_sec"]["all"]),
           "sustained_bandwidth_bytes_per_sec": c["sustained_bandwidth_bytes_per_sec"]["median"]}
           for c in cases},
       "cases": cases,
@@ -403,7 +414,9 @@ def table(result: dict) -> str:
         + (f"  step {c['ours_ms_per_step']:.1f} ms = {100 * frac:.0f}% of the bandwidth floor "
            f"({c['step_floor_ms']:.1f} ms at {c['bandwidth_bytes_per_sec'] / 1e9:.1f} GB/s), "
            f"{100 * c['ours_fraction_of_sustained_floor']:.0f}% of the sustained floor "
-           f"({c['sustained_bandwidth_bytes_per_sec'] / 1e9:.1f} GB/s)"
+           f"({c['sustained_bandwidth_bytes_per_sec'] / 1e9:.1f} GB/s), "
+           f"{100 * c['ours_fraction_of_best_floor']:.0f}% of the fastest reading's "
+           f"({c['best_bandwidth_bytes_per_sec'] / 1e9:.1f} GB/s)"
            if frac else f"  step not resolved: {c['ours_step_unresolved']}"
            if c.get("ours_step_unresolved") else "")
         + ("" if c["tokens_equal"] else "  (tokens differ)"))
