@@ -14,6 +14,7 @@ from flax import nnx
 
 from transformer_jax import generate
 from transformer_jax.generate import decode
+from transformer_jax.generate.commands import stream_generate
 from transformer_jax.layers import dense
 from transformer_jax.layers.dense import SKINNY_ROWS, Embed, OutInKernel, OutInPieces, Projection
 from tests.generate.conftest import gpt_model, naive_greedy, random_prompts
@@ -209,6 +210,10 @@ def test_generate_with_kernels_in_pieces_equals_naive_greedy(monkeypatch):
       assert got[row].tolist() == naive_greedy(model, prompt, 5)
     one = np.asarray(generate.generate(model, prompts[:1], max_new_tokens=5))  # one row
     assert one[0].tolist() == naive_greedy(model, prompts[0], 5)
+    # tjax generate's streaming path reads the same split layers
+    streamed = np.concatenate(list(stream_generate(model, prompts[:1], max_new_tokens=5,
+                                                   chunk_size=2)), axis=1)
+    assert streamed[0].tolist() == one[0].tolist()
   finally:
     decode._layer_splitter.cache_clear()
     decode._DECODE_LAYERS.pop(graphdef, None)
