@@ -36,8 +36,7 @@ def weight_first(w_OI: jax.Array, x_RI: jax.Array) -> jax.Array:
   The product is kept in its ``[out, rows]`` layout (an optimization barrier stops XLA from
   folding the transpose back into the dot), and the small result is transposed afterwards.
   """
-  y_OR = jax.lax.dot_general(w_OI, x_RI, (((1,), (1,)), ((), ())))
-  return jax.lax.optimization_barrier(y_OR).T
+  return weight_first_pieces((w_OI,), x_RI)
 
 
 # XLA:CPU's own matrix-vector kernel (jaxlib 0.10; its name in the compiled code,
@@ -175,8 +174,11 @@ class Projection(nnx.Module):
                    OutInPieces(tuple(jnp.split(kernel, pieces, axis=0))))
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    if isinstance(self.kernel, OutInPieces):
-      pieces = self.kernel.get_value()
+    if isinstance(self.kernel, OutInKernel):
+      # The decoding layout: one weight-first product, or one per piece (OutInPieces).
+      value = self.kernel.get_value()
+      pieces = [w.astype(self.dtype)
+                for w in (value if isinstance(self.kernel, OutInPieces) else (value,))]
       n_in = self.contracted_dims()
       n_out = pieces[0].ndim - n_in
       lead = x.shape[:x.ndim - n_in]
@@ -184,15 +186,6 @@ class Projection(nnx.Module):
       y = weight_first_pieces([w.reshape(math.prod(w.shape[:n_out]), -1) for w in pieces],
                               x.astype(self.dtype).reshape(math.prod(lead), -1))
       y = y.reshape(*lead, *out)
-      if self.bias is not None:
-        y = y + self.bias[...].astype(self.dtype)
-    elif isinstance(self.kernel, OutInKernel):
-      kernel = self.kernel[...].astype(self.dtype)
-      n_in = self.contracted_dims()
-      n_out = kernel.ndim - n_in
-      lead, out = x.shape[:x.ndim - n_in], kernel.shape[:n_out]
-      y = weight_first(kernel.reshape(math.prod(out), -1),
-                       x.astype(self.dtype).reshape(math.prod(lead), -1)).reshape(*lead, *out)
       if self.bias is not None:
         y = y + self.bias[...].astype(self.dtype)
     elif linear.matmul_pays(self.dtype):
