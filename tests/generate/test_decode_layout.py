@@ -183,6 +183,11 @@ def test_decode_layout_in_pieces_equals_float64_reference(einsum, x_shape, kerne
   assert n_out == pieces[0].ndim - 1
   got = jax.jit(lambda x: proj(x))(x)
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+  # The pieces cut the outputs, not the sums: the same bits as the whole kernel.
+  whole = projection(einsum, kernel_shape, bias_shape)
+  whole.decode_layout(threads=1)
+  assert type(whole.kernel) is OutInKernel
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(lambda x: whole(x))(x)))
   # bfloat16 compute keeps one kernel: the pieces are for XLA:CPU's float32 kernel
   proj16 = projection(einsum, kernel_shape, bias_shape)
   proj16.dtype = jnp.bfloat16
