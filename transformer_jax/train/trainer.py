@@ -610,12 +610,14 @@ class _StopFlag:
 
 def _scratch_notice(train_step, state, batch) -> None:
   """On CPU, says once when the step's temporaries are too large for the allocator to reuse
-  (``runtime.scratch_notice``). The compiled step comes from jit's cache: nothing compiles again."""
-  if jax.default_backend() != "cpu":
+  (``runtime.scratch_notice``). The compiled step comes from jit's cache: nothing compiles again;
+  without mimalloc (the only allocator the notice is about) the step is not even lowered again."""
+  malloc = runtime.allocator()
+  if jax.default_backend() != "cpu" or malloc != "mimalloc":
     return
   analysis = train_step.lower(state, batch).compile().memory_analysis()
   msg = runtime.scratch_notice(None if analysis is None else analysis.temp_size_in_bytes,
-                               platform="cpu", malloc=runtime.allocator())
+                               platform="cpu", malloc=malloc)
   if msg:
     _log0(msg)
 
