@@ -1,9 +1,13 @@
-"""Process settings: the persistent compilation cache, the allocator launcher, the bf16 notice."""
+"""Process settings: the persistent compilation cache, the allocator launcher, the bf16 notice, the
+idle-CPU polling request."""
 
+import glob
 import os
+import struct
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import pytest
@@ -77,6 +81,14 @@ def test_machine_description_names_cpu_and_flags():
   d = machine.describe()
   assert d["cpu"] and isinstance(d["cpu_flags"], list)
   assert d["bf16_hardware"] == any(f in d["cpu_flags"] for f in machine.BF16_FLAGS)
+  # How idle CPUs wait, as /sys says (nothing where it says nothing).
+  for key, path in (("driver", "/sys/devices/system/cpu/cpuidle/current_driver"),
+                    ("guest_halt_poll_ns", "/sys/module/haltpoll/parameters/guest_halt_poll_ns")):
+    if os.path.exists(path):
+      with open(path) as f:
+        assert str(d["cpu_idle"][key]) == f.read().strip()
+    else:
+      assert key not in d["cpu_idle"]
 
 
 def test_matmul_limit_counts_flops_of_each_layout():
@@ -101,3 +113,80 @@ def test_allocator_names_the_preloaded_malloc(monkeypatch):
   assert runtime.allocator() == "mimalloc" and machine.describe()["allocator"] == "mimalloc"
   monkeypatch.delenv("LD_PRELOAD")
   assert runtime.allocator() == "glibc"
+
+
+def _fds_on(path) -> int:
+  """How many of this process's file descriptors are open on ``path``."""
+  n = 0
+  for fd in os.listdir("/proc/self/fd"):
+    try:
+      n += os.readlink(f"/proc/self/fd/{fd}") == str(path)
+    except OSError:
+      pass
+  return n
+
+
+def test_cpu_poll_holds_a_zero_request_only_while_the_block_runs(tmp_path, monkeypatch):
+  device = tmp_path / "cpu_dma_latency"
+  device.write_bytes(b"")
+  monkeypatch.setattr(runtime, "CPU_DMA_LATENCY", str(device))
+  monkeypatch.delenv(runtime.POLL_ENV, raising=False)
+  with runtime.cpu_poll() as req:
+    assert req.held and req.reason == ""
+    # The kernel reads one signed 32-bit latency in microseconds; the request lasts while the
+    # file stays open.
+    assert device.read_bytes() == struct.pack("i", 0)
+    assert _fds_on(device) == 1
+  assert _fds_on(device) == 0
+  # Released when the block fails too, and the error is the caller's.
+  with pytest.raises(KeyError):
+    with runtime.cpu_poll() as req:
+      assert req.held and _fds_on(device) == 1
+      raise KeyError("x")
+  assert _fds_on(device) == 0
+
+
+def test_cpu_poll_does_nothing_when_turned_off_or_not_allowed(tmp_path, monkeypatch):
+  device = tmp_path / "cpu_dma_latency"
+  device.write_bytes(b"")
+  monkeypatch.setattr(runtime, "CPU_DMA_LATENCY", str(device))
+  monkeypatch.setenv(runtime.POLL_ENV, "0")
+  with runtime.cpu_poll() as req:
+    assert not req.held and runtime.POLL_ENV in req.reason and _fds_on(device) == 0
+  assert device.read_bytes() == b""
+  monkeypatch.delenv(runtime.POLL_ENV)
+  for missing in (tmp_path / "absent", tmp_path):   # no such file; a directory (cannot write)
+    monkeypatch.setattr(runtime, "CPU_DMA_LATENCY", str(missing))
+    with runtime.cpu_poll() as req:
+      assert not req.held and str(missing) in req.reason
+  monkeypatch.setattr(runtime, "CPU_DMA_LATENCY", str(device))
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  with runtime.cpu_poll() as req:
+    assert not req.held and "not on CPU" in req.reason and _fds_on(device) == 0
+
+
+def _poll_entries() -> int:
+  """Times the machine's CPUs entered cpuidle's POLL state (``state0``) so far."""
+  total = 0
+  for state in glob.glob("/sys/devices/system/cpu/cpu*/cpuidle/state0"):
+    with open(f"{state}/name") as f:
+      if f.read().strip() != "POLL":
+        continue
+    with open(f"{state}/usage") as f:
+      total += int(f.read())
+  return total
+
+
+@pytest.mark.skipif(not (os.access(runtime.CPU_DMA_LATENCY, os.W_OK)
+                         and glob.glob("/sys/devices/system/cpu/cpu*/cpuidle/state0")),
+                    reason="needs a writable /dev/cpu_dma_latency (root on Linux) and cpuidle")
+def test_cpu_poll_makes_idle_cpus_poll(monkeypatch):
+  """On the real kernel: while the request is held, CPUs that go idle (this process sleeping) poll
+  instead of entering their halting state."""
+  monkeypatch.delenv(runtime.POLL_ENV, raising=False)
+  with runtime.cpu_poll() as req:
+    assert req.held
+    before = _poll_entries()
+    for _ in range(20):
+      time.sleep(0.01)
+    assert _poll_entries() > before

@@ -66,6 +66,25 @@ def has_bf16_hardware() -> bool:
   return any(f in _cpuinfo()[1] for f in BF16_FLAGS)
 
 
+def cpu_idle() -> dict:
+  """How this Linux machine's idle CPUs wait (``/sys``): the cpuidle driver and governor, and for a
+  virtual machine's ``haltpoll`` driver how long an idle CPU polls before halting
+  (``guest_halt_poll_ns``; 0: it halts at once, and waking a thread goes through the hypervisor).
+  Empty where ``/sys`` does not say."""
+  out = {}
+  for key, path in (("driver", "/sys/devices/system/cpu/cpuidle/current_driver"),
+                    ("governor", "/sys/devices/system/cpu/cpuidle/current_governor_ro"),
+                    ("governor", "/sys/devices/system/cpu/cpuidle/current_governor"),
+                    ("guest_halt_poll_ns", "/sys/module/haltpoll/parameters/guest_halt_poll_ns")):
+    try:
+      with open(path) as f:
+        value = f.read().strip()
+    except OSError:
+      continue
+    out[key] = int(value) if value.isdigit() else value
+  return out
+
+
 def _version(dist: str) -> str | None:
   try:
     return importlib.metadata.version(dist)
@@ -92,13 +111,13 @@ def source_revision() -> dict | None:
 
 
 def describe(extra_versions: Iterable[str] = ()) -> dict:
-  """CPU, flags, cores, devices, allocator, load average, package versions and the git commit of
+  """CPU, flags, cores, how idle CPUs wait, devices, allocator, load average, package versions and the git commit of
   this checkout, for a result file."""
   versions = {d: _version(d) for d in ("jax", "jaxlib", "flax", "optax", *extra_versions)}
   versions["python"] = platform.python_version()
   return {
       "cpu": cpu_name(), "cpu_flags": cpu_flags(), "bf16_hardware": has_bf16_hardware(),
-      "cpu_count": os.cpu_count(), "platform": jax.default_backend(),
+      "cpu_count": os.cpu_count(), "cpu_idle": cpu_idle(), "platform": jax.default_backend(),
       "devices": [d.device_kind for d in jax.devices()], "allocator": runtime.allocator(),
       "xla_flags": os.environ.get("XLA_FLAGS", ""), "load_average": list(os.getloadavg()),
       "versions": versions, "source": source_revision(),
