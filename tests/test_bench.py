@@ -80,11 +80,30 @@ def test_attention_rows_per_implementation(tmp_path):
         row["useful_flops_per_sec"] / r["limit"]["matmul"]["flops_per_sec"], rel=1e-9)
 
 
-def test_generate_against_transformers_same_tokens_and_floor_from_the_same_moments(tmp_path):
+def test_generate_against_transformers_same_tokens_and_floor_from_the_same_moments(
+    tmp_path, monkeypatch):
   pytest.importorskip("transformers")
+  from transformer_jax import runtime
+  from transformer_jax.bench import machine
+  from tests.test_runtime import _fds_on
+
+  # The whole run holds runtime.cpu_poll's request (a stand-in file here): every bandwidth reading
+  # is taken under it, like both sides' calls.
+  device = tmp_path / "cpu_dma_latency"
+  device.write_bytes(b"")
+  monkeypatch.setattr(runtime, "CPU_DMA_LATENCY", str(device))
+  monkeypatch.delenv(runtime.POLL_ENV, raising=False)
+  held, reading = [], machine.weight_bandwidth
+
+  def weight_bandwidth(*a, **kw):
+    held.append(_fds_on(device))
+    return reading(*a, **kw)
+  monkeypatch.setattr(machine, "weight_bandwidth", weight_bandwidth)
   r = _bench(tmp_path, "generate", "--preset", "gpt2-tiny", "--batch-sizes", "1,2",
              "--prompt-len", "5", "--new-tokens", "6", "--dtypes", "float32", "--reps", "2",
              "--ttft-reps", "1", "--torch-threads-alt", "0")
+  assert r["cpu_poll"] == {"held": True, "reason": ""}
+  assert held == [1] * 5 and _fds_on(device) == 0   # the start's reading and 2 per case
   assert r["weights_max_abs_logit_diff_float32"] < 1e-4
   assert set(r["summary"]) == {"float32_batch1", "float32_batch2"}
   for case in r["cases"]:

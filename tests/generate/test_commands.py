@@ -4,6 +4,7 @@
 import functools
 import os
 import random
+import struct
 
 import jax
 import jax.numpy as jnp
@@ -12,10 +13,11 @@ import pytest
 import yaml
 from flax import nnx
 
-from transformer_jax import cli, data, generate, models
+from transformer_jax import cli, data, generate, models, runtime
 from transformer_jax.generate import commands
 from transformer_jax.runs import save_model
 from tests.generate.conftest import gpt_model, last_logits, random_prompts
+from tests.test_runtime import _fds_on
 
 MAX_LEN = 32
 
@@ -84,10 +86,23 @@ def naive_sample(config, params, prompt, n, key, *, temperature, top_k, eos_id, 
   return out
 
 
-def test_generate_prints_prompt_and_sampled_continuation(runs, capsys):
+def test_generate_prints_prompt_and_sampled_continuation(runs, capsys, tmp_path, monkeypatch):
+  # It decodes holding runtime.cpu_poll's request (a stand-in file here), and only while decoding.
+  device = tmp_path / "cpu_dma_latency"
+  device.write_bytes(b"")
+  monkeypatch.setattr(runtime, "CPU_DMA_LATENCY", str(device))
+  monkeypatch.delenv(runtime.POLL_ENV, raising=False)
+  held = []
+
+  def stream(*a, **kw):
+    held.append(_fds_on(device))
+    yield from commands_stream(*a, **kw)
+  commands_stream = commands.stream_generate
+  monkeypatch.setattr(commands, "stream_generate", stream)
   code, out, err = tjax(capsys, "generate", runs["gpt"], "--prompt", "def alpha",
                         "--max-new-tokens", "20", "--seed", "3", "--chunk", "6")
   assert code == 0, err
+  assert held == [1] and _fds_on(device) == 0 and device.read_bytes() == struct.pack("i", 0)
   config, params, tok = restored(runs["gpt"])
   suppress = sorted(set(tok.special_ids.values()) - {tok.eot_id})
   want = naive_sample(config, params, tok.encode("def alpha"), 20, jax.random.key(3),

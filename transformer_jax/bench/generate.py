@@ -47,12 +47,19 @@ strictest: the floor at the case's fastest reading, for a machine whose memory m
 slow and a fast state within one case (the median reading can then fall on the slow side while the
 timed calls ran on the fast one). Other processes share the machine;
 the load average is recorded before and after.
+
+The whole run holds ``runtime.cpu_poll`` (idle CPUs poll instead of halting, where the OS lets this
+process ask; ``--no-cpu-poll`` or ``TJAX_CPU_POLL=0`` leave them alone): both sides and the
+bandwidth readings run under the same setting, and ``cpu_poll`` in the JSON says whether it was
+held. ``machine.cpu_idle`` records how the machine's idle CPUs wait.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import dataclasses
 import datetime
 import json
 import os
@@ -68,7 +75,7 @@ import numpy as np
 from flax import nnx
 
 import transformer_jax.hf as tjhf
-from transformer_jax import models
+from transformer_jax import models, runtime
 from transformer_jax.bench import machine
 from transformer_jax.generate import generate
 
@@ -98,6 +105,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                       "machine one thread can beat all cores, and the ratio against their faster "
                       "setting is reported as well")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--no-cpu-poll", dest="cpu_poll", action="store_false",
+                 help="let idle CPUs halt during the run (default: hold runtime.cpu_poll's "
+                      "request where the OS allows it, for both sides and the bandwidth readings)")
   p.add_argument("--out", default=None, help="also write the JSON here")
 
 
@@ -294,7 +304,18 @@ def main(argv=None) -> dict:
 
 
 def run(args, command: str | None = None) -> dict:
-  """The benchmark of ``args`` (``add_args``/``check_args``): the result dict."""
+  """The benchmark of ``args`` (``add_args``/``check_args``): the result dict. Unless
+  ``args.cpu_poll`` is False, the whole run (both sides, every bandwidth reading) holds
+  ``runtime.cpu_poll``; ``result["cpu_poll"]`` records whether it was held, or why not."""
+  hold = (runtime.cpu_poll() if getattr(args, "cpu_poll", True)
+          else contextlib.nullcontext(runtime.PollRequest(False, "--no-cpu-poll")))
+  with hold as poll:
+    result = _run(args, command)
+  result["cpu_poll"] = dataclasses.asdict(poll)
+  return result
+
+
+def _run(args, command: str | None) -> dict:
   import torch
   import transformers
 
@@ -406,6 +427,10 @@ def table(result: dict) -> str:
   lines = [f"greedy generation {result['preset']}, prompt {result['prompt_len']} + "
            f"{result['new_tokens']} new tokens; weights stream at "
            f"{result['memory_bandwidth']['bytes_per_sec'] / 1e9:.1f} GB/s at the start"]
+  poll = result.get("cpu_poll")
+  if poll:
+    lines.append("  idle CPUs polled during the run (runtime.cpu_poll)" if poll["held"] else
+                 f"  idle CPUs could halt during the run: {poll['reason']}")
   for name, c in result["summary"].items():
     frac = c.get("ours_fraction_of_bandwidth_floor")
     lines.append(

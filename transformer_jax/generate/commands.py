@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from transformer_jax import runtime
 from transformer_jax.generate.beam import beam_search
 from transformer_jax.generate.cache import KVCache, extend, init_cache
 from transformer_jax.generate.cache import prefill as prefill_cache
@@ -288,6 +289,14 @@ def run_generate(args, out: TextIO | None = None) -> int:
                        + ("" if seq2seq else f" and the prompt takes {len(ids)} of them"))
 
   config, params, tok = load_run(args.run_dir, best=args.best, data=args.data, check=check)
+  # Idle CPUs poll while it decodes (runtime.cpu_poll: XLA's threads wake without the halt).
+  with runtime.cpu_poll():
+    return _generate_text(args, config, params, tok, out)
+
+
+def _generate_text(args, config, params, tok, out: TextIO) -> int:
+  """``run_generate``'s decoding, after the run is loaded and the arguments checked."""
+  beams = args.num_beams > 1
   ids = tok.encode(args.prompt)
   seq2seq = isinstance(config, Seq2SeqConfig)
   eos = tok.eos_id if seq2seq else tok.eot_id
