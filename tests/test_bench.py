@@ -127,6 +127,7 @@ def test_generate_against_transformers_same_tokens_and_floor_from_the_same_momen
       assert s["ours_fraction_of_bandwidth_floor"] is None
       assert s["ours_fraction_of_sustained_floor"] is None
       assert s["ours_fraction_of_best_floor"] is None
+      assert s["ours_fraction_of_paired_floor"] is None
       continue
     assert s["ours_ms_per_step"] > 0 and s["ours_step_unresolved"] is None
     assert s["ours_fraction_of_bandwidth_floor"] == pytest.approx(
@@ -141,6 +142,16 @@ def test_generate_against_transformers_same_tokens_and_floor_from_the_same_momen
     assert s["ours_fraction_of_best_floor"] == pytest.approx(best_ms / s["ours_ms_per_step"],
                                                              rel=1e-9)
     assert s["ours_fraction_of_best_floor"] <= s["ours_fraction_of_bandwidth_floor"]
+    # Repetition by repetition: each step against the reading taken right before its calls.
+    n = r["new_tokens"] - 1
+    if min(diffs) > 0:
+      by_rep = [1e3 * r["weight_bytes"]["float32"] / bw / (1e3 * d / n)
+                for bw, d in zip(readings, diffs)]
+      assert ours["fraction_of_paired_floor"]["all"] == pytest.approx(by_rep, rel=1e-9)
+      assert s["ours_fraction_of_paired_floor"] == pytest.approx(statistics.median(by_rep),
+                                                                 rel=1e-9)
+    else:
+      assert s["ours_fraction_of_paired_floor"] is None
     assert s["ratio"] == pytest.approx(s["ours_tokens_per_sec"] / s["theirs_tokens_per_sec"])
 
 
@@ -158,6 +169,19 @@ def test_step_time_from_paired_calls_never_negative():
   assert step_time([0.2], [0.1], 1)["ms_per_step"] is None
   with pytest.raises(ValueError, match="2 full calls and 1 one-token"):
     step_time([0.2, 0.3], [0.1], 5)
+
+
+def test_paired_floor_follows_each_repetitions_reading():
+  from transformer_jax.bench.generate import paired_fraction
+
+  # 100 bytes of weights, 3 steps per call: a 1.5 s difference is 0.5 s a step. At 100 B/s the
+  # floor is 1 s a step (2.0 of it), at 400 B/s 0.25 s (0.5); the median of 2.0, 0.5 and 1.0.
+  got = paired_fraction(100, [100.0, 400.0, 200.0], [1.5, 1.5, 1.5], 4)
+  assert got["all"] == pytest.approx([2.0, 0.5, 1.0]) and got["median"] == pytest.approx(1.0)
+  assert paired_fraction(100, [100.0, 100.0], [1.5, -0.1], 4) is None   # a step lost in jitter
+  assert paired_fraction(100, [100.0], [1.5], 1) is None
+  with pytest.raises(ValueError, match="2 readings for 1 repetitions"):
+    paired_fraction(100, [100.0, 100.0], [1.5], 4)
 
 
 def test_results_name_the_commit_they_ran_and_none_outside_a_checkout(tmp_path):

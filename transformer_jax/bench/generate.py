@@ -45,7 +45,9 @@ rate instead, the like-for-like figure for a step time that is itself a mean ove
 same product's calls spread by 10-30% on a shared cloud VM). ``fraction_of_best_floor`` is the
 strictest: the floor at the case's fastest reading, for a machine whose memory moves between a
 slow and a fast state within one case (the median reading can then fall on the slow side while the
-timed calls ran on the fast one). Other processes share the machine;
+timed calls ran on the fast one). ``fraction_of_paired_floor`` follows the state instead: each
+repetition's step against the reading taken right before its calls, the median over repetitions
+(``all`` lists them). Other processes share the machine;
 the load average is recorded before and after.
 
 The whole run holds ``runtime.cpu_poll`` (idle CPUs poll instead of halting, where the OS lets this
@@ -221,6 +223,21 @@ def step_time(full_s: list[float], one_token_s: list[float], new_tokens: int) ->
   return out
 
 
+def paired_fraction(weight_bytes: int, readings: list[float], decode_s: list[float],
+                    new_tokens: int) -> dict | None:
+  """Each repetition's step against the floor at the bandwidth reading taken right before its calls
+  (``readings[i]`` and ``decode_s[i]``, the full call minus its one-token partner): ``{"median",
+  "all"}``. This floor follows the machine when its memory moves between a slow and a fast state
+  within a case, where the median and fastest readings can each fall on the other side of the
+  timed calls. None when a repetition's difference is not positive (steps lost in jitter)."""
+  if len(readings) != len(decode_s):
+    raise ValueError(f"paired_fraction: {len(readings)} readings for {len(decode_s)} repetitions")
+  if new_tokens < 2 or min(decode_s) <= 0:
+    return None
+  fractions = [weight_bytes / bw / (d / (new_tokens - 1)) for bw, d in zip(readings, decode_s)]
+  return {"median": statistics.median(fractions), "all": fractions}
+
+
 def bench_case(ours: Ours, theirs: Theirs, alt: Theirs | None, batch: int, args, reps: int,
                rng) -> dict:
   prompt_BP = rng.integers(0, ours.config.vocab_size, (batch, args.prompt_len), dtype=np.int64)
@@ -380,6 +397,9 @@ def _run(args, command: str | None) -> dict:
     best_floor_s = weight_bytes[c["dtype"]] / c["bandwidth_bytes_per_sec"]["best"]
     c["ours"]["best_step_floor_ms"] = 1e3 * best_floor_s
     c["ours"]["fraction_of_best_floor"] = 1e3 * best_floor_s / ms if ms else None
+    c["ours"]["fraction_of_paired_floor"] = paired_fraction(
+        weight_bytes[c["dtype"]], c["bandwidth_bytes_per_sec"]["all"], c["ours"]["decode_s"]["all"],
+        args.new_tokens) if ms else None
   result = {
       "benchmark": "greedy generation, transformer_jax vs transformers",
       "command": command,
@@ -405,6 +425,8 @@ def _run(args, command: str | None) -> dict:
           "bandwidth_bytes_per_sec": c["bandwidth_bytes_per_sec"]["median"],
           "ours_fraction_of_sustained_floor": c["ours"]["fraction_of_sustained_floor"],
           "ours_fraction_of_best_floor": c["ours"]["fraction_of_best_floor"],
+          "ours_fraction_of_paired_floor": (c["ours"]["fraction_of_paired_floor"] or {}).get(
+              "median"),
           "best_bandwidth_bytes_per_sec": c["bandwidth_bytes_per_sec"]["best"],
           "sustained_bandwidth_bytes_per_sec": c["sustained_bandwidth_bytes_per_sec"]["median"]}
           for c in cases},
@@ -443,6 +465,8 @@ def table(result: dict) -> str:
            f"({c['sustained_bandwidth_bytes_per_sec'] / 1e9:.1f} GB/s), "
            f"{100 * c['ours_fraction_of_best_floor']:.0f}% of the fastest reading's "
            f"({c['best_bandwidth_bytes_per_sec'] / 1e9:.1f} GB/s)"
+           + (f", {100 * c['ours_fraction_of_paired_floor']:.0f}% repetition by repetition"
+              if c.get("ours_fraction_of_paired_floor") else "")
            if frac else f"  step not resolved: {c['ours_step_unresolved']}"
            if c.get("ours_step_unresolved") else "")
         + ("" if c["tokens_equal"] else "  (tokens differ)"))
