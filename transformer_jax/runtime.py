@@ -173,7 +173,7 @@ def cpu_poll():
   to wake. On a virtual machine whose idle CPUs halt at once (``haltpoll.guest_halt_poll_ns=0``),
   that wake-up goes through the hypervisor: measured on a 2-core Zen 5 EPYC, each pool thread
   slept ~15 times per GPT-2-small token, and batch-1 decoding ran at 0.91 of the weight-streaming
-  floor; holding this request, 0.96-0.98 (7.6% faster in the fast memory state, 4.7% in the
+  floor; holding this request, 0.95-0.98 (7.6% faster in the fast memory state, 4.7% in the
   slow; batch 8 5.5%). PyTorch's OpenMP threads and llama.cpp's ``--poll`` busy-wait for the same
   reason.
 
@@ -181,8 +181,9 @@ def cpu_poll():
   sleeping), so hold it around decoding, not around a whole program: ``tjax generate`` and
   ``tjax bench generate`` do.
   """
-  if os.environ.get(POLL_ENV, "").lower() in ("0", "off", "false", "no"):
-    yield PollRequest(False, f"{POLL_ENV}=0")
+  setting = os.environ.get(POLL_ENV, "")
+  if setting.lower() in ("0", "off", "false", "no"):
+    yield PollRequest(False, f"{POLL_ENV}={setting}")
     return
   if sys.platform != "linux":
     yield PollRequest(False, f"a Linux request ({CPU_DMA_LATENCY}); this is {sys.platform}")

@@ -111,8 +111,8 @@ def source_revision() -> dict | None:
 
 
 def describe(extra_versions: Iterable[str] = ()) -> dict:
-  """CPU, flags, cores, how idle CPUs wait, devices, allocator, load average, package versions and the git commit of
-  this checkout, for a result file."""
+  """CPU, flags, cores, how idle CPUs wait, devices, allocator, load average, package versions and
+  the git commit of this checkout, for a result file."""
   versions = {d: _version(d) for d in ("jax", "jaxlib", "flax", "optax", *extra_versions)}
   versions["python"] = platform.python_version()
   return {
