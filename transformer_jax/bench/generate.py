@@ -399,7 +399,7 @@ def _run(args, command: str | None) -> dict:
     c["ours"]["fraction_of_best_floor"] = 1e3 * best_floor_s / ms if ms else None
     c["ours"]["fraction_of_paired_floor"] = paired_fraction(
         weight_bytes[c["dtype"]], c["bandwidth_bytes_per_sec"]["all"], c["ours"]["decode_s"]["all"],
-        args.new_tokens) if ms else None
+        args.new_tokens)
   result = {
       "benchmark": "greedy generation, transformer_jax vs transformers",
       "command": command,
