@@ -76,6 +76,8 @@ def cpu_idle() -> dict:
                     ("governor", "/sys/devices/system/cpu/cpuidle/current_governor_ro"),
                     ("governor", "/sys/devices/system/cpu/cpuidle/current_governor"),
                     ("guest_halt_poll_ns", "/sys/module/haltpoll/parameters/guest_halt_poll_ns")):
+    if key in out:   # the governor: current_governor_ro where the kernel has it, else the other
+      continue
     try:
       with open(path) as f:
         value = f.read().strip()
