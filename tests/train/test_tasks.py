@@ -36,3 +36,38 @@ def test_bert_gathered_mlm_equals_full_mlm():
   labels = np.asarray(batch["mlm_labels"])
   expected = -sum(logp[i, j, labels[i, j]] for i, j in zip(*np.nonzero(mask)))
   np.testing.assert_allclose(float(full_loss["mlm"]), expected, rtol=1e-5)
+
+
+def test_correct_counts_rows_whose_label_holds_the_top_logit():
+  rng = np.random.default_rng(1)
+  logits = rng.standard_normal((3, 7, 11)).astype(np.float32)
+  labels = rng.integers(0, 11, (3, 7))
+  labels[0, :4] = logits[0, :4].argmax(-1)            # some rows right for sure
+  mask = rng.random((3, 7)) < 0.7
+  expected = np.sum((logits.astype(np.float64).argmax(-1) == labels) & mask)
+  got = tasks._correct(jnp.asarray(logits), jnp.asarray(labels), jnp.asarray(mask))
+  assert float(got) == expected and expected > 0
+  # A tie for the top counts for every tied label; a row holding a NaN counts as wrong.
+  tied = jnp.asarray([[1.0, 3.0, 3.0], [1.0, 3.0, 3.0], [np.nan, 3.0, 1.0]])
+  hits = [float(tasks._correct(tied[i:i + 1], jnp.asarray([y]), jnp.ones(1, bool)))
+          for i, y in enumerate((1, 2, 1))]
+  assert hits == [1.0, 1.0, 0.0]
+
+
+def test_gpt_task_lm_correct_matches_numpy_argmax():
+  config = models.get_config("gpt2-tiny")
+  model = nnx.merge(models.graphdef(config), models.init(config, jax.random.key(0)))
+  rng = np.random.default_rng(0)
+  b, t = 2, 16
+  tokens = rng.integers(0, config.vocab_size, (b, t))
+  logits = np.asarray(model(jnp.asarray(tokens), jnp.tile(jnp.arange(t), (b, 1)),
+                            jnp.ones((b, t), jnp.int32)), np.float64)
+  labels = logits.argmax(-1)
+  labels[:, ::2] = rng.integers(0, config.vocab_size, (b, t // 2))   # half of them likely wrong
+  loss_mask = np.ones((b, t), bool)
+  loss_mask[1, -3:] = False
+  batch = {"tokens": jnp.asarray(tokens), "labels": jnp.asarray(labels),
+           "positions": jnp.tile(jnp.arange(t), (b, 1)), "segment_ids": jnp.ones((b, t), jnp.int32),
+           "loss_mask": jnp.asarray(loss_mask)}
+  _, metrics = tasks.get_task("gpt").sums(model, batch, None)
+  assert float(metrics["lm_correct"]) == np.sum((logits.argmax(-1) == labels) & loss_mask)
