@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.ad_checkpoint import print_saved_residuals
 from jax.test_util import check_grads
 
 from transformer_jax.ops import layer_norm, rms_norm
@@ -146,14 +147,14 @@ def test_layer_norm_gradients_match_numerical():
   with jax.enable_x64(True):
     x, scale, bias = rand((2, 6), 20, jnp.float64), rand((6,), 21, jnp.float64), rand(
         (6,), 22, jnp.float64)
-    check_grads(jax.jit(layer_norm), (x, scale, bias), order=2, modes=["rev"],
+    check_grads(jax.jit(layer_norm), (x, scale, bias), order=2, modes=["fwd", "rev"],
                 atol=1e-2, rtol=1e-2, eps=1e-3)
 
 
 def test_rms_norm_gradients_match_numerical():
   with jax.enable_x64(True):
     x, scale = rand((2, 6), 23, jnp.float64), rand((6,), 24, jnp.float64)
-    check_grads(jax.jit(rms_norm), (x, scale), order=2, modes=["rev"],
+    check_grads(jax.jit(rms_norm), (x, scale), order=2, modes=["fwd", "rev"],
                 atol=1e-2, rtol=1e-2, eps=1e-3)
 
 
@@ -171,3 +172,55 @@ def test_rms_norm_works_under_strict_rank_promotion():
   with jax.numpy_rank_promotion("raise"):
     out = jax.eval_shape(lambda: rms_norm(x, scale))
   assert out.shape == x.shape
+
+
+def _central_differences(f, args, eps=1e-6):
+  """float64 central differences of the scalar ``f(*args)`` with respect to every argument."""
+  grads = []
+  for i, a in enumerate(args):
+    a = np.asarray(a, np.float64)
+    g = np.zeros_like(a)
+    for idx in np.ndindex(a.shape):
+      up, down = a.copy(), a.copy()
+      up[idx] += eps
+      down[idx] -= eps
+      hi = f(*args[:i], up, *args[i + 1:])
+      lo = f(*args[:i], down, *args[i + 1:])
+      g[idx] = (hi - lo) / (2 * eps)
+    grads.append(g)
+  return grads
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_norm_gradients_match_float64_differences_of_the_reference(norm):
+  """The derivative rules against central differences of the NumPy float64 references (no JAX on
+  that side), with inputs far from zero mean so that the mean's share of the gradient matters."""
+  x, w = rand((3, 8), 40, loc=2.0, std=3.0), rand((3, 8), 41)
+  scale, bias = rand((8,), 42), rand((8,), 43)
+  if norm == "layer":
+    args = (x, scale, bias)
+    got = jax.grad(lambda *a: jnp.sum(layer_norm(*a) * w), argnums=(0, 1, 2))(*args)
+    want = _central_differences(lambda *a: np.sum(layer_norm_ref(*a) * np.float64(w)), args)
+  else:
+    args = (x, scale)
+    got = jax.grad(lambda *a: jnp.sum(rms_norm(*a) * w), argnums=(0, 1))(*args)
+    want = _central_differences(lambda *a: np.sum(rms_norm_ref(*a) * np.float64(w)), args)
+  for g, r in zip(got, want):
+    np.testing.assert_allclose(g, r, atol=2e-5, rtol=1e-4)
+  # Forward mode gives the same directional derivative.
+  dx = rand((3, 8), 44)
+  fn = (lambda x: layer_norm(x, scale, bias)) if norm == "layer" else (lambda x: rms_norm(x, scale))
+  _, tangent = jax.jvp(fn, (x,), (dx,))
+  np.testing.assert_allclose(jnp.sum(tangent * w), jnp.sum(got[0] * dx), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_norm_backward_keeps_one_array_of_the_input_shape(norm, capsys):
+  """Autodiff of the written-out norm kept three arrays of x's shape (``x - mean``, twice it and
+  the normalised x); the rule keeps the normalised x and the ``[..., 1]`` row scale."""
+  x, scale, bias = jnp.ones((3, 16), jnp.float32), jnp.ones(16), jnp.zeros(16)
+  fn = (lambda x: layer_norm(x, scale, bias)) if norm == "layer" else (lambda x: rms_norm(x, scale))
+  print_saved_residuals(lambda x: fn(x).sum(), x)
+  lines = capsys.readouterr().out.splitlines()
+  assert len([ln for ln in lines if ln.startswith("f32[3,16]")]) == 1, lines
+  assert len([ln for ln in lines if ln.startswith("f32[3,1]")]) == 1, lines

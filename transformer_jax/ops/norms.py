@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -17,10 +19,7 @@ def layer_norm(x: jax.Array, scale: jax.Array | None, bias: jax.Array | None,
 
   ``scale`` and ``bias`` are ``[D]`` or ``None`` (skipped). Output has ``x``'s dtype.
   """
-  xf = x.astype(jnp.float32)
-  mean = jnp.mean(xf, axis=-1, keepdims=True)
-  var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
-  y = (xf - mean) * jax.lax.rsqrt(var + eps)
+  y = _standardized(x.astype(jnp.float32), eps)
   if scale is not None:
     y = y * _feature(scale, y.ndim)
   if bias is not None:
@@ -30,8 +29,54 @@ def layer_norm(x: jax.Array, scale: jax.Array | None, bias: jax.Array | None,
 
 def rms_norm(x: jax.Array, scale: jax.Array | None, eps: float = 1e-6) -> jax.Array:
   """``x / sqrt(mean(x^2) + eps) * scale`` over the last axis (Zhang & Sennrich; T5, LLaMA)."""
-  xf = x.astype(jnp.float32)
-  y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps)
+  y = _rms_scaled(x.astype(jnp.float32), eps)
   if scale is not None:
     y = y * _feature(scale, y.ndim)
   return y.astype(x.dtype)
+
+
+# Both normalisations carry their derivative as a rule (``jax.custom_jvp``), written with the
+# normalised output ``n`` and the row's ``r = 1 / sqrt(var + eps)``: reverse mode then keeps just
+# those two (``n`` is also what the scale's gradient reads). Left to autodiff, a layer norm kept
+# three arrays of the input's shape (``x - mean``, twice it, and ``n``), each of which the scan
+# over layers stacks and unstacks at every step (experiments/PERFORMANCE.md).
+
+
+def _standardized_parts(xf: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
+  centred = xf - jnp.mean(xf, axis=-1, keepdims=True)
+  r = jax.lax.rsqrt(jnp.mean(jnp.square(centred), axis=-1, keepdims=True) + eps)
+  return centred * r, r
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _standardized(xf: jax.Array, eps: float) -> jax.Array:
+  """``(x - mean) / sqrt(var + eps)`` over the last axis, float32."""
+  return _standardized_parts(xf, eps)[0]
+
+
+@_standardized.defjvp
+def _standardized_jvp(eps, primals, tangents):
+  (xf,), (dx,) = primals, tangents
+  n, r = _standardized_parts(xf, eps)
+  # d n = r * (dx - mean(dx) - n * mean(n * dx)): the mean's and the variance's share taken out.
+  dn = r * (dx - jnp.mean(dx, axis=-1, keepdims=True)
+            - n * jnp.mean(n * dx, axis=-1, keepdims=True))
+  return n, dn
+
+
+def _rms_parts(xf: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
+  r = jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps)
+  return xf * r, r
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _rms_scaled(xf: jax.Array, eps: float) -> jax.Array:
+  """``x / sqrt(mean(x^2) + eps)`` over the last axis, float32."""
+  return _rms_parts(xf, eps)[0]
+
+
+@_rms_scaled.defjvp
+def _rms_scaled_jvp(eps, primals, tangents):
+  (xf,), (dx,) = primals, tangents
+  n, r = _rms_parts(xf, eps)
+  return n, r * (dx - n * jnp.mean(n * dx, axis=-1, keepdims=True))
