@@ -19,7 +19,7 @@ def layer_norm(x: jax.Array, scale: jax.Array | None, bias: jax.Array | None,
 
   ``scale`` and ``bias`` are ``[D]`` or ``None`` (skipped). Output has ``x``'s dtype.
   """
-  y = _standardized(x.astype(jnp.float32), eps)
+  y = _normalized(x.astype(jnp.float32), eps, True)
   if scale is not None:
     y = y * _feature(scale, y.ndim)
   if bias is not None:
@@ -29,7 +29,7 @@ def layer_norm(x: jax.Array, scale: jax.Array | None, bias: jax.Array | None,
 
 def rms_norm(x: jax.Array, scale: jax.Array | None, eps: float = 1e-6) -> jax.Array:
   """``x / sqrt(mean(x^2) + eps) * scale`` over the last axis (Zhang & Sennrich; T5, LLaMA)."""
-  y = _rms_scaled(x.astype(jnp.float32), eps)
+  y = _normalized(x.astype(jnp.float32), eps, False)
   if scale is not None:
     y = y * _feature(scale, y.ndim)
   return y.astype(x.dtype)
@@ -42,41 +42,26 @@ def rms_norm(x: jax.Array, scale: jax.Array | None, eps: float = 1e-6) -> jax.Ar
 # over layers stacks and unstacks at every step (experiments/PERFORMANCE.md).
 
 
-def _standardized_parts(xf: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
-  centred = xf - jnp.mean(xf, axis=-1, keepdims=True)
-  r = jax.lax.rsqrt(jnp.mean(jnp.square(centred), axis=-1, keepdims=True) + eps)
-  return centred * r, r
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
-def _standardized(xf: jax.Array, eps: float) -> jax.Array:
-  """``(x - mean) / sqrt(var + eps)`` over the last axis, float32."""
-  return _standardized_parts(xf, eps)[0]
-
-
-@_standardized.defjvp
-def _standardized_jvp(eps, primals, tangents):
-  (xf,), (dx,) = primals, tangents
-  n, r = _standardized_parts(xf, eps)
-  # d n = r * (dx - mean(dx) - n * mean(n * dx)): the mean's and the variance's share taken out.
-  dn = r * (dx - jnp.mean(dx, axis=-1, keepdims=True)
-            - n * jnp.mean(n * dx, axis=-1, keepdims=True))
-  return n, dn
-
-
-def _rms_parts(xf: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
+def _normalized_parts(xf: jax.Array, eps: float, centre: bool) -> tuple[jax.Array, jax.Array]:
+  if centre:
+    xf = xf - jnp.mean(xf, axis=-1, keepdims=True)
   r = jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + eps)
   return xf * r, r
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
-def _rms_scaled(xf: jax.Array, eps: float) -> jax.Array:
-  """``x / sqrt(mean(x^2) + eps)`` over the last axis, float32."""
-  return _rms_parts(xf, eps)[0]
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _normalized(xf: jax.Array, eps: float, centre: bool) -> jax.Array:
+  """``(x - mean) / sqrt(var + eps)`` (``centre``) or ``x / sqrt(mean(x^2) + eps)`` over the last
+  axis, float32."""
+  return _normalized_parts(xf, eps, centre)[0]
 
 
-@_rms_scaled.defjvp
-def _rms_scaled_jvp(eps, primals, tangents):
+@_normalized.defjvp
+def _normalized_jvp(eps, centre, primals, tangents):
   (xf,), (dx,) = primals, tangents
-  n, r = _rms_parts(xf, eps)
+  n, r = _normalized_parts(xf, eps, centre)
+  # d n = r * (dx - mean(dx) - n * mean(n * dx)): the mean's share (when centred) and the
+  # variance's share taken out.
+  if centre:
+    dx = dx - jnp.mean(dx, axis=-1, keepdims=True)
   return n, r * (dx - n * jnp.mean(n * dx, axis=-1, keepdims=True))
