@@ -10,9 +10,12 @@ import textwrap
 import time
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from transformer_jax import runtime
+from tests.ops.test_attention import attention_ref
+from transformer_jax import ops, runtime
 from transformer_jax.bench import machine
 
 
@@ -91,11 +94,55 @@ def test_machine_description_names_cpu_and_flags():
       assert key not in d["cpu_idle"]
 
 
-def test_matmul_limit_counts_flops_of_each_layout():
+def test_matmul_limit_counts_flops_of_each_layout_and_library():
   r = machine.matmul_limit([(64, 32, 48)], reps=1)
   rates = r["per_shape"]["64x32x48"]
   assert set(rates) == {"x@W", "dy@W^T", "x^T@dy"}
-  assert r["flops_per_sec"] == max(rates.values()) > 0
+  # The limit is the best of every library the step may use: oneDNN's rates are measured too.
+  assert set(r["per_library"]) == {"onednn"}
+  dnn = r["per_library"]["onednn"]["64x32x48"]
+  assert set(dnn) == {"x@W", "dy@W^T", "x^T@dy"}
+  assert r["flops_per_sec"] == max(*rates.values(), *dnn.values()) > 0
+
+
+def test_steps_give_their_products_to_onednn_on_cpu_only(monkeypatch):
+  assert runtime.step_compiler_options("cpu") == runtime.ONEDNN_DOTS
+  assert runtime.step_compiler_options("gpu") == {} == runtime.step_compiler_options("tpu")
+  monkeypatch.setenv("TJAX_ONEDNN", "0")
+  assert runtime.step_compiler_options("cpu") == {}
+
+
+def test_onednn_attention_and_its_gradients_match_float64_numpy():
+  """The attention core compiled with the steps' options, against the float64 NumPy reference:
+  the value, and the gradients by central differences. Its backward sums two products into one
+  gradient, the pattern XLA's merged oneDNN mode could not compile (the process died)."""
+  rng = np.random.default_rng(0)
+  q, k, v = (rng.standard_normal((2, 16, 4, 8)).astype(np.float32) for _ in range(3))
+  w = rng.standard_normal((2, 16, 4, 8))
+
+  def loss(q, k, v):
+    out = ops.dot_product_attention(q, k, v, causal=True, implementation="xla")
+    return jnp.sum(out * jnp.asarray(w, jnp.float32))
+
+  compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile(
+      compiler_options=runtime.step_compiler_options("cpu"))
+  assert "__onednn_fusion" in compiled.as_text()   # the products did go to oneDNN
+  value, grads = compiled(q, k, v)
+
+  def ref(q, k, v):
+    return float(np.sum(attention_ref(q, k, v, causal=True)[0] * w))
+
+  args = [np.asarray(a, np.float64) for a in (q, k, v)]
+  np.testing.assert_allclose(float(value), ref(*args), rtol=1e-5)
+  eps = 1e-6
+  for i, grad in enumerate(grads):
+    for flat in rng.choice(args[i].size, 12, replace=False):
+      idx = np.unravel_index(flat, args[i].shape)
+      up, down = [a.copy() for a in args], [a.copy() for a in args]
+      up[i][idx] += eps
+      down[i][idx] -= eps
+      expected = (ref(*up) - ref(*down)) / (2 * eps)
+      np.testing.assert_allclose(float(grad[idx]), expected, rtol=1e-4, atol=1e-5)
 
 
 def test_scratch_notice_only_for_cpu_steps_past_mimallocs_reuse_limit():

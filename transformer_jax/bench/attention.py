@@ -1,10 +1,12 @@
 """``tjax bench attention``: forward + backward of ``ops.dot_product_attention`` per implementation.
 
-Causal self-attention on ``[batch, T, heads, head_dim]`` inputs (GPT-2 small's layer by default), each
-implementation at each length, jitted, best of ``--reps`` after a compiling call. The attention
-core's FLOPs (``4 * B * N * T * S * H`` forward, 2.5x that forward + backward, halved for causal
-masking's useful half) are set against the matmul limit measured in the same run. Memory per length
-is ``experiments/attention_memory.py``'s job (a process per cell); this is the quick time table.
+Causal self-attention on ``[batch, T, heads, head_dim]`` inputs (GPT-2 small's layer by default),
+each implementation at each length, jitted with the train step's compile options
+(``runtime.step_compiler_options``: oneDNN products on CPU), best of ``--reps`` after a compiling
+call. The attention core's FLOPs (``4 * B * N * T * S * H`` forward, 2.5x that forward + backward,
+halved for causal masking's useful half) are set against the matmul limit measured in the same
+run. Memory per length is ``experiments/attention_memory.py``'s job (a process per cell); this is
+the quick time table.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax import ops
+from transformer_jax import ops, runtime
 from transformer_jax.bench import machine
 
 
@@ -46,7 +48,8 @@ def run(args) -> dict:
     for impl in impls:
       loss = lambda q, k, v, impl=impl: jnp.sum(ops.dot_product_attention(  # noqa: E731
           q, k, v, causal=True, implementation=impl).astype(jnp.float32))
-      step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+      step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)),
+                     compiler_options=runtime.step_compiler_options(jax.default_backend()) or None)
       start = time.perf_counter()
       jax.block_until_ready(step(q, k, v))
       first = time.perf_counter() - start

@@ -113,15 +113,17 @@ def source_revision() -> dict | None:
 
 
 def describe(extra_versions: Iterable[str] = ()) -> dict:
-  """CPU, flags, cores, how idle CPUs wait, devices, allocator, load average, package versions and
-  the git commit of this checkout, for a result file."""
+  """CPU, flags, cores, how idle CPUs wait, devices, allocator, the train step's compile options,
+  load average, package versions and the git commit of this checkout, for a result file."""
   versions = {d: _version(d) for d in ("jax", "jaxlib", "flax", "optax", *extra_versions)}
   versions["python"] = platform.python_version()
   return {
       "cpu": cpu_name(), "cpu_flags": cpu_flags(), "bf16_hardware": has_bf16_hardware(),
       "cpu_count": os.cpu_count(), "cpu_idle": cpu_idle(), "platform": jax.default_backend(),
       "devices": [d.device_kind for d in jax.devices()], "allocator": runtime.allocator(),
-      "xla_flags": os.environ.get("XLA_FLAGS", ""), "load_average": list(os.getloadavg()),
+      "xla_flags": os.environ.get("XLA_FLAGS", ""),
+      "step_compiler_options": runtime.step_compiler_options(jax.default_backend()),
+      "load_average": list(os.getloadavg()),
       "versions": versions, "source": source_revision(),
   }
 
@@ -144,30 +146,40 @@ def _best_time(fn, *args, reps: int) -> float:
 def matmul_limit(shapes: Sequence[tuple[int, int, int]], dtype: str = "float32",
                  reps: int = 3) -> dict:
   """Best FLOP/s of ``[m, k] @ [k, n]`` over ``shapes`` (each ``(m, k, n)``), each in the three
-  layouts a training step uses: ``x @ W``, ``dy @ W^T`` and ``x^T @ dy``.
+  layouts a training step uses: ``x @ W``, ``dy @ W^T`` and ``x^T @ dy``, and on CPU with each
+  library that XLA can give the products to: its default (YNNPACK or Eigen) and oneDNN, which the
+  train step uses (``runtime.step_compiler_options``). The limit is the best of them all.
 
   Inputs are ``dtype``; bfloat16 accumulates in float32 (``preferred_element_type``), as the
-  models do. Returns ``{"flops_per_sec": best, "per_shape": {...}}``.
+  models do. Returns ``{"flops_per_sec": best, "per_shape": {"MxKxN": {layout: rate}},
+  "per_library": {"onednn": {"MxKxN": {layout: rate}}}}`` (``per_shape`` is XLA's default).
   """
   dt = jnp.dtype(dtype)
   rng = np.random.default_rng(0)
-  per_shape, best = {}, 0.0
+  libraries = {"default": None}
+  if jax.default_backend() == "cpu" and runtime.step_compiler_options("cpu"):
+    libraries["onednn"] = runtime.step_compiler_options("cpu")
+  rates_by_library: dict[str, dict] = {name: {} for name in libraries}
+  best = 0.0
   for m, k, n in shapes:
     a = jnp.asarray(rng.standard_normal((m, k), np.float32), dt)
     w = jnp.asarray(rng.standard_normal((k, n), np.float32), dt)
     dy = jnp.asarray(rng.standard_normal((m, n), np.float32), dt)
     dot = functools.partial(jnp.matmul, preferred_element_type=jnp.float32)
     layouts = {
-        "x@W": (jax.jit(dot), (a, w)),
-        "dy@W^T": (jax.jit(lambda dy, w: dot(dy, w.T)), (dy, w)),
-        "x^T@dy": (jax.jit(lambda a, dy: dot(a.T, dy)), (a, dy)),
+        "x@W": (dot, (a, w)),
+        "dy@W^T": (lambda dy, w: dot(dy, w.T), (dy, w)),
+        "x^T@dy": (lambda a, dy: dot(a.T, dy), (a, dy)),
     }
-    rates = {}
-    for name, (fn, args) in layouts.items():
-      rates[name] = 2.0 * m * k * n / _best_time(fn, *args, reps=reps)
-    per_shape[f"{m}x{k}x{n}"] = rates
-    best = max(best, *rates.values())
-  return {"dtype": dtype, "flops_per_sec": best, "per_shape": per_shape}
+    for library, options in libraries.items():
+      rates = {}
+      for name, (fn, args) in layouts.items():
+        compiled = jax.jit(fn).lower(*args).compile(compiler_options=options)
+        rates[name] = 2.0 * m * k * n / _best_time(compiled, *args, reps=reps)
+      rates_by_library[library][f"{m}x{k}x{n}"] = rates
+      best = max(best, *rates.values())
+  return {"dtype": dtype, "flops_per_sec": best, "per_shape": rates_by_library.pop("default"),
+          "per_library": rates_by_library}
 
 
 def weight_bandwidth(nbytes: int = 512 << 20, dtype: str = "float32", reps: int = 7) -> dict:

@@ -17,7 +17,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh
 
-from transformer_jax import models, parallel
+from transformer_jax import models, parallel, runtime
 from transformer_jax.parallel.mesh import batch_sharding, make_mesh, replicated
 from transformer_jax.train import tasks as tasks_lib
 
@@ -154,18 +154,23 @@ def jit_train_step(train_step: Callable, mesh: Mesh, state: TrainState,
   """Compiles ``train_step`` for ``mesh``: state sharded by the rules (and donated), the batch split
   over the data axes, metrics replicated. Build the step's model for the same mesh
   (``models.graphdef(config, mesh)``): its layers then pin activations to it and may run ring
-  attention."""
+  attention. On CPU the products go to oneDNN (``runtime.step_compiler_options``)."""
   shardings = state_shardings(state, mesh, rules)
   return jax.jit(train_step,
                  in_shardings=(shardings, batch_sharding(mesh)),
-                 out_shardings=(shardings, replicated(mesh)), donate_argnums=(0,))
+                 out_shardings=(shardings, replicated(mesh)), donate_argnums=(0,),
+                 compiler_options=_compiler_options(mesh))
 
 
 def jit_eval_step(eval_step: Callable, mesh: Mesh, params, rules: parallel.Rules = parallel.RULES):
   """Compiles ``eval_step(params, batch)`` for ``mesh`` (parameters sharded as in training)."""
   return jax.jit(eval_step,
                  in_shardings=(parallel.param_shardings(params, mesh, rules), batch_sharding(mesh)),
-                 out_shardings=replicated(mesh))
+                 out_shardings=replicated(mesh), compiler_options=_compiler_options(mesh))
+
+
+def _compiler_options(mesh: Mesh) -> dict | None:
+  return runtime.step_compiler_options(mesh.devices.flat[0].platform) or None
 
 
 def shard_batch(batch: dict[str, np.ndarray], mesh: Mesh, keys=None) -> dict[str, jax.Array]:
