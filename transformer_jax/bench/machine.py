@@ -157,8 +157,8 @@ def matmul_limit(shapes: Sequence[tuple[int, int, int]], dtype: str = "float32",
   dt = jnp.dtype(dtype)
   rng = np.random.default_rng(0)
   libraries = {"default": None}
-  if jax.default_backend() == "cpu" and runtime.step_compiler_options("cpu"):
-    libraries["onednn"] = runtime.step_compiler_options("cpu")
+  if jax.default_backend() == "cpu" and (onednn := runtime.step_compiler_options("cpu")):
+    libraries["onednn"] = onednn
   rates_by_library: dict[str, dict] = {name: {} for name in libraries}
   best = 0.0
   for m, k, n in shapes:
