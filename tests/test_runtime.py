@@ -1,6 +1,7 @@
 """Process settings: the persistent compilation cache, the allocator launcher, the bf16 notice, the
 idle-CPU polling request."""
 
+import gc
 import glob
 import os
 import struct
@@ -8,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -126,6 +128,7 @@ def test_onednn_attention_and_its_gradients_match_float64_numpy():
 
   compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile(
       compiler_options=runtime.step_compiler_options("cpu"))
+  runtime.hold(compiled)   # this jaxlib aborts if it dies just after a call
   assert "__onednn_fusion" in compiled.as_text()   # the products did go to oneDNN
   value, grads = compiled(q, k, v)
 
@@ -143,6 +146,38 @@ def test_onednn_attention_and_its_gradients_match_float64_numpy():
       down[i][idx] -= eps
       expected = (ref(*up) - ref(*down)) / (2 * eps)
       np.testing.assert_allclose(float(grad[idx]), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_steps_with_onednn_products_outlive_their_callers(monkeypatch):
+  """This jaxlib aborts the process when an executable with oneDNN products dies just after a
+  call (``runtime.hold``): a step compiled with the options stays alive after its caller drops
+  it, until 64 more have been held; without the options nothing is held."""
+  from transformer_jax.parallel.mesh import make_mesh
+  from transformer_jax.train import step as step_lib
+
+  def eval_step(params, batch):
+    return batch["x"] @ batch["x"].T
+
+  mesh = make_mesh()
+  batch = {"x": jnp.ones((4, 8))}
+  step = step_lib.jit_eval_step(eval_step, mesh, {})
+  np.testing.assert_allclose(step({}, batch), np.full((4, 4), 8.0))
+  alive = weakref.ref(step)
+  del step
+  gc.collect()
+  assert alive() is not None
+  for _ in range(runtime._HELD.maxlen):   # noqa: SLF001
+    runtime.hold(object())
+  gc.collect()
+  assert alive() is None
+
+  monkeypatch.setenv("TJAX_ONEDNN", "0")
+  step = step_lib.jit_eval_step(eval_step, mesh, {})
+  step({}, batch)
+  alive = weakref.ref(step)
+  del step
+  gc.collect()
+  assert alive() is None
 
 
 def test_scratch_notice_only_for_cpu_steps_past_mimallocs_reuse_limit():

@@ -11,6 +11,7 @@ when a step's temporaries are too large for the allocator to reuse.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -104,6 +105,26 @@ def _onednn_compiles() -> bool:
   except Exception:   # noqa: BLE001 - XlaRuntimeError (unknown option) or anything else: not used
     return False
   return True
+
+
+# Executables built with ONEDNN_DOTS, kept alive: see ``hold``.
+_HELD: collections.deque = collections.deque(maxlen=64)
+
+
+def hold(compiled):
+  """Keeps ``compiled`` (a ``jax.jit`` function or a ``Compiled`` built with
+  ``step_compiler_options``) alive until 64 more have been held; returns it.
+
+  Why: this jaxlib's oneDNN thunk (XLA's ``OneDnnFusionThunk``) hands its borrowed oneDNN runtime
+  back to the executable's pool in a callback that may run after the program's results are
+  ready. An executable destroyed in that window (a jitted function dropped, or replaced, just
+  after its last call) aborts the whole process: ``Check failed: available_.size() == num_created_
+  (0 vs. 1)`` in ``ObjectPool``'s destructor. Seen in a test worker that evaluated a run twice
+  (about one ``evaluate_run`` in 200 on a 2-core Zen 4), never when the executable lives on. Every
+  step and benchmark that compiles with these options is held here.
+  """
+  _HELD.append(compiled)
+  return compiled
 
 
 _warned_bf16 = False

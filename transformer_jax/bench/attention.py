@@ -48,8 +48,10 @@ def run(args) -> dict:
     for impl in impls:
       loss = lambda q, k, v, impl=impl: jnp.sum(ops.dot_product_attention(  # noqa: E731
           q, k, v, causal=True, implementation=impl).astype(jnp.float32))
-      step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)),
-                     compiler_options=runtime.step_compiler_options(jax.default_backend()) or None)
+      options = runtime.step_compiler_options(jax.default_backend())
+      step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), compiler_options=options or None)
+      if options:
+        runtime.hold(step)   # this jaxlib aborts if it dies just after a call
       start = time.perf_counter()
       jax.block_until_ready(step(q, k, v))
       first = time.perf_counter() - start
