@@ -70,7 +70,7 @@ def step_compiler_options(platform: str) -> dict:
   """Compile options for the train and eval steps on ``platform`` (a device's ``.platform``): on
   CPU, ``ONEDNN_DOTS``; elsewhere, or with ``$TJAX_ONEDNN=0``, or with a jaxlib that lacks them,
   none. Pass them as ``jax.jit(..., compiler_options=...)``; they are part of the persistent
-  cache's key.
+  cache's key. Give what you compile with them to ``hold`` (the train and eval steps are held).
 
   Why: XLA:CPU gives most float32 products to YNNPACK, which runs the large ones near the CPU's best
   rate but the attention's batched ``[B*N] x [T, H] x [H, S]`` products at a third of it, and leaves
