@@ -1,6 +1,7 @@
 """Process settings: the persistent compilation cache, the allocator launcher, the bf16 notice, the
 idle-CPU polling request."""
 
+import collections
 import gc
 import glob
 import os
@@ -178,6 +179,16 @@ def test_steps_with_onednn_products_outlive_their_callers(monkeypatch):
   del step
   gc.collect()
   assert alive() is None
+
+
+def test_held_steps_get_a_moment_at_exit_before_they_are_destroyed(monkeypatch):
+  registered = []
+  monkeypatch.setattr(runtime, "_HELD", collections.deque(maxlen=2))
+  monkeypatch.setattr(runtime.atexit, "register", lambda *args: registered.append(args))
+  for obj in ("a", "b", "c"):
+    assert runtime.hold(obj) == obj
+  assert list(runtime._HELD) == ["b", "c"]   # noqa: SLF001 - bounded
+  assert registered == [(time.sleep, 0.02)]   # once
 
 
 def test_scratch_notice_only_for_cpu_steps_past_mimallocs_reuse_limit():

@@ -11,6 +11,7 @@ when a step's temporaries are too large for the allocator to reuse.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import dataclasses
@@ -18,6 +19,7 @@ import functools
 import os
 import struct
 import sys
+import time
 import warnings
 
 CACHE_ENV = "TJAX_COMPILATION_CACHE"   # a folder, or "0" to turn the cache off
@@ -121,8 +123,12 @@ def hold(compiled):
   after its last call) aborts the whole process: ``Check failed: available_.size() == num_created_
   (0 vs. 1)`` in ``ObjectPool``'s destructor. Seen in a test worker that evaluated a run twice
   (about one ``evaluate_run`` in 200 on a 2-core Zen 4), never when the executable lives on. Every
-  step and benchmark that compiles with these options is held here.
+  step and benchmark that compiles with these options is held here. At exit, before Python
+  destroys what is held, the process waits 20 ms, so that a call just made (``tjax eval`` exits
+  right after its last one) has handed its runtimes back.
   """
+  if not _HELD:
+    atexit.register(time.sleep, 0.02)   # runs before JAX's own exit hooks (registered earlier)
   _HELD.append(compiled)
   return compiled
 
