@@ -121,8 +121,9 @@ def hold(compiled):
   back to the executable's pool in a callback that may run after the program's results are
   ready. An executable destroyed in that window (a jitted function dropped, or replaced, just
   after its last call) aborts the whole process: ``Check failed: available_.size() == num_created_
-  (0 vs. 1)`` in ``ObjectPool``'s destructor. Seen in a test worker that evaluated a run twice
-  (about one ``evaluate_run`` in 200 on a 2-core Zen 4), never when the executable lives on. Every
+  (0 vs. 1)`` in ``ObjectPool``'s destructor. Seen in a test worker that evaluated a run twice,
+  and here in 2 of 3 processes that ran ``evaluate_run`` 60 times each (2-core Zen 4); none of 8
+  such processes aborted once the steps were held. Every
   step and benchmark that compiles with these options is held here. At exit, before Python
   destroys what is held, the process waits 20 ms, so that a call just made (``tjax eval`` exits
   right after its last one) has handed its runtimes back.
