@@ -152,7 +152,7 @@ def test_onednn_attention_and_its_gradients_match_float64_numpy():
 def test_steps_with_onednn_products_outlive_their_callers(monkeypatch):
   """This jaxlib aborts the process when an executable with oneDNN products dies just after a
   call (``runtime.hold``): a step compiled with the options stays alive after its caller drops
-  it, until 64 more have been held; without the options nothing is held."""
+  it, until 16 more have been held; without the options nothing is held."""
   from transformer_jax.parallel.mesh import make_mesh
   from transformer_jax.train import step as step_lib
 

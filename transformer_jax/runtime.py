@@ -110,12 +110,12 @@ def _onednn_compiles() -> bool:
 
 
 # Executables built with ONEDNN_DOTS, kept alive: see ``hold``.
-_HELD: collections.deque = collections.deque(maxlen=64)
+_HELD: collections.deque = collections.deque(maxlen=16)
 
 
 def hold(compiled):
   """Keeps ``compiled`` (a ``jax.jit`` function or a ``Compiled`` built with
-  ``step_compiler_options``) alive until 64 more have been held; returns it.
+  ``step_compiler_options``) alive until 16 more have been held; returns it.
 
   Why: this jaxlib's oneDNN thunk (XLA's ``OneDnnFusionThunk``) hands its borrowed oneDNN runtime
   back to the executable's pool in a callback that may run after the program's results are
@@ -124,7 +124,9 @@ def hold(compiled):
   (0 vs. 1)`` in ``ObjectPool``'s destructor. Seen in a test worker that evaluated a run twice,
   and here in 2 of 3 processes that ran ``evaluate_run`` 60 times each (2-core Zen 4); none of 8
   such processes aborted once the steps were held. Every
-  step and benchmark that compiles with these options is held here. At exit, before Python
+  step and benchmark that compiles with these options is held here. Sixteen: a bench compiles a
+  dozen in a burst, and each held executable keeps its code and oneDNN's compiled products in
+  memory (a sweep in one notebook holds at most 16 steps). At exit, before Python
   destroys what is held, the process waits 20 ms, so that a call just made (``tjax eval`` exits
   right after its last one) has handed its runtimes back.
   """
