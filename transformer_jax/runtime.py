@@ -123,12 +123,13 @@ def hold(compiled):
   after its last call) aborts the whole process: ``Check failed: available_.size() == num_created_
   (0 vs. 1)`` in ``ObjectPool``'s destructor. Seen in a test worker that evaluated a run twice,
   and here in 2 of 3 processes that ran ``evaluate_run`` 60 times each (2-core Zen 4); none of 8
-  such processes aborted once the steps were held. Every
-  step and benchmark that compiles with these options is held here. Sixteen: a bench compiles a
-  dozen in a burst, and each held executable keeps its code and oneDNN's compiled products in
-  memory (a sweep in one notebook holds at most 16 steps). At exit, before Python
-  destroys what is held, the process waits 20 ms, so that a call just made (``tjax eval`` exits
-  right after its last one) has handed its runtimes back.
+  such processes aborted once the steps were held.
+
+  Every step and benchmark that compiles with these options is held here. Sixteen: the bench's
+  matmul limit compiles a dozen products in a burst, and each held executable keeps its code and
+  oneDNN's compiled products in memory (a sweep in one notebook keeps at most 16 steps). At exit,
+  before Python destroys what is held, the process waits 20 ms, so that a call just made
+  (``tjax eval`` exits right after its last one) has handed its runtimes back.
   """
   if not _HELD:
     atexit.register(time.sleep, 0.02)   # runs before JAX's own exit hooks (registered earlier)
