@@ -129,7 +129,7 @@ def test_onednn_attention_and_its_gradients_match_float64_numpy():
 
   compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile(
       compiler_options=runtime.step_compiler_options("cpu"))
-  runtime.hold(compiled)   # this jaxlib aborts if it dies just after a call
+  runtime.hold(compiled, runtime.step_compiler_options("cpu"))
   assert "__onednn_fusion" in compiled.as_text()   # the products did go to oneDNN
   value, grads = compiled(q, k, v)
 
@@ -168,7 +168,7 @@ def test_steps_with_onednn_products_outlive_their_callers(monkeypatch):
   gc.collect()
   assert alive() is not None
   for _ in range(runtime._HELD.maxlen):   # noqa: SLF001
-    runtime.hold(object())
+    runtime.hold(object(), runtime.ONEDNN_DOTS)
   gc.collect()
   assert alive() is None
 
@@ -186,7 +186,8 @@ def test_held_steps_get_a_moment_at_exit_before_they_are_destroyed(monkeypatch):
   monkeypatch.setattr(runtime, "_HELD", collections.deque(maxlen=2))
   monkeypatch.setattr(runtime.atexit, "register", lambda *args: registered.append(args))
   for obj in ("a", "b", "c"):
-    assert runtime.hold(obj) == obj
+    assert runtime.hold(obj, runtime.ONEDNN_DOTS) == obj
+  assert runtime.hold("d", None) == "d"   # built without the options: not held
   assert list(runtime._HELD) == ["b", "c"]   # noqa: SLF001 - bounded
   assert registered == [(time.sleep, 0.02)]   # once
 

@@ -72,7 +72,7 @@ def step_compiler_options(platform: str) -> dict:
   """Compile options for the train and eval steps on ``platform`` (a device's ``.platform``): on
   CPU, ``ONEDNN_DOTS``; elsewhere, or with ``$TJAX_ONEDNN=0``, or with a jaxlib that lacks them,
   none. Pass them as ``jax.jit(..., compiler_options=...)``; they are part of the persistent
-  cache's key. Give what you compile with them to ``hold`` (the train and eval steps are held).
+  cache's key. Pass what you compile with them to ``hold`` (the train and eval steps are held).
 
   Why: XLA:CPU gives most float32 products to YNNPACK, which runs the large ones near the CPU's best
   rate but the attention's batched ``[B*N] x [T, H] x [H, S]`` products at a third of it, and leaves
@@ -113,9 +113,10 @@ def _onednn_compiles() -> bool:
 _HELD: collections.deque = collections.deque(maxlen=16)
 
 
-def hold(compiled):
-  """Keeps ``compiled`` (a ``jax.jit`` function or a ``Compiled`` built with
-  ``step_compiler_options``) alive until 16 more have been held; returns it.
+def hold(compiled, options: dict | None):
+  """Returns ``compiled`` (a ``jax.jit`` function or a ``Compiled``), kept alive until 16 more
+  have been held when ``options``, the compile options it was built with, are not empty (from
+  ``step_compiler_options``: the oneDNN ones). Without options nothing is held.
 
   Why: this jaxlib's oneDNN thunk (XLA's ``OneDnnFusionThunk``) hands its borrowed oneDNN runtime
   back to the executable's pool in a callback that may run after the program's results are
@@ -131,6 +132,8 @@ def hold(compiled):
   before Python destroys what is held, the process waits 20 ms, so that a call just made
   (``tjax eval`` exits right after its last one) has handed its runtimes back.
   """
+  if not options:
+    return compiled
   if not _HELD:
     atexit.register(time.sleep, 0.02)   # runs before JAX's own exit hooks (registered earlier)
   _HELD.append(compiled)

@@ -39,6 +39,7 @@ def run(args) -> dict:
   # The core's own matmul shapes: scores [T, H] x [H, S] and outputs [T, S] x [S, H].
   t_max = max(lengths)
   limit = machine.matmul_limit([(t_max, h, t_max), (t_max, t_max, h)], dtype="float32")
+  options = runtime.step_compiler_options(jax.default_backend())
   rows = []
   for t in lengths:
     keys = jax.random.split(jax.random.key(0), 3)
@@ -48,10 +49,8 @@ def run(args) -> dict:
     for impl in impls:
       loss = lambda q, k, v, impl=impl: jnp.sum(ops.dot_product_attention(  # noqa: E731
           q, k, v, causal=True, implementation=impl).astype(jnp.float32))
-      options = runtime.step_compiler_options(jax.default_backend())
-      step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), compiler_options=options or None)
-      if options:
-        runtime.hold(step)   # this jaxlib aborts if it dies just after a call
+      step = runtime.hold(jax.jit(jax.grad(loss, argnums=(0, 1, 2)),
+                                  compiler_options=options or None), options)
       start = time.perf_counter()
       jax.block_until_ready(step(q, k, v))
       first = time.perf_counter() - start

@@ -174,9 +174,8 @@ def matmul_limit(shapes: Sequence[tuple[int, int, int]], dtype: str = "float32",
     for library, options in libraries.items():
       rates = {}
       for name, (fn, args) in layouts.items():
-        compiled = jax.jit(fn).lower(*args).compile(compiler_options=options)
-        if options:
-          runtime.hold(compiled)   # this jaxlib aborts if it dies just after a call
+        compiled = runtime.hold(jax.jit(fn).lower(*args).compile(compiler_options=options),
+                                options)
         rates[name] = 2.0 * m * k * n / _best_time(compiled, *args, reps=reps)
       rates_by_library[library][f"{m}x{k}x{n}"] = rates
       best = max(best, *rates.values())

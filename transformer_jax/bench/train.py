@@ -117,8 +117,8 @@ class Ours:
     start = time.perf_counter()
     self.step_fn = lowered.compile()
     self.compile_s = time.perf_counter() - start
-    if runtime.step_compiler_options(jax.default_backend()):
-      runtime.hold(self.step_fn)   # this jaxlib aborts if it dies just after a call
+    # The jitted step is held (jit_train_step); this ahead-of-time executable is another one.
+    runtime.hold(self.step_fn, runtime.step_compiler_options(jax.default_backend()))
     # XLA:CPU takes a step's temporaries as one block per call (see runtime.allocator_env).
     analysis = self.step_fn.memory_analysis()
     self.temp_bytes = None if analysis is None else int(analysis.temp_size_in_bytes)

@@ -157,7 +157,7 @@ def jit_train_step(train_step: Callable, mesh: Mesh, state: TrainState,
   attention. On CPU the products go to oneDNN (``runtime.step_compiler_options``)."""
   shardings = state_shardings(state, mesh, rules)
   options = _compiler_options(mesh)
-  return _held(jax.jit(train_step, in_shardings=(shardings, batch_sharding(mesh)),
+  return runtime.hold(jax.jit(train_step, in_shardings=(shardings, batch_sharding(mesh)),
                        out_shardings=(shardings, replicated(mesh)), donate_argnums=(0,),
                        compiler_options=options), options)
 
@@ -165,7 +165,7 @@ def jit_train_step(train_step: Callable, mesh: Mesh, state: TrainState,
 def jit_eval_step(eval_step: Callable, mesh: Mesh, params, rules: parallel.Rules = parallel.RULES):
   """Compiles ``eval_step(params, batch)`` for ``mesh`` (parameters sharded as in training)."""
   options = _compiler_options(mesh)
-  return _held(jax.jit(eval_step,
+  return runtime.hold(jax.jit(eval_step,
                        in_shardings=(parallel.param_shardings(params, mesh, rules),
                                      batch_sharding(mesh)),
                        out_shardings=replicated(mesh), compiler_options=options), options)
@@ -173,12 +173,6 @@ def jit_eval_step(eval_step: Callable, mesh: Mesh, params, rules: parallel.Rules
 
 def _compiler_options(mesh: Mesh) -> dict | None:
   return runtime.step_compiler_options(mesh.devices.flat[0].platform) or None
-
-
-def _held(jitted, options):
-  """A step whose products go to oneDNN stays alive a while after it is dropped: this jaxlib
-  aborts when such an executable dies just after a call (``runtime.hold``)."""
-  return runtime.hold(jitted) if options else jitted
 
 
 def shard_batch(batch: dict[str, np.ndarray], mesh: Mesh, keys=None) -> dict[str, jax.Array]:
