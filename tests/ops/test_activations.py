@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -10,8 +11,9 @@ import numpy as np
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
+from transformer_jax.ops import linear
 from transformer_jax.ops import (
-    dropout, gated, geglu, gelu, gelu_tanh, get_activation, relu, silu, swiglu)
+    dropout, gated, geglu, gelu, gelu_tanh, get_activation, packed_activation, relu, silu, swiglu)
 
 X = np.linspace(-6.0, 6.0, 241)
 
@@ -170,6 +172,51 @@ def test_activation_backward_keeps_one_array(name, capsys):
   print_saved_residuals(lambda x: FUNCS[name](x).sum(), x)
   saved = [line for line in capsys.readouterr().out.splitlines() if line.startswith("f32[3,16]")]
   assert len(saved) == 1, saved
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("name", sorted(REFS))
+def test_packed_activation_has_the_rules_values_and_gradients(name, dtype):
+  """Same numbers as the JVP rule's reverse mode (bitwise), alone and gated; float32 gradients
+  against float64 NumPy (finite differences) through it too."""
+  rng = np.random.default_rng(3)
+  x, up, dy = (jnp.asarray(rng.standard_normal((4, 61)) * 3, dtype) for _ in range(3))
+  for f, g, args in ((FUNCS[name], lambda x: packed_activation(name, x), (x,)),
+                     (lambda x, u: gated(name, x, u), lambda x, u: packed_activation(name, x, u),
+                      (x, up))):
+    want, want_vjp = jax.vjp(f, *args)
+    got, got_vjp = jax.vjp(g, *args)
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    for a, b in zip(got_vjp(dy), want_vjp(dy), strict=True):
+      assert a.dtype == dtype
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  if name in SMOOTH:
+    grad = jax.jit(jax.vmap(jax.grad(lambda x: packed_activation(name, x))))(
+        jnp.asarray(X, jnp.float32))
+    np.testing.assert_allclose(grad, central_difference(REFS[name], X), atol=1e-5, rtol=1e-5)
+  with pytest.raises(ValueError, match="unknown activation 'tanh'"):
+    packed_activation("tanh", x)
+
+
+def test_packed_activation_stacks_its_bf16_residual_in_place_in_a_scan():
+  """The rule's saved ``df(x)`` is a bfloat16 stack, which XLA:CPU updates in float32 by
+  converting the whole ``[L, ...]`` array at every layer; the packed form stacks uint16 bits."""
+  ws = jnp.asarray(np.random.default_rng(0).standard_normal((3, 24, 24)), jnp.float32)
+  x = jnp.asarray(np.random.default_rng(1).standard_normal((16, 24)), jnp.bfloat16)
+
+  def loss(act):
+    def layer(h, w):   # ops.linear.matmul saves its own input as bits ([3, 24, 16] stacked)
+      return act(linear.matmul(h, w, dtype=jnp.bfloat16)), None
+    return lambda ws, x: jnp.sum(jax.lax.scan(layer, x, ws)[0].astype(jnp.float32) ** 2)
+
+  packed = jax.jit(jax.grad(loss(lambda h: packed_activation("gelu_tanh", h)))).lower(ws, x)
+  rule = jax.jit(jax.grad(loss(gelu_tanh))).lower(ws, x)
+  hlo, rule_hlo = packed.compile().as_text(), rule.compile().as_text()
+  if jax.default_backend() == "cpu":   # the float32 update this avoids is XLA:CPU's
+    assert re.search(r"f32\[3,16,24\]\{[^}]*\} dynamic-update-slice\(", rule_hlo)
+  assert not re.search(r"f32\[3,16,24\]\{[^}]*\} dynamic-update-slice\(", hlo)
+  assert re.search(r"u16\[3,16,24\]\{[^}]*\} dynamic-update-slice\(", hlo)
 
 
 # ---------------------------------------------------------------------------------------------------

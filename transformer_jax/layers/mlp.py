@@ -8,6 +8,7 @@ from flax import nnx
 
 from transformer_jax import ops
 from transformer_jax.layers.dense import Projection
+from transformer_jax.ops import linear
 from transformer_jax.parallel import axes as ax
 
 
@@ -30,7 +31,10 @@ class MLP(nnx.Module):
 
   def __call__(self, x_BTD: jax.Array, *, dropout_rate: float = 0.0,
                dropout_rng: jax.Array | None = None) -> jax.Array:
-    if self.gate is None:
+    if linear.matmul_pays(self.down.dtype):   # the projections' backward is written out too
+      h_BTF = ops.packed_activation(self.activation, *(
+          (self.up(x_BTD),) if self.gate is None else (self.gate(x_BTD), self.up(x_BTD))))
+    elif self.gate is None:
       h_BTF = ops.get_activation(self.activation)(self.up(x_BTD))
     else:
       h_BTF = ops.gated(self.activation, self.gate(x_BTD), self.up(x_BTD))

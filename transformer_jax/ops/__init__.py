@@ -2,7 +2,8 @@
 ``jit``, ``grad``, ``vmap`` and ``shard_map`` on plain arrays."""
 
 from transformer_jax.ops.activations import (
-    Activation, dropout, gated, gelu, gelu_tanh, geglu, get_activation, relu, silu, swiglu)
+    Activation, dropout, gated, gelu, gelu_tanh, geglu, get_activation, packed_activation, relu, silu,
+    swiglu)
 from transformer_jax.ops.attention import Implementation, dot_product_attention
 from transformer_jax.ops.linear import matmul
 from transformer_jax.ops.losses import cross_entropy
@@ -18,7 +19,7 @@ __all__ = [
     "Activation", "AlibiBias", "Implementation", "RelativeBias", "RopeScaling", "alibi_bias",
     "alibi_slopes", "and_masks", "apply_rope", "argmax", "causal_mask", "cross_entropy",
     "dot_product_attention", "dropout", "gated", "gelu", "gelu_tanh", "geglu", "get_activation",
-    "layer_norm", "matmul", "padding_mask", "relative_position_bucket", "relative_positions", "relu",
-    "rms_norm", "rope_frequencies", "segment_mask", "silu", "sinusoidal_positions",
-    "sliding_window_mask", "swiglu",
+    "layer_norm", "matmul", "packed_activation", "padding_mask", "relative_position_bucket",
+    "relative_positions", "relu", "rms_norm", "rope_frequencies", "segment_mask", "silu",
+    "sinusoidal_positions", "sliding_window_mask", "swiglu",
 ]
