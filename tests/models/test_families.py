@@ -74,12 +74,35 @@ def test_pure_function_form_vmaps_over_params(tokens):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_scanned_stack_equals_unrolled_stack(name, tokens):
-  scanned = tiny(name)
+  scanned = tiny(name, scan_layers=True)
   unrolled = dataclasses.replace(scanned, scan_layers=False)
   params = params_for(scanned)
   a = jit_forward(scanned)(params, tokens)
   b = jit_forward(unrolled)(params, tokens)
   np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_auto_unrolls_only_bfloat16_cpu_products_of_a_few_layers(monkeypatch):
+  from transformer_jax.ops import linear
+
+  def stacks(config):
+    model = models.abstract(config)
+    return [m.unroll for _, m in nnx.iter_graph(model) if type(m).__name__ == "Stack"]
+
+  for pays in (True, False):
+    monkeypatch.setattr(linear, "matmul_pays", lambda dtype, pays=pays: pays and dtype == "bfloat16")
+    for name in ("gpt2-tiny", "bert-tiny", "t5-tiny"):
+      bf16 = tiny(name, dtype="bfloat16")
+      assert bf16.scan_layers == "auto"
+      assert stacks(bf16) == [pays] * len(stacks(bf16)) and stacks(bf16)
+      assert stacks(tiny(name)) == [False] * len(stacks(bf16))          # float32: scanned
+      assert stacks(dataclasses.replace(bf16, scan_layers=True)) == [False] * len(stacks(bf16))
+      assert stacks(dataclasses.replace(bf16, scan_layers=False)) == [True] * len(stacks(bf16))
+    deep = tiny("gpt2-tiny", dtype="bfloat16", num_layers=models.config.UNROLL_MAX_LAYERS + 1)
+    assert not models.unrolls_layers(deep)
+    t5 = tiny("t5-tiny", dtype="bfloat16", num_encoder_layers=6, num_decoder_layers=7)
+    assert not models.unrolls_layers(t5)   # encoder and decoder count together
+    assert models.unrolls_layers(dataclasses.replace(t5, num_decoder_layers=6)) == pays
 
 
 @pytest.mark.parametrize("remat", ["full", "dots"])

@@ -73,6 +73,8 @@ def test_get_config_applies_and_validates_overrides():
     ("num_layers", 0, "num_layers=0 must be a positive integer"),
     ("activation", "tanh", "activation='tanh' must be one of"),
     ("remat", "some", "remat='some' must be one of"),
+    ("scan_layers", "yes", "scan_layers='yes' must be true, false or 'auto'"),
+    ("scan_layers", 1, "scan_layers=1 must be true, false or 'auto'"),
 ])
 def test_config_errors_name_field_and_value(field, value, message):
   with pytest.raises(ValueError, match=message):

@@ -315,6 +315,8 @@ def run(args) -> dict:
       "benchmark": "train step",
       "preset": args.preset, "batch_size": args.batch_size, "seq_len": args.seq_len,
       "dtype": args.dtype, "remat": args.remat,
+      # "auto" resolves by dtype and CPU (models.unrolls_layers): the layers ran unrolled or scanned.
+      "layers": "unrolled" if models.unrolls_layers(config) else "scanned",
       "params": models.count_params(config), "model_flops_per_step": step_flops,
       "ours": {"compile_s": ours.compile_s, "trace_s": ours.trace_s, "first_step_s": first["ours"],
                "step_s": _summary(times["ours"]),
@@ -343,7 +345,8 @@ def table(result: dict) -> str:
   """The result as a few aligned lines."""
   ref = result["limit"]["step_floor_s"]
   lines = [f"train step {result['preset']} {result['batch_size']}x{result['seq_len']} "
-           f"{result['dtype']}: floor {ref:.2f} s at the measured matmul limit "
+           f"{result['dtype']}, layers {result.get('layers', 'scanned')}: floor {ref:.2f} s at "
+           "the measured matmul limit "
            f"({result['limit']['matmul'][list(result['limit']['matmul'])[-1]]['flops_per_sec'] / 1e9:.0f} GFLOP/s)"]
   for name in ("ours", "torch", "torch.compile"):
     if name in result:

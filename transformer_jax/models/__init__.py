@@ -2,7 +2,8 @@
 
 from transformer_jax.models.bert import BERT, BERTOutput
 from transformer_jax.models.config import (
-    BERTConfig, GPTConfig, ModelConfig, Seq2SeqConfig, config_from_dict, config_to_dict)
+    BERTConfig, GPTConfig, ModelConfig, Seq2SeqConfig, config_from_dict, config_to_dict,
+    unrolls_layers)
 from transformer_jax.models.counting import (
     ParamCount, count_params, param_count, train_flops_per_token, train_memory_bytes)
 from transformer_jax.models.functional import (
@@ -14,6 +15,6 @@ from transformer_jax.models.seq2seq import Seq2Seq
 __all__ = [
     "BERT", "BERTConfig", "BERTOutput", "GPT", "GPTConfig", "ModelConfig", "PRESETS", "ParamCount",
     "Seq2Seq", "Seq2SeqConfig", "abstract", "apply", "config_from_dict", "config_to_dict",
-    "count_params", "create", "get_config", "graphdef", "init", "init_abstract", "list_presets", "model_class", "param_count", "train_flops_per_token",
-    "train_memory_bytes",
+    "count_params", "create", "get_config", "graphdef", "init", "init_abstract", "list_presets",
+    "model_class", "param_count", "train_flops_per_token", "train_memory_bytes", "unrolls_layers",
 ]

@@ -15,7 +15,7 @@ from transformer_jax.layers import Embed, Norm, Projection, Stack
 from transformer_jax.layers.common import param, zeros
 from transformer_jax.models.common import (
     check_length, check_same_shape, check_tokens, with_matmul_precision)
-from transformer_jax.models.config import BERTConfig
+from transformer_jax.models.config import BERTConfig, unrolls_layers
 from transformer_jax.parallel import axes as ax
 
 
@@ -39,7 +39,7 @@ class BERT(nnx.Module):
     self.type_embed = Embed(c.type_vocab_size, c.d_model, axes=(ax.TYPES, ax.EMBED), **emb)
     self.embed_norm = Norm(c.d_model, kind="layernorm", eps=c.norm_eps, param_dtype=param_dtype,
                            rngs=rngs)
-    self.blocks = Stack(c.block_config(), c.num_layers, remat=c.remat, unroll=not c.scan_layers,
+    self.blocks = Stack(c.block_config(), c.num_layers, remat=c.remat, unroll=unrolls_layers(c),
                         rngs=rngs, mesh=mesh)
     self.pooler = Projection("BD,DE->BE", (c.d_model, c.d_model), (ax.EMBED, ax.EMBED),
                              bias_shape=(c.d_model,), bias_axes=(ax.EMBED,), **dense)

@@ -12,7 +12,7 @@ from transformer_jax import ops
 from transformer_jax.layers import Embed, KVCache, Norm, Projection, Stack
 from transformer_jax.models.common import (
     check_length, check_same_shape, check_tokens, with_matmul_precision)
-from transformer_jax.models.config import GPTConfig
+from transformer_jax.models.config import GPTConfig, unrolls_layers
 from transformer_jax.parallel import axes as ax
 
 
@@ -33,7 +33,7 @@ class GPT(nnx.Module):
     self.pos_embed = (Embed(c.max_len, c.d_model, init_std=c.init_std / 2, dtype=dtype,
                             param_dtype=param_dtype, rngs=rngs, axes=(ax.POSITIONS, ax.EMBED))
                       if c.position == "learned" else None)
-    self.blocks = Stack(c.block_config(), c.num_layers, remat=c.remat, unroll=not c.scan_layers,
+    self.blocks = Stack(c.block_config(), c.num_layers, remat=c.remat, unroll=unrolls_layers(c),
                         rngs=rngs, mesh=mesh)
     self.final_norm = Norm(c.d_model, kind=c.norm, eps=c.norm_eps, param_dtype=param_dtype,
                            rngs=rngs)

@@ -13,7 +13,7 @@ from transformer_jax import ops
 from transformer_jax.layers import Embed, KVCache, Norm, Projection, RelativePositionBias, Stack
 from transformer_jax.models.common import (
     check_length, check_same_shape, check_tokens, with_matmul_precision)
-from transformer_jax.models.config import Seq2SeqConfig
+from transformer_jax.models.config import Seq2SeqConfig, unrolls_layers
 from transformer_jax.parallel import axes as ax
 
 
@@ -27,7 +27,7 @@ class Seq2Seq(nnx.Module):
     dtype, param_dtype = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
     self.embed = Embed(c.vocab_size, c.d_model, init_std=c.embedding_init_std, dtype=dtype,
                        param_dtype=param_dtype, rngs=rngs)
-    stack = dict(remat=c.remat, unroll=not c.scan_layers, rngs=rngs, mesh=mesh)
+    stack = dict(remat=c.remat, unroll=unrolls_layers(c), rngs=rngs, mesh=mesh)
     self.encoder = Stack(c.block_config(decoder=False), c.num_encoder_layers, **stack)
     self.decoder = Stack(c.block_config(decoder=True), c.num_decoder_layers, **stack)
     norm = dict(kind=c.norm, eps=c.norm_eps, param_dtype=param_dtype, rngs=rngs)
