@@ -1,8 +1,9 @@
 """A stack of identical blocks with stacked parameters (leading ``layers`` axis), run by ``lax.scan``.
 
-Scanning compiles one block instead of L (GPT-2 small: ~3 s instead of ~16 s here) and is what
-FSDP-per-layer gathering and remat policies hang on. ``unroll=True`` runs a Python loop over the same
-stacked parameters, for debugging; both give the same numbers.
+Scanning compiles one block instead of L and is what FSDP-per-layer gathering and remat policies
+hang on. ``unroll=True`` runs a Python loop over the same stacked parameters; both give the same
+numbers. Unrolled, GPT-2 small compiles in 4-4.5 s instead of 2-2.7 s (2-core Zen 4 EPYC), and its
+bfloat16 step on a CPU with bf16 units runs 10% faster: ``models.unrolls_layers`` decides.
 """
 
 from __future__ import annotations
