@@ -83,11 +83,12 @@ def test_scanned_stack_equals_unrolled_stack(name, tokens):
 
 
 def test_auto_unrolls_only_bfloat16_cpu_products_of_a_few_layers(monkeypatch):
+  from transformer_jax.layers import Stack
   from transformer_jax.ops import linear
 
   def stacks(config):
     model = models.abstract(config)
-    return [m.unroll for _, m in nnx.iter_graph(model) if type(m).__name__ == "Stack"]
+    return [m.unroll for _, m in nnx.iter_graph(model) if isinstance(m, Stack)]
 
   for pays in (True, False):
     monkeypatch.setattr(linear, "matmul_pays", lambda dtype, pays=pays: pays and dtype == "bfloat16")

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from transformer_jax import ops
 from transformer_jax.layers import BlockConfig, Remat
+from transformer_jax.ops import linear
 
 Norm = Literal["layernorm", "rmsnorm"]
 _ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
@@ -311,8 +312,6 @@ def unrolls_layers(config: ModelConfig) -> bool:
   """
   if config.scan_layers != "auto":
     return not config.scan_layers
-  from transformer_jax.ops import linear  # noqa: PLC0415 - reads the CPU's flags once
-
   layers = (config.num_encoder_layers + config.num_decoder_layers
             if isinstance(config, Seq2SeqConfig) else config.num_layers)
   return layers <= UNROLL_MAX_LAYERS and linear.matmul_pays(config.dtype)
