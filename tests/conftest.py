@@ -97,16 +97,6 @@ def pytest_terminal_summary(terminalreporter):
   """Names the machine at the very end: CI shows only the tail of the output, and a failure that
   only one machine sees (a crash in a compute library) is the CPU's as often as the code's."""
   from transformer_jax.bench import machine
-  ids = {}
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        key, _, value = line.partition(":")
-        if key.strip() in ("cpu family", "model") and key.strip() not in ids:
-          ids[key.strip()] = value.strip()
-  except OSError:
-    pass
-  family = ", ".join(f"{k} {v}" for k, v in ids.items())
   terminalreporter.write_line(
-      f"machine: {machine.cpu_name()} ({family}), {os.cpu_count()} CPUs, "
+      f"machine: {machine.cpu_name()} ({machine.cpu_family()}), {os.cpu_count()} CPUs, "
       f"flags: {' '.join(machine.cpu_flags())}; jax {jax.__version__}")

@@ -209,3 +209,15 @@ def test_results_name_the_commit_they_ran_and_none_outside_a_checkout(tmp_path):
     copy = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(copy)
     assert copy.source_revision() is None, site
+
+
+def test_cpu_family_names_the_first_processor_of_proc_cpuinfo():
+  from transformer_jax.bench import machine
+
+  try:
+    lines = open("/proc/cpuinfo").read().split("\n\n")[0].splitlines()
+  except OSError:
+    pytest.skip("no /proc/cpuinfo")
+  first = dict((k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in lines))
+  want = [f"{key} {first[key]}" for key in ("cpu family", "model") if key in first]
+  assert machine.cpu_family() == ", ".join(want)

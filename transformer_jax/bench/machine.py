@@ -34,8 +34,8 @@ BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 @functools.cache
-def _cpuinfo() -> tuple[str, frozenset[str]]:
-  name, flags = platform.processor() or platform.machine(), set()
+def _cpuinfo() -> tuple[str, frozenset[str], tuple[tuple[str, str], ...]]:
+  name, flags, ids = platform.processor() or platform.machine(), set(), {}
   try:
     with open("/proc/cpuinfo") as f:
       for line in f:
@@ -45,9 +45,17 @@ def _cpuinfo() -> tuple[str, frozenset[str]]:
           name = value.strip()
         elif key in ("flags", "Features"):
           flags.update(value.split())
+        elif key in ("cpu family", "model"):
+          ids.setdefault(key, value.strip())
   except OSError:
     pass
-  return name, frozenset(flags)
+  return name, frozenset(flags), tuple(ids.items())
+
+
+def cpu_family() -> str:
+  """``"cpu family 25, model 17"`` from ``/proc/cpuinfo`` (empty where it says neither): what tells
+  two CPUs of one model name apart (an "AMD EPYC" may be a Zen 4 or a Zen 5)."""
+  return ", ".join(f"{key} {value}" for key, value in _cpuinfo()[2])
 
 
 def cpu_name() -> str:
