@@ -258,6 +258,75 @@ def test_bf16_large_logits_softmax_in_float32():
   np.testing.assert_allclose(w, ref_w, atol=1e-4)
 
 
+def _grads_f64(q, kk, v, bias, mask, w, causal):
+  """Output and gradients of ``sum(out * w)`` in float64, by differentiating the forward formulas
+  (the ``return_weights`` path)."""
+  with jax.enable_x64(True):
+    def loss(q_, k_, v_, b_):
+      out = dot_product_attention(q_, k_, v_, bias=b_, mask=mask, causal=causal,
+                                  implementation="xla", return_weights=True)[0]
+      return jnp.sum(out * jnp.asarray(w, jnp.float64)), out
+    args = [jnp.asarray(np.asarray(a, np.float64)) for a in (q, kk, v, bias)]
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(*args)
+    return np.asarray(out), [np.asarray(g) for g in grads]
+
+
+@pytest.mark.parametrize("n,k,causal", [(4, 4, True), (4, 2, True), (4, 1, False)])
+def test_bf16_rowmajor_core_matches_float64(monkeypatch, n, k, causal):
+  # The bfloat16 CPU path (every product row-major, four of them transposed, the weights kept in
+  # bfloat16): values and the gradients of q, k, v and the bias against float64, within
+  # bfloat16's rounding, with a padding mask that leaves one query row with no key.
+  from transformer_jax.ops import attention, linear
+
+  monkeypatch.setattr(linear, "matmul_pays", lambda dtype: jnp.dtype(dtype) == jnp.bfloat16)
+  b, t, s, h = 2, 6, 8, 16
+  q, kk, v = make_qkv(50 + n + k, b=b, t=t, s=s, n=n, k=k, h=h, dtype=jnp.bfloat16)
+  rng = np.random.default_rng(51)
+  bias = jnp.asarray(rng.standard_normal((1, n, t, s)), jnp.float32)
+  mask = np.ones((b, 1, t, s), bool)
+  mask[1, :, :, :3] = False
+  mask[1, 0, 0] = False                       # row (1, 0) sees no key
+  mask = jnp.asarray(mask)
+  w = rng.standard_normal((b, t, n, h))
+  assert attention._rowmajor_pays(q, kk)
+
+  def loss(q_, k_, v_, b_):
+    out = dot_product_attention(q_, k_, v_, bias=b_, mask=mask, causal=causal)
+    return jnp.sum(out.astype(jnp.float32) * jnp.asarray(w, jnp.float32)), out
+
+  grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
+  (_, out), grads = grad(q, kk, v, bias)
+  ref_out, ref_grads = _grads_f64(q, kk, v, bias, mask, w, causal)
+  assert out.dtype == jnp.bfloat16 and [g.dtype for g in grads[:3]] == [jnp.bfloat16] * 3
+  np.testing.assert_allclose(np.asarray(out, np.float32), ref_out, atol=3e-2, rtol=3e-2)
+  for name, g, ref in zip("qkvb", grads, ref_grads):
+    scale = np.abs(ref).max()
+    err = np.abs(np.asarray(g, np.float32) - ref).max()
+    assert err <= 2e-2 * scale, (name, err, scale)
+  assert np.all(np.asarray(out, np.float32)[1, 0, 0] == 0.0)   # the row with no key
+
+  if jax.default_backend() == "cpu":          # every product stays bfloat16 in XLA:CPU's kernel
+    from tests.ops.test_linear import _dots
+    dots = _dots(grad.lower(q, kk, v, bias).compile().as_text())
+    assert len(dots) == 6, [d[0] for d in dots]
+    for line, types, caller in dots:
+      assert all(t.startswith("bf16[") for t in types), (line, types)
+      assert "__ynn_fusion" in caller, (line, caller)
+
+
+def test_bf16_rowmajor_core_only_where_its_copies_exist(monkeypatch):
+  # The row-major copies split a dim by a small factor: a prime length keeps the heads-major core.
+  from transformer_jax.ops import attention, linear
+
+  monkeypatch.setattr(linear, "matmul_pays", lambda dtype: jnp.dtype(dtype) == jnp.bfloat16)
+  q, kk, _ = make_qkv(52, t=6, s=8, dtype=jnp.bfloat16)
+  assert attention._rowmajor_pays(q, kk)
+  assert not attention._rowmajor_pays(*make_qkv(52, t=5, s=7, n=4, k=4, dtype=jnp.bfloat16)[:2])
+  assert not attention._rowmajor_pays(q.astype(jnp.float32), kk.astype(jnp.float32))
+  monkeypatch.setattr(linear, "matmul_pays", lambda dtype: False)
+  assert not attention._rowmajor_pays(q, kk)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Errors.
 

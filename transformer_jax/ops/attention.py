@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 import numpy as np
 
-from transformer_jax.ops import precision, residuals
+from transformer_jax.ops import linear, precision, residuals
 from transformer_jax.ops.chunked import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, chunked_attention
 from transformer_jax.ops.masks import and_masks, segment_mask
 
@@ -370,10 +370,87 @@ def _dense_core_grads(scale, t, res, dout_BKMH):
 _dense_core.defvjp(_dense_core_fwd, _dense_core_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _rowmajor_core(q_RMH, k_RSH, v_RSH, bias, mask, scale: float, b: int, t: int):
+  """``_dense_core`` for bfloat16 on a CPU with bf16 units, with ``R = B * K`` merged into one
+  batch dim and every product in a form XLA:CPU runs on its bfloat16 kernel (YNNPACK).
+
+  That kernel takes a batched product only with a row-major left operand contracted along its
+  last dim, and returns float32 (``ops.linear``). Of ``_dense_core``'s six products, ``p^T dO``
+  and ``dS^T q`` contract the left operand's rows, and the heads-major operands are transposes of
+  ``[B, T, N, H]`` that XLA makes free by giving them a permuted layout: it upcasts such products
+  to float32. Here the operands are row-major copies (``linear.transposed``, and the reshapes that
+  merge ``B`` and ``K``), and the four products with a 64-wide side (``p v``, ``dv``, ``dq``, ``dk``)
+  are computed transposed (``v^T p^T`` etc.): ``[H, S] x [S, M]`` runs at 210-240 GFLOP/s on a Zen
+  4 core pair where ``[M, S] x [S, H]`` runs at 160-190 (experiments/PERFORMANCE.md). The
+  attention weights are kept in bfloat16, the dtype the products take.
+  """
+  return _rowmajor_core_fwd(q_RMH, k_RSH, v_RSH, bias, mask, scale, b, t)[0]
+
+
+def _products(eq: str, x: jax.Array, y: jax.Array) -> jax.Array:
+  return jnp.einsum(eq, x, y, preferred_element_type=jnp.float32)
+
+
+def _rowmajor_core_fwd(q_RMH, k_RSH, v_RSH, bias, mask, scale, b, t):
+  r, m, _ = q_RMH.shape
+  s = k_RSH.shape[1]
+  logits_BNTS = _products("RMH,RSH->RMS", q_RMH, k_RSH).reshape(b, -1, t, s) * jnp.float32(scale)
+  if bias is not None:
+    logits_BNTS = logits_BNTS + bias.astype(jnp.float32)
+  if mask is not None:
+    logits_BNTS = jnp.where(mask, logits_BNTS, _MASK_VALUE)
+  weights_BNTS = jax.nn.softmax(logits_BNTS, axis=-1)
+  if mask is not None:
+    weights_BNTS = jnp.where(mask, weights_BNTS, 0.0)
+  p_RMS = weights_BNTS.reshape(r, m, s).astype(q_RMH.dtype)
+  out_RHM = _products("RHS,RMS->RHM", linear.transposed(v_RSH), p_RMS)
+  out_RMH = linear.transposed(out_RHM.astype(q_RMH.dtype))
+  saved = tuple(residuals.packed(x) for x in (q_RMH, k_RSH, v_RSH, p_RMS, out_RMH))
+  return out_RMH, (*saved, bias, mask)
+
+
+def _rowmajor_core_bwd(scale, b, t, res, dout_RMH):
+  *saved, bias, mask = res
+  q_RMH, k_RSH, v_RSH, p_RMS, out_RMH = (residuals.unpacked(x) for x in saved)
+  s = k_RSH.shape[1]
+  dv_RHS = _products("RHM,RMS->RHS", linear.transposed(dout_RMH), p_RMS)
+  dp_RMS = _products("RMH,RSH->RMS", dout_RMH, v_RSH)
+  delta_RM1 = jnp.sum(dout_RMH.astype(jnp.float32) * out_RMH.astype(jnp.float32), axis=-1,
+                      keepdims=True)
+  ds_RMS = p_RMS.astype(jnp.float32) * (dp_RMS - delta_RM1)  # masked entries have p = 0
+  dbias = (None if bias is None else
+           _sum_to(ds_RMS.reshape(b, -1, t, s), bias.shape).astype(bias.dtype))
+  ds_RMS = (ds_RMS * jnp.float32(scale)).astype(q_RMH.dtype)
+  dq_RHM = _products("RHS,RMS->RHM", linear.transposed(k_RSH), ds_RMS)
+  dk_RHS = _products("RHM,RMS->RHS", linear.transposed(q_RMH), ds_RMS)
+  dmask = None if mask is None else np.zeros(mask.shape, jax.dtypes.float0)
+  back = lambda x_RAB, like: linear.transposed(x_RAB.astype(like.dtype))
+  return back(dq_RHM, q_RMH), back(dk_RHS, k_RSH), back(dv_RHS, v_RSH), dbias, dmask
+
+
+_rowmajor_core.defvjp(_rowmajor_core_fwd, _rowmajor_core_bwd)
+
+
+def _rowmajor_pays(q: jax.Array, k: jax.Array) -> bool:
+  """Whether ``_rowmajor_core`` runs here: bfloat16 products pay (``linear.matmul_pays``) and the
+  query rows and keys can be transposed as copies (``linear.transposed`` needs a small factor)."""
+  t, s = q.shape[1], k.shape[1]
+  m = t * (q.shape[2] // k.shape[2])
+  return (q.dtype == k.dtype == jnp.bfloat16 and linear.matmul_pays(q.dtype)
+          and all(linear._small_factor(d) is not None for d in (m, s)))
+
+
 def _dense_attention(q, k, v, *, bias, mask, scale):
   """``_dense_core`` on ``[B, T, N, H]`` inputs: heads-major in, ``[B, T, N, H]`` out."""
   b, t, n, h = q.shape
   kh = k.shape[2]
+  if _rowmajor_pays(q, k) and v.dtype == q.dtype:
+    # Merging B and K in the reshape makes each operand a row-major copy.
+    q_RMH = q.reshape(b, t, kh, n // kh, h).transpose(0, 2, 3, 1, 4).reshape(b * kh, -1, h)
+    k_RSH, v_RSH = (x.transpose(0, 2, 1, 3).reshape(b * kh, -1, h) for x in (k, v))
+    out_RMH = _rowmajor_core(q_RMH, k_RSH, v_RSH, bias, mask, float(scale), b, t)
+    return out_RMH.reshape(b, kh, n // kh, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
   q_BKMH = q.reshape(b, t, kh, n // kh, h).transpose(0, 2, 3, 1, 4).reshape(b, kh, -1, h)
   k_BKSH, v_BKSH = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
   out_BKMH = _dense_core(q_BKMH, k_BKSH, v_BKSH, bias, mask, float(scale), t,

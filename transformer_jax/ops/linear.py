@@ -46,25 +46,29 @@ def _small_factor(n: int) -> int | None:
 
 
 def transposed(a_MK: jax.Array) -> jax.Array:
-  """``a.T`` as an array of its own in row-major order, which XLA keeps as the operand of a
-  bfloat16 dot instead of folding it into the dot's dimension numbers.
+  """``a.T`` (the last two dims swapped, ``[..., M, K] -> [..., K, M]``) as an array of its own in
+  row-major order, which XLA keeps as the operand of a bfloat16 dot instead of folding it into the
+  dot's dimension numbers.
 
   XLA gives a plain transpose the layout that makes it free (the operand's memory, strides
   permuted); its check of a bfloat16 dot then sees a column-major operand and upcasts the dot to
   float32. And a transpose that reaches a dot is later folded into the dot's dimension numbers,
   after the dot's dtype has been chosen, which leaves a bfloat16 dot that only the slow (Eigen)
-  kernel would take, and it takes none. Written as a rank-3 transpose of ``a`` split along one
-  dim, then a reshape, the copy is an op XLA neither folds nor reorders (one pass over ``a``).
+  kernel would take, and it takes none. Written as a transpose of ``a`` split along one dim, then
+  a reshape, the copy is an op XLA neither folds nor reorders (one pass over ``a``).
   ``tests/ops/test_linear.py`` checks the compiled product for upcast and misplaced dots, so an
   XLA change that breaks this shows up there. If neither dim has a small factor, this is the plain
   transpose: correct, and the dot runs at the float32 rate.
   """
-  m, k = a_MK.shape
+  *lead, m, k = a_MK.shape
+  r = len(lead)
   if (f := _small_factor(m)) is not None:        # [f, m/f, k] -> [k, f, m/f] -> [k, m]
-    return a_MK.reshape(f, m // f, k).transpose(2, 0, 1).reshape(k, m)
+    split = a_MK.reshape(*lead, f, m // f, k)
+    return split.transpose(*range(r), r + 2, r, r + 1).reshape(*lead, k, m)
   if (f := _small_factor(k)) is not None:        # [m, f, k/f] -> [f, k/f, m] -> [k, m]
-    return a_MK.reshape(m, f, k // f).transpose(1, 2, 0).reshape(k, m)
-  return a_MK.T
+    split = a_MK.reshape(*lead, m, f, k // f)
+    return split.transpose(*range(r), r + 1, r + 2, r).reshape(*lead, k, m)
+  return jnp.swapaxes(a_MK, -1, -2)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
