@@ -35,6 +35,7 @@ def test_train_against_torch_does_the_same_work(tmp_path, capsys):
   assert r["ours"]["temp_bytes"] > 0
   for side in ("ours", "torch"):
     assert r[side]["minor_faults_per_step"] >= 0 and r[side]["sys_s_per_step"] >= 0
+    assert len(r[side]["minor_faults_all"]) == len(r[side]["sys_s_all"]) == 2
   assert "ours" in capsys.readouterr().out
 
 

@@ -7,7 +7,10 @@ presets) is ``transformers.GPT2LMHeadModel`` holding the same weights (written b
 ``transformer_jax.hf.save``), in train mode, with the same tokens, the same loss (token-mean
 cross-entropy over the same labels), ``clip_grad_norm_`` and ``torch.optim.AdamW`` with the same
 hyper-parameters; dropout is off on both sides. Steps alternate (ours, theirs, ours, ...) so both
-see the same machine, and medians are compared. ``--against torch.compile`` adds a
+see the same machine, and medians are compared, after ``--warmup`` untimed steps per side (default 2:
+the first steps fault each side's scratch memory in, several seconds of kernel time each, and
+the per-step page faults and kernel time of the timed steps are in the JSON, ``*_all``).
+``--against torch.compile`` adds a
 ``torch.compile``-d forward+backward when it compiles within ``--compile-timeout`` seconds.
 
 The machine's limit is measured in the same run: the best matmul rate on the step's own shapes
@@ -40,7 +43,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                  help="compute dtype (parameters stay float32)")
   p.add_argument("--steps", type=int, default=5, help="timed steps per side")
-  p.add_argument("--warmup", type=int, default=1, help="untimed steps per side after the first")
+  p.add_argument("--warmup", type=int, default=2,
+                 help="untimed steps per side after the first (each side's first steps fault its "
+                      "scratch memory in, more of it while the other side's steps take freed pages)")
   p.add_argument("--against", default="torch",
                  help="comma-separated rivals: torch (eager), torch.compile, none")
   p.add_argument("--compile-timeout", type=float, default=180.0,
@@ -301,7 +306,8 @@ def run(args) -> dict:
       kernel[name]["minor_faults"].append(after.ru_minflt - before.ru_minflt)
       kernel[name]["sys_s"].append(after.ru_stime - before.ru_stime)
   med = {name: statistics.median(t) for name, t in times.items()}
-  per_step = {name: {f"{k}_per_step": statistics.median(v) for k, v in kernel[name].items()}
+  per_step = {name: {**{f"{k}_per_step": statistics.median(v) for k, v in kernel[name].items()},
+                     **{f"{k}_all": v for k, v in kernel[name].items()}}
               for name in sides}
 
   tokens = args.batch_size * args.seq_len
