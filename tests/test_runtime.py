@@ -100,6 +100,30 @@ def test_steps_with_onednn_products_are_compiled_each_run_without_a_warning(tmp_
   assert not any(f.startswith("jit_onednn_product-") for f in files), files
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's oneDNN products")
+def test_bfloat16_step_on_bf16_units_has_no_onednn_product_and_serializes(monkeypatch):
+  """With bf16 units, every product of a bfloat16 train step (projections, the head, attention's
+  row-major core) is a bfloat16 product for YNNPACK, which oneDNN does not take: the step
+  serializes, which is what the persistent cache writes, with the oneDNN options on. (With 64
+  tokens or fewer per step, XLA upcasts this tiny model's vocabulary products and oneDNN takes
+  them: 128 tokens here.)"""
+  from jax.experimental import serialize_executable
+
+  from transformer_jax import models
+  from transformer_jax.bench import train as bench_train
+  from transformer_jax.ops import linear
+
+  if not runtime.step_compiler_options("cpu"):
+    pytest.skip("this jaxlib does not take the oneDNN options")
+  monkeypatch.setattr(linear, "matmul_pays", lambda dtype: jnp.dtype(dtype) == jnp.bfloat16)
+  config = models.get_config("gpt2-tiny", dtype="bfloat16")
+  batch, task = bench_train.random_batch(config, 2, 64, 0)
+  step = bench_train.Ours(config, batch, task, 1e-4, 0).step_fn
+  assert "__onednn_fusion" not in step.as_text()
+  payload, _, _ = serialize_executable.serialize(step)
+  assert len(payload) > 0
+
+
 def test_cache_can_be_turned_off(monkeypatch):
   monkeypatch.setenv("TJAX_COMPILATION_CACHE", "0")
   assert runtime.enable_compilation_cache() is None

@@ -89,10 +89,13 @@ def step_compiler_options(platform: str) -> dict:
   product is XLA's own kernel, three times faster than oneDNN's at GPT-2 small's sizes.
 
   The cost: this jaxlib cannot serialize a program with oneDNN products ("ToProto is not
-  implemented for thunk kind: onednn-fusion"), so the persistent compilation cache cannot keep the
-  steps, and every run compiles them again (GPT-2 small: 1.6-2.2 s in float32). JAX's warning
-  about the failed cache write is silenced here, for that case only. ``$TJAX_ONEDNN=0`` gives the
-  cached steps back, at the products' speed.
+  implemented for thunk kind: onednn-fusion"), so the persistent compilation cache cannot keep a
+  float32 step, and every run compiles it again (GPT-2 small: 1.6-2.2 s). JAX's warning about the
+  failed cache write is silenced here, for that case only. ``$TJAX_ONEDNN=0`` gives the cached
+  steps back, at the products' speed. A bfloat16 step on a CPU with bf16 units has no oneDNN
+  product left (``ops.attention``'s row-major core keeps attention's products in YNNPACK too), so
+  it is cached with these options on; XLA still upcasts a tiny model's vocabulary products when a
+  step has 64 tokens or fewer, and oneDNN takes those.
   """
   if platform != "cpu" or os.environ.get(ONEDNN_ENV, "").lower() in ("0", "off", "false", "no"):
     return {}
