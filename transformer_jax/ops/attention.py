@@ -324,19 +324,24 @@ def _bnts(x_BKMS: jax.Array, t: int) -> jax.Array:
   return x_BKMS.reshape(b, kh * (m // t), t, s)
 
 
+def _masked_softmax(logits_BNTS: jax.Array, bias: jax.Array | None,
+                    mask: jax.Array | None) -> jax.Array:
+  """``softmax(logits + bias)`` over the keys, in the logits' dtype; masked weights are exactly 0,
+  and so is a row whose every key is masked (softmax alone would make it uniform)."""
+  if bias is not None:
+    logits_BNTS = logits_BNTS + bias.astype(logits_BNTS.dtype)
+  if mask is not None:
+    logits_BNTS = jnp.where(mask, logits_BNTS, _MASK_VALUE)
+  weights_BNTS = jax.nn.softmax(logits_BNTS, axis=-1)
+  return weights_BNTS if mask is None else jnp.where(mask, weights_BNTS, 0.0)
+
+
 def _dense_core_fwd(q_BKMH, k_BKSH, v_BKSH, bias, mask, scale, t, matmul_precision):
   b, kh, m, _ = q_BKMH.shape
   s = k_BKSH.shape[2]
   acc = _acc_dtype(q_BKMH)
   logits_BKMS = jnp.einsum("BKMH,BKSH->BKMS", q_BKMH, k_BKSH, preferred_element_type=acc)
-  logits_BNTS = _bnts(logits_BKMS, t) * jnp.asarray(scale, acc)
-  if bias is not None:
-    logits_BNTS = logits_BNTS + bias.astype(acc)
-  if mask is not None:
-    logits_BNTS = jnp.where(mask, logits_BNTS, _MASK_VALUE)
-  weights_BNTS = jax.nn.softmax(logits_BNTS, axis=-1)
-  if mask is not None:
-    weights_BNTS = jnp.where(mask, weights_BNTS, 0.0)
+  weights_BNTS = _masked_softmax(_bnts(logits_BKMS, t) * jnp.asarray(scale, acc), bias, mask)
   p_BKMS = weights_BNTS.reshape(b, kh, m, s)
   out_BKMH = jnp.einsum("BKMS,BKSH->BKMH", p_BKMS.astype(v_BKSH.dtype), v_BKSH,
                         preferred_element_type=acc).astype(q_BKMH.dtype)
@@ -380,10 +385,11 @@ def _rowmajor_core(q_RMH, k_RSH, v_RSH, bias, mask, scale: float, b: int, t: int
   and ``dS^T q`` contract the left operand's rows, and the heads-major operands are transposes of
   ``[B, T, N, H]`` that XLA makes free by giving them a permuted layout: it upcasts such products
   to float32. Here the operands are row-major copies (``linear.transposed``, and the reshapes that
-  merge ``B`` and ``K``), and the four products with a 64-wide side (``p v``, ``dv``, ``dq``, ``dk``)
-  are computed transposed (``v^T p^T`` etc.): ``[H, S] x [S, M]`` runs at 210-240 GFLOP/s on a Zen
-  4 core pair where ``[M, S] x [S, H]`` runs at 160-190 (experiments/PERFORMANCE.md). The
-  attention weights are kept in bfloat16, the dtype the products take.
+  merge ``B`` and ``K``), and the four products with a 64-wide side (``p v``, ``dv``, ``dq``,
+  ``dk``) are computed transposed (``v^T p^T`` etc.): ``[H, S] x [S, M]`` runs at 210-240
+  GFLOP/s on a Zen 4 core pair where ``[M, S] x [S, H]`` runs at 160-190
+  (experiments/PERFORMANCE.md). The attention weights are kept in bfloat16, the dtype the
+  products take.
   """
   return _rowmajor_core_fwd(q_RMH, k_RSH, v_RSH, bias, mask, scale, b, t)[0]
 
@@ -396,14 +402,7 @@ def _rowmajor_core_fwd(q_RMH, k_RSH, v_RSH, bias, mask, scale, b, t):
   r, m, _ = q_RMH.shape
   s = k_RSH.shape[1]
   logits_BNTS = _products("RMH,RSH->RMS", q_RMH, k_RSH).reshape(b, -1, t, s) * jnp.float32(scale)
-  if bias is not None:
-    logits_BNTS = logits_BNTS + bias.astype(jnp.float32)
-  if mask is not None:
-    logits_BNTS = jnp.where(mask, logits_BNTS, _MASK_VALUE)
-  weights_BNTS = jax.nn.softmax(logits_BNTS, axis=-1)
-  if mask is not None:
-    weights_BNTS = jnp.where(mask, weights_BNTS, 0.0)
-  p_RMS = weights_BNTS.reshape(r, m, s).astype(q_RMH.dtype)
+  p_RMS = _masked_softmax(logits_BNTS, bias, mask).reshape(r, m, s).astype(q_RMH.dtype)
   out_RHM = _products("RHS,RMS->RHM", linear.transposed(v_RSH), p_RMS)
   out_RMH = linear.transposed(out_RHM.astype(q_RMH.dtype))
   saved = tuple(residuals.packed(x) for x in (q_RMH, k_RSH, v_RSH, p_RMS, out_RMH))
@@ -470,17 +469,7 @@ def _xla_attention(q, k, v, *, bias, mask, scale, dropout_rate, dropout_rng, ret
   q_BTKGH = q.reshape(b, t, kh, g, h)
   logits_BKGTS = jnp.einsum(
       "BTKGH,BSKH->BKGTS", q_BTKGH, k, preferred_element_type=jnp.float32)
-  logits_BNTS = logits_BKGTS.reshape(b, n, t, s) * jnp.float32(scale)
-  if bias is not None:
-    logits_BNTS = logits_BNTS + bias.astype(jnp.float32)
-
-  if mask is not None:
-    mask = jnp.broadcast_to(mask, logits_BNTS.shape)
-    logits_BNTS = jnp.where(mask, logits_BNTS, _MASK_VALUE)
-  weights_BNTS = jax.nn.softmax(logits_BNTS, axis=-1)
-  if mask is not None:
-    # A fully masked row would be uniform after softmax; zero it (and every masked entry).
-    weights_BNTS = jnp.where(mask, weights_BNTS, 0.0)
+  weights_BNTS = _masked_softmax(logits_BKGTS.reshape(b, n, t, s) * jnp.float32(scale), bias, mask)
 
   probs_BNTS = weights_BNTS
   if dropout_rate > 0.0 and dropout_rng is not None:
