@@ -288,7 +288,7 @@ def test_bf16_rowmajor_core_matches_float64(monkeypatch, n, k, causal):
   mask[1, 0, 0] = False                       # row (1, 0) sees no key
   mask = jnp.asarray(mask)
   w = rng.standard_normal((b, t, n, h))
-  assert attention._rowmajor_pays(q, kk)
+  assert attention._rowmajor_pays(q, kk, v)
 
   def loss(q_, k_, v_, b_):
     out = dot_product_attention(q_, k_, v_, bias=b_, mask=mask, causal=causal)
@@ -306,12 +306,8 @@ def test_bf16_rowmajor_core_matches_float64(monkeypatch, n, k, causal):
   assert np.all(np.asarray(out, np.float32)[1, 0, 0] == 0.0)   # the row with no key
 
   if jax.default_backend() == "cpu":          # every product stays bfloat16 in XLA:CPU's kernel
-    from tests.ops.test_linear import _dots
-    dots = _dots(grad.lower(q, kk, v, bias).compile().as_text())
-    assert len(dots) == 6, [d[0] for d in dots]
-    for line, types, caller in dots:
-      assert all(t.startswith("bf16[") for t in types), (line, types)
-      assert "__ynn_fusion" in caller, (line, caller)
+    from tests.ops.test_linear import assert_bf16_dots_in_library_kernel
+    assert_bf16_dots_in_library_kernel(grad.lower(q, kk, v, bias).compile().as_text(), 6)
 
 
 def test_bf16_rowmajor_core_only_where_its_copies_exist(monkeypatch):
@@ -319,12 +315,14 @@ def test_bf16_rowmajor_core_only_where_its_copies_exist(monkeypatch):
   from transformer_jax.ops import attention, linear
 
   monkeypatch.setattr(linear, "matmul_pays", lambda dtype: jnp.dtype(dtype) == jnp.bfloat16)
-  q, kk, _ = make_qkv(52, t=6, s=8, dtype=jnp.bfloat16)
-  assert attention._rowmajor_pays(q, kk)
-  assert not attention._rowmajor_pays(*make_qkv(52, t=5, s=7, n=4, k=4, dtype=jnp.bfloat16)[:2])
-  assert not attention._rowmajor_pays(q.astype(jnp.float32), kk.astype(jnp.float32))
+  q, kk, v = make_qkv(52, t=6, s=8, dtype=jnp.bfloat16)
+  assert attention._rowmajor_pays(q, kk, v)
+  assert not attention._rowmajor_pays(*make_qkv(52, t=5, s=7, n=4, k=4, dtype=jnp.bfloat16))
+  assert not attention._rowmajor_pays(q.astype(jnp.float32), kk.astype(jnp.float32),
+                                      v.astype(jnp.float32))
+  assert not attention._rowmajor_pays(q, kk, v.astype(jnp.float32))
   monkeypatch.setattr(linear, "matmul_pays", lambda dtype: False)
-  assert not attention._rowmajor_pays(q, kk)
+  assert not attention._rowmajor_pays(q, kk, v)
 
 
 # ---------------------------------------------------------------------------------------------------

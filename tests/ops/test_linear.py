@@ -122,6 +122,15 @@ def _dots(hlo: str) -> list[tuple[str, list[str], str]]:
   return found
 
 
+def assert_bf16_dots_in_library_kernel(hlo: str, count: int) -> None:
+  """``count`` dots in the compiled module, each with bfloat16 operands inside a YNNPACK fusion."""
+  dots = _dots(hlo)
+  assert len(dots) == count, [d[0] for d in dots]
+  for line, types, caller in dots:
+    assert all(t.startswith("bf16[") for t in types), (line, types)
+    assert "__ynn_fusion" in caller, (line, caller)
+
+
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's dot lowering")
 @pytest.mark.parametrize("transpose_w,with_bias", [(False, False), (True, False), (False, True)])
 def test_every_bf16_dot_stays_bf16_in_the_library_kernel(transpose_w, with_bias):
@@ -140,11 +149,7 @@ def test_every_bf16_dot_stays_bf16_in_the_library_kernel(transpose_w, with_bias)
 
   # The value keeps the forward dot; the bias adds the dot of its gradient.
   grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-  dots = _dots(grad.lower(x, w, b).compile().as_text())
-  assert len(dots) == 3 + with_bias, [d[0] for d in dots]
-  for line, types, caller in dots:
-    assert all(t.startswith("bf16[") for t in types), (line, types)
-    assert "__ynn_fusion" in caller, (line, caller)
+  assert_bf16_dots_in_library_kernel(grad.lower(x, w, b).compile().as_text(), 3 + with_bias)
   value, (dx, dw, db) = grad(x, w, b)   # runs: no dot was left to a kernel without bfloat16 support
   assert float(value) == m * k * n
   np.testing.assert_allclose(dx, np.full((m, k), n), rtol=1e-6)

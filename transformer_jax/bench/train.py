@@ -351,7 +351,7 @@ def table(result: dict) -> str:
   """The result as a few aligned lines."""
   ref = result["limit"]["step_floor_s"]
   lines = [f"train step {result['preset']} {result['batch_size']}x{result['seq_len']} "
-           f"{result['dtype']}, layers {result.get('layers', 'scanned')}: floor {ref:.2f} s at "
+           f"{result['dtype']}, layers {result['layers']}: floor {ref:.2f} s at "
            "the measured matmul limit "
            f"({result['limit']['matmul'][list(result['limit']['matmul'])[-1]]['flops_per_sec'] / 1e9:.0f} GFLOP/s)"]
   for name in ("ours", "torch", "torch.compile"):

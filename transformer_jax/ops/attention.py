@@ -431,12 +431,13 @@ def _rowmajor_core_bwd(scale, b, t, res, dout_RMH):
 _rowmajor_core.defvjp(_rowmajor_core_fwd, _rowmajor_core_bwd)
 
 
-def _rowmajor_pays(q: jax.Array, k: jax.Array) -> bool:
-  """Whether ``_rowmajor_core`` runs here: bfloat16 products pay (``linear.matmul_pays``) and the
-  query rows and keys can be transposed as copies (``linear.transposed`` needs a small factor)."""
+def _rowmajor_pays(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
+  """Whether ``_rowmajor_core`` runs here: q, k and v are bfloat16, bfloat16 products pay
+  (``linear.matmul_pays``), and the query rows and keys can be transposed as copies
+  (``linear.transposed`` needs a small factor)."""
   t, s = q.shape[1], k.shape[1]
   m = t * (q.shape[2] // k.shape[2])
-  return (q.dtype == k.dtype == jnp.bfloat16 and linear.matmul_pays(q.dtype)
+  return (q.dtype == k.dtype == v.dtype == jnp.bfloat16 and linear.matmul_pays(q.dtype)
           and all(linear._small_factor(d) is not None for d in (m, s)))
 
 
@@ -444,7 +445,7 @@ def _dense_attention(q, k, v, *, bias, mask, scale):
   """``_dense_core`` on ``[B, T, N, H]`` inputs: heads-major in, ``[B, T, N, H]`` out."""
   b, t, n, h = q.shape
   kh = k.shape[2]
-  if _rowmajor_pays(q, k) and v.dtype == q.dtype:
+  if _rowmajor_pays(q, k, v):
     # Merging B and K in the reshape makes each operand a row-major copy.
     q_RMH = q.reshape(b, t, kh, n // kh, h).transpose(0, 2, 3, 1, 4).reshape(b * kh, -1, h)
     k_RSH, v_RSH = (x.transpose(0, 2, 1, 3).reshape(b * kh, -1, h) for x in (k, v))
