@@ -24,6 +24,7 @@ Masks are boolean with ``True`` meaning *attend*. Additive biases (ALiBi, T5 rel
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -337,12 +338,18 @@ def _bnts(x_BKMS: jax.Array, t: int) -> jax.Array:
 
 
 def _masked_softmax(logits_BNTS: jax.Array, bias: jax.Array | None,
-                    mask: jax.Array | None) -> jax.Array:
+                    mask: jax.Array | None, *, mask_as_bias: bool = False) -> jax.Array:
   """``softmax(logits + bias)`` over the keys, in the logits' dtype; masked weights are exactly 0,
-  and so is a row whose every key is masked (softmax alone would make it uniform)."""
+  and so is a row whose every key is masked (softmax alone would make it uniform).
+
+  ``mask_as_bias`` adds the mask as a bias of 0 or ``_MASK_VALUE`` instead of selecting
+  ``_MASK_VALUE``: the same weights, and XLA:CPU fuses the add into YNNPACK's softmax where the
+  select is a pass of its own over the float32 logits."""
   if bias is not None:
     logits_BNTS = logits_BNTS + bias.astype(logits_BNTS.dtype)
-  if mask is not None:
+  if mask is not None and mask_as_bias:
+    logits_BNTS = logits_BNTS + jnp.where(mask, 0.0, _MASK_VALUE).astype(logits_BNTS.dtype)
+  elif mask is not None:
     logits_BNTS = jnp.where(mask, logits_BNTS, _MASK_VALUE)
   weights_BNTS = jax.nn.softmax(logits_BNTS, axis=-1)
   return weights_BNTS if mask is None else jnp.where(mask, weights_BNTS, 0.0)
@@ -413,8 +420,12 @@ def _products(eq: str, x: jax.Array, y: jax.Array) -> jax.Array:
 def _rowmajor_core_fwd(q_RMH, k_RSH, v_RSH, bias, mask, scale, b, t):
   r, m, _ = q_RMH.shape
   s = k_RSH.shape[1]
-  logits_BNTS = _products("RMH,RSH->RMS", q_RMH, k_RSH).reshape(b, -1, t, s) * jnp.float32(scale)
-  p_RMS = _masked_softmax(logits_BNTS, bias, mask).reshape(r, m, s).astype(q_RMH.dtype)
+  if math.frexp(scale)[0] == 0.5:   # a power of two (1 / sqrt(64)): exact on q, no pass of its own
+    logits_RMS = _products("RMH,RSH->RMS", q_RMH * jnp.asarray(scale, q_RMH.dtype), k_RSH)
+  else:
+    logits_RMS = _products("RMH,RSH->RMS", q_RMH, k_RSH) * jnp.float32(scale)
+  p_RMS = _masked_softmax(logits_RMS.reshape(b, -1, t, s), bias, mask, mask_as_bias=True)
+  p_RMS = p_RMS.reshape(r, m, s).astype(q_RMH.dtype)
   out_RHM = _products("RHS,RMS->RHM", linear.transposed(v_RSH), p_RMS)
   out_RMH = linear.transposed(out_RHM.astype(q_RMH.dtype))
   saved = tuple(residuals.packed(x) for x in (q_RMH, k_RSH, v_RSH, p_RMS, out_RMH))
@@ -432,9 +443,11 @@ def _rowmajor_core_bwd(scale, b, t, res, dout_RMH):
   ds_RMS = p_RMS.astype(jnp.float32) * (dp_RMS - delta_RM1)  # masked entries have p = 0
   dbias = (None if bias is None else
            _sum_to(ds_RMS.reshape(b, -1, t, s), bias.shape).astype(bias.dtype))
-  ds_RMS = (ds_RMS * jnp.float32(scale)).astype(q_RMH.dtype)
-  dq_RHM = _products("RHS,RMS->RHM", linear.transposed(k_RSH), ds_RMS)
-  dk_RHS = _products("RHM,RMS->RHS", linear.transposed(q_RMH), ds_RMS)
+  # The scale goes on the two small products' results: on dS, XLA:CPU would materialize a
+  # [R, M, S] array of it for YNNPACK's fusion.
+  ds_RMS = ds_RMS.astype(q_RMH.dtype)
+  dq_RHM = _products("RHS,RMS->RHM", linear.transposed(k_RSH), ds_RMS) * jnp.float32(scale)
+  dk_RHS = _products("RHM,RMS->RHS", linear.transposed(q_RMH), ds_RMS) * jnp.float32(scale)
   dmask = None if mask is None else np.zeros(mask.shape, jax.dtypes.float0)
   back = lambda x_RAB, like: linear.transposed(x_RAB.astype(like.dtype))
   return back(dq_RHM, q_RMH), back(dk_RHS, k_RSH), back(dv_RHS, v_RSH), dbias, dmask
