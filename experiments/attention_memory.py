@@ -136,8 +136,8 @@ def main(argv=None) -> dict:
                           "noisy (the load averages bracket the run); peak RSS is not affected"},
       "settings": {"reps": args.reps, "sweep_reps": args.sweep_reps,
                    "memory_limit_gib": args.memory_limit_gib,
-                   "block_q": args.block_q or chunked.DEFAULT_BLOCK_Q,
-                   "block_k": args.block_k or chunked.DEFAULT_BLOCK_K,
+                   "block_q": args.block_q or chunked.default_block_sizes()[0],
+                   "block_k": args.block_k or chunked.default_block_sizes()[1],
                    "auto_chunked_min_ts": attention.AUTO_CHUNKED_MIN_TS},
       "versions": {d: importlib.metadata.version(d) for d in ("jax", "jaxlib", "numpy")}
                   | {"python": platform.python_version()},

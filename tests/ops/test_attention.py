@@ -331,7 +331,7 @@ def test_bf16_rowmajor_core_only_where_its_copies_exist(monkeypatch):
 def test_auto_keeps_bf16_dense_past_the_chunked_threshold(monkeypatch):
   # Where the row-major core runs (bfloat16, bf16 units), implementation=None stays "xla" past
   # AUTO_CHUNKED_MIN_TS while the weights fit AUTO_DENSE_BF16_MAX_BYTES, and without dropout.
-  from transformer_jax.ops import attention, linear
+  from transformer_jax.ops import attention, chunked, linear
 
   monkeypatch.setattr(linear, "matmul_pays", lambda dtype: jnp.dtype(dtype) == jnp.bfloat16)
   monkeypatch.setattr(attention, "AUTO_CHUNKED_MIN_TS", 6 * 8)
@@ -341,13 +341,12 @@ def test_auto_keeps_bf16_dense_past_the_chunked_threshold(monkeypatch):
       lambda q_, k_, v_: dot_product_attention(q_, k_, v_, causal=True, **kw))(q_, k_, v_),
       np.float32)
   xla = attend(q, kk, v, implementation="xla")
-  chunked = attend(q, kk, v, implementation="chunked", block_q=4, block_k=4)
-  assert not np.array_equal(xla, chunked)     # the kernels round bfloat16 differently
+  by_blocks = attend(q, kk, v, implementation="chunked", block_q=4, block_k=4)
+  assert not np.array_equal(xla, by_blocks)     # the kernels round bfloat16 differently
   np.testing.assert_array_equal(attend(q, kk, v), xla)
   monkeypatch.setattr(attention, "AUTO_DENSE_BF16_MAX_BYTES", 2 * 4 * 6 * 8 * 2 - 1)
-  monkeypatch.setattr(attention, "DEFAULT_BLOCK_Q", 4)
-  monkeypatch.setattr(attention, "DEFAULT_BLOCK_K", 4)
-  np.testing.assert_array_equal(attend(q, kk, v), chunked)
+  monkeypatch.setattr(chunked, "default_block_sizes", lambda: (4, 4))
+  np.testing.assert_array_equal(attend(q, kk, v), by_blocks)
   choose = functools.partial(attention._auto_implementation, return_weights=False)
   monkeypatch.setattr(attention, "AUTO_DENSE_BF16_MAX_BYTES", 2 * 4 * 6 * 8 * 2)
   assert choose(q, kk, v, dropout=False) == "xla"

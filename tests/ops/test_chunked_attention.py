@@ -260,6 +260,24 @@ def test_dropout_mean_is_the_output_without_dropout():
   assert stderr.max() > 1e-3  # dropout did act
 
 
+def test_default_blocks_follow_the_backend():
+  # On CPU the kernel's blocks are CPU_BLOCK rows and keys (smaller blocks run faster there),
+  # elsewhere DEFAULT_BLOCK_Q / _K; the default is what an explicit block size of it gives.
+  from transformer_jax.ops import chunked
+
+  cpu = jax.default_backend() == "cpu"
+  expected = ((chunked.CPU_BLOCK,) * 2 if cpu else (chunked.DEFAULT_BLOCK_Q, chunked.DEFAULT_BLOCK_K))
+  assert chunked.default_block_sizes() == expected
+  q, k, v, _ = inputs(17, b=1, t=300, s=300, n=2, kh=2, h=8)
+  attend = jax.jit(lambda q, k, v, **kw: ops.dot_product_attention(
+      q, k, v, causal=True, implementation="chunked", **kw), static_argnames=("block_q", "block_k"))
+  np.testing.assert_array_equal(np.asarray(attend(q, k, v)),
+                                np.asarray(attend(q, k, v, block_q=expected[0], block_k=expected[1])))
+  other = 512 if cpu else 128
+  assert not np.array_equal(np.asarray(attend(q, k, v)),
+                            np.asarray(attend(q, k, v, block_q=other, block_k=other)))
+
+
 def test_auto_picks_chunked_from_the_threshold(monkeypatch):
   q, k, v, _ = inputs(15, t=9, s=9)
   kw = dict(causal=True, dropout_rate=0.5, block_q=4, block_k=4)

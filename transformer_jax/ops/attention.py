@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax.ops import linear, precision, residuals
-from transformer_jax.ops.chunked import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, chunked_attention
+from transformer_jax.ops.chunked import chunked_attention
 from transformer_jax.ops.masks import and_masks, segment_mask
 
 # A large finite negative rather than -inf: exp() of it is exactly 0, and a row whose every entry is
@@ -188,9 +188,9 @@ def dot_product_attention(
       ``bias_fn(bias_params, q_pos_BT, k_pos_S) -> [B|1, N|1, T, S]``.
     bias_params: the (differentiable) parameters of ``bias_fn``.
     block_q: the most query rows per block of the "chunked" kernel (default
-      ``ops.chunked.DEFAULT_BLOCK_Q``; the blocks are evened out: ``ceil(T / ceil(T / block_q))``).
-    block_k: the most keys per block of the "chunked" kernel (default
-      ``ops.chunked.DEFAULT_BLOCK_K``).
+      ``ops.chunked.default_block_sizes()``: 128 on CPU, 512 elsewhere; the blocks are evened out:
+      ``ceil(T / ceil(T / block_q))``).
+    block_k: the most keys per block of the "chunked" kernel (default as ``block_q``).
 
   Returns:
     ``[B, T, N, H]`` in q's dtype (and the weights if asked). A query row whose every key is
@@ -232,8 +232,7 @@ def dot_product_attention(
           window=window, bias=bias, mask=mask, bias_fn=bias_fn, bias_params=bias_params,
           kv_valid=kv_valid, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
           dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-          block_q=DEFAULT_BLOCK_Q if block_q is None else block_q,
-          block_k=DEFAULT_BLOCK_K if block_k is None else block_k)
+          block_q=block_q, block_k=block_k)
     case "cudnn":
       return _cudnn_attention(
           q, k, v, q_pos_BT, bias=bias, mask=mask, causal=causal, scale=scale,
