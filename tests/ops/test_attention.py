@@ -336,7 +336,6 @@ def test_auto_keeps_bf16_dense_past_the_chunked_threshold(monkeypatch):
   monkeypatch.setattr(linear, "matmul_pays", lambda dtype: jnp.dtype(dtype) == jnp.bfloat16)
   monkeypatch.setattr(attention, "AUTO_CHUNKED_MIN_TS", 6 * 8)
   q, kk, v = make_qkv(53, b=2, t=6, s=8, n=4, k=2, dtype=jnp.bfloat16)
-  key = jax.random.key(0)
   attend = lambda q_, k_, v_, **kw: np.asarray(jax.jit(
       lambda q_, k_, v_: dot_product_attention(q_, k_, v_, causal=True, **kw))(q_, k_, v_),
       np.float32)
