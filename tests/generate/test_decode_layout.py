@@ -17,7 +17,9 @@ from transformer_jax.generate import decode
 from transformer_jax.generate.commands import stream_generate
 from transformer_jax.layers import dense
 from transformer_jax.layers.dense import SKINNY_ROWS, Embed, OutInKernel, OutInPieces, Projection
+from transformer_jax.ops import linear
 from tests.generate.conftest import gpt_model, naive_greedy, random_prompts
+from tests.ops.test_linear import _dots, assert_bf16_dots_in_library_kernel
 
 # Every einsum form the models' projections use: (einsum, x shape, kernel shape, bias shape).
 FORMS = [
@@ -116,6 +118,34 @@ def test_decode_layers_are_made_once_per_params_and_freed_with_them():
   del model2, params2
   gc.collect()
   assert graphdef not in decode._DECODE_LAYERS  # released with the weights it was made from
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's dot lowering")
+@pytest.mark.parametrize("rows", [1, 2, 32])
+def test_bf16_weight_first_sums_in_float32_in_the_library_kernel(rows, monkeypatch):
+  # A bfloat16 prompt (2+ rows) multiplies weight-first in YNNPACK's bf16 kernel: XLA would upcast
+  # both operands of a bfloat16-result dot to float32. One row (a decoding step) keeps that
+  # float32 matrix-vector product on the upcast weights.
+  monkeypatch.setattr(linear, "matmul_pays", lambda dtype: jnp.dtype(dtype) == jnp.bfloat16)
+  k1, k2 = jax.random.split(jax.random.key(0))
+  w = jax.random.normal(k1, (96, 64), jnp.float32).astype(jnp.bfloat16)
+  x = jax.random.normal(k2, (rows, 64), jnp.float32).astype(jnp.bfloat16)
+  f = jax.jit(dense.weight_first)
+  hlo = f.lower(w, x).compile().as_text()
+  if rows >= 2:
+    assert_bf16_dots_in_library_kernel(hlo, 1)
+  else:
+    (dot,) = _dots(hlo)
+    assert "__ynn_fusion" not in dot[2], dot
+  got = f(w, x)
+  chex.assert_shape(got, (rows, 96))
+  chex.assert_type(got, jnp.bfloat16)
+  x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+  want = x64 @ w64.T
+  # A float32 sum rounded once to bfloat16: within half a bfloat16 ulp of the exact sum, plus the
+  # float32 sum's own error.
+  atol = 64 * 2.0**-24 * (np.abs(x64) @ np.abs(w64).T)
+  assert np.all(np.abs(np.asarray(got, np.float64) - want) <= 2.0**-8 * np.abs(want) + atol)
 
 
 def xla_gemv_blocks(rows, cols, tmp_path):

@@ -97,8 +97,23 @@ def decode_pieces(lead: int, rest_rows: int, row_bytes: int, threads: int) -> in
 
 def weight_first_pieces(ws_OI: Sequence[jax.Array], x_RI: jax.Array) -> jax.Array:
   """``weight_first`` of a kernel cut into row pieces ``ws_OI`` (along ``out``): one product per
-  piece, each kept in its own ``[out_i, rows]`` layout, joined along ``out``."""
-  ys_OR = [jax.lax.dot_general(w, x_RI, (((1,), (1,)), ((), ()))) for w in ws_OI]
+  piece, each kept in its own ``[out_i, rows]`` layout, joined along ``out``.
+
+  bfloat16 with 2 or more rows, on a CPU with bf16 units (``linear.matmul_pays``): the products
+  sum in float32 (``preferred_element_type``) and are rounded to bfloat16 after, which is what
+  XLA:CPU computes for a bfloat16 result too, but in this form YNNPACK's bf16 kernel takes them.
+  With a bfloat16 result, XLA upcasts both operands to float32 first: a 32-row prefill of GPT-2
+  small then converts every weight (experiments/PERFORMANCE.md, "bfloat16 prompts"). One row
+  keeps the bfloat16 result: YNNPACK does not take matrix-vector products, and XLA's float32
+  kernel on the upcast weights is the faster one there.
+  """
+  dims = (((1,), (1,)), ((), ()))
+  if x_RI.shape[0] >= 2 and linear.matmul_pays(x_RI.dtype) and all(
+      w.dtype == x_RI.dtype for w in ws_OI):
+    ys_OR = [jax.lax.dot_general(w, x_RI, dims, preferred_element_type=jnp.float32
+                                 ).astype(x_RI.dtype) for w in ws_OI]
+  else:
+    ys_OR = [jax.lax.dot_general(w, x_RI, dims) for w in ws_OI]
   return jnp.concatenate(jax.lax.optimization_barrier(ys_OR), axis=0).T
 
 
