@@ -107,6 +107,78 @@ def test_gradient_accumulation_equals_full_batch(text_dataset, tmp_path):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)
 
 
+class _Compiled:
+  """A stand-in for a compiled step: only its temporaries' size."""
+
+  def __init__(self, temp):
+    self.temp = temp
+
+  def memory_analysis(self):
+    return type("Analysis", (), {"temp_size_in_bytes": self.temp})()
+
+
+@pytest.mark.parametrize("temps,batch,n_batch,want,compiled", [
+    ({1: 1500}, 8, 1, 1, [1]),                                    # fits whole: one compile
+    ({1: 5000, 4: 1900}, 8, 1, 4, [1, 4]),                        # >= 5000 / 2000: 3 -> 4
+    ({1: 5000, 4: 2100, 8: 1200}, 8, 1, 8, [1, 4, 8]),
+    ({1: 5000, 4: 2100, 8: 2050}, 8, 1, 1, [1, 4, 8]),            # nothing fits: stays whole
+    ({1: 3000, 2: 1900}, 8, 4, 2, [1, 2]),                        # 2 rows per device
+    ({1: 9000}, 8, 4, 1, [1]),                                    # would need 5: none divides 2
+])
+def test_auto_microbatches_takes_the_fewest_that_fit(temps, batch, n_batch, want, compiled):
+  from transformer_jax.train import step as S
+  calls = []
+
+  def compile_step(m):
+    calls.append(m)
+    return _Compiled(temps[m])
+
+  m, step = S.auto_microbatches(compile_step, batch, n_batch, limit=2000)
+  assert (m, calls) == (want, compiled)
+  assert step.temp == temps[m]
+
+
+@pytest.mark.parametrize("bad", ["auto", 0, 1.5, True])
+def test_make_train_step_takes_only_a_count_of_microbatches(bad):
+  from transformer_jax.train import step as S
+  with pytest.raises(ValueError, match=r"microbatches=.* must be a count >= 1"):
+    S.make_train_step(None, None, None, seed=0, microbatches=bad)
+
+
+def test_auto_microbatches_in_a_run_on_cpu_over_mimalloc(text_dataset, tmp_path, monkeypatch):
+  # A real case needs over 2 GiB of temporaries; the limit is lowered to the size of the step in
+  # 2 microbatches instead, which the whole batch's step passes.
+  from transformer_jax import runtime
+  from transformer_jax.train import step as S, trainer
+  raw = {"run_dir": str(tmp_path / "r"), "model": {**TINY_GPT, "dropout_rate": 0.0},
+         "data": {"path": text_dataset, "task": "gpt"},
+         "train": {"batch_size": 8, "seq_len": 32, "warmup_steps": 1}}
+  exp = load_experiment(None, [], raw=raw)
+  assert exp.train.microbatches == "auto"  # the default
+  run = trainer.Run.build(exp)
+  loader = trainer.make_train_loader(exp, run.dataset)
+  params = models.init(run.model_config, jax.random.key(0))
+  state = jax.device_put(S.create_state(params, run.optimizer), S.replicated(run.mesh))
+  batch = S.shard_batch(loader.batch_at(0), run.mesh, run.task.keys)
+  args = (exp, run.graphdef, run.task, run.optimizer, run.mesh, state, batch)
+  temp = lambda c: c.memory_analysis().temp_size_in_bytes  # noqa: E731
+  _, whole, m = trainer.compiled_step(*args)
+  assert m == 1  # under pytest the allocator is glibc: the rule does not run
+  explicit = load_experiment(None, ["train.microbatches=2"], raw=raw)
+  _, split, m = trainer.compiled_step(explicit, *args[1:])
+  assert m == 2 and temp(split) < temp(whole)
+  monkeypatch.setattr(runtime, "allocator", lambda: "mimalloc")
+  monkeypatch.setattr(runtime, "MIMALLOC_REUSE_LIMIT", temp(split))
+  step, compiled, m = trainer.compiled_step(*args)
+  assert m == 2 and temp(compiled) == temp(split)
+  # The step is the 2-microbatch one: the same loss and update as the explicit count's.
+  _, got = step(jax.tree.map(np.array, state), batch)  # a copy: the step donates its state
+  step2 = S.jit_train_step(S.make_train_step(run.graphdef, run.task, run.optimizer, seed=0,
+                                             microbatches=2), run.mesh, state)
+  _, want = step2(state, batch)
+  assert float(got["loss"]) == float(want["loss"])
+
+
 def test_run_directory_contents_and_eval(tmp_path, text_dataset):
   run_dir = tmp_path / "run"
   cfg = _write_experiment(tmp_path / "e.yaml", run_dir, text_dataset, steps=12, eval_every=6,

@@ -113,15 +113,29 @@ class Ours:
     state = jax.device_put(step_lib.create_state(self.params, optimizer),
                            step_lib.replicated(mesh))
     self.batch = self._shard(host_batch)
-    jitted = step_lib.jit_train_step(
-        step_lib.make_train_step(models.graphdef(config, mesh), task, optimizer, seed=seed),
-        mesh, state)
-    start = time.perf_counter()
-    lowered = jitted.lower(state, self.batch)
-    self.trace_s = time.perf_counter() - start
-    start = time.perf_counter()
-    self.step_fn = lowered.compile()
-    self.compile_s = time.perf_counter() - start
+    graphdef = models.graphdef(config, mesh)
+    times = {}
+
+    def compile_for(m):  # the step a run would take: train.microbatches' "auto" rule on CPU
+      jitted = step_lib.jit_train_step(
+          step_lib.make_train_step(graphdef, task, optimizer, seed=seed, microbatches=m),
+          mesh, state)
+      start = time.perf_counter()
+      lowered = jitted.lower(state, self.batch)
+      mid = time.perf_counter()
+      compiled = lowered.compile()
+      times[m] = (mid - start, time.perf_counter() - mid)
+      return compiled
+
+    if (tcfg.microbatches == "auto" and jax.default_backend() == "cpu"
+        and runtime.allocator() == "mimalloc"):
+      self.microbatches, self.step_fn = step_lib.auto_microbatches(compile_for, b)
+    else:
+      self.microbatches = 1 if tcfg.microbatches == "auto" else tcfg.microbatches
+      self.step_fn = compile_for(self.microbatches)
+    self.trace_s, self.compile_s = times[self.microbatches]
+    # Every count the rule compiled (a step over the limit is compiled whole first).
+    self.compile_s_by_microbatches = {m: c for m, (_, c) in times.items()}
     # The jitted step is held (jit_train_step); this ahead-of-time executable is another one.
     runtime.hold(self.step_fn, runtime.step_compiler_options(jax.default_backend()))
     # XLA:CPU takes a step's temporaries as one block per call (see runtime.allocator_env).
@@ -323,6 +337,8 @@ def run(args) -> dict:
       "dtype": args.dtype, "remat": args.remat,
       # "auto" resolves by dtype and CPU (models.unrolls_layers): the layers ran unrolled or scanned.
       "layers": "unrolled" if models.unrolls_layers(config) else "scanned",
+      "microbatches": ours.microbatches,
+      "compile_s_by_microbatches": ours.compile_s_by_microbatches,
       "params": models.count_params(config), "model_flops_per_step": step_flops,
       "ours": {"compile_s": ours.compile_s, "trace_s": ours.trace_s, "first_step_s": first["ours"],
                "step_s": _summary(times["ours"]),

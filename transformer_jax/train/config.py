@@ -38,7 +38,9 @@ class TrainConfig:
   steps: int = 1000
   batch_size: int = 16                    # global batch (all processes, all devices)
   seq_len: int = 128                      # GPT/BERT window; ignored by seq2seq (bucketed)
-  microbatches: int = 1                   # gradient accumulation inside the step
+  # Gradient accumulation inside the step. "auto": 1 unless the step's temporaries pass what the
+  # CPU allocator reuses, then the fewest that fit (train.step.auto_microbatches).
+  microbatches: int | Literal["auto"] = "auto"
   seed: int = 0
   lr: float = 1e-3
   schedule: Literal["cosine", "linear", "rsqrt", "constant"] = "cosine"
@@ -233,8 +235,14 @@ def _coerce(name: str, value: Any, annotation) -> Any:
 
 
 def _describe(annotation) -> str:
-  args = typing.get_args(annotation)
-  return " or ".join(getattr(a, "__name__", str(a)).replace("NoneType", "null") for a in args)
+  """``int | Literal["auto"] | None`` -> "int or 'auto' or null"."""
+  names = []
+  for a in typing.get_args(annotation):
+    if typing.get_origin(a) is Literal:
+      names += [repr(v) for v in typing.get_args(a)]
+    else:
+      names.append(getattr(a, "__name__", str(a)).replace("NoneType", "null"))
+  return " or ".join(names)
 
 
 def _build_section(cls, name: str, raw: Any):
@@ -329,9 +337,11 @@ def _validate(exp: Experiment) -> None:
   t = exp.train
   for name in ("steps", "batch_size", "seq_len", "microbatches", "log_every", "eval_every",
                "eval_batches", "checkpoint_every", "keep_checkpoints"):
+    if name == "microbatches" and t.microbatches == "auto":
+      continue
     if getattr(t, name) < 1:
       raise ValueError(f"train.{name}={getattr(t, name)} must be >= 1")
-  if t.batch_size % t.microbatches:
+  if t.microbatches != "auto" and t.batch_size % t.microbatches:
     raise ValueError(
         f"train.microbatches={t.microbatches} does not divide train.batch_size={t.batch_size}")
   for f in dataclasses.fields(t):

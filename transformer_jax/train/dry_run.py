@@ -71,10 +71,9 @@ def dry_run(exp: Experiment) -> dict[str, Any]:
   batch_sharding = parallel.batch_sharding(mesh)
   batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding)
            for k, v in task.batch_shapes(t.batch_size, t.seq_len).items()}
-  step = step_lib.jit_train_step(
-      trainer.make_step(exp, models.graphdef(config, mesh), task, optimizer), mesh, state)
   start = time.perf_counter()
-  compiled = step.lower(state, batch).compile()
+  _, compiled, microbatches = trainer.compiled_step(exp, models.graphdef(config, mesh), task,
+                                                    optimizer, mesh, state, batch)
   compile_s = time.perf_counter() - start
 
   def per_device(tree):
@@ -84,7 +83,7 @@ def dry_run(exp: Experiment) -> dict[str, Any]:
   report = {
       "model": type(config).__name__, "parameters": models.count_params(config),
       "vocab": vocab_note, "devices": jax.device_count(), "mesh": dict(mesh.shape),
-      "batch_size": t.batch_size, "seq_len": t.seq_len, "microbatches": t.microbatches,
+      "batch_size": t.batch_size, "seq_len": t.seq_len, "microbatches": microbatches,
       "dtype": config.dtype, "compile_seconds": round(compile_s, 1),
       "per_device_bytes": {
           "parameters": per_device(state.params),

@@ -184,16 +184,49 @@ def plan(exp: Experiment, model_config: models.ModelConfig):
                              "sequence": m.sequence})
   parallel.check_config(model_config, mesh, batch_size=exp.train.batch_size,
                         seq_len=exp.train.seq_len if task.uses_seq_len else None,
-                        microbatches=exp.train.microbatches)
+                        microbatches=fixed_microbatches(exp.train))
   return task, mesh, make_optimizer(exp.train)
 
 
-def make_step(exp: Experiment, graphdef, task, optimizer):
-  """The (unjitted) train step of ``exp``: what a run executes and ``--dry-run`` compiles."""
+def fixed_microbatches(t) -> int:
+  """``train.microbatches`` as given, 1 for "auto" (``compiled_step`` picks the count)."""
+  return 1 if t.microbatches == "auto" else t.microbatches
+
+
+def make_step(exp: Experiment, graphdef, task, optimizer, microbatches: int | None = None):
+  """The (unjitted) train step of ``exp``: what a run executes and ``--dry-run`` compiles
+  (``microbatches`` overrides ``train.microbatches``)."""
   t = exp.train
-  return step_lib.make_train_step(graphdef, task, optimizer, seed=t.seed,
-                                  microbatches=t.microbatches, label_smoothing=t.label_smoothing,
-                                  z_loss=t.z_loss)
+  return step_lib.make_train_step(
+      graphdef, task, optimizer, seed=t.seed,
+      microbatches=fixed_microbatches(t) if microbatches is None else microbatches,
+      label_smoothing=t.label_smoothing, z_loss=t.z_loss)
+
+
+def compiled_step(exp: Experiment, graphdef, task, optimizer, mesh, state, batch):
+  """The jitted train step of ``exp`` and its microbatch count, compiled for ``(state, batch)``
+  (arrays or shapes): ``(step, compiled, microbatches)``.
+
+  ``train.microbatches: auto`` on CPU over mimalloc takes ``step_lib.auto_microbatches``' count;
+  anywhere else, and for a number, the count is the one given (1 for "auto").
+  """
+  def build(m):
+    step = step_lib.jit_train_step(make_step(exp, graphdef, task, optimizer, m), mesh, state)
+    return step, step.lower(state, batch).compile()
+
+  t = exp.train
+  if (t.microbatches != "auto" or mesh.devices.flat[0].platform != "cpu"
+      or runtime.allocator() != "mimalloc"):
+    return (*build(fixed_microbatches(t)), fixed_microbatches(t))
+  built = {}
+
+  def compile_for(m):
+    built[m] = build(m)
+    return built[m][1]
+
+  n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
+  m, _ = step_lib.auto_microbatches(compile_for, t.batch_size, n_batch)
+  return (*built[m], m)
 
 
 @dataclasses.dataclass
@@ -408,8 +441,17 @@ def _train_loop(run: Run, rd: runs.RunDir, ckpt, ref, progress, resume_hint):
     loader.set_state({"step": 0})
   # Everything is checked: only now is the directory's snapshot (re)written.
   rd.write_snapshot(exp.to_dict(), run.model_config, ref)
-  train_step = step_lib.jit_train_step(
-      make_step(exp, run.graphdef, run.task, run.optimizer), run.mesh, state)
+  if start < t.steps:
+    first = step_lib.shard_batch(loader.batch_at(start), run.mesh, run.task.keys)
+    train_step, _, microbatches = compiled_step(exp, run.graphdef, run.task, run.optimizer,
+                                                run.mesh, state, first)
+    del first
+    if t.microbatches == "auto" and microbatches > 1:
+      _log0(f"train.microbatches=auto: {microbatches} microbatches, which keep the step's "
+            "temporaries within what the allocator reuses between steps")
+  else:
+    train_step = step_lib.jit_train_step(
+        make_step(exp, run.graphdef, run.task, run.optimizer), run.mesh, state)
   eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(run.graphdef, run.task), run.mesh,
                                      _all_params(state))
   schedule = learning_rate_schedule(t)
