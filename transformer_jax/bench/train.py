@@ -127,12 +127,8 @@ class Ours:
       times[m] = (mid - start, time.perf_counter() - mid)
       return compiled
 
-    if (tcfg.microbatches == "auto" and jax.default_backend() == "cpu"
-        and runtime.allocator() == "mimalloc"):
-      self.microbatches, self.step_fn = step_lib.auto_microbatches(compile_for, b)
-    else:
-      self.microbatches = 1 if tcfg.microbatches == "auto" else tcfg.microbatches
-      self.step_fn = compile_for(self.microbatches)
+    self.microbatches, self.step_fn = step_lib.pick_microbatches(
+        tcfg.microbatches, compile_for, b, platform=jax.default_backend())
     self.trace_s, self.compile_s = times[self.microbatches]
     # Every count the rule compiled (a step over the limit is compiled whole first).
     self.compile_s_by_microbatches = {m: c for m, (_, c) in times.items()}

@@ -171,6 +171,20 @@ def jit_train_step(train_step: Callable, mesh: Mesh, state: TrainState,
                        compiler_options=options), options)
 
 
+def pick_microbatches(setting: int | str, compile_step: Callable[[int], Any], batch_size: int,
+                      n_batch: int = 1, *, platform: str) -> tuple[int, Any]:
+  """``train.microbatches`` resolved, with the step compiled for it: ``(microbatches, compiled)``.
+
+  A number is taken as given; "auto" is ``auto_microbatches`` on CPU over mimalloc and 1
+  elsewhere (the allocator limit it works around is mimalloc's).
+  """
+  if setting != "auto":
+    return setting, compile_step(setting)
+  if platform != "cpu" or runtime.allocator() != "mimalloc":
+    return 1, compile_step(1)
+  return auto_microbatches(compile_step, batch_size, n_batch)
+
+
 def auto_microbatches(compile_step: Callable[[int], Any], batch_size: int, n_batch: int = 1, *,
                       limit: int | None = None) -> tuple[int, Any]:
   """``train.microbatches: auto``: the fewest microbatches whose compiled step's temporaries fit in

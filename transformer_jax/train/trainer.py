@@ -207,25 +207,19 @@ def compiled_step(exp: Experiment, graphdef, task, optimizer, mesh, state, batch
   """The jitted train step of ``exp`` and its microbatch count, compiled for ``(state, batch)``
   (arrays or shapes): ``(step, compiled, microbatches)``.
 
-  ``train.microbatches: auto`` on CPU over mimalloc takes ``step_lib.auto_microbatches``' count;
-  anywhere else, and for a number, the count is the one given (1 for "auto").
+  The count is ``step_lib.pick_microbatches``' (``train.microbatches: auto`` on CPU over mimalloc:
+  ``step_lib.auto_microbatches``).
   """
-  def build(m):
-    step = step_lib.jit_train_step(make_step(exp, graphdef, task, optimizer, m), mesh, state)
-    return step, step.lower(state, batch).compile()
-
-  t = exp.train
-  if (t.microbatches != "auto" or mesh.devices.flat[0].platform != "cpu"
-      or runtime.allocator() != "mimalloc"):
-    return (*build(fixed_microbatches(t)), fixed_microbatches(t))
   built = {}
 
   def compile_for(m):
-    built[m] = build(m)
+    step = step_lib.jit_train_step(make_step(exp, graphdef, task, optimizer, m), mesh, state)
+    built[m] = step, step.lower(state, batch).compile()
     return built[m][1]
 
-  n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
-  m, _ = step_lib.auto_microbatches(compile_for, t.batch_size, n_batch)
+  m, _ = step_lib.pick_microbatches(exp.train.microbatches, compile_for, exp.train.batch_size,
+                                    mesh.shape["data"] * mesh.shape["fsdp"],
+                                    platform=mesh.devices.flat[0].platform)
   return (*built[m], m)
 
 
