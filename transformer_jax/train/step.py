@@ -213,9 +213,7 @@ def auto_microbatches(compile_step: Callable[[int], Any], batch_size: int, n_bat
   limit = runtime.MIMALLOC_REUSE_LIMIT if limit is None else limit
   whole = compile_step(1)
   temp = _temp_bytes(whole)
-  if temp is None or temp <= limit:
-    return 1, whole
-  if limit <= 0:
+  if temp is None or temp <= limit or limit <= 0:  # fits, or nothing can
     return 1, whole
   rows = batch_size // n_batch
   for m in range(max(2, -(-temp // limit)), rows + 1):

@@ -437,15 +437,17 @@ def _train_loop(run: Run, rd: runs.RunDir, ckpt, ref, progress, resume_hint):
   rd.write_snapshot(exp.to_dict(), run.model_config, ref)
   if start < t.steps:
     first = step_lib.shard_batch(loader.batch_at(start), run.mesh, run.task.keys)
-    train_step, _, microbatches = compiled_step(exp, run.graphdef, run.task, run.optimizer,
-                                                run.mesh, state, first)
+    train_step, compiled, microbatches = compiled_step(exp, run.graphdef, run.task,
+                                                       run.optimizer, run.mesh, state, first)
     del first
+    notice = _scratch_notice(compiled)
+    del compiled
     if t.microbatches == "auto" and microbatches > 1:
       _log0(f"train.microbatches=auto: {microbatches} microbatches, which keep the step's "
             "temporaries within what the allocator reuses between steps")
   else:
-    train_step = step_lib.jit_train_step(
-        make_step(exp, run.graphdef, run.task, run.optimizer), run.mesh, state)
+    train_step, notice = step_lib.jit_train_step(
+        make_step(exp, run.graphdef, run.task, run.optimizer), run.mesh, state), None
   eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(run.graphdef, run.task), run.mesh,
                                      _all_params(state))
   schedule = learning_rate_schedule(t)
@@ -506,8 +508,8 @@ def _train_loop(run: Run, rd: runs.RunDir, ckpt, ref, progress, resume_hint):
         loader.set_state({"step": s + 1})
         batch = step_lib.shard_batch(host, run.mesh, run.task.keys)
         state, metrics = train_step(state, batch)
-        if s == start:
-          _scratch_notice(train_step, state, batch)
+        if s == start and notice:
+          _log0(notice)
         done = s + 1
         pending.append((done, metrics, _batch_tokens(host) * jax.process_count(),
                         _batch_hash(host)))
@@ -644,18 +646,12 @@ class _StopFlag:
         signal.signal(s, h)
 
 
-def _scratch_notice(train_step, state, batch) -> None:
-  """On CPU, says once when the step's temporaries are too large for the allocator to reuse
-  (``runtime.scratch_notice``). The compiled step comes from jit's cache: nothing compiles again;
-  without mimalloc (the only allocator the notice is about) the step is not even lowered again."""
-  malloc = runtime.allocator()
-  if jax.default_backend() != "cpu" or malloc != "mimalloc":
-    return
-  analysis = train_step.lower(state, batch).compile().memory_analysis()
-  msg = runtime.scratch_notice(None if analysis is None else analysis.temp_size_in_bytes,
-                               platform="cpu", malloc=malloc)
-  if msg:
-    _log0(msg)
+def _scratch_notice(compiled) -> str | None:
+  """The notice the run prints after its first step when the compiled step's temporaries are too
+  large for the CPU allocator to reuse (``runtime.scratch_notice``), else None."""
+  analysis = compiled.memory_analysis()
+  return runtime.scratch_notice(None if analysis is None else analysis.temp_size_in_bytes,
+                                platform=jax.default_backend(), malloc=runtime.allocator())
 
 
 def _log0(msg: str) -> None:
