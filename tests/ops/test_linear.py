@@ -74,6 +74,23 @@ def test_bias_is_added_in_float32_and_its_gradient_is_the_column_sums(transpose_
     linear.matmul(x, w, dtype=jnp.bfloat16, transpose_w=transpose_w, bias=b[:3])
 
 
+def test_a_transposed_float32_result_runs_and_matches_float64():
+  """``matmul(..., out_dtype=float32).T``, and its gradient: on a CPU with bf16 units, XLA:CPU
+  folded such a transpose into the bfloat16 product and the program failed when it ran."""
+  x, w, c = _inputs(3)
+  x2, c2 = x.reshape(-1, x.shape[-1]), c.reshape(-1, c.shape[-1])
+
+  def f(x, w):
+    return linear.matmul(x, w, dtype=jnp.bfloat16, out_dtype=jnp.float32).T
+
+  y_T = jax.jit(f)(x2, w)
+  dw = jax.jit(jax.grad(lambda w: jnp.sum(f(x2, w) * c2.T)))(w)
+  chex.assert_shape(y_T, (w.shape[1], x2.shape[0]))
+  chex.assert_shape(dw, w.shape)
+  assert _rel(y_T, (_bf16(x2) @ _bf16(w)).T) < 1e-6
+  assert _rel(dw, _bf16(x2).T @ _bf16(c2)) < 1e-6
+
+
 def test_float32_matmul_matches_float64():
   x, w, c = _inputs(1)
   loss = lambda x, w: jnp.sum(linear.matmul(x, w, dtype=jnp.float32) * c)  # noqa: E731
