@@ -135,8 +135,7 @@ class Ours:
     # The jitted step is held (jit_train_step); this ahead-of-time executable is another one.
     runtime.hold(self.step_fn, runtime.step_compiler_options(jax.default_backend()))
     # XLA:CPU takes a step's temporaries as one block per call (see runtime.allocator_env).
-    analysis = self.step_fn.memory_analysis()
-    self.temp_bytes = None if analysis is None else int(analysis.temp_size_in_bytes)
+    self.temp_bytes = step_lib.temp_bytes(self.step_fn)
     self.state = state
     self.losses: list[float] = []
 

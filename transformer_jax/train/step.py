@@ -212,7 +212,7 @@ def auto_microbatches(compile_step: Callable[[int], Any], batch_size: int, n_bat
   """
   limit = runtime.MIMALLOC_REUSE_LIMIT if limit is None else limit
   whole = compile_step(1)
-  temp = _temp_bytes(whole)
+  temp = temp_bytes(whole)
   if temp is None or temp <= limit or limit <= 0:  # fits, or nothing can
     return 1, whole
   rows = batch_size // n_batch
@@ -220,13 +220,15 @@ def auto_microbatches(compile_step: Callable[[int], Any], batch_size: int, n_bat
     if rows % m:
       continue
     compiled = compile_step(m)
-    split = _temp_bytes(compiled)
+    split = temp_bytes(compiled)
     if split is not None and split <= limit:
       return m, compiled
   return 1, whole
 
 
-def _temp_bytes(compiled) -> int | None:
+def temp_bytes(compiled) -> int | None:
+  """A compiled step's temporaries in bytes (``memory_analysis()``), or None where XLA does not
+  say."""
   analysis = compiled.memory_analysis()
   return None if analysis is None else int(analysis.temp_size_in_bytes)
 

@@ -649,9 +649,8 @@ class _StopFlag:
 def _scratch_notice(compiled) -> str | None:
   """The notice the run prints after its first step when the compiled step's temporaries are too
   large for the CPU allocator to reuse (``runtime.scratch_notice``), else None."""
-  analysis = compiled.memory_analysis()
-  return runtime.scratch_notice(None if analysis is None else analysis.temp_size_in_bytes,
-                                platform=jax.default_backend(), malloc=runtime.allocator())
+  return runtime.scratch_notice(step_lib.temp_bytes(compiled), platform=jax.default_backend(),
+                                malloc=runtime.allocator())
 
 
 def _log0(msg: str) -> None:
