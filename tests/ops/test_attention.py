@@ -11,6 +11,7 @@ import pytest
 from jax.test_util import check_grads
 
 from transformer_jax.ops import alibi_bias, dot_product_attention, padding_mask
+from tests.backends import only_on
 
 B, T, S, H = 2, 5, 7, 8
 
@@ -273,13 +274,14 @@ def _grads_f64(q, kk, v, bias, mask, w, causal):
     return np.asarray(out), [np.asarray(g) for g in grads]
 
 
+@only_on("cpu", "XLA:CPU's bfloat16 kernel (the row-major core)")
 @pytest.mark.parametrize("n,k,causal,h", [(4, 4, True, 16), (4, 2, True, 12), (4, 1, False, 16)])
 def test_bf16_rowmajor_core_matches_float64(monkeypatch, n, k, causal, h):
   # The bfloat16 CPU path (every product row-major, four of them transposed, the weights kept in
   # bfloat16): values and the gradients of q, k, v and the bias against float64, within
   # bfloat16's rounding, with a padding mask that leaves one query row with no key. The scale
   # 1 / sqrt(h) is a power of two (folded into q) for h = 16, not for h = 12.
-  from transformer_jax.ops import attention, linear
+  from transformer_jax.ops import dispatch, linear
 
   monkeypatch.setattr(linear, "matmul_pays", lambda dtype: jnp.dtype(dtype) == jnp.bfloat16)
   b, t, s = 2, 6, 8
@@ -291,7 +293,7 @@ def test_bf16_rowmajor_core_matches_float64(monkeypatch, n, k, causal, h):
   mask[1, 0, 0] = False                       # row (1, 0) sees no key
   mask = jnp.asarray(mask)
   w = rng.standard_normal((b, t, n, h))
-  assert attention._rowmajor_pays(q, kk, v)
+  assert dispatch.rowmajor_core_applies(q, kk, v)
 
   def loss(q_, k_, v_, b_):
     out = dot_product_attention(q_, k_, v_, bias=b_, mask=mask, causal=causal)
@@ -313,28 +315,30 @@ def test_bf16_rowmajor_core_matches_float64(monkeypatch, n, k, causal, h):
     assert_bf16_dots_in_library_kernel(grad.lower(q, kk, v, bias).compile().as_text(), 6)
 
 
+@only_on("cpu", "XLA:CPU's bfloat16 kernel (the row-major core)")
 def test_bf16_rowmajor_core_only_where_its_copies_exist(monkeypatch):
   # The row-major copies split a dim by a small factor: a prime length keeps the heads-major core.
-  from transformer_jax.ops import attention, linear
+  from transformer_jax.ops import dispatch, linear
 
   monkeypatch.setattr(linear, "matmul_pays", lambda dtype: jnp.dtype(dtype) == jnp.bfloat16)
   q, kk, v = make_qkv(52, t=6, s=8, dtype=jnp.bfloat16)
-  assert attention._rowmajor_pays(q, kk, v)
-  assert not attention._rowmajor_pays(*make_qkv(52, t=5, s=7, n=4, k=4, dtype=jnp.bfloat16))
-  assert not attention._rowmajor_pays(q.astype(jnp.float32), kk.astype(jnp.float32),
+  assert dispatch.rowmajor_core_applies(q, kk, v)
+  assert not dispatch.rowmajor_core_applies(*make_qkv(52, t=5, s=7, n=4, k=4, dtype=jnp.bfloat16))
+  assert not dispatch.rowmajor_core_applies(q.astype(jnp.float32), kk.astype(jnp.float32),
                                       v.astype(jnp.float32))
-  assert not attention._rowmajor_pays(q, kk, v.astype(jnp.float32))
+  assert not dispatch.rowmajor_core_applies(q, kk, v.astype(jnp.float32))
   monkeypatch.setattr(linear, "matmul_pays", lambda dtype: False)
-  assert not attention._rowmajor_pays(q, kk, v)
+  assert not dispatch.rowmajor_core_applies(q, kk, v)
 
 
+@only_on("cpu", "XLA:CPU's bfloat16 kernel (the row-major core)")
 def test_auto_keeps_bf16_dense_past_the_chunked_threshold(monkeypatch):
   # Where the row-major core runs (bfloat16, bf16 units), implementation=None stays "xla" past
   # AUTO_CHUNKED_MIN_TS while the weights fit AUTO_DENSE_BF16_MAX_BYTES, and without dropout.
-  from transformer_jax.ops import attention, chunked, linear
+  from transformer_jax.ops import chunked, dispatch, linear
 
   monkeypatch.setattr(linear, "matmul_pays", lambda dtype: jnp.dtype(dtype) == jnp.bfloat16)
-  monkeypatch.setattr(attention, "AUTO_CHUNKED_MIN_TS", 6 * 8)
+  monkeypatch.setattr(dispatch, "AUTO_CHUNKED_MIN_TS", 6 * 8)
   q, kk, v = make_qkv(53, b=2, t=6, s=8, n=4, k=2, dtype=jnp.bfloat16)
   attend = lambda q_, k_, v_, **kw: np.asarray(jax.jit(
       lambda q_, k_, v_: dot_product_attention(q_, k_, v_, causal=True, **kw))(q_, k_, v_),
@@ -343,11 +347,11 @@ def test_auto_keeps_bf16_dense_past_the_chunked_threshold(monkeypatch):
   by_blocks = attend(q, kk, v, implementation="chunked", block_q=4, block_k=4)
   assert not np.array_equal(xla, by_blocks)     # the kernels round bfloat16 differently
   np.testing.assert_array_equal(attend(q, kk, v), xla)
-  monkeypatch.setattr(attention, "AUTO_DENSE_BF16_MAX_BYTES", 2 * 4 * 6 * 8 * 2 - 1)
+  monkeypatch.setattr(dispatch, "AUTO_DENSE_BF16_MAX_BYTES", 2 * 4 * 6 * 8 * 2 - 1)
   monkeypatch.setattr(chunked, "default_block_sizes", lambda: (4, 4))
   np.testing.assert_array_equal(attend(q, kk, v), by_blocks)
-  choose = functools.partial(attention._auto_implementation, return_weights=False)
-  monkeypatch.setattr(attention, "AUTO_DENSE_BF16_MAX_BYTES", 2 * 4 * 6 * 8 * 2)
+  choose = functools.partial(dispatch.choose_implementation, platform="cpu", causal=True)
+  monkeypatch.setattr(dispatch, "AUTO_DENSE_BF16_MAX_BYTES", 2 * 4 * 6 * 8 * 2)
   assert choose(q, kk, v, dropout=False) == "xla"
   assert choose(q, kk, v, dropout=True) == "chunked"
   f32 = [x.astype(jnp.float32) for x in (q, kk, v)]

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from transformer_jax import ops
-from transformer_jax.ops import attention as attention_module
+from transformer_jax.ops import dispatch
+from tests.backends import only_on
 
 BQ, BK = 8, 5
 # Float32 kernel against float64: max |error| / max |reference| per array.
@@ -278,6 +279,7 @@ def test_default_blocks_follow_the_backend():
                             np.asarray(attend(q, k, v, block_q=other, block_k=other)))
 
 
+@only_on("cpu", "the CPU row of the kernel table")
 def test_auto_picks_chunked_from_the_threshold(monkeypatch):
   q, k, v, _ = inputs(15, t=9, s=9)
   kw = dict(causal=True, dropout_rate=0.5, block_q=4, block_k=4)
@@ -286,9 +288,9 @@ def test_auto_picks_chunked_from_the_threshold(monkeypatch):
       q, k, v, dropout_rng=key, **kw, **more))(q, k, v, jax.random.key(3))
   chunked, xla = attend(implementation="chunked"), attend(implementation="xla")
   assert not np.allclose(np.asarray(chunked), np.asarray(xla))  # dropout patterns differ
-  assert 9 * 9 < attention_module.AUTO_CHUNKED_MIN_TS
+  assert 9 * 9 < dispatch.AUTO_CHUNKED_MIN_TS
   np.testing.assert_array_equal(np.asarray(attend()), xla)
-  monkeypatch.setattr(attention_module, "AUTO_CHUNKED_MIN_TS", 81)
+  monkeypatch.setattr(dispatch, "AUTO_CHUNKED_MIN_TS", 81)
   np.testing.assert_array_equal(np.asarray(attend()), chunked)
   _, weights = attend(return_weights=True)  # xla, which has the weights
   assert weights.shape == (2, 4, 9, 9)

@@ -84,8 +84,9 @@ class Attention(nnx.Module):
     Returns:
       ``(out [B, T, D], cache)``: the cache with the new entries written (None without one).
 
-    Under a mesh with a ``sequence`` axis of size > 1, self-attention without a cache, bias,
-    window or attention dropout runs as ring attention (``parallel.ring``); GSPMD handles the rest.
+    The kernel is ``ops.choose_implementation``'s (or the layer's ``implementation``): under a
+    mesh with a ``sequence`` axis of size > 1, self-attention without a cache, bias, window or
+    attention dropout runs as ring attention (``parallel.ring``); GSPMD handles the rest.
     """
     q_BTNH = self.query(x_BTD)
     q_positions = None
@@ -108,8 +109,13 @@ class Attention(nnx.Module):
         cache = cache.write(k_BSKH, v_BSKH)
         k_BSKH, v_BSKH = cache.read()
     dropout = dropout_rate > 0.0 and dropout_rng is not None
-    if (cache is None and kv_BSD is x_BTD and bias_fn is None and window is None and not dropout
-        and self._ring_fits(x_BTD)):
+    self_attention = cache is None and kv_BSD is x_BTD
+    choice = ops.choose_implementation(
+        q_BTNH, k_BSKH, v_BSKH, platform=jax.default_backend(), causal=causal, window=window,
+        segment_ids=segment_ids is not None, bias=bias_fn is not None, dropout=dropout,
+        kv_valid=kv_valid is not None, q_positions=q_positions is not None,
+        sequence_shards=self._sequence_shards(x_BTD) if self_attention else 1)
+    if choice == "ring":
       out_BTNH = ring_attention(q_BTNH, k_BSKH, v_BSKH, mesh=self.mesh, causal=causal,
                                 kv_mask_BS=kv_valid, segment_ids_BT=segment_ids, scale=self.scale)
     else:
@@ -117,7 +123,8 @@ class Attention(nnx.Module):
           q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype), causal=causal,
           kv_valid=kv_valid, q_segment_ids=segment_ids, window=window, q_positions=q_positions,
           bias_fn=bias_fn, bias_params=bias_params, scale=self.scale,
-          dropout_rate=dropout_rate, dropout_rng=dropout_rng, implementation=self.implementation)
+          dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+          implementation=self.implementation or choice)
     if cache is not None:
       return self._out_merged(out_BTNH), cache
     return self.out(out_BTNH), None
@@ -143,14 +150,15 @@ class Attention(nnx.Module):
         bias_params=bias_params, scale=self.scale, return_weights=True, implementation="xla")
     return weights_BNTS
 
-  def _ring_fits(self, x_BTD: jax.Array) -> bool:
-    """The mesh splits the sequence and divides this batch and length."""
+  def _sequence_shards(self, x_BTD: jax.Array) -> int:
+    """How many devices the mesh splits this input's sequence over (1: not split, or the mesh's
+    ``sequence`` axis does not divide this batch and length)."""
     if self.mesh is None:
-      return False
+      return 1
     sizes = self.mesh.shape
     n = sizes.get("sequence", 1)
     rows = sizes.get("data", 1) * sizes.get("fsdp", 1)
-    return n > 1 and x_BTD.shape[1] % n == 0 and x_BTD.shape[0] % rows == 0
+    return n if x_BTD.shape[1] % n == 0 and x_BTD.shape[0] % rows == 0 else 1
 
   def project_kv(self, kv_BSD: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Keys and values ``[B, S, K, H]`` of ``kv_BSD`` (no RoPE): a read-only cross-attention cache."""

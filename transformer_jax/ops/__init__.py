@@ -4,7 +4,9 @@
 from transformer_jax.ops.activations import (
     Activation, dropout, gated, gelu, gelu_tanh, geglu, get_activation, packed_activation, relu, silu,
     swiglu)
-from transformer_jax.ops.attention import Implementation, dot_product_attention
+from transformer_jax.ops.attention import dot_product_attention
+from transformer_jax.ops.dispatch import Implementation, choose_implementation
+from transformer_jax.ops.fused_loss import linear_cross_entropy
 from transformer_jax.ops.linear import matmul
 from transformer_jax.ops.losses import cross_entropy
 from transformer_jax.ops.masks import (
@@ -16,10 +18,11 @@ from transformer_jax.ops.positions import (
 from transformer_jax.ops.reductions import argmax
 
 __all__ = [
-    "Activation", "AlibiBias", "Implementation", "RelativeBias", "RopeScaling", "alibi_bias",
-    "alibi_slopes", "and_masks", "apply_rope", "argmax", "causal_mask", "cross_entropy",
-    "dot_product_attention", "dropout", "gated", "gelu", "gelu_tanh", "geglu", "get_activation",
-    "layer_norm", "matmul", "packed_activation", "padding_mask", "relative_position_bucket",
-    "relative_positions", "relu", "rms_norm", "rope_frequencies", "segment_mask", "silu",
-    "sinusoidal_positions", "sliding_window_mask", "swiglu",
+    "Activation", "alibi_bias", "alibi_slopes", "AlibiBias", "and_masks", "apply_rope", "argmax",
+    "causal_mask", "choose_implementation", "cross_entropy", "dot_product_attention", "dropout",
+    "gated", "geglu", "gelu", "gelu_tanh", "get_activation", "Implementation", "layer_norm",
+    "linear_cross_entropy", "matmul", "packed_activation", "padding_mask",
+    "relative_position_bucket", "relative_positions", "RelativeBias", "relu", "rms_norm",
+    "rope_frequencies", "RopeScaling", "segment_mask", "silu", "sinusoidal_positions",
+    "sliding_window_mask", "swiglu",
 ]

@@ -14,8 +14,9 @@ Implementations (``implementation=``):
                  with its own backward: O(T + S) memory (plus one block of scores); any backend;
                  masks and position biases by parts, causal / window blocks skipped.
   ``"cudnn"``    ``jax.nn.dot_product_attention(implementation="cudnn")``: NVIDIA GPUs only.
-  ``None``       "chunked" from ``AUTO_CHUNKED_MIN_TS`` query-key pairs up, else "xla"; bfloat16
-                 on a CPU with bf16 units stays "xla" longer (``AUTO_DENSE_BF16_MAX_BYTES``).
+  ``"splash"``   ``ops.splash``: the Pallas splash-attention kernel, TPUs (elsewhere it runs in
+                 Pallas interpret mode, for tests).
+  ``None``       the kernel table's choice for this backend (``ops.choose_implementation``).
 
 Masks are boolean with ``True`` meaning *attend*. Additive biases (ALiBi, T5 relative bias) go in
 ``bias``. Softmax runs in float32 whatever the input dtype.
@@ -33,31 +34,15 @@ import jax.numpy as jnp
 
 import numpy as np
 
-from transformer_jax.ops import linear, precision, residuals
+from transformer_jax.ops import dispatch, linear, precision, residuals
 from transformer_jax.ops.chunked import chunked_attention
+from transformer_jax.ops.dispatch import Implementation
 from transformer_jax.ops.masks import and_masks, segment_mask
 
 # A large finite negative rather than -inf: exp() of it is exactly 0, and a row whose every entry is
 # masked still gives finite numbers (we zero such rows explicitly afterwards).
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
-
-Implementation = Literal["xla", "chunked", "cudnn"]
-
-# implementation=None picks "chunked" from this many query-key pairs (T * S) up, "xla" below. On a
-# 2-core x86 CPU, forward + backward of causal [1, T, 12, 64] float32 attention, chunked is slower
-# than xla at T = S = 512 and no slower from 768 up (experiments/attention_memory.py, its
-# auto_threshold_sweep); above that the dense [B, N, T, S] temporaries also grow past what small
-# machines hold.
-AUTO_CHUNKED_MIN_TS = 768 * 768
-
-# Past that threshold, bfloat16 attention without dropout on a CPU with bf16 units stays "xla" while
-# its bfloat16 weights, B * N * T * S * 2 bytes per call, fit in this many bytes. Only the dense
-# row-major core (``_rowmajor_core``) runs attention's products on the bfloat16 kernel; the
-# chunked kernel's go to float32 (oneDNN), which also keeps the step out of the persistent cache.
-# GPT-2 small, bfloat16, on a Zen 4 EPYC: the train step 19% faster at 1 x 1024 and 15% at
-# 2 x 1024, its temporaries 1359 -> 1532 and 2480 -> 2827 MiB (experiments/PERFORMANCE.md).
-AUTO_DENSE_BF16_MAX_BYTES = 64 << 20
 
 # A bias function: ``bias_fn(bias_params, q_pos_BT, k_pos_S) -> [B|1, N|1, T, S]`` float32 additive
 # logits bias (``ops.AlibiBias``, ``ops.RelativeBias``). Kernels that work block by block call it on
@@ -176,9 +161,8 @@ def dot_product_attention(
     dropout_rng: PRNG key for attention dropout; ``None`` disables dropout.
     return_weights: also return the attention weights ``[B, N, T, S]`` (float32; "xla" only).
     implementation: ``"xla"`` (dense ``[B, N, T, S]`` scores), ``"chunked"`` (memory-efficient,
-      key/value blocks with an online softmax), ``"cudnn"`` (fused GPU kernel), or ``None``:
-      "chunked" when ``T * S >= AUTO_CHUNKED_MIN_TS`` and ``return_weights`` is False, else "xla"
-      (bfloat16 on a CPU with bf16 units: "xla" up to ``AUTO_DENSE_BF16_MAX_BYTES`` of weights).
+      key/value blocks with an online softmax), ``"cudnn"`` (fused GPU kernel), ``"splash"``
+      (Pallas TPU kernel), or ``None``: ``ops.choose_implementation`` for the default backend.
     kv_valid: ``[B, S]`` bool, False for padding keys.
     q_segment_ids: ``[B, T]`` int; queries see only keys of the same segment (packed sequences).
     kv_segment_ids: ``[B, S]`` int (default ``q_segment_ids``, which needs ``T == S``).
@@ -206,9 +190,12 @@ def dot_product_attention(
   _check_parts(b, t, s, window=window, kv_valid=kv_valid, q_segment_ids=q_segment_ids,
                kv_segment_ids=kv_segment_ids)
   if implementation is None:
-    implementation = _auto_implementation(
-        q, k, v, return_weights=return_weights,
-        dropout=dropout_rate > 0.0 and dropout_rng is not None)
+    implementation = dispatch.choose_implementation(
+        q, k, v, platform=jax.default_backend(), causal=causal, window=window,
+        segment_ids=q_segment_ids is not None, bias=bias is not None or bias_fn is not None,
+        dropout=dropout_rate > 0.0 and dropout_rng is not None, return_weights=return_weights,
+        mask=mask is not None, kv_valid=kv_valid is not None,
+        q_positions=q_positions is not None)
   q_pos_BT = _query_positions(q_positions, b, t, s)
   h = q.shape[-1]
   match implementation:
@@ -239,9 +226,32 @@ def dot_product_attention(
           dropout_rate=dropout_rate, dropout_rng=dropout_rng, return_weights=return_weights,
           kv_valid=kv_valid, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
           window=window, q_positions=q_positions, bias_fn=bias_fn, bias_params=bias_params)
+    case "splash":
+      return _splash_attention(q, k, v, bias=bias, mask=mask, causal=causal, scale=scale,
+                               dropout=dropout_rate > 0.0 and dropout_rng is not None,
+                               return_weights=return_weights, kv_valid=kv_valid,
+                               q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                               window=window, q_positions=q_positions, bias_fn=bias_fn)
     case _:
-      raise ValueError(
-          f"implementation={implementation!r} must be None, 'xla', 'chunked' or 'cudnn'")
+      raise ValueError(f"implementation={implementation!r} must be None, 'xla', 'chunked', "
+                       "'cudnn' or 'splash'")
+
+
+def _splash_attention(q, k, v, *, bias, mask, causal, scale, dropout, return_weights, kv_valid,
+                      q_segment_ids, kv_segment_ids, window, q_positions, bias_fn):
+  """Delegates to ``ops.splash``, which takes the causal, window and segment-id parts only."""
+  from transformer_jax.ops import splash   # noqa: PLC0415 - Pallas is imported only when asked
+
+  unsupported = [name for name, given in (
+      ("bias", bias is not None or bias_fn is not None), ("mask", mask is not None),
+      ("kv_valid", kv_valid is not None), ("q_positions", q_positions is not None),
+      ("attention dropout", dropout), ("return_weights", return_weights)) if given]
+  if unsupported:
+    raise ValueError(f"implementation='splash' does not take {', '.join(unsupported)}: use "
+                     "'chunked' or 'xla'")
+  return splash.splash_attention(q, k, v, causal=causal, window=window,
+                                 q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                                 scale=scale)
 
 
 def _cudnn_attention(q, k, v, q_pos_BT, *, bias, mask, causal, scale, dropout_rate, dropout_rng,
@@ -292,8 +302,8 @@ def _cudnn_attention(q, k, v, q_pos_BT, *, bias, mask, causal, scale, dropout_ra
   if bias_fn is not None:
     fn_bias = bias_fn(bias_params, q_pos_BT, jnp.arange(s, dtype=jnp.int32))
     bias = fn_bias if bias is None else bias + fn_bias
-  if mask is not None:
-    mask = jnp.broadcast_to(mask, (b, q.shape[2], t, s))
+  if mask is not None:   # [B, 1|N, T, S]: cuDNN broadcasts its bias over the heads
+    mask = jnp.broadcast_to(mask, (b, mask.shape[1] if mask.ndim == 4 else 1, t, s))
   if bias is not None:
     bias = bias.astype(q.dtype)
   local = (window - 1, 0) if causal and window is not None else None
@@ -455,21 +465,11 @@ def _rowmajor_core_bwd(scale, b, t, res, dout_RMH):
 _rowmajor_core.defvjp(_rowmajor_core_fwd, _rowmajor_core_bwd)
 
 
-def _rowmajor_pays(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
-  """Whether ``_rowmajor_core`` runs here: q, k and v are bfloat16, bfloat16 products pay
-  (``linear.matmul_pays``), and the query rows and keys can be transposed as copies
-  (``linear.transposed`` needs a small factor)."""
-  t, s = q.shape[1], k.shape[1]
-  m = t * (q.shape[2] // k.shape[2])
-  return (q.dtype == k.dtype == v.dtype == jnp.bfloat16 and linear.matmul_pays(q.dtype)
-          and all(linear._small_factor(d) is not None for d in (m, s)))
-
-
 def _dense_attention(q, k, v, *, bias, mask, scale):
   """``_dense_core`` on ``[B, T, N, H]`` inputs: heads-major in, ``[B, T, N, H]`` out."""
   b, t, n, h = q.shape
   kh = k.shape[2]
-  if _rowmajor_pays(q, k, v):
+  if dispatch.rowmajor_core_applies(q, k, v):
     # Merging B and K in the reshape makes each operand a row-major copy.
     q_RMH = q.reshape(b, t, kh, n // kh, h).transpose(0, 2, 3, 1, 4).reshape(b * kh, -1, h)
     k_RSH, v_RSH = (x.transpose(0, 2, 1, 3).reshape(b * kh, -1, h) for x in (k, v))
@@ -480,19 +480,6 @@ def _dense_attention(q, k, v, *, bias, mask, scale):
   out_BKMH = _dense_core(q_BKMH, k_BKSH, v_BKSH, bias, mask, float(scale), t,
                          precision.current())
   return out_BKMH.reshape(b, kh, n // kh, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
-
-
-def _auto_implementation(q, k, v, *, return_weights: bool, dropout: bool) -> str:
-  """``implementation=None``'s choice: see ``AUTO_CHUNKED_MIN_TS`` and
-  ``AUTO_DENSE_BF16_MAX_BYTES``."""
-  b, t, n, _ = q.shape
-  s = k.shape[1]
-  if return_weights or t * s < AUTO_CHUNKED_MIN_TS:
-    return "xla"
-  if (not dropout and b * n * t * s * 2 <= AUTO_DENSE_BF16_MAX_BYTES
-      and _rowmajor_pays(q, k, v)):
-    return "xla"
-  return "chunked"
 
 
 def _xla_attention(q, k, v, *, bias, mask, scale, dropout_rate, dropout_rng, return_weights):

@@ -1,0 +1,157 @@
+"""The attention kernel table: which implementation of ``ops.dot_product_attention`` runs where.
+
+``choose_implementation`` is the only place a kernel is chosen. ``implementation=None`` in
+``ops.dot_product_attention``, the attention layers and ring attention all ask it. One row per
+backend, read top to bottom (the first rule that applies wins):
+
+  ========  =====================================================================================
+  backend   kernel
+  ========  =====================================================================================
+  any       ``"ring"`` when the sequence is sharded over a mesh axis (self-attention without a
+            bias, window or dropout); ``"xla"`` when the weights are asked for
+  gpu       ``"cudnn"`` for bfloat16/float16 with head dim <= 128 (a multiple of 8): causal or
+            bidirectional, MHA/MQA/GQA, padding, segment ids (as a mask), a causal sliding
+            window; past that (float32, dropout, a position bias, decoding with T != S, a
+            two-sided window): ``"xla"`` while the float32 scores fit ``DENSE_MAX_BYTES``, else
+            ``"chunked"``
+  tpu       ``"splash"`` (Pallas splash attention) for causal or bidirectional, a sliding window
+            and segment ids, MHA/MQA/GQA, where ``T`` and ``S`` are multiples of its blocks and
+            ``T * S >= SPLASH_MIN_TS``; short sequences and decoding: ``"xla"``; the rest as on
+            GPUs
+  cpu       ``"chunked"`` from ``AUTO_CHUNKED_MIN_TS`` query-key pairs up, else ``"xla"``;
+            bfloat16 on a CPU with bf16 units stays ``"xla"`` while its weights fit
+            ``AUTO_DENSE_BF16_MAX_BYTES`` (the dense row-major core runs its products on the
+            bf16 kernel)
+  ========  =====================================================================================
+
+``q``, ``k`` and ``v`` may be arrays or ``jax.ShapeDtypeStruct``s: only shapes and dtypes are read,
+so the table can be asked what a planned run would use (``tjax train --dry-run``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax.numpy as jnp
+
+from transformer_jax.ops import linear
+
+Implementation = Literal["xla", "chunked", "cudnn", "splash"]
+Choice = Literal["xla", "chunked", "cudnn", "splash", "ring"]
+PLATFORMS = ("cpu", "gpu", "tpu")
+
+# CPU: "chunked" from this many query-key pairs (T * S) up, "xla" below (experiments/
+# PERFORMANCE.md, "Chunked attention on CPU").
+AUTO_CHUNKED_MIN_TS = 768 * 768
+
+# CPU with bf16 units: bfloat16 attention without dropout stays "xla" past AUTO_CHUNKED_MIN_TS
+# while its bfloat16 weights, B * N * T * S * 2 bytes, fit here (PERFORMANCE.md, "Row-major core").
+AUTO_DENSE_BF16_MAX_BYTES = 64 << 20
+
+# GPUs and TPUs, where the fused kernel does not apply: "xla" while one call's float32 scores,
+# B * N * T * S * 4 bytes, fit here; "chunked" (O(T + S) memory) past it.
+DENSE_MAX_BYTES = 1 << 30
+
+# cuDNN's fused attention: the head dims it takes on every supported GPU.
+CUDNN_MAX_HEAD_DIM = 128
+
+# TPU: below this many query-key pairs the dense kernel is as fast as splash and has no block
+# constraint.
+SPLASH_MIN_TS = 512 * 512
+
+
+def rowmajor_core_applies(q, k, v) -> bool:
+  """Whether the dense kernel runs its bfloat16 row-major core (``ops.attention``): q, k and v
+  are bfloat16, ``linear.matmul_pays`` bfloat16 (a CPU with bf16 units), and the query rows and
+  key length can be copied transposed (``linear.transposed`` needs a small factor of each)."""
+  t, s = q.shape[1], k.shape[1]
+  m = t * (q.shape[2] // k.shape[2])
+  return (q.dtype == k.dtype == v.dtype == jnp.bfloat16 and linear.matmul_pays(q.dtype)
+          and all(linear._small_factor(d) is not None for d in (m, s)))
+
+
+def _dense_or_chunked(q, k, *, max_bytes: int) -> str:
+  b, t, n, _ = q.shape
+  return "xla" if b * n * t * k.shape[1] * 4 <= max_bytes else "chunked"
+
+
+def _cudnn_takes(q, k, *, causal, window, bias, dropout, mask, q_positions) -> bool:
+  """The parts cuDNN's fused kernel takes through ``jax.nn.dot_product_attention``."""
+  t, s, h = q.shape[1], k.shape[1], q.shape[3]
+  if q.dtype not in (jnp.bfloat16, jnp.float16) or h > CUDNN_MAX_HEAD_DIM or h % 8:
+    return False
+  if dropout or bias or mask:
+    return False
+  if causal and (t != s or q_positions):   # cuDNN aligns its causal mask to the first key
+    return False
+  return window is None or causal          # its window looks back only
+
+
+def _splash_takes(q, k, *, causal, window, bias, dropout, mask, kv_valid, q_positions) -> bool:
+  from transformer_jax.ops import splash   # noqa: PLC0415 - Pallas is imported only when asked
+
+  t, s, h = q.shape[1], k.shape[1], q.shape[3]
+  if dropout or bias or mask or kv_valid or q_positions or t * s < SPLASH_MIN_TS:
+    return False
+  if causal and t != s:
+    return False
+  return splash.splash_supports(t, s, h, q.dtype, causal=causal, window=window)
+
+
+def choose_implementation(q, k, v, *, platform: str, causal: bool = False,
+                          window: int | None = None, segment_ids: bool = False,
+                          bias: bool = False, dropout: bool = False,
+                          return_weights: bool = False, mask: bool = False,
+                          kv_valid: bool = False, q_positions: bool = False,
+                          sequence_shards: int = 1) -> Choice:
+  """The attention kernel for these inputs on ``platform`` (see the module's table).
+
+  Args:
+    q: ``[B, T, N, H]`` queries (an array or a ``jax.ShapeDtypeStruct``).
+    k: ``[B, S, K, H]`` keys.
+    v: ``[B, S, K, H]`` values.
+    platform: ``"cpu"``, ``"gpu"`` or ``"tpu"`` (``jax.default_backend()`` where it runs).
+    causal: the causal mask is one of the parts.
+    window: the sliding window's width, if any.
+    segment_ids: segment ids (packed sequences) are given.
+    bias: an additive bias (dense, or a position-bias function) is given.
+    dropout: attention dropout is on.
+    return_weights: the attention weights are asked for.
+    mask: a dense boolean mask is given.
+    kv_valid: a ``[B, S]`` key padding mask is given.
+    q_positions: the queries' positions are given (decoding against a cache).
+    sequence_shards: how many devices the sequence is split over (a mesh's ``sequence`` axis).
+
+  Returns:
+    ``"xla"``, ``"chunked"``, ``"cudnn"``, ``"splash"`` or ``"ring"`` (``parallel.ring``).
+
+  Raises:
+    ValueError: for an unknown platform.
+  """
+  if platform not in PLATFORMS:
+    raise ValueError(f"platform={platform!r} must be one of {', '.join(map(repr, PLATFORMS))}")
+  if return_weights:
+    return "xla"
+  if (sequence_shards > 1 and q.shape[1] == k.shape[1] and not (bias or mask or dropout)
+      and window is None and not q_positions):
+    return "ring"
+  parts = dict(causal=causal, window=window, bias=bias, dropout=dropout, mask=mask,
+               q_positions=q_positions)
+  match platform:
+    case "gpu":
+      if _cudnn_takes(q, k, **parts):
+        return "cudnn"
+      return _dense_or_chunked(q, k, max_bytes=DENSE_MAX_BYTES)
+    case "tpu":
+      if _splash_takes(q, k, kv_valid=kv_valid, **parts):
+        return "splash"
+      return _dense_or_chunked(q, k, max_bytes=DENSE_MAX_BYTES)
+    case _:
+      b, t, n, _ = q.shape
+      s = k.shape[1]
+      if t * s < AUTO_CHUNKED_MIN_TS:
+        return "xla"
+      if (not dropout and b * n * t * s * 2 <= AUTO_DENSE_BF16_MAX_BYTES
+          and rowmajor_core_applies(q, k, v)):
+        return "xla"
+      return "chunked"
