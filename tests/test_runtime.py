@@ -20,12 +20,12 @@ import pytest
 from tests.ops.test_attention import attention_ref
 from transformer_jax import ops, runtime
 from transformer_jax.bench import machine
+from tests.backends import only_on
 
 
 def test_allocator_env_preloads_mimalloc_once(monkeypatch):
-  lib = runtime.mimalloc_path()
-  if lib is None:
-    pytest.fail("cmeel-mimalloc is a declared dependency on Linux and must be installed")
+  lib = "/x/cmeel.prefix/lib/libmimalloc.so"
+  monkeypatch.setattr(runtime, "mimalloc_path", lambda: lib)
   env = runtime.allocator_env({"PATH": "/bin"})
   assert env["LD_PRELOAD"] == lib and env["MIMALLOC_PURGE_DELAY"] == "-1"
   # Already preloaded (the re-executed process), or turned off: nothing to do.
@@ -64,6 +64,7 @@ def test_second_process_loads_the_compiled_step_from_the_cache(tmp_path):
   assert hits1 >= 1 and files1 == files0   # loaded from the folder, nothing compiled anew
 
 
+@only_on("cpu", "XLA:CPU's oneDNN products")
 def test_steps_with_onednn_products_are_compiled_each_run_without_a_warning(tmp_path):
   """This jaxlib cannot serialize oneDNN products, so the cache cannot keep such a step: every
   run compiles it again (a jaxlib that can would fail this test, and the docs in
@@ -157,6 +158,7 @@ def test_machine_description_names_cpu_and_flags():
       assert key not in d["cpu_idle"]
 
 
+@only_on("cpu", "XLA:CPU's product libraries")
 def test_matmul_limit_counts_flops_of_each_layout_and_library():
   r = machine.matmul_limit([(64, 32, 48)], reps=1)
   rates = r["per_shape"]["64x32x48"]
@@ -170,11 +172,13 @@ def test_matmul_limit_counts_flops_of_each_layout_and_library():
 
 def test_steps_give_their_products_to_onednn_on_cpu_only(monkeypatch):
   assert runtime.step_compiler_options("cpu") == runtime.ONEDNN_DOTS
-  assert runtime.step_compiler_options("gpu") == {} == runtime.step_compiler_options("tpu")
+  assert runtime.step_compiler_options("gpu") == runtime.GPU_STEP_OPTIONS
+  assert runtime.step_compiler_options("tpu") == {}
   monkeypatch.setenv("TJAX_ONEDNN", "0")
   assert runtime.step_compiler_options("cpu") == {}
 
 
+@only_on("cpu", "XLA:CPU's oneDNN products")
 def test_onednn_attention_and_its_gradients_match_float64_numpy():
   """The attention core compiled with the steps' options, against the float64 NumPy reference:
   the value, and the gradients by central differences. Its backward sums two products into one
@@ -209,6 +213,7 @@ def test_onednn_attention_and_its_gradients_match_float64_numpy():
       np.testing.assert_allclose(float(grad[idx]), expected, rtol=1e-4, atol=1e-5)
 
 
+@only_on("cpu", "XLA:CPU's oneDNN products")
 def test_steps_with_onednn_products_outlive_their_callers(monkeypatch):
   """This jaxlib aborts the process when an executable with oneDNN products dies just after a
   call (``runtime.hold``): a step compiled with the options stays alive after its caller drops
@@ -285,6 +290,7 @@ def test_cpu_poll_holds_a_zero_request_only_while_the_block_runs(tmp_path, monke
   device.write_bytes(b"")
   monkeypatch.setattr(runtime, "CPU_DMA_LATENCY", str(device))
   monkeypatch.delenv(runtime.POLL_ENV, raising=False)
+  monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
   with runtime.cpu_poll() as req:
     assert req.held and req.reason == ""
     # The kernel reads one signed 32-bit latency in microseconds; the request lasts while the

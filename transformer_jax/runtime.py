@@ -97,12 +97,26 @@ def step_compiler_options(platform: str) -> dict:
   it is cached with these options on; XLA still upcasts a tiny model's vocabulary products when a
   step has 64 tokens or fewer, and oneDNN takes those.
   """
+  if platform == "gpu":
+    return dict(GPU_STEP_OPTIONS)
   if platform != "cpu" or os.environ.get(ONEDNN_ENV, "").lower() in ("0", "off", "false", "no"):
     return {}
   if not _onednn_compiles():
     return {}
   warnings.filterwarnings("ignore", category=UserWarning, message=UNCACHEABLE_WARNING)
   return dict(ONEDNN_DOTS)
+
+
+# XLA:GPU compile options of the train and eval steps (``step_compiler_options("gpu")``) and of the
+# decoding loop (``decode_compiler_options``): experiments/PERFORMANCE.md, "XLA:GPU options".
+GPU_STEP_OPTIONS: dict = {}
+GPU_DECODE_OPTIONS: dict = {}
+
+
+def decode_compiler_options(platform: str) -> dict:
+  """Compile options for ``generate``'s decoding loop on ``platform``: ``GPU_DECODE_OPTIONS`` on
+  GPUs, none elsewhere."""
+  return dict(GPU_DECODE_OPTIONS) if platform == "gpu" else {}
 
 
 # JAX's warning when the persistent cache cannot write a program with oneDNN products.
@@ -149,7 +163,7 @@ def hold(compiled, options: dict | None):
   before Python destroys what is held, the process waits 20 ms, so that a call just made
   (``tjax eval`` exits right after its last one) has handed its runtimes back.
   """
-  if not options:
+  if not (options or {}).get("xla_cpu_use_onednn"):
     return compiled
   if not _HELD:
     atexit.register(time.sleep, 0.02)   # runs before JAX's own exit hooks (registered earlier)

@@ -86,6 +86,8 @@ def test_auto_unrolls_only_bfloat16_cpu_products_of_a_few_layers(monkeypatch):
   from transformer_jax.layers import Stack
   from transformer_jax.ops import linear
 
+  monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+
   def stacks(config):
     model = models.abstract(config)
     return [m.unroll for _, m in nnx.iter_graph(model) if isinstance(m, Stack)]
@@ -104,6 +106,17 @@ def test_auto_unrolls_only_bfloat16_cpu_products_of_a_few_layers(monkeypatch):
     t5 = tiny("t5-tiny", dtype="bfloat16", num_encoder_layers=6, num_decoder_layers=7)
     assert not models.unrolls_layers(t5)   # encoder and decoder count together
     assert models.unrolls_layers(dataclasses.replace(t5, num_decoder_layers=6)) == pays
+
+
+def test_auto_unrolls_a_few_layers_on_gpus_and_scans_on_tpus():
+  for name in ("gpt2-tiny", "bert-tiny", "t5-tiny"):
+    for dtype in ("float32", "bfloat16"):
+      config = tiny(name, dtype=dtype)
+      assert models.unrolls_layers(config, "gpu")
+      assert not models.unrolls_layers(config, "tpu")
+      assert not models.unrolls_layers(dataclasses.replace(config, scan_layers=True), "gpu")
+  deep = tiny("gpt2-tiny", num_layers=models.config.UNROLL_MAX_LAYERS + 1)
+  assert not models.unrolls_layers(deep, "gpu")
 
 
 @pytest.mark.parametrize("remat", ["full", "dots"])

@@ -71,3 +71,45 @@ def test_gpt_task_lm_correct_matches_numpy_argmax():
            "loss_mask": jnp.asarray(loss_mask)}
   _, metrics = tasks.get_task("gpt").sums(model, batch, None)
   assert float(metrics["lm_correct"]) == np.sum((logits.argmax(-1) == labels) & loss_mask)
+
+
+def test_gpt_fused_loss_head_equals_the_logits_head():
+  # Same loss sum, correct count and gradients as the [B, T, V] logits and cross-entropy, with a
+  # tied (GPT-2) and an untied (LLaMA-style) head, label smoothing and z-loss on.
+  rng = np.random.default_rng(2)
+  b, t = 2, 12
+  for tie in (True, False):
+    config = models.get_config("gpt2-tiny", tie_embeddings=tie)
+    params = models.init(config, jax.random.key(1))
+    graphdef = models.graphdef(config)
+    tokens = rng.integers(0, config.vocab_size, (b, t))
+    loss_mask = rng.random((b, t)) < 0.8
+    batch = {"tokens": jnp.asarray(tokens),
+             "labels": jnp.asarray(rng.integers(0, config.vocab_size, (b, t))),
+             "positions": jnp.tile(jnp.arange(t), (b, 1)),
+             "segment_ids": jnp.asarray(np.repeat([[1] * 7 + [2] * 5], b, 0)),
+             "loss_mask": jnp.asarray(loss_mask)}
+
+    def loss(params, head):
+      task = tasks.get_task("gpt", loss_head=head)
+      sums, metrics = task.sums(nnx.merge(graphdef, params), batch, None, label_smoothing=0.1,
+                                z_loss=1e-3)
+      return sums["lm"], metrics["lm_correct"]
+
+    (dense, dense_correct), dense_grads = jax.value_and_grad(loss, has_aux=True)(params, "logits")
+    (fused, fused_correct), fused_grads = jax.value_and_grad(loss, has_aux=True)(params, "fused")
+    np.testing.assert_allclose(float(fused), float(dense), rtol=1e-5)
+    assert float(fused_correct) == float(dense_correct)
+    # One scale for every gradient: some are rounding noise around 0 (a key bias's, softmax
+    # being blind to a constant added to a row's logits).
+    scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(dense_grads))
+    for (path, g), f in zip(jax.tree.leaves_with_path(dense_grads), jax.tree.leaves(fused_grads)):
+      np.testing.assert_allclose(np.asarray(f), np.asarray(g), atol=2e-6 * scale,
+                                 err_msg=jax.tree_util.keystr(path))
+
+
+def test_loss_head_auto_is_fused_off_cpu_only():
+  assert tasks.loss_head("auto", "cpu") == "logits"
+  assert tasks.loss_head("auto", "gpu") == tasks.loss_head("auto", "tpu") == "fused"
+  assert tasks.loss_head("logits", "gpu") == "logits"
+  assert tasks.loss_head("fused", "cpu") == "fused"

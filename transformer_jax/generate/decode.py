@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from transformer_jax import models
+from transformer_jax import models, runtime
 from transformer_jax.generate.cache import (extend, init_cache, prefill, split_layers,
                                             with_encoder)
 from transformer_jax.generate.sampling import apply_repetition_penalty, next_token
@@ -306,4 +306,5 @@ def _compiled(graphdef, cache_len, max_new_tokens, temperature, top_k, top_p, eo
     state = (jnp.int32(1), tok_B, out_BM, cache, done_B, seen_BV)
     return jax.lax.while_loop(cond, body, state)[2]
 
-  return jax.jit(run)
+  return jax.jit(run, compiler_options=runtime.decode_compiler_options(jax.default_backend())
+                 or None)

@@ -236,12 +236,12 @@ class Embed(nnx.Module):
     return jnp.take(self.embedding[...], ids, axis=0, mode="clip").astype(self.dtype)
 
   def attend(self, x_BTD: jax.Array) -> jax.Array:
-    """``x @ E^T``: logits ``[B, T, V]`` from hidden states (weight-first for a few rows, as when
-    decoding: the table is already ``[out, in]``)."""
+    """``x @ E^T``: logits ``[B, T, V]`` from hidden states (on CPU weight-first for a few rows, as
+    when decoding: the table is already ``[out, in]``)."""
     x_BTD = x_BTD.astype(self.dtype)
     table_VD = self.embedding[...].astype(self.dtype)
     b, t, d = x_BTD.shape
-    if b * t <= SKINNY_ROWS:
+    if b * t <= SKINNY_ROWS and jax.default_backend() == "cpu":
       return weight_first(table_VD, x_BTD.reshape(b * t, d)).reshape(b, t, -1)
     if linear.matmul_pays(self.dtype):
       # bfloat16 on a CPU with bf16 units: the three dots in bfloat16 (ops.linear), the logits

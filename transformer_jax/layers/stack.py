@@ -123,13 +123,15 @@ class Stack(nnx.Module):
 
   def split_layers(self) -> tuple[nnx.State, ...]:
     """This stack's parameters as one state per layer, for decoding: each array sliced out of the
-    stacked one, every projection kernel in its decoding layout (``Projection.decode_layout``)."""
+    stacked one; on CPU every projection kernel in its decoding layout
+    (``Projection.decode_layout``, XLA:CPU's matrix-vector products)."""
     graphdef, params = nnx.split(self.layers)
+    layout = jax.default_backend() == "cpu"
     out = []
     for i in range(self.num_layers):
       block = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], params))
       for _, node in nnx.iter_graph(block):
-        if isinstance(node, Projection):
+        if layout and isinstance(node, Projection):
           node.decode_layout()
       out.append(nnx.state(block))
     return tuple(out)

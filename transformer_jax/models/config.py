@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+import jax
 import jax.numpy as jnp
 
 from transformer_jax import ops
@@ -20,7 +21,7 @@ from transformer_jax.ops import linear
 Norm = Literal["layernorm", "rmsnorm"]
 _ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
 _REMATS = ("none", "full", "dots")
-_ATTENTION_IMPLS = (None, "xla", "chunked", "cudnn")
+_ATTENTION_IMPLS = (None, "xla", "chunked", "cudnn", "splash")
 
 
 def _positive(cfg, *names):
@@ -139,7 +140,8 @@ class GPTConfig(_Heads):
   # True: one lax.scan over the stacked layers; False: an unrolled Python loop over the same
   # parameters; "auto": see unrolls_layers.
   scan_layers: bool | Literal["auto"] = "auto"
-  # Kernel of ops.dot_product_attention: "xla", "chunked", "cudnn"; None picks by size.
+  # Kernel of ops.dot_product_attention: "xla", "chunked", "cudnn", "splash"; None: the
+  # backend's choice (ops.choose_implementation).
   attention_impl: ops.Implementation | None = None
 
   def __post_init__(self):
@@ -197,7 +199,8 @@ class BERTConfig(_Heads):
   matmul_precision: str = "float32"
   remat: Remat = "none"
   scan_layers: bool | Literal["auto"] = "auto"   # see unrolls_layers
-  # Kernel of ops.dot_product_attention: "xla", "chunked", "cudnn"; None picks by size.
+  # Kernel of ops.dot_product_attention: "xla", "chunked", "cudnn", "splash"; None: the
+  # backend's choice (ops.choose_implementation).
   attention_impl: ops.Implementation | None = None
 
   def __post_init__(self):
@@ -256,7 +259,8 @@ class Seq2SeqConfig(_Heads):
   matmul_precision: str = "float32"
   remat: Remat = "none"
   scan_layers: bool | Literal["auto"] = "auto"   # see unrolls_layers
-  # Kernel of ops.dot_product_attention: "xla", "chunked", "cudnn"; None picks by size.
+  # Kernel of ops.dot_product_attention: "xla", "chunked", "cudnn", "splash"; None: the
+  # backend's choice (ops.choose_implementation).
   attention_impl: ops.Implementation | None = None
 
   def __post_init__(self):
@@ -293,28 +297,35 @@ class Seq2SeqConfig(_Heads):
 ModelConfig = GPTConfig | BERTConfig | Seq2SeqConfig
 
 # "auto" unrolls at most this many layers in all (encoder and decoder together): the unrolled
-# program's compile time grows with every layer (GPT-2 small, 12 layers: 4.0-4.5 s against 2.1-2.7
-# s scanned, on a 2-core Zen 4 EPYC).
+# program's compile time grows with every layer (experiments/PERFORMANCE.md, "Unrolled layers").
 UNROLL_MAX_LAYERS = 12
 
 
-def unrolls_layers(config: ModelConfig) -> bool:
+def unrolls_layers(config: ModelConfig, platform: str | None = None) -> bool:
   """Whether ``config``'s layer stacks run as an unrolled loop instead of one ``lax.scan``.
 
-  ``scan_layers`` true or false says so. ``"auto"`` (the default) unrolls only a model whose
-  products run through ``ops.matmul``'s bfloat16 path (bfloat16 compute on a CPU with bfloat16
-  units, ``ops.linear.matmul_pays``) and that has at most ``UNROLL_MAX_LAYERS`` layers; anything
-  else is scanned. Why: there, the scan's stacking of each layer's saved residuals and gradients,
-  and its layer-by-layer order, cost GPT-2 small's bfloat16 step 10% (paired A/B in one process,
-  2.91 -> 2.63 s, faster in 8 of 8, on a 2-core Zen 4 EPYC); in float32 the unrolled step is
-  6-17% slower (experiments/PERFORMANCE.md). The parameters are stacked either way, so
+  ``scan_layers`` true or false says so. ``"auto"`` (the default) unrolls a model of at most
+  ``UNROLL_MAX_LAYERS`` layers on a GPU, and on a CPU one whose products run through
+  ``ops.matmul``'s bfloat16 path (bfloat16 on a CPU with bf16 units, ``ops.linear.matmul_pays``);
+  anything else, and everything on a TPU, is scanned. Unrolled, the step skips the scan's
+  stacking of each layer's saved residuals and gradients, at the price of compiling every layer
+  (experiments/PERFORMANCE.md, "Unrolled layers"). The parameters are stacked either way, so
   checkpoints do not depend on it.
+
+  Args:
+    config: a model config.
+    platform: ``"cpu"``, ``"gpu"`` or ``"tpu"``; default ``jax.default_backend()``.
   """
   if config.scan_layers != "auto":
     return not config.scan_layers
   layers = (config.num_encoder_layers + config.num_decoder_layers
             if isinstance(config, Seq2SeqConfig) else config.num_layers)
-  return layers <= UNROLL_MAX_LAYERS and linear.matmul_pays(config.dtype)
+  if layers > UNROLL_MAX_LAYERS:
+    return False
+  platform = jax.default_backend() if platform is None else platform
+  if platform == "gpu":
+    return True
+  return platform == "cpu" and linear.matmul_pays(config.dtype)
 
 
 _FAMILIES = {"gpt": GPTConfig, "bert": BERTConfig, "seq2seq": Seq2SeqConfig}

@@ -178,6 +178,36 @@ class GPT(nnx.Module):
     return self.blocks.split_layers()
 
   @with_matmul_precision
+  def lm_loss(self, tokens: jax.Array, labels: jax.Array, weights: jax.Array,
+              positions: jax.Array | None = None, segment_ids: jax.Array | None = None, *,
+              dropout_rng: jax.Array | None = None, label_smoothing: float = 0.0,
+              z_loss: float = 0.0) -> tuple[jax.Array, jax.Array]:
+    """The next-token loss without the ``[B, T, V]`` logits (``ops.linear_cross_entropy``).
+
+    Args:
+      tokens: ``[B, T]`` token ids; ``positions``, ``segment_ids``, ``dropout_rng`` as in
+        ``__call__``.
+      labels: ``[B, T]`` target ids.
+      weights: ``[B, T]`` per-token loss weights (the loss mask).
+      label_smoothing: as in ``ops.cross_entropy``.
+      z_loss: as in ``ops.cross_entropy``.
+
+    Returns:
+      ``(loss_sum, correct_sum)``: float32 scalars, the weighted sum of the token losses and of
+      the tokens whose label has the largest logit.
+    """
+    x_BTD = self.hidden_states(tokens, positions, segment_ids, dropout_rng=dropout_rng)
+    b, t, d = x_BTD.shape
+    if self.lm_head is None:
+      w, layout = self.embed.embedding[...], "VD"
+    else:
+      w, layout = self.lm_head.kernel[...], "DV"
+    return ops.linear_cross_entropy(
+        x_BTD.reshape(b * t, d), w, labels.reshape(-1), weights.reshape(-1).astype(jnp.float32),
+        w_layout=layout, label_smoothing=label_smoothing, z_loss=z_loss,
+        dtype=jnp.dtype(self.config.dtype))
+
+  @with_matmul_precision
   def logits(self, x_BTD: jax.Array) -> jax.Array:
     """Output projection (tied to the embedding unless ``tie_embeddings=False``), float32."""
     logits_BTV = self.embed.attend(x_BTD) if self.lm_head is None else self.lm_head(x_BTD)

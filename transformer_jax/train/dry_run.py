@@ -96,7 +96,53 @@ def dry_run(exp: Experiment) -> dict[str, Any]:
   }
   b = report["per_device_bytes"]
   b["peak_estimate"] = b["arguments"] + b["outputs"] - b["aliased"] + b["temporaries"]
+  report["attention"] = attention_kernels(config, dict(mesh.shape), t.batch_size, t.seq_len,
+                                          task.name)
   return report
+
+
+def attention_kernels(config, mesh: dict[str, int], batch_size: int, seq_len: int,
+                      task_name: str) -> list[dict[str, Any]]:
+  """The kernel ``ops.choose_implementation`` gives each attention of a training step, on each
+  backend, for one device's share: ``[{"attention", "shape" [B, T, N, H], "dtype", "kernels":
+  {platform: kernel}}]``. The mask parts are the ones the task and model pass (GPT: causal, the
+  packed documents' segment ids, the sliding window; BERT: key padding; Seq2Seq: padding, causal
+  decoder self-attention, cross-attention)."""
+  from transformer_jax import ops
+
+  rows_per_device = max(1, batch_size // (mesh.get("data", 1) * mesh.get("fsdp", 1)))
+  t_local = max(1, seq_len // mesh.get("sequence", 1))
+  heads = max(1, config.num_heads // mesh.get("tensor", 1))
+  kv_heads = max(1, config.kv_heads // mesh.get("tensor", 1))
+  dtype = jax.numpy.dtype(config.dtype)
+
+  def shapes(t, s):
+    q = jax.ShapeDtypeStruct((rows_per_device, t, heads, config.head_size), dtype)
+    k = jax.ShapeDtypeStruct((rows_per_device, s, kv_heads, config.head_size), dtype)
+    return q, k
+
+  bias = getattr(config, "position", None) in ("alibi", "relative")
+  calls = []
+  match type(config).__name__:
+    case "GPTConfig":
+      calls.append(("self-attention", seq_len, seq_len, dict(
+          causal=True, window=config.sliding_window, segment_ids=task_name == "gpt",
+          bias=bias)))
+    case "BERTConfig":
+      calls.append(("self-attention", seq_len, seq_len, dict(kv_valid=True)))
+    case _:
+      calls.append(("encoder self-attention", seq_len, seq_len, dict(kv_valid=True, bias=bias)))
+      calls.append(("decoder self-attention", seq_len, seq_len, dict(causal=True, bias=bias)))
+      calls.append(("cross-attention", seq_len, seq_len, dict(kv_valid=True)))
+  out = []
+  for name, t, s, parts in calls:
+    q, k = shapes(t, s)
+    kernels = {p: ops.choose_implementation(q, k, k, platform=p,
+                                            sequence_shards=mesh.get("sequence", 1), **parts)
+               for p in ("tpu", "gpu", "cpu")}
+    out.append({"attention": name, "shape": list(q.shape), "dtype": str(dtype),
+                "kernels": kernels})
+  return out
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -117,4 +163,10 @@ def format_report(report: dict[str, Any]) -> str:
       f"({gib(b['aliased']).strip()} donated)",
       f"    peak estimate           {gib(b['peak_estimate'])}",
   ]
+  if report.get("attention"):
+    lines.append("  attention kernel per backend (ops.choose_implementation), one device's share:")
+    for a in report["attention"]:
+      kernels = ", ".join(f"{p} {k}" for p, k in a["kernels"].items())
+      lines.append(f"    {a['attention']:<24s}[{', '.join(map(str, a['shape']))}] {a['dtype']}: "
+                   f"{kernels}")
   return "\n".join(lines)
