@@ -37,6 +37,13 @@ def test_train_against_torch_does_the_same_work(tmp_path, capsys):
     assert r[side]["minor_faults_per_step"] >= 0 and r[side]["sys_s_per_step"] >= 0
     assert len(r[side]["minor_faults_all"]) == len(r[side]["sys_s_all"]) == 2
   assert "ours" in capsys.readouterr().out
+  # On CPU: PyTorch in float32 on the CPU, its plain AdamW; no datasheet peak for a CPU.
+  assert (r["platform"], r["device_kind"]) == ("cpu", "cpu")
+  assert (r["torch"]["device"], r["torch"]["autocast"], r["torch"]["fused_adamw"]) == (
+      "cpu", None, False)
+  assert "mfu_vs_peak" not in r["ours"] and "peak_flops" not in r["limit"]
+  assert "ratio_vs_torch_compile" not in r and "left_out" not in r
+  assert r["model_overrides"] == {}
 
 
 @pytest.mark.parametrize("preset", ["bert-tiny", "t5-tiny"])
@@ -66,6 +73,77 @@ def test_bf16_loss_curve_against_float32_from_the_same_start(tmp_path, capsys):
   assert "loss curves over 12 steps" in capsys.readouterr().out
 
 
+def test_model_overrides_are_read_as_yaml():
+  from transformer_jax.bench.train import parse_model_overrides
+
+  got = parse_model_overrides(["scan_layers=false", "attention_impl=cudnn", "num_layers=3",
+                               "norm_eps=1e-5", "init_std=0.5", "max_len=null", "name=a=b"])
+  assert got == {"scan_layers": False, "attention_impl": "cudnn", "num_layers": 3,
+                 "norm_eps": 1e-5, "init_std": 0.5, "max_len": None, "name": "a=b"}
+  assert isinstance(got["norm_eps"], float)
+  for bad, match in (("scan_layers", "expected KEY=VALUE"), ("=3", "expected KEY=VALUE"),
+                     ("dtype=bfloat16", "--dtype"), ("dropout_rate=0.1", "no dropout")):
+    with pytest.raises(ValueError, match=match):
+      parse_model_overrides([bad])
+  with pytest.raises(ValueError, match="num_layers is given twice"):
+    parse_model_overrides(["num_layers=1", "num_layers=2"])
+
+
+def test_model_override_reaches_the_step(tmp_path, capsys):
+  # float32 on CPU scans the layers by default ("auto"); the override unrolls them.
+  r = _bench(tmp_path, "train", "--preset", "gpt2-tiny", "--batch-size", "1", "--seq-len", "8",
+             "--steps", "1", "--warmup", "0", "--against", "none", "--model", "scan_layers=false")
+  assert r["model_overrides"] == {"scan_layers": False} and r["layers"] == "unrolled"
+  assert "model overrides: scan_layers=False" in capsys.readouterr().out
+  assert cli.main(["bench", "train", "--preset", "gpt2-tiny", "--against", "none", "--model",
+                   "no_such_field=1", "--json", str(tmp_path / "x")]) == 2
+  assert "no_such_field" in capsys.readouterr().err
+
+
+def test_train_table_on_an_accelerator():
+  from transformer_jax.bench.train import table
+
+  side = {"step_s": {"median": 0.0123}, "tokens_per_sec": 83000.0, "mfu": 0.41,
+          "mfu_vs_peak": 0.35}
+  result = {"preset": "gpt2-small", "batch_size": 8, "seq_len": 1024, "dtype": "bfloat16",
+            "layers": "unrolled", "platform": "gpu", "device_kind": "NVIDIA H100 80GB HBM3",
+            "model_overrides": {"attention_impl": "cudnn"},
+            "limit": {"step_floor_s": 0.005, "matmul": {"float32": {"flops_per_sec": 5e13},
+                                                        "bfloat16": {"flops_per_sec": 8e14}}},
+            "ours": side,
+            "torch.compile": {**side, "step_s": {"median": 0.0150}, "device": "cuda",
+                              "autocast": "bfloat16", "fused_adamw": True},
+            "speedup_vs_torch.compile": 0.0150 / 0.0123,
+            "ratio_vs_torch_compile": 0.0150 / 0.0123,
+            "left_out": {"torch": "could not run (RuntimeError: x)"}}
+  text = table(result)
+  assert "on NVIDIA H100 80GB HBM3" in text and "800000 GFLOP/s" in text
+  assert "0.0123 s/step" in text and "35.0% of peak" in text
+  assert "[cuda, autocast bfloat16]" in text and "ratio vs torch.compile: 1.22x" in text
+  assert "attention_impl=cudnn" in text and "torch: left out" in text
+
+
+def test_rivals_run_on_jax_device_or_are_left_out(monkeypatch):
+  torch = pytest.importorskip("torch")
+  from transformer_jax import hardware
+  from transformer_jax.bench import attention, generate, train
+
+  assert train.torch_device() == ("cpu", "") and generate.hf_device() == "cpu"
+  assert attention.torch_device("cpu") == ("cpu", "")
+  monkeypatch.setattr(hardware, "platform", lambda: "tpu")
+  assert train.torch_device()[0] is None and "no PyTorch rival on tpu" in train.torch_device()[1]
+  assert attention.torch_device("tpu")[0] is None
+  with pytest.raises(ValueError, match="on tpu"):
+    generate.hf_device()
+  # A GPU run whose torch has no CUDA: no rival on another device either.
+  monkeypatch.setattr(hardware, "platform", lambda: "gpu")
+  monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+  assert "has no CUDA device" in train.torch_device()[1]
+  assert "has no CUDA device" in attention.torch_device("gpu")[1]
+  with pytest.raises(ValueError, match="no CUDA device"):
+    generate.hf_device()
+
+
 def test_torch_rival_needs_a_gpt_preset(tmp_path, capsys):
   assert cli.main(["bench", "train", "--preset", "bert-tiny", "--json", str(tmp_path / "x")]) == 2
   assert "GPT presets" in capsys.readouterr().err
@@ -79,6 +157,51 @@ def test_attention_rows_per_implementation(tmp_path):
   for row in r["rows"]:
     assert row["fraction_of_matmul_limit"] == pytest.approx(
         row["useful_flops_per_sec"] / r["limit"]["matmul"]["flops_per_sec"], rel=1e-9)
+    assert row["best_s"] <= row["median_s"] and row["first_call_s"] > 0
+  # On CPU: no torch rival unless asked, one batch size, no peak.
+  assert r["batch_size"] == 1 and r["batch_sizes"] == [1, 1] and r["platform"] == "cpu"
+  assert "torch_device" not in r and "peak_flops" not in r["limit"]
+
+
+def test_attention_cells_that_fail_are_recorded_and_the_rest_run(tmp_path, capsys):
+  r = _bench(tmp_path, "attention", "--lengths", "16,32", "--batch-sizes", "2,1", "--heads", "2",
+             "--head-dim", "8", "--reps", "2", "--implementations", "xla,bogus,auto")
+  assert [(row["T"], row["batch_size"], row["implementation"]) for row in r["rows"]] == [
+      (16, 2, "xla"), (16, 2, "bogus"), (16, 2, "auto"),
+      (32, 1, "xla"), (32, 1, "bogus"), (32, 1, "auto")]
+  for row in r["rows"]:
+    if row["implementation"] == "bogus":
+      assert set(row) == {"T", "batch_size", "implementation", "error"}
+      assert "bogus" in row["error"]
+    else:
+      assert "error" not in row and row["best_s"] > 0
+  assert r["batch_size"] is None and r["batch_sizes"] == [2, 1]
+  out = capsys.readouterr().out
+  assert "B=2" in out and "failed" in out
+
+
+def test_attention_batch_sizes_align_with_lengths(tmp_path, capsys):
+  from transformer_jax.bench.attention import batch_sizes
+
+  assert batch_sizes([1024, 4096, 16384], 3, None) == [3, 3, 3]
+  assert batch_sizes([1024, 4096, 16384], 3, "4,4,1") == [4, 4, 1]
+  with pytest.raises(ValueError, match=r"--batch-sizes '4,4': 2 sizes for 3 --lengths"):
+    batch_sizes([1024, 4096, 16384], 1, "4,4")
+  with pytest.raises(ValueError, match="--batch-sizes '4,x'"):
+    batch_sizes([1, 2], 1, "4,x")
+  with pytest.raises(ValueError, match="--batch-size 0"):
+    batch_sizes([1, 2], 0, None)
+  assert cli.main(["bench", "attention", "--lengths", "16,32", "--batch-sizes", "1",
+                   "--json", str(tmp_path / "x")]) == 2
+  assert "1 sizes for 2 --lengths" in capsys.readouterr().err
+
+
+def test_attention_against_torch_sdpa_on_cpu(tmp_path):
+  pytest.importorskip("torch")
+  r = _bench(tmp_path, "attention", "--lengths", "16", "--heads", "2", "--head-dim", "8",
+             "--reps", "1", "--implementations", "xla", "--against", "torch")
+  assert [row["implementation"] for row in r["rows"]] == ["xla", "torch_sdpa"]
+  assert r["torch_device"] == "cpu" and r["rows"][1]["best_s"] > 0
 
 
 def test_generate_against_transformers_same_tokens_and_floor_from_the_same_moments(
@@ -104,6 +227,8 @@ def test_generate_against_transformers_same_tokens_and_floor_from_the_same_momen
              "--prompt-len", "5", "--new-tokens", "6", "--dtypes", "float32", "--reps", "2",
              "--ttft-reps", "1", "--torch-threads-alt", "0")
   assert r["cpu_poll"] == {"held": True, "reason": ""}
+  assert (r["platform"], r["hf_device"]) == ("cpu", "cpu")
+  assert r["machine"]["torch_threads"] >= 1
   assert held == [1] * 5 and _fds_on(device) == 0   # the start's reading and 2 per case
   assert r["weights_max_abs_logit_diff_float32"] < 1e-4
   assert set(r["summary"]) == {"float32_batch1", "float32_batch2"}

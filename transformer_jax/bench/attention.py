@@ -2,75 +2,246 @@
 
 Causal self-attention on ``[batch, T, heads, head_dim]`` inputs (GPT-2 small's layer by default),
 each implementation at each length, jitted with the train step's compile options
-(``runtime.step_compiler_options``: oneDNN products on CPU), best of ``--reps`` after a compiling
-call. The attention core's FLOPs (``4 * B * N * T * S * H`` forward, 2.5x that forward + backward,
-halved for causal masking's useful half) are set against the matmul limit measured in the same
-run. Memory per length is ``experiments/attention_memory.py``'s job (a process per cell); this is
-the quick time table.
+(``runtime.step_compiler_options``: oneDNN products on CPU), best and median of ``--reps`` after a
+compiling call. "auto" names ``implementation=None``, the library's own choice by size. The
+attention core's FLOPs (``4 * B * N * T * S * H`` forward, 2.5x that forward + backward, halved for
+causal masking's useful half) are set against the matmul limit measured in the same run (on a GPU
+or TPU: also a large square product in ``--dtype``, ``machine.run_matmul_limit``) and, where
+``hardware.PEAK_FLOPS`` knows the device, against the datasheet's peak.
+
+A cell that fails (out of memory: dense "xla" scores at long lengths; an implementation the device
+lacks) is recorded as ``{"T", "implementation", "error"}`` and the table goes on.
+
+``--against torch`` (the default on a GPU) also times PyTorch's
+``scaled_dot_product_attention(is_causal=True)`` forward + backward on JAX's device, same shapes
+and dtype in torch's ``[B, N, T, H]`` layout, synchronized before the clock is read at both ends:
+rows with implementation "torch_sdpa". On a TPU, or a GPU where torch has no CUDA, it is left out
+(``left_out`` says why). On accelerators float32 products run at full float32 precision on
+both sides (the models' default ``matmul_precision``, and PyTorch's).
+
+Memory per length is ``experiments/attention_memory.py``'s job (a process per cell); this is the
+quick time table.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import statistics
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from transformer_jax import ops, runtime
+from transformer_jax import hardware, ops, runtime
 from transformer_jax.bench import machine
+
+# --implementations when not given, by platform ("auto": the library's choice).
+DEFAULT_IMPLEMENTATIONS = {"cpu": "xla,chunked", "gpu": "xla,chunked,cudnn,auto",
+                           "tpu": "xla,chunked,auto"}
+RIVALS = ("torch", "none")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--lengths", default="256,1024,2048", help="comma-separated sequence lengths")
   p.add_argument("--batch-size", type=int, default=1)
+  p.add_argument("--batch-sizes", default=None,
+                 help="comma-separated batch sizes, one per --lengths entry (default: --batch-size "
+                      "at every length)")
   p.add_argument("--heads", type=int, default=12)
   p.add_argument("--head-dim", type=int, default=64)
-  p.add_argument("--implementations", default="xla,chunked", help="comma-separated")
+  p.add_argument("--implementations", default=None,
+                 help="comma-separated: xla, chunked, cudnn, auto (the library's choice); default "
+                      + "; ".join(f"{k}: {v}" for k, v in DEFAULT_IMPLEMENTATIONS.items()))
+  p.add_argument("--against", default=None,
+                 help="torch (scaled_dot_product_attention on the same device) or none; default "
+                      "torch on a GPU, none elsewhere")
   p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
   p.add_argument("--reps", type=int, default=3)
 
 
+def batch_sizes(lengths: list[int], batch_size: int, spec: str | None) -> list[int]:
+  """The batch size of each length: ``spec`` (``--batch-sizes``, comma-separated, one per length)
+  or ``batch_size`` at every length.
+
+  Raises:
+    ValueError: when ``spec`` does not give one positive integer per length.
+  """
+  if spec is None:
+    sizes = [batch_size] * len(lengths)
+  else:
+    try:
+      sizes = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+      raise ValueError(f"--batch-sizes {spec!r}: expected comma-separated integers") from None
+    if len(sizes) != len(lengths):
+      raise ValueError(f"--batch-sizes {spec!r}: {len(sizes)} sizes for {len(lengths)} --lengths "
+                       f"({','.join(map(str, lengths))}); give one per length")
+  if min(sizes, default=1) < 1:
+    flag = f"--batch-sizes {spec!r}" if spec is not None else f"--batch-size {batch_size}"
+    raise ValueError(f"{flag}: batch sizes must be positive")
+  return sizes
+
+
+def _error(e: BaseException) -> str:
+  """An exception as one short line (XLA's out-of-memory reports run to pages)."""
+  text = " ".join(str(e).split())
+  return f"{type(e).__name__}: {text[:400]}" + ("..." if len(text) > 400 else "")
+
+
+def _times(call, sync, reps: int) -> tuple[float, list[float]]:
+  """The first call's seconds and each of ``reps`` later calls', ``sync()`` waiting for the device
+  at both ends of each."""
+  sync()
+  start = time.perf_counter()
+  call()
+  sync()
+  first = time.perf_counter() - start
+  times = []
+  for _ in range(reps):
+    sync()
+    start = time.perf_counter()
+    call()
+    sync()
+    times.append(time.perf_counter() - start)
+  return first, times
+
+
+def ours_cell(b: int, t: int, n: int, h: int, dtype: str, impl: str, reps: int,
+              options: dict) -> tuple[float, list[float]]:
+  """Forward + backward of ``ops.dot_product_attention`` (``impl``; "auto": None) on ``[b, t, n,
+  h]`` inputs: the first call's seconds and ``reps`` later calls'."""
+  keys = jax.random.split(jax.random.key(0), 3)
+  q, k, v = (jax.random.normal(key, (b, t, n, h), jnp.float32).astype(dtype) for key in keys)
+  implementation = None if impl == "auto" else impl
+  loss = lambda q, k, v: jnp.sum(ops.dot_product_attention(  # noqa: E731
+      q, k, v, causal=True, implementation=implementation).astype(jnp.float32))
+  step = runtime.hold(jax.jit(jax.grad(loss, argnums=(0, 1, 2)),
+                              compiler_options=options or None), options)
+  return _times(lambda: jax.block_until_ready(step(q, k, v)), lambda: None, reps)
+
+
+def torch_cell(b: int, t: int, n: int, h: int, dtype: str, reps: int,
+               device: str) -> tuple[float, list[float]]:
+  """Forward + backward of ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)`` on
+  ``[b, n, t, h]`` inputs on ``device``: the first call's seconds and ``reps`` later calls'."""
+  import torch
+
+  gen = torch.Generator(device=device).manual_seed(0)
+  q, k, v = (torch.randn((b, n, t, h), generator=gen, device=device, dtype=torch.float32)
+             .to(getattr(torch, dtype)).requires_grad_() for _ in range(3))
+
+  def call():
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.autograd.grad(out.float().sum(), (q, k, v))
+
+  sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+  return _times(call, sync, reps)
+
+
+def torch_device(platform: str) -> tuple[str | None, str]:
+  """Where the torch rival runs on ``platform``: ``("cpu", "")``, ``("cuda", "")`` (a GPU where
+  torch has CUDA), else ``(None, why not)``."""
+  if platform == "cpu":
+    return "cpu", ""
+  if platform != "gpu":
+    return None, f"no PyTorch rival on {platform}"
+  import torch
+
+  if not torch.cuda.is_available():
+    return None, f"JAX runs on a GPU but torch {torch.__version__} has no CUDA device"
+  return "cuda", ""
+
+
 def run(args) -> dict:
+  """Runs the benchmark described by ``args`` (see ``add_args``); returns the result dict."""
+  hardware.share_gpu_memory()   # before JAX starts its backend, where it has not yet
+  if args.reps < 1:
+    raise ValueError(f"--reps {args.reps}: must be at least 1")
   lengths = [int(x) for x in args.lengths.split(",") if x]
-  impls = [x for x in args.implementations.split(",") if x]
-  b, n, h = args.batch_size, args.heads, args.head_dim
+  sizes = batch_sizes(lengths, args.batch_size, getattr(args, "batch_sizes", None))
+  platform, kind = hardware.platform(), hardware.device_kind()
+  spec = args.implementations
+  if spec is None:
+    spec = DEFAULT_IMPLEMENTATIONS.get(platform, "xla,chunked")
+  impls = [x for x in spec.split(",") if x]
+  against = getattr(args, "against", None)
+  if against is None:
+    against = "torch" if platform == "gpu" else "none"
+  if against not in RIVALS:
+    raise ValueError(f"--against {against!r}: not one of {', '.join(RIVALS)}")
+  n, h = args.heads, args.head_dim
   # The core's own matmul shapes: scores [T, H] x [H, S] and outputs [T, S] x [S, H].
   t_max = max(lengths)
-  limit = machine.matmul_limit([(t_max, h, t_max), (t_max, t_max, h)], dtype="float32")
+  core = [(t_max, h, t_max), (t_max, t_max, h)]
+  limit = (machine.matmul_limit(core, dtype="float32") if platform == "cpu"
+           else machine.run_matmul_limit(core, dtype=args.dtype))
+  peak = hardware.peak_flops(kind, limit["dtype"])
   options = runtime.step_compiler_options(jax.default_backend())
+  # Accelerators: float32 products at full precision, as the models' default and PyTorch.
+  precision = ((lambda: contextlib.nullcontext()) if platform == "cpu"
+               else (lambda: jax.default_matmul_precision("float32")))
+  device, why_not = torch_device(platform) if against == "torch" else (None, "")
+  left_out = {"torch_sdpa": why_not} if against == "torch" and device is None else {}
+  cells = [(impl, None) for impl in impls] + ([("torch_sdpa", device)] if device else [])
   rows = []
-  for t in lengths:
-    keys = jax.random.split(jax.random.key(0), 3)
-    q, k, v = (jax.random.normal(key, (b, t, n, h), jnp.float32).astype(args.dtype)
-               for key in keys)
+  for t, b in zip(lengths, sizes):
     useful = 2.5 * 4 * b * n * t * t * h / 2   # causal: half the pairs
-    for impl in impls:
-      loss = lambda q, k, v, impl=impl: jnp.sum(ops.dot_product_attention(  # noqa: E731
-          q, k, v, causal=True, implementation=impl).astype(jnp.float32))
-      step = runtime.hold(jax.jit(jax.grad(loss, argnums=(0, 1, 2)),
-                                  compiler_options=options or None), options)
-      start = time.perf_counter()
-      jax.block_until_ready(step(q, k, v))
-      first = time.perf_counter() - start
-      best = np.inf
-      for _ in range(args.reps):
-        start = time.perf_counter()
-        jax.block_until_ready(step(q, k, v))
-        best = min(best, time.perf_counter() - start)
-      rows.append({"T": t, "implementation": impl, "first_call_s": first, "best_s": best,
-                   "useful_flops_per_sec": useful / best,
-                   "fraction_of_matmul_limit": useful / best / limit["flops_per_sec"]})
-  return {"benchmark": "attention forward+backward, causal", "batch_size": b, "heads": n,
-          "head_dim": h, "dtype": args.dtype, "rows": rows, "limit": {"matmul": limit}}
+    for impl, torch_on in cells:
+      row = {"T": t, "implementation": impl}
+      if len(set(sizes)) > 1:
+        row["batch_size"] = b
+      try:
+        if impl == "torch_sdpa":
+          first, times = torch_cell(b, t, n, h, args.dtype, args.reps, torch_on)
+        else:
+          with precision():
+            first, times = ours_cell(b, t, n, h, args.dtype, impl, args.reps, options)
+      except Exception as e:  # noqa: BLE001 - a failing cell is recorded, the others still run
+        row["error"] = _error(e)
+        print(f"# T={t} {impl}: {row['error']}", file=sys.stderr)
+        if torch_on == "cuda":
+          import torch
+          torch.cuda.empty_cache()
+        rows.append(row)
+        continue
+      best = min(times)
+      row.update({"first_call_s": first, "best_s": best, "median_s": statistics.median(times),
+                  "useful_flops_per_sec": useful / best,
+                  "fraction_of_matmul_limit": useful / best / limit["flops_per_sec"]})
+      if peak:
+        row["fraction_of_peak"] = useful / best / peak
+      rows.append(row)
+  result = {"benchmark": "attention forward+backward, causal",
+            "batch_size": sizes[0] if len(set(sizes)) == 1 else None, "heads": n,
+            "head_dim": h, "dtype": args.dtype, "rows": rows, "limit": {"matmul": limit},
+            "device_kind": kind, "platform": platform, "batch_sizes": sizes}
+  if peak:
+    result["limit"]["peak_flops"] = peak
+  if device:
+    result["torch_device"] = device
+  if left_out:
+    result["left_out"] = left_out
+  return result
 
 
 def table(result: dict) -> str:
-  lines = [f"attention fwd+bwd, causal, [{result['batch_size']}, T, {result['heads']}, "
-           f"{result['head_dim']}] {result['dtype']}"]
+  """The result as aligned lines, one per (length, implementation)."""
+  b = result["batch_size"] if result["batch_size"] is not None else "B"
+  where = "" if result.get("platform", "cpu") == "cpu" else f" on {result['device_kind']}"
+  lines = [f"attention fwd+bwd, causal, [{b}, T, {result['heads']}, "
+           f"{result['head_dim']}] {result['dtype']}{where}"]
   for r in result["rows"]:
-    lines.append(f"  T={r['T']:<6d} {r['implementation']:<8s} {r['best_s']:8.3f} s  "
+    size = f" B={r['batch_size']:<3d}" if "batch_size" in r else ""
+    head = f"  T={r['T']:<6d}{size} {r['implementation']:<10s}"
+    if "error" in r:
+      lines.append(f"{head} failed: {r['error'][:120]}")
+      continue
+    peak = f", {100 * r['fraction_of_peak']:5.1f}% of peak" if "fraction_of_peak" in r else ""
+    lines.append(f"{head} {r['best_s']:8.3f} s  "
                  f"{r['useful_flops_per_sec'] / 1e9:6.1f} GFLOP/s  "
-                 f"{100 * r['fraction_of_matmul_limit']:5.1f}% of the matmul limit")
+                 f"{100 * r['fraction_of_matmul_limit']:5.1f}% of the matmul limit{peak}")
+  for name, why in result.get("left_out", {}).items():
+    lines.append(f"  {name}: left out ({why})")
   return "\n".join(lines)

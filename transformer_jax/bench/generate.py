@@ -54,6 +54,14 @@ The whole run holds ``runtime.cpu_poll`` (idle CPUs poll instead of halting, whe
 process ask; ``--no-cpu-poll`` or ``TJAX_CPU_POLL=0`` leave them alone): both sides and the
 bandwidth readings run under the same setting, and ``cpu_poll`` in the JSON says whether it was
 held. ``machine.cpu_idle`` records how the machine's idle CPUs wait.
+
+Hugging Face runs on JAX's device: on CPU as above; when JAX runs on a GPU, on "cuda" (model and
+inputs on the GPU, the device synchronized at both ends of each timed call), where the thread
+settings (``--torch-threads``, ``--torch-threads-alt``) do not apply: there is one setting, and
+``torch_threads`` is None. JAX does not preallocate the GPU's memory (``hardware.share_gpu_memory``)
+so that both fit. On a TPU, or a GPU where torch has no CUDA, there is no rival on the same device
+and the run stops with an error. ``device_kind``, ``platform`` and ``hf_device`` record where each
+side ran.
 """
 
 from __future__ import annotations
@@ -77,7 +85,7 @@ import numpy as np
 from flax import nnx
 
 import transformer_jax.hf as tjhf
-from transformer_jax import models, runtime
+from transformer_jax import hardware, models, runtime
 from transformer_jax.bench import machine
 from transformer_jax.generate import generate
 
@@ -149,27 +157,65 @@ class Ours:
 
 
 class Theirs:
-  """Hugging Face ``GPT2LMHeadModel.generate`` with ``threads`` torch threads."""
+  """Hugging Face ``GPT2LMHeadModel.generate`` with ``threads`` torch threads on CPU, or on
+  ``device`` "cuda" (the model already there; ``threads`` None), synchronizing the GPU at both
+  ends of a call."""
 
-  def __init__(self, hf_model, threads: int):
-    self.model, self.threads = hf_model, threads
+  def __init__(self, hf_model, threads: int | None, device: str = "cpu"):
+    if device not in ("cpu", "cuda"):
+      raise ValueError(f"device={device!r}: Hugging Face runs on 'cpu' or 'cuda' here")
+    if (threads is None) != (device == "cuda"):
+      raise ValueError(f"threads={threads!r} on device={device!r}: a thread count is for 'cpu' "
+                       "only, and 'cpu' needs one")
+    self.model, self.threads, self.device = hf_model, threads, device
+
+  def _sync(self) -> None:
+    if self.device == "cuda":
+      import torch
+      torch.cuda.synchronize()
 
   def generate(self, prompt_BP: np.ndarray, new_tokens: int) -> np.ndarray:
     import torch
+    self._sync()
     ids = torch.as_tensor(prompt_BP, dtype=torch.long)
-    torch.set_num_threads(self.threads)
+    if self.device != "cpu":
+      ids = ids.to(self.device)
+    if self.threads is not None:
+      torch.set_num_threads(self.threads)
     with torch.inference_mode():
       out = self.model.generate(ids, attention_mask=torch.ones_like(ids),
                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                 do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[:, prompt_BP.shape[1]:].numpy()
+    self._sync()
+    return out[:, prompt_BP.shape[1]:].cpu().numpy()
 
   def logits(self, ids_1T: np.ndarray) -> np.ndarray:
     import torch
-    torch.set_num_threads(self.threads)
+    if self.threads is not None:
+      torch.set_num_threads(self.threads)
     with torch.inference_mode():
-      out = self.model(torch.as_tensor(ids_1T, dtype=torch.long)).logits[0]
-    return out.float().numpy()
+      out = self.model(torch.as_tensor(ids_1T, dtype=torch.long).to(self.device)).logits[0]
+    return out.float().cpu().numpy()
+
+
+def hf_device() -> str:
+  """Where Hugging Face runs: "cpu" when JAX does, "cuda" when JAX runs on a GPU and torch has
+  CUDA.
+
+  Raises:
+    ValueError: on any other platform (a TPU) or a GPU where torch has no CUDA device.
+  """
+  platform = hardware.platform()
+  if platform == "cpu":
+    return "cpu"
+  if platform == "gpu":
+    import torch
+    if torch.cuda.is_available():
+      return "cuda"
+    raise ValueError(f"bench generate: JAX runs on {hardware.device_kind()} but torch "
+                     f"{torch.__version__} has no CUDA device to run Hugging Face beside it")
+  raise ValueError(f"bench generate: JAX runs on {platform} ({hardware.device_kind()}), where "
+                   "Hugging Face has no device to run on beside it")
 
 
 def _timed(fn, *args):
@@ -324,6 +370,7 @@ def run(args, command: str | None = None) -> dict:
   """The benchmark of ``args`` (``add_args``/``check_args``): the result dict. Unless
   ``args.cpu_poll`` is False, the whole run (both sides, every bandwidth reading) holds
   ``runtime.cpu_poll``; ``result["cpu_poll"]`` records whether it was held, or why not."""
+  hardware.share_gpu_memory()   # before JAX starts its backend, where it has not yet
   hold = (runtime.cpu_poll() if getattr(args, "cpu_poll", True)
           else contextlib.nullcontext(runtime.PollRequest(False, "--no-cpu-poll")))
   with hold as poll:
@@ -337,7 +384,12 @@ def _run(args, command: str | None) -> dict:
   import transformers
 
   transformers.logging.set_verbosity_error()
-  torch.set_num_threads(args.torch_threads)
+  device = hf_device()
+  on_cpu = device == "cpu"
+  threads = args.torch_threads if on_cpu else None
+  alt_threads = args.torch_threads_alt if on_cpu else 0
+  if on_cpu:
+    torch.set_num_threads(args.torch_threads)
   load_before = os.getloadavg()
   config32 = models.get_config(args.preset)
   if args.prompt_len + args.new_tokens > config32.max_len:
@@ -349,12 +401,14 @@ def _run(args, command: str | None) -> dict:
     with warnings.catch_warnings():
       warnings.simplefilter("ignore")
       hf32 = transformers.GPT2LMHeadModel.from_pretrained(tmp).eval()
+  if not on_cpu:
+    hf32.to(device)
   _, params32 = nnx.split(model32)
   weight_bytes = {"float32": sum(a.nbytes for a in jax.tree.leaves(params32))}
 
   # The same weights on both sides: compare one forward pass.
   check_ids = np.random.default_rng(args.seed).integers(0, config32.vocab_size, (1, 16))
-  ours32, theirs32 = Ours(config32, params32), Theirs(hf32, args.torch_threads)
+  ours32, theirs32 = Ours(config32, params32), Theirs(hf32, threads, device)
   weights_max_abs_logit_diff = float(np.abs(ours32.logits(check_ids) - theirs32.logits(check_ids)).max())
 
   bandwidth = machine.weight_bandwidth()
@@ -368,8 +422,8 @@ def _run(args, command: str | None) -> dict:
       weight_bytes[dtype] = sum(a.nbytes for a in jax.tree.leaves(params))
       ours = Ours(config, params)
       hf = copy.deepcopy(hf32).to(getattr(torch, dtype))
-    theirs = Theirs(hf, args.torch_threads)
-    alt = Theirs(hf, args.torch_threads_alt) if args.torch_threads_alt else None
+    theirs = Theirs(hf, threads, device)
+    alt = Theirs(hf, alt_threads, device) if alt_threads else None
     reps = args.reps if dtype == "float32" else args.bf16_reps
     for batch in args.batch_sizes:
       rng = np.random.default_rng([args.seed, batch])
@@ -434,9 +488,11 @@ def _run(args, command: str | None) -> dict:
       "weight_bytes": weight_bytes,
       "memory_bandwidth": bandwidth,
       "step_floor_s_at_batch1": floor,
+      "device_kind": hardware.device_kind(), "platform": hardware.platform(),
+      "hf_device": device,
       "machine": {**machine.describe(("torch", "transformers")),
-                  "torch_threads": args.torch_threads,
-                  "torch_threads_alt": args.torch_threads_alt or None,
+                  "torch_threads": threads,
+                  "torch_threads_alt": alt_threads or None,
                   "load_average_before": load_before, "load_average_after": os.getloadavg()},
       "hf_attn_implementation": getattr(hf32.config, "_attn_implementation", None),
       "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -446,7 +502,9 @@ def _run(args, command: str | None) -> dict:
 
 def table(result: dict) -> str:
   """The summary as aligned lines."""
-  lines = [f"greedy generation {result['preset']}, prompt {result['prompt_len']} + "
+  on = ("" if result.get("platform", "cpu") == "cpu"
+        else f" on {result['device_kind']} (Hugging Face on {result['hf_device']})")
+  lines = [f"greedy generation {result['preset']}{on}, prompt {result['prompt_len']} + "
            f"{result['new_tokens']} new tokens; weights stream at "
            f"{result['memory_bandwidth']['bytes_per_sec'] / 1e9:.1f} GB/s at the start"]
   poll = result.get("cpu_poll")

@@ -152,15 +152,17 @@ def _best_time(fn, *args, reps: int) -> float:
 
 
 def matmul_limit(shapes: Sequence[tuple[int, int, int]], dtype: str = "float32",
-                 reps: int = 3) -> dict:
+                 reps: int = 3, precision: str | None = None) -> dict:
   """Best FLOP/s of ``[m, k] @ [k, n]`` over ``shapes`` (each ``(m, k, n)``), each in the three
   layouts a training step uses: ``x @ W``, ``dy @ W^T`` and ``x^T @ dy``, and on CPU with each
   library that XLA can give the products to: its default (YNNPACK or Eigen) and oneDNN, which the
   train step uses (``runtime.step_compiler_options``). The limit is the best of them all.
 
   Inputs are ``dtype``; bfloat16 accumulates in float32 (``preferred_element_type``), as the
-  models do. Returns ``{"flops_per_sec": best, "per_shape": {"MxKxN": {layout: rate}},
-  "per_library": {"onednn": {"MxKxN": {layout: rate}}}}`` (``per_shape`` is XLA's default).
+  models do. ``precision`` (a ``jax.lax.Precision`` name, e.g. "highest") is the products'
+  precision; None leaves JAX's default. Returns ``{"flops_per_sec": best, "per_shape": {"MxKxN":
+  {layout: rate}}, "per_library": {"onednn": {"MxKxN": {layout: rate}}}}`` (``per_shape`` is
+  XLA's default).
   """
   dt = jnp.dtype(dtype)
   rng = np.random.default_rng(0)
@@ -173,7 +175,8 @@ def matmul_limit(shapes: Sequence[tuple[int, int, int]], dtype: str = "float32",
     a = jnp.asarray(rng.standard_normal((m, k), np.float32), dt)
     w = jnp.asarray(rng.standard_normal((k, n), np.float32), dt)
     dy = jnp.asarray(rng.standard_normal((m, n), np.float32), dt)
-    dot = functools.partial(jnp.matmul, preferred_element_type=jnp.float32)
+    dot = functools.partial(jnp.matmul, preferred_element_type=jnp.float32,
+                            **({"precision": precision} if precision is not None else {}))
     layouts = {
         "x@W": (dot, (a, w)),
         "dy@W^T": (lambda dy, w: dot(dy, w.T), (dy, w)),
@@ -189,6 +192,26 @@ def matmul_limit(shapes: Sequence[tuple[int, int, int]], dtype: str = "float32",
       best = max(best, *rates.values())
   return {"dtype": dtype, "flops_per_sec": best, "per_shape": rates_by_library.pop("default"),
           "per_library": rates_by_library}
+
+
+# The side of the square product an accelerator's limit also includes: large enough that the
+# matrix units, not the call's dispatch, set its time.
+SQUARE_MATMUL = 8192
+
+
+def run_matmul_limit(shapes: Sequence[tuple[int, int, int]], dtype: str = "float32") -> dict:
+  """The matmul limit of a benchmark's products on this run's backend.
+
+  On CPU, ``matmul_limit(shapes, dtype)``. On an accelerator, also a ``SQUARE_MATMUL`` cube (its
+  small products time the call's dispatch more than its matrix units), best of 10 calls, and
+  float32 products at full float32 precision (``"highest"``: as the models' default
+  ``matmul_precision`` and PyTorch compute them, not TensorFloat-32 or one bfloat16 pass).
+  """
+  if jax.default_backend() == "cpu":
+    return matmul_limit(shapes, dtype=dtype)
+  square = (SQUARE_MATMUL,) * 3
+  return matmul_limit([*shapes, square], dtype=dtype, reps=10,
+                      precision="highest" if dtype == "float32" else None)
 
 
 def weight_bandwidth(nbytes: int = 512 << 20, dtype: str = "float32", reps: int = 7) -> dict:

@@ -14,8 +14,21 @@ the per-step page faults and kernel time of the timed steps are in the JSON, ``*
 ``torch.compile``-d forward+backward when it compiles within ``--compile-timeout`` seconds.
 
 The machine's limit is measured in the same run: the best matmul rate on the step's own shapes
-(``machine.matmul_limit``), from which ``mfu = model FLOP/s / limit`` and the step's floor
-``model FLOPs / limit`` follow.
+(``machine.run_matmul_limit``; on a GPU or TPU also a large square product), from which
+``mfu = model FLOP/s / limit`` and the step's floor ``model FLOPs / limit`` follow. Where
+``hardware.PEAK_FLOPS`` knows the device, ``mfu_vs_peak`` sets the same rate against the
+datasheet's peak.
+
+PyTorch runs on JAX's device: on CPU in float32 (its ``--dtype bfloat16`` runs float32 too); on an
+NVIDIA GPU on "cuda", under ``torch.autocast("cuda", torch.bfloat16)`` for ``--dtype bfloat16``
+(master weights float32, as ours), with the fused AdamW, synchronized before the clock is read at
+both ends of a step. On a TPU, or a GPU where torch has no CUDA, the rivals are left out
+(``left_out`` in the JSON says why). On a GPU, JAX is asked not to preallocate three quarters of
+the memory (``hardware.share_gpu_memory``), so the rival finds room.
+
+``--model KEY=VALUE`` (repeatable) overrides a field of the preset's config, the value read as YAML
+(``true``, ``null``, ``4``, ``1e-5``, ``cudnn``): ``--model scan_layers=false --model
+attention_impl=cudnn``.
 """
 
 from __future__ import annotations
@@ -23,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import resource
 import statistics
 import sys
@@ -31,7 +45,7 @@ import time
 import jax
 import numpy as np
 
-from transformer_jax import models, runtime
+from transformer_jax import hardware, models, runtime
 from transformer_jax.bench import machine
 from transformer_jax.models.config import BERTConfig, GPTConfig, Seq2SeqConfig
 
@@ -59,6 +73,59 @@ def add_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--curve-data", default=None,
                  help="dataset folder for --curve-steps (default runs/data/stdlib-VOCAB, prepared "
                       "from the embedded corpus on first use)")
+  p.add_argument("--model", action="append", default=[], metavar="KEY=VALUE",
+                 help="override a field of the preset's model config, the value read as YAML "
+                      "(repeatable): --model scan_layers=false --model attention_impl=cudnn")
+
+
+# Config fields the bench sets itself: its own flags, and no dropout on either side.
+_OWN_FIELDS = {"dtype": "--dtype", "remat": "--remat", "dropout_rate": "no dropout",
+               "attention_dropout_rate": "no dropout"}
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def parse_model_overrides(items: list[str]) -> dict:
+  """``--model`` values (``"KEY=VALUE"``) as a dict of config overrides.
+
+  Each value is read with ``yaml.safe_load`` (``true``/``false``, ``null``, ints, floats, else the
+  string); an exponent without a dot (``1e-5``, a string to YAML 1.1) is a float.
+
+  Raises:
+    ValueError: for an item without ``=`` or a key, a key given twice, or a field the bench sets
+      itself (``dtype``, ``remat``: their own flags; dropout: off on both sides).
+  """
+  import yaml
+
+  out = {}
+  for item in items:
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+      raise ValueError(f"--model {item!r}: expected KEY=VALUE (e.g. --model scan_layers=false)")
+    if key in out:
+      raise ValueError(f"--model {item!r}: {key} is given twice")
+    if key in _OWN_FIELDS:
+      raise ValueError(f"--model {item!r}: {key} is set by the bench ({_OWN_FIELDS[key]})")
+    value = yaml.safe_load(text)
+    if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+      value = float(value)
+    out[key] = value
+  return out
+
+
+def torch_device() -> tuple[str | None, str]:
+  """Where the PyTorch rivals run: ``("cpu", "")`` on CPU, ``("cuda", "")`` when JAX is on a GPU
+  and torch has CUDA, else ``(None, why not)``."""
+  platform = hardware.platform()
+  if platform == "cpu":
+    return "cpu", ""
+  if platform != "gpu":
+    return None, f"no PyTorch rival on {platform} (JAX runs on {hardware.device_kind()})"
+  import torch
+
+  if not torch.cuda.is_available():
+    return None, f"JAX runs on a GPU but torch {torch.__version__} has no CUDA device"
+  return "cuda", ""
 
 
 def random_batch(config, batch: int, seq_len: int, seed: int) -> tuple[dict[str, np.ndarray], str]:
@@ -151,10 +218,17 @@ class Ours:
 
 class Torch:
   """``GPT2LMHeadModel`` on the same weights: forward, token-mean cross-entropy, backward, clipping,
-  AdamW, in eager mode (or with the forward+loss ``torch.compile``-d)."""
+  AdamW, in eager mode (or with the forward+loss ``torch.compile``-d).
+
+  On ``device`` "cpu" everything is float32. On "cuda" the model and batch live on the GPU, the
+  forward+loss runs under ``torch.autocast`` to ``autocast`` when given ("bfloat16"; the weights
+  and optimizer stay float32), AdamW is the fused kernel, and a step synchronizes the device
+  before it reads the clock at either end.
+  """
 
   def __init__(self, config, params, host_batch, lr: float, weight_decay: float, clip: float,
-               b1: float, b2: float, eps: float, compiled: bool = False):
+               b1: float, b2: float, eps: float, compiled: bool = False, device: str = "cpu",
+               autocast: str | None = None):
     import tempfile
     import warnings
 
@@ -164,6 +238,10 @@ class Torch:
 
     from transformer_jax import hf as tjhf
 
+    if device not in ("cpu", "cuda"):
+      raise ValueError(f"device={device!r}: the PyTorch rival runs on 'cpu' or 'cuda'")
+    if autocast is not None and device != "cuda":
+      raise ValueError(f"autocast={autocast!r} on device={device!r}: autocast is for 'cuda'")
     self.torch = torch
     transformers.logging.set_verbosity_error()
     model = nnx.merge(models.graphdef(config), params)
@@ -173,19 +251,31 @@ class Torch:
         warnings.simplefilter("ignore")
         self.model = transformers.GPT2LMHeadModel.from_pretrained(
             tmp, attn_implementation="sdpa").train()
+    self.device, self.autocast = device, autocast
+    self.fused_adamw = device == "cuda"
+    self._sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    self.model.to(device)
     # No decay on biases and norm scales, as on our side.
     decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2]
     rest = [p for n, p in self.model.named_parameters() if p.dim() < 2]
     self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                                   {"params": rest, "weight_decay": 0.0}],
-                                 lr=lr, betas=(b1, b2), eps=eps)
+                                 lr=lr, betas=(b1, b2), eps=eps,
+                                 **({"fused": True} if self.fused_adamw else {}))
     self.clip = clip
-    self.tokens = torch.as_tensor(host_batch["tokens"], dtype=torch.long)
-    self.labels = torch.as_tensor(host_batch["labels"], dtype=torch.long)
+    self.tokens = torch.as_tensor(host_batch["tokens"], dtype=torch.long).to(device)
+    self.labels = torch.as_tensor(host_batch["labels"], dtype=torch.long).to(device)
 
     def loss_fn(tokens, labels):
       logits = self.model(tokens).logits
       return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+    if autocast:
+      plain, cast_to = loss_fn, getattr(torch, autocast)
+
+      def loss_fn(tokens, labels):  # noqa: F811 - the same loss under autocast
+        with torch.autocast("cuda", dtype=cast_to):
+          return plain(tokens, labels)
 
     self.loss_fn = torch.compile(loss_fn) if compiled else loss_fn
     self.losses: list[float] = []
@@ -193,12 +283,16 @@ class Torch:
   def compile(self) -> float:
     """One forward + backward without an update (``torch.compile`` compiles here), so the weights
     stay in step with ours; returns its time."""
+    self._sync()
     start = time.perf_counter()
     self.loss_fn(self.tokens, self.labels).backward()
     self.opt.zero_grad(set_to_none=True)
+    self._sync()
     return time.perf_counter() - start
 
   def step(self) -> float:
+    """One training step; returns its time."""
+    self._sync()
     start = time.perf_counter()
     self.opt.zero_grad(set_to_none=True)
     loss = self.loss_fn(self.tokens, self.labels)
@@ -206,6 +300,7 @@ class Torch:
     self.torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
     self.opt.step()
     self.losses.append(float(loss.detach()))
+    self._sync()
     return time.perf_counter() - start
 
 
@@ -265,6 +360,7 @@ def run(args) -> dict:
   from transformer_jax import runtime
   from transformer_jax.train.config import TrainConfig
 
+  hardware.share_gpu_memory()   # before JAX starts its backend, where it has not yet
   runtime.bf16_notice(args.dtype)
   if args.curve_steps < 0:
     raise ValueError(f"--curve-steps {args.curve_steps}: must be 0 (off) or a number of steps")
@@ -272,7 +368,8 @@ def run(args) -> dict:
   for r in rivals:
     if r not in ("torch", "torch.compile"):
       raise ValueError(f"--against: {r!r} is not one of torch, torch.compile, none")
-  config = models.get_config(args.preset, dtype=args.dtype, remat=args.remat)
+  overrides = parse_model_overrides(getattr(args, "model", None) or [])
+  config = models.get_config(args.preset, dtype=args.dtype, remat=args.remat, **overrides)
   if rivals and not isinstance(config, GPTConfig):
     raise ValueError(f"--against {args.against}: the PyTorch rival is GPT-2 (GPT presets); "
                      f"{args.preset} is a {type(config).__name__} (use --against none)")
@@ -281,23 +378,34 @@ def run(args) -> dict:
   host_batch, task_name = random_batch(config, args.batch_size, args.seq_len, args.seed)
   tc = TrainConfig()
   lr = 1e-4
+  platform, kind = hardware.platform(), hardware.device_kind()
   shapes = step_matmul_shapes(config, args.batch_size * args.seq_len)
-  limits = {"float32": machine.matmul_limit(shapes, dtype="float32")}
-  if args.dtype == "bfloat16" and machine.has_bf16_hardware():
-    limits["bfloat16"] = machine.matmul_limit(shapes, dtype="bfloat16")
+  limits = {"float32": machine.run_matmul_limit(shapes, dtype="float32")}
+  if args.dtype == "bfloat16" and (platform != "cpu" or machine.has_bf16_hardware()):
+    limits["bfloat16"] = machine.run_matmul_limit(shapes, dtype="bfloat16")
 
   sides = {"ours": Ours(config, host_batch, task_name, lr, args.seed)}
+  left_out = {}
+  device, why_not = torch_device() if rivals else (None, "")
+  autocast = "bfloat16" if device == "cuda" and args.dtype == "bfloat16" else None
   for r in rivals:
+    if device is None:
+      left_out[r] = why_not
+      print(f"# {r}: left out ({why_not})", file=sys.stderr)
+      continue
     try:
       side = Torch(config, sides["ours"].params, host_batch, lr, tc.weight_decay, tc.clip_norm,
-                   tc.b1, tc.b2, tc.eps, compiled=r == "torch.compile")
+                   tc.b1, tc.b2, tc.eps, compiled=r == "torch.compile", device=device,
+                   autocast=autocast)
       if r == "torch.compile":
         took = side.compile()
         if took > args.compile_timeout:
+          left_out[r] = f"torch.compile took {took:.0f} s, over --compile-timeout"
           print(f"# torch.compile took {took:.0f} s: left out", file=sys.stderr)
           continue
       sides[r] = side
     except Exception as e:  # noqa: BLE001 - a rival that fails to build is reported, not fatal
+      left_out[r] = f"could not run ({type(e).__name__}: {e})"
       print(f"# {r}: could not run ({type(e).__name__}: {e})", file=sys.stderr)
   first = {name: side.step() for name, side in sides.items()}
   for _ in range(args.warmup):
@@ -325,11 +433,17 @@ def run(args) -> dict:
   tokens_per_step = tokens * (2 if is_s2s else 1)
   step_flops = flops_per_token * tokens_per_step
   ref = limits.get(args.dtype, limits["float32"])["flops_per_sec"]
+  peak = hardware.peak_flops(kind, args.dtype)
+
+  def vs_peak(name: str) -> dict:   # the same rate against the datasheet, where it is known
+    return {"mfu_vs_peak": step_flops / med[name] / peak} if peak else {}
+
   ours = sides["ours"]
   result = {
       "benchmark": "train step",
       "preset": args.preset, "batch_size": args.batch_size, "seq_len": args.seq_len,
-      "dtype": args.dtype, "remat": args.remat,
+      "dtype": args.dtype, "remat": args.remat, "model_overrides": overrides,
+      "device_kind": kind, "platform": platform,
       # "auto" resolves by dtype and CPU (models.unrolls_layers): the layers ran unrolled or scanned.
       "layers": "unrolled" if models.unrolls_layers(config) else "scanned",
       "microbatches": ours.microbatches,
@@ -339,18 +453,29 @@ def run(args) -> dict:
                "step_s": _summary(times["ours"]),
                "tokens_per_sec": tokens_per_step / med["ours"],
                "model_flops_per_sec": step_flops / med["ours"], "mfu": step_flops / med["ours"] / ref,
+               **vs_peak("ours"),
                "losses": ours.losses, "temp_bytes": ours.temp_bytes, **per_step["ours"]},
       "limit": {"matmul": limits, "step_floor_s": step_flops / ref},
   }
+  if peak:
+    result["limit"]["peak_flops"] = peak
+  if platform == "gpu":
+    result["xla_python_client_preallocate"] = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE")
   for name in rivals:
     if name in sides:
+      side = sides[name]
       result[name] = {"first_step_s": first[name], "step_s": _summary(times[name]),
                       "tokens_per_sec": tokens_per_step / med[name],
-                      "mfu": step_flops / med[name] / ref, "losses": sides[name].losses,
-                      **per_step[name]}
+                      "mfu": step_flops / med[name] / ref, **vs_peak(name),
+                      "losses": side.losses, "device": side.device, "autocast": side.autocast,
+                      "fused_adamw": side.fused_adamw, **per_step[name]}
       result[f"speedup_vs_{name}"] = med[name] / med["ours"]
       # Same weights, tokens and loss: the first losses agree to float32 rounding.
-      result[f"first_loss_diff_vs_{name}"] = abs(sides[name].losses[0] - ours.losses[0])
+      result[f"first_loss_diff_vs_{name}"] = abs(side.losses[0] - ours.losses[0])
+  if "torch.compile" in sides:
+    result["ratio_vs_torch_compile"] = med["torch.compile"] / med["ours"]
+  if left_out:
+    result["left_out"] = left_out
   if args.curve_steps:
     del sides
     result["loss_curves"] = loss_curves(config, args.curve_steps, args.batch_size, args.seq_len,
@@ -361,17 +486,32 @@ def run(args) -> dict:
 def table(result: dict) -> str:
   """The result as a few aligned lines."""
   ref = result["limit"]["step_floor_s"]
+  on_cpu = result.get("platform", "cpu") == "cpu"
+  on = "" if on_cpu else f" on {result['device_kind']}"
   lines = [f"train step {result['preset']} {result['batch_size']}x{result['seq_len']} "
-           f"{result['dtype']}, layers {result['layers']}: floor {ref:.2f} s at "
+           f"{result['dtype']}{on}, layers {result['layers']}: floor "
+           f"{ref:.{2 if on_cpu else 4}f} s at "
            "the measured matmul limit "
            f"({result['limit']['matmul'][list(result['limit']['matmul'])[-1]]['flops_per_sec'] / 1e9:.0f} GFLOP/s)"]
+  if result.get("model_overrides"):
+    lines.append("  model overrides: " + ", ".join(
+        f"{k}={v}" for k, v in result["model_overrides"].items()))
   for name in ("ours", "torch", "torch.compile"):
     if name in result:
       r = result[name]
       extra = f"  {result.get(f'speedup_vs_{name}', 1.0):.2f}x" if name != "ours" else ""
-      lines.append(f"  {name:<14s} {r['step_s']['median']:7.2f} s/step  "
-                   f"{r['tokens_per_sec']:8.0f} tok/s  MFU {100 * r['mfu']:5.1f}%"
-                   + (f"  (ours is{extra} faster)" if extra else ""))
+      peak = f" ({100 * r['mfu_vs_peak']:.1f}% of peak)" if "mfu_vs_peak" in r else ""
+      where = (f"  [{r['device']}" + (f", autocast {r['autocast']}" if r.get("autocast") else "")
+               + "]" if r.get("device", "cpu") != "cpu" else "")
+      step = f"{r['step_s']['median']:7.2f}" if on_cpu else f"{r['step_s']['median']:7.4f}"
+      lines.append(f"  {name:<14s} {step} s/step  "
+                   f"{r['tokens_per_sec']:8.0f} tok/s  MFU {100 * r['mfu']:5.1f}%{peak}"
+                   + (f"  (ours is{extra} faster)" if extra else "") + where)
+  if "ratio_vs_torch_compile" in result:
+    lines.append(f"  ratio vs torch.compile: {result['ratio_vs_torch_compile']:.2f}x "
+                 "(their median step / ours)")
+  for name, why in result.get("left_out", {}).items():
+    lines.append(f"  {name}: left out ({why})")
   if "loss_curves" in result:
     c = result["loss_curves"]
     lines.append(f"  loss curves over {c['steps']} steps: bfloat16 within "

@@ -1,0 +1,93 @@
+"""Accelerators' datasheet peak matmul rates, and which device this process computes on.
+
+``PEAK_FLOPS`` holds dense (no structured sparsity) peak FLOP/s of matrix products per device kind,
+as ``jax.devices()[0].device_kind`` names it, and per input dtype. For NVIDIA GPUs "float32" is the
+full-precision FP32 rate (not TensorFloat-32), which is what a float32 product computed at
+``jax.lax.Precision.HIGHEST`` can reach; TPUs list bfloat16 only (their float32 products are passes
+of bfloat16 ones). A measured limit (``bench.machine.matmul_limit``) is the figure a benchmark's
+utilisation is set against; the peak is the vendor's ceiling beside it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+# (normalized device-kind substring, {dtype: dense peak FLOP/s}), matched in this order: a more
+# specific kind comes before the kinds whose names it contains ("h100 pcie" before "h100",
+# "tpu v5 lite" before "tpu v5"). An empty table marks a kind known to have no figure here.
+PEAK_FLOPS: tuple[tuple[str, dict[str, float]], ...] = (
+    ("h100 pcie", {"bfloat16": 756e12, "float32": 51.2e12}),
+    ("h100 nvl", {"bfloat16": 835.5e12, "float32": 60e12}),
+    ("h100", {"bfloat16": 989.4e12, "float32": 66.9e12}),
+    ("h200 nvl", {"bfloat16": 835.5e12, "float32": 60e12}),
+    ("h200", {"bfloat16": 989.4e12, "float32": 66.9e12}),
+    ("a100", {"bfloat16": 312e12, "float32": 19.5e12}),
+    ("tpu v4 lite", {}),
+    ("tpu v4", {"bfloat16": 275e12}),
+    ("tpu v5 lite", {"bfloat16": 197e12}),
+    ("tpu v5e", {"bfloat16": 197e12}),
+    ("tpu v5p", {"bfloat16": 459e12}),
+    ("tpu v5", {"bfloat16": 459e12}),
+    ("tpu v6 lite", {"bfloat16": 918e12}),
+    ("tpu v6e", {"bfloat16": 918e12}),
+)
+
+
+def normalize_kind(kind: str) -> str:
+  """``kind`` lower-cased, with runs of spaces, ``-`` and ``_`` made one space: the form
+  ``PEAK_FLOPS``' keys are written in ("NVIDIA A100-SXM4-80GB" -> "nvidia a100 sxm4 80gb")."""
+  return re.sub(r"[\s_-]+", " ", kind.lower()).strip()
+
+
+def peak_flops(device_kind: str, dtype: str) -> float | None:
+  """The datasheet's dense peak matmul FLOP/s of ``device_kind`` for ``dtype`` inputs.
+
+  Args:
+    device_kind: a device's ``device_kind`` (``jax.devices()[0].device_kind``), any case.
+    dtype: the products' input dtype name, "bfloat16" or "float32".
+
+  Returns:
+    FLOP/s, or None when the kind (a CPU, an unlisted accelerator) or its dtype is not in
+    ``PEAK_FLOPS``.
+  """
+  kind = normalize_kind(device_kind)
+  for key, rates in PEAK_FLOPS:
+    if key in kind:
+      return rates.get(str(dtype))
+  return None
+
+
+def device_kind() -> str:
+  """The ``device_kind`` of the default backend's first device (e.g. "NVIDIA H100 80GB HBM3";
+  "cpu" on CPU)."""
+  import jax
+
+  return jax.devices()[0].device_kind
+
+
+def platform() -> str:
+  """The default backend: "cpu", "gpu" (CUDA or ROCm) or "tpu"."""
+  import jax
+
+  backend = jax.default_backend()
+  return "gpu" if backend in ("cuda", "rocm") else backend
+
+
+def share_gpu_memory() -> bool:
+  """Lets another framework in this process (PyTorch) allocate GPU memory beside JAX.
+
+  Unless ``XLA_PYTHON_CLIENT_PREALLOCATE`` is already set, sets it to "false", so that JAX's GPU
+  client takes memory as it needs it instead of three quarters of the device at start. No effect
+  on CPU and TPU.
+
+  Returns:
+    Whether JAX's backends start after this call and so follow the variable as it now is (False
+    when they had already started: the setting they started with stays).
+  """
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  try:
+    from jax._src import xla_bridge
+    return not xla_bridge.backends_are_initialized()
+  except (ImportError, AttributeError):
+    return False
