@@ -1,0 +1,181 @@
+"""A/B of the accelerator levers in one process: the train step and generation's compile time.
+
+    python experiments/gpu_levers.py --json OUT.json                      # GPT-2 small, 16 x 1024
+    python experiments/gpu_levers.py --preset gpt2-tiny --batch-size 2 --seq-len 64 --steps 2 \\
+        --generate-batches 1 --new-tokens 8                               # a quick run anywhere
+
+Train step (ours only; ``tjax bench train`` sets the default against PyTorch): the GPT task's real
+step (AdamW, clipping, token-mean cross-entropy) on one random batch, compiled once per variant:
+
+  default         the library's defaults for this backend
+  logits_head     ``train.loss_head: logits`` (the [B, T, V] float32 logits, then the loss)
+  scanned         ``scan_layers: true``
+  no_segment_ids  the batch without segment ids (no packed-document mask)
+  triton_gemm_off the step compiled with ``xla_gpu_enable_triton_gemm: false`` (GPUs)
+
+Each variant: compile seconds, the median of ``--steps`` steps after 3 warm-up steps, tokens/s, and
+the step's temporaries. Generation: greedy ``generate`` of ``--new-tokens`` tokens for each batch
+size and dtype, with the decoding loop compiled with the library's options and with each of
+``DECODE_VARIANTS``; ``compile_s`` = first call - median of two more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from transformer_jax import models, runtime
+from transformer_jax.train import step as step_lib
+from transformer_jax.train import tasks as tasks_lib
+from transformer_jax.train.config import TrainConfig
+from transformer_jax.train.optim import make_optimizer
+
+DECODE_VARIANTS = {"triton_gemm_off": {"xla_gpu_enable_triton_gemm": False},
+                   "autotune_level_1": {"xla_gpu_autotune_level": 1}}
+
+
+class _NoSegments(tasks_lib.GPTTask):
+  """The GPT task with the segment ids left out of the model's call."""
+
+  def sums(self, model, batch, rng, **kw):
+    return super().sums(model, {**batch, "segment_ids": None}, rng, **kw)
+
+
+def _batch(config, b: int, t: int, seed: int = 0) -> dict:
+  rng = np.random.default_rng(seed)
+  ids = lambda: jnp.asarray(rng.integers(0, config.vocab_size, (b, t)), jnp.int32)  # noqa: E731
+  return {"tokens": ids(), "labels": ids(), "segment_ids": jnp.ones((b, t), jnp.int32),
+          "positions": jnp.tile(jnp.arange(t, dtype=jnp.int32), (b, 1)),
+          "loss_mask": jnp.ones((b, t), bool)}
+
+
+def train_variant(preset: str, dtype: str, b: int, t: int, steps: int, *, overrides=None,
+                  loss_head: str = "auto", options=None, segments: bool = True) -> dict:
+  """Compile and time one variant of the train step; returns its row."""
+  config = models.get_config(preset, dtype=dtype, dropout_rate=0.0, **(overrides or {}))
+  tcfg = TrainConfig(steps=1000, batch_size=b, seq_len=t, lr=1e-4, warmup_steps=0,
+                     schedule="constant")
+  optimizer = make_optimizer(tcfg)
+  task = (tasks_lib.GPTTask if segments else _NoSegments)(loss_head=loss_head)
+  state = step_lib.create_state(models.init(config, jax.random.key(0)), optimizer)
+  batch = _batch(config, b, t)
+  options = runtime.step_compiler_options(jax.default_backend()) if options is None else options
+  fn = jax.jit(step_lib.make_train_step(models.graphdef(config), task, optimizer, seed=0),
+               donate_argnums=(0,))
+  start = time.perf_counter()
+  compiled = fn.lower(state, batch).compile(compiler_options=options or None)
+  compile_s = time.perf_counter() - start
+  temp = step_lib.temp_bytes(compiled)
+  times, losses = [], []
+  for i in range(3 + steps):
+    start = time.perf_counter()
+    state, metrics = compiled(state, batch)
+    losses.append(float(metrics["loss"]))   # blocks until the step is done
+    if i >= 3:
+      times.append(time.perf_counter() - start)
+  step_s = statistics.median(times)
+  flops = models.train_flops_per_token(config, t) * b * t
+  del state, compiled
+  return {"compile_s": compile_s, "step_s": step_s, "all_s": times, "tokens_per_sec": b * t / step_s,
+          "model_flops_per_sec": flops / step_s, "temp_bytes": temp, "first_loss": losses[0],
+          "last_loss": losses[-1], "layers": "unrolled" if models.unrolls_layers(config)
+          else "scanned", "loss_head": tasks_lib.loss_head(loss_head), "options": options}
+
+
+def generate_variant(preset: str, dtype: str, batch: int, new_tokens: int, options: dict) -> dict:
+  """Greedy generation's first call (compile) and steady call with the decoding loop compiled
+  with ``options``."""
+  from transformer_jax.generate import decode
+
+  config = models.get_config(preset, dtype=dtype, param_dtype=dtype)
+  model = nnx.merge(models.graphdef(config), models.init(config, jax.random.key(0)))
+  prompt = np.random.default_rng(0).integers(0, config.vocab_size, (batch, 32))
+  saved = dict(runtime.GPU_DECODE_OPTIONS)
+  runtime.GPU_DECODE_OPTIONS.clear()
+  runtime.GPU_DECODE_OPTIONS.update(options)
+  decode._compiled.cache_clear()   # noqa: SLF001 - a fresh jit with these options
+  try:
+    calls = []
+    for _ in range(3):
+      start = time.perf_counter()
+      np.asarray(decode.generate(model, prompt, max_new_tokens=new_tokens))
+      calls.append(time.perf_counter() - start)
+  finally:
+    runtime.GPU_DECODE_OPTIONS.clear()
+    runtime.GPU_DECODE_OPTIONS.update(saved)
+    decode._compiled.cache_clear()   # noqa: SLF001
+  steady = statistics.median(calls[1:])
+  return {"first_call_s": calls[0], "steady_s": steady, "compile_s": calls[0] - steady,
+          "tokens_per_sec": batch * new_tokens / steady, "options": options}
+
+
+def main(argv=None) -> dict:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--preset", default="gpt2-small")
+  p.add_argument("--dtype", default="bfloat16")
+  p.add_argument("--batch-size", type=int, default=16)
+  p.add_argument("--seq-len", type=int, default=1024)
+  p.add_argument("--steps", type=int, default=10)
+  p.add_argument("--variants", default="default,logits_head,scanned,no_segment_ids,triton_gemm_off")
+  p.add_argument("--generate-batches", default="1,8")
+  p.add_argument("--generate-dtypes", default="float32")
+  p.add_argument("--new-tokens", type=int, default=128)
+  p.add_argument("--json", default=None)
+  args = p.parse_args(argv)
+  variants = {"default": {}, "logits_head": {"loss_head": "logits"},
+              "scanned": {"overrides": {"scan_layers": True}},
+              "no_segment_ids": {"segments": False},
+              "triton_gemm_off": {"options": {**runtime.step_compiler_options("gpu"),
+                                              "xla_gpu_enable_triton_gemm": False}}}
+  result = {"device_kind": jax.devices()[0].device_kind, "platform": jax.default_backend(),
+            "jax": jax.__version__, "preset": args.preset, "dtype": args.dtype,
+            "batch_size": args.batch_size, "seq_len": args.seq_len, "train": {}, "generate": {}}
+  for name in [v for v in args.variants.split(",") if v]:
+    try:
+      row = train_variant(args.preset, args.dtype, args.batch_size, args.seq_len, args.steps,
+                          **variants[name])
+    except Exception as e:  # noqa: BLE001 - one variant failing is a result, not the end
+      row = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
+    result["train"][name] = row
+    print(name, json.dumps({k: v for k, v in row.items() if k != "all_s"}), flush=True)
+  for dtype in [d for d in args.generate_dtypes.split(",") if d]:
+    for batch in [int(b) for b in args.generate_batches.split(",") if b]:
+      for name, options in {"default": runtime.decode_compiler_options(jax.default_backend()),
+                            **DECODE_VARIANTS}.items():
+        key = f"{dtype}_batch{batch}_{name}"
+        try:
+          row = generate_variant(args.preset, dtype, batch, args.new_tokens, options)
+        except Exception as e:  # noqa: BLE001
+          row = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
+        result["generate"][key] = row
+        print(key, json.dumps(row), flush=True)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(result, f, indent=1)
+  base = result["train"].get("default", {}).get("step_s")
+  print(f"\n{result['device_kind']}: {args.preset} {args.batch_size}x{args.seq_len} {args.dtype}")
+  for name, row in result["train"].items():
+    if "error" in row:
+      print(f"  {name:<16s} error: {row['error'][:160]}")
+      continue
+    rel = f"{row['step_s'] / base:6.3f}x default" if base else ""
+    print(f"  {name:<16s} {1e3 * row['step_s']:8.2f} ms  {row['tokens_per_sec']:9.0f} tok/s  "
+          f"compile {row['compile_s']:5.1f} s  {rel}")
+  for key, row in result["generate"].items():
+    if "error" in row:
+      print(f"  {key:<28s} error: {row['error'][:160]}")
+    else:
+      print(f"  {key:<28s} compile {row['compile_s']:5.1f} s  {row['tokens_per_sec']:8.0f} tok/s")
+  return result
+
+
+if __name__ == "__main__":
+  main()
