@@ -65,7 +65,8 @@ for part in $PARTS; do
         --json "$OUT/bench_attention.json" ;;
     generate)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 run generate 200 "${TJAX[@]}" bench generate \
-        --batch-sizes 1,8 --dtypes float32,bfloat16 --reps 3 --json "$OUT/bench_generate.json" ;;
+        --batch-sizes 1,8 --dtypes float32,bfloat16 --reps 3 --bf16-reps 3 --ttft-reps 3 \
+        --json "$OUT/bench_generate.json" ;;
     *) echo "unknown part: $part" >&2; exit 2 ;;
   esac
 done
