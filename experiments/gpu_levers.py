@@ -58,7 +58,7 @@ def _batch(config, b: int, t: int, seed: int = 0) -> dict:
 
 
 def train_variant(preset: str, dtype: str, b: int, t: int, steps: int, *, overrides=None,
-                  loss_head: str = "auto", options=None, segments: bool = True) -> dict:
+                  loss_head: str = "logits", options=None, segments: bool = True) -> dict:
   """Compile and time one variant of the train step; returns its row."""
   config = models.get_config(preset, dtype=dtype, dropout_rate=0.0, **(overrides or {}))
   tcfg = TrainConfig(steps=1000, batch_size=b, seq_len=t, lr=1e-4, warmup_steps=0,
@@ -87,7 +87,7 @@ def train_variant(preset: str, dtype: str, b: int, t: int, steps: int, *, overri
   return {"compile_s": compile_s, "step_s": step_s, "all_s": times, "tokens_per_sec": b * t / step_s,
           "model_flops_per_sec": flops / step_s, "temp_bytes": temp, "first_loss": losses[0],
           "last_loss": losses[-1], "layers": "unrolled" if models.unrolls_layers(config)
-          else "scanned", "loss_head": tasks_lib.loss_head(loss_head), "options": options}
+          else "scanned", "loss_head": loss_head, "options": options}
 
 
 def generate_variant(preset: str, dtype: str, batch: int, new_tokens: int, options: dict) -> dict:
@@ -125,12 +125,15 @@ def main(argv=None) -> dict:
   p.add_argument("--seq-len", type=int, default=1024)
   p.add_argument("--steps", type=int, default=10)
   p.add_argument("--variants", default="default,logits_head,scanned,no_segment_ids,triton_gemm_off")
-  p.add_argument("--generate-batches", default="1,8")
+  p.add_argument("--generate-batches", default="1,8", help="comma-separated; empty: none")
   p.add_argument("--generate-dtypes", default="float32")
   p.add_argument("--new-tokens", type=int, default=128)
   p.add_argument("--json", default=None)
   args = p.parse_args(argv)
   variants = {"default": {}, "logits_head": {"loss_head": "logits"},
+              "fused_head": {"loss_head": "fused"},
+              "triton_gemm_on": {"options": {**runtime.step_compiler_options("gpu"),
+                                             "xla_gpu_enable_triton_gemm": True}},
               "scanned": {"overrides": {"scan_layers": True}},
               "no_segment_ids": {"segments": False},
               "triton_gemm_off": {"options": {**runtime.step_compiler_options("gpu"),

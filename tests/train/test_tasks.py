@@ -106,10 +106,3 @@ def test_gpt_fused_loss_head_equals_the_logits_head():
     for (path, g), f in zip(jax.tree.leaves_with_path(dense_grads), jax.tree.leaves(fused_grads)):
       np.testing.assert_allclose(np.asarray(f), np.asarray(g), atol=2e-6 * scale,
                                  err_msg=jax.tree_util.keystr(path))
-
-
-def test_loss_head_auto_is_fused_off_cpu_only():
-  assert tasks.loss_head("auto", "cpu") == "logits"
-  assert tasks.loss_head("auto", "gpu") == tasks.loss_head("auto", "tpu") == "fused"
-  assert tasks.loss_head("logits", "gpu") == "logits"
-  assert tasks.loss_head("fused", "cpu") == "fused"

@@ -53,9 +53,9 @@ class TrainConfig:
   clip_norm: float | None = 1.0
   label_smoothing: float = 0.0
   z_loss: float = 0.0
-  # GPT's loss head: "logits" (the [B, T, V] logits, then the cross-entropy), "fused"
-  # (ops.linear_cross_entropy: chunk by chunk, no [B, T, V] array), "auto" (tasks.LOSS_HEADS).
-  loss_head: Literal["auto", "logits", "fused"] = "auto"
+  # GPT's loss head: "logits" (the [B, T, V] logits, then the cross-entropy) or "fused"
+  # (ops.linear_cross_entropy chunk by chunk: no [B, T, V] array, less memory).
+  loss_head: Literal["logits", "fused"] = "logits"
   dtype: str | None = None                # compute dtype override (e.g. bfloat16); params stay fp32
   log_every: int = 10
   eval_every: int = 200
@@ -344,8 +344,8 @@ def _validate(exp: Experiment) -> None:
       continue
     if getattr(t, name) < 1:
       raise ValueError(f"train.{name}={getattr(t, name)} must be >= 1")
-  if t.loss_head not in ("auto", "logits", "fused"):
-    raise ValueError(f"train.loss_head={t.loss_head!r} must be 'auto', 'logits' or 'fused'")
+  if t.loss_head not in ("logits", "fused"):
+    raise ValueError(f"train.loss_head={t.loss_head!r} must be 'logits' or 'fused'")
   if t.microbatches != "auto" and t.batch_size % t.microbatches:
     raise ValueError(
         f"train.microbatches={t.microbatches} does not divide train.batch_size={t.batch_size}")

@@ -47,24 +47,11 @@ def _correct(logits, labels, mask):
   return jnp.sum((picked >= top) * mask.astype(jnp.float32))
 
 
-# train.loss_head "auto" per backend: "fused" (ops.linear_cross_entropy) where the [B, T, V] float32
-# logits cost memory traffic the step can avoid, "logits" on CPU (experiments/PERFORMANCE.md,
-# "Fused loss head").
-LOSS_HEADS = {"cpu": "logits", "gpu": "fused", "tpu": "fused"}
-
-
-def loss_head(setting: str, platform: str | None = None) -> str:
-  """``train.loss_head`` resolved: ``"logits"`` or ``"fused"`` (``"auto"``: ``LOSS_HEADS`` for
-  ``platform``, default ``jax.default_backend()``)."""
-  if setting != "auto":
-    return setting
-  return LOSS_HEADS.get(platform or jax.default_backend(), "logits")
-
-
 class GPTTask:
   """Next-token prediction on packed windows (segment ids keep documents apart).
 
-  ``loss_head``: ``train.loss_head`` ("auto", "logits" or "fused"; see ``loss_head``)."""
+  ``loss_head``: ``train.loss_head``: "logits" (the model's ``[B, T, V]`` logits, then
+  ``ops.cross_entropy``) or "fused" (``GPT.lm_loss``: no ``[B, T, V]`` array)."""
 
   name = "gpt"
   config_type = models.GPTConfig
@@ -74,7 +61,7 @@ class GPTTask:
   uses_seq_len = True
   bars = ("val_loss_below_unigram",)   # learning bars this task can check
 
-  def __init__(self, loss_head: str = "auto"):
+  def __init__(self, loss_head: str = "logits"):
     self.loss_head = loss_head
 
   @classmethod
@@ -104,7 +91,7 @@ class GPTTask:
 
   def sums(self, model, batch: Batch, rng, *, label_smoothing=0.0, z_loss=0.0):
     mask = batch["loss_mask"]
-    if loss_head(self.loss_head) == "fused":
+    if self.loss_head == "fused":
       loss_sum, correct = model.lm_loss(
           batch["tokens"], batch["labels"], mask, batch["positions"], batch["segment_ids"],
           dropout_rng=rng, label_smoothing=label_smoothing, z_loss=z_loss)
