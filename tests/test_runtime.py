@@ -315,6 +315,7 @@ def test_cpu_poll_does_nothing_when_turned_off_or_not_allowed(tmp_path, monkeypa
     assert not req.held and runtime.POLL_ENV in req.reason and _fds_on(device) == 0
   assert device.read_bytes() == b""
   monkeypatch.delenv(runtime.POLL_ENV)
+  monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
   for missing in (tmp_path / "absent", tmp_path):   # no such file; a directory (cannot write)
     monkeypatch.setattr(runtime, "CPU_DMA_LATENCY", str(missing))
     with runtime.cpu_poll() as req:

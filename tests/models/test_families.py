@@ -11,6 +11,7 @@ from flax import nnx
 
 from transformer_jax import models
 from tests.models.conftest import VOCAB, forward, jit_forward, params_for, tiny
+from tests.backends import only_on
 
 FAMILIES = ["gpt2-tiny", "llama-tiny", "gpt-alibi-tiny", "bert-tiny", "transformer-tiny", "t5-tiny"]
 
@@ -206,6 +207,7 @@ def test_mismatched_mask_shape_is_a_clear_error(tokens):
     model(tokens, None, jnp.ones((2, 5)))
 
 
+@only_on("cpu", "XLA:CPU's bfloat16 products (ops.linear.matmul)")
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "bert-tiny", "t5-tiny"])
 def test_bf16_cpu_matmuls_compute_what_xla_einsums_do(name, tokens, monkeypatch):
   # bfloat16 on a CPU with bfloat16 units sends every projection and the tied head through

@@ -14,6 +14,7 @@ from jax.ad_checkpoint import print_saved_residuals
 from transformer_jax.ops import linear
 from transformer_jax.ops import (
     dropout, gated, geglu, gelu, gelu_tanh, get_activation, packed_activation, relu, silu, swiglu)
+from tests.backends import only_on
 
 X = np.linspace(-6.0, 6.0, 241)
 
@@ -199,6 +200,7 @@ def test_packed_activation_has_the_rules_values_and_gradients(name, dtype):
     packed_activation("tanh", x)
 
 
+@only_on("cpu", "XLA:CPU's compiled scan (bf16 residuals as bits)")
 def test_packed_activation_stacks_its_bf16_residual_in_place_in_a_scan():
   """The rule's saved ``df(x)`` is a bfloat16 stack, which XLA:CPU updates in float32 by
   converting the whole ``[L, ...]`` array at every layer; the packed form stacks uint16 bits."""

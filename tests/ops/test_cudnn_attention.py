@@ -97,17 +97,18 @@ def test_float32_inputs_get_a_clear_error():
 
 
 def _loss_and_grads(name, impl, dtype):
-  config = dataclasses.replace(tiny(name), dtype=dtype, attention_impl=impl)
+  # Scanned layers: one cuDNN attention per stack. (With XLA_FLAGS=--xla_gpu_deterministic_ops=
+  # true, which tests/conftest.py sets, XLA 0.11.2 fails with "IndexError: raw_hash_map<>::at" to
+  # run the backward of a program holding two cuDNN attentions of identical shapes and mask types,
+  # as unrolled layers do, and as an encoder's and the cross-attention's are for equal lengths.)
+  config = dataclasses.replace(tiny(name), dtype=dtype, attention_impl=impl, scan_layers=True)
   graphdef = models.graphdef(config)
   tokens = jax.random.randint(jax.random.key(7), (2, 12), 0, VOCAB)
 
   def loss_fn(params, tokens):
     model = nnx.merge(graphdef, params)
     if isinstance(config, models.Seq2SeqConfig):
-      # Target shorter than the source. (With XLA_FLAGS=--xla_gpu_deterministic_ops=true, which
-      # tests/conftest.py sets, XLA 0.11.2 fails with "IndexError: raw_hash_map<>::at" to run
-      # the backward of a program holding two cuDNN attentions of identical shapes and mask
-      # types, as an encoder's and the cross-attention's are for equal lengths: README.)
+      # Target shorter than the source (see above).
       logits = model(tokens, tokens[:, :8][:, ::-1])
     else:
       logits = forward(model, config, tokens)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from transformer_jax.ops import linear
+from tests.backends import only_on
 
 BF16_EPS = 2.0**-8   # bfloat16's unit roundoff
 
@@ -175,6 +176,7 @@ def test_every_bf16_dot_stays_bf16_in_the_library_kernel(transpose_w, with_bias)
     np.testing.assert_allclose(db, np.full((n,), m), rtol=1e-6)
 
 
+@only_on("cpu", "XLA:CPU's compiled scan (bf16 residuals as bits)")
 def test_scanned_layers_stack_bf16_residuals_in_place_as_bits():
   """A scan over layers stacks each layer's saved ``x^T`` ([K, M] = [16, 24], stacked [3, 16, 24]).
   As bfloat16, XLA:CPU would update the stack in float32, converting all of it at every layer;
