@@ -5,21 +5,23 @@
 #
 #   experiments/accelerator_check.sh OUTDIR [PART ...]
 #
-# PARTS (default: all, in this order; each under its own time limit, so one that hangs or runs
-# long leaves the others their time):
-#   tests      pytest tests/ops tests/layers tests/models tests/test_runtime.py    (-> tests.log)
-#   levers     experiments/gpu_levers.py: the train step's and generation's levers (-> levers.json)
+# PARTS (default: train attention generate tests, in this order, about 8 minutes on one H100;
+# each part runs under its own time limit, so one that hangs or runs long leaves the others their
+# time):
 #   train      tjax bench train: GPT-2 small, 16 x 1024, bfloat16, against PyTorch eager and
 #              torch.compile on the same GPU                                      (-> bench_train.json)
 #   attention  tjax bench attention: causal, 1k/4k/16k, every kernel and torch SDPA
 #                                                                          (-> bench_attention.json)
 #   generate   tjax bench generate: greedy, batch 1 and 8, float32 and bfloat16, against
 #              transformers' generate                                    (-> bench_generate.json)
+#   tests      pytest tests/ops tests/layers tests/models tests/test_runtime.py    (-> tests.log)
+#   levers     experiments/gpu_levers.py: the train step's and generation's levers, each variant
+#              in a process of its own (not in the default list: about 5 minutes) (-> levers.json)
 # Every part writes its log to OUTDIR/PART.log; the last lines printed are each part's summary.
 set -uo pipefail
-OUT=${1:?usage: experiments/accelerator_check.sh OUTDIR [tests|levers|train|attention|generate ...]}
+OUT=${1:?usage: experiments/accelerator_check.sh OUTDIR [train|attention|generate|tests|levers ...]}
 shift
-PARTS=${*:-tests levers train attention generate}
+PARTS=${*:-train attention generate tests}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$OUT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TJAX_COMPILATION_CACHE=0
@@ -49,23 +51,23 @@ for part in $PARTS; do
   case $part in
     tests)
       # Several workers share the GPU: no worker may take most of its memory up front.
-      XLA_PYTHON_CLIENT_PREALLOCATE=false run tests 170 "$PY" -m pytest tests/ops tests/layers \
+      XLA_PYTHON_CLIENT_PREALLOCATE=false run tests 150 "$PY" -m pytest tests/ops tests/layers \
         tests/models tests/test_runtime.py -q -n 6 -p no:cacheprovider ;;
     levers)
-      run levers 260 "$PY" experiments/gpu_levers.py --generate-batches 8 --json "$OUT/levers.json" ;;
+      run levers 330 "$PY" experiments/gpu_levers.py --generate-batches 8 --json "$OUT/levers.json" ;;
     train)
       # JAX and PyTorch share the GPU in one process: each gets part of its memory.
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 run train 240 "${TJAX[@]}" bench train \
         --preset gpt2-small --batch-size 16 --seq-len 1024 --dtype bfloat16 --steps 10 \
         --warmup 3 --against torch,torch.compile --json "$OUT/bench_train.json" ;;
     attention)
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 run attention 150 "${TJAX[@]}" bench attention \
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 run attention 90 "${TJAX[@]}" bench attention \
         --lengths 1024,4096,16384 --batch-sizes 4,4,1 --dtype bfloat16 --reps 10 \
         --implementations xla,chunked,cudnn,auto --against torch \
         --json "$OUT/bench_attention.json" ;;
     generate)
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 run generate 200 "${TJAX[@]}" bench generate \
-        --batch-sizes 1,8 --dtypes float32,bfloat16 --reps 3 --bf16-reps 3 --ttft-reps 3 \
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 run generate 150 "${TJAX[@]}" bench generate \
+        --batch-sizes 1,8 --dtypes float32,bfloat16 --reps 3 --bf16-reps 3 --ttft-reps 2 \
         --json "$OUT/bench_generate.json" ;;
     *) echo "unknown part: $part" >&2; exit 2 ;;
   esac

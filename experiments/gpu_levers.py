@@ -9,22 +9,31 @@ step (AdamW, clipping, token-mean cross-entropy) on one random batch, compiled o
 
   default         the library's defaults for this backend
   logits_head     ``train.loss_head: logits`` (the [B, T, V] float32 logits, then the loss)
+  fused_head      ``train.loss_head: fused`` (``ops.linear_cross_entropy``)
   scanned         ``scan_layers: true``
   no_segment_ids  the batch without segment ids (no packed-document mask)
-  triton_gemm_off the step compiled with ``xla_gpu_enable_triton_gemm: false`` (GPUs)
+  triton_gemm_on  the step compiled with ``xla_gpu_enable_triton_gemm: true`` (GPUs)
+  triton_gemm_off the same, ``false``
 
 Each variant: compile seconds, the median of ``--steps`` steps after 3 warm-up steps, tokens/s, and
 the step's temporaries. Generation: greedy ``generate`` of ``--new-tokens`` tokens for each batch
 size and dtype, with the decoding loop compiled with the library's options and with each of
 ``DECODE_VARIANTS``; ``compile_s`` = first call - median of two more.
+
+Every variant runs in a process of its own: XLA:GPU keeps its autotuning results for the
+process's lifetime, so a second program with the same products would compile faster than a
+user's first one.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import jax
@@ -39,7 +48,7 @@ from transformer_jax.train.config import TrainConfig
 from transformer_jax.train.optim import make_optimizer
 
 DECODE_VARIANTS = {"triton_gemm_off": {"xla_gpu_enable_triton_gemm": False},
-                   "autotune_level_1": {"xla_gpu_autotune_level": 1}}
+                   "autotune_level_0": {"xla_gpu_autotune_level": 0}}
 
 
 class _NoSegments(tasks_lib.GPTTask):
@@ -117,6 +126,29 @@ def generate_variant(preset: str, dtype: str, batch: int, new_tokens: int, optio
           "tokens_per_sec": batch * new_tokens / steady, "options": options}
 
 
+VARIANTS = {"default": {}, "logits_head": {"loss_head": "logits"},
+            "fused_head": {"loss_head": "fused"},
+            "scanned": {"overrides": {"scan_layers": True}},
+            "no_segment_ids": {"segments": False},
+            "triton_gemm_on": {"options": {"xla_gpu_enable_triton_gemm": True}},
+            "triton_gemm_off": {"options": {"xla_gpu_enable_triton_gemm": False}}}
+
+
+def _one(args) -> dict:
+  """One variant, in this process: ``args.one`` is ``train:NAME`` or ``generate:DTYPE:BATCH:NAME``."""
+  kind, *rest = args.one.split(":")
+  if kind == "train":
+    spec = dict(VARIANTS[rest[0]])
+    if "options" in spec:   # on top of the library's own step options
+      spec["options"] = {**runtime.step_compiler_options(jax.default_backend()), **spec["options"]}
+    return train_variant(args.preset, args.dtype, args.batch_size, args.seq_len, args.steps,
+                         **spec)
+  dtype, batch, name = rest
+  options = (runtime.decode_compiler_options(jax.default_backend()) if name == "default"
+             else DECODE_VARIANTS[name])
+  return generate_variant(args.preset, dtype, int(batch), args.new_tokens, options)
+
+
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--preset", default="gpt2-small")
@@ -124,52 +156,55 @@ def main(argv=None) -> dict:
   p.add_argument("--batch-size", type=int, default=16)
   p.add_argument("--seq-len", type=int, default=1024)
   p.add_argument("--steps", type=int, default=10)
-  p.add_argument("--variants", default="default,logits_head,scanned,no_segment_ids,triton_gemm_off")
+  p.add_argument("--variants", default="default,fused_head,scanned,no_segment_ids,triton_gemm_on",
+                 help=f"comma-separated, of {', '.join(VARIANTS)}")
   p.add_argument("--generate-batches", default="1,8", help="comma-separated; empty: none")
   p.add_argument("--generate-dtypes", default="float32")
   p.add_argument("--new-tokens", type=int, default=128)
   p.add_argument("--json", default=None)
+  p.add_argument("--one", default=None, help=argparse.SUPPRESS)   # a variant's own process
   args = p.parse_args(argv)
-  variants = {"default": {}, "logits_head": {"loss_head": "logits"},
-              "fused_head": {"loss_head": "fused"},
-              "triton_gemm_on": {"options": {**runtime.step_compiler_options("gpu"),
-                                             "xla_gpu_enable_triton_gemm": True}},
-              "scanned": {"overrides": {"scan_layers": True}},
-              "no_segment_ids": {"segments": False},
-              "triton_gemm_off": {"options": {**runtime.step_compiler_options("gpu"),
-                                              "xla_gpu_enable_triton_gemm": False}}}
+  if args.one:
+    row = _one(args)
+    with open(args.json, "w") as f:
+      json.dump(row, f)
+    return row
   result = {"device_kind": jax.devices()[0].device_kind, "platform": jax.default_backend(),
             "jax": jax.__version__, "preset": args.preset, "dtype": args.dtype,
-            "batch_size": args.batch_size, "seq_len": args.seq_len, "train": {}, "generate": {}}
-  for name in [v for v in args.variants.split(",") if v]:
-    try:
-      row = train_variant(args.preset, args.dtype, args.batch_size, args.seq_len, args.steps,
-                          **variants[name])
-    except Exception as e:  # noqa: BLE001 - one variant failing is a result, not the end
-      row = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
-    result["train"][name] = row
-    print(name, json.dumps({k: v for k, v in row.items() if k != "all_s"}), flush=True)
+            "batch_size": args.batch_size, "seq_len": args.seq_len,
+            "step_compiler_options": runtime.step_compiler_options(jax.default_backend()),
+            "decode_compiler_options": runtime.decode_compiler_options(jax.default_backend()),
+            "train": {}, "generate": {}}
+  jobs = [("train", f"train:{v}") for v in args.variants.split(",") if v]
   for dtype in [d for d in args.generate_dtypes.split(",") if d]:
-    for batch in [int(b) for b in args.generate_batches.split(",") if b]:
-      for name, options in {"default": runtime.decode_compiler_options(jax.default_backend()),
-                            **DECODE_VARIANTS}.items():
-        key = f"{dtype}_batch{batch}_{name}"
-        try:
-          row = generate_variant(args.preset, dtype, batch, args.new_tokens, options)
-        except Exception as e:  # noqa: BLE001
-          row = {"error": f"{type(e).__name__}: {str(e)[:2000]}"}
-        result["generate"][key] = row
-        print(key, json.dumps(row), flush=True)
+    for batch in [b for b in args.generate_batches.split(",") if b]:
+      for name in ("default", *DECODE_VARIANTS):
+        jobs.append(("generate", f"generate:{dtype}:{batch}:{name}"))
+  base = [sys.executable, os.path.abspath(__file__), "--preset", args.preset, "--dtype",
+          args.dtype, "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
+          "--steps", str(args.steps), "--new-tokens", str(args.new_tokens)]
+  for kind, job in jobs:
+    key = job.split(":", 1)[1].replace(":", "_batch", 1).replace(":", "_", 1)
+    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+      done = subprocess.run([*base, "--one", job, "--json", tmp.name], capture_output=True,
+                            text=True)
+      if done.returncode == 0:
+        with open(tmp.name) as f:
+          row = json.load(f)
+      else:
+        row = {"error": (done.stderr.strip().splitlines() or ["?"])[-1][:2000]}
+    result[kind][key] = row
+    print(kind, key, json.dumps({k: v for k, v in row.items() if k != "all_s"}), flush=True)
   if args.json:
     with open(args.json, "w") as f:
       json.dump(result, f, indent=1)
-  base = result["train"].get("default", {}).get("step_s")
+  base_s = result["train"].get("default", {}).get("step_s")
   print(f"\n{result['device_kind']}: {args.preset} {args.batch_size}x{args.seq_len} {args.dtype}")
   for name, row in result["train"].items():
     if "error" in row:
       print(f"  {name:<16s} error: {row['error'][:160]}")
       continue
-    rel = f"{row['step_s'] / base:6.3f}x default" if base else ""
+    rel = f"{row['step_s'] / base_s:6.3f}x default" if base_s else ""
     print(f"  {name:<16s} {1e3 * row['step_s']:8.2f} ms  {row['tokens_per_sec']:9.0f} tok/s  "
           f"compile {row['compile_s']:5.1f} s  {rel}")
   for key, row in result["generate"].items():

@@ -109,8 +109,8 @@ def step_compiler_options(platform: str) -> dict:
 
 # XLA:GPU compile options of the train and eval steps (``step_compiler_options("gpu")``) and of the
 # decoding loop (``decode_compiler_options``): experiments/PERFORMANCE.md, "XLA:GPU options".
-GPU_STEP_OPTIONS: dict = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 1}
-GPU_DECODE_OPTIONS: dict = {"xla_gpu_autotune_level": 1}
+GPU_STEP_OPTIONS: dict = {"xla_gpu_enable_triton_gemm": False}
+GPU_DECODE_OPTIONS: dict = {}
 
 
 def decode_compiler_options(platform: str) -> dict:
