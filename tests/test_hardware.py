@@ -45,3 +45,11 @@ def test_this_process_device():
   if jax.default_backend() == "cpu":
     assert hardware.platform() == "cpu"
     assert hardware.peak_flops(hardware.device_kind(), "float32") is None
+
+
+def test_matmul_peak_is_the_datasheet_or_a_measured_rate(monkeypatch):
+  monkeypatch.setattr(hardware, "device_kind", lambda: "NVIDIA H100 80GB HBM3")
+  assert hardware.matmul_peak("bfloat16") == (989.4e12, "datasheet")
+  monkeypatch.setattr(hardware, "device_kind", lambda: "cpu")
+  rate, source = hardware.matmul_peak("float32")
+  assert source == "measured" and 1e8 < rate < 1e15

@@ -91,3 +91,35 @@ def share_gpu_memory() -> bool:
     return not xla_bridge.backends_are_initialized()
   except (ImportError, AttributeError):
     return False
+
+
+# The side of the square product ``matmul_peak`` times where no datasheet figure is known.
+PEAK_PROBE = 1024
+
+
+def matmul_peak(dtype: str) -> tuple[float, str]:
+  """The matmul rate of one of this process's devices that a training log's MFU is counted
+  against: the datasheet peak (``peak_flops``) of a listed accelerator, else the best of five
+  ``PEAK_PROBE``-square products in ``dtype`` (float32 accumulation) measured now.
+
+  Returns:
+    ``(FLOP/s, source)``, source "datasheet" or "measured".
+  """
+  import time
+
+  import jax
+  import jax.numpy as jnp
+
+  peak = peak_flops(device_kind(), str(dtype))
+  if peak is not None:
+    return peak, "datasheet"
+  n = PEAK_PROBE
+  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
+  product = jax.jit(lambda a: jnp.matmul(a, a, preferred_element_type=jnp.float32))
+  product(a).block_until_ready()
+  best = float("inf")
+  for _ in range(5):
+    start = time.perf_counter()
+    product(a).block_until_ready()
+    best = min(best, time.perf_counter() - start)
+  return 2.0 * n**3 / best, "measured"

@@ -192,7 +192,9 @@ def test_run_directory_contents_and_eval(tmp_path, text_dataset):
   records = _metrics(run_dir)
   train_lines = [r for r in records if "loss" in r]
   eval_lines = [r for r in records if "val_loss" in r]
-  assert {"step", "loss", "tokens_per_sec", "lr"} <= set(train_lines[0])
+  assert {"step", "loss", "tokens_per_sec", "lr", "mfu"} <= set(train_lines[0])
+  # MFU: the model's FLOPs at the logged rate over the device's measured matmul rate.
+  assert all(0 < r["mfu"] < 1 for r in train_lines)
   assert [r["step"] for r in eval_lines] == [6, 12]
   assert os.path.isdir(run_dir / "checkpoints" / "best")
   ev = run_tjax("eval", str(run_dir), timeout=600)

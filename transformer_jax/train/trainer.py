@@ -32,7 +32,7 @@ from flax import nnx
 
 from transformer_jax import data as data_lib
 from transformer_jax import lora as lora_lib
-from transformer_jax import models, parallel, runs, runtime
+from transformer_jax import hardware, models, parallel, runs, runtime
 from transformer_jax.train import step as step_lib
 from transformer_jax.train import tasks as tasks_lib
 from transformer_jax.train.config import Experiment, fixed_changes, load_experiment
@@ -394,6 +394,19 @@ def _train_locked(exp, rd, progress, force_new, resume_hint):
     ckpt.close()
 
 
+def _mfu_scale(run: Run) -> float | None:
+  """Model FLOPs per token over the devices' matmul rate (``hardware.matmul_peak``: a datasheet
+  peak, or a product measured on this CPU): tokens/s times it is the model FLOPs utilisation.
+  None for tasks whose tokens are not one sequence's (Seq2Seq)."""
+  if not run.task.uses_seq_len or isinstance(run.model_config, models.Seq2SeqConfig):
+    return None
+  peak, source = hardware.matmul_peak(run.model_config.dtype)
+  _log0(f"MFU is counted against {peak / 1e12:.3g} TFLOP/s per device ({source}, "
+        f"{run.model_config.dtype}) on {jax.device_count()} device(s)")
+  flops = models.train_flops_per_token(run.model_config, run.exp.train.seq_len)
+  return flops / (peak * jax.device_count())
+
+
 def _train_loop(run: Run, rd: runs.RunDir, ckpt, ref, progress, resume_hint):
   exp, t = run.exp, run.exp.train
   loader = make_train_loader(exp, run.dataset, run.task)
@@ -456,6 +469,7 @@ def _train_loop(run: Run, rd: runs.RunDir, ckpt, ref, progress, resume_hint):
     progress = sys.stderr.isatty()
   bar = _progress(start, t.steps, progress)
 
+  flops_per_token_and_peak = _mfu_scale(run)
   pending: list[tuple[int, dict, int, int]] = []
   last_flush = time.perf_counter()
   last_eval: dict[str, float] = {}
@@ -476,13 +490,17 @@ def _train_loop(run: Run, rd: runs.RunDir, ckpt, ref, progress, resume_hint):
       record = {"step": s, "loss": loss, "tokens_per_sec": tokens / max(elapsed, 1e-9),
                 "lr": float(schedule(s - 1)), "grad_norm": float(m["grad_norm"]),
                 "batch_hash": h}
+      if flops_per_token_and_peak is not None:
+        record["mfu"] = record["tokens_per_sec"] * flops_per_token_and_peak
       record.update({k: float(v) for k, v in m.items() if k.endswith(("_loss", "_accuracy"))})
       log.write(record)
     bar.update(len(pending))
-    bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:.0f}")
+    mfu = f"  MFU {100 * record['mfu']:.1f}%" if "mfu" in record else ""
+    bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:.0f}",
+                    **({"mfu": mfu.split()[-1]} if mfu else {}))
     if not progress and record["step"] % t.log_every == 0:
       _log0(f"step {record['step']}/{t.steps}  loss {record['loss']:.4f}  lr {record['lr']:.3e}"
-            f"  tokens/s {record['tokens_per_sec']:.0f}")
+            f"  tokens/s {record['tokens_per_sec']:.0f}{mfu}")
     log.flush()
     pending = []
     last_flush = time.perf_counter()
