@@ -17,10 +17,10 @@ from transformer_jax.train import step as step_lib
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _config(tmp_path, mesh, **train):
+def _config(tmp_path, mesh, model=None, **train):
   path = tmp_path / "exp.yaml"
   path.write_text(yaml.safe_dump({
-      "run_dir": str(tmp_path / "run"), "model": {"preset": "gpt2-tiny"},
+      "run_dir": str(tmp_path / "run"), "model": {"preset": "gpt2-tiny", **(model or {})},
       "data": {"path": str(tmp_path / "no-data"), "task": "gpt"},
       "train": {"batch_size": 16, "seq_len": 64, **train}, "mesh": mesh}))
   return str(path)
@@ -41,6 +41,17 @@ def test_dry_run_prints_per_device_memory_for_a_16_device_mesh(tmp_path):
   for line in ("parameters (fp32)", "optimizer state", "activations + scratch", "peak estimate"):
     assert line in text
   assert not os.path.exists(tmp_path / "run")  # nothing written, no data needed
+  # The kernel each attention takes on each backend, for one device's [B/8, T, N/2, H] share:
+  # gpt2-tiny's float32 at 64 tokens is dense on accelerators, too short for splash.
+  assert "self-attention          [2, 64, 2, 16] float32: tpu xla, gpu xla, cpu xla" in text
+
+
+def test_dry_run_names_splash_and_cudnn_for_a_bfloat16_pod_recipe(tmp_path):
+  config = _config(tmp_path, {"data": 2, "fsdp": 4}, {"max_len": 512}, seq_len=512,
+                   dtype="bfloat16")
+  out = _tjax("train", config, "--dry-run")
+  assert out.returncode == 0, out.stderr
+  assert "self-attention          [2, 512, 4, 16] bfloat16: tpu splash, gpu cudnn, cpu" in out.stdout
 
 
 def test_dry_run_needs_a_device_count_for_a_free_axis(tmp_path):

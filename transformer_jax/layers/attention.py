@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from transformer_jax import ops
 from transformer_jax.layers.cache import KVCache
@@ -115,16 +116,19 @@ class Attention(nnx.Module):
         segment_ids=segment_ids is not None, bias=bias_fn is not None, dropout=dropout,
         kv_valid=kv_valid is not None, q_positions=q_positions is not None,
         sequence_shards=self._sequence_shards(x_BTD) if self_attention else 1)
+    kernel = self.implementation or choice
     if choice == "ring":
       out_BTNH = ring_attention(q_BTNH, k_BSKH, v_BSKH, mesh=self.mesh, causal=causal,
                                 kv_mask_BS=kv_valid, segment_ids_BT=segment_ids, scale=self.scale)
+    elif kernel == "splash" and self._mesh_splits(q_BTNH):
+      out_BTNH = self._splash_on_mesh(q_BTNH, k_BSKH.astype(q_BTNH.dtype),
+                                      v_BSKH.astype(q_BTNH.dtype), segment_ids, causal, window)
     else:
       out_BTNH = ops.dot_product_attention(
           q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype), causal=causal,
           kv_valid=kv_valid, q_segment_ids=segment_ids, window=window, q_positions=q_positions,
           bias_fn=bias_fn, bias_params=bias_params, scale=self.scale,
-          dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-          implementation=self.implementation or choice)
+          dropout_rate=dropout_rate, dropout_rng=dropout_rng, implementation=kernel)
     if cache is not None:
       return self._out_merged(out_BTNH), cache
     return self.out(out_BTNH), None
@@ -149,6 +153,43 @@ class Attention(nnx.Module):
         kv_valid=kv_valid, q_segment_ids=segment_ids, window=window, bias_fn=bias_fn,
         bias_params=bias_params, scale=self.scale, return_weights=True, implementation="xla")
     return weights_BNTS
+
+  def _mesh_axes(self, q_BTNH: jax.Array) -> tuple[tuple[str, ...], str | None]:
+    """The mesh axes that split the batch (``data``, ``fsdp``) and the heads (``tensor``, when
+    it divides the key/value heads) of one attention call."""
+    sizes = self.mesh.shape
+    batch = tuple(a for a in ("data", "fsdp") if sizes.get(a, 1) > 1)
+    tensor = sizes.get("tensor", 1)
+    return batch, "tensor" if tensor > 1 and q_BTNH.shape[2] % tensor == 0 else None
+
+  def _mesh_splits(self, q_BTNH: jax.Array) -> bool:
+    """The mesh splits this call's batch or heads (and divides the batch)."""
+    if self.mesh is None:
+      return False
+    batch, head = self._mesh_axes(q_BTNH)
+    rows = 1
+    for a in batch:
+      rows *= self.mesh.shape[a]
+    return bool(batch or head) and q_BTNH.shape[0] % rows == 0
+
+  def _splash_on_mesh(self, q_BTNH, k_BSKH, v_BSKH, segment_ids, causal, window):
+    """The splash kernel on each device's rows and heads (``jax.shard_map``): a Pallas call is one
+    custom call that GSPMD cannot split, so it is given its shards explicitly."""
+    batch, head = self._mesh_axes(q_BTNH)
+    if head is not None and k_BSKH.shape[2] % self.mesh.shape[head]:
+      head = None   # MQA/GQA with fewer key/value heads than the axis: heads replicated
+    x_spec = P(batch or None, None, head, None)
+    args, specs = [q_BTNH, k_BSKH, v_BSKH], [x_spec, x_spec, x_spec]
+    if segment_ids is not None:
+      args.append(segment_ids)
+      specs.append(P(batch or None, None))
+
+    def attend(q, k, v, seg=None):
+      return ops.dot_product_attention(q, k, v, causal=causal, window=window, q_segment_ids=seg,
+                                       scale=self.scale, implementation="splash")
+
+    return jax.shard_map(attend, mesh=self.mesh, in_specs=tuple(specs), out_specs=x_spec,
+                         check_vma=False)(*args)
 
   def _sequence_shards(self, x_BTD: jax.Array) -> int:
     """How many devices the mesh splits this input's sequence over (1: not split, or the mesh's
