@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from tests.ops.test_attention import attention_ref
-from transformer_jax import ops, runtime
+from transformer_jax import hardware, ops, runtime
 from transformer_jax.bench import machine
 from tests.backends import only_on
 
@@ -133,14 +133,14 @@ def test_cache_can_be_turned_off(monkeypatch):
 def test_bf16_notice_only_without_bf16_hardware(monkeypatch):
   assert runtime.bf16_notice("float32") is None
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")   # accelerators: never a notice
-  monkeypatch.setattr(machine, "has_bf16_hardware", lambda: False)
+  monkeypatch.setattr(hardware, "has_bf16_units", lambda: False)
   assert runtime.bf16_notice("bfloat16") is None
   monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
   monkeypatch.setattr(runtime, "_warned_bf16", False)
   with pytest.warns(UserWarning, match="slower than dtype=float32"):
     text = runtime.bf16_notice("bfloat16")
   assert "avx512_bf16" in text
-  monkeypatch.setattr(machine, "has_bf16_hardware", lambda: True)
+  monkeypatch.setattr(hardware, "has_bf16_units", lambda: True)
   assert runtime.bf16_notice("bfloat16") is None
 
 

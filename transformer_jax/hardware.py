@@ -1,4 +1,5 @@
-"""Accelerators' datasheet peak matmul rates, and which device this process computes on.
+"""Hardware facts, in one place: the CPU's model and instruction-set flags (``/proc/cpuinfo``),
+accelerators' datasheet peak matmul rates, and which device this process computes on.
 
 ``PEAK_FLOPS`` holds dense (no structured sparsity) peak FLOP/s of matrix products per device kind,
 as ``jax.devices()[0].device_kind`` names it, and per input dtype. For NVIDIA GPUs "float32" is the
@@ -10,8 +11,57 @@ utilisation is set against; the peak is the vendor's ceiling beside it.
 
 from __future__ import annotations
 
+import functools
 import os
+import platform as _platform
 import re
+
+# cpuinfo flags that decide which kernels are fast: vector width, FMA, bfloat16 and AMX units.
+_FLAGS_OF_INTEREST = ("avx", "avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16",
+                      "amx_tile", "amx_int8", "asimd", "sve", "bf16")
+# The flags of CPUs with bfloat16 matrix instructions (AVX-512 BF16, AMX).
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@functools.cache
+def _cpuinfo() -> tuple[str, frozenset[str], tuple[tuple[str, str], ...]]:
+  name, flags, ids = _platform.processor() or _platform.machine(), set(), {}
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and name in ("", _platform.processor(), _platform.machine()):
+          name = value.strip()
+        elif key in ("flags", "Features"):
+          flags.update(value.split())
+        elif key in ("cpu family", "model"):
+          ids.setdefault(key, value.strip())
+  except OSError:
+    pass
+  return name, frozenset(flags), tuple(ids.items())
+
+
+def cpu_family() -> str:
+  """``"cpu family 25, model 17"`` from ``/proc/cpuinfo`` (empty where it says neither): what tells
+  two CPUs of one model name apart (an "AMD EPYC" may be a Zen 4 or a Zen 5)."""
+  return ", ".join(f"{key} {value}" for key, value in _cpuinfo()[2])
+
+
+def cpu_name() -> str:
+  """The CPU's model name (``/proc/cpuinfo``), or what ``platform`` knows."""
+  return _cpuinfo()[0]
+
+
+def cpu_flags() -> list[str]:
+  """The instruction-set flags that matter for these kernels, among those the CPU reports."""
+  return [f for f in _FLAGS_OF_INTEREST if f in _cpuinfo()[1]]
+
+
+def has_bf16_units() -> bool:
+  """Whether the CPU has bfloat16 matrix instructions (AVX-512 BF16 or AMX). Without them XLA
+  emulates bfloat16 products through float32 conversions."""
+  return any(f in _cpuinfo()[1] for f in BF16_FLAGS)
 
 # (normalized device-kind substring, {dtype: dense peak FLOP/s}), matched in this order: a more
 # specific kind comes before the kinds whose names it contains ("h100 pcie" before "h100",

@@ -181,11 +181,11 @@ def bf16_notice(dtype: str) -> str | None:
   global _warned_bf16
   import jax
 
-  from transformer_jax.bench import machine
+  from transformer_jax import hardware
 
-  if str(dtype) != "bfloat16" or jax.default_backend() != "cpu" or machine.has_bf16_hardware():
+  if str(dtype) != "bfloat16" or jax.default_backend() != "cpu" or hardware.has_bf16_units():
     return None
-  text = (f"dtype=bfloat16 on {machine.cpu_name() or 'this CPU'}, which has no bfloat16 matrix "
+  text = (f"dtype=bfloat16 on {hardware.cpu_name() or 'this CPU'}, which has no bfloat16 matrix "
           "instructions (avx512_bf16/amx_bf16): XLA converts every bfloat16 dot to float32 and "
           "back, so this runs slower than dtype=float32 (about 0.6x the matmul rate here); use "
           "float32 on this machine, bfloat16 on CPUs with AVX-512 BF16 or AMX, or on "

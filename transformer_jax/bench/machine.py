@@ -25,53 +25,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax import runtime
+from transformer_jax import hardware, runtime
 
-# cpuinfo flags that decide which kernels are fast: vector width, FMA, bfloat16 and AMX units.
-_FLAGS_OF_INTEREST = ("avx", "avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16",
-                      "amx_tile", "amx_int8", "asimd", "sve", "bf16")
-BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-
-
-@functools.cache
-def _cpuinfo() -> tuple[str, frozenset[str], tuple[tuple[str, str], ...]]:
-  name, flags, ids = platform.processor() or platform.machine(), set(), {}
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "model name" and name in ("", platform.processor(), platform.machine()):
-          name = value.strip()
-        elif key in ("flags", "Features"):
-          flags.update(value.split())
-        elif key in ("cpu family", "model"):
-          ids.setdefault(key, value.strip())
-  except OSError:
-    pass
-  return name, frozenset(flags), tuple(ids.items())
-
-
-def cpu_family() -> str:
-  """``"cpu family 25, model 17"`` from ``/proc/cpuinfo`` (empty where it says neither): what tells
-  two CPUs of one model name apart (an "AMD EPYC" may be a Zen 4 or a Zen 5)."""
-  return ", ".join(f"{key} {value}" for key, value in _cpuinfo()[2])
-
-
-def cpu_name() -> str:
-  """The CPU's model name (``/proc/cpuinfo``), or what ``platform`` knows."""
-  return _cpuinfo()[0]
-
-
-def cpu_flags() -> list[str]:
-  """The instruction-set flags that matter for these kernels, among those the CPU reports."""
-  return [f for f in _FLAGS_OF_INTEREST if f in _cpuinfo()[1]]
-
-
-def has_bf16_hardware() -> bool:
-  """Whether the CPU has bfloat16 matrix instructions (AVX-512 BF16 or AMX). Without them XLA
-  emulates bfloat16 dots through float32 conversions and they run slower than float32."""
-  return any(f in _cpuinfo()[1] for f in BF16_FLAGS)
+# The CPU's facts live in transformer_jax.hardware; the bench's result files name them.
+BF16_FLAGS = hardware.BF16_FLAGS
+cpu_family = hardware.cpu_family
+cpu_name = hardware.cpu_name
+cpu_flags = hardware.cpu_flags
+has_bf16_hardware = hardware.has_bf16_units
 
 
 def cpu_idle() -> dict:

@@ -390,7 +390,7 @@ def run(args) -> dict:
   # accelerator only the run's own dtype.
   limits = ({"float32": machine.run_matmul_limit(shapes, dtype="float32")}
             if platform == "cpu" or args.dtype == "float32" else {})
-  if args.dtype == "bfloat16" and (platform != "cpu" or machine.has_bf16_hardware()):
+  if args.dtype == "bfloat16" and (platform != "cpu" or hardware.has_bf16_units()):
     limits["bfloat16"] = machine.run_matmul_limit(shapes, dtype="bfloat16")
   _progress(f"matmul limit measured in {time.perf_counter() - start:.0f} s")
 

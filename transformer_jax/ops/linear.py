@@ -166,6 +166,6 @@ def matmul_pays(dtype) -> bool:
   """
   if jnp.dtype(dtype) != jnp.bfloat16 or jax.default_backend() != "cpu":
     return False
-  from transformer_jax.bench import machine  # noqa: PLC0415 - reads /proc/cpuinfo once
+  from transformer_jax import hardware  # noqa: PLC0415
 
-  return machine.has_bf16_hardware()
+  return hardware.has_bf16_units()
