@@ -1,6 +1,7 @@
 """The three model families, their configs and presets, and pure-function forms."""
 
 from transformer_jax.models.bert import BERT, BERTOutput
+from transformer_jax.models.common import checked
 from transformer_jax.models.config import (
     BERTConfig, GPTConfig, ModelConfig, Seq2SeqConfig, config_from_dict, config_to_dict,
     unrolls_layers)
@@ -14,7 +15,7 @@ from transformer_jax.models.seq2seq import Seq2Seq
 
 __all__ = [
     "BERT", "BERTConfig", "BERTOutput", "GPT", "GPTConfig", "ModelConfig", "PRESETS", "ParamCount",
-    "Seq2Seq", "Seq2SeqConfig", "abstract", "apply", "config_from_dict", "config_to_dict",
+    "Seq2Seq", "Seq2SeqConfig", "abstract", "apply", "checked", "config_from_dict", "config_to_dict",
     "count_params", "create", "get_config", "graphdef", "init", "init_abstract", "list_presets",
     "model_class", "param_count", "train_flops_per_token", "train_memory_bytes", "unrolls_layers",
 ]

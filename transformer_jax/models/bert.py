@@ -62,8 +62,10 @@ class BERT(nnx.Module):
     """Bidirectional encoding.
 
     Args:
-      tokens: ``[B, T]`` ids; token_types ``[B, T]`` segment ids (default 0); attention_mask
-        ``[B, T]`` bool/0-1 with False for padding (default all real).
+      tokens: ``[B, T]`` ids in ``[0, vocab_size)`` (under ``jax.jit`` an id outside is clamped
+        silently unless the function is wrapped by ``models.checked``); token_types ``[B, T]``
+        segment ids (default 0); attention_mask ``[B, T]`` bool/0-1 with False for padding
+        (default all real).
       dropout_rng: a key turns dropout on.
 
     Returns:

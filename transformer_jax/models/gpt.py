@@ -9,9 +9,9 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from transformer_jax import ops
-from transformer_jax.layers import Embed, KVCache, Norm, Projection, Stack
+from transformer_jax.layers import Embed, KVCache, Norm, Stack
 from transformer_jax.models.common import (
-    check_length, check_same_shape, check_tokens, with_matmul_precision)
+    check_length, check_same_shape, check_tokens, output_heads, with_matmul_precision)
 from transformer_jax.models.config import GPTConfig, unrolls_layers
 from transformer_jax.parallel import axes as ax
 
@@ -37,14 +37,8 @@ class GPT(nnx.Module):
                         rngs=rngs, mesh=mesh)
     self.final_norm = Norm(c.d_model, kind=c.norm, eps=c.norm_eps, param_dtype=param_dtype,
                            rngs=rngs)
-    self.lm_head = (None if c.tie_embeddings else Projection(
-        "BTD,DV->BTV", (c.d_model, c.vocab_size), (ax.EMBED, ax.VOCAB), init_std=c.init_std,
-        dtype=dtype, param_dtype=param_dtype, rngs=rngs))
-    self.classifier = (Projection("BD,DC->BC", (c.d_model, c.num_labels), (ax.EMBED, ax.CLASSES),
-                                  bias_shape=(c.num_labels,), bias_axes=(ax.CLASSES,),
-                                  init_std=c.init_std, dtype=dtype, param_dtype=param_dtype,
-                                  rngs=rngs)
-                       if c.num_labels else None)
+    self.lm_head, self.classifier = output_heads(c, dtype=dtype, param_dtype=param_dtype,
+                                                 rngs=rngs)
 
   @with_matmul_precision
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
@@ -54,7 +48,8 @@ class GPT(nnx.Module):
     """Next-token logits.
 
     Args:
-      tokens: ``[B, T]`` token ids.
+      tokens: ``[B, T]`` token ids in ``[0, vocab_size)``: an eager call refuses others; under
+        ``jax.jit`` the embedding lookup clamps them silently (``models.checked`` checks them).
       positions: ``[B, T]`` positions (default ``0..T-1``); packed sequences restart them per document.
       segment_ids: ``[B, T]`` ints; tokens attend only within their segment (packed documents).
       attention_mask: ``[B, T]`` bool/0-1, False for padding keys.

@@ -10,15 +10,17 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from transformer_jax import ops
-from transformer_jax.layers import Embed, KVCache, Norm, Projection, RelativePositionBias, Stack
+from transformer_jax.layers import Embed, KVCache, Norm, RelativePositionBias, Stack
 from transformer_jax.models.common import (
-    check_length, check_same_shape, check_tokens, with_matmul_precision)
+    check_length, check_same_shape, check_tokens, output_heads, with_matmul_precision)
 from transformer_jax.models.config import Seq2SeqConfig, unrolls_layers
-from transformer_jax.parallel import axes as ax
 
 
 class Seq2Seq(nnx.Module):
-  """``Seq2Seq(config, rngs=...)(src, tgt_in, src_mask=..., tgt_mask=...) -> logits [B, T, V]``."""
+  """``Seq2Seq(config, rngs=...)(src, tgt_in, src_mask=..., tgt_mask=...) -> logits [B, T, V]``.
+
+  Ids in ``[0, vocab_size)``: eager calls refuse others; under ``jax.jit`` the embedding lookup
+  clamps them silently (``models.checked`` checks them on the device)."""
 
   def __init__(self, config: Seq2SeqConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None):
     """``mesh``: the device mesh the model runs on (see ``GPT``); None on one device."""
@@ -41,14 +43,8 @@ class Seq2Seq(nnx.Module):
       self.decoder_rel_bias = RelativePositionBias(c.num_heads, bidirectional=False, **rel)
     else:
       self.encoder_rel_bias = self.decoder_rel_bias = None
-    self.lm_head = (None if c.tie_embeddings else Projection(
-        "BTD,DV->BTV", (c.d_model, c.vocab_size), (ax.EMBED, ax.VOCAB), init_std=c.init_std,
-        dtype=dtype, param_dtype=param_dtype, rngs=rngs))
-    self.classifier = (Projection("BD,DC->BC", (c.d_model, c.num_labels), (ax.EMBED, ax.CLASSES),
-                                  bias_shape=(c.num_labels,), bias_axes=(ax.CLASSES,),
-                                  init_std=c.init_std, dtype=dtype, param_dtype=param_dtype,
-                                  rngs=rngs)
-                       if c.num_labels else None)
+    self.lm_head, self.classifier = output_heads(c, dtype=dtype, param_dtype=param_dtype,
+                                                 rngs=rngs)
 
   def _embed(self, ids_BT: jax.Array, positions_BT: jax.Array | None,
              rng: jax.Array | None) -> jax.Array:
