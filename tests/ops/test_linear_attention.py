@@ -1,0 +1,123 @@
+"""``ops.linear_attention`` against an O(T^2) masked reference in float64 (forward and gradients),
+its recurrence against its chunked-parallel form, causality, and errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+
+from transformer_jax.ops import linear_attention as la
+
+
+def reference(q, k, v, *, causal=True, decay=None):
+  """``softmax``-free attention with ``phi = elu + 1``, written as the masked quadratic form:
+  ``out_i = sum_j w_ij v_j / sum_j w_ij`` with ``w_ij = gamma^(i-j) phi(q_i) . phi(k_j)`` for
+  ``j <= i`` (all ``j`` when not causal). Runs in whatever precision its inputs have."""
+  b, t, n, h = q.shape
+  g = n // k.shape[2]
+  phi = lambda x: jax.nn.elu(x) + 1.0   # noqa: E731
+  kk, vv = jnp.repeat(phi(k), g, axis=2), jnp.repeat(v, g, axis=2)
+  w = jnp.einsum("bins,bjns->bnij", phi(q), kk)
+  if causal:
+    i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+    if decay is None:
+      mask = (j <= i).astype(w.dtype)[None, None]
+    else:
+      gamma = jnp.broadcast_to(jnp.asarray(decay, w.dtype), (n,))
+      mask = jnp.where(j <= i, gamma[:, None, None] ** jnp.maximum(i - j, 0), 0.0)[None]
+    w = w * mask
+  num = jnp.einsum("bnij,bjne->bine", w, vv)
+  return num / (jnp.sum(w, axis=-1).transpose(0, 2, 1)[..., None] + la.EPS)
+
+
+def inputs(seed, b=2, t=37, n=4, kh=2, h=8, e=6):
+  rng = np.random.default_rng(seed)
+  shapes = ((b, t, n, h), (b, t, kh, h), (b, t, kh, e), (b, t, n, e))
+  return [rng.standard_normal(s).astype(np.float32) for s in shapes]
+
+
+def value_and_grads(fn, q, k, v, w):
+  def loss(q, k, v):
+    return jnp.sum(fn(q, k, v) * w)
+  return fn(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+
+def rel_err(got, want):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return np.abs(got - want).max() / np.abs(want).max()
+
+
+CASES = [dict(causal=True, chunk_size=8), dict(causal=True, chunk_size=64),
+         dict(causal=True, chunk_size=5, decay=0.9),
+         dict(causal=True, chunk_size=8, decay=[0.99, 0.9, 0.8, 0.5]),
+         dict(causal=False, chunk_size=8)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_float32_matches_the_float64_quadratic_reference(case):
+  q, k, v, w = inputs(0)
+  ref_kw = {key: case[key] for key in ("causal", "decay") if key in case}
+  out, grads = value_and_grads(lambda *a: la.linear_attention(*a, **case), q, k, v, w)
+  with jax.enable_x64(True):
+    args64 = [jnp.asarray(x, jnp.float64) for x in (q, k, v, w)]
+    if ref_kw.get("decay") is not None:
+      ref_kw["decay"] = jnp.asarray(ref_kw["decay"], jnp.float64)
+    ref, ref_grads = value_and_grads(lambda *a: reference(*a, **ref_kw), *args64)
+    ref, ref_grads = np.asarray(ref), [np.asarray(g) for g in ref_grads]
+  assert out.dtype == jnp.float32 and out.shape == (2, 37, 4, 6)
+  assert rel_err(out, ref) < 1e-5
+  for name, g, r in zip("qkv", grads, ref_grads):
+    assert rel_err(g, r) < 1e-5, name
+
+
+@pytest.mark.parametrize("decay", [None, 0.95])
+def test_recurrence_equals_the_parallel_form_token_for_token(decay):
+  q, k, v, _ = inputs(1, t=20)
+  parallel, final = la.linear_attention(q, k, v, chunk_size=8, decay=decay, return_state=True)
+  state = la.zero_state(2, 4, 8, 6)
+  step = jax.jit(lambda s, q, k, v: la.linear_attention_step(s, q, k, v, decay=decay))
+  for i in range(20):
+    out, state = step(state, q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1])
+    np.testing.assert_allclose(np.asarray(out[:, 0]), np.asarray(parallel[:, i]), rtol=1e-5,
+                               atol=1e-6)
+  np.testing.assert_allclose(np.asarray(state.s), np.asarray(final.s), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(state.z), np.asarray(final.z), rtol=1e-5, atol=1e-5)
+  # A prefix's state carries the rest: two calls equal one.
+  head, mid = la.linear_attention(q[:, :13], k[:, :13], v[:, :13], chunk_size=4, decay=decay,
+                                  return_state=True)
+  tail = la.linear_attention(q[:, 13:], k[:, 13:], v[:, 13:], chunk_size=4, decay=decay,
+                             initial_state=mid)
+  np.testing.assert_allclose(np.asarray(jnp.concatenate([head, tail], 1)), np.asarray(parallel),
+                             rtol=1e-5, atol=1e-6)
+
+
+def test_no_position_sees_a_later_one():
+  q, k, v, _ = inputs(2, b=1, t=16)
+  jac = jax.jacrev(lambda k, v: la.linear_attention(q, k, v, chunk_size=4, decay=0.9),
+                   argnums=(0, 1))(k, v)
+  for d in jac:                       # [B, T, N, E, B, S, K, *]: output t against input s
+    d = np.abs(np.asarray(d)).sum(axis=(0, 2, 3, 4, 6, 7))
+    assert np.all(np.triu(d, 1) == 0) and np.all(np.diag(d) > 0)
+
+
+def test_the_state_does_not_grow_with_the_length():
+  state = la.zero_state(3, 4, 8, 6)
+  q, k, v, _ = inputs(3, b=3, t=1)
+  for _ in range(3):
+    _, state = la.linear_attention_step(state, q, k, v, decay=0.9)
+  assert state.s.shape == (3, 4, 8, 6) and state.z.shape == (3, 4, 8)
+
+
+def test_errors_name_the_problem():
+  q, k, v, _ = inputs(4, t=8)
+  with pytest.raises(ValueError, match="chunk_size=0"):
+    la.linear_attention(q, k, v, chunk_size=0)
+  with pytest.raises(ValueError, match="decay needs causal=True"):
+    la.linear_attention(q, k, v, causal=False, decay=0.9)
+  with pytest.raises(ValueError, match=r"decay must be a scalar or \[N\]=\(4,\)"):
+    la.linear_attention(q, k, v, decay=[0.9, 0.8])
+  with pytest.raises(ValueError, match="query heads N=4 must be a multiple of key/value heads K=3"):
+    la.linear_attention(q, np.zeros((2, 8, 3, 8), np.float32), np.zeros((2, 8, 3, 6), np.float32))
+  with pytest.raises(ValueError, match="a step takes one position"):
+    la.linear_attention_step(la.zero_state(2, 4, 8, 6), q, k, v)
