@@ -75,6 +75,13 @@ PRESETS: dict[str, ModelConfig] = {
                                                        original_max_len=8192)),
     "llama-tiny": _llama(vocab_size=512, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
                          d_ff=176, max_len=128, norm_eps=1e-5),
+    # --- Mistral flavour: LLaMA's with grouped-query attention over a sliding window (Jiang et
+    # al. 2023: window 4096, context 32k).
+    "mistral-7b": _llama(vocab_size=32000, d_model=4096, num_layers=32, num_heads=32,
+                         num_kv_heads=8, d_ff=14336, max_len=32768, norm_eps=1e-5,
+                         sliding_window=4096),
+    "mistral-tiny": _llama(vocab_size=512, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                           d_ff=176, max_len=256, norm_eps=1e-5, sliding_window=16),
     # --- BERT (post-LayerNorm encoder, MLM + NSP heads).
     "bert-base": _bert(768, 12),
     "bert-large": BERTConfig(d_model=1024, num_layers=24, num_heads=16, d_ff=4096),
