@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,hf]'
+	$(PY) -m pip install -q -e '.[test,hf,cpu]'
 	touch $(STAMP)
 
 venv: $(STAMP)

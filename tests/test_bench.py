@@ -2,11 +2,12 @@
 
 import json
 import math
+import os
 import statistics
 
 import pytest
 
-from transformer_jax import cli
+from transformer_jax import bench, cli
 
 
 def _bench(tmp_path, *argv):
@@ -180,6 +181,22 @@ def test_attention_cells_that_fail_are_recorded_and_the_rest_run(tmp_path, capsy
   assert "B=2" in out and "failed" in out
 
 
+def test_without_json_a_bench_writes_under_runs_and_says_where(tmp_path, monkeypatch, capsys):
+  # Never over the results kept in experiments/results/: runs/ is ignored by git.
+  assert bench.default_json("train") == os.path.join("runs", "bench", "bench_train.json")
+  monkeypatch.chdir(tmp_path)
+  assert cli.main(["bench", "attention", "--lengths", "16", "--heads", "1", "--head-dim", "8",
+                   "--reps", "1", "--implementations", "xla"]) == 0
+  written = tmp_path / "runs" / "bench" / "bench_attention.json"
+  assert json.loads(written.read_text())["rows"][0]["implementation"] == "xla"
+  assert "wrote runs/bench/bench_attention.json" in capsys.readouterr().err
+  # --json '': the table only.
+  written.unlink()
+  assert cli.main(["bench", "attention", "--lengths", "16", "--heads", "1", "--head-dim", "8",
+                   "--reps", "1", "--implementations", "xla", "--json", ""]) == 0
+  assert not written.exists() and "wrote" not in capsys.readouterr().err
+
+
 def test_attention_batch_sizes_align_with_lengths(tmp_path, capsys):
   from transformer_jax.bench.attention import batch_sizes
 
@@ -207,16 +224,16 @@ def test_attention_against_torch_sdpa_on_cpu(tmp_path):
 def test_generate_against_transformers_same_tokens_and_floor_from_the_same_moments(
     tmp_path, monkeypatch):
   pytest.importorskip("transformers")
-  from transformer_jax import runtime
   from transformer_jax.bench import machine
+  from transformer_jax.cpu import poll
   from tests.test_runtime import _fds_on
 
-  # The whole run holds runtime.cpu_poll's request (a stand-in file here): every bandwidth reading
-  # is taken under it, like both sides' calls.
+  # With --cpu-poll the whole run holds the polling request (a stand-in file here): every
+  # bandwidth reading is taken under it, like both sides' calls.
   device = tmp_path / "cpu_dma_latency"
   device.write_bytes(b"")
-  monkeypatch.setattr(runtime, "CPU_DMA_LATENCY", str(device))
-  monkeypatch.delenv(runtime.POLL_ENV, raising=False)
+  monkeypatch.setattr(poll, "CPU_DMA_LATENCY", str(device))
+  monkeypatch.delenv(poll.POLL_ENV, raising=False)
   held, reading = [], machine.weight_bandwidth
 
   def weight_bandwidth(*a, **kw):
@@ -225,8 +242,8 @@ def test_generate_against_transformers_same_tokens_and_floor_from_the_same_momen
   monkeypatch.setattr(machine, "weight_bandwidth", weight_bandwidth)
   r = _bench(tmp_path, "generate", "--preset", "gpt2-tiny", "--batch-sizes", "1,2",
              "--prompt-len", "5", "--new-tokens", "6", "--dtypes", "float32", "--reps", "2",
-             "--ttft-reps", "1", "--torch-threads-alt", "0")
-  assert r["cpu_poll"] == {"held": True, "reason": ""}
+             "--ttft-reps", "1", "--torch-threads-alt", "0", "--cpu-poll")
+  assert r["cpu_poll"] == {"held": True, "reason": "", "requested": True}
   assert (r["platform"], r["hf_device"]) == ("cpu", "cpu")
   assert r["machine"]["torch_threads"] >= 1
   assert held == [1] * 5 and _fds_on(device) == 0   # the start's reading and 2 per case
@@ -279,6 +296,34 @@ def test_generate_against_transformers_same_tokens_and_floor_from_the_same_momen
     else:
       assert s["ours_fraction_of_paired_floor"] is None
     assert s["ratio"] == pytest.approx(s["ours_tokens_per_sec"] / s["theirs_tokens_per_sec"])
+
+
+def test_generate_bench_polls_cpus_only_when_asked(tmp_path, monkeypatch):
+  from transformer_jax.bench import generate as bench_generate
+  from transformer_jax.cpu import poll
+  from tests.test_runtime import _fds_on
+
+  device = tmp_path / "cpu_dma_latency"
+  device.write_bytes(b"")
+  monkeypatch.setattr(poll, "CPU_DMA_LATENCY", str(device))
+  monkeypatch.delenv(poll.POLL_ENV, raising=False)
+  monkeypatch.setattr("jax.default_backend", lambda: "cpu")
+  seen = []
+  monkeypatch.setattr(bench_generate, "_run", lambda args, command: seen.append(
+      _fds_on(device)) or {})
+  args = bench_generate.parse_args(["--reps", "1"])
+  assert args.cpu_poll is None
+  r = bench_generate.run(args)
+  assert seen == [0] and r["cpu_poll"]["requested"] is False and not r["cpu_poll"]["held"]
+  assert "--cpu-poll" in r["cpu_poll"]["reason"]
+  monkeypatch.setenv(poll.POLL_ENV, "1")
+  assert bench_generate.run(args)["cpu_poll"] == {"held": True, "reason": "", "requested": True}
+  assert seen == [0, 1] and _fds_on(device) == 0
+  args = bench_generate.parse_args(["--no-cpu-poll"])
+  assert not bench_generate.run(args)["cpu_poll"]["requested"] and seen == [0, 1, 0]
+  monkeypatch.setenv(poll.POLL_ENV, "maybe")
+  with pytest.raises(ValueError, match="TJAX_CPU_POLL='maybe'"):
+    bench_generate.run(bench_generate.parse_args([]))
 
 
 def test_step_time_from_paired_calls_never_negative():

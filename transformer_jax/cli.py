@@ -243,8 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _bench_args(kind, kp)
     kp.add_argument("--json", default=None,
-                    help="where to write the JSON (default experiments/results/bench_KIND.json "
-                         "when that folder exists)")
+                    help="where to write the JSON (default runs/bench/bench_KIND.json under the "
+                         "current folder; '' writes none)")
     kp.set_defaults(func=_cmd_bench, parser=kp)
 
   report = sub.add_parser("report", help="one self-contained HTML page (and PNGs) of runs")
@@ -297,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
   """Runs one ``tjax`` command. Bad input (``ValueError``, ``OSError``, YAML and checkpoint errors)
   is one line on stderr and exit 2, any other failure one line and exit 1; ``-v`` re-raises with
   the traceback."""
+  global _error_reported
+  _error_reported = False
   parser = build_parser()
   args, rest = parser.parse_known_args(argv)
   args.raw_argv = list(sys.argv[1:] if argv is None else argv)
@@ -328,23 +330,28 @@ def main(argv: list[str] | None = None) -> int:
         ("yaml", "orbax", "tensorstore"))
     hint = "" if bad_input else " (-v for the traceback)"
     print(f"tjax {args.command}: error: {_one_line(e)}{hint}", file=sys.stderr)
-    global _error_reported
     _error_reported = True
     return 2 if bad_input else 1
 
 
 def launch() -> None:
-  """The ``tjax`` program: runs itself again over mimalloc when it can (``runtime.allocator_env``:
-  faster steps on CPU; ``TJAX_MALLOC=0`` keeps the system allocator), then ``main``."""
+  """The ``tjax`` program: when it will compute on CPU, runs itself again over mimalloc
+  (``cpu.allocator.allocator_env``; ``TJAX_MALLOC=0`` keeps the system allocator) or, without
+  mimalloc installed, says once on stderr that it runs on the system allocator
+  (``cpu.allocator.system_allocator_notice``); then ``main``."""
   import os
 
-  from transformer_jax import runtime
-  env = runtime.allocator_env()
+  from transformer_jax.cpu import allocator
+  env = allocator.allocator_env()
   if env is not None:
     try:
       os.execve(sys.executable, [sys.executable, "-m", "transformer_jax.cli", *sys.argv[1:]], env)
     except OSError:
       pass  # run on as we are
+  elif (notice := allocator.system_allocator_notice()) is not None:
+    print(notice, file=sys.stderr)
+  global _error_reported
+  _error_reported = False
   code = main()
   if _error_reported:
     _quiet_after_the_error()

@@ -13,7 +13,8 @@ import pytest
 import yaml
 from flax import nnx
 
-from transformer_jax import cli, data, generate, models, runtime
+from transformer_jax import cli, data, generate, models
+from transformer_jax.cpu import poll
 from transformer_jax.generate import commands
 from transformer_jax.runs import save_model
 from tests.generate.conftest import gpt_model, last_logits, random_prompts
@@ -86,21 +87,29 @@ def naive_sample(config, params, prompt, n, key, *, temperature, top_k, eos_id, 
   return out
 
 
-def test_generate_prints_prompt_and_sampled_continuation(runs, capsys, tmp_path, monkeypatch):
-  # It decodes holding runtime.cpu_poll's request (a stand-in file here), and only while decoding.
+def _watch_poll(tmp_path, monkeypatch):
+  """A stand-in for /dev/cpu_dma_latency, and the list of how many descriptors were open on it
+  each time decoding started."""
   device = tmp_path / "cpu_dma_latency"
   device.write_bytes(b"")
-  monkeypatch.setattr(runtime, "CPU_DMA_LATENCY", str(device))
-  monkeypatch.delenv(runtime.POLL_ENV, raising=False)
+  monkeypatch.setattr(poll, "CPU_DMA_LATENCY", str(device))
+  monkeypatch.delenv(poll.POLL_ENV, raising=False)
   held = []
+  commands_stream = commands.stream_generate
 
   def stream(*a, **kw):
     held.append(_fds_on(device))
     yield from commands_stream(*a, **kw)
-  commands_stream = commands.stream_generate
   monkeypatch.setattr(commands, "stream_generate", stream)
+  return device, held
+
+
+def test_generate_prints_prompt_and_sampled_continuation(runs, capsys, tmp_path, monkeypatch):
+  # With --cpu-poll it decodes holding the polling request (a stand-in file here), and only while
+  # decoding.
+  device, held = _watch_poll(tmp_path, monkeypatch)
   code, out, err = tjax(capsys, "generate", runs["gpt"], "--prompt", "def alpha",
-                        "--max-new-tokens", "20", "--seed", "3", "--chunk", "6")
+                        "--max-new-tokens", "20", "--seed", "3", "--chunk", "6", "--cpu-poll")
   assert code == 0, err
   assert held == [1] and _fds_on(device) == 0 and device.read_bytes() == struct.pack("i", 0)
   config, params, tok = restored(runs["gpt"])
@@ -109,6 +118,48 @@ def test_generate_prints_prompt_and_sampled_continuation(runs, capsys, tmp_path,
                       temperature=0.8, top_k=40, eos_id=tok.eot_id, suppress=suppress)
   assert out == "def alpha" + tok.decode(want) + "\n"
   assert len(want) > 0 and not set(want) & set(suppress)
+
+
+def test_generate_asks_for_polling_cpus_only_when_told(runs, capsys, tmp_path, monkeypatch):
+  device, held = _watch_poll(tmp_path, monkeypatch)
+  argv = ("generate", runs["gpt"], "--prompt", "def", "--max-new-tokens", "2")
+  code, _, err = tjax(capsys, *argv)
+  assert code == 0 and err == "" and held == [0] and device.read_bytes() == b""
+  monkeypatch.setenv(poll.POLL_ENV, "1")
+  code, _, err = tjax(capsys, *argv)
+  assert code == 0 and held == [0, 1]
+  code, _, err = tjax(capsys, *argv, "--no-cpu-poll")   # the flag over the environment
+  assert code == 0 and held == [0, 1, 0]
+  # Asked for but not allowed: one line says so, and it decodes all the same.
+  monkeypatch.setattr(poll, "CPU_DMA_LATENCY", str(tmp_path / "absent"))
+  code, out, err = tjax(capsys, *argv, "--cpu-poll")
+  assert code == 0 and out.startswith("def") and err.count("\n") == 1
+  assert err.startswith("tjax generate: --cpu-poll has no effect: cannot open")
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--temperature", "-1", "--temperature -1.0 must be a number >= 0"),
+    ("--temperature", "nan", "--temperature nan must be a number >= 0"),
+    ("--top-k", "0", "--top-k 0 must be >= 1"),
+    ("--chunk", "0", "--chunk 0 must be >= 1"),
+    ("--length-penalty", "inf", "--length-penalty inf must be a finite number"),
+    ("--seed", str(2**63), f"--seed {2**63} must be in [-2**63, 2**63)"),
+    ("--max-new-tokens", "-3", "--max-new-tokens -3 must be >= 1"),
+])
+def test_a_bad_option_is_one_line_before_any_output(runs, capsys, monkeypatch, option, value,
+                                                    message):
+  """Every option is checked before the prompt is printed: nothing on stdout, one line naming the
+  option and its value on stderr."""
+  code, out, err = tjax(capsys, "generate", runs["gpt"], "--prompt", "the fox", option, value)
+  assert (code, out) == (2, "")
+  assert err.startswith(f"tjax generate: error: {message}") and err.count("\n") == 1, err
+
+
+def test_a_bad_cpu_poll_setting_is_one_line_before_any_output(runs, capsys, monkeypatch):
+  monkeypatch.setenv(poll.POLL_ENV, "sometimes")
+  code, out, err = tjax(capsys, "generate", runs["gpt"], "--prompt", "def")
+  assert (code, out) == (2, "") and err.count("\n") == 1
+  assert "TJAX_CPU_POLL='sometimes' must be 1 or 0" in err
 
 
 def test_generate_with_beams_prints_best_hypothesis(runs, capsys):

@@ -2,7 +2,9 @@
 
 Each prints a table and writes one JSON file holding the machine (CPU, flags, allocator, versions),
 the exact command, the limits measured in the same run (``machine``) and the result as a fraction
-of them. Targets are not asserted here: these only measure.
+of them: ``--json PATH``, by default ``runs/bench/bench_KIND.json`` under the current folder
+(``runs/`` is ignored by git; the results kept in the repository are copied into
+``experiments/results/`` by hand). Targets are not asserted here: these only measure.
 """
 
 from __future__ import annotations
@@ -23,14 +25,19 @@ def module(kind: str):
   return importlib.import_module(f"transformer_jax.bench.{kind}")
 
 
-def default_json(kind: str) -> str | None:
-  """``experiments/results/bench_<kind>.json`` when run from the repository root, else None."""
-  folder = os.path.join("experiments", "results")
-  return os.path.join(folder, f"bench_{kind}.json") if os.path.isdir(folder) else None
+# Where a benchmark writes its JSON without --json, under the current folder.
+DEFAULT_JSON_DIR = os.path.join("runs", "bench")
+
+
+def default_json(kind: str) -> str:
+  """``runs/bench/bench_<kind>.json``: where ``tjax bench KIND`` writes its JSON without
+  ``--json``."""
+  return os.path.join(DEFAULT_JSON_DIR, f"bench_{kind}.json")
 
 
 def run(kind: str, args, argv: list[str]) -> dict:
-  """Runs benchmark ``kind`` with parsed ``args``; prints its table; writes ``args.json``."""
+  """Runs benchmark ``kind`` with parsed ``args``; prints its table; writes ``args.json`` (None:
+  ``default_json(kind)``; "": nothing) and says where on stderr."""
   from transformer_jax.bench import machine
 
   command = " ".join(["tjax", "bench", kind, *argv])

@@ -42,7 +42,7 @@ share the memory bus): ``weight_bytes / median bandwidth`` is a floor on a batch
 both sides, and ``fraction_of_bandwidth_floor`` = that floor / our median step time. Each reading
 is the best of 5 products, a limit; ``fraction_of_sustained_floor`` uses the same products' mean
 rate instead, the like-for-like figure for a step time that is itself a mean over many tokens (the
-same product's calls spread by 10-30% on a shared cloud VM). ``fraction_of_best_floor`` is the
+same product's calls spread on a shared cloud VM). ``fraction_of_best_floor`` is the
 strictest: the floor at the case's fastest reading, for a machine whose memory moves between a
 slow and a fast state within one case (the median reading can then fall on the slow side while the
 timed calls ran on the fast one). ``fraction_of_paired_floor`` follows the state instead: each
@@ -50,10 +50,11 @@ repetition's step against the reading taken right before its calls, the median o
 (``all`` lists them). Other processes share the machine;
 the load average is recorded before and after.
 
-The whole run holds ``runtime.cpu_poll`` (idle CPUs poll instead of halting, where the OS lets this
-process ask; ``--no-cpu-poll`` or ``TJAX_CPU_POLL=0`` leave them alone): both sides and the
-bandwidth readings run under the same setting, and ``cpu_poll`` in the JSON says whether it was
-held. ``machine.cpu_idle`` records how the machine's idle CPUs wait.
+With ``--cpu-poll`` (or ``TJAX_CPU_POLL=1``) the whole run holds ``cpu.poll.cpu_poll``'s request
+(idle CPUs poll instead of halting, where the OS lets this process ask; it covers the whole
+machine, so it is off unless asked for): both sides and the bandwidth readings run under the same
+setting either way, and ``cpu_poll`` in the JSON says whether it was requested and held, or why
+not. ``machine.cpu_idle`` records how the machine's idle CPUs wait.
 
 Hugging Face runs on JAX's device: on CPU as above; when JAX runs on a GPU, on "cuda" (model and
 inputs on the GPU, the device synchronized at both ends of each timed call), where the thread
@@ -67,7 +68,6 @@ side ran.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import dataclasses
 import datetime
@@ -85,8 +85,9 @@ import numpy as np
 from flax import nnx
 
 import transformer_jax.hf as tjhf
-from transformer_jax import hardware, models, runtime
+from transformer_jax import hardware, models
 from transformer_jax.bench import machine
+from transformer_jax.cpu import poll
 from transformer_jax.generate import generate
 
 _DTYPES = ("float32", "bfloat16")
@@ -115,9 +116,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                       "machine one thread can beat all cores, and the ratio against their faster "
                       "setting is reported as well")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--no-cpu-poll", dest="cpu_poll", action="store_false",
-                 help="let idle CPUs halt during the run (default: hold runtime.cpu_poll's "
-                      "request where the OS allows it, for both sides and the bandwidth readings)")
+  p.add_argument("--cpu-poll", action=argparse.BooleanOptionalAction, default=None,
+                 help="keep idle CPUs polling during the whole run, for both sides and the "
+                      "bandwidth readings (writes /dev/cpu_dma_latency, usually root only; affects "
+                      f"the whole machine while it runs). Default: ${poll.POLL_ENV}=1, else off")
   p.add_argument("--out", default=None, help="also write the JSON here")
 
 
@@ -367,15 +369,20 @@ def main(argv=None) -> dict:
 
 
 def run(args, command: str | None = None) -> dict:
-  """The benchmark of ``args`` (``add_args``/``check_args``): the result dict. Unless
-  ``args.cpu_poll`` is False, the whole run (both sides, every bandwidth reading) holds
-  ``runtime.cpu_poll``; ``result["cpu_poll"]`` records whether it was held, or why not."""
+  """The benchmark of ``args`` (``add_args``/``check_args``): the result dict.
+
+  When ``args.cpu_poll`` (or, when it is None, ``$TJAX_CPU_POLL``) asks for it, the whole run
+  (both sides, every bandwidth reading) holds ``cpu.poll.cpu_poll``; ``result["cpu_poll"]``
+  records whether it was requested and held, or why not.
+
+  Raises:
+    ValueError: ``$TJAX_CPU_POLL`` is not a yes or no.
+  """
+  wanted = poll.requested(getattr(args, "cpu_poll", None))
   hardware.share_gpu_memory()   # before JAX starts its backend, where it has not yet
-  hold = (runtime.cpu_poll() if getattr(args, "cpu_poll", True)
-          else contextlib.nullcontext(runtime.PollRequest(False, "--no-cpu-poll")))
-  with hold as poll:
+  with poll.cpu_poll_if(wanted) as request:
     result = _run(args, command)
-  result["cpu_poll"] = dataclasses.asdict(poll)
+  result["cpu_poll"] = dataclasses.asdict(request)
   return result
 
 
@@ -507,10 +514,10 @@ def table(result: dict) -> str:
   lines = [f"greedy generation {result['preset']}{on}, prompt {result['prompt_len']} + "
            f"{result['new_tokens']} new tokens; weights stream at "
            f"{result['memory_bandwidth']['bytes_per_sec'] / 1e9:.1f} GB/s at the start"]
-  poll = result.get("cpu_poll")
-  if poll:
-    lines.append("  idle CPUs polled during the run (runtime.cpu_poll)" if poll["held"] else
-                 f"  idle CPUs could halt during the run: {poll['reason']}")
+  request = result.get("cpu_poll")
+  if request:
+    lines.append("  idle CPUs polled during the run (--cpu-poll)" if request["held"] else
+                 f"  idle CPUs could halt during the run: {request['reason']}")
   for name, c in result["summary"].items():
     frac = c.get("ours_fraction_of_bandwidth_floor")
     lines.append(

@@ -201,7 +201,7 @@ class Ours:
     self.compile_s_by_microbatches = {m: c for m, (_, c) in times.items()}
     # The jitted step is held (jit_train_step); this ahead-of-time executable is another one.
     runtime.hold(self.step_fn, runtime.step_compiler_options(jax.default_backend()))
-    # XLA:CPU takes a step's temporaries as one block per call (see runtime.allocator_env).
+    # XLA:CPU takes a step's temporaries as one block per call (see cpu.microbatches).
     self.temp_bytes = step_lib.temp_bytes(self.step_fn)
     self.state = state
     self.losses: list[float] = []

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import sys
 from typing import Callable, Iterator, Sequence, TextIO
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from transformer_jax import runtime
+from transformer_jax.cpu import poll
 from transformer_jax.generate.beam import beam_search
 from transformer_jax.generate.cache import KVCache, extend, init_cache
 from transformer_jax.generate.cache import prefill as prefill_cache
@@ -258,21 +259,60 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--best", action="store_true", help="the best checkpoint, not the latest")
   parser.add_argument("--data", default=None, metavar="DIR",
                       help="dataset whose tokenizer to use (default: data.path of config.yaml)")
+  parser.add_argument("--cpu-poll", action=argparse.BooleanOptionalAction, default=None,
+                      help="while decoding on CPU, ask Linux to keep idle CPUs polling instead of "
+                      "halting (writes /dev/cpu_dma_latency, usually root only; affects the whole "
+                      f"machine while it runs). Default: ${poll.POLL_ENV}=1, else off")
 
 
-def run_generate(args, out: TextIO | None = None) -> int:
-  """``tjax generate RUN_DIR --prompt TEXT``: prints the prompt and its continuation."""
-  out = sys.stdout if out is None else out
+# The seeds jax.random.key takes.
+_SEED_RANGE = (-2**63, 2**63)
+
+
+def check_generate_args(args) -> bool:
+  """Checks every option of ``tjax generate`` that does not need the run, before anything is
+  printed.
+
+  Returns:
+    Whether idle CPUs should poll while it decodes (``--cpu-poll`` or ``$TJAX_CPU_POLL``).
+
+  Raises:
+    ValueError: naming the first bad option and its value.
+  """
   if not args.prompt:
     raise ValueError("the prompt is empty; give some text with --prompt")
+  if args.max_new_tokens < 1:
+    raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
+  if args.temperature is not None and not (math.isfinite(args.temperature)
+                                           and args.temperature >= 0.0):
+    raise ValueError(f"--temperature {args.temperature} must be a number >= 0 (0 = greedy)")
+  if args.top_k is not None and args.top_k < 1:
+    raise ValueError(f"--top-k {args.top_k} must be >= 1")
   if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
     raise ValueError(f"--top-p {args.top_p} must be in (0, 1]")
   if args.num_beams < 1:
     raise ValueError(f"--num-beams {args.num_beams} must be >= 1")
-  beams = args.num_beams > 1
-  if beams and (args.temperature, args.top_k, args.top_p) != (None, None, None):
+  if not math.isfinite(args.length_penalty):
+    raise ValueError(f"--length-penalty {args.length_penalty} must be a finite number")
+  if args.chunk < 1:
+    raise ValueError(f"--chunk {args.chunk} must be >= 1")
+  if not _SEED_RANGE[0] <= args.seed < _SEED_RANGE[1]:
+    raise ValueError(f"--seed {args.seed} must be in [-2**63, 2**63)")
+  if args.num_beams > 1 and (args.temperature, args.top_k, args.top_p) != (None, None, None):
     raise ValueError("--num-beams > 1 searches deterministically: --temperature, --top-k and "
                      "--top-p are for sampling")
+  return poll.requested(getattr(args, "cpu_poll", None))
+
+
+def run_generate(args, out: TextIO | None = None) -> int:
+  """``tjax generate RUN_DIR --prompt TEXT``: prints the prompt and its continuation.
+
+  Every option is checked (``check_generate_args``, then against the run's model) before
+  anything is printed.
+  """
+  out = sys.stdout if out is None else out
+  wants_poll = check_generate_args(args)
+
   def check(config, tok):
     if isinstance(config, BERTConfig):
       raise ValueError(f"{args.run_dir} is a BERT run (a masked language model): it cannot "
@@ -289,8 +329,9 @@ def run_generate(args, out: TextIO | None = None) -> int:
                        + ("" if seq2seq else f" and the prompt takes {len(ids)} of them"))
 
   config, params, tok = load_run(args.run_dir, best=args.best, data=args.data, check=check)
-  # Idle CPUs poll while it decodes (runtime.cpu_poll: XLA's threads wake without the halt).
-  with runtime.cpu_poll():
+  with poll.cpu_poll_if(wants_poll) as request:
+    if request.requested and not request.held:
+      print(f"tjax generate: --cpu-poll has no effect: {request.reason}", file=sys.stderr)
     return _generate_text(args, config, params, tok, out)
 
 

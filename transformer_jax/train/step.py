@@ -7,6 +7,7 @@ are plain functions of ``(state, batch)`` that ``nnx.merge`` inside. Gradient ac
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable
 
@@ -18,6 +19,8 @@ from flax import nnx, struct
 from jax.sharding import Mesh
 
 from transformer_jax import models, parallel, runtime
+from transformer_jax.cpu import microbatches as cpu_microbatches
+from transformer_jax.cpu import onednn
 from transformer_jax.parallel.mesh import batch_sharding, make_mesh, replicated
 from transformer_jax.train import tasks as tasks_lib
 
@@ -163,7 +166,8 @@ def jit_train_step(train_step: Callable, mesh: Mesh, state: TrainState,
   """Compiles ``train_step`` for ``mesh``: state sharded by the rules (and donated), the batch split
   over the data axes, metrics replicated. Build the step's model for the same mesh
   (``models.graphdef(config, mesh)``): its layers then pin activations to it and may run ring
-  attention. On CPU the products go to oneDNN (``runtime.step_compiler_options``)."""
+  attention. On CPU the products go to oneDNN (``runtime.step_compiler_options``), and the step
+  comes back held (``runtime.hold``)."""
   shardings = state_shardings(state, mesh, rules)
   options = _compiler_options(mesh)
   return runtime.hold(jax.jit(train_step, in_shardings=(shardings, batch_sharding(mesh)),
@@ -175,55 +179,22 @@ def pick_microbatches(setting: int | str, compile_step: Callable[[int], Any], ba
                       n_batch: int = 1, *, platform: str) -> tuple[int, Any]:
   """``train.microbatches`` resolved, with the step compiled for it: ``(microbatches, compiled)``.
 
-  A number is taken as given; "auto" is ``auto_microbatches`` on CPU over mimalloc and 1
-  elsewhere (the allocator limit it works around is mimalloc's).
+  A number is taken as given; "auto" is ``cpu.microbatches.resolve_auto``: the fewest
+  microbatches that keep the step's temporaries within ``runtime.MIMALLOC_REUSE_LIMIT`` on CPU
+  over mimalloc (``runtime.allocator``), 1 elsewhere. On CPU the compilations run inside
+  ``cpu.onednn.quiet_uncacheable`` (a step with oneDNN products cannot be cached).
   """
-  if setting != "auto":
-    return setting, compile_step(setting)
-  if platform != "cpu" or runtime.allocator() != "mimalloc":
-    return 1, compile_step(1)
-  return auto_microbatches(compile_step, batch_size, n_batch)
+  quiet = onednn.quiet_uncacheable() if platform == "cpu" else contextlib.nullcontext()
+  with quiet:
+    if setting != "auto":
+      return setting, compile_step(setting)
+    return cpu_microbatches.resolve_auto(compile_step, batch_size, n_batch, platform=platform,
+                                         malloc=runtime.allocator(),
+                                         limit=runtime.MIMALLOC_REUSE_LIMIT)
 
 
-def auto_microbatches(compile_step: Callable[[int], Any], batch_size: int, n_batch: int = 1, *,
-                      limit: int | None = None) -> tuple[int, Any]:
-  """``train.microbatches: auto``: the fewest microbatches whose compiled step's temporaries fit in
-  ``limit`` bytes, with that compiled step: ``(microbatches, compiled)``.
-
-  XLA:CPU takes a step's temporaries as one block per call, and mimalloc reuses freed blocks only
-  up to ``runtime.MIMALLOC_REUSE_LIMIT``. A larger block is mapped and zeroed afresh at every
-  step. Measured on GPT-2 small at 4 x 1024 on a 2-core Zen 4 EPYC (experiments/PERFORMANCE.md,
-  "Microbatches"): 4 microbatches made the float32 step 0.885x the time (temporaries 4543 -> 1816
-  MiB) and the bfloat16 step 0.741x (5021 -> 1957 MiB). Below the limit, splitting only costs:
-  4 x 256 bfloat16 in 2 and 4 microbatches took 1.014x and 1.135x the time. So one batch stays
-  whole unless splitting brings the temporaries under the limit.
-
-  Args:
-    compile_step: compiles the train step for a number of microbatches (``jit(...).lower(...)
-      .compile()``; jit's cache then serves the chosen one to the step's first call).
-    batch_size: the global batch.
-    n_batch: the devices the batch is split over; a count must divide ``batch_size / n_batch``.
-    limit: the temporaries' size to stay under (default ``runtime.MIMALLOC_REUSE_LIMIT``).
-
-  Returns:
-    1 and the whole batch's step when its temporaries fit (or are unknown), or when no count
-    makes them fit; else the fewest microbatches that do, each at least ``temp / limit`` (the
-    temporaries of ``m`` microbatches are no smaller than ``1/m`` of the whole batch's).
-  """
-  limit = runtime.MIMALLOC_REUSE_LIMIT if limit is None else limit
-  whole = compile_step(1)
-  temp = temp_bytes(whole)
-  if temp is None or temp <= limit or limit <= 0:  # fits, or nothing can
-    return 1, whole
-  rows = batch_size // n_batch
-  for m in range(max(2, -(-temp // limit)), rows + 1):
-    if rows % m:
-      continue
-    compiled = compile_step(m)
-    split = temp_bytes(compiled)
-    if split is not None and split <= limit:
-      return m, compiled
-  return 1, whole
+# ``train.microbatches: auto``'s rule on CPU (kept here under its former name).
+auto_microbatches = cpu_microbatches.auto_microbatches
 
 
 def temp_bytes(compiled) -> int | None:
