@@ -13,11 +13,13 @@ import pytest
 from flax import nnx
 
 from transformer_jax import generate
+from transformer_jax.cpu import decode as cpu_decode
+from transformer_jax.cpu import matmul
+from transformer_jax.cpu.decode import SKINNY_ROWS, OutInKernel, OutInPieces
 from transformer_jax.generate import decode
 from transformer_jax.generate.commands import stream_generate
-from transformer_jax.layers import dense
-from transformer_jax.layers.dense import SKINNY_ROWS, Embed, OutInKernel, OutInPieces, Projection
-from transformer_jax.ops import linear
+from transformer_jax.layers.dense import Embed, Projection
+from tests.backends import only_on
 from tests.generate.conftest import gpt_model, naive_greedy, random_prompts
 from tests.ops.test_linear import _dots, assert_bf16_dots_in_library_kernel
 
@@ -41,6 +43,7 @@ def projection(einsum, kernel_shape, bias_shape):
   return proj
 
 
+@only_on("cpu", "the decoding layout (XLA:CPU's matrix-vector products)")
 @pytest.mark.parametrize("einsum,x_shape,kernel_shape,bias_shape", FORMS)
 def test_decode_layout_projection_equals_float64_reference(einsum, x_shape, kernel_shape,
                                                            bias_shape):
@@ -60,6 +63,14 @@ def test_decode_layout_projection_equals_float64_reference(einsum, x_shape, kern
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
   proj.decode_layout()  # a second call leaves the layout as it is
   np.testing.assert_allclose(np.asarray(proj(x)), want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_layout_does_nothing_off_cpu(monkeypatch):
+  einsum, _, kernel_shape, bias_shape = FORMS[0]
+  proj = projection(einsum, kernel_shape, bias_shape)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  proj.decode_layout()
+  assert type(proj.kernel) is nnx.Param and not proj.in_decode_layout()
 
 
 @pytest.mark.parametrize("rows", [(1, 1), (8, 1), (2, 32), (4, 20)])  # the last is over SKINNY_ROWS
@@ -88,6 +99,7 @@ def test_embed_attend_equals_float64_reference_and_differentiates(rows):
                              atol=1e-4)
 
 
+@only_on("cpu", "the decoding layout (XLA:CPU's matrix-vector products)")
 def test_split_layers_puts_every_projection_in_decode_layout_and_leaves_the_model_alone():
   model = gpt_model("llama-rope-gqa")
   layers = model.split_layers()
@@ -126,11 +138,12 @@ def test_bf16_weight_first_sums_in_float32_in_the_library_kernel(rows, monkeypat
   # A bfloat16 prompt (2+ rows) multiplies weight-first in YNNPACK's bf16 kernel: XLA would upcast
   # both operands of a bfloat16-result dot to float32. One row (a decoding step) keeps that
   # float32 matrix-vector product on the upcast weights.
-  monkeypatch.setattr(linear, "matmul_pays", lambda dtype: jnp.dtype(dtype) == jnp.bfloat16)
+  monkeypatch.setattr(matmul, "bf16_products_native",
+                      lambda dtype: jnp.dtype(dtype) == jnp.bfloat16)
   k1, k2 = jax.random.split(jax.random.key(0))
   w = jax.random.normal(k1, (96, 64), jnp.float32).astype(jnp.bfloat16)
   x = jax.random.normal(k2, (rows, 64), jnp.float32).astype(jnp.bfloat16)
-  f = jax.jit(dense.weight_first)
+  f = jax.jit(cpu_decode.weight_first)
   hlo = f.lower(w, x).compile().as_text()
   if rows >= 2:
     assert_bf16_dots_in_library_kernel(hlo, 1)
@@ -152,7 +165,7 @@ def xla_gemv_blocks(rows, cols, tmp_path):
   """The block count in the name of the matrix-vector kernel XLA:CPU compiles for a float32
   ``W[rows, cols] @ x`` (one row of x), read from the compiled code."""
   out = tmp_path / f"dump_{rows}_{cols}"
-  jax.jit(dense.weight_first).lower(jnp.ones((rows, cols)), jnp.ones((1, cols))).compile(
+  jax.jit(cpu_decode.weight_first).lower(jnp.ones((rows, cols)), jnp.ones((1, cols))).compile(
       compiler_options={"xla_dump_to": str(out)})
   found = set()
   for path in glob.glob(str(out / "*.ll")):
@@ -168,29 +181,30 @@ def xla_gemv_blocks(rows, cols, tmp_path):
 def test_gemv_blocks_is_how_xla_cpu_cuts_a_matrix_vector_product(rows, cols, tmp_path):
   # The rule decode_pieces relies on, checked against this jaxlib's compiled kernels: a change
   # in XLA shows up here, not as a slower decoding loop.
-  assert dense.gemv_blocks(rows * cols * 4) == xla_gemv_blocks(rows, cols, tmp_path)
+  assert cpu_decode.gemv_blocks(rows * cols * 4) == xla_gemv_blocks(rows, cols, tmp_path)
 
 
 def test_decode_pieces_make_every_piece_share_evenly():
   # GPT-2 small on 2 threads: the MLP (9.4 MB, 5 blocks) in 3 pieces of 2 blocks, the 768 x 768
   # attention kernels (2 blocks) and a 64 MB kernel (8 blocks) whole.
-  assert dense.decode_pieces(3072, 1, 768 * 4, 2) == 3
-  assert dense.decode_pieces(768, 1, 3072 * 4, 2) == 3
-  assert dense.decode_pieces(768, 1, 768 * 4, 2) == 1
-  assert dense.decode_pieces(4096, 1, 4096 * 4, 2) == 1
-  assert dense.decode_pieces(3072, 1, 768 * 4, 1) == 1       # one thread: nothing to share
-  assert dense.decode_pieces(3072, 1, 768 * 4, 16) == 1      # more threads than blocks
-  assert dense.decode_pieces(100, 1, 768 * 4, 2) == 1        # small: one block
+  assert cpu_decode.decode_pieces(3072, 1, 768 * 4, 2) == 3
+  assert cpu_decode.decode_pieces(768, 1, 3072 * 4, 2) == 3
+  assert cpu_decode.decode_pieces(768, 1, 768 * 4, 2) == 1
+  assert cpu_decode.decode_pieces(4096, 1, 4096 * 4, 2) == 1
+  assert cpu_decode.decode_pieces(3072, 1, 768 * 4, 1) == 1       # one thread: nothing to share
+  assert cpu_decode.decode_pieces(3072, 1, 768 * 4, 16) == 1      # more threads than blocks
+  assert cpu_decode.decode_pieces(100, 1, 768 * 4, 2) == 1        # small: one block
   for lead, rest, row_bytes in [(3072, 1, 768 * 4), (768, 1, 3072 * 4), (12, 256, 768 * 4),
                                 (5120, 1, 1024 * 4), (2816, 1, 1024 * 4)]:
     for threads in (2, 4):
-      p = dense.decode_pieces(lead, rest, row_bytes, threads)
-      blocks = dense.gemv_blocks(lead // p * rest * row_bytes)
-      whole = dense.gemv_blocks(lead * rest * row_bytes)
+      p = cpu_decode.decode_pieces(lead, rest, row_bytes, threads)
+      blocks = cpu_decode.gemv_blocks(lead // p * rest * row_bytes)
+      whole = cpu_decode.gemv_blocks(lead * rest * row_bytes)
       assert p == 1 and whole % threads or blocks % threads == 0, (lead, rest, threads, p)
-      assert lead % p == 0 and (lead // p * rest) % dense.GEMV_TILE_ROWS == 0
+      assert lead % p == 0 and (lead // p * rest) % cpu_decode.GEMV_TILE_ROWS == 0
 
 
+@only_on("cpu", "the decoding layout (XLA:CPU's matrix-vector products)")
 @pytest.mark.parametrize("einsum,x_shape,kernel_shape,bias_shape", [
     ("BTF,FD->BTD", (1, 1, 3072), (3072, 768), (768,)),     # GPT-2 small's MLP down projection
     ("BTF,FD->BTD", (3, 2, 3072), (3072, 768), None),       # several rows
@@ -225,11 +239,12 @@ def test_decode_layout_in_pieces_equals_float64_reference(einsum, x_shape, kerne
   assert type(proj16.kernel) is OutInKernel
 
 
+@only_on("cpu", "the decoding layout (XLA:CPU's matrix-vector products)")
 def test_generate_with_kernels_in_pieces_equals_naive_greedy(monkeypatch):
   # Blocks of 13 KiB cut the tiny model's 64 KiB MLP kernels into 5, which "2 threads" do not
   # share evenly: they go in 4 pieces of 2 blocks (the 16 KiB attention kernels stay whole).
-  monkeypatch.setattr(dense, "GEMV_BLOCK_BYTES", 13 << 10)
-  monkeypatch.setattr(dense, "gemv_threads", lambda: 2)
+  monkeypatch.setattr(cpu_decode, "GEMV_BLOCK_BYTES", 13 << 10)
+  monkeypatch.setattr(cpu_decode, "gemv_threads", lambda: 2)
   model = gpt_model("gpt2-learned")
   graphdef, params = nnx.split(model)
   decode._layer_splitter.cache_clear()

@@ -84,8 +84,8 @@ def test_scanned_stack_equals_unrolled_stack(name, tokens):
 
 
 def test_auto_unrolls_only_bfloat16_cpu_products_of_a_few_layers(monkeypatch):
+  from transformer_jax.cpu import matmul
   from transformer_jax.layers import Stack
-  from transformer_jax.ops import linear
 
   monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
 
@@ -93,12 +93,13 @@ def test_auto_unrolls_only_bfloat16_cpu_products_of_a_few_layers(monkeypatch):
     model = models.abstract(config)
     return [m.unroll for _, m in nnx.iter_graph(model) if isinstance(m, Stack)]
 
-  for pays in (True, False):
-    monkeypatch.setattr(linear, "matmul_pays", lambda dtype, pays=pays: pays and dtype == "bfloat16")
+  for native in (True, False):
+    monkeypatch.setattr(matmul, "bf16_products_native",
+                        lambda dtype, native=native: native and dtype == "bfloat16")
     for name in ("gpt2-tiny", "bert-tiny", "t5-tiny"):
       bf16 = tiny(name, dtype="bfloat16")
       assert bf16.scan_layers == "auto"
-      assert stacks(bf16) == [pays] * len(stacks(bf16)) and stacks(bf16)
+      assert stacks(bf16) == [native] * len(stacks(bf16)) and stacks(bf16)
       assert stacks(tiny(name)) == [False] * len(stacks(bf16))          # float32: scanned
       assert stacks(dataclasses.replace(bf16, scan_layers=True)) == [False] * len(stacks(bf16))
       assert stacks(dataclasses.replace(bf16, scan_layers=False)) == [True] * len(stacks(bf16))
@@ -106,7 +107,7 @@ def test_auto_unrolls_only_bfloat16_cpu_products_of_a_few_layers(monkeypatch):
     assert not models.unrolls_layers(deep)
     t5 = tiny("t5-tiny", dtype="bfloat16", num_encoder_layers=6, num_decoder_layers=7)
     assert not models.unrolls_layers(t5)   # encoder and decoder count together
-    assert models.unrolls_layers(dataclasses.replace(t5, num_decoder_layers=6)) == pays
+    assert models.unrolls_layers(dataclasses.replace(t5, num_decoder_layers=6)) == native
 
 
 def test_auto_unrolls_a_few_layers_on_gpus_and_scans_on_tpus():
@@ -207,22 +208,22 @@ def test_mismatched_mask_shape_is_a_clear_error(tokens):
     model(tokens, None, jnp.ones((2, 5)))
 
 
-@only_on("cpu", "XLA:CPU's bfloat16 products (ops.linear.matmul)")
+@only_on("cpu", "XLA:CPU's bfloat16 products (cpu.matmul)")
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "bert-tiny", "t5-tiny"])
 def test_bf16_cpu_matmuls_compute_what_xla_einsums_do(name, tokens, monkeypatch):
   # bfloat16 on a CPU with bfloat16 units sends every projection and the tied head through
-  # ops.linear.matmul (bfloat16 dots in the layouts XLA:CPU keeps, its own backward). Forced on
+  # cpu.matmul.matmul (bfloat16 dots in the layouts XLA:CPU keeps, its own backward). Forced on
   # here, whatever this CPU has: the loss and every gradient match the plain einsum path (which XLA
   # upcasts to float32 dots) to bfloat16 rounding, and the program runs (a dot left in a layout
   # XLA cannot run in bfloat16 fails at run time).
-  from transformer_jax.ops import linear
+  from transformer_jax.cpu import matmul
   from tests.ops.test_linear import _dots
 
   config = dataclasses.replace(tiny(name), dtype="bfloat16")
   params = params_for(tiny(name))
 
   def loss_and_grads(fast: bool):
-    monkeypatch.setattr(linear, "matmul_pays", lambda dtype: fast)
+    monkeypatch.setattr(matmul, "bf16_products_native", lambda dtype: fast)
     graphdef = models.graphdef(config)
 
     def loss_fn(params, tokens):
@@ -270,10 +271,10 @@ def test_matmul_precision_reaches_every_dot_forward_and_backward(name, impl, fas
                                                                  monkeypatch):
   # A GPU computes float32 dots in TensorFloat-32 unless told otherwise (errors ~1e-3 against
   # PyTorch); config.matmul_precision must reach every dot of the loss's gradient, the hand-written
-  # backward passes (attention cores, ops.linear.matmul) included, which JAX traces after the
+  # backward passes (attention cores, cpu.matmul.matmul) included, which JAX traces after the
   # forward has returned. Checked on the traced program, so it holds on any backend.
-  from transformer_jax.ops import linear
-  monkeypatch.setattr(linear, "matmul_pays", lambda dtype: fast)
+  from transformer_jax.cpu import matmul
+  monkeypatch.setattr(matmul, "bf16_products_native", lambda dtype: fast)
   base = dataclasses.replace(tiny(name), attention_impl=impl,
                              dtype="bfloat16" if fast else "float32")
   params = params_for(tiny(name))

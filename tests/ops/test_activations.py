@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
-from transformer_jax.ops import linear
+from transformer_jax.cpu import matmul
 from transformer_jax.ops import (
     dropout, gated, geglu, gelu, gelu_tanh, get_activation, packed_activation, relu, silu, swiglu)
 from tests.backends import only_on
@@ -208,8 +208,8 @@ def test_packed_activation_stacks_its_bf16_residual_in_place_in_a_scan():
   x = jnp.asarray(np.random.default_rng(1).standard_normal((16, 24)), jnp.bfloat16)
 
   def loss(act):
-    def layer(h, w):   # ops.linear.matmul saves its own input as bits ([3, 24, 16] stacked)
-      return act(linear.matmul(h, w, dtype=jnp.bfloat16)), None
+    def layer(h, w):   # cpu.matmul.matmul saves its own input as bits ([3, 24, 16] stacked)
+      return act(matmul.matmul(h, w, dtype=jnp.bfloat16)), None
     return lambda ws, x: jnp.sum(jax.lax.scan(layer, x, ws)[0].astype(jnp.float32) ** 2)
 
   packed = jax.jit(jax.grad(loss(lambda h: packed_activation("gelu_tanh", h)))).lower(ws, x)

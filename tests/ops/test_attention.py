@@ -281,9 +281,11 @@ def test_bf16_rowmajor_core_matches_float64(monkeypatch, n, k, causal, h):
   # bfloat16): values and the gradients of q, k, v and the bias against float64, within
   # bfloat16's rounding, with a padding mask that leaves one query row with no key. The scale
   # 1 / sqrt(h) is a power of two (folded into q) for h = 16, not for h = 12.
-  from transformer_jax.ops import dispatch, linear
+  from transformer_jax.cpu import matmul
+  from transformer_jax.ops import dispatch
 
-  monkeypatch.setattr(linear, "matmul_pays", lambda dtype: jnp.dtype(dtype) == jnp.bfloat16)
+  monkeypatch.setattr(matmul, "bf16_products_native",
+                      lambda dtype: jnp.dtype(dtype) == jnp.bfloat16)
   b, t, s = 2, 6, 8
   q, kk, v = make_qkv(50 + n + k, b=b, t=t, s=s, n=n, k=k, h=h, dtype=jnp.bfloat16)
   rng = np.random.default_rng(51)
@@ -293,7 +295,7 @@ def test_bf16_rowmajor_core_matches_float64(monkeypatch, n, k, causal, h):
   mask[1, 0, 0] = False                       # row (1, 0) sees no key
   mask = jnp.asarray(mask)
   w = rng.standard_normal((b, t, n, h))
-  assert dispatch.rowmajor_core_applies(q, kk, v)
+  assert dispatch.choose_dense_core(q, kk, v, platform="cpu") == "rowmajor"
 
   def loss(q_, k_, v_, b_):
     out = dot_product_attention(q_, k_, v_, bias=b_, mask=mask, causal=causal)
@@ -318,26 +320,34 @@ def test_bf16_rowmajor_core_matches_float64(monkeypatch, n, k, causal, h):
 @only_on("cpu", "XLA:CPU's bfloat16 kernel (the row-major core)")
 def test_bf16_rowmajor_core_only_where_its_copies_exist(monkeypatch):
   # The row-major copies split a dim by a small factor: a prime length keeps the heads-major core.
-  from transformer_jax.ops import dispatch, linear
+  from transformer_jax.cpu import attention as cpu_attention
+  from transformer_jax.cpu import matmul
+  from transformer_jax.ops import dispatch
 
-  monkeypatch.setattr(linear, "matmul_pays", lambda dtype: jnp.dtype(dtype) == jnp.bfloat16)
+  monkeypatch.setattr(matmul, "bf16_products_native",
+                      lambda dtype: jnp.dtype(dtype) == jnp.bfloat16)
   q, kk, v = make_qkv(52, t=6, s=8, dtype=jnp.bfloat16)
-  assert dispatch.rowmajor_core_applies(q, kk, v)
-  assert not dispatch.rowmajor_core_applies(*make_qkv(52, t=5, s=7, n=4, k=4, dtype=jnp.bfloat16))
-  assert not dispatch.rowmajor_core_applies(q.astype(jnp.float32), kk.astype(jnp.float32),
-                                      v.astype(jnp.float32))
-  assert not dispatch.rowmajor_core_applies(q, kk, v.astype(jnp.float32))
-  monkeypatch.setattr(linear, "matmul_pays", lambda dtype: False)
-  assert not dispatch.rowmajor_core_applies(q, kk, v)
+  takes = cpu_attention.rowmajor_core_takes
+  assert takes(q, kk, v)
+  assert not takes(*make_qkv(52, t=5, s=7, n=4, k=4, dtype=jnp.bfloat16))
+  assert not takes(q.astype(jnp.float32), kk.astype(jnp.float32), v.astype(jnp.float32))
+  assert not takes(q, kk, v.astype(jnp.float32))
+  for platform in ("gpu", "tpu"):   # the CPU core is never chosen elsewhere
+    assert dispatch.choose_dense_core(q, kk, v, platform=platform) == "heads_major"
+  monkeypatch.setattr(matmul, "bf16_products_native", lambda dtype: False)
+  assert not takes(q, kk, v)
+  assert dispatch.choose_dense_core(q, kk, v, platform="cpu") == "heads_major"
 
 
 @only_on("cpu", "XLA:CPU's bfloat16 kernel (the row-major core)")
 def test_auto_keeps_bf16_dense_past_the_chunked_threshold(monkeypatch):
   # Where the row-major core runs (bfloat16, bf16 units), implementation=None stays "xla" past
   # AUTO_CHUNKED_MIN_TS while the weights fit AUTO_DENSE_BF16_MAX_BYTES, and without dropout.
-  from transformer_jax.ops import chunked, dispatch, linear
+  from transformer_jax.cpu import matmul
+  from transformer_jax.ops import chunked, dispatch
 
-  monkeypatch.setattr(linear, "matmul_pays", lambda dtype: jnp.dtype(dtype) == jnp.bfloat16)
+  monkeypatch.setattr(matmul, "bf16_products_native",
+                      lambda dtype: jnp.dtype(dtype) == jnp.bfloat16)
   monkeypatch.setattr(dispatch, "AUTO_CHUNKED_MIN_TS", 6 * 8)
   q, kk, v = make_qkv(53, b=2, t=6, s=8, n=4, k=2, dtype=jnp.bfloat16)
   attend = lambda q_, k_, v_, **kw: np.asarray(jax.jit(
@@ -356,7 +366,7 @@ def test_auto_keeps_bf16_dense_past_the_chunked_threshold(monkeypatch):
   assert choose(q, kk, v, dropout=True) == "chunked"
   f32 = [x.astype(jnp.float32) for x in (q, kk, v)]
   assert choose(*f32, dropout=False) == "chunked"
-  monkeypatch.setattr(linear, "matmul_pays", lambda dtype: False)
+  monkeypatch.setattr(matmul, "bf16_products_native", lambda dtype: False)
   assert choose(q, kk, v, dropout=False) == "chunked"
 
 

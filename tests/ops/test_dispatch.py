@@ -2,13 +2,16 @@
 dtypes only, so what a GPU or TPU would run is decided here without one."""
 
 import functools
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from transformer_jax import ops
-from transformer_jax.ops import dispatch, linear
+from transformer_jax import hardware, ops
+from transformer_jax.cpu import matmul
+from transformer_jax.ops import dispatch
 
 
 def qkv(b=4, t=1024, s=None, n=12, k=None, h=64, dtype=jnp.bfloat16):
@@ -71,15 +74,55 @@ def test_tpu_short_sequences_and_decoding_are_dense():
 
 
 def test_cpu_row_is_the_size_rule(monkeypatch):
-  monkeypatch.setattr(linear, "matmul_pays", lambda dtype: False)
+  monkeypatch.setattr(matmul, "bf16_products_native", lambda dtype: False)
   choose = functools.partial(ops.choose_implementation, platform="cpu", causal=True)
   assert choose(*qkv(t=512, dtype=jnp.float32)) == "xla"
   assert choose(*qkv(t=768, dtype=jnp.float32)) == "chunked"     # AUTO_CHUNKED_MIN_TS
   assert choose(*qkv(t=1024)) == "chunked"
-  monkeypatch.setattr(linear, "matmul_pays", lambda dtype: jnp.dtype(dtype) == jnp.bfloat16)
+  monkeypatch.setattr(matmul, "bf16_products_native",
+                      lambda dtype: jnp.dtype(dtype) == jnp.bfloat16)
   assert choose(*qkv(b=1, t=1024)) == "xla"        # bf16 units: 24 MiB of bf16 weights, dense
   assert choose(*qkv(b=8, t=1024)) == "chunked"    # 192 MiB: past AUTO_DENSE_BF16_MAX_BYTES
   assert choose(*qkv(b=1, t=1024), dropout=True) == "chunked"
+
+
+def test_cpu_pieces_are_chosen_on_cpu_only(monkeypatch):
+  # Even where bfloat16 products would run natively, GPUs and TPUs keep the dense core and the
+  # einsum, and the table does not read the CPU's flags to say so.
+  monkeypatch.setattr(matmul, "bf16_products_native",
+                      lambda dtype: jnp.dtype(dtype) == jnp.bfloat16)
+  q, kk, v = qkv(t=8)
+  for platform in ("gpu", "tpu"):
+    assert dispatch.choose_dense_core(q, kk, v, platform=platform) == "heads_major"
+    assert dispatch.choose_product(jnp.bfloat16, rows=1, platform=platform) == "einsum"
+    assert dispatch.choose_product(jnp.bfloat16, platform=platform) == "einsum"
+  assert dispatch.choose_dense_core(q, kk, v, platform="cpu") == "rowmajor"
+  assert dispatch.choose_product(jnp.bfloat16, platform="cpu") == "cpu_bf16"
+  assert dispatch.choose_product(jnp.float32, platform="cpu") == "einsum"
+  # A few rows of a weight stored [out, in]: weight-first on CPU, any dtype.
+  from transformer_jax.cpu import decode
+  for dtype in (jnp.float32, jnp.bfloat16):
+    assert dispatch.choose_product(dtype, rows=decode.SKINNY_ROWS, platform="cpu") == "weight_first"
+  assert dispatch.choose_product(jnp.bfloat16, rows=decode.SKINNY_ROWS + 1,
+                                 platform="cpu") == "cpu_bf16"
+
+
+def test_bf16_products_native_is_false_off_cpu_without_reading_cpuinfo(monkeypatch):
+  def cpuinfo():
+    raise AssertionError("read /proc/cpuinfo off CPU")
+  monkeypatch.setattr(hardware, "has_bf16_units", cpuinfo)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert not matmul.bf16_products_native(jnp.bfloat16)
+  assert dispatch.choose_product(jnp.bfloat16) == "einsum"
+
+
+def test_the_core_imports_no_cpu_module():
+  # The CPU profile is imported lazily, where the table picks one of its pieces on CPU.
+  code = ("import sys, transformer_jax.models, transformer_jax.layers, transformer_jax.ops, "
+          "transformer_jax.parallel.ring; "
+          "print(sorted(m for m in sys.modules if m.startswith('transformer_jax.cpu.')))")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_sequence_sharded_self_attention_is_ring_on_every_backend():

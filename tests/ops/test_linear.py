@@ -1,4 +1,4 @@
-"""ops.linear.matmul: values and gradients against float64 NumPy, and the compiled dots' layouts."""
+"""cpu.matmul.matmul: values and gradients against float64 NumPy, and the compiled dots' layouts."""
 
 import re
 
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax.ops import linear
+from transformer_jax.cpu import matmul
 from tests.backends import only_on
 
 BF16_EPS = 2.0**-8   # bfloat16's unit roundoff
@@ -36,7 +36,7 @@ def test_bf16_matmul_and_gradients_match_float64(transpose_w):
   x, w, c = _inputs(0, transpose_w=transpose_w)
 
   def loss(x, w):
-    y = linear.matmul(x, w, dtype=jnp.bfloat16, out_dtype=jnp.float32, transpose_w=transpose_w)
+    y = matmul.matmul(x, w, dtype=jnp.bfloat16, out_dtype=jnp.float32, transpose_w=transpose_w)
     return jnp.sum(y * c), y
 
   (_, y), (dx, dw) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, w)
@@ -62,7 +62,7 @@ def test_bias_is_added_in_float32_and_its_gradient_is_the_column_sums(transpose_
   b = np.random.default_rng(3).standard_normal(16).astype(np.float32)
 
   def loss(x, w, b):
-    y = linear.matmul(x, w, dtype=jnp.bfloat16, transpose_w=transpose_w, bias=b)
+    y = matmul.matmul(x, w, dtype=jnp.bfloat16, transpose_w=transpose_w, bias=b)
     return jnp.sum(y.astype(jnp.float32) * c), y
 
   (_, y), (dx, dw, db) = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, w, b)
@@ -72,7 +72,7 @@ def test_bias_is_added_in_float32_and_its_gradient_is_the_column_sums(transpose_
   assert _rel(np.asarray(y, np.float64).reshape(24, 16), y_ref) < BF16_EPS
   assert _rel(db, cb.sum(0)) < 1e-6                # column sums of the bf16 output gradient
   with pytest.raises(ValueError, match=r"bias.shape=\(3,\)"):
-    linear.matmul(x, w, dtype=jnp.bfloat16, transpose_w=transpose_w, bias=b[:3])
+    matmul.matmul(x, w, dtype=jnp.bfloat16, transpose_w=transpose_w, bias=b[:3])
 
 
 def test_a_transposed_float32_result_runs_and_matches_float64():
@@ -82,7 +82,7 @@ def test_a_transposed_float32_result_runs_and_matches_float64():
   x2, c2 = x.reshape(-1, x.shape[-1]), c.reshape(-1, c.shape[-1])
 
   def f(x, w):
-    return linear.matmul(x, w, dtype=jnp.bfloat16, out_dtype=jnp.float32).T
+    return matmul.matmul(x, w, dtype=jnp.bfloat16, out_dtype=jnp.float32).T
 
   y_T = jax.jit(f)(x2, w)
   dw = jax.jit(jax.grad(lambda w: jnp.sum(f(x2, w) * c2.T)))(w)
@@ -94,10 +94,10 @@ def test_a_transposed_float32_result_runs_and_matches_float64():
 
 def test_float32_matmul_matches_float64():
   x, w, c = _inputs(1)
-  loss = lambda x, w: jnp.sum(linear.matmul(x, w, dtype=jnp.float32) * c)  # noqa: E731
+  loss = lambda x, w: jnp.sum(matmul.matmul(x, w, dtype=jnp.float32) * c)  # noqa: E731
   dx, dw = jax.grad(loss, argnums=(0, 1))(x, w)
   x64, w64, c64 = (np.asarray(a, np.float64) for a in (x, w, c))
-  np.testing.assert_allclose(linear.matmul(x, w, dtype=jnp.float32), x64 @ w64, rtol=1e-5,
+  np.testing.assert_allclose(matmul.matmul(x, w, dtype=jnp.float32), x64 @ w64, rtol=1e-5,
                              atol=1e-5)
   np.testing.assert_allclose(dx, c64 @ w64.T, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(dw, np.einsum("btk,btn->kn", x64, c64), rtol=1e-5, atol=1e-4)
@@ -107,15 +107,15 @@ def test_float32_matmul_matches_float64():
 def test_transposed_is_the_transpose(shape):
   # Even and odd sizes, a prime pair (no small factor: the plain transpose) and a single row.
   a = jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape)
-  np.testing.assert_array_equal(linear.transposed(a), np.asarray(a).T)
+  np.testing.assert_array_equal(matmul.transposed(a), np.asarray(a).T)
 
 
 def test_shape_errors_name_the_shapes():
   x = jnp.ones((3, 5))
   with pytest.raises(ValueError, match=r"x.shape=\(3, 5\).*w.shape=\(4, 2\)"):
-    linear.matmul(x, jnp.ones((4, 2)), dtype=jnp.float32)
+    matmul.matmul(x, jnp.ones((4, 2)), dtype=jnp.float32)
   with pytest.raises(ValueError, match=r"\[N, K\]"):
-    linear.matmul(x, jnp.ones((5, 2)), dtype=jnp.float32, transpose_w=True)
+    matmul.matmul(x, jnp.ones((5, 2)), dtype=jnp.float32, transpose_w=True)
 
 
 def _dots(hlo: str) -> list[tuple[str, list[str], str]]:
@@ -152,7 +152,7 @@ def assert_bf16_dots_in_library_kernel(hlo: str, count: int) -> None:
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's dot lowering")
 @pytest.mark.parametrize("transpose_w,with_bias", [(False, False), (True, False), (False, True)])
 def test_every_bf16_dot_stays_bf16_in_the_library_kernel(transpose_w, with_bias):
-  # The point of ops.linear: the forward dot and both backward dots take bfloat16 operands into
+  # The point of cpu.matmul: the forward dot and both backward dots take bfloat16 operands into
   # XLA:CPU's library kernel (YNNPACK). An upcast shows as float32 operands; a transposed operand
   # folded back into a dot shows as a dot outside the library fusion (and fails at run time).
   m, k, n = 64, 48, 32
@@ -162,7 +162,7 @@ def test_every_bf16_dot_stays_bf16_in_the_library_kernel(transpose_w, with_bias)
   b = jnp.zeros((n,), jnp.float32) if with_bias else None
 
   def loss(x, w, b):
-    return jnp.sum(linear.matmul(x, w, dtype=jnp.bfloat16, out_dtype=jnp.float32,
+    return jnp.sum(matmul.matmul(x, w, dtype=jnp.bfloat16, out_dtype=jnp.float32,
                                  transpose_w=transpose_w, bias=b))
 
   # The value keeps the forward dot; the bias adds the dot of its gradient.
@@ -188,7 +188,7 @@ def test_scanned_layers_stack_bf16_residuals_in_place_as_bits():
 
   def loss(ws, x):
     def layer(h, w):
-      return linear.matmul(h, w, dtype=jnp.bfloat16)[:, :16], None
+      return matmul.matmul(h, w, dtype=jnp.bfloat16)[:, :16], None
     return jnp.sum(jax.lax.scan(layer, x, ws)[0].astype(jnp.float32) ** 2)
 
   hlo = jax.jit(jax.grad(loss)).lower(ws, x).compile().as_text()

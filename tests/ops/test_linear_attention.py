@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 
-from transformer_jax.ops import linear_attention as la
+from transformer_jax.ops import linear_attn as la
 
 
 def reference(q, k, v, *, causal=True, decay=None):

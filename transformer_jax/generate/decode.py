@@ -169,12 +169,13 @@ def generate(model, prompt_ids, *, prompt_lengths=None, max_new_tokens: int,
 @functools.lru_cache(maxsize=64)
 def _layer_splitter(graphdef):
   """Jitted ``params -> split_layers(model)``: each decoder layer's weights as arrays of their own,
-  every projection kernel in its decoding layout (``Projection.decode_layout``).
+  on CPU every projection kernel in its decoding layout (``Projection.decode_layout``,
+  ``cpu.decode``).
 
   The decode loop reads them where they are, instead of slicing (copying) every layer out of the
   layer-stacked arrays at every step. The split is a program of its own because XLA then copies
   each slice with a plain memory copy; inside the decode program the slices are fused into loops
-  that run several times slower (about half of GPT-2 small's time to first token at batch 1).
+  that run several times slower.
   """
   return jax.jit(lambda params: split_layers(nnx.merge(graphdef, params)))
 
@@ -188,10 +189,10 @@ def decode_layers(graphdef, params: nnx.State) -> tuple[nnx.State, ...]:
   """The decoding layers of ``params`` (``split_layers`` in a program of its own), made once per
   set of weights.
 
-  Transposing GPT-2 small's layers into the decoding layout takes about 0.1 s on a 2-core CPU,
-  as long as its prefill; so the result for the last params of each model structure is kept
-  while those arrays live (an update of the model's weights makes new arrays and a new split).
-  The copy holds as much memory as the layers' weights.
+  Splitting (and on CPU transposing) the layers costs about as much as a prefill, so the result
+  for the last params of each model structure is kept while those arrays live (an update of the
+  model's weights makes new arrays and a new split). The copy holds as much memory as the layers'
+  weights.
   """
   leaves = jax.tree.leaves(params)
   entry = _DECODE_LAYERS.get(graphdef)

@@ -8,7 +8,7 @@ from flax import nnx
 
 from transformer_jax import ops
 from transformer_jax.layers.dense import Projection
-from transformer_jax.ops import linear
+from transformer_jax.ops import dispatch
 from transformer_jax.parallel import axes as ax
 
 
@@ -31,7 +31,8 @@ class MLP(nnx.Module):
 
   def __call__(self, x_BTD: jax.Array, *, dropout_rate: float = 0.0,
                dropout_rng: jax.Array | None = None) -> jax.Array:
-    if linear.matmul_pays(self.down.dtype):   # the projections' backward is written out too
+    if dispatch.choose_product(self.down.dtype) == "cpu_bf16":
+      # The projections are cpu.matmul (reverse mode only): the activation saves its input as bits.
       h_BTF = ops.packed_activation(self.activation, *(
           (self.up(x_BTD),) if self.gate is None else (self.gate(x_BTD), self.up(x_BTD))))
     elif self.gate is None:

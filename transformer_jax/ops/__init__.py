@@ -7,7 +7,8 @@ from transformer_jax.ops.activations import (
 from transformer_jax.ops.attention import dot_product_attention
 from transformer_jax.ops.dispatch import Implementation, choose_implementation
 from transformer_jax.ops.fused_loss import linear_cross_entropy
-from transformer_jax.ops.linear import matmul
+from transformer_jax.ops.linear_attn import (
+    LinearState, linear_attention, linear_attention_step)
 from transformer_jax.ops.losses import cross_entropy
 from transformer_jax.ops.masks import (
     and_masks, causal_mask, padding_mask, segment_mask, sliding_window_mask)
@@ -21,7 +22,8 @@ __all__ = [
     "Activation", "alibi_bias", "alibi_slopes", "AlibiBias", "and_masks", "apply_rope", "argmax",
     "causal_mask", "choose_implementation", "cross_entropy", "dot_product_attention", "dropout",
     "gated", "geglu", "gelu", "gelu_tanh", "get_activation", "Implementation", "layer_norm",
-    "linear_cross_entropy", "matmul", "packed_activation", "padding_mask",
+    "linear_attention", "linear_attention_step", "linear_cross_entropy", "LinearState",
+    "packed_activation", "padding_mask",
     "relative_position_bucket", "relative_positions", "RelativeBias", "relu", "rms_norm",
     "rope_frequencies", "RopeScaling", "segment_mask", "silu", "sinusoidal_positions",
     "sliding_window_mask", "swiglu",

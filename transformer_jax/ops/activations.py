@@ -24,11 +24,9 @@ def _derivative_rule(f: Callable[[jax.Array], jax.Array],
 
   Why: left to autodiff, ``jax.nn.gelu(approximate=True)`` keeps five arrays of its input's shape
   (``x``, ``tanh`` and three products) for the backward pass; with the rule, reverse mode keeps
-  one, ``df(x)``, computed in the forward's fusion. For GPT-2 small at 4 x 256 that is four fewer
-  ``[4, 256, 3072]`` arrays per layer, 576 MiB off a training step's temporaries (2356 -> 1780
-  MiB), which also keeps the step's scratch under mimalloc's ~2 GiB limit for blocks it reuses
-  rather than returns to the kernel (see ``runtime.allocator_env``). Forward mode, ``vmap`` and
-  higher derivatives (the rule is itself differentiable) work as before.
+  one, ``df(x)``, computed in the forward's fusion (experiments/PERFORMANCE.md, "Activation
+  derivative rule"). Forward mode, ``vmap`` and higher derivatives (the rule is itself
+  differentiable) work as before.
   """
   rule = jax.custom_jvp(f)
   rule.defjvp(lambda primals, tangents: (f(primals[0]), df(primals[0]) * tangents[0]))
@@ -138,10 +136,9 @@ def packed_activation(name: Activation, x: jax.Array, up: jax.Array | None = Non
 
   Why: the JVP rule above keeps ``df(x)``. In a scan over bfloat16 layers, XLA:CPU stacks that
   residual with a bfloat16 ``dynamic_update_slice``, which it does in float32 by converting the
-  whole ``[L, ...]`` stack at every layer (for GPT-2 small, a 75 MB stack rewritten 12 times a
-  step). Bits are stacked in place. The gradients are the same numbers. It is a ``custom_vjp``,
-  so forward mode is lost: ``layers.MLP`` uses it only where its projections' ``ops.matmul``
-  (also reverse mode only) already runs, i.e. bfloat16 on a CPU with bfloat16 units.
+  whole ``[L, ...]`` stack at every layer; bits are stacked in place. The gradients are the same
+  numbers. It is a ``custom_vjp``, so forward mode is lost: ``layers.MLP`` uses it only where its
+  projections are ``cpu.matmul``'s (also reverse mode only; ``ops.dispatch.choose_product``).
   """
   get_activation(name)  # fail early on an unknown name
   return _packed(name, x) if up is None else _packed_gated(name, x, up)

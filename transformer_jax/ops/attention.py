@@ -9,7 +9,9 @@ Letter legend (as in ``jax.nn.dot_product_attention``), used for every shape suf
 Implementations (``implementation=``):
 
   ``"xla"``      dense ``[B, N, T, S]`` scores, weights and their gradients: O(T * S) memory; any
-                 backend; the reference, and the only one with ``return_weights``.
+                 backend; the reference, and the only one with ``return_weights``. Its core is
+                 ``ops.dispatch.choose_dense_core``'s: heads-major, or on CPU the row-major one
+                 of ``cpu.attention`` for bfloat16.
   ``"chunked"``  ``ops.chunked``: FlashAttention-2's blocks and online softmax in ``lax`` loops
                  with its own backward: O(T + S) memory (plus one block of scores); any backend;
                  masks and position biases by parts, causal / window blocks skipped.
@@ -25,23 +27,17 @@ Masks are boolean with ``True`` meaning *attend*. Additive biases (ALiBi, T5 rel
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-
 import numpy as np
 
-from transformer_jax.ops import dispatch, linear, precision, residuals
-from transformer_jax.ops.chunked import chunked_attention
+from transformer_jax.ops import dispatch, precision, residuals
+from transformer_jax.ops.chunked import chunked_attention, output_delta
 from transformer_jax.ops.dispatch import Implementation
-from transformer_jax.ops.masks import and_masks, segment_mask
-
-# A large finite negative rather than -inf: exp() of it is exactly 0, and a row whose every entry is
-# masked still gives finite numbers (we zero such rows explicitly afterwards).
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+from transformer_jax.ops.masks import MASK_VALUE, and_masks, segment_mask, sum_to
 
 
 # A bias function: ``bias_fn(bias_params, q_pos_BT, k_pos_S) -> [B|1, N|1, T, S]`` float32 additive
@@ -312,14 +308,6 @@ def _cudnn_attention(q, k, v, q_pos_BT, *, bias, mask, causal, scale, dropout_ra
       key_value_seq_lengths=key_lengths, local_window_size=local, implementation="cudnn")
 
 
-def _sum_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-  """``x`` summed over the axes that ``shape`` broadcasts (the cotangent of a broadcast)."""
-  lead = x.ndim - len(shape)
-  x = jnp.sum(x, axis=tuple(range(lead))) if lead else x
-  axes = tuple(i for i, d in enumerate(shape) if d == 1 and x.shape[i] != 1)
-  return jnp.sum(x, axis=axes, keepdims=True) if axes else x
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def _dense_core(q_BKMH, k_BKSH, v_BKSH, bias, mask, scale: float, t: int,
                 matmul_precision: str | None):
@@ -327,10 +315,9 @@ def _dense_core(q_BKMH, k_BKSH, v_BKSH, bias, mask, scale: float, t: int,
 
   Every dot is a plain batched matrix product over ``(B, K)``, with no layout copies inside, and
   the backward is written out (FlashAttention's formulas on the dense weights, ``dS = P * (dP -
-  rowsum(dO * O))``): it reads the saved weights once instead of replaying softmax's pieces,
-  which on a 2-core CPU makes GPT-2 small's attention forward + backward 2.5x faster than
-  differentiating the forward. ``bias``/``mask`` broadcast to ``[B, N, T, S]``; masked weights are
-  exactly 0 and a fully masked row gives zeros.
+  rowsum(dO * O))``): it reads the saved weights once instead of replaying softmax's pieces
+  (experiments/PERFORMANCE.md, "Dense attention core"). ``bias``/``mask`` broadcast to
+  ``[B, N, T, S]``; masked weights are exactly 0 and a fully masked row gives zeros.
   """
   return _dense_core_fwd(q_BKMH, k_BKSH, v_BKSH, bias, mask, scale, t, matmul_precision)[0]
 
@@ -347,19 +334,13 @@ def _bnts(x_BKMS: jax.Array, t: int) -> jax.Array:
 
 
 def _masked_softmax(logits_BNTS: jax.Array, bias: jax.Array | None,
-                    mask: jax.Array | None, *, mask_as_bias: bool = False) -> jax.Array:
+                    mask: jax.Array | None) -> jax.Array:
   """``softmax(logits + bias)`` over the keys, in the logits' dtype; masked weights are exactly 0,
-  and so is a row whose every key is masked (softmax alone would make it uniform).
-
-  ``mask_as_bias`` adds the mask as a bias of 0 or ``_MASK_VALUE`` instead of selecting
-  ``_MASK_VALUE``: the same weights, and XLA:CPU fuses the add into YNNPACK's softmax where the
-  select is a pass of its own over the float32 logits."""
+  and so is a row whose every key is masked (softmax alone would make it uniform)."""
   if bias is not None:
     logits_BNTS = logits_BNTS + bias.astype(logits_BNTS.dtype)
-  if mask is not None and mask_as_bias:
-    logits_BNTS = logits_BNTS + jnp.where(mask, 0.0, _MASK_VALUE).astype(logits_BNTS.dtype)
-  elif mask is not None:
-    logits_BNTS = jnp.where(mask, logits_BNTS, _MASK_VALUE)
+  if mask is not None:
+    logits_BNTS = jnp.where(mask, logits_BNTS, MASK_VALUE)
   weights_BNTS = jax.nn.softmax(logits_BNTS, axis=-1)
   return weights_BNTS if mask is None else jnp.where(mask, weights_BNTS, 0.0)
 
@@ -389,9 +370,9 @@ def _dense_core_grads(scale, t, res, dout_BKMH):
   dv_BKSH = jnp.einsum("BKMS,BKMH->BKSH", p_BKMS.astype(dout_BKMH.dtype), dout_BKMH,
                        preferred_element_type=acc)
   dp_BKMS = jnp.einsum("BKMH,BKSH->BKMS", dout_BKMH, v_BKSH, preferred_element_type=acc)
-  delta_BKM1 = jnp.sum(dout_BKMH.astype(acc) * out_BKMH.astype(acc), axis=-1, keepdims=True)
+  delta_BKM1 = output_delta(dout_BKMH, out_BKMH, acc, keepdims=True)
   ds_BKMS = p_BKMS * (dp_BKMS - delta_BKM1)   # d(logits); masked entries have p = 0
-  dbias = None if bias is None else _sum_to(_bnts(ds_BKMS, t), bias.shape).astype(bias.dtype)
+  dbias = None if bias is None else sum_to(_bnts(ds_BKMS, t), bias.shape).astype(bias.dtype)
   ds_BKMS = (ds_BKMS * jnp.asarray(scale, acc)).astype(q_BKMH.dtype)
   dq_BKMH = jnp.einsum("BKMS,BKSH->BKMH", ds_BKMS, k_BKSH, preferred_element_type=acc)
   dk_BKSH = jnp.einsum("BKMS,BKMH->BKSH", ds_BKMS, q_BKMH, preferred_element_type=acc)
@@ -403,78 +384,14 @@ def _dense_core_grads(scale, t, res, dout_BKMH):
 _dense_core.defvjp(_dense_core_fwd, _dense_core_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _rowmajor_core(q_RMH, k_RSH, v_RSH, bias, mask, scale: float, b: int, t: int):
-  """``_dense_core`` for bfloat16 on a CPU with bf16 units, with ``R = B * K`` merged into one
-  batch dim and every product in a form XLA:CPU runs on its bfloat16 kernel (YNNPACK).
-
-  That kernel takes a batched product only with a row-major left operand contracted along its
-  last dim, and returns float32 (``ops.linear``). Of ``_dense_core``'s six products, ``p^T dO``
-  and ``dS^T q`` contract the left operand's rows, and the heads-major operands are transposes of
-  ``[B, T, N, H]`` that XLA makes free by giving them a permuted layout: it upcasts such products
-  to float32. Here the operands are row-major copies (``linear.transposed``, and the reshapes that
-  merge ``B`` and ``K``), and the four products with a 64-wide side (``p v``, ``dv``, ``dq``,
-  ``dk``) are computed transposed (``v^T p^T`` etc.): ``[H, S] x [S, M]`` runs at 210-240
-  GFLOP/s on a Zen 4 core pair where ``[M, S] x [S, H]`` runs at 160-190
-  (experiments/PERFORMANCE.md). The attention weights are kept in bfloat16, the dtype the
-  products take.
-  """
-  return _rowmajor_core_fwd(q_RMH, k_RSH, v_RSH, bias, mask, scale, b, t)[0]
-
-
-def _products(eq: str, x: jax.Array, y: jax.Array) -> jax.Array:
-  return jnp.einsum(eq, x, y, preferred_element_type=jnp.float32)
-
-
-def _rowmajor_core_fwd(q_RMH, k_RSH, v_RSH, bias, mask, scale, b, t):
-  r, m, _ = q_RMH.shape
-  s = k_RSH.shape[1]
-  if math.frexp(scale)[0] == 0.5:   # a power of two (1 / sqrt(64)): exact on q, no pass of its own
-    logits_RMS = _products("RMH,RSH->RMS", q_RMH * jnp.asarray(scale, q_RMH.dtype), k_RSH)
-  else:
-    logits_RMS = _products("RMH,RSH->RMS", q_RMH, k_RSH) * jnp.float32(scale)
-  p_RMS = _masked_softmax(logits_RMS.reshape(b, -1, t, s), bias, mask, mask_as_bias=True)
-  p_RMS = p_RMS.reshape(r, m, s).astype(q_RMH.dtype)
-  out_RHM = _products("RHS,RMS->RHM", linear.transposed(v_RSH), p_RMS)
-  out_RMH = linear.transposed(out_RHM.astype(q_RMH.dtype))
-  saved = tuple(residuals.packed(x) for x in (q_RMH, k_RSH, v_RSH, p_RMS, out_RMH))
-  return out_RMH, (*saved, bias, mask)
-
-
-def _rowmajor_core_bwd(scale, b, t, res, dout_RMH):
-  *saved, bias, mask = res
-  q_RMH, k_RSH, v_RSH, p_RMS, out_RMH = (residuals.unpacked(x) for x in saved)
-  s = k_RSH.shape[1]
-  dv_RHS = _products("RHM,RMS->RHS", linear.transposed(dout_RMH), p_RMS)
-  dp_RMS = _products("RMH,RSH->RMS", dout_RMH, v_RSH)
-  delta_RM1 = jnp.sum(dout_RMH.astype(jnp.float32) * out_RMH.astype(jnp.float32), axis=-1,
-                      keepdims=True)
-  ds_RMS = p_RMS.astype(jnp.float32) * (dp_RMS - delta_RM1)  # masked entries have p = 0
-  dbias = (None if bias is None else
-           _sum_to(ds_RMS.reshape(b, -1, t, s), bias.shape).astype(bias.dtype))
-  # The scale goes on the two small products' results: on dS, XLA:CPU would materialize a
-  # [R, M, S] array of it for YNNPACK's fusion.
-  ds_RMS = ds_RMS.astype(q_RMH.dtype)
-  dq_RHM = _products("RHS,RMS->RHM", linear.transposed(k_RSH), ds_RMS) * jnp.float32(scale)
-  dk_RHS = _products("RHM,RMS->RHS", linear.transposed(q_RMH), ds_RMS) * jnp.float32(scale)
-  dmask = None if mask is None else np.zeros(mask.shape, jax.dtypes.float0)
-  back = lambda x_RAB, like: linear.transposed(x_RAB.astype(like.dtype))
-  return back(dq_RHM, q_RMH), back(dk_RHS, k_RSH), back(dv_RHS, v_RSH), dbias, dmask
-
-
-_rowmajor_core.defvjp(_rowmajor_core_fwd, _rowmajor_core_bwd)
-
-
 def _dense_attention(q, k, v, *, bias, mask, scale):
-  """``_dense_core`` on ``[B, T, N, H]`` inputs: heads-major in, ``[B, T, N, H]`` out."""
+  """The dense core (``ops.dispatch.choose_dense_core``'s) on ``[B, T, N, H]`` inputs."""
+  if dispatch.choose_dense_core(q, k, v, platform=jax.default_backend()) == "rowmajor":
+    from transformer_jax.cpu import attention as cpu_attention  # noqa: PLC0415 - CPU only
+
+    return cpu_attention.rowmajor_attention(q, k, v, bias=bias, mask=mask, scale=scale)
   b, t, n, h = q.shape
   kh = k.shape[2]
-  if dispatch.rowmajor_core_applies(q, k, v):
-    # Merging B and K in the reshape makes each operand a row-major copy.
-    q_RMH = q.reshape(b, t, kh, n // kh, h).transpose(0, 2, 3, 1, 4).reshape(b * kh, -1, h)
-    k_RSH, v_RSH = (x.transpose(0, 2, 1, 3).reshape(b * kh, -1, h) for x in (k, v))
-    out_RMH = _rowmajor_core(q_RMH, k_RSH, v_RSH, bias, mask, float(scale), b, t)
-    return out_RMH.reshape(b, kh, n // kh, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
   q_BKMH = q.reshape(b, t, kh, n // kh, h).transpose(0, 2, 3, 1, 4).reshape(b, kh, -1, h)
   k_BKSH, v_BKSH = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
   out_BKMH = _dense_core(q_BKMH, k_BKSH, v_BKSH, bias, mask, float(scale), t,

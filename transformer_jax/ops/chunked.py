@@ -20,24 +20,21 @@ or ``bias``, if given, is sliced per block (and the bias's gradient accumulated 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from transformer_jax.ops import precision
-
-# As in ops.attention: exp() of it is exactly 0, and fully masked rows stay finite.
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+from transformer_jax.ops.masks import MASK_VALUE, sum_to
 
 # Block sizes on GPUs and TPUs: each block's matmuls big enough to fill the chip.
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 512
 # On XLA:CPU, smaller blocks: a [B, N, 128, 128] float32 block of scores stays in the cores' own
-# caches, and causal attention skips more of the pairs. Forward + backward of causal
-# [1, 1024, 12, 64] float32 attention on a 2-core Zen 4 EPYC: 123 ms with blocks of 512, 82 with
-# 256, 78-81 with 128, 133 with 64 (the dense kernel 79 ms); GPT-2 small's float32 train step at
-# 1 x 1024 0.923 of its time with 512 (experiments/PERFORMANCE.md).
+# caches, and causal attention skips more of the pairs (experiments/PERFORMANCE.md, "Chunked
+# attention on CPU").
 CPU_BLOCK = 128
 
 
@@ -51,13 +48,22 @@ def default_block_sizes() -> tuple[int, int]:
 
 @dataclasses.dataclass(frozen=True)
 class Static:
-  """The parts of the attention that are Python values (hashable, closed over by the kernel)."""
+  """The parts of the attention that are Python values: hashable, the non-differentiated
+  arguments of the kernel's ``custom_vjp`` (and of ring attention's)."""
   scale: float
   causal: bool = False
   window: int | None = None
   s_len: int | None = None  # keys at positions >= s_len are padding added by the kernel
   bias_fn: Any = None
   dropout_rate: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+  """The "chunked" kernel's block sizes: ``bq`` query rows and ``bk`` keys per block (the padded
+  lengths are whole numbers of blocks)."""
+  bq: int
+  bk: int
 
 
 class Block(NamedTuple):
@@ -187,6 +193,13 @@ def finish(state: SoftmaxState) -> tuple[jax.Array, jax.Array]:
   return out, lse
 
 
+def output_delta(do: jax.Array, out: jax.Array, dtype=jnp.float32,
+                 keepdims: bool = False) -> jax.Array:
+  """``delta_i = sum_h dO_ih O_ih`` (``= sum_j P_ij dP_ij``) in ``dtype``: the row term of the
+  softmax's backward, over the last (head) dim of the output ``out`` and its cotangent ``do``."""
+  return jnp.sum(do.astype(dtype) * out.astype(dtype), axis=-1, keepdims=keepdims)
+
+
 def block_grads(q_BtKGH, k_BsKH, v_BsKH, do_BtKGH, lse_BKGt, delta_BKGt, blk: Block, st: Static):
   """Gradients of one block (the backward block step), recomputing its scores from the lse.
 
@@ -214,12 +227,6 @@ def bias_params_grad(blk: Block, st: Static, ds_BKGts: jax.Array) -> Any:
   return vjp(sum_to(ds_BKGts.reshape(b, kh * g, t, s), bias.shape))[0]
 
 
-def sum_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-  """Sums the broadcast axes of ``x`` away so that it has ``shape`` (same rank)."""
-  axes = tuple(i for i, (a, b) in enumerate(zip(x.shape, shape)) if b == 1 and a != 1)
-  return jnp.sum(x, axis=axes, keepdims=True) if axes else x
-
-
 def _pad_axis(x, axis, size, value=0, edge=False):
   if x is None or size == x.shape[axis] or x.shape[axis] == 1 and not edge:
     return x  # absent, already whole blocks, or broadcast along this axis
@@ -243,6 +250,146 @@ def _dense_4d(x, name, b, n, t, s):
   return x
 
 
+class _Aux(NamedTuple):
+  """The kernel's non-differentiated arrays, padded to whole blocks (None = absent): the dense
+  ``mask`` ``[B|1, N|1, T|1, S|1]``, ``kv_valid`` ``[B, S]``, segment ids ``q_seg`` ``[B, T]`` and
+  ``kv_seg`` ``[B, S]``, the query positions ``q_pos`` ``[B|1, T]`` and the dropout key ``rng``."""
+  mask: jax.Array | None
+  kv_valid: jax.Array | None
+  q_seg: jax.Array | None
+  kv_seg: jax.Array | None
+  q_pos: jax.Array
+  rng: jax.Array | None
+
+
+def _dense_slice(x, qi, ki, tiles: Tiling):
+  """``(starts, sizes)`` of block ``(qi, ki)`` in a dense ``[B|1, N|1, T|1, S|1]`` array."""
+  bq, bk = tiles.bq, tiles.bk
+  starts = (0, 0, qi * bq if x.shape[2] > 1 else 0, ki * bk if x.shape[3] > 1 else 0)
+  sizes = (x.shape[0], x.shape[1], bq if x.shape[2] > 1 else 1, bk if x.shape[3] > 1 else 1)
+  return starts, sizes
+
+
+def _block(qi, ki, bias, params, aux: _Aux, st: Static, tiles: Tiling, b: int, n: int) -> Block:
+  """What block ``(qi, ki)`` needs: its slices of ``aux`` and ``bias``, and its dropout mask."""
+  mask, kvv, qs, ks, qp, rng = aux
+  bq, bk = tiles.bq, tiles.bk
+
+  def sl(x, i, size):
+    return None if x is None else jax.lax.dynamic_slice_in_dim(x, i * size, size, axis=1)
+  def dense(x):
+    return None if x is None else jax.lax.dynamic_slice(x, *_dense_slice(x, qi, ki, tiles))
+  keep = None
+  if rng is not None:
+    key = jax.random.fold_in(jax.random.fold_in(rng, qi), ki)
+    keep = jax.random.bernoulli(key, 1.0 - st.dropout_rate, (b, n, bq, bk))
+  return Block(q_pos=sl(qp, qi, bq), k_pos=ki * bk + jnp.arange(bk, dtype=jnp.int32),
+               kv_valid=sl(kvv, ki, bk), q_seg=sl(qs, qi, bq), kv_seg=sl(ks, ki, bk),
+               mask=dense(mask), bias=dense(bias), bias_params=params, keep=keep)
+
+
+def _key_range(q_pos_blk, st: Static, bk: int, nk: int):
+  """The key blocks ``[lo, hi)`` a query block can see under causal / window."""
+  lo, hi = jnp.int32(0), jnp.int32(nk)
+  top, bottom = jnp.max(q_pos_blk), jnp.min(q_pos_blk)
+  if st.causal:
+    hi = jnp.clip(top // bk + 1, 0, nk)
+  if st.window is not None:
+    lo = jnp.clip((bottom - st.window + 1) // bk, 0, nk)
+    if not st.causal:
+      hi = jnp.clip((top + st.window - 1) // bk + 1, 0, nk)
+  return lo, hi
+
+
+def _kv_block(x, ki, bk: int):
+  return jax.lax.dynamic_slice_in_dim(x, ki * bk, bk, axis=1)
+
+
+def _forward(st: Static, tiles: Tiling, q5, k, v, bias, params, aux):
+  """Output ``[B, T, K, G, H]`` and log-sum-exp ``[nq, B, K, G, bq]`` of the padded inputs."""
+  b, tp, kh, g, h = q5.shape
+  bq, bk = tiles.bq, tiles.bk
+  nq, nk = tp // bq, k.shape[1] // bk
+
+  def one_query_block(qi):
+    q_blk = jax.lax.dynamic_slice_in_dim(q5, qi * bq, bq, axis=1)
+    lo, hi = _key_range(jax.lax.dynamic_slice_in_dim(aux.q_pos, qi * bq, bq, axis=1), st, bk, nk)
+    def step(ki, state):
+      blk = _block(qi, ki, bias, params, aux, st, tiles, b, kh * g)
+      return online_update(state, q_blk, _kv_block(k, ki, bk), _kv_block(v, ki, bk), blk, st)
+    out, lse = finish(jax.lax.fori_loop(lo, hi, step, initial_state(b, kh, g, bq, h)))
+    return out.astype(q5.dtype), lse
+  out_QBKGtH, lse_QBKGt = jax.lax.map(one_query_block, jnp.arange(nq))
+  out_BTKGH = out_QBKGtH.transpose(1, 0, 4, 2, 3, 5).reshape(b, tp, kh, g, h)
+  return out_BTKGH, lse_QBKGt
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _attend(st: Static, tiles: Tiling, matmul_precision: str | None, q5, k, v, bias, params, aux):
+  """The kernel on padded inputs (``q5`` ``[B, T, K, G, H]``, ``k``/``v`` ``[B, S, K, H]``):
+  ``[B, T, K, G, H]``; its backward recomputes each block's scores from the saved lse."""
+  return _forward(st, tiles, q5, k, v, bias, params, aux)[0]
+
+
+def _attend_fwd(st, tiles, matmul_precision, q5, k, v, bias, params, aux):
+  out, lse = _forward(st, tiles, q5, k, v, bias, params, aux)
+  return out, (q5, k, v, bias, params, aux, out, lse)
+
+
+def _attend_bwd(st, tiles, matmul_precision, res, do_BTKGH):
+  with jax.default_matmul_precision(matmul_precision):   # the forward's (ops/precision.py)
+    return _attend_grads(st, tiles, res, do_BTKGH)
+
+
+def _attend_grads(st: Static, tiles: Tiling, res, do_BTKGH):
+  q5, k, v, bias, params, aux, out, lse_QBKGt = res
+  b, tp, kh, g, h = q5.shape
+  n = kh * g
+  bq, bk = tiles.bq, tiles.bk
+  nq = tp // bq
+  delta_BTKG = output_delta(do_BTKGH, out)
+  delta_QBKGt = delta_BTKG.reshape(b, nq, bq, kh, g).transpose(1, 0, 3, 4, 2)
+
+  def one_query_block(carry, qi):
+    q_blk = jax.lax.dynamic_slice_in_dim(q5, qi * bq, bq, axis=1)
+    do_blk = jax.lax.dynamic_slice_in_dim(do_BTKGH, qi * bq, bq, axis=1)
+    lse, delta = lse_QBKGt[qi], delta_QBKGt[qi]
+    lo, hi = _key_range(jax.lax.dynamic_slice_in_dim(aux.q_pos, qi * bq, bq, axis=1), st, bk,
+                        k.shape[1] // bk)
+
+    def step(ki, c):
+      dq, dk, dv, dbias, dparams = c
+      blk = _block(qi, ki, bias, params, aux, st, tiles, b, n)
+      dq_i, dk_i, dv_i, ds = block_grads(q_blk, _kv_block(k, ki, bk), _kv_block(v, ki, bk),
+                                         do_blk, lse, delta, blk, st)
+      add = lambda acc, x: jax.lax.dynamic_update_slice_in_dim(
+          acc, _kv_block(acc, ki, bk) + x, ki * bk, axis=1)
+      dk, dv = add(dk, dk_i), add(dv, dv_i)
+      ds_BNts = ds.reshape(b, n, bq, bk)
+      if dbias is not None:
+        starts, sizes = _dense_slice(dbias, qi, ki, tiles)
+        dbias = jax.lax.dynamic_update_slice(
+            dbias, jax.lax.dynamic_slice(dbias, starts, sizes) + sum_to(ds_BNts, sizes), starts)
+      if st.bias_fn is not None:
+        dparams = jax.tree.map(jnp.add, dparams, bias_params_grad(blk, st, ds))
+      return dq + dq_i, dk, dv, dbias, dparams
+
+    dq0 = jnp.zeros((b, bq, kh, g, h), jnp.float32)
+    dq, *carry = jax.lax.fori_loop(lo, hi, step, (dq0, *carry))
+    return tuple(carry), dq
+
+  zeros32 = lambda x: jnp.zeros(x.shape, jnp.float32)
+  init = (zeros32(k), zeros32(v), None if bias is None else zeros32(bias),
+          None if st.bias_fn is None else jax.tree.map(jnp.zeros_like, params))
+  (dk, dv, dbias, dparams), dq_QBtKGH = jax.lax.scan(one_query_block, init, jnp.arange(nq))
+  dq = dq_QBtKGH.transpose(1, 0, 2, 3, 4, 5).reshape(b, tp, kh, g, h)
+  cast = lambda d, x: None if d is None else d.astype(x.dtype)
+  return (cast(dq, q5), cast(dk, k), cast(dv, v), cast(dbias, bias), dparams, None)
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
 def chunked_attention(q, k, v, *, q_pos, scale, causal=False, window=None, bias=None, mask=None,
                       bias_fn=None, bias_params=None, kv_valid=None, q_segment_ids=None,
                       kv_segment_ids=None, dropout_rate=0.0, dropout_rng=None,
@@ -251,7 +398,15 @@ def chunked_attention(q, k, v, *, q_pos, scale, causal=False, window=None, bias=
   already checked, with ``q_pos`` the ``[B|1, T]`` int32 query positions. ``block_q`` and
   ``block_k`` are the largest block sizes; the blocks used are ``ceil(T / ceil(T / block_q))``
   rows (and the same for keys; None: ``default_block_sizes()``), and the dropout mask of block
-  ``(i, j)`` is drawn from ``fold_in(fold_in(dropout_rng, i), j)``."""
+  ``(i, j)`` is drawn from ``fold_in(fold_in(dropout_rng, i), j)``.
+
+  Returns:
+    ``[B, T, N, H]`` in q's dtype.
+
+  Raises:
+    ValueError: for block sizes below 1, or a dense mask or bias that does not broadcast to
+      ``[B, N, T, S]``.
+  """
   default_q, default_k = default_block_sizes()
   block_q = default_q if block_q is None else block_q
   block_k = default_k if block_k is None else block_k
@@ -285,106 +440,7 @@ def chunked_attention(q, k, v, *, q_pos, scale, causal=False, window=None, bias=
     mask = _pad_axis(_pad_axis(mask, 2, tp, False), 3, sp, False)
   if bias is not None:
     bias = _pad_axis(_pad_axis(bias, 2, tp), 3, sp)
-  aux = (mask, kv_valid, q_segment_ids, kv_segment_ids, q_pos, dropout_rng if drop else None)
-
-  def dense_slice(x, qi, ki):
-    starts = (0, 0, qi * bq if x.shape[2] > 1 else 0, ki * bk if x.shape[3] > 1 else 0)
-    sizes = (x.shape[0], x.shape[1], bq if x.shape[2] > 1 else 1, bk if x.shape[3] > 1 else 1)
-    return starts, sizes
-
-  def block(qi, ki, bias, params, aux):
-    mask, kvv, qs, ks, qp, rng = aux
-
-    def sl(x, i, size):
-      return None if x is None else jax.lax.dynamic_slice_in_dim(x, i * size, size, axis=1)
-    def dense(x):
-      return None if x is None else jax.lax.dynamic_slice(x, *dense_slice(x, qi, ki))
-    keep = None
-    if rng is not None:
-      key = jax.random.fold_in(jax.random.fold_in(rng, qi), ki)
-      keep = jax.random.bernoulli(key, 1.0 - dropout_rate, (b, n, bq, bk))
-    return Block(q_pos=sl(qp, qi, bq), k_pos=ki * bk + jnp.arange(bk, dtype=jnp.int32),
-                 kv_valid=sl(kvv, ki, bk), q_seg=sl(qs, qi, bq), kv_seg=sl(ks, ki, bk),
-                 mask=dense(mask), bias=dense(bias), bias_params=params, keep=keep)
-
-  def key_range(q_pos_blk):
-    """The key blocks ``[lo, hi)`` a query block can see under causal / window."""
-    lo, hi = jnp.int32(0), jnp.int32(nk)
-    top, bottom = jnp.max(q_pos_blk), jnp.min(q_pos_blk)
-    if causal:
-      hi = jnp.clip(top // bk + 1, 0, nk)
-    if window is not None:
-      lo = jnp.clip((bottom - window + 1) // bk, 0, nk)
-      if not causal:
-        hi = jnp.clip((top + window - 1) // bk + 1, 0, nk)
-    return lo, hi
-
-  def kv_block(x, ki):
-    return jax.lax.dynamic_slice_in_dim(x, ki * bk, bk, axis=1)
-
-  def forward(q5, k, v, bias, params, aux):
-    def one_query_block(qi):
-      q_blk = jax.lax.dynamic_slice_in_dim(q5, qi * bq, bq, axis=1)
-      lo, hi = key_range(jax.lax.dynamic_slice_in_dim(aux[4], qi * bq, bq, axis=1))
-      def step(ki, state):
-        blk = block(qi, ki, bias, params, aux)
-        return online_update(state, q_blk, kv_block(k, ki), kv_block(v, ki), blk, st)
-      out, lse = finish(jax.lax.fori_loop(lo, hi, step, initial_state(b, kh, g, bq, h)))
-      return out.astype(q5.dtype), lse
-    out_QBKGtH, lse_QBKGt = jax.lax.map(one_query_block, jnp.arange(nq))
-    out_BTKGH = out_QBKGtH.transpose(1, 0, 4, 2, 3, 5).reshape(b, tp, kh, g, h)
-    return out_BTKGH, lse_QBKGt
-
-  @jax.custom_vjp
-  def attend(q5, k, v, bias, params, aux):
-    return forward(q5, k, v, bias, params, aux)[0]
-
-  def attend_fwd(q5, k, v, bias, params, aux):
-    out, lse = forward(q5, k, v, bias, params, aux)
-    return out, (q5, k, v, bias, params, aux, out, lse)
-
-  def attend_bwd(res, do_BTKGH):
-    q5, k, v, bias, params, aux, out, lse_QBKGt = res
-    # delta_i = sum_h dO_ih O_ih = sum_j P_ij dP_ij: the softmax backward's row term.
-    delta_BTKG = jnp.sum(do_BTKGH.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-    delta_QBKGt = delta_BTKG.reshape(b, nq, bq, kh, g).transpose(1, 0, 3, 4, 2)
-
-    def one_query_block(carry, qi):
-      q_blk = jax.lax.dynamic_slice_in_dim(q5, qi * bq, bq, axis=1)
-      do_blk = jax.lax.dynamic_slice_in_dim(do_BTKGH, qi * bq, bq, axis=1)
-      lse, delta = lse_QBKGt[qi], delta_QBKGt[qi]
-      lo, hi = key_range(jax.lax.dynamic_slice_in_dim(aux[4], qi * bq, bq, axis=1))
-
-      def step(ki, c):
-        dq, dk, dv, dbias, dparams = c
-        blk = block(qi, ki, bias, params, aux)
-        dq_i, dk_i, dv_i, ds = block_grads(q_blk, kv_block(k, ki), kv_block(v, ki), do_blk, lse,
-                                           delta, blk, st)
-        add = lambda acc, x: jax.lax.dynamic_update_slice_in_dim(
-            acc, kv_block(acc, ki) + x, ki * bk, axis=1)
-        dk, dv = add(dk, dk_i), add(dv, dv_i)
-        ds_BNts = ds.reshape(b, n, bq, bk)
-        if dbias is not None:
-          starts, sizes = dense_slice(dbias, qi, ki)
-          dbias = jax.lax.dynamic_update_slice(
-              dbias, jax.lax.dynamic_slice(dbias, starts, sizes) + sum_to(ds_BNts, sizes), starts)
-        if st.bias_fn is not None:
-          dparams = jax.tree.map(jnp.add, dparams, bias_params_grad(blk, st, ds))
-        return dq + dq_i, dk, dv, dbias, dparams
-
-      dq0 = jnp.zeros((b, bq, kh, g, h), jnp.float32)
-      dq, *carry = jax.lax.fori_loop(lo, hi, step, (dq0, *carry))
-      return tuple(carry), dq
-
-    zeros32 = lambda x: jnp.zeros(x.shape, jnp.float32)
-    init = (zeros32(k), zeros32(v), None if bias is None else zeros32(bias),
-            None if st.bias_fn is None else jax.tree.map(jnp.zeros_like, params))
-    (dk, dv, dbias, dparams), dq_QBtKGH = jax.lax.scan(one_query_block, init, jnp.arange(nq))
-    dq = dq_QBtKGH.transpose(1, 0, 2, 3, 4, 5).reshape(b, tp, kh, g, h)
-    cast = lambda d, x: None if d is None else d.astype(x.dtype)
-    return (cast(dq, q5), cast(dk, k), cast(dv, v), cast(dbias, bias), dparams, None)
-
+  aux = _Aux(mask, kv_valid, q_segment_ids, kv_segment_ids, q_pos, dropout_rng if drop else None)
   # The backward is traced after the forward's precision scope has closed (ops/precision.py).
-  attend.defvjp(attend_fwd, precision.within(precision.current(), attend_bwd))
-  out_BTKGH = attend(q5, k, v, bias, bias_params, aux)
+  out_BTKGH = _attend(st, Tiling(bq, bk), precision.current(), q5, k, v, bias, bias_params, aux)
   return out_BTKGH.reshape(b, tp, n, h)[:, :t]

@@ -1,7 +1,8 @@
-"""The attention kernel table: which implementation of ``ops.dot_product_attention`` runs where.
+"""The kernel table: which implementation of ``ops.dot_product_attention``, which dense core and
+which form of a projection's product run where.
 
-``choose_implementation`` is the only place a kernel is chosen. ``implementation=None`` in
-``ops.dot_product_attention``, the attention layers and ring attention all ask it. One row per
+``choose_implementation`` is the only place an attention kernel is chosen. ``implementation=None``
+in ``ops.dot_product_attention``, the attention layers and ring attention all ask it. One row per
 backend, read top to bottom (the first rule that applies wins):
 
   ========  =====================================================================================
@@ -19,10 +20,22 @@ backend, read top to bottom (the first rule that applies wins):
             ``T * S >= SPLASH_MIN_TS``; short sequences and decoding: ``"xla"``; the rest as on
             GPUs
   cpu       ``"chunked"`` from ``AUTO_CHUNKED_MIN_TS`` query-key pairs up, else ``"xla"``;
-            bfloat16 on a CPU with bf16 units stays ``"xla"`` while its weights fit
-            ``AUTO_DENSE_BF16_MAX_BYTES`` (the dense row-major core runs its products on the
-            bf16 kernel)
+            bfloat16 that the row-major core takes stays ``"xla"`` while its weights fit
+            ``AUTO_DENSE_BF16_MAX_BYTES``
   ========  =====================================================================================
+
+The CPU profile's pieces (``transformer_jax.cpu``) are reached from here only, on CPU only:
+
+  ========================  =========================================================  =========
+  question                  cpu                                                        gpu, tpu
+  ========================  =========================================================  =========
+  ``choose_dense_core``     ``"rowmajor"`` (``cpu.attention``) where                   ``"heads_
+                            ``cpu.attention.rowmajor_core_takes`` q, k and v           major"``
+  ``choose_product``        ``"weight_first"`` (``cpu.decode``) for at most            ``"einsum"``
+                            ``cpu.decode.SKINNY_ROWS`` rows of a weight stored
+                            ``[out, in]``; ``"cpu_bf16"`` (``cpu.matmul``) where
+                            ``cpu.matmul.bf16_products_native``; else ``"einsum"``
+  ========================  =========================================================  =========
 
 ``q``, ``k`` and ``v`` may be arrays or ``jax.ShapeDtypeStruct``s: only shapes and dtypes are read,
 so the table can be asked what a planned run would use (``tjax train --dry-run``).
@@ -32,20 +45,22 @@ from __future__ import annotations
 
 from typing import Literal
 
+import jax
 import jax.numpy as jnp
-
-from transformer_jax.ops import linear
 
 Implementation = Literal["xla", "chunked", "cudnn", "splash"]
 Choice = Literal["xla", "chunked", "cudnn", "splash", "ring"]
+DenseCore = Literal["heads_major", "rowmajor"]
+Product = Literal["einsum", "cpu_bf16", "weight_first"]
 PLATFORMS = ("cpu", "gpu", "tpu")
 
 # CPU: "chunked" from this many query-key pairs (T * S) up, "xla" below (experiments/
 # PERFORMANCE.md, "Chunked attention on CPU").
 AUTO_CHUNKED_MIN_TS = 768 * 768
 
-# CPU with bf16 units: bfloat16 attention without dropout stays "xla" past AUTO_CHUNKED_MIN_TS
-# while its bfloat16 weights, B * N * T * S * 2 bytes, fit here (PERFORMANCE.md, "Row-major core").
+# CPU, where the row-major core takes bfloat16 attention without dropout: "xla" past
+# AUTO_CHUNKED_MIN_TS while its bfloat16 weights, B * N * T * S * 2 bytes, fit here
+# (PERFORMANCE.md, "Row-major core").
 AUTO_DENSE_BF16_MAX_BYTES = 64 << 20
 
 # GPUs and TPUs, where the fused kernel does not apply: "xla" while one call's float32 scores,
@@ -58,16 +73,6 @@ CUDNN_MAX_HEAD_DIM = 128
 # TPU: below this many query-key pairs the dense kernel is as fast as splash and has no block
 # constraint.
 SPLASH_MIN_TS = 512 * 512
-
-
-def rowmajor_core_applies(q, k, v) -> bool:
-  """Whether the dense kernel runs its bfloat16 row-major core (``ops.attention``): q, k and v
-  are bfloat16, ``linear.matmul_pays`` bfloat16 (a CPU with bf16 units), and the query rows and
-  key length can be copied transposed (``linear.transposed`` needs a small factor of each)."""
-  t, s = q.shape[1], k.shape[1]
-  m = t * (q.shape[2] // k.shape[2])
-  return (q.dtype == k.dtype == v.dtype == jnp.bfloat16 and linear.matmul_pays(q.dtype)
-          and all(linear._small_factor(d) is not None for d in (m, s)))
 
 
 def _dense_or_chunked(q, k, *, max_bytes: int) -> str:
@@ -152,6 +157,49 @@ def choose_implementation(q, k, v, *, platform: str, causal: bool = False,
       if t * s < AUTO_CHUNKED_MIN_TS:
         return "xla"
       if (not dropout and b * n * t * s * 2 <= AUTO_DENSE_BF16_MAX_BYTES
-          and rowmajor_core_applies(q, k, v)):
+          and choose_dense_core(q, k, v, platform=platform) == "rowmajor"):
         return "xla"
       return "chunked"
+
+
+def choose_dense_core(q, k, v, *, platform: str) -> DenseCore:
+  """The core of the dense (``"xla"``) kernel for these inputs on ``platform``: ``"rowmajor"``
+  (``cpu.attention``, every product on XLA:CPU's bfloat16 kernel) where
+  ``cpu.attention.rowmajor_core_takes`` them, else ``"heads_major"`` (``ops.attention``).
+
+  Args:
+    q: ``[B, T, N, H]`` queries (an array or a ``jax.ShapeDtypeStruct``).
+    k: ``[B, S, K, H]`` keys.
+    v: ``[B, S, K, H]`` values.
+    platform: ``"cpu"``, ``"gpu"`` or ``"tpu"``.
+  """
+  if platform == "cpu":
+    from transformer_jax.cpu import attention as cpu_attention  # noqa: PLC0415 - CPU only
+
+    if cpu_attention.rowmajor_core_takes(q, k, v):
+      return "rowmajor"
+  return "heads_major"
+
+
+def choose_product(dtype, *, rows: int | None = None, platform: str | None = None) -> Product:
+  """How a projection computes its matrix product in ``dtype`` on ``platform``.
+
+  Args:
+    dtype: the product's compute dtype.
+    rows: the product's rows, given where the weight is stored ``[out, in]`` (a tied embedding
+      table): on CPU a few such rows multiply weight-first.
+    platform: ``"cpu"``, ``"gpu"`` or ``"tpu"``; default ``jax.default_backend()``.
+
+  Returns:
+    ``"weight_first"`` (``cpu.decode.weight_first``), ``"cpu_bf16"`` (``cpu.matmul.matmul``) or
+    ``"einsum"`` (see the module's table).
+  """
+  platform = jax.default_backend() if platform is None else platform
+  if platform == "cpu":
+    from transformer_jax.cpu import decode, matmul  # noqa: PLC0415 - CPU only
+
+    if rows is not None and rows <= decode.SKINNY_ROWS:
+      return "weight_first"
+    if matmul.bf16_products_native(dtype):
+      return "cpu_bf16"
+  return "einsum"

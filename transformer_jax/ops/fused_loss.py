@@ -17,7 +17,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from transformer_jax.ops.linear import transposed
 
 # Default chunk: rows whose float32 logits take about this many bytes.
 DEFAULT_CHUNK_BYTES = 256 << 20
@@ -82,11 +81,16 @@ def _chunk(cfg: _Config, x_CD, w_lo, labels_C, weights_C, *, grads: bool):
   else:                                   # [C, V] @ [D, V]^T
     dx_CD = jax.lax.dot_general(dlogits_CV, w_lo, (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32)
-  # x^T @ dlogits, [D, C] @ [C, V], for either layout: the transposed operand is the small x chunk,
-  # copied row-major (ops.linear.transposed) so that a bfloat16 product keeps XLA:CPU's bfloat16
-  # kernel; the "VD" layout's transpose of the sum is done once, in the backward.
-  dw_DV = jax.lax.dot_general(transposed(x_CD), dlogits_CV, (((1,), (0,)), ((), ())),
-                              preferred_element_type=jnp.float32)
+  # x^T @ dlogits, [D, C] @ [C, V], for either layout; the "VD" layout's transpose of the sum is
+  # done once, in the backward.
+  if jax.default_backend() == "cpu":
+    # A row-major copy of the small x chunk keeps a bfloat16 product in XLA:CPU's bf16 kernel.
+    from transformer_jax.cpu import matmul  # noqa: PLC0415 - the CPU profile, on CPU only
+    dw_DV = jax.lax.dot_general(matmul.transposed(x_CD), dlogits_CV, (((1,), (0,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+  else:
+    dw_DV = jax.lax.dot_general(x_CD, dlogits_CV, (((0,), (0,)), ((), ())),
+                                preferred_element_type=jnp.float32)
   return loss, correct, dx_CD, dw_DV
 
 

@@ -77,7 +77,7 @@ def _check(q, k, v, chunk_size, decay, causal):
 
 def linear_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
                      chunk_size: int = 64, decay=None, initial_state: LinearState | None = None,
-                     return_state: bool = False):
+                     return_state: bool = False, kv_valid: jax.Array | None = None):
   """Linear attention with the ``elu + 1`` feature map and its normaliser.
 
   Args:
@@ -92,6 +92,8 @@ def linear_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool =
     initial_state: the state before the first position (``LinearState``, e.g. after a prompt);
       default empty. Causal only.
     return_state: also return the state after the last position.
+    kv_valid: ``[B, T]`` bool, False for padding positions: they add nothing to any sum (their
+      outputs are still computed). With a decay they still decay the state.
 
   Returns:
     ``[B, T, N, E]`` in q's dtype (with ``return_state``, ``(out, LinearState)``).
@@ -107,6 +109,10 @@ def linear_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool =
   gamma_N = _decay_per_head(decay, n)
   phi_q = feature_map(q).reshape(b, t, kh, g, h)
   phi_k, v32 = feature_map(k), v.astype(jnp.float32)
+  if kv_valid is not None:
+    if kv_valid.shape != (b, t):
+      raise ValueError(f"kv_valid must be [B, T] = {(b, t)}; got shape {kv_valid.shape}")
+    phi_k = phi_k * jnp.asarray(kv_valid, jnp.float32)[:, :, None, None]
   if not causal:
     if initial_state is not None or return_state:
       raise ValueError("initial_state and return_state need causal=True")

@@ -1,13 +1,18 @@
 """Boolean attention masks (True = attend), built from small pieces and combined with ``and_masks``.
 
 Every helper returns an array broadcastable to ``[B, N, T, S]``: a leading batch axis of 1 where the
-mask does not depend on the batch, and a head axis of 1.
+mask does not depend on the batch, and a head axis of 1. The attention kernels give a masked logit
+``MASK_VALUE`` and reduce a broadcast bias's gradient with ``sum_to``.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+# The logit of a masked entry: a large finite negative rather than -inf, so exp() of it is exactly
+# 0 and a row whose every entry is masked stays finite (the kernels then zero such rows).
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 def _query_key_positions(q_len: int, k_len: int) -> tuple[jax.Array, jax.Array]:
@@ -72,3 +77,12 @@ def and_masks(*masks: jax.Array | None) -> jax.Array | None:
       continue
     out = m if out is None else jnp.logical_and(out, m)
   return out
+
+
+def sum_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """``x`` summed over the axes that ``shape`` broadcasts (leading ones, and those of size 1): the
+  cotangent of an array of ``shape`` broadcast to ``x``'s shape."""
+  lead = x.ndim - len(shape)
+  x = jnp.sum(x, axis=tuple(range(lead))) if lead else x
+  axes = tuple(i for i, d in enumerate(shape) if d == 1 and x.shape[i] != 1)
+  return jnp.sum(x, axis=axes, keepdims=True) if axes else x

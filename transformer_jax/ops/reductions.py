@@ -13,15 +13,9 @@ def argmax(x: jax.Array, axis: int = -1) -> jax.Array:
   ``jnp.argmax`` does.
 
   ``jnp.argmax`` lowers to one reduction over (value, index) pairs, which XLA:CPU does not
-  vectorize: on a 2-core Zen 5 EPYC it takes 0.21 ms for one row of GPT-2's 50257 logits (2% of a
-  batch-1 decoding step) and 112 ms for the accuracy of a 4 x 256 training batch. Here it is two
-  plain reductions instead, a max and then a min over the indices that hold it; both vectorize:
-  0.016 ms for the row. The second reduction reads an index array as large as ``x``, which XLA
-  materializes. For a training batch's logits that is 205 MB more of the step's temporaries,
-  which took the bfloat16 GPT-2 step past the ~2 GiB block that mimalloc keeps for reuse
-  (``runtime.allocator_env``): every step then mapped fresh pages and took 3.5 s instead of
-  1.76 s. So past 2**22 elements the rows go through in chunks of that size, whose buffer is
-  reused: 28-42 ms for the training batch (experiments/PERFORMANCE.md).
+  vectorize; here it is two plain reductions instead, a max and then a min over the indices that
+  hold it. The second reads an index array as large as ``x``, so past 2**22 elements the rows go
+  through in chunks whose buffer is reused (experiments/PERFORMANCE.md, "Argmax").
   """
   axis = axis % x.ndim
   x = jnp.moveaxis(x, axis, -1)

@@ -33,6 +33,7 @@ heads, K key/value heads, G = N // K, H head dim.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -43,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 from transformer_jax.ops import chunked, precision
 
 __all__ = ["ring_attention"]
+
 
 def _check_inputs(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
                   kv_mask_BS: jax.Array | None, segment_ids_BT: jax.Array | None) -> None:
@@ -78,6 +80,35 @@ def _varying_like(tree, ref: jax.Array):
   return jax.tree.map(lambda x: jax.lax.pcast(x, axes, to="varying"), tree)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+  """The ring's static parts: the mesh axis it runs over, its size, and the attention's
+  (``chunked.Static``)."""
+  seq_axis: str
+  axis_size: int
+  st: chunked.Static
+
+  def perm(self) -> list[tuple[int, int]]:
+    """Send to the next device: at step s a device holds the block of device (i - s) mod n."""
+    return [(j, (j + 1) % self.axis_size) for j in range(self.axis_size)]
+
+  def block(self, s, t: int, q_seg, kv_mask, kv_seg) -> chunked.Block:
+    """The positions and ids of the key/value block a device holds at step ``s``."""
+    my_block = jax.lax.axis_index(self.seq_axis)
+    src = (my_block - s) % self.axis_size  # where the block held at step s started
+    return chunked.Block(q_pos=(my_block * t + jnp.arange(t, dtype=jnp.int32))[None],
+                         k_pos=src * t + jnp.arange(t, dtype=jnp.int32), kv_valid=kv_mask,
+                         q_seg=q_seg, kv_seg=kv_seg)
+
+  def visit(self, s, step_fn, skip_fn, *args):
+    """Runs a block step, or under ``causal`` skips a block that lies entirely in the future (it
+    started on a later device): devices late in the ring do more work than early ones."""
+    if not self.st.causal:
+      return step_fn(*args)
+    my_block = jax.lax.axis_index(self.seq_axis)
+    return jax.lax.cond((my_block - s) % self.axis_size <= my_block, step_fn, skip_fn, *args)
+
+
 def _ring_body(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
                kv_mask_BS: jax.Array | None, seg_BT: jax.Array | None, *, seq_axis: str,
                axis_size: int, causal: bool, scale: float) -> jax.Array:
@@ -85,94 +116,91 @@ def _ring_body(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
 
   The forward and backward block steps are the chunked kernel's (``ops.chunked``); only the
   schedule differs: the key/value blocks come from the ring instead of a loop over slices."""
+  ring = _Ring(seq_axis, axis_size, chunked.Static(scale=scale, causal=causal))
+  # The backward is traced after the forward's precision scope has closed (ops/precision.py).
+  return _ring(ring, precision.current(), q_BTNH, k_BSKH, v_BSKH, kv_mask_BS, seg_BT)
+
+
+def _forward(ring: _Ring, q_BTNH, k_BSKH, v_BSKH, kv_mask_BS, seg_BT):
+  """Output ``[B, T, N, H]`` and log-sum-exp ``[B, K, G, T]`` of the local query block."""
   b, t, n, h = q_BTNH.shape
   kh = k_BSKH.shape[2]
   g = n // kh
-  st = chunked.Static(scale=scale, causal=causal)
-  # Send to the next device, so that at step s a device holds the block of device (i - s) mod n.
-  perm = [(j, (j + 1) % axis_size) for j in range(axis_size)]
+  q_BTKGH = q_BTNH.reshape(b, t, kh, g, h)
 
-  # (Everything below is traced inside the custom_vjp's functions, which must not close over
-  # values traced outside them: the device index is looked up in each.)
-  def block(s, q_seg, kv_mask, kv_seg):
-    my_block = jax.lax.axis_index(seq_axis)
-    src = (my_block - s) % axis_size  # where the block held at step s started
-    return chunked.Block(q_pos=(my_block * t + jnp.arange(t, dtype=jnp.int32))[None],
-                         k_pos=src * t + jnp.arange(t, dtype=jnp.int32), kv_valid=kv_mask,
-                         q_seg=q_seg, kv_seg=kv_seg)
+  def attend(s, state, blocks):
+    k_blk, v_blk, kvm_blk, seg_blk = blocks
+    blk = ring.block(s, t, seg_BT, kvm_blk, seg_blk)
+    return ring.visit(s, lambda st_: chunked.online_update(st_, q_BTKGH, k_blk, v_blk, blk,
+                                                           ring.st),
+                      lambda st_: st_, state)
 
-  def visit(s, step_fn, skip_fn, *args):
-    """Runs a block step, or under ``causal`` skips a block that lies entirely in the future (it
-    started on a later device): devices late in the ring do more work than early ones."""
-    if not causal:
-      return step_fn(*args)
-    my_block = jax.lax.axis_index(seq_axis)
-    return jax.lax.cond((my_block - s) % axis_size <= my_block, step_fn, skip_fn, *args)
+  def step(carry, s):
+    state, blocks = carry
+    # Pass the block on before attending to it, so that communication can overlap compute.
+    next_blocks = jax.lax.ppermute(blocks, ring.seq_axis, ring.perm())
+    return (attend(s, state, blocks), next_blocks), None
 
-  def forward(q_BTNH, k_BSKH, v_BSKH, kv_mask_BS, seg_BT):
-    q_BTKGH = q_BTNH.reshape(b, t, kh, g, h)
+  blocks = (k_BSKH, v_BSKH, kv_mask_BS, seg_BT)
+  state = _varying_like(chunked.initial_state(b, kh, g, t, h), q_BTNH)
+  (state, blocks), _ = jax.lax.scan(step, (state, blocks), jnp.arange(ring.axis_size - 1))
+  state = attend(ring.axis_size - 1, state, blocks)  # the last block is not sent on again
+  out_BKGTH, lse_BKGT = chunked.finish(state)
+  out_BTNH = out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q_BTNH.dtype)
+  return out_BTNH, lse_BKGT
 
-    def attend(s, state, blocks):
-      k_blk, v_blk, kvm_blk, seg_blk = blocks
-      blk = block(s, seg_BT, kvm_blk, seg_blk)
-      return visit(s, lambda st_: chunked.online_update(st_, q_BTKGH, k_blk, v_blk, blk, st),
-                   lambda st_: st_, state)
 
-    def step(carry, s):
-      state, blocks = carry
-      # Pass the block on before attending to it, so that communication can overlap compute.
-      next_blocks = jax.lax.ppermute(blocks, seq_axis, perm)
-      return (attend(s, state, blocks), next_blocks), None
+# (The custom_vjp's functions look the device index up themselves: they must not close over
+# values traced outside them.)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _ring(ring: _Ring, matmul_precision: str | None, q_BTNH, k_BSKH, v_BSKH, kv_mask_BS, seg_BT):
+  return _forward(ring, q_BTNH, k_BSKH, v_BSKH, kv_mask_BS, seg_BT)[0]
 
-    blocks = (k_BSKH, v_BSKH, kv_mask_BS, seg_BT)
-    state = _varying_like(chunked.initial_state(b, kh, g, t, h), q_BTNH)
-    (state, blocks), _ = jax.lax.scan(step, (state, blocks), jnp.arange(axis_size - 1))
-    state = attend(axis_size - 1, state, blocks)  # the last block is not sent on again
-    out_BKGTH, lse_BKGT = chunked.finish(state)
-    out_BTNH = out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q_BTNH.dtype)
-    return out_BTNH, lse_BKGT
 
-  @jax.custom_vjp
-  def ring(q_BTNH, k_BSKH, v_BSKH, kv_mask_BS, seg_BT):
-    return forward(q_BTNH, k_BSKH, v_BSKH, kv_mask_BS, seg_BT)[0]
+def _ring_fwd(ring, matmul_precision, q_BTNH, k_BSKH, v_BSKH, kv_mask_BS, seg_BT):
+  out_BTNH, lse_BKGT = _forward(ring, q_BTNH, k_BSKH, v_BSKH, kv_mask_BS, seg_BT)
+  return out_BTNH, (q_BTNH, k_BSKH, v_BSKH, kv_mask_BS, seg_BT, out_BTNH, lse_BKGT)
 
-  def ring_fwd(q_BTNH, k_BSKH, v_BSKH, kv_mask_BS, seg_BT):
-    out_BTNH, lse_BKGT = forward(q_BTNH, k_BSKH, v_BSKH, kv_mask_BS, seg_BT)
-    return out_BTNH, (q_BTNH, k_BSKH, v_BSKH, kv_mask_BS, seg_BT, out_BTNH, lse_BKGT)
 
-  def ring_bwd(res, do_BTNH):
-    """The key/value blocks go around the ring once more, now with their gradients ``dk, dv``,
-    which every device adds to; after ``n`` hops they are back on the device that owns them."""
-    q_BTNH, k_BSKH, v_BSKH, kv_mask_BS, seg_BT, out_BTNH, lse_BKGT = res
-    q_BTKGH = q_BTNH.reshape(b, t, kh, g, h)
-    do_BTKGH = do_BTNH.reshape(b, t, kh, g, h)
-    delta_BTKG = jnp.sum(do_BTKGH.astype(jnp.float32)
-                         * out_BTNH.reshape(b, t, kh, g, h).astype(jnp.float32), axis=-1)
-    delta_BKGT = delta_BTKG.transpose(0, 2, 3, 1)
+def _ring_bwd(ring, matmul_precision, res, do_BTNH):
+  with jax.default_matmul_precision(matmul_precision):   # the forward's (ops/precision.py)
+    return _ring_grads(ring, res, do_BTNH)
 
-    def step(carry, s):
-      dq, blocks, grads = carry
-      k_blk, v_blk, kvm_blk, seg_blk = blocks
-      blk = block(s, seg_BT, kvm_blk, seg_blk)
 
-      def grad_step(dq, grads):
-        dq_i, dk_i, dv_i, _ = chunked.block_grads(q_BTKGH, k_blk, v_blk, do_BTKGH, lse_BKGT,
-                                                  delta_BKGT, blk, st)
-        return dq + dq_i, (grads[0] + dk_i, grads[1] + dv_i)
-      dq, grads = visit(s, grad_step, lambda dq, grads: (dq, grads), dq, grads)
-      blocks, grads = jax.lax.ppermute((blocks, grads), seq_axis, perm)
-      return (dq, blocks, grads), None
+def _ring_grads(ring: _Ring, res, do_BTNH):
+  """The key/value blocks go around the ring once more, now with their gradients ``dk, dv``,
+  which every device adds to; after ``n`` hops they are back on the device that owns them."""
+  q_BTNH, k_BSKH, v_BSKH, kv_mask_BS, seg_BT, out_BTNH, lse_BKGT = res
+  b, t, n, h = q_BTNH.shape
+  kh = k_BSKH.shape[2]
+  g = n // kh
+  q_BTKGH = q_BTNH.reshape(b, t, kh, g, h)
+  do_BTKGH = do_BTNH.reshape(b, t, kh, g, h)
+  delta_BTKG = chunked.output_delta(do_BTKGH, out_BTNH.reshape(b, t, kh, g, h))
+  delta_BKGT = delta_BTKG.transpose(0, 2, 3, 1)
 
-    zeros = _varying_like(jnp.zeros(k_BSKH.shape, jnp.float32), k_BSKH)
-    init = (_varying_like(jnp.zeros(q_BTKGH.shape, jnp.float32), q_BTNH),
-            (k_BSKH, v_BSKH, kv_mask_BS, seg_BT), (zeros, zeros))
-    (dq, _, (dk, dv)), _ = jax.lax.scan(step, init, jnp.arange(axis_size))
-    return (dq.reshape(b, t, n, h).astype(q_BTNH.dtype), dk.astype(k_BSKH.dtype),
-            dv.astype(v_BSKH.dtype), None, None)
+  def step(carry, s):
+    dq, blocks, grads = carry
+    k_blk, v_blk, kvm_blk, seg_blk = blocks
+    blk = ring.block(s, t, seg_BT, kvm_blk, seg_blk)
 
-  # The backward is traced after the forward's precision scope has closed (ops/precision.py).
-  ring.defvjp(ring_fwd, precision.within(precision.current(), ring_bwd))
-  return ring(q_BTNH, k_BSKH, v_BSKH, kv_mask_BS, seg_BT)
+    def grad_step(dq, grads):
+      dq_i, dk_i, dv_i, _ = chunked.block_grads(q_BTKGH, k_blk, v_blk, do_BTKGH, lse_BKGT,
+                                                delta_BKGT, blk, ring.st)
+      return dq + dq_i, (grads[0] + dk_i, grads[1] + dv_i)
+    dq, grads = ring.visit(s, grad_step, lambda dq, grads: (dq, grads), dq, grads)
+    blocks, grads = jax.lax.ppermute((blocks, grads), ring.seq_axis, ring.perm())
+    return (dq, blocks, grads), None
+
+  zeros = _varying_like(jnp.zeros(k_BSKH.shape, jnp.float32), k_BSKH)
+  init = (_varying_like(jnp.zeros(q_BTKGH.shape, jnp.float32), q_BTNH),
+          (k_BSKH, v_BSKH, kv_mask_BS, seg_BT), (zeros, zeros))
+  (dq, _, (dk, dv)), _ = jax.lax.scan(step, init, jnp.arange(ring.axis_size))
+  return (dq.reshape(b, t, n, h).astype(q_BTNH.dtype), dk.astype(k_BSKH.dtype),
+          dv.astype(v_BSKH.dtype), None, None)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def _axis_sizes(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh) -> dict[str, int]:
@@ -209,8 +237,8 @@ def ring_attention(
   (logical axis ``length`` -> ``sequence``) makes both reshardings no-ops. An attention layer
   (``layers.Attention``) calls it instead of ``ops.dot_product_attention`` for self-attention
   without a key/value cache, a bias function or attention dropout, when the mesh it was built with
-  has a ``sequence`` axis, after RoPE (positions must be the global ones, which ``jnp.arange(T)`` on the global array
-  already is). Dense ``[B, N, T, S]`` masks and additive biases (ALiBi, T5 buckets) are not
+  has a ``sequence`` axis, after RoPE (positions must be the global ones, which ``jnp.arange(T)``
+  on the global array already is). Dense ``[B, N, T, S]`` masks and additive biases (ALiBi, T5 buckets) are not
   supported: express padding as ``kv_mask_BS`` and packing as ``segment_ids_BT``.
 
   Args:
