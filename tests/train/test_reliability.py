@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from transformer_jax import data, runs, runtime
+from transformer_jax.runs import orbax_errors
 from transformer_jax.train import TrainingDiverged, evaluate_run, load_experiment, train
 from transformer_jax.train import tasks as tasks_lib
 from tests.train.conftest import REPO, run_cli, run_tjax
@@ -226,10 +227,12 @@ def test_divergence_before_the_first_checkpoint_says_none_was_saved(tmp_path, te
 
 def test_divergence_guard_never_saves_non_finite_parameters(tmp_path, text_dataset):
   """Through the command line: exit 1 (a failure, not bad input) naming the step and the last good
-  checkpoint, which is the newest one saved; no saved step holds a non-finite parameter."""
+  checkpoint, which is the newest one kept; no saved step holds a non-finite parameter. (Two
+  warmup steps: the first update is 0, so step 1 is good; tests/train/test_divergence.py has the
+  run whose every checkpoint is bad.)"""
   run_dir = tmp_path / "r"
   cfg = _write(tmp_path / "e.yaml", _raw(run_dir, text_dataset, steps=20, checkpoint_every=1,
-                                         log_every=1, warmup_steps=0, schedule="constant"))
+                                         log_every=1, warmup_steps=2, schedule="constant"))
   code, _, err = run_cli("train", cfg, "--no-progress", "train.lr=1e9")
   assert code == 1, err
   match = re.search(r"became .* at step (\d+).*\(step (\d+)\) is intact", err)
@@ -443,7 +446,7 @@ def test_a_full_disk_is_one_line_and_earlier_checkpoints_survive(tmp_path, text_
 def test_asyncio_reports_of_abandoned_reads_are_dropped_and_others_kept():
   """The reads orbax abandons on a damaged step can report through asyncio's logger after the
   damage was named once ("Task exception was never retrieved", "Event loop is closed")."""
-  with runs._quiet_aborted_reads():
+  with orbax_errors.quiet_aborted_reads():
     pass
   out = io.StringIO()
   handler = logging.StreamHandler(out)

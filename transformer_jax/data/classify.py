@@ -354,8 +354,7 @@ def prepare_classify(inputs: Sequence[str], out: str, *, tokenizer: str = "cl100
     meta_file = os.path.join(vocab_from, prep.METADATA_FILE)
     if not os.path.exists(meta_file):
       raise ValueError(f"vocab_from={vocab_from!r} holds no prepared dataset ({prep.METADATA_FILE})")
-    with open(meta_file) as f:
-      src_meta = json.load(f)
+    src_meta = prep.read_metadata(vocab_from)
     tokenizer = src_meta["tokenizer"]
     if src_meta.get("compact_vocab"):
       compact = CompactVocab.load(os.path.join(vocab_from, src_meta["compact_vocab"]))

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any
 
 import numpy as np
 
-from transformer_jax.data.prepare import FORMAT_VERSION, METADATA_FILE
+from transformer_jax.data.prepare import FORMAT_VERSION, METADATA_FILE, read_metadata
 from transformer_jax.data.tokenizer import Tokenizer
 
 
@@ -116,15 +115,12 @@ def load_dataset(path: str | os.PathLike) -> Dataset:
 
     Raises:
         FileNotFoundError: ``path`` has no ``metadata.json``.
-        ValueError: Unsupported format version, a token id out of range (names the id, file and vocab size),
-            or inconsistent offsets.
+        ValueError: A damaged ``metadata.json`` (named, with how to rebuild it), an unsupported format
+            version, a token id out of range (names the id, file and vocab size), or inconsistent offsets.
     """
     path = os.fspath(path)
     meta_file = os.path.join(path, METADATA_FILE)
-    if not os.path.exists(meta_file):
-        raise FileNotFoundError(f"{path!r} is not a prepared dataset (no {METADATA_FILE}); run `tjax prepare`")
-    with open(meta_file) as f:
-        meta = json.load(f)
+    meta = read_metadata(path)
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{meta_file}: format_version {meta.get('format_version')} is not supported "
                          f"(expected {FORMAT_VERSION}); re-run `tjax prepare --force`")

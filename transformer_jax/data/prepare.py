@@ -353,6 +353,30 @@ def _is_up_to_date(out: str, content_hash: str) -> dict[str, Any] | None:
     return meta if all(os.path.exists(os.path.join(out, f)) for f in files) else None
 
 
+def read_metadata(path: str) -> dict[str, Any]:
+    """The ``metadata.json`` of the dataset directory ``path``.
+
+    Raises:
+        FileNotFoundError: ``path`` holds no ``metadata.json``.
+        ValueError: The file is damaged (not a JSON object); the message names it and how to rebuild it.
+    """
+    meta_file = os.path.join(path, METADATA_FILE)
+    if not os.path.exists(meta_file):
+        raise FileNotFoundError(f"{path!r} is not a prepared dataset (no {METADATA_FILE}); run `tjax prepare`")
+    with open(meta_file, "rb") as f:
+        raw = f.read()
+    try:
+        meta = json.loads(raw)
+        problem = None if isinstance(meta, dict) else f"a JSON {type(meta).__name__}, not an object"
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        problem = str(e)
+    if problem is not None:
+        raise ValueError(f"{meta_file} is damaged ({problem}); rebuild the dataset with `tjax prepare "
+                         f"... --out {path}`, or delete {path} for `tjax train` to prepare it again from "
+                         "data.inputs")
+    return meta
+
+
 # ---- entry point --------------------------------------------------------------------------------------
 
 def prepare(inputs: Sequence[str], out: str, *, tokenizer: str = "cl100k_base", compact_vocab: bool | int = False,
@@ -403,8 +427,7 @@ def prepare(inputs: Sequence[str], out: str, *, tokenizer: str = "cl100k_base", 
     tok = Tokenizer.from_name(tokenizer)
     reused = None
     if vocab_from is not None:  # another dataset's ids (a model pretrained on it reads these)
-        with open(os.path.join(vocab_from, METADATA_FILE)) as f:
-            src_meta = json.load(f)
+        src_meta = read_metadata(vocab_from)
         tokenizer = src_meta["tokenizer"]
         if src_meta.get("compact_vocab"):
             reused = CompactVocab.load(os.path.join(vocab_from, src_meta["compact_vocab"]))

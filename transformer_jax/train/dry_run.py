@@ -8,7 +8,6 @@ The CLI sets the number of simulated CPU devices before JAX starts (``simulate_d
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any
@@ -50,8 +49,8 @@ def _model_config(exp: Experiment) -> tuple[models.ModelConfig, str]:
   path = exp.data.path
   meta = None if path is None else os.path.join(path, "metadata.json")
   if meta and os.path.exists(meta):
-    with open(meta) as f:
-      vocab = json.load(f)["vocab_size"]
+    from transformer_jax.data import prepare
+    vocab = prepare.read_metadata(path)["vocab_size"]
     return exp.model_config(vocab_size=vocab), f"vocabulary {vocab} from {path}"
   config = exp.model_config()
   return config, f"vocabulary {config.vocab_size} from the model config (no prepared dataset)"

@@ -11,6 +11,8 @@ heads). A tensor with the same path but another shape is refused by name, except
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from typing import Any
 
 import jax
@@ -87,6 +89,16 @@ def describe(report: dict[str, list[str]], init_from: str) -> str:
       f"init_from {init_from}: loaded {len(report['loaded'])} tensors ({names(report['loaded'])})",
       f"  new {len(report['new'])} ({names(report['new']) or '-'})",
       f"  dropped {len(report['dropped'])} ({names(report['dropped']) or '-'})"])
+
+
+def record_loaded(run_dir: str, init_from: str, report: dict[str, list[str]]) -> None:
+  """Prints :func:`describe`'s lines and writes ``init_from.json`` (the source and the report)
+  into ``run_dir`` (process 0)."""
+  if jax.process_index() != 0:
+    return
+  print(describe(report, init_from), flush=True)
+  runs.write_atomic(os.path.join(run_dir, "init_from.json"),
+                    json.dumps({"init_from": init_from, **report}, indent=1))
 
 
 def lora_start(model_config: models.ModelConfig, lora_config, seed: int,

@@ -1,0 +1,260 @@
+"""The run directory's files: snapshots written atomically, the dataset reference, the lock.
+
+Checkpoints live in ``checkpoints/`` and belong to :mod:`transformer_jax.runs.checkpoints`; this
+module only lists their committed steps (from the directory names).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import shutil
+import sys
+from typing import Any, Iterator
+
+import jax
+import yaml
+
+from transformer_jax import models
+
+CONFIG, MODEL, DATASET, METRICS, FINAL, LOCK = (
+    "config.yaml", "model.yaml", "dataset.json", "metrics.jsonl", "final.json", ".lock")
+CHECKPOINTS = "checkpoints"
+# What a run writes: removed by ``RunDir.clear`` (``--force-new``), nothing else is touched.
+_OWNED = (CONFIG, MODEL, DATASET, METRICS, FINAL, CHECKPOINTS, "tensorboard", "loss.png",
+          "samples.txt")
+
+
+class RunLocked(ValueError):
+  """Another process holds the run directory."""
+
+
+# -------------------------------------------------------------------------------------------------
+# Files.
+
+
+def load_yaml(path: str) -> Any:
+  """The YAML document in ``path``; a ``ValueError`` naming the file and line when it is broken."""
+  with open(path) as f:
+    text = f.read()
+  try:
+    return yaml.safe_load(text)
+  except yaml.YAMLError as e:
+    mark = getattr(e, "problem_mark", None)
+    where = f"{path}:{mark.line + 1}" if mark is not None else path
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    raise ValueError(f"{where}: broken YAML: {problem}") from None
+
+
+def write_atomic(path: str, text: str) -> None:
+  """Writes ``text`` to ``path`` through a temporary file and a rename: never half a file."""
+  tmp = f"{path}.tmp{os.getpid()}"
+  try:
+    with open(tmp, "w") as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+
+
+def dataset_fingerprint(path: str) -> str:
+  """SHA-256 over the names and contents of the files of a prepared dataset directory."""
+  h = hashlib.sha256()
+  for name in sorted(os.listdir(path)):
+    file = os.path.join(path, name)
+    if not os.path.isfile(file):
+      continue
+    h.update(name.encode() + b"\0")
+    with open(file, "rb") as f:
+      for block in iter(lambda: f.read(1 << 20), b""):
+        h.update(block)
+  return h.hexdigest()
+
+
+def dataset_ref(dataset) -> dict[str, Any]:
+  """What ``dataset.json`` records of a loaded ``data.Dataset``."""
+  path = os.path.abspath(dataset.path)
+  return {"path": path, "hash": dataset_fingerprint(path), "vocab_size": dataset.vocab_size,
+          "task": dataset.task}
+
+
+def check_vocab(dataset_vocab: int, config: models.ModelConfig, where: str) -> None:
+  """Refuses a dataset whose ids do not fit the model's vocabulary (or that leaves it unused)."""
+  if dataset_vocab != config.vocab_size:
+    raise ValueError(f"the dataset {where} has vocab_size={dataset_vocab} but the model has "
+                     f"vocab_size={config.vocab_size}; use the dataset the model was trained on")
+
+
+def model_spec(config: models.ModelConfig) -> dict[str, Any]:
+  """A YAML-able description of ``config``: its family and every field."""
+  return models.config_to_dict(config)
+
+
+def warn(message: str) -> None:
+  """One warning line on stderr (process 0)."""
+  if jax.process_index() == 0:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def describe_oserror(e: OSError) -> str:
+  """One line for an ``OSError``: what failed and on which path."""
+  reason = e.strerror or os.strerror(e.errno) if e.errno else str(e)
+  if e.errno == errno.ENOSPC:
+    reason = "no space left on the device"
+  path = e.filename if e.filename is not None else ""
+  return f"{path}: {reason}" if path else reason
+
+
+# -------------------------------------------------------------------------------------------------
+# The directory.
+
+
+class RunDir:
+  """A run directory (it need not exist yet). Paths are absolute."""
+
+  def __init__(self, path: str | os.PathLike):
+    self.path = os.path.abspath(os.fspath(path))
+    self._lock_file = None
+
+  def file(self, name: str) -> str:
+    return os.path.join(self.path, name)
+
+  @property
+  def checkpoint_dir(self) -> str:
+    return self.file(CHECKPOINTS)
+
+  def exists(self) -> bool:
+    return os.path.isdir(self.path)
+
+  def is_empty(self) -> bool:
+    return not self.exists() or not os.listdir(self.path)
+
+  def check_usable(self) -> None:
+    """Raises one line when the path cannot hold a run (a file, or no write permission)."""
+    if os.path.exists(self.path) and not os.path.isdir(self.path):
+      raise ValueError(f"run_dir {self.path} is not a directory")
+    probe = self.path
+    while not os.path.exists(probe):
+      probe = os.path.dirname(probe)
+    if not os.access(probe, os.W_OK | os.X_OK):
+      raise ValueError(f"run_dir {self.path}: {probe} is not writable (permission denied)")
+    if os.path.isdir(self.path) and not os.access(self.path, os.R_OK):
+      raise ValueError(f"run_dir {self.path} is not readable (permission denied)")
+
+  # Snapshots.
+
+  def read_config(self) -> dict | None:
+    path = self.file(CONFIG)
+    if not os.path.exists(path):
+      return None
+    raw = load_yaml(path)
+    if not isinstance(raw, dict):
+      raise ValueError(f"{path}: expected a mapping of sections")
+    return raw
+
+  def read_model(self) -> models.ModelConfig | None:
+    path = self.file(MODEL)
+    if not os.path.exists(path):
+      return None
+    spec = load_yaml(path)
+    try:
+      return models.config_from_dict(spec)
+    except (TypeError, KeyError) as e:
+      raise ValueError(f"{path}: not a model config ({type(e).__name__}: {e})") from None
+
+  def require_model(self) -> models.ModelConfig:
+    """The model config of an existing run directory (what eval, generate and convert open).
+
+    Raises:
+      ValueError: the path is not a directory, or holds no model config.
+    """
+    if not self.exists():
+      raise ValueError(f"{self.path} is not a directory")
+    config = self.read_model()
+    if config is None:
+      raise ValueError(f"{self.path} is not a run directory (no {MODEL})")
+    return config
+
+  def read_dataset_ref(self) -> dict | None:
+    path = self.file(DATASET)
+    if not os.path.exists(path):
+      return None
+    with open(path) as f:
+      try:
+        return json.load(f)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{e.lineno}: broken JSON: {e.msg}") from None
+
+  def write_snapshot(self, config: dict | None, model_config: models.ModelConfig,
+                     dataset: dict | None) -> None:
+    """Writes ``config.yaml``, ``model.yaml`` and ``dataset.json`` (process 0; call it only once
+    everything they describe has been checked)."""
+    if jax.process_index() != 0:
+      return
+    os.makedirs(self.path, exist_ok=True)
+    if config is not None:
+      write_atomic(self.file(CONFIG), yaml.safe_dump(config, sort_keys=False))
+    write_atomic(self.file(MODEL), yaml.safe_dump(model_spec(model_config), sort_keys=False))
+    if dataset is not None:
+      write_atomic(self.file(DATASET), json.dumps(dataset, indent=2) + "\n")
+
+  def read_final(self) -> dict | None:
+    path = self.file(FINAL)
+    if not os.path.exists(path):
+      return None
+    with open(path) as f:
+      return json.load(f)
+
+  def write_final(self, final: dict) -> None:
+    if jax.process_index() == 0:
+      write_atomic(self.file(FINAL), json.dumps(final, indent=2) + "\n")
+
+  def clear(self) -> None:
+    """Removes what a run wrote (``--force-new``); other files in the directory stay."""
+    for name in _OWNED:
+      path = self.file(name)
+      if os.path.isdir(path):
+        shutil.rmtree(path)
+      elif os.path.exists(path):
+        os.remove(path)
+
+  # Checkpoint steps, read from the directory names (no orbax manager needed).
+
+  def checkpoint_steps(self, best: bool = False) -> list[int]:
+    """The committed steps, ascending (orbax renames a step into place only once it is whole)."""
+    root = os.path.join(self.checkpoint_dir, "best") if best else self.checkpoint_dir
+    if not os.path.isdir(root):
+      return []
+    return sorted(int(n) for n in os.listdir(root) if n.isdigit())
+
+  # The lock.
+
+  @contextlib.contextmanager
+  def lock(self) -> Iterator[None]:
+    """Holds ``.lock`` (an exclusive ``flock``) while the body runs; a second holder is refused."""
+    import fcntl
+    os.makedirs(self.path, exist_ok=True)
+    f = open(self.file(LOCK), "a+")
+    try:
+      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      f.seek(0)
+      holder = f.read().strip() or "another process"
+      f.close()
+      raise RunLocked(f"run_dir {self.path} is in use by {holder} (lock {self.file(LOCK)}); "
+                      "wait for it to finish or use another run_dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()}\n")
+    f.flush()
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
+      f.close()

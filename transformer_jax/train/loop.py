@@ -1,0 +1,169 @@
+"""The training loop: steps from the start state to ``train.steps``, with logging, evaluation,
+checkpoints, the divergence guard and SIGINT/SIGTERM.
+
+Its state is the loop's own locals (the train state, the steps dispatched since the last write,
+the newest evaluation), passed to and returned from plain functions; the objects it holds own
+their files (:class:`metrics.TrainLog`, ``runs.Checkpoints``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import signal
+import threading
+from typing import Any
+
+import jax
+
+from transformer_jax import runs, runtime
+from transformer_jax.train import step as step_lib
+from transformer_jax.train import tasks as tasks_lib
+from transformer_jax.train.console import log0
+from transformer_jax.train.divergence import Guard
+from transformer_jax.train.evaluation import evaluate
+from transformer_jax.train.lora_run import all_params
+from transformer_jax.train.metrics import StepMetrics, TrainLog
+from transformer_jax.train.plan import Run, compiled_step, make_step
+
+
+@dataclasses.dataclass
+class Outcome:
+  """How the loop ended."""
+
+  state: step_lib.TrainState
+  step: int                               # steps taken
+  last_eval: dict[str, float]             # {"step", "val_*"}: of ``step`` unless interrupted
+  per_class: dict[str, Any] | None        # classify: the last evaluation's per-label report
+  stopped_by: str | None                  # SIGINT/SIGTERM, when it stopped before train.steps
+
+
+class StopFlag:
+  """SIGINT/SIGTERM set ``signal`` (its name); the loop saves and stops at the end of the step. A
+  second signal acts as usual (KeyboardInterrupt or termination)."""
+
+  def __init__(self):
+    self.signal: str | None = None
+
+  def _handle(self, signum, frame):
+    self.signal = signal.Signals(signum).name
+    signal.signal(signum, self._previous[signum])
+    log0(f"\n{self.signal}: saving a checkpoint at the end of this step (again to abort)")
+
+  @contextlib.contextmanager
+  def installed(self):
+    if threading.current_thread() is not threading.main_thread():
+      yield
+      return
+    self._previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for s in self._previous:
+      signal.signal(s, self._handle)
+    try:
+      yield
+    finally:
+      for s, h in self._previous.items():
+        signal.signal(s, h)
+
+
+def compile_train_step(run: Run, state: step_lib.TrainState, loader, start: int):
+  """``(train_step, notice)``: the jitted step of the run (compiled for the batch of ``start``,
+  its microbatch count chosen) and the allocator notice to print after its first step (or None).
+  """
+  exp, t = run.exp, run.exp.train
+  if start >= t.steps:  # nothing to train: the final report only
+    step = step_lib.jit_train_step(make_step(exp, run.graphdef, run.task, run.optimizer),
+                                   run.mesh, state)
+    return step, None
+  first = step_lib.shard_batch(loader.batch_at(start), run.mesh, run.task.keys)
+  step, compiled, microbatches = compiled_step(exp, run.graphdef, run.task, run.optimizer,
+                                               run.mesh, state, first)
+  notice = runtime.scratch_notice(step_lib.temp_bytes(compiled), platform=jax.default_backend(),
+                                  malloc=runtime.allocator())
+  if t.microbatches == "auto" and microbatches > 1:
+    log0(f"train.microbatches=auto: {microbatches} microbatches, which keep the step's "
+         "temporaries within what the allocator reuses between steps")
+  return step, notice
+
+
+def train_loop(run: Run, rd: runs.RunDir, ckpt: runs.Checkpoints, loader,
+               state: step_lib.TrainState, start: int, *, progress: bool) -> Outcome:
+  """Trains from ``state`` (step ``start``) to ``train.steps``; ``progress``: a tqdm bar, else
+  one plain line per ``train.log_every`` steps.
+
+  Every ``train.log_every`` steps (and before an evaluation or a checkpoint) the metrics of the
+  steps since are fetched, checked finite and written; every ``train.eval_every`` steps and at the
+  end the parameters are evaluated; every ``train.checkpoint_every`` steps and at the end they are
+  saved (and as ``best/`` when evaluated). SIGINT/SIGTERM save at the end of the step and stop.
+
+  Raises:
+    TrainingDiverged: a non-finite loss, parameter or validation loss (the checkpoints left are
+      good: see ``divergence``).
+  """
+  t = run.exp.train
+  train_step, notice = compile_train_step(run, state, loader, start)
+  eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(run.graphdef, run.task), run.mesh,
+                                     all_params(state))
+  guard = Guard(run, ckpt, eval_step)
+  log = TrainLog(run, rd.path, start, progress)
+  stop = StopFlag()
+  pending: list[StepMetrics] = []
+  last_eval: dict[str, float] = {}
+  per_class = None
+  done = start
+  try:
+    with stop.installed():
+      for s in range(start, t.steps):
+        host = loader.batch_at(s)
+        tasks_lib.check_token_ids(run.task, host, run.model_config.vocab_size)
+        loader.set_state({"step": s + 1})
+        state, metrics = train_step(state, step_lib.shard_batch(host, run.mesh, run.task.keys))
+        if s == start and notice:
+          log0(notice)
+        done = s + 1
+        pending.append(StepMetrics.of(done, metrics, host))
+        is_last = done == t.steps
+        eval_due = done % t.eval_every == 0 or is_last
+        ckpt_due = done % t.checkpoint_every == 0 or is_last
+        if done % t.log_every == 0 or eval_due or ckpt_due or stop.signal:
+          write_steps(log, pending, guard, state)  # checks each loss before anything is saved
+          pending = []
+        if eval_due:
+          metrics, per_class = evaluate(run, all_params(state), eval_step)
+          guard.check_eval(metrics, state, done)
+          last_eval = {"step": done, **metrics}
+          log.write_eval(last_eval)
+        if ckpt_due or stop.signal:
+          save(ckpt, guard, state, done, loader, last_eval)
+        if stop.signal and not is_last:
+          break
+  finally:
+    log.close_bar()
+    try:
+      ckpt.wait()
+    finally:
+      log.close()
+  if stop.signal and done < t.steps:
+    return Outcome(state, done, last_eval, per_class, stop.signal)
+  if not last_eval:  # resumed at the end (the previous run stopped before its final report)
+    metrics, per_class = evaluate(run, all_params(state), eval_step)
+    last_eval = {"step": done, **metrics}
+  return Outcome(state, done, last_eval, per_class, None)
+
+
+def write_steps(log: TrainLog, pending: list[StepMetrics], guard: Guard, state) -> None:
+  """Writes the lines of ``pending``; raises ``TrainingDiverged`` at the first non-finite loss
+  (whose step's parameters, the checkpoint before it, gave it)."""
+  bad = log.write_steps(pending)
+  if bad is not None:
+    step, loss = bad
+    raise guard.error(f"loss became {loss} at step {step}; stopping", step - 1, state)
+
+
+def save(ckpt: runs.Checkpoints, guard: Guard, state, step: int, loader,
+         last_eval: dict[str, float]) -> None:
+  """Saves the checkpoint of ``step`` (and ``best/`` when ``last_eval`` is of ``step``); raises
+  ``TrainingDiverged`` instead when its parameters are not finite."""
+  guard.check_params(state, step)
+  ckpt.save(step, state.params, state.opt_state, {"step": step, "loader": loader.get_state()})
+  if last_eval.get("step") == step:
+    ckpt.save_best(step, state.params, last_eval["val_loss"])

@@ -1,0 +1,148 @@
+"""What a run is built from, checked before anything is written: the dataset (prepared on first
+use), the model's task, the mesh, the optimizer, and the compiled train step.
+
+A real run and ``tjax train --dry-run`` build on the same functions (:func:`plan`,
+:func:`make_step`, :func:`compiled_step`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+from flax import nnx
+
+from transformer_jax import data as data_lib
+from transformer_jax import lora as lora_lib
+from transformer_jax import models, parallel, runs
+from transformer_jax.train import step as step_lib
+from transformer_jax.train import tasks as tasks_lib
+from transformer_jax.train.config import Experiment
+from transformer_jax.train.optim import make_optimizer
+
+
+def ensure_dataset(exp: Experiment, *, prepare: bool = True) -> data_lib.Dataset:
+  """Loads ``data.path`` (default ``RUN_DIR/data``), preparing it from ``data.inputs`` first when
+  it holds no dataset yet and ``prepare`` is set.
+
+  Raises:
+    ValueError: no dataset and nothing to prepare it from (or ``prepare`` off), a damaged
+      dataset, or one prepared for another task.
+  """
+  d = exp.data
+  path = d.path or os.path.join(exp.run_dir, "data")
+  meta = os.path.join(path, "metadata.json")
+  if not os.path.exists(meta):
+    if not prepare:
+      raise ValueError(f"data.path={path!r} holds no prepared dataset; give one with "
+                       "data.path=DIR")
+    if not d.inputs:
+      raise ValueError(f"data.path={path!r} holds no prepared dataset and data.inputs is empty")
+    if jax.process_index() == 0:
+      print(f"preparing {', '.join(d.inputs)} -> {path}", flush=True)
+      data_lib.prepare(list(d.inputs), path, tokenizer=d.tokenizer, compact_vocab=d.compact_vocab,
+                       task=d.task, val_fraction=d.val_fraction, seed=exp.train.seed,
+                       vocab_from=d.vocab_from)
+  if jax.process_count() > 1:  # the others wait for process 0's preparation
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices("tjax dataset")
+  dataset = data_lib.load_dataset(path)
+  shared_format = {dataset.task, d.task} <= {"gpt", "bert"}  # both read plain text documents
+  if dataset.task != d.task and not shared_format:
+    raise ValueError(f"dataset {path} was prepared for task {dataset.task!r}, not {d.task!r}")
+  return dataset
+
+
+def make_train_loader(exp: Experiment, dataset, task=None):
+  """The task's deterministic training loader over ``dataset`` (``batch_at(step)``)."""
+  return (task or tasks_lib.TASKS[exp.data.task]).loader(dataset, exp)
+
+
+def eval_batches(exp: Experiment, dataset, task=None):
+  """The task's validation batches of ``dataset`` (``train.eval_batches`` of them, or fewer)."""
+  return (task or tasks_lib.TASKS[exp.data.task]).eval_batches(dataset, exp)
+
+
+def plan(exp: Experiment, model_config: models.ModelConfig):
+  """``(task, mesh, optimizer)`` of ``exp`` for ``model_config``, checked against each other."""
+  task = tasks_lib.for_experiment(exp, model_config)
+  m = exp.mesh
+  mesh = parallel.make_mesh({"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor,
+                             "sequence": m.sequence})
+  parallel.check_config(model_config, mesh, batch_size=exp.train.batch_size,
+                        seq_len=exp.train.seq_len if task.uses_seq_len else None,
+                        microbatches=fixed_microbatches(exp.train))
+  return task, mesh, make_optimizer(exp.train)
+
+
+def fixed_microbatches(t) -> int:
+  """``train.microbatches`` as given, 1 for "auto" (``compiled_step`` picks the count)."""
+  return 1 if t.microbatches == "auto" else t.microbatches
+
+
+def make_step(exp: Experiment, graphdef, task, optimizer, microbatches: int | None = None):
+  """The (unjitted) train step of ``exp`` (``microbatches`` overrides ``train.microbatches``)."""
+  t = exp.train
+  return step_lib.make_train_step(
+      graphdef, task, optimizer, seed=t.seed,
+      microbatches=fixed_microbatches(t) if microbatches is None else microbatches,
+      label_smoothing=t.label_smoothing, z_loss=t.z_loss)
+
+
+def compiled_step(exp: Experiment, graphdef, task, optimizer, mesh, state, batch):
+  """The jitted train step of ``exp`` and its microbatch count, compiled for ``(state, batch)``
+  (arrays or shapes): ``(step, compiled, microbatches)``.
+
+  The count is ``step_lib.pick_microbatches``' (``train.microbatches: auto`` on CPU over mimalloc:
+  ``step_lib.auto_microbatches``).
+  """
+  built = {}
+
+  def compile_for(m):
+    step = step_lib.jit_train_step(make_step(exp, graphdef, task, optimizer, m), mesh, state)
+    built[m] = step, step.lower(state, batch).compile()
+    return built[m][1]
+
+  m, _ = step_lib.pick_microbatches(exp.train.microbatches, compile_for, exp.train.batch_size,
+                                    mesh.shape["data"] * mesh.shape["fsdp"],
+                                    platform=mesh.devices.flat[0].platform)
+  return (*built[m], m)
+
+
+@dataclasses.dataclass
+class Run:
+  """Everything a run needs, built once from the experiment."""
+
+  exp: Experiment
+  dataset: Any
+  model_config: models.ModelConfig
+  task: Any
+  mesh: Any
+  graphdef: Any
+  optimizer: Any
+
+  @classmethod
+  def build(cls, exp: Experiment, model_config: models.ModelConfig | None = None, *,
+            prepare: bool = True) -> "Run":
+    """Loads (or prepares) the dataset and checks the model against it.
+
+    Args:
+      exp: The experiment.
+      model_config: The model (default: the experiment's, with the dataset's vocabulary).
+      prepare: Prepare a missing dataset from ``data.inputs`` (else refuse).
+    """
+    dataset = ensure_dataset(exp, prepare=prepare)
+    if model_config is None:
+      defaults = {"vocab_size": dataset.vocab_size}
+      if dataset.task == "classify":
+        defaults["num_labels"] = len(dataset.meta["labels"])
+      model_config = exp.model_config(**defaults)
+    runs.check_vocab(dataset.vocab_size, model_config, dataset.path)
+    task, mesh, optimizer = plan(exp, model_config)
+    if exp.train.lora is not None:  # the adapted model's graph (its adapters are parameters too)
+      graphdef = nnx.split(lora_lib.abstract(model_config, exp.train.lora, mesh))[0]
+    else:
+      graphdef = models.graphdef(model_config, mesh)
+    return cls(exp, dataset, model_config, task, mesh, graphdef, optimizer)
