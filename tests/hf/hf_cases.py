@@ -33,6 +33,11 @@ CASES: dict[str, tuple[str, dict]] = {
         rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
                          "rope_theta": 10000.0})),
+    # Mistral: a 5-token window, shorter than the test prompts (12 tokens).
+    "mistral-window": ("MistralForCausalLM", dict(
+        vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        sliding_window=5)),
     "bert-pretraining": ("BertForPreTraining", dict(
         vocab_size=130, hidden_size=48, num_hidden_layers=2, num_attention_heads=3,
         intermediate_size=80, max_position_embeddings=40, type_vocab_size=3)),
@@ -60,6 +65,7 @@ CASES: dict[str, tuple[str, dict]] = {
 }
 
 _CONFIGS = {"GPT2LMHeadModel": "GPT2Config", "LlamaForCausalLM": "LlamaConfig",
+            "MistralForCausalLM": "MistralConfig",
             "BertForPreTraining": "BertConfig", "BertForMaskedLM": "BertConfig",
             "BertForSequenceClassification": "BertConfig", "BertModel": "BertConfig",
             "T5ForConditionalGeneration": "T5Config", "MarianMTModel": "MarianConfig"}
@@ -88,7 +94,8 @@ def build(name: str, seed: int = 0):
 
 
 def family(arch: str) -> str:
-  return {"GPT2LMHeadModel": "causal", "LlamaForCausalLM": "causal", "MarianMTModel": "seq2seq",
+  return {"GPT2LMHeadModel": "causal", "LlamaForCausalLM": "causal",
+          "MistralForCausalLM": "causal", "MarianMTModel": "seq2seq",
           "T5ForConditionalGeneration": "seq2seq"}.get(arch, "bert")
 
 
@@ -113,7 +120,7 @@ def hf_outputs(model, arch: str, x: dict, tgt: dict | None = None) -> dict[str, 
   tt = lambda a: torch.as_tensor(a)
   with torch.no_grad():
     match arch:
-      case "GPT2LMHeadModel" | "LlamaForCausalLM":
+      case "GPT2LMHeadModel" | "LlamaForCausalLM" | "MistralForCausalLM":
         out = model(input_ids=tt(x["ids"]), attention_mask=tt(x["mask"]),
                     position_ids=tt(x["positions"]))
         res = {"logits": out.logits}
@@ -144,7 +151,7 @@ def our_outputs(model, arch: str, x: dict, tgt: dict | None = None) -> dict[str,
   """The same outputs from the transformer_jax model."""
   ids, mask = np.asarray(x["ids"]), np.asarray(x["mask"]).astype(bool)
   match arch:
-    case "GPT2LMHeadModel" | "LlamaForCausalLM":
+    case "GPT2LMHeadModel" | "LlamaForCausalLM" | "MistralForCausalLM":
       res = {"logits": model(ids, positions=np.asarray(x["positions"]), attention_mask=mask)}
     case "BertForPreTraining":
       mlm, nsp = model(ids, np.asarray(x["types"]), mask)

@@ -30,7 +30,7 @@ def test_load_in_memory_model_matches(name):
 
 
 @pytest.mark.parametrize("name", ["gpt2-base", "gpt2-3heads-untied", "llama-gqa", "llama-tied-linear",
-                                  "llama-llama3-headdim"])
+                                  "llama-llama3-headdim", "mistral-window"])
 def test_greedy_continuation_matches(name):
   hf_model = hc.build(name)
   _, model = tjhf.load(hf_model)

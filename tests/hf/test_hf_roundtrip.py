@@ -16,6 +16,7 @@ import transformer_jax.hf as tjhf
 OURS = {
     "gpt2-tiny": ({}, "GPT2LMHeadModel"),
     "llama-tiny": ({}, "LlamaForCausalLM"),
+    "mistral-tiny": (dict(sliding_window=5), "MistralForCausalLM"),
     "bert-tiny": (dict(vocab_size=300), "BertForPreTraining"),
     "t5-tiny": ({}, "T5ForConditionalGeneration"),
     "t5-v1.1-small": (dict(vocab_size=200, d_model=32, num_heads=2, head_dim=8, d_ff=48,

@@ -18,6 +18,7 @@ from transformer_jax.parallel import axes as ax
 
 # The input embedding of each family whose output projection may be tied to it.
 _EMBEDDING = {"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weight",
+              "mistral": "model.embed_tokens.weight",
               "t5": "shared.weight"}
 
 
@@ -204,7 +205,7 @@ def load(path_or_model, *, param_dtype: str | None = None,
 
 
 def save(model: nnx.Module, config: ModelConfig, path: str | os.PathLike, *,
-         architecture: str | None = None) -> str:
+         architecture: str | None = None, tokenizer=None) -> str:
   """Writes ``config.json`` + ``model.safetensors`` that ``transformers`` ``from_pretrained`` loads.
 
   Args:
@@ -215,15 +216,21 @@ def save(model: nnx.Module, config: ModelConfig, path: str | os.PathLike, *,
       for GPTConfig, BertForPreTraining (BertForSequenceClassification when ``num_labels``) for
       BERTConfig, T5ForConditionalGeneration or MarianMTModel for Seq2SeqConfig). Heads the
       architecture lacks are not written.
+    tokenizer: the tokenizer the model was trained with (``transformer_jax.data.Tokenizer``, e.g.
+      ``data.load_dataset(DIR).tokenizer``): its special ids go into ``config.json``
+      (``bos_token_id``/``eos_token_id`` for a GPT, ``pad_token_id`` for BERT, and
+      ``decoder_start_token_id`` too for a Seq2Seq model; ``configs.token_ids``). Without it a
+      GPT's ``bos_token_id``/``eos_token_id`` are written as ``null``: unknown.
 
   Returns:
     The architecture written.
 
   Raises:
     UnsupportedError: the architecture cannot express ``config`` (the fields are named).
+    ValueError: a special id of ``tokenizer`` lies outside the model's vocabulary.
   """
   arch = architecture or configs.default_architecture(config)
-  hf = configs.to_hf(config, arch)
+  hf = configs.to_hf(config, arch, tokenizer)
   state = model if isinstance(model, nnx.State) else nnx.state(model, nnx.Param)
   variables = _flat_params(state)
   flat = {p: np.asarray(v.get_value()) for p, v in variables.items()}

@@ -22,6 +22,7 @@ ARCHITECTURES = {
     "BertModel": ("bert", "bert"),
     "T5ForConditionalGeneration": ("t5", "t5"),
     "LlamaForCausalLM": ("llama", "llama"),
+    "MistralForCausalLM": ("mistral", "mistral"),
     "MarianMTModel": ("marian", "marian"),
 }
 
@@ -171,6 +172,17 @@ def _llama_to(c: GPTConfig) -> dict:
       attention_dropout=c.attention_dropout_rate, initializer_range=c.init_std)
 
 
+def _mistral_from(hf: dict) -> GPTConfig:
+  """Mistral: LLaMA's layers, attention over the last ``sliding_window`` tokens (null: none)."""
+  window = hf.get("sliding_window")
+  return dataclasses.replace(_llama_from(hf), sliding_window=None if window is None
+                             else int(window))
+
+
+def _mistral_to(c: GPTConfig) -> dict:
+  return {**_llama_to(c), "model_type": "mistral", "sliding_window": c.sliding_window}
+
+
 # --- BERT ------------------------------------------------------------------------------------------
 
 
@@ -312,6 +324,8 @@ def from_hf(hf: dict, arch: str) -> ModelConfig:
       return _gpt2_from(hf)
     case "llama":
       return _llama_from(hf)
+    case "mistral":
+      return _mistral_from(hf)
     case "bert":
       return _bert_from(hf, arch)
     case "t5":
@@ -325,8 +339,10 @@ def from_hf(hf: dict, arch: str) -> ModelConfig:
 def default_architecture(config: ModelConfig) -> str:
   """The architecture ``save`` writes when none is given."""
   match config:
-    case GPTConfig(position="rope"):
+    case GPTConfig(position="rope", sliding_window=None):
       return "LlamaForCausalLM"
+    case GPTConfig(position="rope"):
+      return "MistralForCausalLM"
     case GPTConfig():
       return "GPT2LMHeadModel"
     case BERTConfig(num_labels=0):
@@ -341,8 +357,37 @@ def default_architecture(config: ModelConfig) -> str:
       raise TypeError(f"not a model config: {type(config).__name__}")
 
 
-def to_hf(config: ModelConfig, arch: str) -> dict:
+def token_ids(arch: str, tokenizer=None) -> dict:
+  """The special-token fields of ``arch``'s ``config.json`` for a model trained with ``tokenizer``.
+
+  A GPT (GPT-2 or LLaMA) separates documents with ``<|endoftext|>`` (``tokenizer.eot_id``): it is
+  both ``bos_token_id`` and ``eos_token_id``, as in GPT-2. BERT gets ``pad_token_id``. A Seq2Seq
+  model starts decoding at ``<bos>`` and ends at ``<eos>``, with ``[PAD]`` as padding. Without a
+  tokenizer the ids are unknown: a GPT's are written as ``null`` (transformers would otherwise put
+  its own defaults, GPT-2's 50256 or LLaMA's 1 and 2, which may lie outside the vocabulary); the
+  other families keep their writer's conventional ids.
+
+  Args:
+    arch: a supported architecture (``ARCHITECTURES``).
+    tokenizer: an object with ``eot_id``, ``bos_id``, ``eos_id`` and ``pad_id`` (a
+      ``transformer_jax.data.Tokenizer``), or None.
+  """
+  family = ARCHITECTURES[arch][0]
+  if family in ("gpt2", "llama", "mistral"):
+    eot = None if tokenizer is None else int(tokenizer.eot_id)
+    return {"bos_token_id": eot, "eos_token_id": eot}
+  if tokenizer is None:
+    return {}
+  if family == "bert":
+    return {"pad_token_id": int(tokenizer.pad_id)}
+  return {"pad_token_id": int(tokenizer.pad_id), "eos_token_id": int(tokenizer.eos_id),
+          "decoder_start_token_id": int(tokenizer.bos_id)}
+
+
+def to_hf(config: ModelConfig, arch: str, tokenizer=None) -> dict:
   """The Hugging Face config dict for ``config`` as ``arch``.
+
+  ``tokenizer`` (optional) gives the special-token ids (``token_ids``).
 
   Raises:
     UnsupportedError: ``arch`` cannot express ``config`` (the differing fields are named).
@@ -352,6 +397,7 @@ def to_hf(config: ModelConfig, arch: str) -> dict:
                            f"{', '.join(ARCHITECTURES)}")
   family = ARCHITECTURES[arch][0]
   writers = {"gpt2": (GPTConfig, _gpt2_to), "llama": (GPTConfig, _llama_to),
+             "mistral": (GPTConfig, _mistral_to),
              "bert": (BERTConfig, _bert_to), "t5": (Seq2SeqConfig, _t5_to),
              "marian": (Seq2SeqConfig, _marian_to)}
   cls, writer = writers[family]
@@ -363,6 +409,12 @@ def to_hf(config: ModelConfig, arch: str) -> dict:
     raise UnsupportedError(f"{arch} has no equivalent for {e.args[0]!r}") from None
   hf["architectures"] = [arch]
   hf["dtype"] = str(config.param_dtype)
+  ids = token_ids(arch, tokenizer)
+  outside = {k: v for k, v in ids.items() if v is not None and not 0 <= v < config.vocab_size}
+  if outside:
+    raise ValueError(f"the tokenizer's {', '.join(f'{k}={v}' for k, v in outside.items())} lie "
+                     f"outside the model's vocabulary [0, {config.vocab_size})")
+  hf.update(ids)
   back = from_hf(hf, arch)
   if isinstance(config, BERTConfig) and arch != "BertForSequenceClassification":
     back = dataclasses.replace(back, num_labels=config.num_labels)  # the head is just not written

@@ -32,7 +32,8 @@ def to_hf(run_dir_path: str | os.PathLike, out_dir: str | os.PathLike, *,
           architecture: str | None = None) -> str:
   """Writes the model of a run directory as a Hugging Face checkpoint; returns the architecture.
 
-  A LoRA run (``train.lora``) is written with its adapters merged into the base weights."""
+  A LoRA run (``train.lora``) is written with its adapters merged into the base weights. The
+  special-token ids come from the run's tokenizer (``run_tokenizer``), when its dataset is there."""
   from transformer_jax import runs
   from transformer_jax.train import finetune
 
@@ -45,4 +46,21 @@ def to_hf(run_dir_path: str | os.PathLike, out_dir: str | os.PathLike, *,
     _, state = nnx.split(models.abstract(config))
     nnx.replace_by_pure_dict(state, params)
     params = state
-  return save(params, config, out_dir, architecture=architecture)
+  return save(params, config, out_dir, architecture=architecture,
+              tokenizer=run_tokenizer(run_dir_path))
+
+
+def run_tokenizer(run_dir_path: str | os.PathLike):
+  """The tokenizer of the dataset a run directory names (``dataset.json``, else ``config.yaml``'s
+  ``data.path``), or None: a run converted from Hugging Face names none, and a dataset that is
+  gone cannot be read (its special ids are then written as unknown)."""
+  from transformer_jax import runs
+  from transformer_jax.data import Tokenizer
+
+  rd = runs.RunDir(run_dir_path)
+  ref = rd.read_dataset_ref()
+  path = ref["path"] if ref else ((rd.read_config() or {}).get("data") or {}).get("path")
+  meta_file = Path(path) / "metadata.json" if path else None
+  if meta_file is None or not meta_file.is_file():
+    return None
+  return Tokenizer.from_metadata(json.loads(meta_file.read_text()), path)

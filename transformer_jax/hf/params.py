@@ -307,7 +307,7 @@ def table(config: ModelConfig, arch: str) -> Table:
   match ARCHITECTURES[arch][0]:
     case "gpt2":
       return _gpt2(config)
-    case "llama":
+    case "llama" | "mistral":
       return _llama(config)
     case "bert":
       return _bert(config, arch)
