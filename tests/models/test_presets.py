@@ -32,7 +32,7 @@ def test_count_params_equals_instantiated_model_with_overrides(name, overrides):
 
 
 # Sizes reported by the papers (GPT-2 Table 2 as re-counted by OpenAI's release, BERT section 3,
-# T5 section 3.1, the Transformer Table 3), with the tolerance the issue allows.
+# T5 section 3.1, the Transformer Table 3), within the tolerance below.
 PAPER_COUNTS = [
     ("gpt2-small", 124e6, 0.02), ("gpt2-medium", 355e6, 0.02), ("gpt2-large", 774e6, 0.02),
     ("gpt2-xl", 1558e6, 0.02), ("bert-base", 110e6, 0.02), ("bert-large", 340e6, 0.02),

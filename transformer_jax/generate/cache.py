@@ -80,12 +80,14 @@ def extend(model, tokens_BT: jax.Array, cache: KVCache,
     updated cache.
   """
   lengths_B = cache.lengths
+  if num_valid is not None:
+    cache = cache.replace(new_valid=jnp.asarray(num_valid, jnp.int32))
   if cache.cross is None:
     logits_BTV, cache = model(tokens_BT, cache=cache, layer_params=layers)
   else:
     logits_BTV, cache = model.decode(tokens_BT, None, cache=cache, layer_params=layers)
   if num_valid is not None:
-    cache = cache.replace(lengths=lengths_B + jnp.asarray(num_valid, jnp.int32))
+    cache = cache.replace(lengths=lengths_B + jnp.asarray(num_valid, jnp.int32), new_valid=None)
   return logits_BTV, cache
 
 
@@ -94,12 +96,12 @@ def prefill(model, prompt_BP: jax.Array, cache: KVCache, lengths_B: jax.Array, *
   """A GPT's prompt into the cache, and the logits ``[B, V]`` at each row's last prompt token only.
 
   The same numbers as ``extend`` followed by picking position ``lengths_B - 1``, without projecting
-  every prompt position onto the vocabulary (``[B, P, V]``: at batch 8 and a 32-token prompt, 20 of
-  GPT-2 small's GFLOPs, most of the time to the first token).
+  every prompt position onto the vocabulary (``[B, P, V]``, most of a prompt's work).
   """
   before_B = cache.lengths
-  x_BPD, cache = model.hidden_states(prompt_BP, cache=cache, layer_params=layers)
   lengths_B = jnp.asarray(lengths_B, jnp.int32)
-  cache = cache.replace(lengths=before_B + lengths_B)
+  x_BPD, cache = model.hidden_states(prompt_BP, cache=cache.replace(new_valid=lengths_B),
+                                     layer_params=layers)
+  cache = cache.replace(lengths=before_B + lengths_B, new_valid=None)
   last_B1D = jnp.take_along_axis(x_BPD, (lengths_B - 1)[:, None, None], axis=1)
   return model.logits(last_B1D)[:, 0], cache

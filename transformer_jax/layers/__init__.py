@@ -1,11 +1,11 @@
 """Flax NNX layers built on ``transformer_jax.ops``: every parameter names its logical axes."""
 
-from transformer_jax.layers.attention import Attention
+from transformer_jax.layers.attention import Attention, LinearKind
 from transformer_jax.layers.block import Block, BlockConfig
-from transformer_jax.layers.cache import KVCache
+from transformer_jax.layers.cache import KVCache, LinearCache
 from transformer_jax.layers.dense import Embed, Norm, Projection, RelativePositionBias
 from transformer_jax.layers.mlp import MLP
 from transformer_jax.layers.stack import Remat, Stack
 
-__all__ = ["Attention", "Block", "BlockConfig", "Embed", "KVCache", "MLP", "Norm", "Projection",
-           "RelativePositionBias", "Remat", "Stack"]
+__all__ = ["Attention", "Block", "BlockConfig", "Embed", "KVCache", "LinearCache", "LinearKind",
+           "MLP", "Norm", "Projection", "RelativePositionBias", "Remat", "Stack"]

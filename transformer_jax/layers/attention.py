@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -14,10 +15,21 @@ from jax.sharding import PartitionSpec as P
 
 from transformer_jax import ops
 from transformer_jax.layers.cache import KVCache
-from transformer_jax.layers.dense import OutInKernel, Projection
-from transformer_jax.ops import linear
+from transformer_jax.layers.dense import Projection
+from transformer_jax.ops import dispatch
 from transformer_jax.parallel import axes as ax
+from transformer_jax.ops.linear_attn import EPS as LINEAR_EPS
+from transformer_jax.ops.linear_attn import feature_map as linear_feature_map
 from transformer_jax.parallel.ring import ring_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearKind:
+  """Self-attention as causal linear attention (``ops.linear_attention``) instead of softmax:
+  ``chunk_size`` positions per chunk of its parallel form, and a decay per query head (RetNet's
+  gamma) or None."""
+  chunk_size: int = 64
+  decay: tuple[float, ...] | None = None
 
 
 class Attention(nnx.Module):
@@ -28,10 +40,12 @@ class Attention(nnx.Module):
                param_dtype: jnp.dtype, rngs: nnx.Rngs,
                rope_theta: float | None = None, rope_interleaved: bool = False,
                rope_scaling: ops.RopeScaling | None = None, scale: float | None = None,
-               implementation: ops.Implementation | None = None, mesh: Mesh | None = None):
+               implementation: ops.Implementation | None = None, mesh: Mesh | None = None,
+               linear: LinearKind | None = None):
     """``implementation``: the kernel of ``ops.dot_product_attention`` (None: its choice).
     ``mesh``: the mesh the model runs on; self-attention runs as ring attention when it has a
-    ``sequence`` axis of size > 1 (see ``__call__``)."""
+    ``sequence`` axis of size > 1 (see ``__call__``). ``linear``: causal linear attention instead
+    of softmax (its decoding cache is a ``LinearCache``)."""
     if num_heads % num_kv_heads:
       raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     d, n, k, h = d_model, num_heads, num_kv_heads, head_dim
@@ -54,6 +68,7 @@ class Attention(nnx.Module):
     self.scale = scale
     self.implementation = implementation
     self.mesh = mesh
+    self.linear = linear
 
   def __call__(self, x_BTD: jax.Array, kv_BSD: jax.Array | None = None, *,
                positions: jax.Array | None = None, causal: bool = False,
@@ -79,8 +94,9 @@ class Attention(nnx.Module):
       dropout_rate: on the attention weights, applied when ``dropout_rng`` is given.
       cache: one layer of a ``KVCache`` (decoding). A self-attention cache gets the keys/values of
         ``x`` written at its slots ``lengths[b] ..``, which are the queries' positions; the queries
-        attend to the whole cache. A read-only cache supplies the keys/values (``kv_BSD`` unused)
-        and its ``kv_valid``.
+        attend to the whole cache. A rolling cache (``KVCache.window``) holds the last W
+        positions in a ring; the queries attend to them and to the new tokens. A read-only cache
+        supplies the keys/values (``kv_BSD`` unused) and its ``kv_valid``.
 
     Returns:
       ``(out [B, T, D], cache)``: the cache with the new entries written (None without one).
@@ -89,6 +105,8 @@ class Attention(nnx.Module):
     mesh with a ``sequence`` axis of size > 1, self-attention without a cache, bias, window or
     attention dropout runs as ring attention (``parallel.ring``); GSPMD handles the rest.
     """
+    if self.linear is not None:
+      return self._linear(x_BTD, positions, causal, cache)
     q_BTNH = self.query(x_BTD)
     q_positions = None
     if cache is not None and cache.lengths is None:   # keys/values projected once
@@ -106,7 +124,20 @@ class Attention(nnx.Module):
                     scaling=self.rope_scaling)
         q_BTNH = ops.apply_rope(q_BTNH, positions, **rope)
         k_BSKH = ops.apply_rope(k_BSKH, positions, **rope)
-      if cache is not None:
+      if cache is not None and cache.window is not None:
+        # A rolling cache: the W cached keys in position order, then the T new ones, so key j
+        # sits at position lengths - W + j for every row; the queries' positions are given in
+        # that frame (W + t), the same for every row, and the chunked kernel can skip the keys
+        # outside each query block's window.
+        old_k, old_v, old_valid = cache.ordered()
+        w = cache.max_len
+        cache = cache.write_rolling(k_BSKH, v_BSKH)
+        k_BSKH = jnp.concatenate([old_k, k_BSKH.astype(old_k.dtype)], axis=1)
+        v_BSKH = jnp.concatenate([old_v, v_BSKH.astype(old_v.dtype)], axis=1)
+        t = x_BTD.shape[1]
+        kv_valid = jnp.concatenate([old_valid, jnp.ones((old_valid.shape[0], t), bool)], axis=1)
+        q_positions = jnp.arange(w, w + t, dtype=jnp.int32)[None, :]
+      elif cache is not None:
         cache = cache.write(k_BSKH, v_BSKH)
         k_BSKH, v_BSKH = cache.read()
     dropout = dropout_rate > 0.0 and dropout_rng is not None
@@ -133,6 +164,45 @@ class Attention(nnx.Module):
       return self._out_merged(out_BTNH), cache
     return self.out(out_BTNH), None
 
+  def _rotated(self, x_BTD, positions):
+    """Queries and keys with RoPE (if any) at ``positions``, and values."""
+    q_BTNH, k_BTKH, v_BTKH = self.query(x_BTD), self.key(x_BTD), self.value(x_BTD)
+    if self.rope_theta is not None:
+      positions = jnp.arange(x_BTD.shape[1]) if positions is None else positions
+      rope = dict(theta=self.rope_theta, interleaved=self.rope_interleaved,
+                  scaling=self.rope_scaling)
+      q_BTNH = ops.apply_rope(q_BTNH, positions, **rope)
+      k_BTKH = ops.apply_rope(k_BTKH, positions, **rope)
+    return q_BTNH, k_BTKH, v_BTKH
+
+  def _linear(self, x_BTD, positions, causal, cache):
+    """Causal linear attention; with a one-layer ``LinearCache``, from and into its state."""
+    if not causal:
+      raise ValueError("linear attention here is causal (a decoder's self-attention)")
+    lin = self.linear
+    if cache is None:
+      q, k, v = self._rotated(x_BTD, positions)
+      out_BTNH = ops.linear_attention(q, k, v, chunk_size=lin.chunk_size, decay=lin.decay)
+      return self.out(out_BTNH.astype(q.dtype)), None
+    t = x_BTD.shape[1]
+    q, k, v = self._rotated(x_BTD, cache.positions(t))
+    state = ops.LinearState(cache.s[0], cache.z[0])
+    if t == 1 and cache.new_valid is None:
+      out_BTNH, state = ops.linear_attention_step(state, q, k, v, decay=lin.decay)
+    else:
+      n_B = (jnp.full((x_BTD.shape[0],), t, jnp.int32) if cache.new_valid is None
+             else jnp.asarray(cache.new_valid, jnp.int32))
+      valid_BT = jnp.arange(t)[None, :] < n_B[:, None]
+      out_BTNH, state = ops.linear_attention(q, k, v, chunk_size=lin.chunk_size, decay=lin.decay,
+                                             initial_state=state, return_state=True,
+                                             kv_valid=valid_BT)
+      if lin.decay is not None:   # the padding after a row's n_b tokens decayed its state
+        undo_BN = jnp.exp(-jnp.log(jnp.asarray(lin.decay, jnp.float32))[None, :]
+                          * (t - n_B)[:, None].astype(jnp.float32))
+        state = ops.LinearState(state.s * undo_BN[..., None, None], state.z * undo_BN[..., None])
+    cache = cache.replace(s=(state.s,), z=(state.z,))
+    return self._out_merged(out_BTNH.astype(q.dtype)), cache
+
   def weights(self, x_BTD: jax.Array, *, positions: jax.Array | None = None,
               causal: bool = False, kv_valid: jax.Array | None = None,
               segment_ids: jax.Array | None = None, window: int | None = None,
@@ -140,6 +210,8 @@ class Attention(nnx.Module):
               ) -> jax.Array:
     """The self-attention weights ``[B, N, T, S]`` (float32) that ``__call__`` on ``x`` uses,
     with the same mask and bias parts (no cache, no dropout): for pictures and inspection."""
+    if self.linear is not None:
+      return self._linear_weights(x_BTD, positions)
     q_BTNH, k_BSKH = self.query(x_BTD), self.key(x_BTD)
     if self.rope_theta is not None:
       positions = jnp.arange(x_BTD.shape[1]) if positions is None else positions
@@ -153,6 +225,21 @@ class Attention(nnx.Module):
         kv_valid=kv_valid, q_segment_ids=segment_ids, window=window, bias_fn=bias_fn,
         bias_params=bias_params, scale=self.scale, return_weights=True, implementation="xla")
     return weights_BNTS
+
+  def _linear_weights(self, x_BTD, positions):
+    """Linear attention's weights ``[B, N, T, T]``: ``phi(q_i) . phi(k_j)`` (decayed) over its
+    row's sum, causal."""
+    q, k, _ = self._rotated(x_BTD, positions)
+    b, t, n, _ = q.shape
+    phi_k = jnp.repeat(linear_feature_map(k), n // k.shape[2], axis=2)
+    w_BNTS = jnp.einsum("bins,bjns->bnij", linear_feature_map(q), phi_k)
+    i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+    mask = (j <= i).astype(jnp.float32)
+    if self.linear.decay is not None:
+      gamma_N = jnp.asarray(self.linear.decay, jnp.float32)
+      mask = mask * gamma_N[:, None, None] ** jnp.maximum(i - j, 0).astype(jnp.float32)
+    w_BNTS = w_BNTS * mask
+    return w_BNTS / (jnp.sum(w_BNTS, axis=-1, keepdims=True) + LINEAR_EPS)
 
   def _mesh_axes(self, q_BTNH: jax.Array) -> tuple[tuple[str, ...], str | None]:
     """The mesh axes that split the batch (``data``, ``fsdp``) and the heads (``tensor``, when
@@ -213,8 +300,8 @@ class Attention(nnx.Module):
     every decoded token; contracting the merged ``N*H`` axis reads the kernel where it is.
     """
     proj = self.out
-    if isinstance(proj.kernel, OutInKernel) or linear.matmul_pays(proj.dtype):
-      return proj(out_BTNH)   # the decoding layout, or ops.linear: both merge the heads themselves
+    if proj.in_decode_layout() or dispatch.choose_product(proj.dtype) == "cpu_bf16":
+      return proj(out_BTNH)   # the decoding layout, or cpu.matmul: both merge the heads themselves
     b, t, n, h = out_BTNH.shape
     kernel_ED = proj.kernel[...].reshape(n * h, -1).astype(proj.dtype)  # E = N * H
     y_BTD = jnp.einsum("BTE,ED->BTD", out_BTNH.reshape(b, t, n * h).astype(proj.dtype), kernel_ED)

@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from transformer_jax import ops
-from transformer_jax.layers.attention import Attention
+from transformer_jax.layers.attention import Attention, LinearKind
 from transformer_jax.layers.cache import KVCache
 from transformer_jax.layers.common import split_key
 from transformer_jax.layers.dense import Norm
@@ -40,6 +40,7 @@ class BlockConfig:
   rope_scaling: ops.RopeScaling | None = None
   attention_scale: float | None = None    # None: 1/sqrt(head_dim); T5 uses 1.0
   attention_impl: ops.Implementation | None = None  # kernel of ops.dot_product_attention; None: auto
+  linear: LinearKind | None = None        # self-attention as causal linear attention
   dropout_rate: float = 0.0               # on each residual branch
   attention_dropout_rate: float = 0.0     # on the attention weights
   ffn_dropout_rate: float = 0.0           # after the MLP activation (T5)
@@ -62,7 +63,7 @@ class Block(nnx.Module):
     self.attn_norm = Norm(cfg.d_model, **norm)
     self.attn = Attention(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                           rope_theta=cfg.rope_theta, rope_interleaved=cfg.rope_interleaved,
-                          rope_scaling=cfg.rope_scaling, **attn)
+                          rope_scaling=cfg.rope_scaling, linear=cfg.linear, **attn)
     if cfg.cross_attention:
       self.cross_norm = Norm(cfg.d_model, **norm)
       # Cross-attention keys come from the encoder: no rotary embedding; the same heads (and

@@ -20,7 +20,9 @@ class KVCache:
 
   A self-attention cache has ``lengths``: row ``b`` holds ``lengths[b]`` tokens, its new tokens are
   written at slots ``lengths[b] ..`` and attend causally by position (slots past a row's position
-  may hold stale entries; they are masked). A read-only cache (``lengths`` None) holds keys/values
+  may hold stale entries; they are masked). A rolling cache (``window`` W, for sliding-window
+  attention) has W slots used as a ring: position ``p`` lives in slot ``p mod W``, so its size and
+  a step's time stay flat however long the generation runs (``ordered`` and ``write_rolling``). A read-only cache (``lengths`` None) holds keys/values
   projected once, e.g. an encoder's output for cross-attention, with ``kv_valid`` marking padding;
   a decoder's cache carries it in ``cross``. ``layer(i)`` is the one-layer view an attention layer
   reads and returns.
@@ -32,14 +34,22 @@ class KVCache:
   kv_heads: int = flax.struct.field(pytree_node=False)  # K
   kv_valid: jax.Array | None = None   # [B, S] bool, False = padding key (read-only caches)
   cross: KVCache | None = None        # a decoder's cross-attention keys/values (read-only)
+  window: int | None = flax.struct.field(pytree_node=False, default=None)  # rolling: W = S slots
+  # [B] how many of the tokens being written are real (right padding after them), while a call
+  # writes them: a rolling cache drops the padding instead of letting it overwrite real entries.
+  new_valid: jax.Array | None = None
 
   @classmethod
   def zeros(cls, num_layers: int, batch_size: int, max_len: int, kv_heads: int, head_dim: int,
-            dtype: jnp.dtype) -> KVCache:
-    """An empty self-attention cache of ``max_len`` slots per row."""
-    empty = lambda: tuple(jnp.zeros((batch_size * kv_heads, max_len, head_dim), dtype)
+            dtype: jnp.dtype, window: int | None = None) -> KVCache:
+    """An empty self-attention cache for ``max_len`` tokens per row: ``max_len`` slots, or with
+    a sliding ``window`` shorter than that, a rolling cache of ``window`` slots."""
+    rolling = window is not None and window < max_len
+    slots = window if rolling else max_len
+    empty = lambda: tuple(jnp.zeros((batch_size * kv_heads, slots, head_dim), dtype)
                           for _ in range(num_layers))
-    return cls(empty(), empty(), jnp.zeros((batch_size,), jnp.int32), kv_heads)
+    return cls(empty(), empty(), jnp.zeros((batch_size,), jnp.int32), kv_heads,
+               window=window if rolling else None)
 
   @classmethod
   def read_only(cls, k_LBSKH: jax.Array, v_LBSKH: jax.Array,
@@ -97,9 +107,51 @@ class KVCache:
 
     return self.replace(k=(put(self.k[0], k_BTKH),), v=(put(self.v[0], v_BTKH),))
 
+  def ordered(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A one-layer rolling cache's keys and values ``[B, W, K, H]`` in position order, before new
+    tokens are written: index ``j`` holds position ``lengths[b] - W + j``, and ``valid [B, W]``
+    is False where that position is negative (a row with fewer than W tokens)."""
+    _, b, w, k, h = self.shape
+    first_B1 = self.lengths.astype(jnp.int32)[:, None] - w
+    positions_BW = first_B1 + jnp.arange(w, dtype=jnp.int32)[None, :]
+    slots_BW = jnp.mod(positions_BW, w)
+
+    def gather(x):   # [B * K, W, H] -> [B, W, K, H], slots in position order
+      x_BKWH = x[0].reshape(b, k, w, h)
+      x_BKWH = jnp.take_along_axis(x_BKWH, slots_BW[:, None, :, None], axis=2)
+      return jnp.transpose(x_BKWH, (0, 2, 1, 3))
+
+    return gather(self.k), gather(self.v), positions_BW >= 0
+
+  def write_rolling(self, k_BTKH: jax.Array, v_BTKH: jax.Array) -> KVCache:
+    """A one-layer rolling cache with row b's T new entries at slots ``position mod W``: its real
+    ones (``new_valid``, default all T), of more than W only the last W (the older ones are
+    outside every later window)."""
+    w = self.max_len
+    b, t = k_BTKH.shape[:2]
+    t_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t))
+    n_B1 = (jnp.full((b, 1), t, jnp.int32) if self.new_valid is None
+            else jnp.asarray(self.new_valid, jnp.int32)[:, None])
+    # Row b keeps its real tokens t < n_b, the last W of them; the rest go to slot W (dropped).
+    kept_BT = (t_BT < n_B1) & (t_BT >= n_B1 - w)
+    slots_BT = jnp.where(kept_BT, jnp.mod(self.lengths.astype(jnp.int32)[:, None] + t_BT, w), w)
+    rows_B1 = jnp.arange(b)[:, None]
+
+    def put(x, new_BTKH):   # [B * K, W, H] indexed by (rows, :, slots); kept slots are distinct
+      x = x.reshape(b, -1, *x.shape[1:]).at[rows_B1, :, slots_BT].set(
+          new_BTKH.astype(x.dtype), mode="drop")
+      return x.reshape(-1, *x.shape[2:])
+
+    return self.replace(k=(put(self.k[0], k_BTKH),), v=(put(self.v[0], v_BTKH),))
+
   def positions(self, t: int) -> jax.Array:
     """``[B, T]`` positions of T new tokens per row."""
     return self.lengths[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None, :]
+
+  def joined(self, layers: list[KVCache], t: int) -> KVCache:
+    """The stack's cache from its layers' one-layer caches, ``t`` tokens later."""
+    return self.replace(k=tuple(c.k[0] for c in layers), v=tuple(c.v[0] for c in layers),
+                        lengths=self.lengths + t)
 
   def take_rows(self, rows_R: jax.Array) -> KVCache:
     """The cache of batch rows ``rows`` (repeated or reordered beams), ``cross`` included."""
@@ -113,3 +165,46 @@ class KVCache:
     return self.replace(k=tuple(map(take, self.k)), v=tuple(map(take, self.v)),
                         lengths=pick(self.lengths), kv_valid=pick(self.kv_valid),
                         cross=None if self.cross is None else self.cross.take_rows(rows_R))
+
+
+@flax.struct.dataclass
+class LinearCache:
+  """The decoding state of a stack of linear-attention layers (``ops.linear_attention``): per
+  layer the running sums ``s [B, N, H, E]`` and ``z [B, N, H]``, the same size for any length.
+  The same interface as ``KVCache`` where decoding uses it (``layer``, ``positions``,
+  ``joined``, ``take_rows``)."""
+
+  s: tuple[jax.Array, ...]            # L arrays [B, N, H, E], float32
+  z: tuple[jax.Array, ...]            # L arrays [B, N, H], float32
+  lengths: jax.Array                  # [B] int32 tokens seen per row
+  new_valid: jax.Array | None = None  # as KVCache.new_valid
+  cross = None                        # no encoder side
+
+  @classmethod
+  def zeros(cls, num_layers: int, batch_size: int, num_heads: int, head_dim: int) -> LinearCache:
+    """An empty state for ``num_layers`` layers of ``num_heads`` heads of ``head_dim``."""
+    return cls(tuple(jnp.zeros((batch_size, num_heads, head_dim, head_dim), jnp.float32)
+                     for _ in range(num_layers)),
+               tuple(jnp.zeros((batch_size, num_heads, head_dim), jnp.float32)
+                     for _ in range(num_layers)),
+               jnp.zeros((batch_size,), jnp.int32))
+
+  def layer(self, i: int) -> LinearCache:
+    """Layer ``i`` alone."""
+    return self.replace(s=(self.s[i],), z=(self.z[i],))
+
+  def joined(self, layers: list[LinearCache], t: int) -> LinearCache:
+    """The stack's state from its layers' one-layer states, ``t`` tokens later."""
+    return self.replace(s=tuple(c.s[0] for c in layers), z=tuple(c.z[0] for c in layers),
+                        lengths=self.lengths + t)
+
+  def positions(self, t: int) -> jax.Array:
+    """``[B, T]`` positions of T new tokens per row."""
+    return self.lengths[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None, :]
+
+  def take_rows(self, rows_R: jax.Array) -> LinearCache:
+    """The state of batch rows ``rows`` (repeated or reordered beams)."""
+    pick = lambda x: jnp.take(x, rows_R, axis=0)
+    return self.replace(s=tuple(map(pick, self.s)), z=tuple(map(pick, self.z)),
+                        lengths=pick(self.lengths),
+                        new_valid=None if self.new_valid is None else pick(self.new_valid))

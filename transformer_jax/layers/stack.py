@@ -2,8 +2,8 @@
 
 Scanning compiles one block instead of L and is what FSDP-per-layer gathering and remat policies
 hang on. ``unroll=True`` runs a Python loop over the same stacked parameters; both give the same
-numbers. Unrolled, GPT-2 small compiles in 4-4.5 s instead of 2-2.7 s (2-core Zen 4 EPYC), and its
-bfloat16 step on a CPU with bf16 units runs 10% faster: ``models.unrolls_layers`` decides.
+numbers, and ``models.unrolls_layers`` decides per backend (experiments/PERFORMANCE.md,
+"Unrolled layers").
 """
 
 from __future__ import annotations
@@ -75,13 +75,11 @@ class Stack(nnx.Module):
     if cache is not None:
       if layer_params is None:
         layer_params = self.split_layers()
-      ks, vs = [], []
+      layers = []
       for i, p in enumerate(layer_params):
         x_BTD, new = nnx.merge(graphdef, p)(x_BTD, cache=cache.layer(i), **block_kwargs)
-        ks.append(new.k[0])
-        vs.append(new.v[0])
-      cache = cache.replace(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + x_BTD.shape[1])
-      return x_BTD, cache
+        layers.append(new)
+      return x_BTD, cache.joined(layers, x_BTD.shape[1])
 
     keys = None if dropout_rng is None else jax.random.split(dropout_rng, self.num_layers)
 

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from transformer_jax import ops
-from transformer_jax.layers import BlockConfig, Remat
-from transformer_jax.ops import linear
+from transformer_jax.layers import BlockConfig, LinearKind, Remat
+from transformer_jax.ops import dispatch
 
 Norm = Literal["layernorm", "rmsnorm"]
 _ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
@@ -128,6 +128,12 @@ class GPTConfig(_Heads):
   rope_interleaved: bool = False       # GPT-J pairing; default is LLaMA's rotate-half
   rope_scaling: ops.RopeScaling | None = None
   sliding_window: int | None = None    # local attention over the last `sliding_window` tokens
+  # "softmax" attention, or "linear" (Katharopoulos et al.: elu+1 features, O(1) decoding state).
+  attention_kind: Literal["softmax", "linear"] = "softmax"
+  # Linear attention's decay per position (RetNet's gamma): None, one float for every head, or
+  # "retnet" (head h decays by 1 - 2^(-5 - h), RetNet's schedule over the heads).
+  linear_decay: float | Literal["retnet"] | None = None
+  linear_chunk: int = 64               # positions per chunk of linear attention's parallel form
   dropout_rate: float = 0.0            # embedding and residual dropout (GPT-2 used 0.1)
   attention_dropout_rate: float = 0.0
   init_std: float = 0.02
@@ -154,6 +160,18 @@ class GPTConfig(_Heads):
     _choice(self, "activation", _ACTIVATIONS)
     if self.sliding_window is not None:
       _positive(self, "sliding_window")
+    _choice(self, "attention_kind", ("softmax", "linear"))
+    _positive(self, "linear_chunk")
+    if self.attention_kind == "linear":
+      if self.sliding_window is not None or self.position == "alibi":
+        raise ValueError(f"attention_kind='linear' takes no sliding_window or ALiBi bias "
+                         f"(sliding_window={self.sliding_window!r}, position={self.position!r})")
+      d = self.linear_decay
+      if d is not None and d != "retnet" and (isinstance(d, bool) or not isinstance(
+          d, (int, float)) or not 0.0 < d <= 1.0):
+        raise ValueError(f"linear_decay={d!r} must be None, 'retnet' or a number in (0, 1]")
+    elif self.linear_decay is not None:
+      raise ValueError(f"linear_decay={self.linear_decay!r} needs attention_kind='linear'")
     if self.position == "rope" and self.head_size % 2:
       raise ValueError(f"head_dim={self.head_size} must be even for rotary positions")
     if self.position == "sinusoidal" and self.d_model % 2:
@@ -170,7 +188,19 @@ class GPTConfig(_Heads):
         init_std=self.init_std,
         # GPT-2: "scale the weights of residual layers at initialization by 1/sqrt(N)".
         out_init_std=self.init_std / (2 * self.num_layers) ** 0.5,
-        dtype=self.dtype, param_dtype=self.param_dtype, attention_impl=self.attention_impl)
+        dtype=self.dtype, param_dtype=self.param_dtype, attention_impl=self.attention_impl,
+        linear=self.linear_kind())
+
+  def linear_kind(self) -> LinearKind | None:
+    """Linear attention's options (``layers.LinearKind``), or None for softmax attention."""
+    if self.attention_kind != "linear":
+      return None
+    decay = self.linear_decay
+    if decay == "retnet":
+      decay = tuple(1.0 - 2.0 ** (-5.0 - h) for h in range(self.num_heads))
+    elif decay is not None:
+      decay = (float(decay),) * self.num_heads
+    return LinearKind(chunk_size=self.linear_chunk, decay=decay)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -306,7 +336,7 @@ def unrolls_layers(config: ModelConfig, platform: str | None = None) -> bool:
 
   ``scan_layers`` true or false says so. ``"auto"`` (the default) unrolls a model of at most
   ``UNROLL_MAX_LAYERS`` layers on a GPU, and on a CPU one whose products run through
-  ``ops.matmul``'s bfloat16 path (bfloat16 on a CPU with bf16 units, ``ops.linear.matmul_pays``);
+  ``cpu.matmul`` (``ops.dispatch.choose_product``: bfloat16 on a CPU with bf16 units);
   anything else, and everything on a TPU, is scanned. Unrolled, the step skips the scan's
   stacking of each layer's saved residuals and gradients, at the price of compiling every layer
   (experiments/PERFORMANCE.md, "Unrolled layers"). The parameters are stacked either way, so
@@ -325,7 +355,7 @@ def unrolls_layers(config: ModelConfig, platform: str | None = None) -> bool:
   platform = jax.default_backend() if platform is None else platform
   if platform == "gpu":
     return True
-  return platform == "cpu" and linear.matmul_pays(config.dtype)
+  return dispatch.choose_product(config.dtype, platform=platform) == "cpu_bf16"
 
 
 _FAMILIES = {"gpt": GPTConfig, "bert": BERTConfig, "seq2seq": Seq2SeqConfig}

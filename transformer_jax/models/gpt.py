@@ -9,7 +9,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from transformer_jax import ops
-from transformer_jax.layers import Embed, KVCache, Norm, Stack
+from transformer_jax.layers import Embed, KVCache, LinearCache, Norm, Stack
 from transformer_jax.models.common import (
     check_length, check_same_shape, check_tokens, output_heads, with_matmul_precision)
 from transformer_jax.models.config import GPTConfig, unrolls_layers
@@ -164,9 +164,13 @@ class GPT(nnx.Module):
 
   @staticmethod
   def init_cache(config: GPTConfig, batch_size: int, max_len: int, dtype: jnp.dtype) -> KVCache:
-    """An empty ``KVCache`` of ``max_len`` slots per row for a model of ``config``."""
+    """An empty cache for ``max_len`` tokens per row for a model of ``config``: a ``KVCache`` of
+    ``max_len`` slots, or a rolling one of ``sliding_window`` slots when the window is shorter;
+    for linear attention a ``LinearCache``, whose size does not depend on ``max_len``."""
+    if config.attention_kind == "linear":
+      return LinearCache.zeros(config.num_layers, batch_size, config.num_heads, config.head_size)
     return KVCache.zeros(config.num_layers, batch_size, max_len, config.kv_heads,
-                         config.head_size, dtype)
+                         config.head_size, dtype, window=config.sliding_window)
 
   def split_layers(self) -> tuple[nnx.State, ...]:
     """The layers' parameters, one state per layer: ``layer_params`` of a decoding loop."""
