@@ -15,7 +15,8 @@ from transformer_jax.data.loaders import (
     seq2seq_eval_batches,
     unigram_cross_entropy,
 )
-from transformer_jax.data.prepare import add_prepare_args, prepare, run_prepare, synthetic_examples
+from transformer_jax.data.commands import add_prepare_args, run_prepare
+from transformer_jax.data.prepare import prepare, synthetic_examples
 from transformer_jax.data.tokenizer import SPECIAL_TOKENS, CompactVocab, Tokenizer
 
 __all__ = [
