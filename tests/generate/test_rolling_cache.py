@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from transformer_jax import generate, models
+from tests.models.conftest import full_forward_greedy
 from transformer_jax.models import gpt as gpt_module
 
 W = 8
@@ -19,15 +20,6 @@ W = 8
 def model():
   config = models.get_config("mistral-tiny", sliding_window=W, dropout_rate=0.0)
   return nnx.merge(models.graphdef(config), models.init(config, jax.random.key(5)))
-
-
-def full_forward_greedy(model, prompt, steps):
-  """Greedy continuation by the full forward pass over the whole sequence at every step."""
-  forward = jax.jit(lambda ids: model(ids))
-  ids = np.asarray(prompt)
-  for _ in range(steps):
-    ids = np.concatenate([ids, np.argmax(np.asarray(forward(ids))[:, -1], -1)[:, None]], 1)
-  return ids[:, prompt.shape[1]:]
 
 
 def test_the_cache_holds_the_window_whatever_the_length():

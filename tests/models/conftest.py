@@ -45,3 +45,15 @@ def jit_forward(config):
 @functools.lru_cache(maxsize=None)
 def params_for(config, seed=0):
   return models.init(config, jax.random.key(seed))
+
+
+def full_forward_greedy(model, prompt, steps: int):
+  """Greedy continuation by the full forward pass over the whole sequence at every step (no
+  cache): ``[B, steps]`` new ids."""
+  import numpy as np
+
+  forward = jax.jit(lambda ids: model(ids))
+  ids = np.asarray(prompt)
+  for _ in range(steps):
+    ids = np.concatenate([ids, np.argmax(np.asarray(forward(ids))[:, -1], -1)[:, None]], 1)
+  return ids[:, prompt.shape[1]:]

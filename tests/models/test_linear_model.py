@@ -9,18 +9,11 @@ import pytest
 from flax import nnx
 
 from transformer_jax import generate, models
+from tests.models.conftest import full_forward_greedy
 
 
 def tiny(**kw):
   return models.get_config("llama-tiny", attention_kind="linear", linear_chunk=8, **kw)
-
-
-def full_forward_greedy(model, prompt, steps):
-  forward = jax.jit(lambda ids: model(ids))
-  ids = np.asarray(prompt)
-  for _ in range(steps):
-    ids = np.concatenate([ids, np.argmax(np.asarray(forward(ids))[:, -1], -1)[:, None]], 1)
-  return ids[:, prompt.shape[1]:]
 
 
 @pytest.mark.parametrize("decay", [None, 0.9, "retnet"])

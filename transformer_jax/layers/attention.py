@@ -212,13 +212,7 @@ class Attention(nnx.Module):
     with the same mask and bias parts (no cache, no dropout): for pictures and inspection."""
     if self.linear is not None:
       return self._linear_weights(x_BTD, positions)
-    q_BTNH, k_BSKH = self.query(x_BTD), self.key(x_BTD)
-    if self.rope_theta is not None:
-      positions = jnp.arange(x_BTD.shape[1]) if positions is None else positions
-      rope = dict(theta=self.rope_theta, interleaved=self.rope_interleaved,
-                  scaling=self.rope_scaling)
-      q_BTNH = ops.apply_rope(q_BTNH, positions, **rope)
-      k_BSKH = ops.apply_rope(k_BSKH, positions, **rope)
+    q_BTNH, k_BSKH, _ = self._rotated(x_BTD, positions)
     # The values do not change the weights; the keys stand in for them.
     _, weights_BNTS = ops.dot_product_attention(
         q_BTNH, k_BSKH.astype(q_BTNH.dtype), k_BSKH.astype(q_BTNH.dtype), causal=causal,

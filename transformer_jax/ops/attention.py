@@ -46,7 +46,9 @@ from transformer_jax.ops.masks import MASK_VALUE, and_masks, segment_mask, sum_t
 BiasFn = Callable[[Any, jax.Array, jax.Array], jax.Array]
 
 
-def _check_inputs(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None) -> None:
+def check_qkv(q, k, v) -> None:
+  """Raises ``ValueError`` naming the shapes unless q is ``[B, T, N, H]`` and k, v are one
+  ``[B, S, K, H]`` shape with ``N % K == 0`` (every attention kernel's inputs)."""
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
     raise ValueError(
         f"q, k and v must be 4-D [B, T|S, N|K, H]; got q.shape={q.shape}, k.shape={k.shape}, "
@@ -59,6 +61,10 @@ def _check_inputs(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | No
         f"q.shape={q.shape} and k.shape={k.shape} must share batch B and head dim H")
   if n % kh:
     raise ValueError(f"query heads N={n} must be a multiple of key/value heads K={kh}")
+
+
+def _check_inputs(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None) -> None:
+  check_qkv(q, k, v)
   for name, x in (("q", q), ("k", k), ("v", v)):
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise ValueError(f"{name} must be a floating-point array; got dtype {x.dtype}")

@@ -209,17 +209,10 @@ def splash_attention(q, k, v, *, causal: bool = False, window: int | None = None
       TPU.
     ImportError: when the Pallas splash-attention modules do not import.
   """
-  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-    raise ValueError(
-        f"q, k and v must be 4-D [B, T|S, N|K, H]; got q.shape={q.shape}, k.shape={k.shape}, "
-        f"v.shape={v.shape}")
-  if k.shape != v.shape:
-    raise ValueError(f"k.shape={k.shape} and v.shape={v.shape} must be equal")
-  (b, t, n, h), (bk, s, kh, hk) = q.shape, k.shape
-  if b != bk or h != hk:
-    raise ValueError(f"q.shape={q.shape} and k.shape={k.shape} must share batch B and head dim H")
-  if n % kh:
-    raise ValueError(f"query heads N={n} must be a multiple of key/value heads K={kh}")
+  from transformer_jax.ops.attention import check_qkv  # noqa: PLC0415 - it imports this lazily
+
+  check_qkv(q, k, v)
+  (b, t, n, h), (s, kh) = q.shape, k.shape[1:3]
   if np.dtype(q.dtype) not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
     raise ValueError(
         "q, k and v must share one dtype, float32 or bfloat16; got "

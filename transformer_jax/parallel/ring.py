@@ -42,27 +42,18 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from transformer_jax.ops import chunked, precision
+from transformer_jax.ops.attention import check_qkv
 
 __all__ = ["ring_attention"]
 
 
 def _check_inputs(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
                   kv_mask_BS: jax.Array | None, segment_ids_BT: jax.Array | None) -> None:
-  if q_BTNH.ndim != 4 or k_BSKH.ndim != 4 or v_BSKH.ndim != 4:
-    raise ValueError(
-        f"q, k and v must be 4-D [B, T, N|K, H]; got q.shape={q_BTNH.shape}, "
-        f"k.shape={k_BSKH.shape}, v.shape={v_BSKH.shape}")
-  if k_BSKH.shape != v_BSKH.shape:
-    raise ValueError(f"k.shape={k_BSKH.shape} and v.shape={v_BSKH.shape} must be equal")
-  (b, t, n, h), (bk, s, kh, hk) = q_BTNH.shape, k_BSKH.shape
-  if b != bk or h != hk:
-    raise ValueError(
-        f"q.shape={q_BTNH.shape} and k.shape={k_BSKH.shape} must share batch B and head dim H")
+  check_qkv(q_BTNH, k_BSKH, v_BSKH)
+  (b, t), s = q_BTNH.shape[:2], k_BSKH.shape[1]
   if t != s:
     raise ValueError(
         f"ring attention is self-attention: query length T={t} must equal key length S={s}")
-  if n % kh:
-    raise ValueError(f"query heads N={n} must be a multiple of key/value heads K={kh}")
   if kv_mask_BS is not None and kv_mask_BS.shape != (b, s):
     raise ValueError(f"kv_mask_BS.shape={kv_mask_BS.shape} must be [B, S] = {(b, s)}")
   if segment_ids_BT is not None and segment_ids_BT.shape != (b, t):
