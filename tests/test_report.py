@@ -113,3 +113,27 @@ def test_report_refuses_a_directory_that_is_not_a_run(tmp_path, capsys):
   assert cli.main(["report", str(tmp_path), "--out", str(tmp_path / "r")]) == 2
   err = capsys.readouterr().err.strip()
   assert err.endswith("is not a run directory (no model.yaml)") and "\n" not in err
+
+
+def test_report_shows_an_efficient_attention_result(tmp_path, capsys):
+  result = {"setup": {"steps": 3, "train_len": 64},
+            "learning": {"softmax": {"val_loss": 3.0, "params": 10},
+                         "linear": {"val_loss": 3.2, "params": 10}},
+            "train_step": {k: {"512": {"step_s": 0.1, "temp_bytes": 1},
+                               "2048": {"step_s": s, "temp_bytes": 2}}
+                           for k, s in (("softmax", 0.9), ("linear", 0.3))},
+            "decode": {k: {"1024": {"step_ms": 1.0, "cache_bytes": 10},
+                           "4096": {"step_ms": m, "cache_bytes": b}}
+                       for k, m, b in (("softmax", 3.0, 40), ("linear", 1.0, 10))}}
+  path = tmp_path / "efficient_attention.json"
+  path.write_text(json.dumps(result))
+  out = tmp_path / "r"
+  assert cli.main(["report", "--experiment", str(path), "--out", str(out)]) == 0
+  page = (out / "index.html").read_text()
+  assert "efficient_attention.json" in page and "3.2" in page
+  assert (out / "efficient_attention.png").stat().st_size > 1000
+  bad = tmp_path / "other.json"
+  bad.write_text("{}")
+  assert cli.main(["report", "--experiment", str(bad), "--out", str(out)]) == 2
+  assert "is not a result of experiments/efficient_attention.py" in capsys.readouterr().err
+  assert cli.main(["report", "--out", str(out)]) == 2

@@ -153,7 +153,8 @@ def _bench_args(kind: str, p: argparse.ArgumentParser) -> None:
 
 def _cmd_report(args) -> int:
   from transformer_jax.report import write_report
-  index = write_report(args.run_dirs, args.out, text=args.text, best=args.best)
+  index = write_report(args.run_dirs, args.out, text=args.text, best=args.best,
+                       experiments=args.experiment)
   print(f"wrote {index}")
   return 0
 
@@ -248,7 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     kp.set_defaults(func=_cmd_bench, parser=kp)
 
   report = sub.add_parser("report", help="one self-contained HTML page (and PNGs) of runs")
-  report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+  report.add_argument("run_dirs", nargs="*", metavar="RUN_DIR")
+  report.add_argument("--experiment", action="append", default=[], metavar="JSON",
+                      help="also show an experiment's result (experiments/efficient_attention.py)")
   report.add_argument("--text", default=None, help="draw the attention maps for this text")
   report.add_argument("--out", required=True, metavar="DIR", help="writes DIR/index.html")
   report.add_argument("--best", action="store_true", help="the best checkpoint, not the latest")

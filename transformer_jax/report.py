@@ -272,22 +272,45 @@ def _run_html(run: _Run) -> str:
   return "\n".join(parts)
 
 
+def _experiment_section(path: str) -> tuple[str, _Picture]:
+  """An experiment's result file as a section: ``experiments/efficient_attention.py``'s JSON
+  (validation loss, train step and decoding costs per attention kind)."""
+  try:
+    with open(path) as f:
+      result = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise ValueError(f"report: cannot read the experiment result {path}: {e}") from None
+  if not all(k in result for k in ("learning", "train_step", "decode")):
+    raise ValueError(f"report: {path} is not a result of experiments/efficient_attention.py "
+                     "(it has no learning, train_step and decode)")
+  name = _safe_name(os.path.splitext(os.path.basename(path))[0])
+  picture = _Picture(f"{name}.png", "Attention kinds: validation loss, train step time against "
+                     "the context, decoding time and memory against the generated length.",
+                     _png(viz.efficient_attention(result)))
+  rows = [(kind, {"val_loss": r["val_loss"], "params": r["params"]})
+          for kind, r in result["learning"].items()]
+  return (f"<h2>{html.escape(os.path.basename(path))}</h2>" + _table(rows, "attention")
+          + _img(picture)), picture
+
+
 def write_report(run_dirs: list[str], out_dir: str, *, text: str | None = None,
-                 best: bool = False) -> str:
-  """Writes ``out_dir/index.html`` and one PNG per picture for ``run_dirs``; returns the page's
-  path.
+                 best: bool = False, experiments: list[str] = ()) -> str:
+  """Writes ``out_dir/index.html`` and one PNG per picture for ``run_dirs`` (and experiment
+  result files); returns the page's path.
 
   Args:
     run_dirs: directories written by ``tjax train`` (or ``tjax convert``).
     out_dir: created if needed; files of the same names are replaced.
     text: draw the attention maps of each run's model on this text.
     best: read the best checkpoint by validation loss instead of the latest.
+    experiments: result files of ``experiments/efficient_attention.py`` to show after the runs.
 
   Raises:
-    ValueError: no run directory given, or one is not a run directory.
+    ValueError: neither a run directory nor an experiment given, a path that is not a run
+      directory, or a file that is not such a result.
   """
-  if not run_dirs:
-    raise ValueError("report: give at least one run directory")
+  if not run_dirs and not experiments:
+    raise ValueError("report: give at least one run directory (or --experiment FILE)")
   names, collected = set(), []
   for path in run_dirs:
     base = _safe_name(os.path.basename(os.path.normpath(path)))
@@ -297,25 +320,28 @@ def write_report(run_dirs: list[str], out_dir: str, *, text: str | None = None,
     names.add(name)
     collected.append(_collect(path, name, text, best))
 
-  sections = []
+  sections, compare = [], None
   if len(collected) > 1:
     compare = _Picture("compare-loss.png", "All runs' losses on one axis.",
                        _png(viz.loss_curves({r.name: r.records for r in collected})))
     sections.append("<h2>Comparison</h2>" + _table([(r.name, _summary(r)) for r in collected],
                                                    "run") + _img(compare))
-  else:
-    compare = None
+  elif collected:
     sections.append("<h2>Summary</h2>" + _table([(collected[0].name, _summary(collected[0]))],
                                                  "run"))
   sections += [_run_html(r) for r in collected]
-  title = "tjax report: " + ", ".join(r.name for r in collected)
+  extra = [_experiment_section(path) for path in experiments]
+  sections += [html_part for html_part, _ in extra]
+  title = "tjax report: " + ", ".join([r.name for r in collected]
+                                      + [os.path.basename(p) for p in experiments])
   text_line = "" if text is None else f"<p>Attention text: <code>{html.escape(text)}</code></p>"
   page = (f"<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>{html.escape(title)}"
           f"</title><style>{_STYLE}</style></head><body><h1>{html.escape(title)}</h1>{text_line}"
           + "\n".join(sections) + "</body></html>\n")
 
   os.makedirs(out_dir, exist_ok=True)
-  pictures = [p for r in collected for p in r.pictures] + ([compare] if compare else [])
+  pictures = ([p for r in collected for p in r.pictures] + ([compare] if compare else [])
+              + [p for _, p in extra])
   for p in pictures:
     with open(os.path.join(out_dir, p.file), "wb") as f:
       f.write(p.png)

@@ -243,3 +243,37 @@ def parameter_breakdown(params: Any, *, depth: int = 2, title: str | None = None
   ax.set(xlabel="parameters", title=title or f"Parameters: {total:,}")
   ax.set_xlim(0, values.max() * 1.35 if values.size else 1)
   return fig
+
+
+def efficient_attention(result: Mapping[str, Any]) -> Figure:
+  """The four panels of ``experiments/efficient_attention.py``'s result: validation loss per
+  attention kind; train step time against the context length; decoding time per token and the
+  cache's size against the generated length."""
+  fig = Figure(figsize=(12, 8.5))
+  axes = fig.subplots(2, 2)
+  names = list(result["learning"])
+  ax = axes[0][0]
+  vals = [result["learning"][n]["val_loss"] for n in names]
+  ax.bar(names, vals, color=[f"C{i}" for i in range(len(names))])
+  ax.set_ylim(min(vals) * 0.95, max(vals) * 1.03)
+  ax.set_ylabel("validation loss (nats/token)")
+  ax.set_title(f"learning: {result['setup']['steps']} steps at {result['setup']['train_len']} "
+               "tokens")
+  ax.tick_params(axis="x", rotation=20)
+  panels = (  # (axes, section, value, scale, loglog, x label, y label, title)
+      (axes[0][1], "train_step", "step_s", 1.0, True, "context length (tokens)",
+       "train step (s, one row)", "train step time against context length"),
+      (axes[1][0], "decode", "step_ms", 1.0, False, "generated length (tokens)",
+       "decoding step (ms/token)", "decoding time per token"),
+      (axes[1][1], "decode", "cache_bytes", 2.0**-20, True, "generated length (tokens)",
+       "decoding cache (MiB)", "decoding memory"))
+  for ax, section, value, scale, loglog, xlabel, ylabel, title in panels:
+    plot = ax.loglog if loglog else ax.semilogx
+    for name, rows in result[section].items():
+      xs = [int(x) for x in rows]
+      plot(xs, [rows[str(x)][value] * scale for x in xs], "o-", color=f"C{names.index(name)}",
+           label=name)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  return fig
