@@ -54,6 +54,10 @@ def full_forward_greedy(model, prompt, steps: int):
 
   forward = jax.jit(lambda ids: model(ids))
   ids = np.asarray(prompt)
-  for _ in range(steps):
-    ids = np.concatenate([ids, np.argmax(np.asarray(forward(ids))[:, -1], -1)[:, None]], 1)
-  return ids[:, prompt.shape[1]:]
+  p = ids.shape[1]
+  # Right padding to one length: a causal model's earlier logits do not see it, and one shape
+  # is one compile.
+  ids = np.pad(ids, ((0, 0), (0, steps)))
+  for i in range(steps):
+    ids[:, p + i] = np.argmax(np.asarray(forward(ids))[:, p + i - 1], -1)
+  return ids[:, p:]
