@@ -117,13 +117,7 @@ class Attention(nnx.Module):
       k_BSKH, v_BSKH = self.key(kv_BSD), self.value(kv_BSD)
       if cache is not None:
         positions = q_positions = cache.positions(x_BTD.shape[1])
-      if self.rope_theta is not None:
-        if positions is None:
-          positions = jnp.arange(x_BTD.shape[1])
-        rope = dict(theta=self.rope_theta, interleaved=self.rope_interleaved,
-                    scaling=self.rope_scaling)
-        q_BTNH = ops.apply_rope(q_BTNH, positions, **rope)
-        k_BSKH = ops.apply_rope(k_BSKH, positions, **rope)
+      q_BTNH, k_BSKH = self._rope(q_BTNH, k_BSKH, positions)
       if cache is not None and cache.window is not None:
         # A rolling cache: the W cached keys in position order, then the T new ones, so key j
         # sits at position lengths - W + j for every row; the queries' positions are given in
@@ -164,16 +158,20 @@ class Attention(nnx.Module):
       return self._out_merged(out_BTNH), cache
     return self.out(out_BTNH), None
 
+  def _rope(self, q_BTNH, k_BTKH, positions):
+    """Queries and keys rotated by RoPE (if the layer has it) at ``positions`` (default
+    ``0..T-1``)."""
+    if self.rope_theta is None:
+      return q_BTNH, k_BTKH
+    positions = jnp.arange(q_BTNH.shape[1]) if positions is None else positions
+    rope = dict(theta=self.rope_theta, interleaved=self.rope_interleaved,
+                scaling=self.rope_scaling)
+    return ops.apply_rope(q_BTNH, positions, **rope), ops.apply_rope(k_BTKH, positions, **rope)
+
   def _rotated(self, x_BTD, positions):
     """Queries and keys with RoPE (if any) at ``positions``, and values."""
-    q_BTNH, k_BTKH, v_BTKH = self.query(x_BTD), self.key(x_BTD), self.value(x_BTD)
-    if self.rope_theta is not None:
-      positions = jnp.arange(x_BTD.shape[1]) if positions is None else positions
-      rope = dict(theta=self.rope_theta, interleaved=self.rope_interleaved,
-                  scaling=self.rope_scaling)
-      q_BTNH = ops.apply_rope(q_BTNH, positions, **rope)
-      k_BTKH = ops.apply_rope(k_BTKH, positions, **rope)
-    return q_BTNH, k_BTKH, v_BTKH
+    q_BTNH, k_BTKH = self._rope(self.query(x_BTD), self.key(x_BTD), positions)
+    return q_BTNH, k_BTKH, self.value(x_BTD)
 
   def _linear(self, x_BTD, positions, causal, cache):
     """Causal linear attention; with a one-layer ``LinearCache``, from and into its state."""
@@ -212,7 +210,7 @@ class Attention(nnx.Module):
     with the same mask and bias parts (no cache, no dropout): for pictures and inspection."""
     if self.linear is not None:
       return self._linear_weights(x_BTD, positions)
-    q_BTNH, k_BSKH, _ = self._rotated(x_BTD, positions)
+    q_BTNH, k_BSKH = self._rope(self.query(x_BTD), self.key(x_BTD), positions)
     # The values do not change the weights; the keys stand in for them.
     _, weights_BNTS = ops.dot_product_attention(
         q_BTNH, k_BSKH.astype(q_BTNH.dtype), k_BSKH.astype(q_BTNH.dtype), causal=causal,
@@ -223,7 +221,7 @@ class Attention(nnx.Module):
   def _linear_weights(self, x_BTD, positions):
     """Linear attention's weights ``[B, N, T, T]``: ``phi(q_i) . phi(k_j)`` (decayed) over its
     row's sum, causal."""
-    q, k, _ = self._rotated(x_BTD, positions)
+    q, k = self._rope(self.query(x_BTD), self.key(x_BTD), positions)
     b, t, n, _ = q.shape
     phi_k = jnp.repeat(linear_feature_map(k), n // k.shape[2], axis=2)
     w_BNTS = jnp.einsum("bins,bjns->bnij", linear_feature_map(q), phi_k)
