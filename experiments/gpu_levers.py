@@ -82,7 +82,7 @@ def train_variant(preset: str, dtype: str, b: int, t: int, steps: int, *, overri
   start = time.perf_counter()
   compiled = fn.lower(state, batch).compile(compiler_options=options or None)
   compile_s = time.perf_counter() - start
-  temp = step_lib.temp_bytes(compiled)
+  temp = runtime.temp_bytes(compiled)
   times, losses = [], []
   for i in range(3 + steps):
     start = time.perf_counter()

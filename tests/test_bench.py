@@ -127,20 +127,19 @@ def test_train_table_on_an_accelerator():
 def test_rivals_run_on_jax_device_or_are_left_out(monkeypatch):
   torch = pytest.importorskip("torch")
   from transformer_jax import hardware
-  from transformer_jax.bench import attention, generate, train
+  from transformer_jax.bench import generate, machine
 
-  assert train.torch_device() == ("cpu", "") and generate.hf_device() == "cpu"
-  assert attention.torch_device("cpu") == ("cpu", "")
+  assert machine.torch_device() == ("cpu", "") and generate.hf_device() == "cpu"
   monkeypatch.setattr(hardware, "platform", lambda: "tpu")
-  assert train.torch_device()[0] is None and "no PyTorch rival on tpu" in train.torch_device()[1]
-  assert attention.torch_device("tpu")[0] is None
+  device, why = machine.torch_device()
+  assert device is None and "no PyTorch rival on tpu" in why
   with pytest.raises(ValueError, match="on tpu"):
     generate.hf_device()
   # A GPU run whose torch has no CUDA: no rival on another device either.
   monkeypatch.setattr(hardware, "platform", lambda: "gpu")
   monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-  assert "has no CUDA device" in train.torch_device()[1]
-  assert "has no CUDA device" in attention.torch_device("gpu")[1]
+  device, why = machine.torch_device()
+  assert device is None and "has no CUDA device" in why
   with pytest.raises(ValueError, match="no CUDA device"):
     generate.hf_device()
 

@@ -23,6 +23,7 @@ from transformer_jax import cli, hardware, ops, runtime
 from transformer_jax.bench import machine
 from transformer_jax.cpu import allocator, measured, microbatches, onednn, poll
 from tests.backends import only_on
+from tests.train.conftest import CompiledStandIn
 
 MIMALLOC = "/x/cmeel.prefix/lib/libmimalloc.so"
 
@@ -199,7 +200,7 @@ def test_steps_with_onednn_products_are_compiled_each_run_without_a_warning(tmp_
       x = jnp.ones((8, 32, 32))
       with warnings.catch_warnings(record=True) as caught:   # JAX's UserWarning shows by default
         warnings.simplefilter("always")
-        runtime.hold(jax.jit(onednn_product, compiler_options=options), options)(x)
+        onednn.hold(jax.jit(onednn_product, compiler_options=options), options)(x)
         with onednn.quiet_uncacheable():
           jax.jit(compiled_ahead).lower(x).compile(compiler_options=options)(x)
         jax.jit(plain)(x).block_until_ready()
@@ -328,7 +329,7 @@ def test_onednn_attention_and_its_gradients_match_float64_numpy():
 
   compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile(
       compiler_options=runtime.step_compiler_options("cpu"))
-  runtime.hold(compiled, runtime.step_compiler_options("cpu"))
+  onednn.hold(compiled, runtime.step_compiler_options("cpu"))
   assert "__onednn_fusion" in compiled.as_text()   # the products did go to oneDNN
   value, grads = compiled(q, k, v)
 
@@ -387,8 +388,8 @@ def test_held_steps_get_a_moment_at_exit_before_they_are_destroyed(monkeypatch):
   monkeypatch.setattr(onednn, "_HELD", collections.deque(maxlen=2))
   monkeypatch.setattr(onednn.atexit, "register", lambda *args: registered.append(args))
   for obj in ("a", "b", "c"):
-    assert runtime.hold(obj, onednn.ONEDNN_DOTS) == obj
-  assert runtime.hold("d", None) == "d"   # built without the options: not held
+    assert onednn.hold(obj, onednn.ONEDNN_DOTS) == obj
+  assert onednn.hold("d", None) == "d"   # built without the options: not held
   assert list(onednn._HELD) == ["b", "c"]   # noqa: SLF001 - bounded
   assert registered == [(time.sleep, onednn.EXIT_WAIT_S)]   # once
 
@@ -404,35 +405,23 @@ def test_a_held_jit_function_is_the_function_with_a_quiet_first_call(monkeypatch
 
 
 def test_scratch_notice_only_for_cpu_steps_past_mimallocs_reuse_limit(monkeypatch):
-  limit = runtime.MIMALLOC_REUSE_LIMIT
-  assert limit == allocator.MIMALLOC_REUSE_LIMIT
-  assert runtime.scratch_notice(limit, platform="cpu", malloc="mimalloc") is None
-  assert runtime.scratch_notice(None, platform="cpu", malloc="mimalloc") is None
-  assert runtime.scratch_notice(3 << 30, platform="gpu", malloc="mimalloc") is None
-  assert runtime.scratch_notice(3 << 30, platform="cpu", malloc="glibc") is None
-  msg = runtime.scratch_notice(3 << 30, platform="cpu", malloc="mimalloc")
+  limit = allocator.MIMALLOC_REUSE_LIMIT
+  assert allocator.scratch_notice(limit, platform="cpu", malloc="mimalloc") is None
+  assert allocator.scratch_notice(None, platform="cpu", malloc="mimalloc") is None
+  assert allocator.scratch_notice(3 << 30, platform="gpu", malloc="mimalloc") is None
+  assert allocator.scratch_notice(3 << 30, platform="cpu", malloc="glibc") is None
+  msg = allocator.scratch_notice(3 << 30, platform="cpu", malloc="mimalloc")
   assert "3.00 GiB" in msg and "microbatches" in msg
-  assert allocator.scratch_notice(3 << 30, platform="cpu", malloc="mimalloc") == msg
-  # runtime's limit is the one its notice uses (the trainer's tests lower it there).
-  monkeypatch.setattr(runtime, "MIMALLOC_REUSE_LIMIT", 0)
-  assert runtime.scratch_notice(1, platform="cpu", malloc="mimalloc") is not None
+  # The module's limit is the one its notice uses (the trainer's tests lower it there).
+  monkeypatch.setattr(allocator, "MIMALLOC_REUSE_LIMIT", 0)
+  assert allocator.scratch_notice(1, platform="cpu", malloc="mimalloc") is not None
 
 
 def test_allocator_names_the_preloaded_malloc(monkeypatch):
   monkeypatch.setenv("LD_PRELOAD", "/x/libmimalloc.so")
-  assert runtime.allocator() == "mimalloc" and machine.describe()["allocator"] == "mimalloc"
+  assert allocator.allocator() == "mimalloc" and machine.describe()["allocator"] == "mimalloc"
   monkeypatch.delenv("LD_PRELOAD")
-  assert runtime.allocator() == allocator.allocator() == "glibc"
-
-
-class _Compiled:
-  """A stand-in for a compiled step: only its temporaries' size."""
-
-  def __init__(self, temp):
-    self.temp = temp
-
-  def memory_analysis(self):
-    return type("Analysis", (), {"temp_size_in_bytes": self.temp})()
+  assert allocator.allocator() == "glibc"
 
 
 @pytest.mark.parametrize("platform, malloc, want, compiled", [
@@ -445,7 +434,7 @@ def test_auto_microbatches_only_on_cpu_over_mimalloc(platform, malloc, want, com
 
   def compile_step(m):
     calls.append(m)
-    return _Compiled({1: 5000, 4: 1900}[m])
+    return CompiledStandIn({1: 5000, 4: 1900}[m])
 
   m, step = microbatches.resolve_auto(compile_step, 8, platform=platform, malloc=malloc,
                                       limit=2000)

@@ -4,9 +4,7 @@ bfloat16 would be slower than float32 on this CPU.
 
 What exists only for XLA:CPU lives in ``transformer_jax.cpu``: the mimalloc launcher
 (``cpu.allocator``), the steps' oneDNN options and ``hold`` (``cpu.onednn``), idle CPUs that poll
-while decoding (``cpu.poll``) and the microbatch rule (``cpu.microbatches``). The names of it
-that the trainer and the benchmarks use are kept here (``allocator``, ``MIMALLOC_REUSE_LIMIT``,
-``scratch_notice``, ``hold``) and delegate to it.
+while decoding (``cpu.poll``) and the microbatch rule (``cpu.microbatches``).
 
 ``tjax`` applies them (the trainer gives the notices). A library user calls
 ``enable_compilation_cache()`` once (the trainer does it too); to run over mimalloc, starts their
@@ -19,7 +17,6 @@ from __future__ import annotations
 import os
 import warnings
 
-from transformer_jax.cpu import allocator as _allocator
 from transformer_jax.cpu import onednn as _onednn
 
 CACHE_ENV = "TJAX_COMPILATION_CACHE"   # a folder, or "0" to turn the cache off
@@ -86,18 +83,11 @@ def decode_compiler_options(platform: str) -> dict:
   return dict(GPU_DECODE_OPTIONS) if platform == "gpu" else {}
 
 
-# The CPU profile's names that the trainer and the benchmarks take from here.
-hold = _onednn.hold
-allocator = _allocator.allocator
-MIMALLOC_REUSE_LIMIT = _allocator.MIMALLOC_REUSE_LIMIT
-
-
-def scratch_notice(temp_bytes: int | None, *, platform: str, malloc: str) -> str | None:
-  """``cpu.allocator.scratch_notice`` against ``MIMALLOC_REUSE_LIMIT`` as this module holds it:
-  a one-line notice when one compiled step's temporaries are larger than what mimalloc reuses
-  between steps on CPU, else None."""
-  return _allocator.scratch_notice(temp_bytes, platform=platform, malloc=malloc,
-                                   limit=MIMALLOC_REUSE_LIMIT)
+def temp_bytes(compiled) -> int | None:
+  """A compiled program's temporaries in bytes (``memory_analysis()``), or None where XLA does
+  not say."""
+  analysis = compiled.memory_analysis()
+  return None if analysis is None else int(analysis.temp_size_in_bytes)
 
 
 _warned_bf16 = False

@@ -29,3 +29,13 @@ def run_cli(*argv):
 
 def pytest_configure(config):
   config.addinivalue_line("markers", "slow: end-to-end runs of the CLI in subprocesses")
+
+
+class CompiledStandIn:
+  """A stand-in for a compiled step: only its temporaries' size (``memory_analysis``)."""
+
+  def __init__(self, temp):
+    self.temp = temp
+
+  def memory_analysis(self):
+    return type("Analysis", (), {"temp_size_in_bytes": self.temp})()

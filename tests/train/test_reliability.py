@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 import yaml
 
-from transformer_jax import data, runs, runtime
+from transformer_jax import data, runs
+from transformer_jax.cpu import allocator
 from transformer_jax.runs import orbax_errors
 from transformer_jax.train import TrainingDiverged, evaluate_run, load_experiment, train
 from transformer_jax.train import tasks as tasks_lib
@@ -540,8 +541,8 @@ def test_main_marks_only_a_caught_error_for_the_launcher(tmp_path, monkeypatch):
 def test_a_step_too_large_for_the_allocator_to_reuse_is_named_once(tmp_path, text_dataset,
                                                                    monkeypatch, capfd):
   # A real case needs a step with over 2 GiB of temporaries; here the limit is lowered instead.
-  monkeypatch.setattr(runtime, "MIMALLOC_REUSE_LIMIT", 0)
-  monkeypatch.setattr(runtime, "allocator", lambda: "mimalloc")
+  monkeypatch.setattr(allocator, "MIMALLOC_REUSE_LIMIT", 0)
+  monkeypatch.setattr(allocator, "allocator", lambda: "mimalloc")
   train(_exp(tmp_path / "r", text_dataset, ["model.d_model=16", "model.num_heads=1"], steps=3),
         progress=False)
   out = capfd.readouterr().out

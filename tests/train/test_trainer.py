@@ -17,7 +17,7 @@ import yaml
 from transformer_jax import models
 from transformer_jax.train import load_experiment, train
 from transformer_jax.runs import restore_params
-from tests.train.conftest import REPO, run_cli, run_tjax
+from tests.train.conftest import REPO, CompiledStandIn, run_cli, run_tjax
 
 TINY_GPT = {"preset": "gpt2-tiny", "d_model": 32, "num_layers": 2, "num_heads": 2, "d_ff": 64,
             "max_len": 32, "dropout_rate": 0.1}
@@ -107,16 +107,6 @@ def test_gradient_accumulation_equals_full_batch(text_dataset, tmp_path):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)
 
 
-class _Compiled:
-  """A stand-in for a compiled step: only its temporaries' size."""
-
-  def __init__(self, temp):
-    self.temp = temp
-
-  def memory_analysis(self):
-    return type("Analysis", (), {"temp_size_in_bytes": self.temp})()
-
-
 @pytest.mark.parametrize("temps,batch,n_batch,want,compiled", [
     ({1: 1500}, 8, 1, 1, [1]),                                    # fits whole: one compile
     ({1: 5000, 4: 1900}, 8, 1, 4, [1, 4]),                        # >= 5000 / 2000: 3 -> 4
@@ -126,14 +116,14 @@ class _Compiled:
     ({1: 9000}, 8, 4, 1, [1]),                                    # would need 5: none divides 2
 ])
 def test_auto_microbatches_takes_the_fewest_that_fit(temps, batch, n_batch, want, compiled):
-  from transformer_jax.train import step as S
+  from transformer_jax.cpu import microbatches
   calls = []
 
   def compile_step(m):
     calls.append(m)
-    return _Compiled(temps[m])
+    return CompiledStandIn(temps[m])
 
-  m, step = S.auto_microbatches(compile_step, batch, n_batch, limit=2000)
+  m, step = microbatches.auto_microbatches(compile_step, batch, n_batch, limit=2000)
   assert (m, calls) == (want, compiled)
   assert step.temp == temps[m]
 
@@ -148,7 +138,7 @@ def test_make_train_step_takes_only_a_count_of_microbatches(bad):
 def test_auto_microbatches_in_a_run_on_cpu_over_mimalloc(text_dataset, tmp_path, monkeypatch):
   # A real case needs over 2 GiB of temporaries; the limit is lowered to the size of the step in
   # 2 microbatches instead, which the whole batch's step passes.
-  from transformer_jax import runtime
+  from transformer_jax.cpu import allocator
   from transformer_jax.train import step as S, trainer
   raw = {"run_dir": str(tmp_path / "r"), "model": {**TINY_GPT, "dropout_rate": 0.0},
          "data": {"path": text_dataset, "task": "gpt"},
@@ -167,8 +157,8 @@ def test_auto_microbatches_in_a_run_on_cpu_over_mimalloc(text_dataset, tmp_path,
   explicit = load_experiment(None, ["train.microbatches=2"], raw=raw)
   _, split, m = trainer.compiled_step(explicit, *args[1:])
   assert m == 2 and temp(split) < temp(whole)
-  monkeypatch.setattr(runtime, "allocator", lambda: "mimalloc")
-  monkeypatch.setattr(runtime, "MIMALLOC_REUSE_LIMIT", temp(split))
+  monkeypatch.setattr(allocator, "allocator", lambda: "mimalloc")
+  monkeypatch.setattr(allocator, "MIMALLOC_REUSE_LIMIT", temp(split))
   step, compiled, m = trainer.compiled_step(*args)
   assert m == 2 and temp(compiled) == temp(split)
   # The step is the 2-microbatch one: the same loss and update as the explicit count's.

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 from transformer_jax import hardware, ops, runtime
 from transformer_jax.bench import machine
+from transformer_jax.cpu import onednn
 
 # --implementations when not given, by platform ("auto": the library's choice).
 DEFAULT_IMPLEMENTATIONS = {"cpu": "xla,chunked", "gpu": "xla,chunked,cudnn,auto",
@@ -117,7 +118,7 @@ def ours_cell(b: int, t: int, n: int, h: int, dtype: str, impl: str, reps: int,
   implementation = None if impl == "auto" else impl
   loss = lambda q, k, v: jnp.sum(ops.dot_product_attention(  # noqa: E731
       q, k, v, causal=True, implementation=implementation).astype(jnp.float32))
-  step = runtime.hold(jax.jit(jax.grad(loss, argnums=(0, 1, 2)),
+  step = onednn.hold(jax.jit(jax.grad(loss, argnums=(0, 1, 2)),
                               compiler_options=options or None), options)
   return _times(lambda: jax.block_until_ready(step(q, k, v)), lambda: None, reps)
 
@@ -138,20 +139,6 @@ def torch_cell(b: int, t: int, n: int, h: int, dtype: str, reps: int,
 
   sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
   return _times(call, sync, reps)
-
-
-def torch_device(platform: str) -> tuple[str | None, str]:
-  """Where the torch rival runs on ``platform``: ``("cpu", "")``, ``("cuda", "")`` (a GPU where
-  torch has CUDA), else ``(None, why not)``."""
-  if platform == "cpu":
-    return "cpu", ""
-  if platform != "gpu":
-    return None, f"no PyTorch rival on {platform}"
-  import torch
-
-  if not torch.cuda.is_available():
-    return None, f"JAX runs on a GPU but torch {torch.__version__} has no CUDA device"
-  return "cuda", ""
 
 
 def run(args) -> dict:
@@ -182,7 +169,7 @@ def run(args) -> dict:
   # Accelerators: float32 products at full precision, as the models' default and PyTorch.
   precision = ((lambda: contextlib.nullcontext()) if platform == "cpu"
                else (lambda: jax.default_matmul_precision("float32")))
-  device, why_not = torch_device(platform) if against == "torch" else (None, "")
+  device, why_not = machine.torch_device() if against == "torch" else (None, "")
   left_out = {"torch_sdpa": why_not} if against == "torch" and device is None else {}
   cells = [(impl, None) for impl in impls] + ([("torch_sdpa", device)] if device else [])
   rows = []

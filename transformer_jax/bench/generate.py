@@ -207,17 +207,10 @@ def hf_device() -> str:
   Raises:
     ValueError: on any other platform (a TPU) or a GPU where torch has no CUDA device.
   """
-  platform = hardware.platform()
-  if platform == "cpu":
-    return "cpu"
-  if platform == "gpu":
-    import torch
-    if torch.cuda.is_available():
-      return "cuda"
-    raise ValueError(f"bench generate: JAX runs on {hardware.device_kind()} but torch "
-                     f"{torch.__version__} has no CUDA device to run Hugging Face beside it")
-  raise ValueError(f"bench generate: JAX runs on {platform} ({hardware.device_kind()}), where "
-                   "Hugging Face has no device to run on beside it")
+  device, why_not = machine.torch_device()
+  if device is None:
+    raise ValueError(f"bench generate: Hugging Face cannot run beside JAX here: {why_not}")
+  return device
 
 
 def _timed(fn, *args):

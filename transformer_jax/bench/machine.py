@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax import hardware, runtime
+from transformer_jax.cpu import allocator, onednn
 
 # The CPU's facts live in transformer_jax.hardware; the bench's result files name them.
 BF16_FLAGS = hardware.BF16_FLAGS
@@ -89,12 +90,27 @@ def describe(extra_versions: Iterable[str] = ()) -> dict:
   return {
       "cpu": cpu_name(), "cpu_flags": cpu_flags(), "bf16_hardware": has_bf16_hardware(),
       "cpu_count": os.cpu_count(), "cpu_idle": cpu_idle(), "platform": jax.default_backend(),
-      "devices": [d.device_kind for d in jax.devices()], "allocator": runtime.allocator(),
+      "devices": [d.device_kind for d in jax.devices()], "allocator": allocator.allocator(),
       "xla_flags": os.environ.get("XLA_FLAGS", ""),
       "step_compiler_options": runtime.step_compiler_options(jax.default_backend()),
       "load_average": list(os.getloadavg()),
       "versions": versions, "source": source_revision(),
   }
+
+
+def torch_device() -> tuple[str | None, str]:
+  """Where a benchmark's PyTorch rival runs: ``("cpu", "")`` on CPU, ``("cuda", "")`` when JAX is
+  on a GPU and torch has CUDA, else ``(None, why not)``."""
+  platform = hardware.platform()
+  if platform == "cpu":
+    return "cpu", ""
+  if platform != "gpu":
+    return None, f"no PyTorch rival on {platform} (JAX runs on {hardware.device_kind()})"
+  import torch
+
+  if not torch.cuda.is_available():
+    return None, f"JAX runs on a GPU but torch {torch.__version__} has no CUDA device"
+  return "cuda", ""
 
 
 def _call_times(fn, *args, reps: int) -> list[float]:
@@ -138,8 +154,8 @@ def matmul_limit(shapes: Sequence[tuple[int, int, int]], dtype: str = "float32",
     return jnp.asarray(rng.standard_normal(shape, np.float32), dt)
 
   libraries = {"default": None}
-  if jax.default_backend() == "cpu" and (onednn := runtime.step_compiler_options("cpu")):
-    libraries["onednn"] = onednn
+  if jax.default_backend() == "cpu" and (options := runtime.step_compiler_options("cpu")):
+    libraries["onednn"] = options
   rates_by_library: dict[str, dict] = {name: {} for name in libraries}
   best = 0.0
   for m, k, n in shapes:
@@ -154,7 +170,7 @@ def matmul_limit(shapes: Sequence[tuple[int, int, int]], dtype: str = "float32",
     for library, options in libraries.items():
       rates = {}
       for name, (fn, args) in layouts.items():
-        compiled = runtime.hold(jax.jit(fn).lower(*args).compile(compiler_options=options),
+        compiled = onednn.hold(jax.jit(fn).lower(*args).compile(compiler_options=options),
                                 options)
         rates[name] = 2.0 * m * k * n / _best_time(compiled, *args, reps=reps)
       rates_by_library[library][f"{m}x{k}x{n}"] = rates

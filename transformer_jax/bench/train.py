@@ -47,6 +47,7 @@ import numpy as np
 
 from transformer_jax import hardware, models, runtime
 from transformer_jax.bench import machine
+from transformer_jax.cpu import onednn
 from transformer_jax.models.config import BERTConfig, GPTConfig, Seq2SeqConfig
 
 
@@ -111,21 +112,6 @@ def parse_model_overrides(items: list[str]) -> dict:
       value = float(value)
     out[key] = value
   return out
-
-
-def torch_device() -> tuple[str | None, str]:
-  """Where the PyTorch rivals run: ``("cpu", "")`` on CPU, ``("cuda", "")`` when JAX is on a GPU
-  and torch has CUDA, else ``(None, why not)``."""
-  platform = hardware.platform()
-  if platform == "cpu":
-    return "cpu", ""
-  if platform != "gpu":
-    return None, f"no PyTorch rival on {platform} (JAX runs on {hardware.device_kind()})"
-  import torch
-
-  if not torch.cuda.is_available():
-    return None, f"JAX runs on a GPU but torch {torch.__version__} has no CUDA device"
-  return "cuda", ""
 
 
 def random_batch(config, batch: int, seq_len: int, seed: int) -> tuple[dict[str, np.ndarray], str]:
@@ -200,9 +186,9 @@ class Ours:
     # Every count the rule compiled (a step over the limit is compiled whole first).
     self.compile_s_by_microbatches = {m: c for m, (_, c) in times.items()}
     # The jitted step is held (jit_train_step); this ahead-of-time executable is another one.
-    runtime.hold(self.step_fn, runtime.step_compiler_options(jax.default_backend()))
+    onednn.hold(self.step_fn, runtime.step_compiler_options(jax.default_backend()))
     # XLA:CPU takes a step's temporaries as one block per call (see cpu.microbatches).
-    self.temp_bytes = step_lib.temp_bytes(self.step_fn)
+    self.temp_bytes = runtime.temp_bytes(self.step_fn)
     self.state = state
     self.losses: list[float] = []
 
@@ -398,7 +384,7 @@ def run(args) -> dict:
   sides = {"ours": Ours(config, host_batch, task_name, lr, args.seed)}
   _progress(f"our step compiled in {time.perf_counter() - start:.0f} s")
   left_out = {}
-  device, why_not = torch_device() if rivals else (None, "")
+  device, why_not = machine.torch_device() if rivals else (None, "")
   autocast = "bfloat16" if device == "cuda" and args.dtype == "bfloat16" else None
   for r in rivals:
     if device is None:

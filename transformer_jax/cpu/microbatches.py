@@ -11,11 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from transformer_jax.cpu import allocator as allocator_lib
-
-
-def _temp_bytes(compiled) -> int | None:
-  analysis = compiled.memory_analysis()
-  return None if analysis is None else int(analysis.temp_size_in_bytes)
+from transformer_jax.runtime import temp_bytes
 
 
 def auto_microbatches(compile_step: Callable[[int], Any], batch_size: int, n_batch: int = 1, *,
@@ -38,7 +34,7 @@ def auto_microbatches(compile_step: Callable[[int], Any], batch_size: int, n_bat
   """
   limit = allocator_lib.MIMALLOC_REUSE_LIMIT if limit is None else limit
   whole = compile_step(1)
-  temp = _temp_bytes(whole)
+  temp = temp_bytes(whole)
   if temp is None or temp <= limit or limit <= 0:  # fits, or nothing can
     return 1, whole
   rows = batch_size // n_batch
@@ -46,7 +42,7 @@ def auto_microbatches(compile_step: Callable[[int], Any], batch_size: int, n_bat
     if rows % m:
       continue
     compiled = compile_step(m)
-    split = _temp_bytes(compiled)
+    split = temp_bytes(compiled)
     if split is not None and split <= limit:
       return m, compiled
   return 1, whole

@@ -39,7 +39,7 @@ class TrainConfig:
   batch_size: int = 16                    # global batch (all processes, all devices)
   seq_len: int = 128                      # GPT/BERT window; ignored by seq2seq (bucketed)
   # Gradient accumulation inside the step. "auto": 1 unless the step's temporaries pass what the
-  # CPU allocator reuses, then the fewest that fit (train.step.auto_microbatches).
+  # CPU allocator reuses, then the fewest that fit (cpu.microbatches.auto_microbatches).
   microbatches: int | Literal["auto"] = "auto"
   seed: int = 0
   lr: float = 1e-3

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 
 from transformer_jax import runs, runtime
+from transformer_jax.cpu import allocator
 from transformer_jax.train import step as step_lib
 from transformer_jax.train import tasks as tasks_lib
 from transformer_jax.train.console import log0
@@ -77,8 +78,8 @@ def compile_train_step(run: Run, state: step_lib.TrainState, loader, start: int)
   first = step_lib.shard_batch(loader.batch_at(start), run.mesh, run.task.keys)
   step, compiled, microbatches = compiled_step(exp, run.graphdef, run.task, run.optimizer,
                                                run.mesh, state, first)
-  notice = runtime.scratch_notice(step_lib.temp_bytes(compiled), platform=jax.default_backend(),
-                                  malloc=runtime.allocator())
+  notice = allocator.scratch_notice(runtime.temp_bytes(compiled),
+                                    platform=jax.default_backend(), malloc=allocator.allocator())
   if t.microbatches == "auto" and microbatches > 1:
     log0(f"train.microbatches=auto: {microbatches} microbatches, which keep the step's "
          "temporaries within what the allocator reuses between steps")

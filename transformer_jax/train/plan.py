@@ -96,7 +96,7 @@ def compiled_step(exp: Experiment, graphdef, task, optimizer, mesh, state, batch
   (arrays or shapes): ``(step, compiled, microbatches)``.
 
   The count is ``step_lib.pick_microbatches``' (``train.microbatches: auto`` on CPU over mimalloc:
-  ``step_lib.auto_microbatches``).
+  ``cpu.microbatches.auto_microbatches``).
   """
   built = {}
 

@@ -19,6 +19,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh
 
 from transformer_jax import models, parallel, runtime
+from transformer_jax.cpu import allocator
 from transformer_jax.cpu import microbatches as cpu_microbatches
 from transformer_jax.cpu import onednn
 from transformer_jax.parallel.mesh import batch_sharding, make_mesh, replicated
@@ -167,10 +168,10 @@ def jit_train_step(train_step: Callable, mesh: Mesh, state: TrainState,
   over the data axes, metrics replicated. Build the step's model for the same mesh
   (``models.graphdef(config, mesh)``): its layers then pin activations to it and may run ring
   attention. On CPU the products go to oneDNN (``runtime.step_compiler_options``), and the step
-  comes back held (``runtime.hold``)."""
+  comes back held (``cpu.onednn.hold``)."""
   shardings = state_shardings(state, mesh, rules)
   options = _compiler_options(mesh)
-  return runtime.hold(jax.jit(train_step, in_shardings=(shardings, batch_sharding(mesh)),
+  return onednn.hold(jax.jit(train_step, in_shardings=(shardings, batch_sharding(mesh)),
                        out_shardings=(shardings, replicated(mesh)), donate_argnums=(0,),
                        compiler_options=options), options)
 
@@ -180,8 +181,8 @@ def pick_microbatches(setting: int | str, compile_step: Callable[[int], Any], ba
   """``train.microbatches`` resolved, with the step compiled for it: ``(microbatches, compiled)``.
 
   A number is taken as given; "auto" is ``cpu.microbatches.resolve_auto``: the fewest
-  microbatches that keep the step's temporaries within ``runtime.MIMALLOC_REUSE_LIMIT`` on CPU
-  over mimalloc (``runtime.allocator``), 1 elsewhere. On CPU the compilations run inside
+  microbatches that keep the step's temporaries within ``cpu.allocator.MIMALLOC_REUSE_LIMIT`` on
+  CPU over mimalloc (``cpu.allocator.allocator``), 1 elsewhere. On CPU the compilations run inside
   ``cpu.onednn.quiet_uncacheable`` (a step with oneDNN products cannot be cached).
   """
   quiet = onednn.quiet_uncacheable() if platform == "cpu" else contextlib.nullcontext()
@@ -189,25 +190,13 @@ def pick_microbatches(setting: int | str, compile_step: Callable[[int], Any], ba
     if setting != "auto":
       return setting, compile_step(setting)
     return cpu_microbatches.resolve_auto(compile_step, batch_size, n_batch, platform=platform,
-                                         malloc=runtime.allocator(),
-                                         limit=runtime.MIMALLOC_REUSE_LIMIT)
-
-
-# ``train.microbatches: auto``'s rule on CPU (kept here under its former name).
-auto_microbatches = cpu_microbatches.auto_microbatches
-
-
-def temp_bytes(compiled) -> int | None:
-  """A compiled step's temporaries in bytes (``memory_analysis()``), or None where XLA does not
-  say."""
-  analysis = compiled.memory_analysis()
-  return None if analysis is None else int(analysis.temp_size_in_bytes)
+                                         malloc=allocator.allocator())
 
 
 def jit_eval_step(eval_step: Callable, mesh: Mesh, params, rules: parallel.Rules = parallel.RULES):
   """Compiles ``eval_step(params, batch)`` for ``mesh`` (parameters sharded as in training)."""
   options = _compiler_options(mesh)
-  return runtime.hold(jax.jit(eval_step,
+  return onednn.hold(jax.jit(eval_step,
                        in_shardings=(parallel.param_shardings(params, mesh, rules),
                                      batch_sharding(mesh)),
                        out_shardings=replicated(mesh), compiler_options=options), options)
