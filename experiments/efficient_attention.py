@@ -27,7 +27,6 @@ Writes experiments/results/efficient_attention.json and efficient_attention.png.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -36,12 +35,12 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
 import transformer_jax as tj
-from transformer_jax import data, generate, hardware, ops, viz
+from transformer_jax import data, generate, hardware, ops, runtime, viz
+from pe_extrapolation import train_steps   # experiments/: this script's own folder
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
@@ -70,26 +69,10 @@ def _lm_loss(config, params, batch):
 
 
 def train_and_evaluate(name: str, config, dataset, args) -> dict:
-  """``args.steps`` AdamW steps at ``args.train_len`` tokens; the validation loss after."""
-  params = tj.models.init(config, jax.random.key(args.seed))
-  schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.steps // 8, args.steps,
-                                                end_value=args.lr / 10)
-  optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1))
-  opt_state = optimizer.init(params)
-  loader = data.GPTLoader(dataset, batch_size=args.batch_size, seq_len=args.train_len,
-                          seed=args.seed)
-
-  @jax.jit
-  def step(params, opt_state, batch):
-    loss, grads = jax.value_and_grad(lambda p: _lm_loss(config, p, batch)[0])(params)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
+  """``args.steps`` AdamW steps at ``args.train_len`` tokens (``pe_extrapolation.train_steps``,
+  the same schedule); the validation loss after."""
   start = time.perf_counter()
-  losses = []
-  for i in range(args.steps):
-    params, opt_state, loss = step(params, opt_state, loader.batch_at(i))
-    losses.append(float(loss))
+  params, losses = train_steps(config, dataset, args)
   seconds = time.perf_counter() - start
   evaluate = jax.jit(lambda p, b: _lm_loss(config, p, b))
   total = count = 0.0
@@ -156,12 +139,11 @@ def train_step_cost(name: str, config, lengths: list[int], reps: int) -> dict:
       return optax.apply_updates(params, updates), opt_state, loss
 
     compiled = jax.jit(step).lower(params, opt_state, batch).compile()
-    analysis = compiled.memory_analysis()
+    temp = runtime.temp_bytes(compiled)
     seconds = _median_times({"s": compiled}, {"s": (params, opt_state, batch)}, reps)["s"]
-    out[str(t)] = {"step_s": seconds, "temp_bytes": None if analysis is None
-                   else int(analysis.temp_size_in_bytes)}
+    out[str(t)] = {"step_s": seconds, "temp_bytes": temp}
     print(f"train step {name:14s} T={t:6d}: {seconds:.3f} s, temporaries "
-          f"{out[str(t)]['temp_bytes'] / 2**20 if analysis else float('nan'):.0f} MiB", flush=True)
+          f"{temp / 2**20 if temp is not None else float('nan'):.0f} MiB", flush=True)
   return out
 
 

@@ -46,6 +46,13 @@ def _config(scheme: str, vocab_size: int, max_len: int, args) -> tj.models.GPTCo
 def train(scheme: str, dataset, args) -> tuple[tj.models.GPTConfig, object, list[float]]:
   """``args.steps`` AdamW steps at ``args.train_len`` tokens; returns config, params, losses."""
   config = _config(scheme, dataset.vocab_size, args.train_len, args)
+  return (config, *train_steps(config, dataset, args))
+
+
+def train_steps(config, dataset, args) -> tuple[object, list[float]]:
+  """A GPT of ``config`` from ``args.seed``, trained ``args.steps`` AdamW steps (warmup over an
+  eighth, cosine to a tenth, clipping at 1) on ``dataset``'s rows of ``args.train_len`` tokens,
+  ``args.batch_size`` a step: ``(params, losses)``."""
   params = tj.models.init(config, jax.random.key(args.seed))
   schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.steps // 8, args.steps,
                                                 end_value=args.lr / 10)
@@ -68,7 +75,7 @@ def train(scheme: str, dataset, args) -> tuple[tj.models.GPTConfig, object, list
   for i in range(args.steps):
     params, opt_state, loss = step(params, opt_state, loader.batch_at(i))
     losses.append(float(loss))
-  return config, params, losses
+  return params, losses
 
 
 def eval_docs(dataset, args) -> np.ndarray:
