@@ -1,8 +1,6 @@
 """Sliding-window decoding with a rolling cache: W slots used as a ring, the same tokens as the
 full uncached forward pass, past the window, for greedy, sampled and beam-searched generation."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -195,8 +195,7 @@ def linear_attention_step(state: LinearState, q: jax.Array, k: jax.Array, v: jax
   if one != 1 or k.shape[1] != 1 or v.shape[1] != 1:
     raise ValueError(f"a step takes one position: q.shape={q.shape}, k.shape={k.shape}, "
                      f"v.shape={v.shape}")
-  kh, e = k.shape[2], v.shape[3]
-  g = n // kh
+  g = n // k.shape[2]
   gamma_N = _decay_per_head(decay, n)
   phi_k = jnp.repeat(feature_map(k[:, 0]), g, axis=1)                  # [B, N, H]
   v_NE = jnp.repeat(v[:, 0].astype(jnp.float32), g, axis=1)           # [B, N, E]

@@ -212,7 +212,7 @@ def splash_attention(q, k, v, *, causal: bool = False, window: int | None = None
   from transformer_jax.ops.attention import check_qkv  # noqa: PLC0415 - it imports this lazily
 
   check_qkv(q, k, v)
-  (b, t, n, h), (s, kh) = q.shape, k.shape[1:3]
+  (b, t, n, h), s = q.shape, k.shape[1]
   if np.dtype(q.dtype) not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
     raise ValueError(
         "q, k and v must share one dtype, float32 or bfloat16; got "

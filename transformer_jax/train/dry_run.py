@@ -110,7 +110,6 @@ def attention_kernels(config, mesh: dict[str, int], batch_size: int, seq_len: in
   from transformer_jax import ops
 
   rows_per_device = max(1, batch_size // (mesh.get("data", 1) * mesh.get("fsdp", 1)))
-  t_local = max(1, seq_len // mesh.get("sequence", 1))
   heads = max(1, config.num_heads // mesh.get("tensor", 1))
   kv_heads = max(1, config.kv_heads // mesh.get("tensor", 1))
   dtype = jax.numpy.dtype(config.dtype)
