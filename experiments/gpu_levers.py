@@ -14,6 +14,8 @@ step (AdamW, clipping, token-mean cross-entropy) on one random batch, compiled o
   no_segment_ids  the batch without segment ids (no packed-document mask)
   triton_gemm_on  the step compiled with ``xla_gpu_enable_triton_gemm: true`` (GPUs)
   triton_gemm_off the same, ``false``
+  cublaslt        the step compiled with ``xla_gpu_enable_cublaslt: true`` (cuBLASLt's epilogues)
+  autotune_level_1 the step compiled with ``xla_gpu_autotune_level: 1`` (no buffer checks)
 
 Each variant: compile seconds, the median of ``--steps`` steps after 3 warm-up steps, tokens/s, and
 the step's temporaries. Generation: greedy ``generate`` of ``--new-tokens`` tokens for each batch
@@ -48,6 +50,7 @@ from transformer_jax.train.config import TrainConfig
 from transformer_jax.train.optim import make_optimizer
 
 DECODE_VARIANTS = {"triton_gemm_off": {"xla_gpu_enable_triton_gemm": False},
+                   "autotune_level_1": {"xla_gpu_autotune_level": 1},
                    "autotune_level_0": {"xla_gpu_autotune_level": 0}}
 
 
@@ -131,7 +134,9 @@ VARIANTS = {"default": {}, "logits_head": {"loss_head": "logits"},
             "scanned": {"overrides": {"scan_layers": True}},
             "no_segment_ids": {"segments": False},
             "triton_gemm_on": {"options": {"xla_gpu_enable_triton_gemm": True}},
-            "triton_gemm_off": {"options": {"xla_gpu_enable_triton_gemm": False}}}
+            "triton_gemm_off": {"options": {"xla_gpu_enable_triton_gemm": False}},
+            "cublaslt": {"options": {"xla_gpu_enable_cublaslt": True}},
+            "autotune_level_1": {"options": {"xla_gpu_autotune_level": 1}}}
 
 
 def _one(args) -> dict:

@@ -74,6 +74,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--curve-data", default=None,
                  help="dataset folder for --curve-steps (default runs/data/stdlib-VOCAB, prepared "
                       "from the embedded corpus on first use)")
+  p.add_argument("--profile", type=int, default=0, metavar="N",
+                 help="after the timed steps, trace N more steps per side and record their device "
+                      "kernels by kind (bench.profile; GPU kernels only)")
   p.add_argument("--model", action="append", default=[], metavar="KEY=VALUE",
                  help="override a field of the preset's model config, the value read as YAML "
                       "(repeatable): --model scan_layers=false --model attention_impl=cudnn")
@@ -346,6 +349,23 @@ def _progress(text: str) -> None:
   print(f"# {text}", file=sys.stderr, flush=True)
 
 
+def _profiles(sides: dict, steps: int) -> dict:
+  """Each side's device kernels over ``steps`` more steps (``bench.profile``), with the same
+  steps' median wall time."""
+  from transformer_jax.bench import profile
+
+  out = {}
+  for name, side in sides.items():
+    walls: list[float] = []
+    record = lambda side=side, walls=walls: walls.append(side.step())  # noqa: E731
+    out[name] = (profile.jax_kernels(record, steps) if name == "ours"
+                 else profile.torch_kernels(record, steps))
+    out[name]["wall_ms_per_step"] = 1e3 * statistics.median(walls)
+    _progress(f"{name} profiled: {out[name].get('device_ms_per_step', 0):.1f} ms of kernels "
+              f"in a {out[name]['wall_ms_per_step']:.1f} ms step")
+  return out
+
+
 def run(args) -> dict:
   """Runs the benchmark described by ``args`` (see ``add_args``); returns the result dict."""
   from transformer_jax import runtime
@@ -477,6 +497,8 @@ def run(args) -> dict:
     result["ratio_vs_torch_compile"] = med["torch.compile"] / med["ours"]
   if left_out:
     result["left_out"] = left_out
+  if args.profile:
+    result["profile"] = _profiles(sides, args.profile)
   if args.curve_steps:
     del sides
     result["loss_curves"] = loss_curves(config, args.curve_steps, args.batch_size, args.seq_len,
