@@ -16,6 +16,8 @@ step (AdamW, clipping, token-mean cross-entropy) on one random batch, compiled o
   triton_gemm_off the same, ``false``
   cublaslt        the step compiled with ``xla_gpu_enable_cublaslt: true`` (cuBLASLt's epilogues)
   autotune_level_1 the step compiled with ``xla_gpu_autotune_level: 1`` (no buffer checks)
+  vocab_pad_128   the tied vocabulary product padded to a multiple of 128 columns
+                  (``ops.dispatch.PAD_COLS``)
 
 Each variant: compile seconds, the median of ``--steps`` steps after 3 warm-up steps, tokens/s, and
 the step's temporaries. Generation: greedy ``generate`` of ``--new-tokens`` tokens for each batch
@@ -44,6 +46,7 @@ import numpy as np
 from flax import nnx
 
 from transformer_jax import models, runtime
+from transformer_jax.ops import dispatch
 from transformer_jax.train import step as step_lib
 from transformer_jax.train import tasks as tasks_lib
 from transformer_jax.train.config import TrainConfig
@@ -70,8 +73,11 @@ def _batch(config, b: int, t: int, seed: int = 0) -> dict:
 
 
 def train_variant(preset: str, dtype: str, b: int, t: int, steps: int, *, overrides=None,
-                  loss_head: str = "logits", options=None, segments: bool = True) -> dict:
+                  loss_head: str = "logits", options=None, segments: bool = True,
+                  pad_cols: int | None = None) -> dict:
   """Compile and time one variant of the train step; returns its row."""
+  if pad_cols:   # this process only: each variant runs in one of its own
+    dispatch.PAD_COLS[jax.default_backend()] = pad_cols
   config = models.get_config(preset, dtype=dtype, dropout_rate=0.0, **(overrides or {}))
   tcfg = TrainConfig(steps=1000, batch_size=b, seq_len=t, lr=1e-4, warmup_steps=0,
                      schedule="constant")
@@ -96,10 +102,11 @@ def train_variant(preset: str, dtype: str, b: int, t: int, steps: int, *, overri
   step_s = statistics.median(times)
   flops = models.train_flops_per_token(config, t) * b * t
   del state, compiled
-  return {"compile_s": compile_s, "step_s": step_s, "all_s": times, "tokens_per_sec": b * t / step_s,
-          "model_flops_per_sec": flops / step_s, "temp_bytes": temp, "first_loss": losses[0],
-          "last_loss": losses[-1], "layers": "unrolled" if models.unrolls_layers(config)
-          else "scanned", "loss_head": loss_head, "options": options}
+  layers = "unrolled" if models.unrolls_layers(config) else "scanned"
+  return {"compile_s": compile_s, "step_s": step_s, "all_s": times,
+          "tokens_per_sec": b * t / step_s, "model_flops_per_sec": flops / step_s,
+          "temp_bytes": temp, "first_loss": losses[0], "last_loss": losses[-1],
+          "pad_cols": pad_cols, "layers": layers, "loss_head": loss_head, "options": options}
 
 
 def generate_variant(preset: str, dtype: str, batch: int, new_tokens: int, options: dict) -> dict:
@@ -136,11 +143,13 @@ VARIANTS = {"default": {}, "logits_head": {"loss_head": "logits"},
             "triton_gemm_on": {"options": {"xla_gpu_enable_triton_gemm": True}},
             "triton_gemm_off": {"options": {"xla_gpu_enable_triton_gemm": False}},
             "cublaslt": {"options": {"xla_gpu_enable_cublaslt": True}},
-            "autotune_level_1": {"options": {"xla_gpu_autotune_level": 1}}}
+            "autotune_level_1": {"options": {"xla_gpu_autotune_level": 1}},
+            "vocab_pad_128": {"pad_cols": 128}}
 
 
 def _one(args) -> dict:
-  """One variant, in this process: ``args.one`` is ``train:NAME`` or ``generate:DTYPE:BATCH:NAME``."""
+  """One variant, in this process: ``args.one`` is ``train:NAME`` or
+  ``generate:DTYPE:BATCH:NAME``."""
   kind, *rest = args.one.split(":")
   if kind == "train":
     spec = dict(VARIANTS[rest[0]])

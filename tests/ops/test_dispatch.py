@@ -107,6 +107,18 @@ def test_cpu_pieces_are_chosen_on_cpu_only(monkeypatch):
                                  platform="cpu") == "cpu_bf16"
 
 
+def test_padded_product_only_where_pad_cols_asks(monkeypatch):
+  assert dispatch.PAD_COLS == {}   # off by default everywhere
+  assert dispatch.choose_product(jnp.bfloat16, rows=4096, cols=50257, platform="gpu") == "einsum"
+  monkeypatch.setitem(dispatch.PAD_COLS, "gpu", 128)
+  assert dispatch.choose_product(jnp.bfloat16, rows=4096, cols=50257, platform="gpu") == "padded"
+  # Already aligned, no product shape given, or another platform: unchanged.
+  assert dispatch.choose_product(jnp.bfloat16, rows=4096, cols=50304, platform="gpu") == "einsum"
+  assert dispatch.choose_product(jnp.bfloat16, platform="gpu") == "einsum"
+  assert dispatch.choose_product(jnp.bfloat16, rows=4096, cols=50257, platform="tpu") == "einsum"
+  assert dispatch.choose_product(jnp.float32, rows=4096, cols=50257, platform="cpu") == "einsum"
+
+
 def test_bf16_products_native_is_false_off_cpu_without_reading_cpuinfo(monkeypatch):
   def cpuinfo():
     raise AssertionError("read /proc/cpuinfo off CPU")

@@ -122,7 +122,7 @@ class Embed(nnx.Module):
     x_BTD = x_BTD.astype(self.dtype)
     table_VD = self.embedding[...].astype(self.dtype)
     b, t, d = x_BTD.shape
-    match dispatch.choose_product(self.dtype, rows=b * t):
+    match dispatch.choose_product(self.dtype, rows=b * t, cols=table_VD.shape[0]):
       case "weight_first":
         from transformer_jax.cpu import decode  # noqa: PLC0415 - CPU only
 
@@ -133,8 +133,19 @@ class Embed(nnx.Module):
         # The logits kept in float32.
         return matmul.matmul(x_BTD, self.embedding[...], dtype=self.dtype,
                              out_dtype=jnp.float32, transpose_w=True)
+      case "padded":
+        return padded_attend(x_BTD, table_VD, dispatch.PAD_COLS[jax.default_backend()])
       case _:
         return jnp.einsum("BTD,VD->BTV", x_BTD, table_VD)
+
+
+def padded_attend(x_BTD: jax.Array, table_VD: jax.Array, multiple: int) -> jax.Array:
+  """``x @ E^T`` (``[B, T, V]``) through a table padded with zero rows to a multiple of
+  ``multiple``, the padded columns sliced off: the same values, with the product and its
+  transposes at an aligned width (``ops.dispatch.PAD_COLS``)."""
+  v = table_VD.shape[0]
+  table_PD = jnp.pad(table_VD, ((0, -v % multiple), (0, 0)))
+  return jnp.einsum("BTD,PD->BTP", x_BTD, table_PD)[..., :v]
 
 
 class Norm(nnx.Module):

@@ -31,10 +31,11 @@ The CPU profile's pieces (``transformer_jax.cpu``) are reached from here only, o
   ========================  =========================================================  =========
   ``choose_dense_core``     ``"rowmajor"`` (``cpu.attention``) where                   ``"heads_
                             ``cpu.attention.rowmajor_core_takes`` q, k and v           major"``
-  ``choose_product``        ``"weight_first"`` (``cpu.decode``) for at most            ``"einsum"``
-                            ``cpu.decode.SKINNY_ROWS`` rows of a weight stored
-                            ``[out, in]``; ``"cpu_bf16"`` (``cpu.matmul``) where
-                            ``cpu.matmul.bf16_products_native``; else ``"einsum"``
+  ``choose_product``        ``"weight_first"`` (``cpu.decode``) for at most            ``"padded"``
+                            ``cpu.decode.SKINNY_ROWS`` rows of a weight stored         where
+                            ``[out, in]``; ``"cpu_bf16"`` (``cpu.matmul``) where       ``PAD_COLS``
+                            ``cpu.matmul.bf16_products_native``; else ``"einsum"``     asks, else
+                                                                                       ``"einsum"``
   ========================  =========================================================  =========
 
 ``q``, ``k`` and ``v`` may be arrays or ``jax.ShapeDtypeStruct``s: only shapes and dtypes are read,
@@ -51,8 +52,15 @@ import jax.numpy as jnp
 Implementation = Literal["xla", "chunked", "cudnn", "splash"]
 Choice = Literal["xla", "chunked", "cudnn", "splash", "ring"]
 DenseCore = Literal["heads_major", "rowmajor"]
-Product = Literal["einsum", "cpu_bf16", "weight_first"]
+Product = Literal["einsum", "cpu_bf16", "weight_first", "padded"]
 PLATFORMS = ("cpu", "gpu", "tpu")
+
+# Per platform: the output width of a product whose weight is stored [out, in] (a tied vocabulary
+# table) is padded with zero rows to a multiple of this, and the padding sliced off the result, so
+# that the GEMM and its transpose see aligned widths (XLA:GPU otherwise pads the [B*T, V] logits'
+# gradient in a pass of its own). None here yet: experiments/gpu_levers.py's "vocab_pad_128"
+# measures it on a GPU (experiments/PERFORMANCE.md, "Padded vocabulary product").
+PAD_COLS: dict[str, int] = {}
 
 # CPU: "chunked" from this many query-key pairs (T * S) up, "xla" below (experiments/
 # PERFORMANCE.md, "Chunked attention on CPU").
@@ -181,20 +189,26 @@ def choose_dense_core(q, k, v, *, platform: str) -> DenseCore:
   return "heads_major"
 
 
-def choose_product(dtype, *, rows: int | None = None, platform: str | None = None) -> Product:
+def choose_product(dtype, *, rows: int | None = None, cols: int | None = None,
+                   platform: str | None = None) -> Product:
   """How a projection computes its matrix product in ``dtype`` on ``platform``.
 
   Args:
     dtype: the product's compute dtype.
     rows: the product's rows, given where the weight is stored ``[out, in]`` (a tied embedding
       table): on CPU a few such rows multiply weight-first.
+    cols: the product's output width, given with ``rows``: padded where ``PAD_COLS[platform]``
+      is set and does not divide it.
     platform: ``"cpu"``, ``"gpu"`` or ``"tpu"``; default ``jax.default_backend()``.
 
   Returns:
-    ``"weight_first"`` (``cpu.decode.weight_first``), ``"cpu_bf16"`` (``cpu.matmul.matmul``) or
-    ``"einsum"`` (see the module's table).
+    ``"weight_first"`` (``cpu.decode.weight_first``), ``"cpu_bf16"`` (``cpu.matmul.matmul``),
+    ``"padded"`` (``layers.dense.padded_attend``) or ``"einsum"`` (see the module's table).
   """
   platform = jax.default_backend() if platform is None else platform
+  multiple = PAD_COLS.get(platform)
+  if multiple and rows is not None and cols is not None and cols % multiple:
+    return "padded"
   if platform == "cpu":
     from transformer_jax.cpu import decode, matmul  # noqa: PLC0415 - CPU only
 
