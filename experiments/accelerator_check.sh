@@ -5,22 +5,25 @@
 #
 #   experiments/accelerator_check.sh OUTDIR [PART ...]
 #
-# PARTS (default: train attention generate tests, in this order, about 8 minutes on one H100;
+# PARTS (default: train attention generate tests, in this order, about 7.5 minutes on one H100;
 # each part runs under its own time limit, so one that hangs or runs long leaves the others their
 # time):
 #   train      tjax bench train: GPT-2 small, 16 x 1024, bfloat16, against PyTorch eager and
 #              torch.compile on the same GPU, then 3 profiled steps per side (kernel time by kind)
-#                                                                              (-> bench_train.json)
-#   attention  tjax bench attention: causal, 1k/4k/16k, every kernel and torch SDPA
+#                                           (-> bench_train.json, traces/SIDE.trace.json.gz)
+#   attention  tjax bench attention: causal, 1k/4k/16k, every kernel and torch SDPA, 10 calls
+#              back to back per timing (a 1k call's kernels are shorter than its launch and wait)
 #                                                                          (-> bench_attention.json)
 #   generate   tjax bench generate: greedy, batch 1 and 8, float32 and bfloat16, against
 #              transformers' generate                                    (-> bench_generate.json)
 #   tests      pytest tests/ops tests/layers tests/models tests/test_runtime.py    (-> tests.log)
 #   levers     experiments/gpu_levers.py: the train step's and generation's levers, each variant
-#              in a process of its own (not in the default list: about 5 minutes) (-> levers.json);
-#              $LEVERS_ARGS replaces its options (default --generate-batches 8), $LEVERS_LIMIT its
-#              time limit (330 s)
+#              in a process of its own (not in the default list: about 2 minutes) (-> levers.json);
+#              $LEVERS_ARGS replaces its options (default: the train step's default, vocab_pad_128
+#              and no_segment_ids variants, no generation), $LEVERS_LIMIT its time limit (330 s)
 # Every part writes its log to OUTDIR/PART.log; the last lines printed are each part's summary.
+# Where only a few files come back from the machine, pack the folder:
+#   experiments/accelerator_check.sh /tmp/acc; tar czf "$OUT/acc.tgz" -C /tmp acc
 set -uo pipefail
 OUT=${1:?usage: experiments/accelerator_check.sh OUTDIR [train|attention|generate|tests|levers ...]}
 shift
@@ -54,20 +57,22 @@ for part in $PARTS; do
   case $part in
     tests)
       # Several workers share the GPU: no worker may take most of its memory up front.
-      XLA_PYTHON_CLIENT_PREALLOCATE=false run tests 150 "$PY" -m pytest tests/ops tests/layers \
-        tests/models tests/test_runtime.py -q -n 6 -p no:cacheprovider ;;
+      XLA_PYTHON_CLIENT_PREALLOCATE=false run tests 200 "$PY" -m pytest tests/ops tests/layers \
+        tests/models tests/test_runtime.py -n 12 -p no:cacheprovider ;;
     levers)
       # shellcheck disable=SC2086 - LEVERS_ARGS is a list of options
-      run levers "${LEVERS_LIMIT:-330}" "$PY" experiments/gpu_levers.py ${LEVERS_ARGS:---generate-batches 8} \
+      run levers "${LEVERS_LIMIT:-330}" "$PY" experiments/gpu_levers.py \
+        ${LEVERS_ARGS:---variants default,vocab_pad_128,no_segment_ids --generate-batches=} \
         --json "$OUT/levers.json" ;;
     train)
       # JAX and PyTorch share the GPU in one process: each gets part of its memory.
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 run train 240 "${TJAX[@]}" bench train \
         --preset gpt2-small --batch-size 16 --seq-len 1024 --dtype bfloat16 --steps 10 \
-        --warmup 3 --against torch,torch.compile --profile 3 --json "$OUT/bench_train.json" ;;
+        --warmup 3 --against torch,torch.compile --profile 3 --profile-dir "$OUT/traces" \
+        --json "$OUT/bench_train.json" ;;
     attention)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 run attention 90 "${TJAX[@]}" bench attention \
-        --lengths 1024,4096,16384 --batch-sizes 4,4,1 --dtype bfloat16 --reps 10 \
+        --lengths 1024,4096,16384 --batch-sizes 4,4,1 --dtype bfloat16 --reps 5 --inner 10 \
         --implementations xla,chunked,cudnn,auto --against torch \
         --json "$OUT/bench_attention.json" ;;
     generate)

@@ -151,7 +151,7 @@ def test_torch_rival_needs_a_gpt_preset(tmp_path, capsys):
 
 def test_attention_rows_per_implementation(tmp_path):
   r = _bench(tmp_path, "attention", "--lengths", "32,64", "--heads", "2", "--head-dim", "8",
-             "--reps", "1")
+             "--reps", "1", "--inner", "2")
   assert [(row["T"], row["implementation"]) for row in r["rows"]] == [
       (32, "xla"), (32, "chunked"), (64, "xla"), (64, "chunked")]
   for row in r["rows"]:
@@ -160,7 +160,27 @@ def test_attention_rows_per_implementation(tmp_path):
     assert row["best_s"] <= row["median_s"] and row["first_call_s"] > 0
   # On CPU: no torch rival unless asked, one batch size, no peak.
   assert r["batch_size"] == 1 and r["batch_sizes"] == [1, 1] and r["platform"] == "cpu"
+  assert r["inner"] == 2
   assert "torch_device" not in r and "peak_flops" not in r["limit"]
+
+
+def test_attention_inner_calls_are_issued_back_to_back_and_divided(monkeypatch):
+  from transformer_jax.bench import attention
+
+  log = []
+  clock = iter(range(0, 1000, 8))   # each perf_counter() reading is 8 s after the last
+  monkeypatch.setattr(attention.time, "perf_counter", lambda: next(clock))
+  first, times = attention._times(lambda: log.append("call"), lambda: log.append("sync"),  # noqa: SLF001
+                                  reps=2, inner=4)
+  assert first == 8 and times == [2.0, 2.0]   # 8 s over 4 calls
+  one_rep = ["sync"] + ["call"] * 4 + ["sync"]
+  assert log == ["sync", "call", "sync"] + one_rep + one_rep
+
+
+def test_attention_inner_below_one_is_refused(tmp_path, capsys):
+  assert cli.main(["bench", "attention", "--lengths", "16", "--heads", "1", "--head-dim", "8",
+                   "--inner", "0", "--json", str(tmp_path / "x.json")]) == 2
+  assert "--inner 0: must be at least 1" in capsys.readouterr().err
 
 
 def test_attention_cells_that_fail_are_recorded_and_the_rest_run(tmp_path, capsys):

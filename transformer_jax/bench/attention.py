@@ -60,6 +60,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                       "torch on a GPU, none elsewhere")
   p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
   p.add_argument("--reps", type=int, default=3)
+  p.add_argument("--inner", type=int, default=1,
+                 help="calls per timed repetition, issued back to back with one wait at the end "
+                      "(both sides): short kernels are then timed without each call's launch and "
+                      "wait; a time is the repetition's seconds / --inner")
 
 
 def batch_sizes(lengths: list[int], batch_size: int, spec: str | None) -> list[int]:
@@ -91,9 +95,10 @@ def _error(e: BaseException) -> str:
   return f"{type(e).__name__}: {text[:400]}" + ("..." if len(text) > 400 else "")
 
 
-def _times(call, sync, reps: int) -> tuple[float, list[float]]:
-  """The first call's seconds and each of ``reps`` later calls', ``sync()`` waiting for the device
-  at both ends of each."""
+def _times(call, sync, reps: int, inner: int = 1) -> tuple[float, list[float]]:
+  """The first call's seconds and, for each of ``reps`` repetitions, the seconds per call of
+  ``inner`` calls issued back to back; ``sync()`` waits for the device at both ends of each
+  repetition (``call`` itself returns without waiting)."""
   sync()
   start = time.perf_counter()
   call()
@@ -103,16 +108,17 @@ def _times(call, sync, reps: int) -> tuple[float, list[float]]:
   for _ in range(reps):
     sync()
     start = time.perf_counter()
-    call()
+    for _ in range(inner):
+      call()
     sync()
-    times.append(time.perf_counter() - start)
+    times.append((time.perf_counter() - start) / inner)
   return first, times
 
 
 def ours_cell(b: int, t: int, n: int, h: int, dtype: str, impl: str, reps: int,
-              options: dict) -> tuple[float, list[float]]:
+              options: dict, inner: int = 1) -> tuple[float, list[float]]:
   """Forward + backward of ``ops.dot_product_attention`` (``impl``; "auto": None) on ``[b, t, n,
-  h]`` inputs: the first call's seconds and ``reps`` later calls'."""
+  h]`` inputs: the first call's seconds and ``reps`` later repetitions' (``_times``)."""
   keys = jax.random.split(jax.random.key(0), 3)
   q, k, v = (jax.random.normal(key, (b, t, n, h), jnp.float32).astype(dtype) for key in keys)
   implementation = None if impl == "auto" else impl
@@ -120,13 +126,23 @@ def ours_cell(b: int, t: int, n: int, h: int, dtype: str, impl: str, reps: int,
       q, k, v, causal=True, implementation=implementation).astype(jnp.float32))
   step = onednn.hold(jax.jit(jax.grad(loss, argnums=(0, 1, 2)),
                               compiler_options=options or None), options)
-  return _times(lambda: jax.block_until_ready(step(q, k, v)), lambda: None, reps)
+  pending = []   # the latest call's gradients, waited for at a repetition's end
+
+  def call():
+    pending[:] = [step(q, k, v)]
+
+  def sync():
+    if pending:
+      jax.block_until_ready(pending.pop())
+
+  return _times(call, sync, reps, inner)
 
 
 def torch_cell(b: int, t: int, n: int, h: int, dtype: str, reps: int,
-               device: str) -> tuple[float, list[float]]:
+               device: str, inner: int = 1) -> tuple[float, list[float]]:
   """Forward + backward of ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)`` on
-  ``[b, n, t, h]`` inputs on ``device``: the first call's seconds and ``reps`` later calls'."""
+  ``[b, n, t, h]`` inputs on ``device``: the first call's seconds and ``reps`` later
+  repetitions' (``_times``)."""
   import torch
 
   gen = torch.Generator(device=device).manual_seed(0)
@@ -138,7 +154,7 @@ def torch_cell(b: int, t: int, n: int, h: int, dtype: str, reps: int,
     torch.autograd.grad(out.float().sum(), (q, k, v))
 
   sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-  return _times(call, sync, reps)
+  return _times(call, sync, reps, inner)
 
 
 def run(args) -> dict:
@@ -146,6 +162,9 @@ def run(args) -> dict:
   hardware.share_gpu_memory()   # before JAX starts its backend, where it has not yet
   if args.reps < 1:
     raise ValueError(f"--reps {args.reps}: must be at least 1")
+  inner = getattr(args, "inner", 1)
+  if inner < 1:
+    raise ValueError(f"--inner {inner}: must be at least 1")
   lengths = [int(x) for x in args.lengths.split(",") if x]
   sizes = batch_sizes(lengths, args.batch_size, getattr(args, "batch_sizes", None))
   platform, kind = hardware.platform(), hardware.device_kind()
@@ -181,10 +200,10 @@ def run(args) -> dict:
         row["batch_size"] = b
       try:
         if impl == "torch_sdpa":
-          first, times = torch_cell(b, t, n, h, args.dtype, args.reps, torch_on)
+          first, times = torch_cell(b, t, n, h, args.dtype, args.reps, torch_on, inner)
         else:
           with precision():
-            first, times = ours_cell(b, t, n, h, args.dtype, impl, args.reps, options)
+            first, times = ours_cell(b, t, n, h, args.dtype, impl, args.reps, options, inner)
       except Exception as e:  # noqa: BLE001 - a failing cell is recorded, the others still run
         row["error"] = _error(e)
         print(f"# T={t} {impl}: {row['error']}", file=sys.stderr)
@@ -203,7 +222,7 @@ def run(args) -> dict:
   result = {"benchmark": "attention forward+backward, causal",
             "batch_size": sizes[0] if len(set(sizes)) == 1 else None, "heads": n,
             "head_dim": h, "dtype": args.dtype, "rows": rows, "limit": {"matmul": limit},
-            "device_kind": kind, "platform": platform, "batch_sizes": sizes}
+            "device_kind": kind, "platform": platform, "batch_sizes": sizes, "inner": inner}
   if peak:
     result["limit"]["peak_flops"] = peak
   if device:

@@ -77,6 +77,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--profile", type=int, default=0, metavar="N",
                  help="after the timed steps, trace N more steps per side and record their device "
                       "kernels by kind (bench.profile; GPU kernels only)")
+  p.add_argument("--profile-dir", default=None,
+                 help="with --profile: also keep each side's trace there, gzipped Chrome JSON "
+                      "(SIDE.trace.json.gz)")
   p.add_argument("--model", action="append", default=[], metavar="KEY=VALUE",
                  help="override a field of the preset's model config, the value read as YAML "
                       "(repeatable): --model scan_layers=false --model attention_impl=cudnn")
@@ -349,17 +352,20 @@ def _progress(text: str) -> None:
   print(f"# {text}", file=sys.stderr, flush=True)
 
 
-def _profiles(sides: dict, steps: int) -> dict:
+def _profiles(sides: dict, steps: int, keep_dir: str | None = None) -> dict:
   """Each side's device kernels over ``steps`` more steps (``bench.profile``), with the same
-  steps' median wall time."""
+  steps' median wall time; each trace kept in ``keep_dir`` when given."""
   from transformer_jax.bench import profile
 
+  if keep_dir:
+    os.makedirs(keep_dir, exist_ok=True)
   out = {}
   for name, side in sides.items():
     walls: list[float] = []
     record = lambda side=side, walls=walls: walls.append(side.step())  # noqa: E731
-    out[name] = (profile.jax_kernels(record, steps) if name == "ours"
-                 else profile.torch_kernels(record, steps))
+    keep = os.path.join(keep_dir, f"{name}.trace.json.gz") if keep_dir else None
+    out[name] = (profile.jax_kernels(record, steps, keep) if name == "ours"
+                 else profile.torch_kernels(record, steps, keep))
     out[name]["wall_ms_per_step"] = 1e3 * statistics.median(walls)
     _progress(f"{name} profiled: {out[name].get('device_ms_per_step', 0):.1f} ms of kernels "
               f"in a {out[name]['wall_ms_per_step']:.1f} ms step")
@@ -498,7 +504,7 @@ def run(args) -> dict:
   if left_out:
     result["left_out"] = left_out
   if args.profile:
-    result["profile"] = _profiles(sides, args.profile)
+    result["profile"] = _profiles(sides, args.profile, getattr(args, "profile_dir", None))
   if args.curve_steps:
     del sides
     result["loss_curves"] = loss_curves(config, args.curve_steps, args.batch_size, args.seq_len,
