@@ -314,6 +314,15 @@ def test_steps_give_their_products_to_onednn_on_cpu_only(monkeypatch):
   assert runtime.step_compiler_options("cpu") == {}
 
 
+def test_decoding_compiles_without_triton_gemms_on_gpus_only():
+  # The GPU decoding loop's first call: 33.9 s with Triton GEMMs autotuned, 6.2 s without
+  # (experiments/PERFORMANCE.md, "XLA:GPU options").
+  assert runtime.decode_compiler_options("gpu") == {"xla_gpu_enable_triton_gemm": False}
+  assert runtime.decode_compiler_options("cpu") == runtime.decode_compiler_options("tpu") == {}
+  runtime.decode_compiler_options("gpu").clear()   # a copy
+  assert runtime.decode_compiler_options("gpu") == runtime.GPU_DECODE_OPTIONS != {}
+
+
 @only_on("cpu", "XLA:CPU's oneDNN products")
 def test_onednn_attention_and_its_gradients_match_float64_numpy():
   """The attention core compiled with the steps' options, against the float64 NumPy reference:

@@ -59,7 +59,7 @@ def enable_compilation_cache(path: str | None = None) -> str | None:
 # XLA:GPU compile options of the train and eval steps (``step_compiler_options("gpu")``) and of the
 # decoding loop (``decode_compiler_options``): experiments/PERFORMANCE.md, "XLA:GPU options".
 GPU_STEP_OPTIONS: dict = {"xla_gpu_enable_triton_gemm": False}
-GPU_DECODE_OPTIONS: dict = {}
+GPU_DECODE_OPTIONS: dict = {"xla_gpu_enable_triton_gemm": False}
 
 
 def step_compiler_options(platform: str) -> dict:
