@@ -18,9 +18,9 @@
 #              transformers' generate                                    (-> bench_generate.json)
 #   tests      pytest tests/ops tests/layers tests/models tests/test_runtime.py    (-> tests.log)
 #   levers     experiments/gpu_levers.py: the train step's and generation's levers, each variant
-#              in a process of its own (not in the default list: about 2 minutes) (-> levers.json);
-#              $LEVERS_ARGS replaces its options (default: the train step's default, vocab_pad_128
-#              and no_segment_ids variants, no generation), $LEVERS_LIMIT its time limit (330 s)
+#              in a process of its own (not in the default list: about 3 minutes) (-> levers.json);
+#              $LEVERS_ARGS replaces its options (default: the train step's variants in $LEVERS
+#              below, no generation), $LEVERS_LIMIT its time limit (330 s)
 # Every part writes its log to OUTDIR/PART.log; the last lines printed are each part's summary.
 # Where only a few files come back from the machine, pack the folder:
 #   experiments/accelerator_check.sh /tmp/acc; tar czf "$OUT/acc.tgz" -C /tmp acc
@@ -32,6 +32,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$OUT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TJAX_COMPILATION_CACHE=0
 PY=${PYTHON:-python3}
+LEVERS=default,vocab_pad_128,no_segment_ids,cudnn_layer_norm,command_buffer_off
 TJAX=("$PY" -m transformer_jax.cli)
 cd "$ROOT"
 
@@ -62,7 +63,7 @@ for part in $PARTS; do
     levers)
       # shellcheck disable=SC2086 - LEVERS_ARGS is a list of options
       run levers "${LEVERS_LIMIT:-330}" "$PY" experiments/gpu_levers.py \
-        ${LEVERS_ARGS:---variants default,vocab_pad_128,no_segment_ids --generate-batches=} \
+        ${LEVERS_ARGS:---variants $LEVERS --generate-batches=} \
         --json "$OUT/levers.json" ;;
     train)
       # JAX and PyTorch share the GPU in one process: each gets part of its memory.

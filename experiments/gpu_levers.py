@@ -18,6 +18,10 @@ step (AdamW, clipping, token-mean cross-entropy) on one random batch, compiled o
   autotune_level_1 the step compiled with ``xla_gpu_autotune_level: 1`` (no buffer checks)
   vocab_pad_128   the tied vocabulary product padded to a multiple of 128 columns
                   (``ops.dispatch.PAD_COLS``)
+  cudnn_layer_norm  layer norms (forward and backward) as cuDNN kernels
+                  (``xla_gpu_enable_cudnn_layer_norm: true``)
+  command_buffer_off  no CUDA graphs (``xla_gpu_enable_command_buffer: ""``): how much of the
+                  launch time XLA's command buffers already save
 
 Each variant: compile seconds, the median of ``--steps`` steps after 3 warm-up steps, tokens/s, and
 the step's temporaries. Generation: greedy ``generate`` of ``--new-tokens`` tokens for each batch
@@ -144,7 +148,9 @@ VARIANTS = {"default": {}, "logits_head": {"loss_head": "logits"},
             "triton_gemm_off": {"options": {"xla_gpu_enable_triton_gemm": False}},
             "cublaslt": {"options": {"xla_gpu_enable_cublaslt": True}},
             "autotune_level_1": {"options": {"xla_gpu_autotune_level": 1}},
-            "vocab_pad_128": {"pad_cols": 128}}
+            "vocab_pad_128": {"pad_cols": 128},
+            "cudnn_layer_norm": {"options": {"xla_gpu_enable_cudnn_layer_norm": True}},
+            "command_buffer_off": {"options": {"xla_gpu_enable_command_buffer": ""}}}
 
 
 def _one(args) -> dict:
