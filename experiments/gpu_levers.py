@@ -222,10 +222,10 @@ def main(argv=None) -> dict:
   print(f"\n{result['device_kind']}: {args.preset} {args.batch_size}x{args.seq_len} {args.dtype}")
   for name, row in result["train"].items():
     if "error" in row:
-      print(f"  {name:<16s} error: {row['error'][:160]}")
+      print(f"  {name:<18s} error: {row['error'][:160]}")
       continue
     rel = f"{row['step_s'] / base_s:6.3f}x default" if base_s else ""
-    print(f"  {name:<16s} {1e3 * row['step_s']:8.2f} ms  {row['tokens_per_sec']:9.0f} tok/s  "
+    print(f"  {name:<18s} {1e3 * row['step_s']:8.2f} ms  {row['tokens_per_sec']:9.0f} tok/s  "
           f"compile {row['compile_s']:5.1f} s  {rel}")
   for key, row in result["generate"].items():
     if "error" in row:

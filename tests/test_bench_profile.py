@@ -19,6 +19,8 @@ from transformer_jax.bench import profile
     ("memcpy128", "copy"),
     ("loop_multiply_fusion", "other"),
     ("input_reduce_fusion_42", "other"),
+    ("triton_per_fused__to_copy_add_native_layer_norm_backward_view_11", "other"),
+    ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda>", "copy"),
 ])
 def test_kind_of_names_seen_on_an_h100(name, kind):
   assert profile.kind_of(name) == kind

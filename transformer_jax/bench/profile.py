@@ -27,6 +27,8 @@ KINDS = (
     ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|matmul|sm\d+_.*(mma|wgmma)|tem_fused_mm"
                           r"|triton_mm|triton_tem")),
     ("optimizer", re.compile(r"adam|multi_tensor")),
+    # Fused kernels (torch.compile's Triton, XLA's fusions) even where a cast ("_to_copy") is fused.
+    ("other", re.compile(r"^triton_(poi|per|red)_|fusion")),
     ("copy", re.compile(r"memcpy|memset|copy")),
 )
 
