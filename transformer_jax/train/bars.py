@@ -36,19 +36,13 @@ def check_bars(run: Run, params, last_eval: dict[str, float]) -> dict[str, Any]:
         "required_margin": margin, "margin": unigram - last_eval["val_loss"],
         "passed": unigram - last_eval["val_loss"] >= margin}
   if "mlm_accuracy_over_baseline" in bars:
-    baseline = most_frequent_token_accuracy(run)
-    acc = last_eval["val_mlm_accuracy"]
-    margin = float(bars["mlm_accuracy_over_baseline"])
-    results["mlm_accuracy_over_baseline"] = {
-        "mlm_accuracy": acc, "most_frequent_token_baseline": baseline, "required_margin": margin,
-        "passed": acc - baseline >= margin}
+    results["mlm_accuracy_over_baseline"] = _over_baseline(
+        "mlm_accuracy", last_eval["val_mlm_accuracy"], "most_frequent_token_baseline",
+        most_frequent_token_accuracy(run), bars["mlm_accuracy_over_baseline"])
   if "accuracy_over_majority" in bars:
-    baseline = run.dataset.meta["majority_baseline"]["val_accuracy"]
-    acc = last_eval["val_accuracy"]
-    margin = float(bars["accuracy_over_majority"])
-    results["accuracy_over_majority"] = {
-        "val_accuracy": acc, "majority_baseline": baseline, "required_margin": margin,
-        "passed": acc - baseline >= margin}
+    results["accuracy_over_majority"] = _over_baseline(
+        "val_accuracy", last_eval["val_accuracy"], "majority_baseline",
+        run.dataset.meta["majority_baseline"]["val_accuracy"], bars["accuracy_over_majority"])
   if "exact_match" in bars:
     em = seq2seq_exact_match(run, params)
     results["exact_match"] = {"exact_match": em, "required": float(bars["exact_match"]),
@@ -58,6 +52,15 @@ def check_bars(run: Run, params, last_eval: dict[str, float]) -> dict[str, Any]:
     print(f"learning bar {name}: {'reached' if r['passed'] else 'NOT reached'} ({figures})",
           flush=True)
   return results
+
+
+def _over_baseline(figure: str, value: float, baseline_name: str, baseline: float,
+                   margin) -> dict[str, Any]:
+  """A bar reached when ``value`` beats ``baseline`` by at least ``margin``: the figure, its
+  baseline, the margin asked for and whether it passed."""
+  margin = float(margin)
+  return {figure: value, baseline_name: baseline, "required_margin": margin,
+          "passed": value - baseline >= margin}
 
 
 def most_frequent_token_accuracy(run: Run) -> float:
