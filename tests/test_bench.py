@@ -177,6 +177,12 @@ def test_attention_inner_calls_are_issued_back_to_back_and_divided(monkeypatch):
   assert log == ["sync", "call", "sync"] + one_rep + one_rep
 
 
+def test_train_profile_below_zero_is_refused(tmp_path, capsys):
+  assert cli.main(["bench", "train", "--preset", "gpt2-tiny", "--profile", "-1", "--against",
+                   "none", "--json", str(tmp_path / "x.json")]) == 2
+  assert "--profile -1: must be 0 (off) or a number of steps" in capsys.readouterr().err
+
+
 def test_attention_inner_below_one_is_refused(tmp_path, capsys):
   assert cli.main(["bench", "attention", "--lengths", "16", "--heads", "1", "--head-dim", "8",
                    "--inner", "0", "--json", str(tmp_path / "x.json")]) == 2

@@ -60,21 +60,23 @@ def summarize(kernels: list[tuple[str, float, float]], steps: int, threads: dict
   by_kind = collections.Counter()
   for name, us in total.items():
     by_kind[kind_of(name)] += us
-  per = lambda us: us / 1e3 / max(steps, 1)  # noqa: E731
+  n = max(steps, 1)
+  per = lambda us: us / 1e3 / n  # noqa: E731
   span = (max(ts + us for _, ts, us in kernels) - min(ts for _, ts, _ in kernels)
           if kernels else 0.0)
   return {
-      "steps": steps, "kernels_per_step": len(kernels) / max(steps, 1),
+      "steps": steps, "kernels_per_step": len(kernels) / n,
       "device_ms_per_step": per(sum(total.values())), "span_ms_per_step": per(span),
       "by_kind_ms_per_step": {k: per(v) for k, v in by_kind.most_common()},
-      "top": [{"name": name[:200], "kind": kind_of(name), "calls_per_step": calls[name] / steps,
+      "top": [{"name": name[:200], "kind": kind_of(name), "calls_per_step": calls[name] / n,
                "ms_per_step": per(us)} for name, us in total.most_common(top)],
       "threads": threads or {},
   }
 
 
-def _gpu_events(trace: dict) -> tuple[list[tuple[str, float]], dict]:
-  """Kernels on a JAX trace's GPU streams, and every thread's event count and microseconds."""
+def _gpu_events(trace: dict) -> tuple[list[tuple[str, float, float]], dict]:
+  """Kernels (name, start, duration) on a JAX trace's GPU streams, and every thread's event count
+  and microseconds."""
   events = trace.get("traceEvents", [])
   process = {e["pid"]: e["args"]["name"] for e in events
              if e.get("ph") == "M" and e.get("name") == "process_name"}

@@ -381,6 +381,8 @@ def run(args) -> dict:
   runtime.bf16_notice(args.dtype)
   if args.curve_steps < 0:
     raise ValueError(f"--curve-steps {args.curve_steps}: must be 0 (off) or a number of steps")
+  if args.profile < 0:
+    raise ValueError(f"--profile {args.profile}: must be 0 (off) or a number of steps")
   rivals = [r for r in args.against.split(",") if r and r != "none"]
   for r in rivals:
     if r not in ("torch", "torch.compile"):
