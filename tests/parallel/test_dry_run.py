@@ -6,7 +6,6 @@ import sys
 
 import jax
 import optax
-import pytest
 import yaml
 
 from transformer_jax import models, parallel

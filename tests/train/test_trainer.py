@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from transformer_jax import models
-from transformer_jax.train import load_experiment, train
+from transformer_jax.train import load_experiment
 from transformer_jax.runs import restore_params
 from tests.train.conftest import REPO, CompiledStandIn, run_cli, run_tjax
 

@@ -8,7 +8,6 @@ are plain functions of ``(state, batch)`` that ``nnx.merge`` inside. Gradient ac
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from typing import Any, Callable
 
 import jax
