@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from transformer_jax.ops import (
-    and_masks, causal_mask, padding_mask, segment_mask, sliding_window_mask)
+    and_masks, causal_mask, padding_mask, segment_mask, segment_runs, sliding_window_mask)
 
 
 def causal_ref(t, s):
@@ -172,3 +172,75 @@ def test_masks_work_under_strict_rank_promotion():
                   padding_mask(jnp.ones((2, 6)), jnp.ones((2, 4))),
                   segment_mask(jnp.zeros((2, 4), jnp.int32), jnp.zeros((2, 6), jnp.int32))))()
   np.testing.assert_array_equal(np.asarray(m)[1, 0], causal_ref(4, 6) & window_ref(4, 6, 3))
+
+
+def _runs_by_loop(ids, max_runs):
+  """Each row's runs of equal ids by a loop, and whether every row has at most ``max_runs`` runs
+  and no id in two of them."""
+  lengths, starts, fits = [], [], True
+  for row in np.asarray(ids):
+    row_starts = [i for i in range(len(row)) if i == 0 or row[i] != row[i - 1]]
+    ends = row_starts[1:] + [len(row)]
+    run_ids = [row[i] for i in row_starts]
+    fits &= len(row_starts) <= max_runs and len(set(run_ids)) == len(run_ids)
+    pad = max(max_runs - len(row_starts), 0)
+    lengths.append(([e - s for s, e in zip(row_starts, ends)] + [-1] * pad)[:max_runs])
+    starts.append((row_starts + [-1] * pad)[:max_runs] + [-1])
+  return np.array(lengths), np.array(starts), fits
+
+
+RUN_CASES = {
+    "one-document": [[1] * 12, [1] * 12],
+    "packed-then-padding": [[1, 1, 1, 2, 2, 3, 3, 3, 3, 0, 0, 0], [1] * 5 + [2] * 7],
+    "one-token-runs": [[1, 2, 3, 4, 4, 4, 4, 4, 4, 4, 4, 4], [7] * 11 + [8]],
+    "too-many-runs": [[1, 2, 3, 4, 5, 6, 6, 6, 6, 6, 6, 6], [1] * 12],
+    "id-comes-back": [[1, 1, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1], [1] * 12],
+}
+
+
+@pytest.mark.parametrize("case", list(RUN_CASES))
+def test_segment_runs_match_a_loop(case):
+  ids = np.array(RUN_CASES[case], np.int32)
+  lengths, starts, fits = jax.jit(segment_runs, static_argnums=1)(jnp.asarray(ids), 5)
+  want_lengths, want_starts, want_fits = _runs_by_loop(ids, 5)
+  assert bool(fits) == want_fits
+  if want_fits:
+    np.testing.assert_array_equal(lengths, want_lengths)
+    np.testing.assert_array_equal(starts, want_starts)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_attention_within_runs_equals_the_segment_mask(causal):
+  # The contract a packed-sequence kernel relies on: attention computed run by run, each run a
+  # sequence of its own, is attention under segment_mask (float64, by loops).
+  ids = np.array(RUN_CASES["packed-then-padding"], np.int32)
+  b, t = ids.shape
+  r = np.random.default_rng(0)
+  q, k, v = (r.standard_normal((b, t, 3)) for _ in range(3))
+  lengths, starts, fits = segment_runs(jnp.asarray(ids), 4)
+  assert bool(fits)
+  mask = np.asarray(segment_mask(jnp.asarray(ids)))[:, 0]
+  if causal:
+    mask = mask & np.tril(np.ones((t, t), bool))
+
+  def attend(qi, ks, vs):
+    w = np.exp(ks @ qi - np.max(ks @ qi))
+    return (w / w.sum()) @ vs
+
+  for bi in range(b):
+    for length, start in zip(np.asarray(lengths[bi]), np.asarray(starts[bi])):
+      if length < 0:
+        continue
+      for i in range(start, start + length):
+        stop = i + 1 if causal else start + length
+        got = attend(q[bi, i], k[bi, start:stop], v[bi, start:stop])
+        want = attend(q[bi, i], k[bi][mask[bi, i]], v[bi][mask[bi, i]])
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+    assert np.asarray(lengths[bi])[np.asarray(lengths[bi]) > 0].sum() == t
+
+
+def test_segment_runs_reject_bad_arguments():
+  with pytest.raises(ValueError, match="max_runs=0 must be >= 1"):
+    segment_runs(jnp.ones((2, 4), jnp.int32), 0)
+  with pytest.raises(ValueError, match=r"segment_ids must be \[B, T\]; got shape \(4,\)"):
+    segment_runs(jnp.ones((4,), jnp.int32), 2)

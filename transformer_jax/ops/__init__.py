@@ -11,7 +11,7 @@ from transformer_jax.ops.linear_attn import (
     LinearState, linear_attention, linear_attention_step)
 from transformer_jax.ops.losses import cross_entropy
 from transformer_jax.ops.masks import (
-    and_masks, causal_mask, padding_mask, segment_mask, sliding_window_mask)
+    and_masks, causal_mask, padding_mask, segment_mask, segment_runs, sliding_window_mask)
 from transformer_jax.ops.norms import layer_norm, rms_norm
 from transformer_jax.ops.positions import (
     AlibiBias, RelativeBias, RopeScaling, alibi_bias, alibi_slopes, apply_rope,
@@ -25,6 +25,7 @@ __all__ = [
     "linear_attention", "linear_attention_step", "linear_cross_entropy", "LinearState",
     "packed_activation", "padding_mask",
     "relative_position_bucket", "relative_positions", "RelativeBias", "relu", "rms_norm",
-    "rope_frequencies", "RopeScaling", "segment_mask", "silu", "sinusoidal_positions",
+    "rope_frequencies", "RopeScaling", "segment_mask", "segment_runs", "silu",
+    "sinusoidal_positions",
     "sliding_window_mask", "swiglu",
 ]

@@ -69,6 +69,45 @@ def segment_mask(q_segment_ids: jax.Array, kv_segment_ids: jax.Array | None = No
   return (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])[:, None]
 
 
+def segment_runs(segment_ids: jax.Array, max_runs: int
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Each row's segments as runs of equal ids: their lengths and starts, for a kernel that takes
+  packed sequences (cuDNN's ragged layout) instead of a ``[B, 1, T, T]`` segment mask.
+
+  Args:
+    segment_ids: ``[B, T]`` ints, as for ``segment_mask``.
+    max_runs: ``M``, the most runs a row may hold (static).
+
+  Returns:
+    ``(lengths [B, M], starts [B, M + 1], fits)``: run ``j`` of row ``b`` covers tokens
+    ``starts[b, j] .. starts[b, j] + lengths[b, j] - 1``; absent runs are ``-1`` in both (so the
+    last column of ``starts`` is always ``-1``). ``fits`` is a boolean scalar: every row has at
+    most ``M`` runs and no id comes back after its run ends, which is when attention within
+    these runs equals attention under ``segment_mask(segment_ids)``. Where ``fits`` is False the
+    runs are not that mask's segments and must not be used.
+  """
+  if max_runs < 1:
+    raise ValueError(f"max_runs={max_runs} must be >= 1")
+  if segment_ids.ndim != 2:
+    raise ValueError(f"segment_ids must be [B, T]; got shape {segment_ids.shape}")
+  b, t = segment_ids.shape
+  begins_BT = jnp.concatenate(
+      [jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+  starts_BM = jax.vmap(lambda row: jnp.nonzero(row, size=max_runs, fill_value=-1)[0])(begins_BT)
+  starts_BM = starts_BM.astype(jnp.int32)
+  present_BM = starts_BM >= 0
+  ends_BM = jnp.concatenate([starts_BM[:, 1:], jnp.full((b, 1), -1, jnp.int32)], axis=1)
+  ends_BM = jnp.where(ends_BM >= 0, ends_BM, t)
+  lengths_BM = jnp.where(present_BM, ends_BM - starts_BM, -1)
+  # An id that comes back after its run ended is one segment in two runs: not what they describe.
+  run_ids_BM = jnp.take_along_axis(segment_ids, jnp.maximum(starts_BM, 0), axis=1)
+  both_BMM = present_BM[:, :, None] & present_BM[:, None, :] & ~jnp.eye(max_runs, dtype=bool)
+  repeated = jnp.any(both_BMM & (run_ids_BM[:, :, None] == run_ids_BM[:, None, :]))
+  fits = jnp.all(begins_BT.sum(axis=1) <= max_runs) & ~repeated
+  starts = jnp.concatenate([starts_BM, jnp.full((b, 1), -1, jnp.int32)], axis=1)
+  return lengths_BM, starts, fits
+
+
 def and_masks(*masks: jax.Array | None) -> jax.Array | None:
   """Logical AND of the given masks (``None`` entries are skipped; all ``None`` gives ``None``)."""
   out = None
