@@ -119,6 +119,24 @@ def test_padded_product_only_where_pad_cols_asks(monkeypatch):
   assert dispatch.choose_product(jnp.float32, rows=4096, cols=50257, platform="cpu") == "einsum"
 
 
+def test_packed_segments_only_where_the_table_asks(monkeypatch):
+  q, kk, v = qkv()
+  packed = functools.partial(dispatch.cudnn_packed_segments, window=None, bias=False, mask=False,
+                             kv_valid=False, q_positions=False, kv_segment_ids=False)
+  assert dispatch.CUDNN_PACKED_SEGMENTS == 0   # off until measured: the mask
+  assert packed(q, kk) == 0
+  monkeypatch.setattr(dispatch, "CUDNN_PACKED_SEGMENTS", 16)
+  assert packed(q, kk) == 16
+  # Another mask part, separate key segment ids, cross-attention or GQA: the mask.
+  for part in ("bias", "mask", "kv_valid", "q_positions", "kv_segment_ids"):
+    assert packed(q, kk, **{part: True}) == 0, part
+  assert packed(q, kk, window=256) == 0
+  assert packed(*qkv(t=512, s=1024)[:2]) == 0
+  assert packed(*qkv(n=12, k=4)[:2]) == 0
+  monkeypatch.setattr(dispatch, "CUDNN_PACKED_SEGMENTS", 1)   # one run per row is no packing
+  assert packed(q, kk) == 0
+
+
 def test_bf16_products_native_is_false_off_cpu_without_reading_cpuinfo(monkeypatch):
   def cpuinfo():
     raise AssertionError("read /proc/cpuinfo off CPU")

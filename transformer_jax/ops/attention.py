@@ -37,7 +37,7 @@ import numpy as np
 from transformer_jax.ops import dispatch, precision, residuals
 from transformer_jax.ops.chunked import chunked_attention, output_delta
 from transformer_jax.ops.dispatch import Implementation
-from transformer_jax.ops.masks import MASK_VALUE, and_masks, segment_mask, sum_to
+from transformer_jax.ops.masks import MASK_VALUE, and_masks, segment_mask, segment_runs, sum_to
 
 
 # A bias function: ``bias_fn(bias_params, q_pos_BT, k_pos_S) -> [B|1, N|1, T, S]`` float32 additive
@@ -286,6 +286,19 @@ def _cudnn_attention(q, k, v, q_pos_BT, *, bias, mask, causal, scale, dropout_ra
     raise ValueError(
         f"implementation='cudnn' takes causal only with T == S and default positions; got T={t}, "
         f"S={s}, q_positions={'given' if q_positions is not None else None}")
+  packed = dispatch.cudnn_packed_segments(
+      q, k, window=window, bias=bias is not None or bias_fn is not None,
+      mask=mask is not None, kv_valid=kv_valid is not None, q_positions=q_positions is not None,
+      kv_segment_ids=kv_segment_ids is not None) if q_segment_ids is not None else 0
+  if packed and _cudnn_ragged_layout():
+    lengths_BM, starts_BM1, fits = segment_runs(q_segment_ids, packed)
+    as_mask = functools.partial(
+        jax.nn.dot_product_attention, mask=segment_mask(q_segment_ids), scale=scale,
+        is_causal=causal, implementation="cudnn")
+    as_runs = functools.partial(
+        _cudnn_packed, lengths_BM=lengths_BM, starts_BM1=starts_BM1, causal=causal,
+        scale=q.shape[-1] ** -0.5 if scale is None else scale)
+    return jax.lax.cond(fits, as_runs, as_mask, q, k, v)
   key_lengths = None
   if kv_valid is not None:
     try:
@@ -312,6 +325,23 @@ def _cudnn_attention(q, k, v, q_pos_BT, *, bias, mask, causal, scale, dropout_ra
   return jax.nn.dot_product_attention(
       q, k, v, bias=bias, mask=mask, scale=scale, is_causal=causal,
       key_value_seq_lengths=key_lengths, local_window_size=local, implementation="cudnn")
+
+
+def _cudnn_ragged_layout() -> bool:
+  """cuDNN's ragged (packed-sequence) layout runs on Hopper and later GPUs."""
+  capability = getattr(jax.devices()[0], "compute_capability", None)
+  return capability is not None and tuple(map(int, capability.split("."))) >= (9, 0)
+
+
+def _cudnn_packed(q, k, v, *, lengths_BM, starts_BM1, causal: bool, scale: float):
+  """cuDNN's fused attention over the runs of ``ops.masks.segment_runs``: each run of each row
+  is a sequence of its own (``[B, T, N, H]`` in and out, MHA)."""
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn   # noqa: PLC0415 - GPU only
+
+  mask_type = cudnn.MaskType.PADDING_CAUSAL if causal else cudnn.MaskType.PADDING
+  return cudnn.dot_product_attention(
+      q, k, v, q_seqlen=lengths_BM, kv_seqlen=lengths_BM, q_offsets=starts_BM1,
+      kv_offsets=starts_BM1, scale=scale, mask_type=mask_type, qkv_layout="BTNH")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))

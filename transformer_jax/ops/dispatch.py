@@ -11,7 +11,8 @@ backend, read top to bottom (the first rule that applies wins):
   any       ``"ring"`` when the sequence is sharded over a mesh axis (self-attention without a
             bias, window or dropout); ``"xla"`` when the weights are asked for
   gpu       ``"cudnn"`` for bfloat16/float16 with head dim <= 128 (a multiple of 8): causal or
-            bidirectional, MHA/MQA/GQA, padding, segment ids (as a mask), a causal sliding
+            bidirectional, MHA/MQA/GQA, padding, segment ids (as a mask; as packed sequences
+            with ``CUDNN_PACKED_SEGMENTS``, see ``cudnn_packed_segments``), a causal sliding
             window; past that (float32, dropout, a position bias, decoding with T != S, a
             two-sided window): ``"xla"`` while the float32 scores fit ``DENSE_MAX_BYTES``, else
             ``"chunked"``
@@ -78,6 +79,13 @@ DENSE_MAX_BYTES = 1 << 30
 # cuDNN's fused attention: the head dims it takes on every supported GPU.
 CUDNN_MAX_HEAD_DIM = 128
 
+# cuDNN's fused attention with segment ids: with M >= 2 here, self-attention whose rows hold at
+# most M segments goes in as M packed sequences per row (cuDNN's ragged layout: no [B, 1, T, T]
+# mask, whose bias cuDNN reads forward and backward), and rows with more take the mask, chosen on
+# the device per call. 0: always the mask. Off until measured: experiments/gpu_levers.py's
+# "packed_segments_16" measures it (experiments/PERFORMANCE.md, "Packed segments on cuDNN").
+CUDNN_PACKED_SEGMENTS = 0
+
 # TPU: below this many query-key pairs the dense kernel is as fast as splash and has no block
 # constraint.
 SPLASH_MIN_TS = 512 * 512
@@ -98,6 +106,23 @@ def _cudnn_takes(q, k, *, causal, window, bias, dropout, mask, q_positions) -> b
   if causal and (t != s or q_positions):   # cuDNN aligns its causal mask to the first key
     return False
   return window is None or causal          # its window looks back only
+
+
+def cudnn_packed_segments(q, k, *, window: int | None, bias: bool, mask: bool, kv_valid: bool,
+                          q_positions: bool, kv_segment_ids: bool) -> int:
+  """How many packed sequences per row cuDNN takes segment ids as (0: as a dense mask).
+
+  Packed needs self-attention (``T == S``, one set of segment ids) with as many key/value heads
+  as query heads (jax's packed layout strides the keys by the query heads), causal or
+  bidirectional, with segment ids as the only other mask part. ``ops.dot_product_attention``
+  packs only on Hopper and later GPUs, which have cuDNN's ragged layout.
+  """
+  m = CUDNN_PACKED_SEGMENTS
+  if m < 2 or kv_segment_ids or bias or mask or kv_valid or q_positions or window is not None:
+    return 0
+  if q.shape[1] != k.shape[1] or q.shape[2] != k.shape[2]:
+    return 0
+  return m
 
 
 def _splash_takes(q, k, *, causal, window, bias, dropout, mask, kv_valid, q_positions) -> bool:

@@ -1,0 +1,88 @@
+"""cuDNN's packed-segment attention, lowered for CUDA from any host: what the program asks of
+cuDNN (the numbers are checked on a GPU, in ``test_cudnn_attention.py``).
+
+jax's cuDNN wrapper asks the local GPU for its cuDNN version and compute capability while it
+traces; here they are given as a Hopper GPU with cuDNN 9.10 would give them, and the program is
+lowered (not compiled) for CUDA.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+from transformer_jax import ops
+from transformer_jax.ops import attention, dispatch
+
+B, T, N, H = 2, 64, 4, 32
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+  monkeypatch.setattr(cudnn, "check_cudnn_version", lambda: 91000)
+  monkeypatch.setattr(cudnn, "check_compute_capability", lambda capability: True)
+  monkeypatch.setattr(cudnn, "is_cuda_compute_capability_equal", lambda capability: False)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(attention, "_cudnn_ragged_layout", lambda: True)
+
+
+def _lowered(causal: bool, kv_heads: int = N) -> str:
+  def grads(q, k, v, ids):
+    def loss(q, k, v):
+      out = ops.dot_product_attention(q, k, v, causal=causal, q_segment_ids=ids,
+                                      implementation="cudnn")
+      return jnp.sum(out.astype(jnp.float32))
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+  q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((B, T, kv_heads, H), jnp.bfloat16)
+  ids = jax.ShapeDtypeStruct((B, T), jnp.int32)
+  return jax.jit(grads).trace(q, kv, kv, ids).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _calls(text: str) -> list[tuple[str, str, str]]:
+  """``(custom call, mask type, packed sequences per row)`` of each cuDNN attention call."""
+  out = []
+  for line in text.splitlines():
+    call = re.search(r"custom_call @(__cudnn\$fmha\w+)", line)
+    if call:
+      mask = re.search(r"mask_type\\22: \\22(\w+)\\22", line)
+      seg = re.search(r"max_seg_per_batch\\22: (\d+)", line)
+      out.append((call.group(1), mask.group(1) if mask else "", seg.group(1) if seg else "1"))
+  return out
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_packed_segments_lower_to_both_cudnn_calls_behind_a_choice(hopper, monkeypatch, causal):
+  monkeypatch.setattr(dispatch, "CUDNN_PACKED_SEGMENTS", 4)
+  text = _lowered(causal)
+  calls = sorted(_calls(text))
+  mask = "CAUSAL" if causal else "NO_MASK"
+  packed = "PADDING_CAUSAL" if causal else "PADDING"
+  # Forward and backward, each as the mask (a bias) and as 4 packed sequences per row, and a
+  # choice between the two on the device for each.
+  assert calls == sorted([
+      ("__cudnn$fmhaScaleBiasSoftmax", mask, "1"), ("__cudnn$fmhaSoftmax", packed, "4"),
+      ("__cudnn$fmhaScaleBiasSoftmaxBackward", mask, "1"),
+      ("__cudnn$fmhaSoftmaxBackward", packed, "4")]), calls
+  assert text.count("stablehlo.case") == 2
+
+
+def test_without_the_table_or_with_gqa_segments_are_the_mask(hopper, monkeypatch):
+  assert all(c[0].startswith("__cudnn$fmhaScaleBias") for c in _calls(_lowered(True)))
+  monkeypatch.setattr(dispatch, "CUDNN_PACKED_SEGMENTS", 4)
+  text = _lowered(True, kv_heads=2)
+  assert all(c[0].startswith("__cudnn$fmhaScaleBias") for c in _calls(text))
+  assert "stablehlo.case" not in text
+
+
+def test_segment_runs_of_a_lowered_program_are_static_shapes():
+  # The packed call's arguments: [B, M] lengths and [B, M + 1] starts, whatever the data.
+  lengths, starts, fits = jax.eval_shape(lambda ids: ops.segment_runs(ids, 4),
+                                         jax.ShapeDtypeStruct((B, T), jnp.int32))
+  assert (lengths.shape, starts.shape, fits.shape) == ((B, 4), (B, 5), ())
+  assert np.dtype(lengths.dtype) == np.int32 and np.dtype(starts.dtype) == np.int32
