@@ -18,6 +18,8 @@ step (AdamW, clipping, token-mean cross-entropy) on one random batch, compiled o
   autotune_level_1 the step compiled with ``xla_gpu_autotune_level: 1`` (no buffer checks)
   vocab_pad_128   the tied vocabulary product padded to a multiple of 128 columns
                   (``ops.dispatch.PAD_COLS``)
+  packed_segments_4, packed_segments_16  segment ids to cuDNN as up to 4 (16) packed sequences
+                  per row instead of a [B, 1, T, T] mask (``ops.dispatch.CUDNN_PACKED_SEGMENTS``)
   cudnn_layer_norm  layer norms (forward and backward) as cuDNN kernels
                   (``xla_gpu_enable_cudnn_layer_norm: true``)
   command_buffer_off  no CUDA graphs (``xla_gpu_enable_command_buffer: ""``): how much of the
@@ -78,10 +80,12 @@ def _batch(config, b: int, t: int, seed: int = 0) -> dict:
 
 def train_variant(preset: str, dtype: str, b: int, t: int, steps: int, *, overrides=None,
                   loss_head: str = "logits", options=None, segments: bool = True,
-                  pad_cols: int | None = None) -> dict:
+                  pad_cols: int | None = None, packed_segments: int = 0) -> dict:
   """Compile and time one variant of the train step; returns its row."""
   if pad_cols:   # this process only: each variant runs in one of its own
     dispatch.PAD_COLS[jax.default_backend()] = pad_cols
+  if packed_segments:
+    dispatch.CUDNN_PACKED_SEGMENTS = packed_segments
   config = models.get_config(preset, dtype=dtype, dropout_rate=0.0, **(overrides or {}))
   tcfg = TrainConfig(steps=1000, batch_size=b, seq_len=t, lr=1e-4, warmup_steps=0,
                      schedule="constant")
@@ -110,7 +114,8 @@ def train_variant(preset: str, dtype: str, b: int, t: int, steps: int, *, overri
   return {"compile_s": compile_s, "step_s": step_s, "all_s": times,
           "tokens_per_sec": b * t / step_s, "model_flops_per_sec": flops / step_s,
           "temp_bytes": temp, "first_loss": losses[0], "last_loss": losses[-1],
-          "pad_cols": pad_cols, "layers": layers, "loss_head": loss_head, "options": options}
+          "pad_cols": pad_cols, "packed_segments": packed_segments, "layers": layers,
+          "loss_head": loss_head, "options": options}
 
 
 def generate_variant(preset: str, dtype: str, batch: int, new_tokens: int, options: dict) -> dict:
@@ -149,6 +154,8 @@ VARIANTS = {"default": {}, "logits_head": {"loss_head": "logits"},
             "cublaslt": {"options": {"xla_gpu_enable_cublaslt": True}},
             "autotune_level_1": {"options": {"xla_gpu_autotune_level": 1}},
             "vocab_pad_128": {"pad_cols": 128},
+            "packed_segments_4": {"packed_segments": 4},
+            "packed_segments_16": {"packed_segments": 16},
             "cudnn_layer_norm": {"options": {"xla_gpu_enable_cudnn_layer_norm": True}},
             "command_buffer_off": {"options": {"xla_gpu_enable_command_buffer": ""}}}
 
