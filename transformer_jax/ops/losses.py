@@ -34,12 +34,11 @@ def cross_entropy(
         f"logits.shape={logits.shape} must be labels.shape={labels.shape} plus a vocabulary axis")
   if not 0.0 <= label_smoothing < 1.0:
     raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1)")
-  logits = logits.astype(jnp.float32)
-  lse = jax.nn.logsumexp(logits, axis=-1)
-  label_logits = jnp.take_along_axis(logits, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  lse, label_logits = _lse_and_label(logits, labels.astype(jnp.int32))
   nll = lse - label_logits
   if label_smoothing:
-    smooth = lse - jnp.mean(logits, axis=-1)  # cross-entropy against the uniform distribution
+    # cross-entropy against the uniform distribution
+    smooth = lse - jnp.mean(logits.astype(jnp.float32), axis=-1)
     nll = (1.0 - label_smoothing) * nll + label_smoothing * smooth
   if z_loss:
     nll = nll + z_loss * jnp.square(lse)
@@ -47,3 +46,35 @@ def cross_entropy(
   count = jnp.sum(weights)
   loss = jnp.sum(nll * weights) / jnp.maximum(count, 1.0)
   return loss, count
+
+
+@jax.custom_vjp
+def _lse_and_label(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(logsumexp(logits), logits[label])`` over the last axis, in float32 (``[...]`` each).
+
+  The backward is written out: ``d logits = softmax * d_lse + onehot(label) * d_label``, one
+  elementwise expression in ``logits``' own dtype. Autodiff would scatter ``d_label`` into a zero
+  float32 ``[..., V]`` array: the float32 gradient is then written out in full before anything
+  else reads it, where this is one pass from the logits to their gradient
+  (experiments/PERFORMANCE.md, "Cross-entropy gradient").
+  """
+  return _lse_and_label_fwd(logits, labels)[0]
+
+
+def _lse_and_label_fwd(logits, labels):
+  x = logits.astype(jnp.float32)
+  lse = jax.nn.logsumexp(x, axis=-1)
+  label = jnp.take_along_axis(x, labels[..., None], axis=-1)[..., 0]
+  return (lse, label), (logits, labels, lse)
+
+
+def _lse_and_label_bwd(res, g):
+  logits, labels, lse = res
+  g_lse, g_label = g
+  x = logits.astype(jnp.float32)
+  onehot = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1) == labels[..., None]
+  d = jnp.exp(x - lse[..., None]) * g_lse[..., None] + jnp.where(onehot, g_label[..., None], 0.0)
+  return d.astype(logits.dtype), None
+
+
+_lse_and_label.defvjp(_lse_and_label_fwd, _lse_and_label_bwd)
