@@ -9,8 +9,9 @@
 # each part runs under its own time limit, so one that hangs or runs long leaves the others their
 # time):
 #   train      tjax bench train: GPT-2 small, 16 x 1024, bfloat16, against PyTorch eager and
-#              torch.compile on the same GPU, then 3 profiled steps per side (kernel time by kind)
-#                                           (-> bench_train.json, traces/SIDE.trace.json.gz)
+#              torch.compile on the same GPU, with the kernel-table levers of $TABLE (below; empty:
+#              none) as a side "ours+table" in the same run, then 3 profiled steps per side (kernel
+#              time by kind)                (-> bench_train.json, traces/SIDE.trace.json.gz)
 #   attention  tjax bench attention: causal, 1k/4k/16k, every kernel and torch SDPA, 10 calls
 #              back to back per timing (a 1k call's kernels are shorter than its launch and wait)
 #                                                                          (-> bench_attention.json)
@@ -32,6 +33,10 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$OUT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TJAX_COMPILATION_CACHE=0
 PY=${PYTHON:-python3}
+# The table entries not yet on by default that the train part also times (ops.dispatch).
+TABLE=${TABLE-CUDNN_PACKED_SEGMENTS=16 PAD_COLS=128}
+TABLE_ARGS=()
+for entry in $TABLE; do TABLE_ARGS+=(--table "$entry"); done
 LEVERS=default,packed_segments_16,packed_segments_4,vocab_pad_128,no_segment_ids,command_buffer_off
 TJAX=("$PY" -m transformer_jax.cli)
 cd "$ROOT"
@@ -67,10 +72,10 @@ for part in $PARTS; do
         --json "$OUT/levers.json" ;;
     train)
       # JAX and PyTorch share the GPU in one process: each gets part of its memory.
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 run train 240 "${TJAX[@]}" bench train \
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 run train 300 "${TJAX[@]}" bench train \
         --preset gpt2-small --batch-size 16 --seq-len 1024 --dtype bfloat16 --steps 10 \
-        --warmup 3 --against torch,torch.compile --profile 3 --profile-dir "$OUT/traces" \
-        --json "$OUT/bench_train.json" ;;
+        --warmup 3 --against torch,torch.compile "${TABLE_ARGS[@]}" --profile 3 \
+        --profile-dir "$OUT/traces" --json "$OUT/bench_train.json" ;;
     attention)
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 run attention 90 "${TJAX[@]}" bench attention \
         --lengths 1024,4096,16384 --batch-sizes 4,4,1 --dtype bfloat16 --reps 5 --inner 10 \

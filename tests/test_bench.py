@@ -101,6 +101,41 @@ def test_model_override_reaches_the_step(tmp_path, capsys):
   assert "no_such_field" in capsys.readouterr().err
 
 
+def test_table_entries_are_checked():
+  from transformer_jax.bench.train import parse_table
+
+  assert parse_table(["PAD_COLS=128", "CUDNN_PACKED_SEGMENTS=16"]) == {
+      "PAD_COLS": 128, "CUDNN_PACKED_SEGMENTS": 16}
+  for bad, match in (("PAD_COLS", "expected NAME=N"), ("NO_SUCH=1", "NO_SUCH is not one of"),
+                     ("PAD_COLS=-8", "integer >= 0"), ("PAD_COLS=x", "integer >= 0")):
+    with pytest.raises(ValueError, match=match):
+      parse_table([bad])
+  with pytest.raises(ValueError, match="PAD_COLS is given twice"):
+    parse_table(["PAD_COLS=8", "PAD_COLS=16"])
+
+
+def test_table_side_runs_the_lever_from_the_same_weights(tmp_path, capsys):
+  # PAD_COLS on this backend pads the tied vocabulary product (gpt2-tiny: 512 rows, padded to
+  # 640): the same losses from the same weights, a program with other shapes, and the table as it
+  # was afterwards.
+  from transformer_jax.ops import dispatch
+
+  r = _bench(tmp_path, "train", "--preset", "gpt2-tiny", "--batch-size", "2", "--seq-len", "16",
+             "--steps", "2", "--warmup", "0", "--against", "none", "--table", "PAD_COLS=640")
+  assert dispatch.PAD_COLS == {} and dispatch.CUDNN_PACKED_SEGMENTS == 0
+  assert r["table"] == {"PAD_COLS": 640}
+  assert r["ours+table"]["losses"] == pytest.approx(r["ours"]["losses"], rel=1e-5)
+  assert r["first_loss_diff_of_table"] < 1e-5
+  assert r["ours+table"]["temp_bytes"] != r["ours"]["temp_bytes"]
+  assert r["speedup_of_table"] == pytest.approx(
+      r["ours"]["step_s"]["median"] / r["ours+table"]["step_s"]["median"], rel=1e-9)
+  out = capsys.readouterr().out
+  assert "ours+table: PAD_COLS=640" in out and "x ours" in out
+  assert cli.main(["bench", "train", "--preset", "gpt2-tiny", "--against", "none", "--table",
+                   "NO_SUCH=1", "--json", str(tmp_path / "x")]) == 2
+  assert "NO_SUCH is not one of" in capsys.readouterr().err
+
+
 def test_train_table_on_an_accelerator():
   from transformer_jax.bench.train import table
 

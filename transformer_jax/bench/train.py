@@ -29,11 +29,17 @@ the memory (``hardware.share_gpu_memory``), so the rival finds room.
 ``--model KEY=VALUE`` (repeatable) overrides a field of the preset's config, the value read as YAML
 (``true``, ``null``, ``4``, ``1e-5``, ``cudnn``): ``--model scan_layers=false --model
 attention_impl=cudnn``.
+
+``--table NAME=N`` (repeatable) adds a side ``ours+table``: our step again, from the same weights,
+traced with an entry of the kernel table (``ops.dispatch``) set to ``N`` on this backend
+(``TABLE_ENTRIES``), and timed in the same interleaved loop: a lever against the default and the
+rivals in one run. The table is as it was once that side is built.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import re
@@ -83,6 +89,63 @@ def add_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--model", action="append", default=[], metavar="KEY=VALUE",
                  help="override a field of the preset's model config, the value read as YAML "
                       "(repeatable): --model scan_layers=false --model attention_impl=cudnn")
+  p.add_argument("--table", action="append", default=[], metavar="NAME=N",
+                 help="also time our step traced with this kernel-table entry set (repeatable; "
+                      f"side 'ours+table'): {', '.join(TABLE_ENTRIES)}")
+
+
+# The kernel-table entries ``--table`` sets, for the side "ours+table" (ops.dispatch).
+TABLE_ENTRIES = {
+    "CUDNN_PACKED_SEGMENTS": "segment ids to cuDNN as up to N packed sequences per row (0: off)",
+    "PAD_COLS": "the tied vocabulary product padded to a multiple of N columns (0: off)",
+}
+
+
+def parse_table(items: list[str]) -> dict[str, int]:
+  """``--table`` values (``"NAME=N"``) as a dict.
+
+  Raises:
+    ValueError: for an item without ``=``, a name not in ``TABLE_ENTRIES``, a name given twice,
+      or a value that is not an integer >= 0.
+  """
+  out = {}
+  for item in items:
+    name, sep, text = item.partition("=")
+    name = name.strip()
+    if not sep or not name:
+      raise ValueError(f"--table {item!r}: expected NAME=N (e.g. --table PAD_COLS=128)")
+    if name not in TABLE_ENTRIES:
+      raise ValueError(f"--table {item!r}: {name} is not one of {', '.join(TABLE_ENTRIES)}")
+    if name in out:
+      raise ValueError(f"--table {item!r}: {name} is given twice")
+    try:
+      value = int(text)
+    except ValueError:
+      value = -1
+    if value < 0:
+      raise ValueError(f"--table {item!r}: N must be an integer >= 0")
+    out[name] = value
+  return out
+
+
+@contextlib.contextmanager
+def table_set(entries: dict[str, int], platform: str):
+  """The kernel table with ``entries`` set on ``platform`` inside the block, as it was after."""
+  from transformer_jax.ops import dispatch
+
+  packed, pad = dispatch.CUDNN_PACKED_SEGMENTS, dict(dispatch.PAD_COLS)
+  try:
+    if "CUDNN_PACKED_SEGMENTS" in entries:
+      dispatch.CUDNN_PACKED_SEGMENTS = entries["CUDNN_PACKED_SEGMENTS"]
+    if entries.get("PAD_COLS"):
+      dispatch.PAD_COLS[platform] = entries["PAD_COLS"]
+    elif "PAD_COLS" in entries:
+      dispatch.PAD_COLS.pop(platform, None)
+    yield
+  finally:
+    dispatch.CUDNN_PACKED_SEGMENTS = packed
+    dispatch.PAD_COLS.clear()
+    dispatch.PAD_COLS.update(pad)
 
 
 # Config fields the bench sets itself: its own flags, and no dropout on either side.
@@ -364,7 +427,7 @@ def _profiles(sides: dict, steps: int, keep_dir: str | None = None) -> dict:
     walls: list[float] = []
     record = lambda side=side, walls=walls: walls.append(side.step())  # noqa: E731
     keep = os.path.join(keep_dir, f"{name}.trace.json.gz") if keep_dir else None
-    out[name] = (profile.jax_kernels(record, steps, keep) if name == "ours"
+    out[name] = (profile.jax_kernels(record, steps, keep) if isinstance(side, Ours)
                  else profile.torch_kernels(record, steps, keep))
     out[name]["wall_ms_per_step"] = 1e3 * statistics.median(walls)
     _progress(f"{name} profiled: {out[name].get('device_ms_per_step', 0):.1f} ms of kernels "
@@ -388,6 +451,7 @@ def run(args) -> dict:
     if r not in ("torch", "torch.compile"):
       raise ValueError(f"--against: {r!r} is not one of torch, torch.compile, none")
   overrides = parse_model_overrides(getattr(args, "model", None) or [])
+  entries = parse_table(getattr(args, "table", None) or [])
   config = models.get_config(args.preset, dtype=args.dtype, remat=args.remat, **overrides)
   if rivals and not isinstance(config, GPTConfig):
     raise ValueError(f"--against {args.against}: the PyTorch rival is GPT-2 (GPT presets); "
@@ -411,6 +475,11 @@ def run(args) -> dict:
   start = time.perf_counter()
   sides = {"ours": Ours(config, host_batch, task_name, lr, args.seed)}
   _progress(f"our step compiled in {time.perf_counter() - start:.0f} s")
+  if entries:
+    start = time.perf_counter()
+    with table_set(entries, platform):
+      sides["ours+table"] = Ours(config, host_batch, task_name, lr, args.seed)
+    _progress(f"our step with {entries} compiled in {time.perf_counter() - start:.0f} s")
   left_out = {}
   device, why_not = machine.torch_device() if rivals else (None, "")
   autocast = "bfloat16" if device == "cuda" and args.dtype == "bfloat16" else None
@@ -503,6 +572,21 @@ def run(args) -> dict:
       result[f"first_loss_diff_vs_{name}"] = abs(side.losses[0] - ours.losses[0])
   if "torch.compile" in sides:
     result["ratio_vs_torch_compile"] = med["torch.compile"] / med["ours"]
+  if entries:
+    with_table = sides["ours+table"]
+    result["table"] = entries
+    result["ours+table"] = {
+        "compile_s": with_table.compile_s, "first_step_s": first["ours+table"],
+        "step_s": _summary(times["ours+table"]),
+        "tokens_per_sec": tokens_per_step / med["ours+table"],
+        "mfu": step_flops / med["ours+table"] / ref, **vs_peak("ours+table"),
+        "losses": with_table.losses, "temp_bytes": with_table.temp_bytes,
+        **per_step["ours+table"]}
+    result["speedup_of_table"] = med["ours"] / med["ours+table"]
+    # The same step from the same weights: the first losses agree to the levers' rounding.
+    result["first_loss_diff_of_table"] = abs(with_table.losses[0] - ours.losses[0])
+    if "torch.compile" in sides:
+      result["ratio_vs_torch_compile_with_table"] = med["torch.compile"] / med["ours+table"]
   if left_out:
     result["left_out"] = left_out
   if args.profile:
@@ -527,10 +611,13 @@ def table(result: dict) -> str:
   if result.get("model_overrides"):
     lines.append("  model overrides: " + ", ".join(
         f"{k}={v}" for k, v in result["model_overrides"].items()))
-  for name in ("ours", "torch", "torch.compile"):
+  if result.get("table"):
+    lines.append("  ours+table: " + ", ".join(f"{k}={v}" for k, v in result["table"].items()))
+  for name in ("ours", "ours+table", "torch", "torch.compile"):
     if name in result:
       r = result[name]
-      extra = f"  {result.get(f'speedup_vs_{name}', 1.0):.2f}x" if name != "ours" else ""
+      extra = (f"  {result.get(f'speedup_vs_{name}', 1.0):.2f}x"
+               if name not in ("ours", "ours+table") else "")
       peak = f" ({100 * r['mfu_vs_peak']:.1f}% of peak)" if "mfu_vs_peak" in r else ""
       where = (f"  [{r['device']}" + (f", autocast {r['autocast']}" if r.get("autocast") else "")
                + "]" if r.get("device", "cpu") != "cpu" else "")
@@ -541,6 +628,10 @@ def table(result: dict) -> str:
   if "ratio_vs_torch_compile" in result:
     lines.append(f"  ratio vs torch.compile: {result['ratio_vs_torch_compile']:.2f}x "
                  "(their median step / ours)")
+  if "speedup_of_table" in result:
+    lines.append(f"  ours+table: {result['speedup_of_table']:.3f}x ours"
+                 + (f", {result['ratio_vs_torch_compile_with_table']:.2f}x vs torch.compile"
+                    if "ratio_vs_torch_compile_with_table" in result else ""))
   for name, why in result.get("left_out", {}).items():
     lines.append(f"  {name}: left out ({why})")
   if "loss_curves" in result:
