@@ -19,7 +19,7 @@
 #              transformers' generate                                    (-> bench_generate.json)
 #   tests      pytest tests/ops tests/layers tests/models tests/test_runtime.py    (-> tests.log)
 #   levers     experiments/gpu_levers.py: the train step's and generation's levers, each variant
-#              in a process of its own (not in the default list: about 3 minutes) (-> levers.json);
+#              in a process of its own (not in the default list: about 4 minutes) (-> levers.json);
 #              $LEVERS_ARGS replaces its options (default: the train step's variants in $LEVERS
 #              below, no generation), $LEVERS_LIMIT its time limit (330 s)
 # Every part writes its log to OUTDIR/PART.log; the last lines printed are each part's summary.
@@ -37,7 +37,7 @@ PY=${PYTHON:-python3}
 TABLE=${TABLE-CUDNN_PACKED_SEGMENTS=16 PAD_COLS=128}
 TABLE_ARGS=()
 for entry in $TABLE; do TABLE_ARGS+=(--table "$entry"); done
-LEVERS=default,packed_segments_16,vocab_pad_128,command_buffer_off
+LEVERS=default,packed_segments_16,packed_segments_16_host_cond,vocab_pad_128,command_buffer_off
 TJAX=("$PY" -m transformer_jax.cli)
 cd "$ROOT"
 

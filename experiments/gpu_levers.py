@@ -19,7 +19,11 @@ step (AdamW, clipping, token-mean cross-entropy) on one random batch, compiled o
   vocab_pad_128   the tied vocabulary product padded to a multiple of 128 columns
                   (``ops.dispatch.PAD_COLS``)
   packed_segments_4, packed_segments_16  segment ids to cuDNN as up to 4 (16) packed sequences
-                  per row instead of a [B, 1, T, T] mask (``ops.dispatch.CUDNN_PACKED_SEGMENTS``)
+                  per row instead of a [B, 1, T, T] mask (``ops.dispatch.CUDNN_PACKED_SEGMENTS``;
+                  the step's conditionals in CUDA graphs, as ``runtime.step_compiler_options``
+                  then asks)
+  packed_segments_16_host_cond  the same with XLA's default command buffers: each attention's
+                  conditional outside the graphs, its predicate read by the host
   cudnn_layer_norm  layer norms (forward and backward) as cuDNN kernels
                   (``xla_gpu_enable_cudnn_layer_norm: true``)
   command_buffer_off  no CUDA graphs (``xla_gpu_enable_command_buffer: ""``): how much of the
@@ -156,6 +160,10 @@ VARIANTS = {"default": {}, "logits_head": {"loss_head": "logits"},
             "vocab_pad_128": {"pad_cols": 128},
             "packed_segments_4": {"packed_segments": 4},
             "packed_segments_16": {"packed_segments": 16},
+            "packed_segments_16_host_cond": {
+                "packed_segments": 16,
+                "options": {"xla_gpu_enable_command_buffer":
+                            "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"}},
             "cudnn_layer_norm": {"options": {"xla_gpu_enable_cudnn_layer_norm": True}},
             "command_buffer_off": {"options": {"xla_gpu_enable_command_buffer": ""}}}
 

@@ -314,6 +314,23 @@ def test_steps_give_their_products_to_onednn_on_cpu_only(monkeypatch):
   assert runtime.step_compiler_options("cpu") == {}
 
 
+def test_packed_segments_put_conditionals_in_the_gpu_command_buffers(monkeypatch):
+  # Packed segments choose their cuDNN call in a lax.cond per attention: on GPUs the step keeps
+  # those conditionals inside its CUDA graphs; nothing changes while the lever is off, or off GPUs.
+  from transformer_jax.ops import dispatch
+
+  assert "xla_gpu_enable_command_buffer" not in runtime.step_compiler_options("gpu")
+  monkeypatch.setattr(dispatch, "CUDNN_PACKED_SEGMENTS", 16)
+  gpu = runtime.step_compiler_options("gpu")
+  assert gpu == {**runtime.GPU_STEP_OPTIONS,
+                 "xla_gpu_enable_command_buffer": runtime.GPU_COMMAND_BUFFERS_WITH_CONDITIONALS}
+  assert "CONDITIONAL" in gpu["xla_gpu_enable_command_buffer"].split(",")
+  assert runtime.step_compiler_options("cpu") == onednn.ONEDNN_DOTS
+  # XLA takes the list as a compile option (its flag's "+CONDITIONAL" form it does not).
+  jax.jit(lambda x: x + 1).lower(jnp.ones(2)).compile(
+      compiler_options={"xla_gpu_enable_command_buffer": gpu["xla_gpu_enable_command_buffer"]})
+
+
 def test_decoding_compiles_without_triton_gemms_on_gpus_only():
   # The GPU decoding loop's first call: 33.9 s with Triton GEMMs autotuned, 6.2 s without
   # (experiments/PERFORMANCE.md, "XLA:GPU options").

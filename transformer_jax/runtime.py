@@ -18,6 +18,7 @@ import os
 import warnings
 
 from transformer_jax.cpu import onednn as _onednn
+from transformer_jax.ops import dispatch as _dispatch
 
 CACHE_ENV = "TJAX_COMPILATION_CACHE"   # a folder, or "0" to turn the cache off
 
@@ -61,19 +62,29 @@ def enable_compilation_cache(path: str | None = None) -> str | None:
 GPU_STEP_OPTIONS: dict = {"xla_gpu_enable_triton_gemm": False}
 GPU_DECODE_OPTIONS: dict = {"xla_gpu_enable_triton_gemm": False}
 
+# With segment ids packed for cuDNN (``ops.dispatch.CUDNN_PACKED_SEGMENTS``) each attention picks
+# its kernel in a conditional, which XLA:GPU otherwise runs outside its CUDA graphs, the host
+# waiting for the predicate. XLA's default command-buffer types (jax 0.10 and 0.11) plus
+# CONDITIONAL: compile options take the list itself, not the flag's "+CONDITIONAL".
+GPU_COMMAND_BUFFERS_WITH_CONDITIONALS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL"
+
 
 def step_compiler_options(platform: str) -> dict:
   """Compile options for the train and eval steps on ``platform`` (a device's ``.platform``).
 
   Returns:
-    A new dict: ``GPU_STEP_OPTIONS`` on "gpu"; on "cpu" ``cpu.onednn.step_options`` (each matrix
-    product to oneDNN; none with ``$TJAX_ONEDNN=0`` or a jaxlib that lacks the options); none
+    A new dict: ``GPU_STEP_OPTIONS`` on "gpu" (with ``GPU_COMMAND_BUFFERS_WITH_CONDITIONALS``
+    while ``ops.dispatch.CUDNN_PACKED_SEGMENTS`` is on); on "cpu" ``cpu.onednn.step_options``
+    (each matrix product to oneDNN; none with ``$TJAX_ONEDNN=0`` or a jaxlib that lacks the options); none
     elsewhere. Pass them as ``jax.jit(..., compiler_options=...)`` (they are part of the
     persistent cache's key) and pass what you compile with them to ``hold``. Asking for them
     changes nothing in the process.
   """
   if platform == "gpu":
-    return dict(GPU_STEP_OPTIONS)
+    options = dict(GPU_STEP_OPTIONS)
+    if _dispatch.CUDNN_PACKED_SEGMENTS:
+      options.setdefault("xla_gpu_enable_command_buffer", GPU_COMMAND_BUFFERS_WITH_CONDITIONALS)
+    return options
   return _onednn.step_options(platform)
 
 

@@ -82,7 +82,8 @@ CUDNN_MAX_HEAD_DIM = 128
 # cuDNN's fused attention with segment ids: with M >= 2 here, self-attention whose rows hold at
 # most M segments goes in as M packed sequences per row (cuDNN's ragged layout: no [B, 1, T, T]
 # mask, whose bias cuDNN reads forward and backward), and rows with more take the mask, chosen on
-# the device per call. 0: always the mask. Off until measured: experiments/gpu_levers.py's
+# the device per call (a conditional that runtime.step_compiler_options keeps in XLA:GPU's CUDA
+# graphs). 0: always the mask. Off until measured: experiments/gpu_levers.py's
 # "packed_segments_16" measures it (experiments/PERFORMANCE.md, "Packed segments on cuDNN").
 CUDNN_PACKED_SEGMENTS = 0
 
