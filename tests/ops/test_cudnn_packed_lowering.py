@@ -86,3 +86,32 @@ def test_segment_runs_of_a_lowered_program_are_static_shapes():
                                          jax.ShapeDtypeStruct((B, T), jnp.int32))
   assert (lengths.shape, starts.shape, fits.shape) == ((B, 4), (B, 5), ())
   assert np.dtype(lengths.dtype) == np.int32 and np.dtype(starts.dtype) == np.int32
+
+
+def test_the_gpt_train_step_packs_every_layer(hopper, monkeypatch):
+  # The whole step (GPT task, AdamW) with the lever on: each layer's attention, forward and
+  # backward, as the packed call and the mask behind a choice.
+  from transformer_jax import models
+  from transformer_jax.bench.train import random_batch
+  from transformer_jax.train import step as step_lib
+  from transformer_jax.train import tasks as tasks_lib
+  from transformer_jax.train.config import TrainConfig
+  from transformer_jax.train.optim import make_optimizer
+
+  monkeypatch.setattr(dispatch, "CUDNN_PACKED_SEGMENTS", 16)
+  config = models.get_config("gpt2-tiny", dtype="bfloat16", dropout_rate=0.0, scan_layers=False)
+  batch, _ = random_batch(config, 2, 64, 0)
+  optimizer = make_optimizer(TrainConfig(steps=10, batch_size=2, seq_len=64, warmup_steps=0,
+                                         schedule="constant"))
+  state = step_lib.create_state(models.init(config, jax.random.key(0)), optimizer)
+  step = jax.jit(step_lib.make_train_step(models.graphdef(config), tasks_lib.GPTTask(), optimizer,
+                                          seed=0))
+  text = step.trace(state, {k: jnp.asarray(v) for k, v in batch.items()}).lower(
+      lowering_platforms=("cuda",)).as_text()
+  calls = _calls(text)
+  layers = config.num_layers
+  assert sorted(c[0] for c in calls) == sorted(
+      ["__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaSoftmax",
+       "__cudnn$fmhaScaleBiasSoftmaxBackward", "__cudnn$fmhaSoftmaxBackward"] * layers)
+  assert {c[2] for c in calls if not c[0].startswith("__cudnn$fmhaScaleBias")} == {"16"}
+  assert text.count("stablehlo.case") == 2 * layers
