@@ -101,6 +101,25 @@ TABLE_ENTRIES = {
 }
 
 
+def _pairs(items: list[str], flag: str, expected: str) -> list[tuple[str, str, str]]:
+  """``KEY=VALUE`` items of ``flag`` as ``(item, key, value text)``, each key at most once.
+
+  Raises:
+    ValueError: for an item without ``=`` or a key, or a key given twice.
+  """
+  out, seen = [], set()
+  for item in items:
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+      raise ValueError(f"{flag} {item!r}: expected {expected}")
+    if key in seen:
+      raise ValueError(f"{flag} {item!r}: {key} is given twice")
+    seen.add(key)
+    out.append((item, key, text))
+  return out
+
+
 def parse_table(items: list[str]) -> dict[str, int]:
   """``--table`` values (``"NAME=N"``) as a dict.
 
@@ -109,15 +128,9 @@ def parse_table(items: list[str]) -> dict[str, int]:
       or a value that is not an integer >= 0.
   """
   out = {}
-  for item in items:
-    name, sep, text = item.partition("=")
-    name = name.strip()
-    if not sep or not name:
-      raise ValueError(f"--table {item!r}: expected NAME=N (e.g. --table PAD_COLS=128)")
+  for item, name, text in _pairs(items, "--table", "NAME=N (e.g. --table PAD_COLS=128)"):
     if name not in TABLE_ENTRIES:
       raise ValueError(f"--table {item!r}: {name} is not one of {', '.join(TABLE_ENTRIES)}")
-    if name in out:
-      raise ValueError(f"--table {item!r}: {name} is given twice")
     try:
       value = int(text)
     except ValueError:
@@ -167,13 +180,7 @@ def parse_model_overrides(items: list[str]) -> dict:
   import yaml
 
   out = {}
-  for item in items:
-    key, sep, text = item.partition("=")
-    key = key.strip()
-    if not sep or not key:
-      raise ValueError(f"--model {item!r}: expected KEY=VALUE (e.g. --model scan_layers=false)")
-    if key in out:
-      raise ValueError(f"--model {item!r}: {key} is given twice")
+  for item, key, text in _pairs(items, "--model", "KEY=VALUE (e.g. --model scan_layers=false)"):
     if key in _OWN_FIELDS:
       raise ValueError(f"--model {item!r}: {key} is set by the bench ({_OWN_FIELDS[key]})")
     value = yaml.safe_load(text)
