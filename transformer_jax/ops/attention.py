@@ -264,8 +264,9 @@ def _cudnn_attention(q, k, v, q_pos_BT, *, bias, mask, causal, scale, dropout_ra
   The mask parts become what that API takes: ``causal`` (``T == S`` with default positions:
   cuDNN aligns the causal mask to the first key), ``window`` (``local_window_size`` when causal;
   cuDNN has no two-sided window, so without causal it is a dense mask), ``kv_valid``
-  (key lengths when it is concretely a prefix, else a dense mask), segment ids (a dense mask) and
-  ``bias_fn`` (a dense bias). cuDNN folds a dense mask into its bias, so a query row whose every
+  (key lengths when it is concretely a prefix, else a dense mask), segment ids (a dense mask;
+  with ``dispatch.cudnn_packed_segments``, packed sequences where each row's runs fit, the mask
+  elsewhere) and ``bias_fn`` (a dense bias). cuDNN folds a dense mask into its bias, so a query row whose every
   key is masked follows cuDNN's convention, not the zeros of "xla" and "chunked"."""
   platform = jax.default_backend()
   if platform != "gpu":
@@ -290,15 +291,6 @@ def _cudnn_attention(q, k, v, q_pos_BT, *, bias, mask, causal, scale, dropout_ra
       q, k, window=window, bias=bias is not None or bias_fn is not None,
       mask=mask is not None, kv_valid=kv_valid is not None, q_positions=q_positions is not None,
       kv_segment_ids=kv_segment_ids is not None) if q_segment_ids is not None else 0
-  if packed and _cudnn_ragged_layout():
-    lengths_BM, starts_BM1, fits = segment_runs(q_segment_ids, packed)
-    as_mask = functools.partial(
-        jax.nn.dot_product_attention, mask=segment_mask(q_segment_ids), scale=scale,
-        is_causal=causal, implementation="cudnn")
-    as_runs = functools.partial(
-        _cudnn_packed, lengths_BM=lengths_BM, starts_BM1=starts_BM1, causal=causal,
-        scale=q.shape[-1] ** -0.5 if scale is None else scale)
-    return jax.lax.cond(fits, as_runs, as_mask, q, k, v)
   key_lengths = None
   if kv_valid is not None:
     try:
@@ -322,9 +314,17 @@ def _cudnn_attention(q, k, v, q_pos_BT, *, bias, mask, causal, scale, dropout_ra
   if bias is not None:
     bias = bias.astype(q.dtype)
   local = (window - 1, 0) if causal and window is not None else None
-  return jax.nn.dot_product_attention(
-      q, k, v, bias=bias, mask=mask, scale=scale, is_causal=causal,
+  as_mask = functools.partial(
+      jax.nn.dot_product_attention, bias=bias, mask=mask, scale=scale, is_causal=causal,
       key_value_seq_lengths=key_lengths, local_window_size=local, implementation="cudnn")
+  if not packed or not _cudnn_ragged_layout():
+    return as_mask(q, k, v)
+  # Rows of at most `packed` runs as packed sequences, the others through the mask above.
+  lengths_BM, starts_BM1, fits = segment_runs(q_segment_ids, packed)
+  as_runs = functools.partial(
+      _cudnn_packed, lengths_BM=lengths_BM, starts_BM1=starts_BM1, causal=causal,
+      scale=q.shape[-1] ** -0.5 if scale is None else scale)
+  return jax.lax.cond(fits, as_runs, as_mask, q, k, v)
 
 
 def _cudnn_ragged_layout() -> bool:
