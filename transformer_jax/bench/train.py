@@ -543,6 +543,14 @@ def run(args) -> dict:
   def vs_peak(name: str) -> dict:   # the same rate against the datasheet, where it is known
     return {"mfu_vs_peak": step_flops / med[name] / peak} if peak else {}
 
+  def our_row(name: str) -> dict:   # one of our sides ("ours", "ours+table")
+    side = sides[name]
+    return {"compile_s": side.compile_s, "trace_s": side.trace_s, "first_step_s": first[name],
+            "step_s": _summary(times[name]), "tokens_per_sec": tokens_per_step / med[name],
+            "model_flops_per_sec": step_flops / med[name], "mfu": step_flops / med[name] / ref,
+            **vs_peak(name), "losses": side.losses, "temp_bytes": side.temp_bytes,
+            **per_step[name]}
+
   ours = sides["ours"]
   result = {
       "benchmark": "train step",
@@ -554,12 +562,7 @@ def run(args) -> dict:
       "microbatches": ours.microbatches,
       "compile_s_by_microbatches": ours.compile_s_by_microbatches,
       "params": models.count_params(config), "model_flops_per_step": step_flops,
-      "ours": {"compile_s": ours.compile_s, "trace_s": ours.trace_s, "first_step_s": first["ours"],
-               "step_s": _summary(times["ours"]),
-               "tokens_per_sec": tokens_per_step / med["ours"],
-               "model_flops_per_sec": step_flops / med["ours"], "mfu": step_flops / med["ours"] / ref,
-               **vs_peak("ours"),
-               "losses": ours.losses, "temp_bytes": ours.temp_bytes, **per_step["ours"]},
+      "ours": our_row("ours"),
       "limit": {"matmul": limits, "step_floor_s": step_flops / ref},
   }
   if peak:
@@ -580,18 +583,11 @@ def run(args) -> dict:
   if "torch.compile" in sides:
     result["ratio_vs_torch_compile"] = med["torch.compile"] / med["ours"]
   if entries:
-    with_table = sides["ours+table"]
     result["table"] = entries
-    result["ours+table"] = {
-        "compile_s": with_table.compile_s, "first_step_s": first["ours+table"],
-        "step_s": _summary(times["ours+table"]),
-        "tokens_per_sec": tokens_per_step / med["ours+table"],
-        "mfu": step_flops / med["ours+table"] / ref, **vs_peak("ours+table"),
-        "losses": with_table.losses, "temp_bytes": with_table.temp_bytes,
-        **per_step["ours+table"]}
+    result["ours+table"] = our_row("ours+table")
     result["speedup_of_table"] = med["ours"] / med["ours+table"]
     # The same step from the same weights: the first losses agree to the levers' rounding.
-    result["first_loss_diff_of_table"] = abs(with_table.losses[0] - ours.losses[0])
+    result["first_loss_diff_of_table"] = abs(sides["ours+table"].losses[0] - ours.losses[0])
     if "torch.compile" in sides:
       result["ratio_vs_torch_compile_with_table"] = med["torch.compile"] / med["ours+table"]
   if left_out:
