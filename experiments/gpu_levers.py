@@ -56,7 +56,7 @@ import numpy as np
 from flax import nnx
 
 from transformer_jax import models, runtime
-from transformer_jax.ops import dispatch
+from transformer_jax.bench.train import table_set
 from transformer_jax.train import step as step_lib
 from transformer_jax.train import tasks as tasks_lib
 from transformer_jax.train.config import TrainConfig
@@ -84,12 +84,9 @@ def _batch(config, b: int, t: int, seed: int = 0) -> dict:
 
 def train_variant(preset: str, dtype: str, b: int, t: int, steps: int, *, overrides=None,
                   loss_head: str = "logits", options=None, segments: bool = True,
-                  pad_cols: int | None = None, packed_segments: int = 0) -> dict:
-  """Compile and time one variant of the train step; returns its row."""
-  if pad_cols:   # this process only: each variant runs in one of its own
-    dispatch.PAD_COLS[jax.default_backend()] = pad_cols
-  if packed_segments:
-    dispatch.CUDNN_PACKED_SEGMENTS = packed_segments
+                  table: dict | None = None) -> dict:
+  """Compile and time one variant of the train step, traced with the kernel-table entries
+  ``table`` (``bench.train.table_set``); returns its row."""
   config = models.get_config(preset, dtype=dtype, dropout_rate=0.0, **(overrides or {}))
   tcfg = TrainConfig(steps=1000, batch_size=b, seq_len=t, lr=1e-4, warmup_steps=0,
                      schedule="constant")
@@ -97,12 +94,14 @@ def train_variant(preset: str, dtype: str, b: int, t: int, steps: int, *, overri
   task = (tasks_lib.GPTTask if segments else _NoSegments)(loss_head=loss_head)
   state = step_lib.create_state(models.init(config, jax.random.key(0)), optimizer)
   batch = _batch(config, b, t)
-  options = runtime.step_compiler_options(jax.default_backend()) if options is None else options
-  fn = jax.jit(step_lib.make_train_step(models.graphdef(config), task, optimizer, seed=0),
-               donate_argnums=(0,))
-  start = time.perf_counter()
-  compiled = fn.lower(state, batch).compile(compiler_options=options or None)
-  compile_s = time.perf_counter() - start
+  with table_set(table or {}, jax.default_backend()):
+    options = (runtime.step_compiler_options(jax.default_backend()) if options is None
+               else options)
+    fn = jax.jit(step_lib.make_train_step(models.graphdef(config), task, optimizer, seed=0),
+                 donate_argnums=(0,))
+    start = time.perf_counter()
+    compiled = fn.lower(state, batch).compile(compiler_options=options or None)
+    compile_s = time.perf_counter() - start
   temp = runtime.temp_bytes(compiled)
   times, losses = [], []
   for i in range(3 + steps):
@@ -118,7 +117,7 @@ def train_variant(preset: str, dtype: str, b: int, t: int, steps: int, *, overri
   return {"compile_s": compile_s, "step_s": step_s, "all_s": times,
           "tokens_per_sec": b * t / step_s, "model_flops_per_sec": flops / step_s,
           "temp_bytes": temp, "first_loss": losses[0], "last_loss": losses[-1],
-          "pad_cols": pad_cols, "packed_segments": packed_segments, "layers": layers,
+          "table": table or {}, "layers": layers,
           "loss_head": loss_head, "options": options}
 
 
@@ -157,11 +156,11 @@ VARIANTS = {"default": {}, "logits_head": {"loss_head": "logits"},
             "triton_gemm_off": {"options": {"xla_gpu_enable_triton_gemm": False}},
             "cublaslt": {"options": {"xla_gpu_enable_cublaslt": True}},
             "autotune_level_1": {"options": {"xla_gpu_autotune_level": 1}},
-            "vocab_pad_128": {"pad_cols": 128},
-            "packed_segments_4": {"packed_segments": 4},
-            "packed_segments_16": {"packed_segments": 16},
+            "vocab_pad_128": {"table": {"PAD_COLS": 128}},
+            "packed_segments_4": {"table": {"CUDNN_PACKED_SEGMENTS": 4}},
+            "packed_segments_16": {"table": {"CUDNN_PACKED_SEGMENTS": 16}},
             "packed_segments_16_host_cond": {
-                "packed_segments": 16,
+                "table": {"CUDNN_PACKED_SEGMENTS": 16},
                 "options": {"xla_gpu_enable_command_buffer":
                             "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"}},
             "cudnn_layer_norm": {"options": {"xla_gpu_enable_cudnn_layer_norm": True}},
