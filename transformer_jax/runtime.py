@@ -75,10 +75,10 @@ def step_compiler_options(platform: str) -> dict:
   Returns:
     A new dict: ``GPU_STEP_OPTIONS`` on "gpu" (with ``GPU_COMMAND_BUFFERS_WITH_CONDITIONALS``
     while ``ops.dispatch.CUDNN_PACKED_SEGMENTS`` is on); on "cpu" ``cpu.onednn.step_options``
-    (each matrix product to oneDNN; none with ``$TJAX_ONEDNN=0`` or a jaxlib that lacks the options); none
-    elsewhere. Pass them as ``jax.jit(..., compiler_options=...)`` (they are part of the
-    persistent cache's key) and pass what you compile with them to ``hold``. Asking for them
-    changes nothing in the process.
+    (each matrix product to oneDNN; none with ``$TJAX_ONEDNN=0`` or a jaxlib that lacks the
+    options); none elsewhere. Pass them as ``jax.jit(..., compiler_options=...)`` (they are part
+    of the persistent cache's key) and pass what you compile with them to ``cpu.onednn.hold``.
+    Asking for them changes nothing in the process.
   """
   if platform == "gpu":
     options = dict(GPU_STEP_OPTIONS)
