@@ -60,7 +60,9 @@ from transformer_jax.models.config import BERTConfig, GPTConfig, Seq2SeqConfig
 def add_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--preset", default="gpt2-small", help="model preset (tjax info lists them)")
   p.add_argument("--batch-size", type=int, default=4)
-  p.add_argument("--seq-len", type=int, default=256)
+  p.add_argument("--seq-len", type=int, default=None,
+                 help=f"tokens per row (default: {DEFAULT_SEQ_LEN}, or the preset's max_len where "
+                      "that is shorter)")
   p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                  help="compute dtype (parameters stay float32)")
   p.add_argument("--steps", type=int, default=5, help="timed steps per side")
@@ -92,6 +94,31 @@ def add_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--table", action="append", default=[], metavar="NAME=N",
                  help="also time our step traced with this kernel-table entry set (repeatable; "
                       f"side 'ours+table'): {', '.join(TABLE_ENTRIES)}")
+
+
+# ``--seq-len`` without a value: GPT-2 small's CPU benchmark shape, cut to a shorter context.
+DEFAULT_SEQ_LEN = 256
+
+
+def resolve_seq_len(args, config) -> int:
+  """``args.seq_len``, or the default that fits ``config``'s context; checked before anything runs.
+
+  The default is ``DEFAULT_SEQ_LEN`` cut to ``max_len``. An explicit length may pass ``max_len``
+  only where the model has no position table (RoPE, ALiBi, T5's relative buckets), as the model
+  itself allows.
+
+  Raises:
+    ValueError: for a length below 1, or past ``max_len`` of a model with a position table.
+  """
+  max_len = getattr(config, "max_len", None)   # None: no context given (--model max_len=null)
+  if args.seq_len is None:
+    return DEFAULT_SEQ_LEN if max_len is None else min(DEFAULT_SEQ_LEN, max_len)
+  if args.seq_len < 1:
+    raise ValueError(f"--seq-len {args.seq_len}: must be at least 1")
+  has_table = getattr(config, "position", "learned") in ("learned", "sinusoidal")
+  if has_table and max_len is not None and args.seq_len > max_len:
+    raise ValueError(f"--seq-len {args.seq_len}: longer than {args.preset}'s max_len={max_len}")
+  return args.seq_len
 
 
 # The kernel-table entries ``--table`` sets, for the side "ours+table" (ops.dispatch).
@@ -463,6 +490,7 @@ def run(args) -> dict:
   if rivals and not isinstance(config, GPTConfig):
     raise ValueError(f"--against {args.against}: the PyTorch rival is GPT-2 (GPT presets); "
                      f"{args.preset} is a {type(config).__name__} (use --against none)")
+  args.seq_len = resolve_seq_len(args, config)
   if hasattr(config, "dropout_rate"):
     config = dataclasses.replace(config, dropout_rate=0.0, attention_dropout_rate=0.0)
   host_batch, task_name = random_batch(config, args.batch_size, args.seq_len, args.seed)
