@@ -47,6 +47,17 @@ def test_train_against_torch_does_the_same_work(tmp_path, capsys):
   assert r["model_overrides"] == {}
 
 
+def test_train_against_torch_llama_is_transformers_llama(tmp_path):
+  # A LLaMA-style preset's rival is transformers' LlamaForCausalLM on the same weights (RoPE, GQA,
+  # SwiGLU, RMSNorm, untied head): the same first loss, and AdamW keeps them together.
+  pytest.importorskip("torch")
+  r = _bench(tmp_path, "train", "--preset", "llama-tiny", "--batch-size", "2", "--seq-len", "16",
+             "--steps", "2", "--warmup", "0")
+  assert r["torch"]["architecture"] == "LlamaForCausalLM"
+  assert r["first_loss_diff_vs_torch"] < 1e-4
+  assert r["ours"]["losses"] == pytest.approx(r["torch"]["losses"], abs=1e-3)
+
+
 @pytest.mark.parametrize("preset", ["bert-tiny", "t5-tiny"])
 def test_train_runs_every_family_alone(tmp_path, preset):
   r = _bench(tmp_path, "train", "--preset", preset, "--batch-size", "2", "--seq-len", "16",

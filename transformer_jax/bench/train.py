@@ -3,8 +3,9 @@
 Ours is the real step (``train.step.make_train_step`` + ``jit_train_step``: the task's token-mean
 cross-entropy, clipping and AdamW from ``train.optim.make_optimizer``) on a batch built once with
 NumPy and placed on the device, so host loading is not timed. Theirs (``--against torch``, GPT
-presets) is ``transformers.GPT2LMHeadModel`` holding the same weights (written by
-``transformer_jax.hf.save``), in train mode, with the same tokens, the same loss (token-mean
+presets) is the ``transformers`` class of the preset's family holding the same weights (written by
+``transformer_jax.hf.save``: ``GPT2LMHeadModel``, ``LlamaForCausalLM`` for the LLaMA flavour, e.g.
+``tinyllama-1.1b``, ``MistralForCausalLM``), in train mode, with the same tokens, the same loss (token-mean
 cross-entropy over the same labels), ``clip_grad_norm_`` and ``torch.optim.AdamW`` with the same
 hyper-parameters; dropout is off on both sides. Steps alternate (ours, theirs, ours, ...) so both
 see the same machine, and medians are compared, after ``--warmup`` untimed steps per side (default 2:
@@ -306,7 +307,8 @@ class Ours:
 
 
 class Torch:
-  """``GPT2LMHeadModel`` on the same weights: forward, token-mean cross-entropy, backward, clipping,
+  """The preset's ``transformers`` causal LM (``hf.save``'s architecture: ``GPT2LMHeadModel``,
+  ``LlamaForCausalLM``, ``MistralForCausalLM``) on the same weights: forward, token-mean cross-entropy, backward, clipping,
   AdamW, in eager mode (or with the forward+loss ``torch.compile``-d).
 
   On ``device`` "cpu" everything is float32. On "cuda" the model and batch live on the GPU, the
@@ -326,6 +328,7 @@ class Torch:
     from flax import nnx
 
     from transformer_jax import hf as tjhf
+    from transformer_jax.hf.configs import default_architecture
 
     if device not in ("cpu", "cuda"):
       raise ValueError(f"device={device!r}: the PyTorch rival runs on 'cpu' or 'cuda'")
@@ -334,11 +337,12 @@ class Torch:
     self.torch = torch
     transformers.logging.set_verbosity_error()
     model = nnx.merge(models.graphdef(config), params)
+    self.architecture = default_architecture(config)
     with tempfile.TemporaryDirectory() as tmp:
       tjhf.save(model, config, tmp)
       with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        self.model = transformers.GPT2LMHeadModel.from_pretrained(
+        self.model = getattr(transformers, self.architecture).from_pretrained(
             tmp, attn_implementation="sdpa").train()
     self.device, self.autocast = device, autocast
     self.fused_adamw = device == "cuda"
@@ -488,7 +492,7 @@ def run(args) -> dict:
   entries = parse_table(getattr(args, "table", None) or [])
   config = models.get_config(args.preset, dtype=args.dtype, remat=args.remat, **overrides)
   if rivals and not isinstance(config, GPTConfig):
-    raise ValueError(f"--against {args.against}: the PyTorch rival is GPT-2 (GPT presets); "
+    raise ValueError(f"--against {args.against}: the PyTorch rival is a causal LM (GPT presets); "
                      f"{args.preset} is a {type(config).__name__} (use --against none)")
   args.seq_len = resolve_seq_len(args, config)
   if hasattr(config, "dropout_rate"):
@@ -603,7 +607,8 @@ def run(args) -> dict:
       result[name] = {"first_step_s": first[name], "step_s": _summary(times[name]),
                       "tokens_per_sec": tokens_per_step / med[name],
                       "mfu": step_flops / med[name] / ref, **vs_peak(name),
-                      "losses": side.losses, "device": side.device, "autocast": side.autocast,
+                      "architecture": side.architecture, "losses": side.losses,
+                      "device": side.device, "autocast": side.autocast,
                       "fused_adamw": side.fused_adamw, **per_step[name]}
       result[f"speedup_vs_{name}"] = med[name] / med["ours"]
       # Same weights, tokens and loss: the first losses agree to float32 rounding.
