@@ -20,8 +20,6 @@ How the target is stood in for while tracing:
   them on CPU, as ``--dry-run`` does), else a ``jax.sharding.AbstractMesh`` of the same axes. The
   TPU step lowers on either; the CUDA step needs devices (jax partitions a cuDNN call against
   them while lowering).
-
-Letters: L layers, D model width, V vocabulary.
 """
 
 from __future__ import annotations
@@ -64,9 +62,9 @@ class ExportedStep:
     platform: ``"tpu"`` or ``"cuda"``.
     mesh: mesh axis -> size.
     abstract_mesh: True when no devices stood behind the mesh (``AbstractMesh``).
-    planned: ``(name, PartitionSpec)`` per input then per output, in the module's order: the
-      state's shardings from the rules table, the batch split over ``data`` and ``fsdp``, the
-      metrics replicated.
+    planned: ``(name, PartitionSpec)`` per input, in the module's order: the state's shardings
+      from the rules table, then the batch split over ``data`` and ``fsdp``.
+    planned_outputs: the same per output: the new state's, then the metrics replicated.
   """
 
   exported: Any
