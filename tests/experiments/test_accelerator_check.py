@@ -28,7 +28,9 @@ if matches "${STUB_SLEEP:-}" "${@}"; then exec sleep 30; fi
 if matches "${STUB_FAIL:-}" "${@}"; then echo "stub: failing" >&2; exit 1; fi
 prev=""
 for arg in "$@"; do
-  if [[ "$prev" == --json ]] && ! matches "${STUB_NOJSON:-}" "${@}"; then echo "${STUB_JSON:-{\}}" > "$arg"; fi
+  if [[ "$prev" == --json ]] && ! matches "${STUB_NOJSON:-}" "${@}"; then
+    echo "${STUB_JSON:-{\}}" > "$arg"
+  fi
   prev=$arg
 done
 echo "stub: ran"
