@@ -48,7 +48,7 @@ def test_train_against_torch_does_the_same_work(tmp_path, capsys):
 
 
 def test_train_against_torch_llama_is_transformers_llama(tmp_path):
-  # A LLaMA-style preset's rival is transformers' LlamaForCausalLM on the same weights (RoPE, GQA,
+  # ~10 s. A LLaMA-style preset's rival is transformers' LlamaForCausalLM on the same weights (RoPE, GQA,
   # SwiGLU, RMSNorm, untied head): the same first loss, and AdamW keeps them together.
   pytest.importorskip("torch")
   r = _bench(tmp_path, "train", "--preset", "llama-tiny", "--batch-size", "2", "--seq-len", "16",
@@ -465,11 +465,21 @@ def test_cpu_family_names_the_first_processor_of_proc_cpuinfo():
   assert machine.cpu_family() == ", ".join(want)
 
 
-def test_train_default_sequence_fits_the_preset(tmp_path):
-  # gpt2-tiny's context is 128 positions: without --seq-len the step runs at most that long.
-  r = _bench(tmp_path, "train", "--preset", "gpt2-tiny", "--batch-size", "1", "--steps", "1",
-             "--warmup", "0", "--against", "none")
-  assert r["seq_len"] == 128 and len(r["ours"]["losses"]) == 2
+@pytest.mark.parametrize("preset, overrides, seq_len, want", [
+    ("gpt2-tiny", {}, None, 128),              # a 128-position table: the default shrinks to it
+    ("gpt2-small", {}, None, 256),             # the documented default
+    ("llama-tiny", {}, None, 128),             # RoPE: the default still keeps to the context ...
+    ("llama-tiny", {}, 300, 300),              # ... but a longer one is the model's to allow
+    ("gpt2-tiny", {}, 128, 128),
+])
+def test_train_default_sequence_fits_the_preset(preset, overrides, seq_len, want):
+  import argparse
+  import dataclasses
+  from transformer_jax import models
+  from transformer_jax.bench import train
+  config = dataclasses.replace(models.get_config(preset), **overrides)
+  args = argparse.Namespace(preset=preset, seq_len=seq_len)
+  assert train.resolve_seq_len(args, config) == want
 
 
 @pytest.mark.parametrize("argv, message", [

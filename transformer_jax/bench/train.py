@@ -111,14 +111,14 @@ def resolve_seq_len(args, config) -> int:
   Raises:
     ValueError: for a length below 1, or past ``max_len`` of a model with a position table.
   """
-  max_len = getattr(config, "max_len", None)   # None: no context given (--model max_len=null)
   if args.seq_len is None:
-    return DEFAULT_SEQ_LEN if max_len is None else min(DEFAULT_SEQ_LEN, max_len)
+    return min(DEFAULT_SEQ_LEN, config.max_len)
   if args.seq_len < 1:
     raise ValueError(f"--seq-len {args.seq_len}: must be at least 1")
-  has_table = getattr(config, "position", "learned") in ("learned", "sinusoidal")
-  if has_table and max_len is not None and args.seq_len > max_len:
-    raise ValueError(f"--seq-len {args.seq_len}: longer than {args.preset}'s max_len={max_len}")
+  has_table = getattr(config, "position", "learned") in ("learned", "sinusoidal")  # BERT: learned
+  if has_table and args.seq_len > config.max_len:
+    raise ValueError(f"--seq-len {args.seq_len}: longer than {args.preset}'s max_len="
+                     f"{config.max_len}")
   return args.seq_len
 
 
