@@ -17,6 +17,7 @@ from transformer_jax.ops.positions import (
     AlibiBias, RelativeBias, RopeScaling, alibi_bias, alibi_slopes, apply_rope,
     relative_position_bucket, relative_positions, rope_frequencies, sinusoidal_positions)
 from transformer_jax.ops.reductions import argmax
+from transformer_jax.ops.sparse import SparsePattern, sparse_attention
 
 __all__ = [
     "Activation", "alibi_bias", "alibi_slopes", "AlibiBias", "and_masks", "apply_rope", "argmax",
@@ -27,5 +28,5 @@ __all__ = [
     "relative_position_bucket", "relative_positions", "RelativeBias", "relu", "rms_norm",
     "rope_frequencies", "RopeScaling", "segment_mask", "segment_runs", "silu",
     "sinusoidal_positions",
-    "sliding_window_mask", "swiglu",
+    "sliding_window_mask", "SparsePattern", "sparse_attention", "swiglu",
 ]
