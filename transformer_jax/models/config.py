@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from transformer_jax import ops
 from transformer_jax.layers import BlockConfig, LinearKind, Remat
+from transformer_jax.layers.approx import ApproxKind, LinformerKind, SparseKind
 from transformer_jax.ops import dispatch
 
 Norm = Literal["layernorm", "rmsnorm"]
@@ -63,6 +64,29 @@ def _dtype(cfg, *names):
       raise ValueError(f"{name}={value!r} is not a dtype name") from None
     if not jnp.issubdtype(dt, jnp.floating):
       raise ValueError(f"{name}={value!r} must be a floating dtype")
+
+
+def _sparse_pattern(cfg, *, causal: bool):
+  """``sparse_pattern`` as an ``ops.SparsePattern`` (a mapping from YAML is converted; None is
+  left for the model's default), checked for ``attention_kind``."""
+  value = cfg.sparse_pattern
+  if isinstance(value, dict):
+    spec = dict(value)
+    if "global_blocks" in spec:
+      spec["global_blocks"] = tuple(spec["global_blocks"])
+    try:
+      value = ops.SparsePattern(**spec)
+    except TypeError as e:
+      raise ValueError(f"sparse_pattern={cfg.sparse_pattern!r}: {e}") from None
+    object.__setattr__(cfg, "sparse_pattern", value)
+  if value is not None and not isinstance(value, ops.SparsePattern):
+    raise ValueError(f"sparse_pattern={value!r} must be an ops.SparsePattern or a mapping")
+  if value is not None and cfg.attention_kind != "sparse":
+    raise ValueError(f"sparse_pattern needs attention_kind='sparse' (attention_kind="
+                     f"{cfg.attention_kind!r})")
+  if causal and value is not None and any(g < 0 for g in value.global_blocks):
+    raise ValueError(f"sparse_pattern.global_blocks={value.global_blocks} of a decoder must "
+                     "count from the start (>= 0): a causal pattern may not depend on the length")
 
 
 class _Heads:
@@ -128,8 +152,12 @@ class GPTConfig(_Heads):
   rope_interleaved: bool = False       # GPT-J pairing; default is LLaMA's rotate-half
   rope_scaling: ops.RopeScaling | None = None
   sliding_window: int | None = None    # local attention over the last `sliding_window` tokens
-  # "softmax" attention, or "linear" (Katharopoulos et al.: elu+1 features, O(1) decoding state).
-  attention_kind: Literal["softmax", "linear"] = "softmax"
+  # "softmax" attention, "linear" (Katharopoulos et al.: elu+1 features, O(1) decoding state),
+  # or "sparse" (block-sparse softmax under sparse_pattern: ops.sparse).
+  attention_kind: Literal["softmax", "linear", "sparse"] = "softmax"
+  # attention_kind="sparse": an ops.SparsePattern (or its fields as a mapping); None: Child et
+  # al.'s fixed pattern, SparsePattern.fixed() (blocks of 128, 8 summary positions).
+  sparse_pattern: ops.SparsePattern | None = None
   # Linear attention's decay per position (RetNet's gamma): None, one float for every head, or
   # "retnet" (head h decays by 1 - 2^(-5 - h), RetNet's schedule over the heads).
   linear_decay: float | Literal["retnet"] | None = None
@@ -160,8 +188,13 @@ class GPTConfig(_Heads):
     _choice(self, "activation", _ACTIVATIONS)
     if self.sliding_window is not None:
       _positive(self, "sliding_window")
-    _choice(self, "attention_kind", ("softmax", "linear"))
+    _choice(self, "attention_kind", ("softmax", "linear", "sparse"))
     _positive(self, "linear_chunk")
+    _sparse_pattern(self, causal=True)
+    if self.attention_kind == "sparse" and (self.sliding_window is not None
+                                            or self.position == "alibi"):
+      raise ValueError(f"attention_kind='sparse' takes no sliding_window or ALiBi bias "
+                       f"(sliding_window={self.sliding_window!r}, position={self.position!r})")
     if self.attention_kind == "linear":
       if self.sliding_window is not None or self.position == "alibi":
         raise ValueError(f"attention_kind='linear' takes no sliding_window or ALiBi bias "
@@ -189,7 +222,13 @@ class GPTConfig(_Heads):
         # GPT-2: "scale the weights of residual layers at initialization by 1/sqrt(N)".
         out_init_std=self.init_std / (2 * self.num_layers) ** 0.5,
         dtype=self.dtype, param_dtype=self.param_dtype, attention_impl=self.attention_impl,
-        linear=self.linear_kind())
+        linear=self.linear_kind(), approx=self.approx_kind())
+
+  def approx_kind(self) -> ApproxKind | None:
+    """The block-sparse kind (``layers.approx.SparseKind``), or None."""
+    if self.attention_kind != "sparse":
+      return None
+    return SparseKind(self.sparse_pattern or ops.SparsePattern.fixed())
 
   def linear_kind(self) -> LinearKind | None:
     """Linear attention's options (``layers.LinearKind``), or None for softmax attention."""
@@ -232,13 +271,39 @@ class BERTConfig(_Heads):
   # Kernel of ops.dot_product_attention: "xla", "chunked", "cudnn", "splash"; None: the
   # backend's choice (ops.choose_implementation).
   attention_impl: ops.Implementation | None = None
+  # "softmax"; "linformer" (keys and values projected along the sequence to linformer_rows
+  # rows, Wang et al. 2020: ops.linformer); "sparse" (block-sparse softmax: ops.sparse).
+  attention_kind: Literal["softmax", "linformer", "sparse"] = "softmax"
+  linformer_rows: int = 128            # Linformer's k: projected keys/values per layer
+  linformer_share_kv: bool = False     # one projection for keys and values (per layer)
+  # attention_kind="sparse": an ops.SparsePattern (or its fields as a mapping); None: BigBird's,
+  # SparsePattern.bigbird() (blocks of 64, windows of 3 blocks, 2 global and 3 random blocks).
+  sparse_pattern: ops.SparsePattern | None = None
 
   def __post_init__(self):
     self._validate_heads()
-    _positive(self, "num_layers", "type_vocab_size")
+    _positive(self, "num_layers", "type_vocab_size", "linformer_rows")
     _scan_layers(self)
     _choice(self, "activation", _ACTIVATIONS)
     _num_labels(self)
+    _choice(self, "attention_kind", ("softmax", "linformer", "sparse"))
+    _sparse_pattern(self, causal=False)
+    if self.attention_kind != "softmax" and self.attention_dropout_rate > 0.0:
+      raise ValueError(f"attention_kind={self.attention_kind!r} has no attention dropout: "
+                       f"attention_dropout_rate={self.attention_dropout_rate} must be 0")
+
+  def approx_kind(self) -> ApproxKind | None:
+    """Linformer's or the block-sparse kind (``layers.approx``), or None for softmax."""
+    match self.attention_kind:
+      case "softmax":
+        return None
+      case "linformer":
+        return LinformerKind(rows=self.linformer_rows, max_len=self.max_len,
+                             share_kv=self.linformer_share_kv)
+      case "sparse":
+        return SparseKind(self.sparse_pattern or ops.SparsePattern.bigbird())
+      case _:
+        raise ValueError(f"attention_kind={self.attention_kind!r}")
 
   def block_config(self) -> BlockConfig:
     return BlockConfig(
@@ -247,7 +312,8 @@ class BERTConfig(_Heads):
         norm="layernorm", norm_eps=self.norm_eps, pre_norm=False, use_bias=True,
         dropout_rate=self.dropout_rate, attention_dropout_rate=self.attention_dropout_rate,
         init_std=self.init_std, out_init_std=self.init_std, dtype=self.dtype,
-        param_dtype=self.param_dtype, attention_impl=self.attention_impl)
+        param_dtype=self.param_dtype, attention_impl=self.attention_impl,
+        approx=self.approx_kind())
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -367,6 +433,9 @@ def config_to_dict(config: ModelConfig) -> dict:
   fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
   if fields.get("rope_scaling") is not None:
     fields["rope_scaling"] = dataclasses.asdict(fields["rope_scaling"])
+  if fields.get("sparse_pattern") is not None:
+    fields["sparse_pattern"] = dataclasses.asdict(fields["sparse_pattern"])
+    fields["sparse_pattern"]["global_blocks"] = list(fields["sparse_pattern"]["global_blocks"])
   return {"family": family, **fields}
 
 

@@ -146,6 +146,22 @@ class SparsePattern:
       m = m & (pos[None, :] <= pos[:, None])
     return m
 
+  def rows(self, q_pos: jax.Array, length: int, *, causal: bool) -> jax.Array:
+    """The rows of ``mask(length, causal=causal)`` of the queries at positions ``q_pos``
+    ``[B, T]`` (traced): ``[B, T, S]`` bool with ``S = length``. For decoding: a query at
+    position p of a longer sequence gets the row it has in ``mask`` when the pattern's layout
+    does not depend on the length (causal, no negative ``global_blocks``)."""
+    b = self.block
+    lay = jnp.asarray(self.layout(self.num_blocks(length), causal=causal))
+    k_pos = jnp.arange(length, dtype=jnp.int32)
+    q_pos = q_pos.astype(jnp.int32)[..., None]
+    m = lay[jnp.clip(q_pos // b, 0, lay.shape[0] - 1), k_pos // b]
+    if self.summary:
+      m = m | (k_pos % b >= b - self.summary)
+    if self.strided:
+      m = m | ((q_pos - k_pos) % b == 0)
+    return m & (k_pos <= q_pos) if causal else m
+
   def keys_per_query(self, length: int, *, causal: bool) -> float:
     """Mean number of keys a query sees (the kernel's work, relative to ``length`` for full)."""
     return float(self.mask(length, causal=causal).sum()) / length
