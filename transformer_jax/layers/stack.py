@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 
 from transformer_jax.layers.cache import KVCache
 from transformer_jax.layers.block import Block, BlockConfig
+from transformer_jax.layers import reversible as reversible_lib
 from transformer_jax.layers.dense import Projection
 from transformer_jax.parallel import axes as ax
 from transformer_jax.parallel.rules import ACTIVATION_BTD, constrain
@@ -34,11 +35,20 @@ class Stack(nnx.Module):
   """``num_layers`` blocks sharing one config; parameters are stacked along axis 0."""
 
   def __init__(self, cfg: BlockConfig, num_layers: int, *, remat: Remat = "none",
-               unroll: bool = False, rngs: nnx.Rngs, mesh: Mesh | None = None):
+               unroll: bool = False, rngs: nnx.Rngs, mesh: Mesh | None = None,
+               reversible: bool = False):
     """``mesh``: where the model runs (activations are pinned to it at block boundaries and
-    self-attention may run as ring attention); None on one device."""
+    self-attention may run as ring attention); None on one device. ``reversible``: the blocks
+    run as reversible residual layers (``layers.reversible``: activations recomputed in the
+    backward pass; pre-norm blocks without cross-attention, no remat)."""
     if remat != "none" and remat not in _REMAT_POLICIES:
       raise ValueError(f"remat={remat!r} must be one of 'none', {', '.join(map(repr, _REMAT_POLICIES))}")
+    if reversible:
+      reversible_lib.check_blocks(cfg)
+      if remat != "none":
+        raise ValueError(f"reversible layers recompute their activations already: remat="
+                         f"{remat!r} must be 'none'")
+    self.reversible = reversible
     self.num_layers = num_layers
     self.remat = remat
     self.unroll = unroll
@@ -72,6 +82,8 @@ class Stack(nnx.Module):
       ``(x [B, T, D], cache)``: the updated cache, or None without one.
     """
     graphdef, params = nnx.split(self.layers)
+    if self.reversible:
+      return self._reversible(x_BTD, dropout_rng, cache, layer_params, block_kwargs)
     if cache is not None:
       if layer_params is None:
         layer_params = self.split_layers()
@@ -97,6 +109,17 @@ class Stack(nnx.Module):
     else:
       x_BTD, _ = jax.lax.scan(body, x_BTD, (params, keys))
     return constrain(x_BTD, ACTIVATION_BTD, self.mesh), None
+
+  def _reversible(self, x_BTD, dropout_rng, cache, layer_params, block_kwargs):
+    """``__call__`` of a reversible stack (``layers.reversible``)."""
+    if cache is None:
+      return reversible_lib.run_blocks(self.layers, x_BTD, dropout_rng=dropout_rng,
+                                       num_layers=self.num_layers, **block_kwargs), None
+    graphdef, _ = nnx.split(self.layers)
+    blocks = [nnx.merge(graphdef, p) for p in (layer_params or self.split_layers())]
+    x_BTD, layers = reversible_lib.run_blocks_cached(
+        blocks, x_BTD, [cache.layer(i) for i in range(self.num_layers)], **block_kwargs)
+    return x_BTD, cache.joined(layers, x_BTD.shape[1])
 
   def attention_weights(self, x_BTD: jax.Array, **block_kwargs) -> tuple[jax.Array, jax.Array]:
     """Every layer's self-attention weights on the way through the stack (no dropout, no cache).

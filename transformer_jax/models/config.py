@@ -174,6 +174,9 @@ class GPTConfig(_Heads):
   # True: one lax.scan over the stacked layers; False: an unrolled Python loop over the same
   # parameters; "auto": see unrolls_layers.
   scan_layers: bool | Literal["auto"] = "auto"
+  # Reversible residual layers (layers.reversible, the Reformer's): activations recomputed in
+  # the backward pass, so training memory does not grow with num_layers (needs remat "none").
+  reversible: bool = False
   # Kernel of ops.dot_product_attention: "xla", "chunked", "cudnn", "splash"; None: the
   # backend's choice (ops.choose_implementation).
   attention_impl: ops.Implementation | None = None
@@ -209,6 +212,11 @@ class GPTConfig(_Heads):
       raise ValueError(f"head_dim={self.head_size} must be even for rotary positions")
     if self.position == "sinusoidal" and self.d_model % 2:
       raise ValueError(f"d_model={self.d_model} must be even for sinusoidal positions")
+    if not isinstance(self.reversible, bool):
+      raise ValueError(f"reversible={self.reversible!r} must be true or false")
+    if self.reversible and self.remat != "none":
+      raise ValueError(f"reversible=True recomputes activations already: remat={self.remat!r} "
+                       "must be 'none'")
 
   def block_config(self) -> BlockConfig:
     return BlockConfig(

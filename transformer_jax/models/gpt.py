@@ -34,6 +34,7 @@ class GPT(nnx.Module):
                             param_dtype=param_dtype, rngs=rngs, axes=(ax.POSITIONS, ax.EMBED))
                       if c.position == "learned" else None)
     self.blocks = Stack(c.block_config(), c.num_layers, remat=c.remat, unroll=unrolls_layers(c),
+                        reversible=c.reversible,
                         rngs=rngs, mesh=mesh)
     self.final_norm = Norm(c.d_model, kind=c.norm, eps=c.norm_eps, param_dtype=param_dtype,
                            rngs=rngs)
