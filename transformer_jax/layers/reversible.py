@@ -39,35 +39,47 @@ def _tree_add(a, b):
   return jax.tree.map(jnp.add, a, b)
 
 
+def _slice(a, j):
+  return None if a is None else jax.tree.map(lambda x: x[j], a)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _run(f: Branch, g: Branch, matmul_precision, params, x1, x2, shared, per_layer):
-  def body(carry, layer):
+def _run(fs: tuple[Branch, ...], gs: tuple[Branch, ...], matmul_precision, params, x1, x2,
+         shared, per_layer):
+  def body(carry, step):
     x1, x2 = carry
-    p, a = layer
-    y1 = x1 + f(p, x2, shared, a)
-    return (y1, x2 + g(p, y1, shared, a)), None
+    ps, a = step
+    for j, (f, g) in enumerate(zip(fs, gs)):
+      x1 = x1 + f(ps[j], x2, shared, _slice(a, j))
+      x2 = x2 + g(ps[j], x1, shared, _slice(a, j))
+    return (x1, x2), None
   return jax.lax.scan(body, (x1, x2), (params, per_layer))[0]
 
 
-def _run_fwd(f, g, matmul_precision, params, x1, x2, shared, per_layer):
-  y1, y2 = _run(f, g, matmul_precision, params, x1, x2, shared, per_layer)
+def _run_fwd(fs, gs, matmul_precision, params, x1, x2, shared, per_layer):
+  y1, y2 = _run(fs, gs, matmul_precision, params, x1, x2, shared, per_layer)
   return (y1, y2), (params, y1, y2, shared, per_layer)
 
 
-def _run_bwd(f, g, matmul_precision, res, cotangents):
+def _run_bwd(fs, gs, matmul_precision, res, cotangents):
   params, y1, y2, shared, per_layer = res
   dy1, dy2 = cotangents
 
-  def body(carry, layer):
+  def body(carry, step):
     y1, y2, dy1, dy2 = carry
-    p, a = layer
-    gy1, g_vjp = jax.vjp(lambda p, y: g(p, y, shared, a), p, y1)
-    x2 = y2 - gy1
-    dp_g, dy1_g = g_vjp(dy2)
-    dy1 = dy1 + dy1_g
-    fx2, f_vjp = jax.vjp(lambda p, x: f(p, x, shared, a), p, x2)
-    dp_f, dx2_f = f_vjp(dy1)
-    return (y1 - fx2, x2, dy1, dy2 + dx2_f), _tree_add(dp_f, dp_g)
+    ps, a = step
+    dps = [None] * len(fs)
+    for j in reversed(range(len(fs))):
+      f, g, p, aj = fs[j], gs[j], ps[j], _slice(a, j)
+      gy1, g_vjp = jax.vjp(lambda p, y: g(p, y, shared, aj), p, y1)
+      x2 = y2 - gy1
+      dp_g, dy1_g = g_vjp(dy2)
+      dy1 = dy1 + dy1_g
+      fx2, f_vjp = jax.vjp(lambda p, x: f(p, x, shared, aj), p, x2)
+      dp_f, dx2_f = f_vjp(dy1)
+      y1, y2, dy2 = y1 - fx2, x2, dy2 + dx2_f
+      dps[j] = _tree_add(dp_f, dp_g)
+    return (y1, y2, dy1, dy2), tuple(dps)
 
   with jax.default_matmul_precision(matmul_precision):   # the forward's (ops/precision.py)
     (_, _, dx1, dx2), dparams = jax.lax.scan(body, (y1, y2, dy1, dy2), (params, per_layer),
@@ -78,19 +90,23 @@ def _run_bwd(f, g, matmul_precision, res, cotangents):
 _run.defvjp(_run_fwd, _run_bwd)
 
 
-def reversible_layers(f: Branch, g: Branch, params: Any, x1: jax.Array, x2: jax.Array, *,
-                      shared: Any = None, per_layer: Any = None,
-                      recompute: bool = True) -> tuple[jax.Array, jax.Array]:
+def reversible_layers(f: Branch | tuple[Branch, ...], g: Branch | tuple[Branch, ...],
+                      params: Any, x1: jax.Array, x2: jax.Array, *, shared: Any = None,
+                      per_layer: Any = None, recompute: bool = True
+                      ) -> tuple[jax.Array, jax.Array]:
   """L reversible layers ``y1 = x1 + f(x2)``, ``y2 = x2 + g(y1)`` with recomputing gradients.
 
   Args:
     f, g: the branches, ``branch(layer_params, x, shared, per_layer_slice) -> x``'s shape;
-      hashable (module-level functions or ``functools.partial`` of them: they are static).
-    params: the layers' parameters, every leaf with a leading ``[L]`` axis (differentiated).
+      hashable (module-level functions or ``functools.partial`` of them: they are static). Or
+      tuples of P branches for layers of P kinds in turn (the Reformer's local and LSH layers):
+      the scan's step then runs P layers, kind j with ``f[j]``, ``g[j]``, ``params[j]``.
+    params: the layers' parameters, every leaf with a leading ``[L]`` axis (differentiated); a
+      tuple of P such trees with ``[L / P]`` when the branches are tuples.
     x1, x2: the two input streams ``[B, T, D]``.
     shared: arrays every layer reads (masks, positions); not differentiated.
-    per_layer: arrays with a leading ``[L]`` axis, one slice per layer (dropout keys); not
-      differentiated.
+    per_layer: arrays with a leading ``[L]`` axis (``[L / P, P]`` with tuples), one slice per
+      layer (dropout keys); not differentiated.
     recompute: True: the recomputing backward; False: the same layers under ordinary autodiff
       (every layer's activations saved), for comparisons.
 
@@ -99,6 +115,9 @@ def reversible_layers(f: Branch, g: Branch, params: Any, x1: jax.Array, x2: jax.
     those of the same layers under ordinary autodiff up to rounding, from one layer's
     activations at a time.
   """
+  if not isinstance(f, tuple):
+    f, g, params = (f,), (g,), (params,)
+    per_layer = None if per_layer is None else jax.tree.map(lambda a: a[:, None], per_layer)
   run = _run if recompute else _run.fun
   return run(f, g, precision.current(), params, x1, x2, shared, per_layer)
 
