@@ -108,3 +108,34 @@ def test_bad_kind_options_are_named():
   with pytest.raises(ValueError, match="count from the start"):
     models.get_config("llama-tiny", attention_kind="sparse",
                       sparse_pattern=ops.SparsePattern.bigbird())
+
+
+def test_bigbird_bert_fine_tunes_for_classification():
+  # Label: does token 5 occur anywhere in the 48 tokens? Only the global [CLS] block sees them
+  # all (blocks of 8: a window of 3 blocks, 1 random block per row).
+  config = bert(attention_kind="sparse", num_labels=2,
+                sparse_pattern=ops.SparsePattern.bigbird(block=8, random_blocks=1))
+  rng = np.random.default_rng(7)
+  tokens = rng.integers(6, 64, (64, 48))
+  labels = rng.integers(0, 2, 64)
+  where = rng.integers(1, 48, 64)
+  tokens[np.arange(64), where] = np.where(labels == 1, 5, tokens[np.arange(64), where])
+  tokens[:, 0] = 1
+  tokens, labels = jnp.asarray(tokens), jnp.asarray(labels)
+  params = models.init(config, jax.random.key(0))
+  opt = optax.adam(3e-3)
+  state = opt.init(params)
+
+  def loss_fn(p):
+    logits = models.apply(config, p, tokens, method="classify")
+    return ops.cross_entropy(logits, labels)[0], logits
+
+  @jax.jit
+  def step(p, s):
+    (loss, logits), g = jax.value_and_grad(loss_fn, has_aux=True)(p)
+    u, s = opt.update(g, s, p)
+    return optax.apply_updates(p, u), s, loss, jnp.mean(jnp.argmax(logits, -1) == labels)
+
+  for _ in range(80):
+    params, state, loss, accuracy = step(params, state)
+  assert float(accuracy) > 0.9 and float(loss) < 0.3, (float(loss), float(accuracy))

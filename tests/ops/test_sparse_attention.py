@@ -73,7 +73,8 @@ def check(pattern, *, causal, t=37, kh=2, kv_valid=None, seg=None, seed=0):
   if seg is not None:
     seg = np.asarray(seg)
     valid = valid & (seg[:, None, :, None] == seg[:, None, None, :])
-  ref = reference(q, k, v, do, valid=valid)
+  bias = pattern.bias(t, causal=causal)
+  ref = reference(q, k, v, do, valid=valid, bias=None if bias is None else bias[None, None])
   for name, a, e in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), ref):
     assert_close(a, e, TOL, name)
   return out
@@ -83,6 +84,9 @@ PATTERNS = {
     "fixed": SparsePattern.fixed(block=8, summary=3),
     "strided": SparsePattern.strided_pattern(block=6),
     "bigbird": SparsePattern.bigbird(block=5, random_blocks=2, seed=1),
+    # transformers' BigBird in eval mode: the random blocks are block 0, counted again each.
+    "bigbird-eval": SparsePattern(block=5, local_blocks=2, global_blocks=(0, -1),
+                                  random_blocks=2, random_first=True),
     "everything": SparsePattern(block=7, local_blocks=1, summary=2, strided=True,
                                 global_blocks=(1,), random_blocks=1, seed=2),
 }
@@ -114,6 +118,17 @@ def test_query_without_keys_gives_zeros_and_xla_path_agrees():
                                    implementation="xla")
   for a, e in zip((out, *grads), (out_x, *grads_x)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(e), atol=2e-5, rtol=1e-4)
+
+
+def test_random_first_counts_block_zero_again_and_dense_up_to():
+  pat = SparsePattern.bigbird(block=4, random_blocks=3, eval_mode=True)
+  np.testing.assert_array_equal(pat.first_block_count(12, causal=False), [1] + [4] * 10 + [1])
+  bias = pat.bias(48, causal=False)
+  np.testing.assert_allclose(bias[4:44, :4], np.log(4.0))
+  assert np.all(bias[:4] == 0) and np.all(bias[44:] == 0) and np.all(bias[:, 4:] == 0)
+  # Up to (5 + 2 * 3) * 4 = 44 positions the attention is dense.
+  assert pat.mask(44, causal=False).all() and pat.bias(44, causal=False) is None
+  assert not pat.mask(48, causal=False).all()
 
 
 def test_work_follows_the_pattern():

@@ -87,6 +87,9 @@ def _sparse_pattern(cfg, *, causal: bool):
   if causal and value is not None and any(g < 0 for g in value.global_blocks):
     raise ValueError(f"sparse_pattern.global_blocks={value.global_blocks} of a decoder must "
                      "count from the start (>= 0): a causal pattern may not depend on the length")
+  if causal and value is not None and (value.random_first or value.dense_up_to):
+    raise ValueError("sparse_pattern.random_first and dense_up_to (transformers' BigBird) are "
+                     "for encoders; a decoder's cache reads the pattern row by row")
 
 
 class _Heads:

@@ -11,6 +11,11 @@ A ``SparsePattern`` says which keys each query sees, in blocks of ``block`` posi
   ``summary`` c        the last c positions of every block, seen by every query (the "fixed"
                        pattern of Child et al. 2019: its ``A(2)``).
   ``strided``          keys ``j`` with ``(i - j) % block == 0`` (Child et al.'s "strided" ``A(2)``).
+  ``random_first``     the random blocks are all block 0, as transformers' BigBird has them in
+                       eval mode: a row with random blocks counts key block 0 once more for each
+                       (``SparsePattern.bias``: ``log`` of that count on its logits).
+  ``dense_up_to``      a sequence of at most this many positions attends densely (BigBird falls
+                       back to full attention below ``(5 + 2 * random_blocks) * block``).
 
 The keys a query sees are the union of these, ANDed with ``causal``, ``kv_valid`` and segment
 ids; ``SparsePattern.mask`` materialises it as a dense ``[T, T]`` array (the reference and the
@@ -60,15 +65,17 @@ class SparsePattern:
   global_blocks: tuple[int, ...] = ()  # blocks that see and are seen by every position
   random_blocks: int = 0              # random key blocks per query block, drawn from `seed`
   seed: int = 0
+  random_first: bool = False          # the random blocks are all block 0 (BigBird's eval mode)
+  dense_up_to: int = 0                # sequences up to this length attend densely
 
   def __post_init__(self):
-    for name in ("block", "local_blocks", "summary", "random_blocks", "seed"):
+    for name in ("block", "local_blocks", "summary", "random_blocks", "seed", "dense_up_to"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name}={value!r} must be an integer")
     if self.block < 1:
       raise ValueError(f"block={self.block} must be >= 1")
-    for name in ("local_blocks", "summary", "random_blocks", "seed"):
+    for name in ("local_blocks", "summary", "random_blocks", "seed", "dense_up_to"):
       if getattr(self, name) < 0:
         raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
     if self.summary > self.block:
@@ -94,11 +101,15 @@ class SparsePattern:
     return cls(block=block, local_blocks=2, strided=True)
 
   @classmethod
-  def bigbird(cls, block: int = 64, random_blocks: int = 3, seed: int = 0) -> SparsePattern:
+  def bigbird(cls, block: int = 64, random_blocks: int = 3, seed: int = 0, *,
+              eval_mode: bool = False) -> SparsePattern:
     """BigBird's ITC layout: a sliding window of three blocks, the first and last blocks
-    global, and ``random_blocks`` random blocks per query block."""
+    global, and ``random_blocks`` random blocks per query block. ``eval_mode``: exactly what
+    transformers' ``BigBirdModel`` computes in eval mode (random blocks all block 0, full
+    attention up to ``(5 + 2 * random_blocks) * block`` positions)."""
     return cls(block=block, local_blocks=2, global_blocks=(0, -1), random_blocks=random_blocks,
-               seed=seed)
+               seed=seed, random_first=eval_mode,
+               dense_up_to=(5 + 2 * random_blocks) * block if eval_mode else 0)
 
   def num_blocks(self, length: int) -> int:
     return -(-length // self.block)
@@ -108,7 +119,11 @@ class SparsePattern:
 
     Global block indices at or past the number of blocks (or before it, negative) are ignored.
     Random blocks are drawn in query-block order from ``numpy.random.default_rng(seed)`` among
-    the blocks not yet seen (and, under ``causal``, not after the query block)."""
+    the blocks not yet seen (and, under ``causal``, not after the query block); under
+    ``random_first`` they are block 0."""
+    return self._layout(num_blocks, causal, draw=True)
+
+  def _layout(self, num_blocks: int, causal: bool, draw: bool) -> np.ndarray:
     n, w = num_blocks, self.local_blocks
     a, c = np.arange(n)[:, None], np.arange(n)[None, :]
     lay = (a - c < w) & (c <= a) if causal else (np.abs(a - c) < w)
@@ -118,7 +133,11 @@ class SparsePattern:
         lay[:, gb % n] = True
     if causal:
       lay &= c <= a
-    if self.random_blocks:
+    if not draw or not self.random_blocks:
+      return lay
+    if self.random_first:
+      lay[self._random_rows(n), 0] = True
+    else:
       rng = np.random.default_rng(self.seed)
       for row in range(n):
         free = np.flatnonzero(~lay[row] & ((np.arange(n) <= row) if causal else True))
@@ -126,6 +145,35 @@ class SparsePattern:
         if take:
           lay[row, rng.choice(free, size=take, replace=False)] = True
     return lay
+
+  def _random_rows(self, n: int) -> np.ndarray:
+    """The query blocks that get random blocks under ``random_first``: those not global."""
+    rows = np.ones(n, bool)
+    for gb in self.global_blocks:
+      if -n <= gb < n:
+        rows[gb % n] = False
+    return rows
+
+  def first_block_count(self, num_blocks: int, *, causal: bool) -> np.ndarray:
+    """How many times each query block counts key block 0: ``[nq]`` int (0 or 1; under
+    ``random_first`` plus ``random_blocks`` in the rows that have random blocks)."""
+    count = self._layout(num_blocks, causal, draw=False)[:, 0].astype(np.int32)
+    if self.random_first and self.random_blocks:
+      count = np.where(self._random_rows(num_blocks), count + self.random_blocks, count)
+    return count
+
+  def is_dense(self, length: int) -> bool:
+    return length <= self.dense_up_to
+
+  def bias(self, length: int, *, causal: bool) -> np.ndarray | None:
+    """The additive logits bias ``[T, T]`` of ``random_first`` (``log`` of how many times a
+    query counts key block 0), or None when every key counts once."""
+    if not (self.random_first and self.random_blocks) or self.is_dense(length):
+      return None
+    count = self.first_block_count(self.num_blocks(length), causal=causal)
+    pos = np.arange(length)
+    first = (pos < self.block)[None, :]
+    return np.where(first, np.log(np.maximum(count, 1))[pos // self.block][:, None], 0.0)
 
   def summary_positions(self, length: int) -> np.ndarray:
     """The summary positions below ``length``, ascending: ``[P]`` int."""
@@ -136,6 +184,8 @@ class SparsePattern:
     """The pattern materialised: ``[T, T]`` bool, True = query ``i`` sees key ``j``."""
     b = self.block
     pos = np.arange(length)
+    if self.is_dense(length):
+      return pos[None, :] <= pos[:, None] if causal else np.ones((length, length), bool)
     blk = pos // b
     m = self.layout(self.num_blocks(length), causal=causal)[blk[:, None], blk[None, :]]
     if self.summary:
@@ -187,7 +237,8 @@ class _Aux(NamedTuple):
   """Non-differentiated arrays: ``idx`` ``[nb, maxc]`` / ``cnt`` ``[nb]`` the layout blocks of
   each query block, ``lay`` ``[nb, nb]`` the layout, ``ps`` ``[ns * b]`` the summary positions
   (padded with a position past the end), ``s_hi`` ``[nb]`` the summary chunks each query block
-  visits, ``kv_valid`` ``[B, Tp]`` and ``seg`` ``[B, Tp]`` (or None)."""
+  visits, ``kv_valid`` ``[B, Tp]`` and ``seg`` ``[B, Tp]`` (or None), ``first_bias`` ``[nb]``
+  the logits bias of key block 0 per query block (``random_first``; None: none)."""
   idx: jax.Array
   cnt: jax.Array
   lay: jax.Array
@@ -195,6 +246,7 @@ class _Aux(NamedTuple):
   s_hi: jax.Array
   kv_valid: jax.Array | None
   seg: jax.Array | None
+  first_bias: jax.Array | None = None
 
 
 def _static(plan: _Plan) -> chunked.Static:
@@ -213,11 +265,14 @@ def _layout_block(qi, ki, aux: _Aux, plan: _Plan) -> chunked.Block:
   b = plan.b
   q_pos = qi * b + jnp.arange(b, dtype=jnp.int32)
   seg = aux.seg
+  bias = None
+  if aux.first_bias is not None:
+    bias = jnp.broadcast_to(jnp.where(ki == 0, aux.first_bias[qi], 0.0), (1, 1, 1, b))
   return chunked.Block(
       q_pos=q_pos[None], k_pos=ki * b + jnp.arange(b, dtype=jnp.int32),
       kv_valid=None if aux.kv_valid is None else _q_block(aux.kv_valid, ki, b),
       q_seg=None if seg is None else _q_block(seg, qi, b),
-      kv_seg=None if seg is None else _q_block(seg, ki, b))
+      kv_seg=None if seg is None else _q_block(seg, ki, b), bias=bias)
 
 
 def _summary_block(qi, si, aux: _Aux, plan: _Plan) -> chunked.Block:
@@ -434,7 +489,8 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: SparsePa
     kv_valid: ``[B, T]`` bool, False for padding keys.
     segment_ids: ``[B, T]`` int; queries see only keys of their own segment.
     implementation: ``"chunked"`` (the kernel of the module docstring: work in proportion to the
-      keys seen) or ``"xla"`` (dense scores under ``pattern.mask``: the reference).
+      keys seen) or ``"xla"`` (dense scores under ``pattern.mask`` and ``pattern.bias``: the
+      reference). A length up to ``pattern.dense_up_to`` gets ordinary attention either way.
 
   Returns:
     ``[B, T, N, H]`` in q's dtype; a query that sees no key gives zeros.
@@ -454,15 +510,21 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: SparsePa
     if x is not None and x.shape != (bsz, t):
       raise ValueError(f"{name} must be [B, T] = {(bsz, t)}; got shape {x.shape}")
   scale = h**-0.5 if scale is None else float(scale)
+  if implementation not in ("chunked", "xla"):
+    raise ValueError(f"implementation={implementation!r} must be 'chunked' or 'xla'")
+  if pattern.is_dense(t):
+    return dot_product_attention(
+        q, k, v, causal=causal, scale=scale, kv_valid=kv_valid, q_segment_ids=segment_ids,
+        implementation="xla" if implementation == "xla" else None)
   match implementation:
     case "xla":
+      bias = pattern.bias(t, causal=causal)
       return dot_product_attention(
           q, k, v, mask=jnp.asarray(pattern.mask(t, causal=causal))[None, None], causal=causal,
+          bias=None if bias is None else jnp.asarray(bias, jnp.float32)[None, None],
           scale=scale, kv_valid=kv_valid, q_segment_ids=segment_ids, implementation="xla")
     case "chunked":
       pass
-    case _:
-      raise ValueError(f"implementation={implementation!r} must be 'chunked' or 'xla'")
   kh = k.shape[2]
   lay, idx, cnt, maxc, ps, ns, s_hi = _tables(pattern, t, causal)
   b = pattern.block
@@ -471,9 +533,13 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: SparsePa
   pad = lambda x, value: None if x is None else jnp.pad(
       x, [(0, 0), (0, tp - t)] + [(0, 0)] * (x.ndim - 2), constant_values=value)
   q5 = pad(q, 0).reshape(bsz, tp, kh, n // kh, h)
+  first_bias = None
+  if pattern.random_first and pattern.random_blocks:
+    count = pattern.first_block_count(nb, causal=causal)
+    first_bias = jnp.asarray(np.log(np.maximum(count, 1)), jnp.float32)
   aux = _Aux(jnp.asarray(idx), jnp.asarray(cnt), jnp.asarray(lay), jnp.asarray(ps),
              jnp.asarray(s_hi), pad(None if kv_valid is None else kv_valid.astype(bool), False),
-             pad(segment_ids, -1))
+             pad(segment_ids, -1), first_bias)
   plan = _Plan(b=b, nb=nb, maxc=maxc, ns=ns, summary=pattern.summary, strided=pattern.strided,
                t=t, causal=causal, scale=scale)
   out = _attend(plan, precision.current(), q5, pad(k, 0), pad(v, 0), aux)
