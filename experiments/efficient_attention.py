@@ -1,12 +1,16 @@
 """Beyond quadratic attention: full softmax, sliding windows and linear attention, side by side.
 
-Five small RoPE GPTs with the same parameters (the attention kind changes no weight) are trained
+Small RoPE GPTs with the same parameters (the attention kind changes no weight) are trained
 on the same corpus (the embedded Python standard library) for the same steps:
 
   softmax       full causal softmax attention
   window-W      softmax over the last W tokens (two widths; decoding with a rolling cache)
   linear        linear attention (elu + 1 features, Katharopoulos et al. 2020)
   linear-decay  linear attention with RetNet's per-head decay
+  sparse-fixed, sparse-strided
+                block-sparse softmax (ops.sparse): Child et al.'s fixed pattern (own block of 64
+                and 8 summary positions per block) and strided pattern (two blocks of 64 and
+                every 64th position)
 
 and compared by validation loss. Then, in the same run, what each kind costs:
 
@@ -52,6 +56,10 @@ def variants(windows: list[int]) -> dict[str, dict]:
   out.update({f"window-{w}": {"sliding_window": w} for w in windows})
   out["linear"] = {"attention_kind": "linear"}
   out["linear-decay"] = {"attention_kind": "linear", "linear_decay": "retnet"}
+  out["sparse-fixed"] = {"attention_kind": "sparse",
+                         "sparse_pattern": ops.SparsePattern.fixed(block=64, summary=8)}
+  out["sparse-strided"] = {"attention_kind": "sparse",
+                           "sparse_pattern": ops.SparsePattern.strided_pattern(block=64)}
   return out
 
 
