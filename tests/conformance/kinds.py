@@ -80,26 +80,23 @@ def _gpt(preset, **kw):
 _DECODER = frozenset({DECODER, DECODES, MASK, LEFT_PADDING, PACKING})
 _LINEAR = dict(attention_kind="linear", linear_chunk=CHUNK)
 LONG = dict(linear_chunk=64, max_len=320)   # 4 chunks of 64 and a position fit
-_LINEAR_EXTREMES = ({"linear_decay": 1e-3}, {"linear_decay": 0.2, **LONG},
-                    {"linear_decay": 1e-3, "linear_chunk": 1}, {"linear_decay": 1.0})
+_LINEAR_EXTREMES = ({"linear_decay": 1e-3}, {"linear_decay": 0.2, **LONG})
 
 KINDS: list[Kind] = [
     Kind("gpt-softmax", _gpt("gpt2-tiny"), _DECODER | {TABLE_POSITIONS}, "GPT2LMHeadModel",
          extremes=({"init_std": 1.0, "norm_eps": 1e-12},)),
-    Kind("gpt-window", _gpt("gpt2-tiny", sliding_window=WINDOW), _DECODER | {TABLE_POSITIONS},
-         extremes=({"sliding_window": 1},)),
+    Kind("gpt-window", _gpt("gpt2-tiny", sliding_window=WINDOW), _DECODER | {TABLE_POSITIONS}),
     Kind("gpt-alibi", _gpt("gpt-alibi-tiny"), _DECODER),
     Kind("gpt-linear", _gpt("gpt2-tiny", **_LINEAR), _DECODER | {TABLE_POSITIONS},
-         extremes=({"linear_chunk": 1}, LONG)),
+         extremes=({"linear_chunk": 1},)),
     Kind("gpt-linear-decay", _gpt("gpt2-tiny", **_LINEAR, linear_decay=0.5),
          _DECODER | {TABLE_POSITIONS}, extremes=_LINEAR_EXTREMES),
     Kind("gpt-linear-decay-per-head", _gpt("llama-tiny", **_LINEAR, linear_decay=(0.95, 0.2)),
          _DECODER, extremes=({"linear_decay": (1e-3, 1.0)},)),
     Kind("gpt-linear-retnet", _gpt("llama-tiny", **_LINEAR, linear_decay="retnet"), _DECODER),
-    Kind("llama", _gpt("llama-tiny"), _DECODER, "LlamaForCausalLM",
-         extremes=({"rope_theta": 1e6, "norm_eps": 1e-12},)),
+    Kind("llama", _gpt("llama-tiny"), _DECODER, "LlamaForCausalLM"),
     Kind("mistral", _gpt("mistral-tiny", sliding_window=WINDOW), _DECODER, "MistralForCausalLM",
-         extremes=({"sliding_window": 1},)),
+         extremes=({"sliding_window": 1, "rope_theta": 1e6, "norm_eps": 1e-12},)),
     Kind("bert", lambda: models.get_config("bert-tiny", **SMALL, num_layers=2, dropout_rate=0.0,
                                            attention_dropout_rate=0.0),
          frozenset({ENCODER, MASK}), "BertForPreTraining"),

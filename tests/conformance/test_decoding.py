@@ -46,7 +46,7 @@ def test_ragged_prefill_and_steps_equal_the_full_forward(kind, lengths, seed):
                                jnp.asarray(lengths, jnp.int32), jnp.asarray(steps, jnp.int32),
                                **extra)
   want = h.forward(kind, config, full, mask)
-  assert h.finite(cache), "non-finite cache"
+  assert h.finite(cache) and h.finite(prefill) and h.finite(stepped), "non-finite decoding"
   for b, n in enumerate(lengths):
     np.testing.assert_allclose(np.asarray(prefill)[b, :n], want[b, :n], atol=h.ATOL, rtol=0,
                                err_msg=f"prefill of row {b}, lengths {list(lengths)}")

@@ -26,6 +26,7 @@ def test_ragged_rows_batched_equal_each_row_alone(kind, lengths, seed):
   if not kind.has(MASK):
     mask = None   # a causal kind: right padding comes after every real token
   batched = h.forward(kind, config, tokens, mask)
+  assert h.finite(batched)
   for b, n in enumerate(lengths):
     alone = h.forward(kind, config, tokens[b:b + 1], None if mask is None else mask[b:b + 1])
     np.testing.assert_allclose(batched[b, :n], alone[0, :n], atol=h.ATOL, rtol=0,

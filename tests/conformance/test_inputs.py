@@ -73,9 +73,7 @@ def test_ids_outside_the_vocabulary_are_refused_eagerly(kind, dtype):
 @pytest.mark.parametrize("kind", KINDS, ids=IDS)
 def test_ids_outside_the_vocabulary_are_refused_under_checked(kind, checked_calls):
   fn, params = checked_calls(kind)
-  good = _ids(np.int32)
-  np.testing.assert_allclose(np.asarray(fn(params, good)), h.forward(kind, kind.config(), good),
-                             atol=1e-5, rtol=1e-5)
+  assert h.finite(fn(params, _ids(np.int32)))   # (tests/models/test_checked_ids.py: the values)
   for bad in (VOCAB, -1, 2**31 - 1):
     with pytest.raises(ValueError, match=rf"outside the vocabulary \[0, {VOCAB}\)"):
       fn(params, _ids(np.int32, bad))
