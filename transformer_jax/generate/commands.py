@@ -51,8 +51,8 @@ def stream_generate(model, prompt_ids, *, max_new_tokens: int, chunk_size: int =
                     suppress_ids: Sequence[int] = ()) -> Iterator[np.ndarray]:
   """Continues GPT prompts like ``generate``, yielding the new tokens as they are produced.
 
-  With the same arguments (and no ``suppress_ids``) the concatenated chunks equal ``generate``'s
-  output up to the point where every row has produced ``eos_id``: the sampling keys are the same.
+  With the same arguments the concatenated chunks equal ``generate``'s output up to the point
+  where every row has produced ``eos_id``: the sampling keys are the same.
 
   Args:
     model: a ``GPT`` module or a ``(config, params)`` pair.
