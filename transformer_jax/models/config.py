@@ -130,9 +130,9 @@ class GPTConfig(_Heads):
   sliding_window: int | None = None    # local attention over the last `sliding_window` tokens
   # "softmax" attention, or "linear" (Katharopoulos et al.: elu+1 features, O(1) decoding state).
   attention_kind: Literal["softmax", "linear"] = "softmax"
-  # Linear attention's decay per position (RetNet's gamma): None, one float for every head, or
-  # "retnet" (head h decays by 1 - 2^(-5 - h), RetNet's schedule over the heads).
-  linear_decay: float | Literal["retnet"] | None = None
+  # Linear attention's decay per position (RetNet's gamma): None, one float for every head, a
+  # tuple of one per head, or "retnet" (head h decays by 1 - 2^(-5 - h), RetNet's schedule).
+  linear_decay: float | tuple[float, ...] | Literal["retnet"] | None = None
   linear_chunk: int = 64               # positions per chunk of linear attention's parallel form
   dropout_rate: float = 0.0            # embedding and residual dropout (GPT-2 used 0.1)
   attention_dropout_rate: float = 0.0
@@ -167,9 +167,16 @@ class GPTConfig(_Heads):
         raise ValueError(f"attention_kind='linear' takes no sliding_window or ALiBi bias "
                          f"(sliding_window={self.sliding_window!r}, position={self.position!r})")
       d = self.linear_decay
-      if d is not None and d != "retnet" and (isinstance(d, bool) or not isinstance(
-          d, (int, float)) or not 0.0 < d <= 1.0):
-        raise ValueError(f"linear_decay={d!r} must be None, 'retnet' or a number in (0, 1]")
+      if isinstance(d, list):   # a YAML sequence: stored as a tuple, so the config hashes
+        d = tuple(d)
+        object.__setattr__(self, "linear_decay", d)
+      gammas = d if isinstance(d, tuple) else (d,)
+      if (d is not None and d != "retnet" and (
+          isinstance(d, tuple) and len(d) != self.num_heads or not gammas or any(
+              isinstance(g, bool) or not isinstance(g, (int, float)) or not 0.0 < g <= 1.0
+              for g in gammas))):
+        raise ValueError(f"linear_decay={d!r} must be None, 'retnet', a number in (0, 1] or "
+                         f"one such number per head (num_heads={self.num_heads})")
     elif self.linear_decay is not None:
       raise ValueError(f"linear_decay={self.linear_decay!r} needs attention_kind='linear'")
     if self.position == "rope" and self.head_size % 2:
@@ -198,6 +205,8 @@ class GPTConfig(_Heads):
     decay = self.linear_decay
     if decay == "retnet":
       decay = tuple(1.0 - 2.0 ** (-5.0 - h) for h in range(self.num_heads))
+    elif isinstance(decay, tuple):
+      decay = tuple(float(g) for g in decay)
     elif decay is not None:
       decay = (float(decay),) * self.num_heads
     return LinearKind(chunk_size=self.linear_chunk, decay=decay)
@@ -367,6 +376,8 @@ def config_to_dict(config: ModelConfig) -> dict:
   fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
   if fields.get("rope_scaling") is not None:
     fields["rope_scaling"] = dataclasses.asdict(fields["rope_scaling"])
+  if isinstance(fields.get("linear_decay"), tuple):   # one per head: a YAML sequence
+    fields["linear_decay"] = list(fields["linear_decay"])
   return {"family": family, **fields}
 
 
