@@ -39,6 +39,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from transformer_jax.ops.norms import rms_norm
+
 
 class SSMState(NamedTuple):
   """A mixer's decoding state: the last ``W - 1`` convolution inputs ``conv [B, W - 1, C]`` and
@@ -379,3 +381,24 @@ def ssd_step(state: jax.Array, x: jax.Array, dt: jax.Array, A: jax.Array, B: jax
   if D is not None:
     y = y + x32 * D.astype(jnp.float32)[:, None]
   return y, h
+
+
+def gated_rms_norm(y: jax.Array, z: jax.Array, scale: jax.Array, *, groups: int = 1,
+                   eps: float = 1e-5) -> jax.Array:
+  """Mamba-2's gated RMS group norm: ``y * silu(z)`` normalised over each of ``groups`` equal
+  slices of its last axis, times ``scale``.
+
+  Args:
+    y: ``[..., E]`` the scan's output; z: ``[..., E]`` the gate.
+    scale: ``[E]``.
+    groups: G; ``E % G == 0``.
+
+  Returns:
+    ``[..., E]`` float32.
+  """
+  e = y.shape[-1]
+  if e % groups:
+    raise ValueError(f"groups={groups} does not divide the width {e}")
+  gated = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+  grouped = rms_norm(gated.reshape(*gated.shape[:-1], groups, e // groups), None, eps)
+  return grouped.reshape(gated.shape) * scale.astype(jnp.float32)
