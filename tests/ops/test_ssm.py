@@ -144,10 +144,13 @@ def check_against_reference(op, ref, args, names, **extra):
 # --- Mamba-1 -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("chunk", [8, 5, 64], ids=["chunk8", "chunk5-ragged-tail", "one-chunk"])
-def test_selective_scan_matches_the_float64_recurrence(chunk):
+@pytest.mark.parametrize("chunk,method", [(8, "associative"), (5, "associative"),
+                                          (64, "associative"), (5, "sequential")],
+                         ids=["chunk8", "chunk5-ragged-tail", "one-chunk", "sequential"])
+def test_selective_scan_matches_the_float64_recurrence(chunk, method):
   args = m1_inputs(0)
-  op = lambda *a: ops.selective_scan(*a, chunk_size=chunk, return_state=True)   # noqa: E731
+  op = lambda *a: ops.selective_scan(*a, chunk_size=chunk, return_state=True,   # noqa: E731
+                                     method=method)
   check_against_reference(op, ref_selective, args, ("x", "dt", "A", "B", "C", "D"))
 
 
@@ -162,7 +165,8 @@ def test_selective_scan_with_initial_state_padding_and_segments_matches_the_recu
   seg[1, 4:17] = 3
   seg[1, 17:] = 4
   op = lambda *a: ops.selective_scan(*a[:6], chunk_size=6, initial_state=a[6],   # noqa: E731
-                                     return_state=True, valid=valid, segment_ids=seg)
+                                     return_state=True, valid=valid, segment_ids=seg,
+                                     method="sequential")
   ref = lambda *a: ref_selective(*a[:6], h0=a[6], valid=valid, seg=seg)   # noqa: E731
   check_against_reference(op, ref, [x, dt, A, B, C, D, h0], ("x", "dt", "A", "B", "C", "D", "h0"))
 
@@ -372,6 +376,8 @@ def test_errors_name_the_problem():
     ops.selective_scan(x, dt, A, B, C, D, chunk_size=0)
   with pytest.raises(ValueError, match=r"valid must be \[B, T\]"):
     ops.selective_scan(x, dt, A, B, C, D, valid=np.ones((2, 7), bool))
+  with pytest.raises(ValueError, match="method='parallel' must be one of"):
+    ops.selective_scan(x, dt, A, B, C, D, method="parallel")
   with pytest.raises(ValueError, match="selective_scan shapes"):
     ops.selective_scan(x, dt, A[:, :3], B, C, D)
   x2, dt2, A2, B2, C2, D2 = m2_inputs(13, t=8)

@@ -500,9 +500,10 @@ def to_hf(config: ModelConfig, arch: str, tokenizer=None) -> dict:
     # A tied T5 without the v1.0 rescale is written with its lm_head.weight (see params.py).
     back = dataclasses.replace(back, tie_embeddings=config.tie_embeddings)
   if family in ("mamba", "mamba2"):
-    # Neither changes the function of a Mamba model (its chunk is how the scan is computed, its
-    # max_len sizes nothing), and Mamba-1's config.json has no field for them.
-    back = dataclasses.replace(back, ssm_chunk=config.ssm_chunk, max_len=config.max_len)
+    # None changes the function of a Mamba model (its chunk and scan method are how the scan is
+    # computed, its max_len sizes nothing), and Mamba-1's config.json has no field for them.
+    back = dataclasses.replace(back, ssm_chunk=config.ssm_chunk, ssm_scan=config.ssm_scan,
+                               max_len=config.max_len)
   def value(c, name):  # head counts compare by their effective values (None = the default)
     return {"head_dim": lambda: c.head_size, "num_kv_heads": lambda: c.kv_heads}.get(
         name, lambda: getattr(c, name))()

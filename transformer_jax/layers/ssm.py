@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 
 from transformer_jax import ops
 from transformer_jax.layers.attention import Attention
+from transformer_jax.ops import ssm as ssm_ops
 from transformer_jax.layers.cache import KVCache
 from transformer_jax.layers.common import normal, ones, param, split_key, zeros
 from transformer_jax.layers.dense import Norm, Projection
@@ -51,6 +52,9 @@ class MambaKind:
   head_dim: int = 64                  # Mamba-2: H; heads N = E // H
   groups: int = 1                     # Mamba-2: G groups of B and C (and of the gated norm)
   chunk_size: int = 64                # positions per chunk of the training scan
+  # Mamba-1's scan inside a chunk: "associative", "sequential", or "auto" (the platform's choice,
+  # ops.ssm.choose_scan_method).
+  scan_method: str = "auto"
   time_step_limit: tuple[float, float] = (0.0, math.inf)  # Mamba-2: dt clamped to it
   time_step_min: float = 1e-3         # initial dt drawn log-uniformly in [min, max], >= floor
   time_step_max: float = 0.1
@@ -227,7 +231,9 @@ class MambaMixer(nnx.Module):
                                        C_BTS[:, 0], D)
         out = (y[:, None], h)
       else:
-        out = ops.selective_scan(xc, dt_BTE, A, B_BTS, C_BTS, D, **scan_kw)
+        method = (ssm_ops.choose_scan_method(jax.default_backend())
+                  if k.scan_method == "auto" else k.scan_method)
+        out = ops.selective_scan(xc, dt_BTE, A, B_BTS, C_BTS, D, method=method, **scan_kw)
       y_BTE, h = out if state is not None else (out, None)
       y_BTE = y_BTE * jax.nn.silu(z_BTE.astype(jnp.float32))
     else:

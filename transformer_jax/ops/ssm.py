@@ -185,10 +185,21 @@ def _combine(left, right):
   return a_l * a_r, a_r * u_l + u_r
 
 
+SCAN_METHODS = ("associative", "sequential")
+
+
+def choose_scan_method(platform: str) -> str:
+  """``selective_scan``'s ``method`` for a platform: ``"sequential"`` on a CPU (the associative
+  scan's extra work costs more there than its depth saves: about 3x slower in a training step
+  at B=16, T=128, E=256, S=16), ``"associative"`` on GPUs and TPUs."""
+  return "sequential" if platform == "cpu" else "associative"
+
+
 def selective_scan(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array,
                    D: jax.Array | None = None, *, chunk_size: int = 64,
                    initial_state: jax.Array | None = None, return_state: bool = False,
-                   valid: jax.Array | None = None, segment_ids: jax.Array | None = None):
+                   valid: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                   method: str = "associative"):
   """Mamba-1's selective scan (module docstring), in chunks of ``chunk_size`` positions.
 
   Args:
@@ -203,6 +214,9 @@ def selective_scan(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: j
     valid: ``[B, T]`` bool; False positions leave the state unchanged (their outputs are still
       computed from it).
     segment_ids: ``[B, T]`` ints; the state restarts from zero where the id changes.
+    method: inside a chunk, ``"associative"`` (``lax.associative_scan``: log-depth, for
+      accelerators) or ``"sequential"`` (a ``lax.scan`` over its positions: about 3x less work,
+      faster on a CPU). The same numbers up to rounding.
 
   Returns:
     ``y [B, T, E]`` float32; with ``return_state``, ``(y, state [B, E, S] float32)``.
@@ -215,6 +229,8 @@ def selective_scan(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: j
   _check_chunk(chunk_size)
   _check_mask("valid", valid, b, t)
   _check_mask("segment_ids", segment_ids, b, t)
+  if method not in SCAN_METHODS:
+    raise ValueError(f"method={method!r} must be one of {', '.join(map(repr, SCAN_METHODS))}")
   q = min(chunk_size, t)
   pad = (-t) % q
   x32, dt32 = x.astype(jnp.float32), _masked_dt(dt, valid, b, t)
@@ -227,8 +243,17 @@ def selective_scan(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: j
   h0 = (jnp.zeros((b, e, s), jnp.float32) if initial_state is None
         else initial_state.astype(jnp.float32))
 
+  def position(h_BES, xs):
+    x_BE, dt_BE, B_BS, C_BS, restart_B = xs
+    decay_BES = jnp.where(restart_B[:, None, None], 0.0, jnp.exp(dt_BE[..., None] * A32))
+    h_BES = decay_BES * h_BES + (dt_BE * x_BE)[..., None] * B_BS[:, None, :]
+    return h_BES, jnp.einsum("bes,bs->be", h_BES, C_BS)
+
   @functools.partial(jax.checkpoint, prevent_cse=False)
   def chunk(h_BES, xs):
+    if method == "sequential":
+      h_BES, y_QBE = jax.lax.scan(position, h_BES, tuple(jnp.swapaxes(a, 0, 1) for a in xs))
+      return h_BES, jnp.swapaxes(y_QBE, 0, 1)
     x_BQE, dt_BQE, B_BQS, C_BQS, restart_BQ = xs
     decay_BQES = jnp.exp(dt_BQE[..., None] * A32)
     decay_BQES = jnp.where(restart_BQ[..., None, None], 0.0, decay_BQES)
