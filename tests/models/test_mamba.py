@@ -218,3 +218,36 @@ def test_lora_targets_the_mixers_projections():
   before = np.asarray(adapted(toks))
   lora.merge(adapted)   # B = 0: the adapters add exactly nothing
   np.testing.assert_array_equal(before, adapted(toks))
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(ssm_chunk=1, d_conv=1),
+    dict(mixer="mamba2", ssm_head_dim=16, ssm_chunk=64, time_step_limit=(0.0, 1e-4)),
+    dict(mixer="mamba2", ssm_head_dim=32, time_step_min=1.0, time_step_max=10.0,
+         time_step_limit=(0.5, 1e3)),
+    dict(ssm_scan="associative", ssm_chunk=3, time_step_min=1.0, time_step_max=100.0),
+], ids=["chunk1-conv1", "mamba2-tiny-dt", "mamba2-huge-dt", "associative-huge-dt"])
+def test_logits_and_states_are_finite_at_the_edges_of_the_config(overrides):
+  """Chunks of 1 or 64 positions, a 1-tap convolution, time steps near 0 or in the hundreds
+  (every decay underflows to 0): finite logits over 1 to 4 chunks and a finite decoding state."""
+  from transformer_jax import generate
+  c = config("mamba-tiny", **overrides)
+  m = models.create(c)
+  for t in sorted({1, c.ssm_chunk, 4 * c.ssm_chunk + 1}):
+    assert np.all(np.isfinite(np.asarray(m(tokens(7, 2, t))))), t
+  logits, cache = generate.extend(m, jnp.asarray(tokens(8, 2, 9)),
+                                  generate.init_cache(c, 2, 16))
+  assert np.all(np.isfinite(np.asarray(logits)))
+  assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(cache))
+
+
+def test_bad_ids_and_a_cache_with_masks_are_refused_by_name():
+  m = model("mamba-tiny")
+  with pytest.raises(ValueError, match=r"tokens\[0, 2\] = 97 is outside the vocabulary"):
+    m(np.array([[1, 2, VOCAB]]))
+  with pytest.raises(ValueError, match=r"attention_mask.shape=\(1, 2\) must equal"):
+    m(np.array([[1, 2, 3]]), attention_mask=np.ones((1, 2), bool))
+  from transformer_jax import generate
+  cache = generate.init_cache(config("mamba-tiny"), 1, 8)
+  with pytest.raises(ValueError, match="with a cache, positions/segment_ids/attention_mask"):
+    m(np.array([[1, 2]]), segment_ids=np.zeros((1, 2), np.int32), cache=cache)

@@ -480,6 +480,11 @@ class MambaConfig(_Heads):
     return self.d_inner // self.ssm_head_dim
 
   @property
+  def rope_scaling(self) -> None:
+    """The attention layers' RoPE is never rescaled (as GPTConfig's ``rope_scaling=None``)."""
+    return None
+
+  @property
   def layer_kinds(self) -> tuple[str, ...]:
     """Every layer's type, ``layer_types`` or all ``"mamba"``."""
     return ("mamba",) * self.num_layers if self.layer_types is None else self.layer_types
