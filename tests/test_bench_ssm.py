@@ -1,7 +1,7 @@
-"""``tjax bench train`` on Mamba presets: the same work as transformers' PyTorch Mamba in one run."""
+"""``tjax bench train`` and ``bench generate`` on Mamba presets: the same work as transformers'
+PyTorch Mamba, in one run."""
 
 import json
-import math
 
 import pytest
 
@@ -14,10 +14,9 @@ def _bench(tmp_path, *argv):
   return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("preset", ["mamba-tiny", "mamba2-tiny"])
-def test_train_against_transformers_mamba_does_the_same_work(tmp_path, preset):
+def test_train_against_transformers_mamba_does_the_same_work(tmp_path):
   pytest.importorskip("torch")
-  r = _bench(tmp_path, "train", "--preset", preset, "--batch-size", "2", "--seq-len", "24",
+  r = _bench(tmp_path, "train", "--preset", "mamba-tiny", "--batch-size", "2", "--seq-len", "24",
              "--steps", "2", "--warmup", "0")
   # Same weights (hf.save), tokens and loss: the first losses agree to float32 rounding.
   assert r["first_loss_diff_vs_torch"] < 1e-4
@@ -25,13 +24,6 @@ def test_train_against_transformers_mamba_does_the_same_work(tmp_path, preset):
   med = {s: r[s]["step_s"]["median"] for s in ("ours", "torch")}
   assert r["speedup_vs_torch"] == pytest.approx(med["torch"] / med["ours"], rel=1e-9)
   assert 0 < r["ours"]["mfu"] and 0 < r["torch"]["mfu"]
-
-
-def test_a_hybrid_has_no_transformers_rival_and_says_why(tmp_path):
-  r = _bench(tmp_path, "train", "--preset", "hybrid-tiny", "--batch-size", "2", "--seq-len",
-             "16", "--steps", "1", "--warmup", "0")
-  assert math.isfinite(r["ours"]["losses"][-1]) and "torch" not in r
-  assert "layer_types" in r["left_out"]["torch"]
 
 
 def test_generate_against_transformers_mamba_gives_the_same_tokens(tmp_path):

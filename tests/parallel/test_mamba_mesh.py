@@ -21,7 +21,7 @@ CONFIGS = {
     "hybrid": ("hybrid-tiny", dict(d_model=32, num_heads=4, num_kv_heads=2, d_ff=48,
                                    ssm_chunk=8)),
 }
-MATRIX = [("mamba", "data2_fsdp2_tensor2"), ("mamba", "tensor4x2"), ("mamba2", "fsdp8"),
+MATRIX = [("mamba", "data2_fsdp2_tensor2"), ("mamba2", "fsdp8"),
           ("hybrid", "data2_fsdp2_tensor2"), ("hybrid", "sequence8")]
 
 
