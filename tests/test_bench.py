@@ -47,6 +47,17 @@ def test_train_against_torch_does_the_same_work(tmp_path, capsys):
   assert r["model_overrides"] == {}
 
 
+def test_train_against_torch_llama_is_transformers_llama(tmp_path):
+  # ~10 s. A LLaMA-style preset's rival is transformers' LlamaForCausalLM on the same weights (RoPE, GQA,
+  # SwiGLU, RMSNorm, untied head): the same first loss, and AdamW keeps them together.
+  pytest.importorskip("torch")
+  r = _bench(tmp_path, "train", "--preset", "llama-tiny", "--batch-size", "2", "--seq-len", "16",
+             "--steps", "2", "--warmup", "0")
+  assert r["torch"]["architecture"] == "LlamaForCausalLM"
+  assert r["first_loss_diff_vs_torch"] < 1e-4
+  assert r["ours"]["losses"] == pytest.approx(r["torch"]["losses"], abs=1e-3)
+
+
 @pytest.mark.parametrize("preset", ["bert-tiny", "t5-tiny"])
 def test_train_runs_every_family_alone(tmp_path, preset):
   r = _bench(tmp_path, "train", "--preset", preset, "--batch-size", "2", "--seq-len", "16",
@@ -452,3 +463,73 @@ def test_cpu_family_names_the_first_processor_of_proc_cpuinfo():
   first = dict((k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in lines))
   want = [f"{key} {first[key]}" for key in ("cpu family", "model") if key in first]
   assert machine.cpu_family() == ", ".join(want)
+
+
+@pytest.mark.parametrize("preset, overrides, seq_len, want", [
+    ("gpt2-tiny", {}, None, 128),              # a 128-position table: the default shrinks to it
+    ("gpt2-small", {}, None, 256),             # the documented default
+    ("llama-tiny", {}, None, 128),             # RoPE: the default still keeps to the context ...
+    ("llama-tiny", {}, 300, 300),              # ... but a longer one is the model's to allow
+    ("gpt2-tiny", {}, 128, 128),
+])
+def test_train_default_sequence_fits_the_preset(preset, overrides, seq_len, want):
+  import argparse
+  import dataclasses
+  from transformer_jax import models
+  from transformer_jax.bench import train
+  config = dataclasses.replace(models.get_config(preset), **overrides)
+  args = argparse.Namespace(preset=preset, seq_len=seq_len)
+  assert train.resolve_seq_len(args, config) == want
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--preset", "gpt2-tiny", "--seq-len", "129"],
+     "--seq-len 129: longer than gpt2-tiny's max_len=128"),
+    (["--preset", "gpt2-small", "--model", "max_len=64", "--seq-len", "65"],
+     "--seq-len 65: longer than gpt2-small's max_len=64"),
+    (["--preset", "gpt2-tiny", "--seq-len", "0"], "--seq-len 0: must be at least 1"),
+])
+def test_train_sequence_past_the_preset_is_one_line_before_anything_runs(
+    tmp_path, monkeypatch, capsys, argv, message):
+  from transformer_jax.bench import machine
+
+  def measured(*a, **kw):
+    raise AssertionError("the matmul limit was measured before the length was checked")
+  monkeypatch.setattr(machine, "run_matmul_limit", measured)
+  assert cli.main(["bench", "train", *argv, "--against", "none",
+                   "--json", str(tmp_path / "x.json")]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err == f"tjax bench: error: {message}" and not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.parametrize("preset, argv, lengths", [
+    ("gpt2-small", [], (32, 128)),                       # the documented defaults
+    ("gpt2-tiny", [], (32, 96)),                         # 128 positions: the new tokens shrink
+    ("gpt2-tiny", ["--prompt-len", "100"], (100, 28)),
+    ("gpt2-tiny", ["--new-tokens", "120"], (8, 120)),    # the prompt shrinks to fit
+    ("gpt2-tiny", ["--prompt-len", "28", "--new-tokens", "100"], (28, 100)),
+])
+def test_generate_default_lengths_fit_the_preset(preset, argv, lengths):
+  from transformer_jax.bench import generate
+  args = generate.parse_args(["--preset", preset, *argv])
+  assert (args.prompt_len, args.new_tokens) == lengths
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt-len", "100", "--new-tokens", "29"],
+     "--prompt-len 100 + --new-tokens 29 = 129: longer than gpt2-tiny's max_len=128"),
+    (["--prompt-len", "128"],
+     "--prompt-len 128: leaves no room for a new token in gpt2-tiny's max_len=128"),
+    (["--new-tokens", "128"],
+     "--new-tokens 128: leaves no room for a prompt in gpt2-tiny's max_len=128"),
+])
+def test_generate_lengths_past_the_preset_are_one_line_before_anything_runs(
+    tmp_path, monkeypatch, capsys, argv, message):
+  from transformer_jax.bench import generate
+
+  def ran(*a, **kw):
+    raise AssertionError("the benchmark ran before the lengths were checked")
+  monkeypatch.setattr(generate, "_run", ran)
+  assert cli.main(["bench", "generate", "--preset", "gpt2-tiny", *argv,
+                   "--json", str(tmp_path / "x.json")]) == 2
+  assert capsys.readouterr().err.strip() == f"tjax bench: error: {message}"

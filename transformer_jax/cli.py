@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -69,7 +70,7 @@ def _cmd_prepare(args) -> int:
 
 
 def _cmd_train(args) -> int:
-  if args.dry_run:
+  if args.dry_run or args.export_for:
     return _dry_run(args)
   from transformer_jax.parallel import distributed
   # Before anything touches JAX: a multi-process job must be joined before its backend starts.
@@ -97,7 +98,13 @@ def _dry_run(args) -> int:
   from transformer_jax.train import dry_run as dry
   exp = load_experiment(args.config, args.overrides)
   dry.simulate_devices(exp, args.devices)   # before JAX starts its backend
-  print(dry.format_report(dry.dry_run(exp)))
+  if args.export_for:
+    from transformer_jax.train import export
+    stem = os.path.splitext(os.path.basename(args.config))[0]
+    if export.run(exp, args.export_for, args.export_dir, stem):
+      return 1
+  if args.dry_run:
+    print(dry.format_report(dry.dry_run(exp)))
   return 0
 
 
@@ -210,6 +217,11 @@ def build_parser() -> argparse.ArgumentParser:
                      "and print per-device memory; trains nothing, reads no data")
   train.add_argument("--devices", metavar="N", type=int, default=None,
                      help="--dry-run: devices to simulate (default: the product of the mesh sizes)")
+  train.add_argument("--export-for", choices=("tpu", "cuda"), default=None,
+                     help="export the train step for this platform from this host (jax.export, "
+                     "on simulated devices) and check its kernels, shardings and host transfers")
+  train.add_argument("--export-dir", default=os.path.join("runs", "export"),
+                     help="--export-for: where the module and its report go")
   train.set_defaults(func=_cmd_train)
 
   ev = sub.add_parser("eval", help="evaluate a run directory's latest (or best) checkpoint")

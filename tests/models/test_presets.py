@@ -48,11 +48,13 @@ def test_count_params_matches_paper(name, paper, tol):
 
 def test_count_params_exact_known_values():
   # Exact counts of the reference implementations (GPT-2 small tied: 124,439,808; T5-small:
-  # 60,506,624; LLaMA-2-7B: 6,738,415,616; Mistral-7B: 7,241,732,096).
+  # 60,506,624; LLaMA-2-7B: 6,738,415,616; Mistral-7B: 7,241,732,096; TinyLlama-1.1B:
+  # 1,100,048,384).
   assert models.count_params(models.get_config("gpt2-small")) == 124_439_808
   assert models.count_params(models.get_config("t5-small")) == 60_506_624
   assert models.count_params(models.get_config("llama2-7b")) == 6_738_415_616
   assert models.count_params(models.get_config("mistral-7b")) == 7_241_732_096
+  assert models.count_params(models.get_config("tinyllama-1.1b")) == 1_100_048_384
 
 
 def test_get_config_applies_and_validates_overrides():

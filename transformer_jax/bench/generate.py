@@ -106,8 +106,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
                  help="a GPT-2 or Mamba preset (GPT2LMHeadModel, MambaForCausalLM or "
                       "Mamba2ForCausalLM on their side)")
   p.add_argument("--batch-sizes", default="1,8", help="comma-separated")
-  p.add_argument("--prompt-len", type=int, default=32)
-  p.add_argument("--new-tokens", type=int, default=128)
+  p.add_argument("--prompt-len", type=int, default=None,
+                 help=f"prompt tokens per row (default: {DEFAULT_PROMPT_LEN}, less where the "
+                      "preset's max_len needs it)")
+  p.add_argument("--new-tokens", type=int, default=None,
+                 help=f"tokens generated per row (default: {DEFAULT_NEW_TOKENS}, less where the "
+                      "prompt and the preset's max_len need it)")
   p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
   p.add_argument("--reps", type=int, default=5, help="timed generate calls per side (float32)")
   p.add_argument("--bf16-reps", type=int, default=2,
@@ -135,11 +139,43 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
   if args.torch_threads_alt < 0:
     p.error(f"--torch-threads-alt={args.torch_threads_alt} must be >= 0")
   for name in ("prompt_len", "new_tokens", "reps", "bf16_reps", "ttft_reps", "torch_threads"):
-    if getattr(args, name) < 1:
+    if getattr(args, name) is not None and getattr(args, name) < 1:
       p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
   if min(args.batch_sizes) < 1:
     p.error(f"--batch-sizes={args.batch_sizes} must be positive")
+  args.prompt_len, args.new_tokens = fit_lengths(args.preset, args.prompt_len, args.new_tokens)
   return args
+
+
+# The lengths without --prompt-len / --new-tokens, where the preset's context holds them.
+DEFAULT_PROMPT_LEN, DEFAULT_NEW_TOKENS = 32, 128
+
+
+def fit_lengths(preset: str, prompt_len: int | None, new_tokens: int | None) -> tuple[int, int]:
+  """``(prompt_len, new_tokens)`` within ``preset``'s ``max_len``; a length not given shrinks from
+  its default to fit the other (given or default), a given one is kept.
+
+  Raises:
+    ValueError: when the given lengths pass ``max_len``, or leave no room for the other.
+  """
+  max_len = models.get_config(preset).max_len
+  where = f"{preset}'s max_len={max_len}"
+  if prompt_len is not None and new_tokens is not None:
+    if prompt_len + new_tokens > max_len:
+      raise ValueError(f"--prompt-len {prompt_len} + --new-tokens {new_tokens} = "
+                       f"{prompt_len + new_tokens}: longer than {where}")
+    return prompt_len, new_tokens
+  if new_tokens is not None:
+    if new_tokens >= max_len:
+      raise ValueError(f"--new-tokens {new_tokens}: leaves no room for a prompt in {where}")
+    return min(DEFAULT_PROMPT_LEN, max_len - new_tokens), new_tokens
+  if prompt_len is None:
+    prompt_len = min(DEFAULT_PROMPT_LEN, max(1, max_len // 4))
+  elif prompt_len >= max_len:
+    raise ValueError(f"--prompt-len {prompt_len}: leaves no room for a new token in {where}")
+  if prompt_len >= max_len:
+    raise ValueError(f"{where} leaves no room for a prompt and a new token")
+  return prompt_len, min(DEFAULT_NEW_TOKENS, max_len - prompt_len)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -395,8 +431,6 @@ def _run(args, command: str | None) -> dict:
     torch.set_num_threads(args.torch_threads)
   load_before = os.getloadavg()
   config32 = models.get_config(args.preset)
-  if args.prompt_len + args.new_tokens > config32.max_len:
-    raise ValueError(f"--prompt-len + --new-tokens exceeds {args.preset}'s max_len={config32.max_len}")
 
   model32 = models.create(config32, rngs=nnx.Rngs(args.seed))
   with tempfile.TemporaryDirectory() as tmp:

@@ -2,12 +2,14 @@
 
 Ours is the real step (``train.step.make_train_step`` + ``jit_train_step``: the task's token-mean
 cross-entropy, clipping and AdamW from ``train.optim.make_optimizer``) on a batch built once with
-NumPy and placed on the device, so host loading is not timed. Theirs (``--against torch``, GPT-2
-and Mamba presets) is ``transformers.GPT2LMHeadModel`` (``MambaForCausalLM``,
-``Mamba2ForCausalLM``) holding the same weights (written by ``transformer_jax.hf.save``; on CPU
-transformers' Mamba runs its sequential PyTorch path), in train mode, with the same tokens, the same loss (token-mean
-cross-entropy over the same labels), ``clip_grad_norm_`` and ``torch.optim.AdamW`` with the same
-hyper-parameters; dropout is off on both sides. Steps alternate (ours, theirs, ours, ...) so both
+NumPy and placed on the device, so host loading is not timed. Theirs (``--against torch``, GPT
+and Mamba presets) is the ``transformers`` class of the preset's family holding the same weights
+(written by ``transformer_jax.hf.save``: ``GPT2LMHeadModel``, ``LlamaForCausalLM`` for the LLaMA
+flavour, e.g. ``tinyllama-1.1b``, ``MistralForCausalLM``, ``MambaForCausalLM``,
+``Mamba2ForCausalLM``; on CPU transformers' Mamba runs its sequential PyTorch path), in train mode,
+with the same tokens, the same loss (token-mean cross-entropy over the same labels),
+``clip_grad_norm_`` and ``torch.optim.AdamW`` with the same hyper-parameters; dropout is off on
+both sides. Steps alternate (ours, theirs, ours, ...) so both
 see the same machine, and medians are compared, after ``--warmup`` untimed steps per side (default 2:
 the first steps fault each side's scratch memory in, several seconds of kernel time each, and
 the per-step page faults and kernel time of the timed steps are in the JSON, ``*_all``).
@@ -61,7 +63,9 @@ from transformer_jax.models.config import BERTConfig, GPTConfig, MambaConfig, Se
 def add_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--preset", default="gpt2-small", help="model preset (tjax info lists them)")
   p.add_argument("--batch-size", type=int, default=4)
-  p.add_argument("--seq-len", type=int, default=256)
+  p.add_argument("--seq-len", type=int, default=None,
+                 help=f"tokens per row (default: {DEFAULT_SEQ_LEN}, or the preset's max_len where "
+                      "that is shorter)")
   p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                  help="compute dtype (parameters stay float32)")
   p.add_argument("--steps", type=int, default=5, help="timed steps per side")
@@ -93,6 +97,31 @@ def add_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--table", action="append", default=[], metavar="NAME=N",
                  help="also time our step traced with this kernel-table entry set (repeatable; "
                       f"side 'ours+table'): {', '.join(TABLE_ENTRIES)}")
+
+
+# ``--seq-len`` without a value: GPT-2 small's CPU benchmark shape, cut to a shorter context.
+DEFAULT_SEQ_LEN = 256
+
+
+def resolve_seq_len(args, config) -> int:
+  """``args.seq_len``, or the default that fits ``config``'s context; checked before anything runs.
+
+  The default is ``DEFAULT_SEQ_LEN`` cut to ``max_len``. An explicit length may pass ``max_len``
+  only where the model has no position table (RoPE, ALiBi, T5's relative buckets), as the model
+  itself allows.
+
+  Raises:
+    ValueError: for a length below 1, or past ``max_len`` of a model with a position table.
+  """
+  if args.seq_len is None:
+    return min(DEFAULT_SEQ_LEN, config.max_len)
+  if args.seq_len < 1:
+    raise ValueError(f"--seq-len {args.seq_len}: must be at least 1")
+  has_table = getattr(config, "position", "learned") in ("learned", "sinusoidal")  # BERT: learned
+  if has_table and args.seq_len > config.max_len:
+    raise ValueError(f"--seq-len {args.seq_len}: longer than {args.preset}'s max_len="
+                     f"{config.max_len}")
+  return args.seq_len
 
 
 # The kernel-table entries ``--table`` sets, for the side "ours+table" (ops.dispatch).
@@ -284,7 +313,8 @@ class Ours:
 
 
 class Torch:
-  """``GPT2LMHeadModel`` on the same weights: forward, token-mean cross-entropy, backward, clipping,
+  """The preset's ``transformers`` causal LM (``hf.save``'s architecture: ``GPT2LMHeadModel``,
+  ``LlamaForCausalLM``, ``MistralForCausalLM``) on the same weights: forward, token-mean cross-entropy, backward, clipping,
   AdamW, in eager mode (or with the forward+loss ``torch.compile``-d).
 
   On ``device`` "cpu" everything is float32. On "cuda" the model and batch live on the GPU, the
@@ -304,6 +334,7 @@ class Torch:
     from flax import nnx
 
     from transformer_jax import hf as tjhf
+    from transformer_jax.hf.configs import default_architecture
 
     if device not in ("cpu", "cuda"):
       raise ValueError(f"device={device!r}: the PyTorch rival runs on 'cpu' or 'cuda'")
@@ -312,13 +343,16 @@ class Torch:
     self.torch = torch
     transformers.logging.set_verbosity_error()
     model = nnx.merge(models.graphdef(config), params)
+    self.architecture = default_architecture(config)
     with tempfile.TemporaryDirectory() as tmp:
-      arch = tjhf.save(model, config, tmp)
-      # GPT-2 with PyTorch's fused attention; Mamba's mixers have no attention to choose.
-      extra = {"attn_implementation": "sdpa"} if arch == "GPT2LMHeadModel" else {}
+      tjhf.save(model, config, tmp)
+      # PyTorch's fused attention; Mamba's mixers have no attention to choose.
+      extra = ({} if self.architecture in ("MambaForCausalLM", "Mamba2ForCausalLM")
+               else {"attn_implementation": "sdpa"})
       with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        self.model = getattr(transformers, arch).from_pretrained(tmp, **extra).train()
+        self.model = getattr(transformers, self.architecture).from_pretrained(
+            tmp, **extra).train()
     self.device, self.autocast = device, autocast
     self.fused_adamw = device == "cuda"
     self._sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -467,9 +501,10 @@ def run(args) -> dict:
   entries = parse_table(getattr(args, "table", None) or [])
   config = models.get_config(args.preset, dtype=args.dtype, remat=args.remat, **overrides)
   if rivals and not isinstance(config, (GPTConfig, MambaConfig)):
-    raise ValueError(f"--against {args.against}: the PyTorch rival is GPT-2 or Mamba (GPT presets, "
+    raise ValueError(f"--against {args.against}: the PyTorch rival is a causal LM (GPT presets, "
                      f"Mamba presets); {args.preset} is a {type(config).__name__} (use --against "
                      "none)")
+  args.seq_len = resolve_seq_len(args, config)
   config = dataclasses.replace(config, **{f: 0.0 for f in ("dropout_rate", "attention_dropout_rate")
                                           if hasattr(config, f)})
   host_batch, task_name = random_batch(config, args.batch_size, args.seq_len, args.seed)
@@ -582,7 +617,8 @@ def run(args) -> dict:
       result[name] = {"first_step_s": first[name], "step_s": _summary(times[name]),
                       "tokens_per_sec": tokens_per_step / med[name],
                       "mfu": step_flops / med[name] / ref, **vs_peak(name),
-                      "losses": side.losses, "device": side.device, "autocast": side.autocast,
+                      "architecture": side.architecture, "losses": side.losses,
+                      "device": side.device, "autocast": side.autocast,
                       "fused_adamw": side.fused_adamw, **per_step[name]}
       result[f"speedup_vs_{name}"] = med[name] / med["ours"]
       # Same weights, tokens and loss: the first losses agree to float32 rounding.

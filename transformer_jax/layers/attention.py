@@ -145,8 +145,9 @@ class Attention(nnx.Module):
     if choice == "ring":
       out_BTNH = ring_attention(q_BTNH, k_BSKH, v_BSKH, mesh=self.mesh, causal=causal,
                                 kv_mask_BS=kv_valid, segment_ids_BT=segment_ids, scale=self.scale)
-    elif kernel == "splash" and self._mesh_splits(q_BTNH):
-      out_BTNH = self._splash_on_mesh(q_BTNH, k_BSKH.astype(q_BTNH.dtype),
+    elif self._mesh_splits(q_BTNH) and (kernel == "splash" or kernel == "cudnn" and (
+        kv_valid is None and bias_fn is None and not dropout and q_positions is None)):
+      out_BTNH = self._kernel_on_mesh(kernel, q_BTNH, k_BSKH.astype(q_BTNH.dtype),
                                       v_BSKH.astype(q_BTNH.dtype), segment_ids, causal, window)
     else:
       out_BTNH = ops.dot_product_attention(
@@ -251,9 +252,11 @@ class Attention(nnx.Module):
       rows *= self.mesh.shape[a]
     return bool(batch or head) and q_BTNH.shape[0] % rows == 0
 
-  def _splash_on_mesh(self, q_BTNH, k_BSKH, v_BSKH, segment_ids, causal, window):
-    """The splash kernel on each device's rows and heads (``jax.shard_map``): a Pallas call is one
-    custom call that GSPMD cannot split, so it is given its shards explicitly."""
+  def _kernel_on_mesh(self, kernel, q_BTNH, k_BSKH, v_BSKH, segment_ids, causal, window):
+    """The splash or cuDNN kernel on each device's rows and heads (``jax.shard_map``): a Pallas
+    call is one custom call that GSPMD cannot split, and jax splits a cuDNN call with a Python
+    callback while compiling, which an exported program cannot hold (``train.export``); so each
+    is given its shards explicitly."""
     batch, head = self._mesh_axes(q_BTNH)
     if head is not None and k_BSKH.shape[2] % self.mesh.shape[head]:
       head = None   # MQA/GQA with fewer key/value heads than the axis: heads replicated
@@ -265,7 +268,7 @@ class Attention(nnx.Module):
 
     def attend(q, k, v, seg=None):
       return ops.dot_product_attention(q, k, v, causal=causal, window=window, q_segment_ids=seg,
-                                       scale=self.scale, implementation="splash")
+                                       scale=self.scale, implementation=kernel)
 
     return jax.shard_map(attend, mesh=self.mesh, in_specs=tuple(specs), out_specs=x_spec,
                          check_vma=False)(*args)

@@ -74,6 +74,9 @@ PRESETS: dict[str, ModelConfig] = {
                           rope_scaling=ops.RopeScaling("llama3", factor=32.0, low_freq_factor=1.0,
                                                        high_freq_factor=4.0,
                                                        original_max_len=8192)),
+    # TinyLlama-1.1B's shape (Zhang et al. 2024): a LLaMA-style 1B for one GPU, context 2048.
+    "tinyllama-1.1b": _llama(vocab_size=32000, d_model=2048, num_layers=22, num_heads=32,
+                             num_kv_heads=4, d_ff=5632, max_len=2048, norm_eps=1e-5),
     "llama-tiny": _llama(vocab_size=512, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
                          d_ff=176, max_len=128, norm_eps=1e-5),
     # --- Mistral flavour: LLaMA's with grouped-query attention over a sliding window (Jiang et
