@@ -29,7 +29,8 @@ def ssm_model(case):
   return models.create(ssm_config(case))
 
 
-@pytest.mark.parametrize("case", CASES)
+# Mamba-2's greedy tokens are checked against transformers' generate (tests/hf/test_mamba_hf.py).
+@pytest.mark.parametrize("case", ["mamba1", "hybrid"])
 def test_greedy_equals_naive_full_forward_loop(case):
   model = ssm_model(case)
   prompts = random_prompts(3, [5, 9, 1])

@@ -221,19 +221,18 @@ def test_lora_targets_the_mixers_projections():
 
 
 @pytest.mark.parametrize("overrides", [
-    dict(ssm_chunk=1, d_conv=1),
+    dict(ssm_chunk=1, d_conv=1, ssm_scan="associative", time_step_min=1.0, time_step_max=100.0),
     dict(mixer="mamba2", ssm_head_dim=16, ssm_chunk=64, time_step_limit=(0.0, 1e-4)),
     dict(mixer="mamba2", ssm_head_dim=32, time_step_min=1.0, time_step_max=10.0,
          time_step_limit=(0.5, 1e3)),
-    dict(ssm_scan="associative", ssm_chunk=3, time_step_min=1.0, time_step_max=100.0),
-], ids=["chunk1-conv1", "mamba2-tiny-dt", "mamba2-huge-dt", "associative-huge-dt"])
+], ids=["chunk1-conv1-huge-dt", "mamba2-tiny-dt", "mamba2-huge-dt"])
 def test_logits_and_states_are_finite_at_the_edges_of_the_config(overrides):
   """Chunks of 1 or 64 positions, a 1-tap convolution, time steps near 0 or in the hundreds
   (every decay underflows to 0): finite logits over 1 to 4 chunks and a finite decoding state."""
   from transformer_jax import generate
   c = config("mamba-tiny", **overrides)
   m = models.create(c)
-  for t in sorted({1, c.ssm_chunk, 4 * c.ssm_chunk + 1}):
+  for t in sorted({1, 4 * c.ssm_chunk + 1}):
     assert np.all(np.isfinite(np.asarray(m(tokens(7, 2, t))))), t
   logits, cache = generate.extend(m, jnp.asarray(tokens(8, 2, 9)),
                                   generate.init_cache(c, 2, 16))
