@@ -500,10 +500,10 @@ def to_hf(config: ModelConfig, arch: str, tokenizer=None) -> dict:
     # A tied T5 without the v1.0 rescale is written with its lm_head.weight (see params.py).
     back = dataclasses.replace(back, tie_embeddings=config.tie_embeddings)
   if family in ("mamba", "mamba2"):
-    # None changes the function of a Mamba model (its chunk and scan method are how the scan is
-    # computed, its max_len sizes nothing), and Mamba-1's config.json has no field for them.
+    # None changes the function of a Mamba model (chunk, scan method and kernel are how the scan
+    # is computed, max_len sizes nothing), and Mamba-1's config.json has no field for them.
     back = dataclasses.replace(back, ssm_chunk=config.ssm_chunk, ssm_scan=config.ssm_scan,
-                               max_len=config.max_len)
+                               ssm_impl=config.ssm_impl, max_len=config.max_len)
   def value(c, name):  # head counts compare by their effective values (None = the default)
     return {"head_dim": lambda: c.head_size, "num_kv_heads": lambda: c.kv_heads}.get(
         name, lambda: getattr(c, name))()

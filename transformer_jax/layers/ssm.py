@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 from transformer_jax import ops
 from transformer_jax.layers.attention import Attention
 from transformer_jax.ops import ssm as ssm_ops
+from transformer_jax.ops import ssm_pallas
 from transformer_jax.layers.cache import KVCache
 from transformer_jax.layers.common import normal, ones, param, split_key, zeros
 from transformer_jax.layers.dense import Norm, Projection
@@ -55,6 +56,9 @@ class MambaKind:
   # Mamba-1's scan inside a chunk: "associative", "sequential", or "auto" (the platform's choice,
   # ops.ssm.choose_scan_method).
   scan_method: str = "auto"
+  # Mamba-2's chunked scan: "xla" (ops.ssd), "pallas" (ops.ssm_pallas; interpret mode off a TPU),
+  # or "auto" (ops.ssm_pallas.choose_ssd_implementation).
+  ssd_impl: str = "auto"
   time_step_limit: tuple[float, float] = (0.0, math.inf)  # Mamba-2: dt clamped to it
   time_step_min: float = 1e-3         # initial dt drawn log-uniformly in [min, max], >= floor
   time_step_max: float = 0.1
@@ -248,8 +252,19 @@ class MambaMixer(nnx.Module):
                             C_BTGS[:, 0], D, time_step_limit=k.time_step_limit)
         out = (y[:, None], h)
       else:
-        out = ops.ssd(x_BTNH, dt_BTN, A, B_BTGS, C_BTGS, D, time_step_limit=k.time_step_limit,
-                      **scan_kw)
+        platform = jax.default_backend()
+        impl = (ssm_pallas.choose_ssd_implementation(platform) if k.ssd_impl == "auto"
+                else k.ssd_impl)
+        match impl:
+          case "xla":
+            out = ops.ssd(x_BTNH, dt_BTN, A, B_BTGS, C_BTGS, D,
+                          time_step_limit=k.time_step_limit, **scan_kw)
+          case "pallas":
+            out = ssm_pallas.ssd(x_BTNH, dt_BTN, A, B_BTGS, C_BTGS, D,
+                                 time_step_limit=k.time_step_limit,
+                                 interpret=platform != "tpu", **scan_kw)
+          case _:
+            raise ValueError(f"ssd implementation {impl!r} must be 'xla' or 'pallas'")
       y, h = out if state is not None else (out, None)
       y_BTE = self.norm(y.reshape(b, t, e), z_BTE)
     y_BTD = self.out_proj(y_BTE.astype(jnp.dtype(k.dtype)))

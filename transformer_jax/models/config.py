@@ -368,6 +368,9 @@ class MambaConfig(_Heads):
   # Mamba-1's scan inside a chunk: "associative" (log depth), "sequential" (less work), or
   # "auto": sequential on CPUs, associative on GPUs and TPUs (ops.ssm.choose_scan_method).
   ssm_scan: Literal["auto", "associative", "sequential"] = "auto"
+  # Mamba-2's chunked scan: "xla" (ops.ssd), "pallas" (the TPU kernel of ops.ssm_pallas; Pallas'
+  # interpreter elsewhere), or "auto" (ops.ssm_pallas.choose_ssd_implementation: "xla" for now).
+  ssm_impl: Literal["auto", "xla", "pallas"] = "auto"
   # Mamba-2: dt clamped to [low, high]. Mamba-1 does not clamp.
   time_step_limit: tuple[float, float] = (0.0, math.inf)
   time_step_min: float = 1e-3          # initial dt drawn log-uniformly in [min, max], >= floor
@@ -403,6 +406,7 @@ class MambaConfig(_Heads):
               "ssm_head_dim", "ssm_groups", "ssm_chunk", "max_len", "num_heads")
     _choice(self, "mixer", ("mamba1", "mamba2"))
     _choice(self, "ssm_scan", ("auto", "associative", "sequential"))
+    _choice(self, "ssm_impl", ("auto", "xla", "pallas"))
     _floats(self, "time_step_min", "time_step_max", "time_step_floor", "norm_eps", "rope_theta",
             "init_std", "dropout_rate")
     if self.dt_rank is not None:
@@ -494,7 +498,7 @@ class MambaConfig(_Heads):
         version=1 if self.mixer == "mamba1" else 2, d_model=self.d_model, d_inner=self.d_inner,
         d_state=self.d_state, d_conv=self.d_conv, dt_rank=self.time_step_rank,
         head_dim=self.ssm_head_dim, groups=self.ssm_groups, chunk_size=self.ssm_chunk,
-        scan_method=self.ssm_scan, time_step_limit=self.time_step_limit, time_step_min=self.time_step_min,
+        scan_method=self.ssm_scan, ssd_impl=self.ssm_impl, time_step_limit=self.time_step_limit, time_step_min=self.time_step_min,
         time_step_max=self.time_step_max, time_step_floor=self.time_step_floor,
         conv_bias=self.conv_bias, use_bias=self.use_bias, norm_eps=self.norm_eps,
         init_std=self.init_std,

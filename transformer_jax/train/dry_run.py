@@ -15,6 +15,8 @@ from typing import Any
 import jax
 
 from transformer_jax import models, parallel, runs
+from transformer_jax.ops import ssm as ssm_ops
+from transformer_jax.ops import ssm_pallas
 from transformer_jax.train import step as step_lib
 from transformer_jax.train.config import Experiment
 
@@ -103,7 +105,8 @@ def dry_run(exp: Experiment) -> dict[str, Any]:
 
 def mixer_kernels(config, seq_len: int) -> list[dict[str, Any]]:
   """What each state-space layer of a ``MambaConfig`` runs (empty for other models): ``[{"layers":
-  [indices], "mixer", "op", "detail"}]``. The scans are pure ``ops`` in XLA on every backend."""
+  [indices], "mixer", "op", "detail", "conv"}]``: pure ``ops`` in XLA, or Mamba-2's Pallas kernel
+  where the config asks for it."""
   if not isinstance(config, models.MambaConfig):
     return []
   layers = [i for i, kind in enumerate(config.layer_kinds) if kind == "mamba"]
@@ -112,10 +115,15 @@ def mixer_kernels(config, seq_len: int) -> list[dict[str, Any]]:
   q = min(config.ssm_chunk, seq_len)
   if config.mixer == "mamba1":
     op = "ops.selective_scan"
-    detail = (f"associative scan in chunks of {q} over [B, {q}, E={config.d_inner}, "
-              f"S={config.d_state}], state carried across {-(-seq_len // q)} chunks")
+    methods = ", ".join(
+        f"{p} {ssm_ops.choose_scan_method(p) if config.ssm_scan == 'auto' else config.ssm_scan}"
+        for p in ("tpu", "gpu", "cpu"))
+    detail = (f"chunks of {q} over [B, {q}, E={config.d_inner}, S={config.d_state}] ({methods}), "
+              f"state carried across {-(-seq_len // q)} chunks")
   else:
-    op = "ops.ssd"
+    impl = (ssm_pallas.choose_ssd_implementation(jax.default_backend())
+            if config.ssm_impl == "auto" else config.ssm_impl)
+    op = "ops.ssd" if impl == "xla" else "ops.ssm_pallas.ssd (Pallas TPU kernel)"
     detail = (f"SSD four-term form in chunks of {q}, {config.ssm_heads} heads x "
               f"{config.ssm_head_dim}, {config.ssm_groups} groups, S={config.d_state}")
   return [{"layers": layers, "mixer": config.mixer, "op": op, "detail": detail,
@@ -188,8 +196,8 @@ def format_report(report: dict[str, Any]) -> str:
       f"    peak estimate           {gib(b['peak_estimate'])}",
   ]
   for m in report.get("mixers") or ():
-    lines.append(f"  layers {', '.join(map(str, m['layers']))}: {m['mixer']} mixer, {m['op']} "
-                 f"(XLA on every backend): {m['detail']}; {m['conv']}")
+    lines.append(f"  layers {', '.join(map(str, m['layers']))}: {m['mixer']} mixer, {m['op']}: "
+                 f"{m['detail']}; {m['conv']}")
   if report.get("attention"):
     lines.append("  attention kernel per backend (ops.choose_implementation), one device's share:")
     for a in report["attention"]:
