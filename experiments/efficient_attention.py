@@ -63,7 +63,8 @@ def variants(windows: list[int]) -> dict[str, dict]:
 
 def ssm_configs(args, vocab: int) -> dict[str, tj.models.MambaConfig]:
   """The state-space rows, their depths (and the hybrid's MLP width) chosen so that each has the
-  GPTs' parameters within 4% (at the defaults: within 4% of the GPTs' 1.31M non-embedding, head included)."""
+  GPTs' parameters within 4% (at the defaults: 1.29M to 1.34M non-embedding, output projection
+  included, against the GPTs' 1.31M)."""
   d = args.d_model
   common = dict(vocab_size=vocab, d_model=d, d_state=16, ssm_chunk=64, tie_embeddings=False,
                 max_len=1 << 16)

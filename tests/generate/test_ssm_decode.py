@@ -1,6 +1,6 @@
-"""Decoding Mamba-1, Mamba-2 and hybrid models in the compiled loop: greedy, sampling and beam search
-equal naive loops of full forward passes, ragged prompts, cached == uncached, and a state whose size
-does not grow with the length."""
+"""Decoding Mamba-1, Mamba-2 and hybrid models in the compiled loop: greedy, sampling and beam
+search equal naive loops of full forward passes, ragged prompts, cached == uncached, and a state
+whose size does not grow with the length."""
 
 import functools
 
