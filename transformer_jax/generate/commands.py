@@ -32,7 +32,7 @@ from transformer_jax.generate.decode import (
 from transformer_jax.generate.fill_mask import fill_mask
 from transformer_jax.generate.sampling import next_token
 from transformer_jax.models.common import check_tokens
-from transformer_jax.models.config import BERTConfig, GPTConfig, Seq2SeqConfig
+from transformer_jax.models.config import BERTConfig, GPTConfig, MambaConfig, Seq2SeqConfig
 
 MASK_TEXT = "[MASK]"
 
@@ -72,8 +72,8 @@ def stream_generate(model, prompt_ids, *, max_new_tokens: int, chunk_size: int =
     TypeError: a model that is not a GPT.
   """
   config, graphdef, params = _split_model(model)
-  if not isinstance(config, GPTConfig):
-    raise TypeError(f"stream_generate needs a GPT model; got a {type(config).__name__}")
+  if not isinstance(config, (GPTConfig, MambaConfig)):
+    raise TypeError(f"stream_generate needs a GPT or Mamba model; got a {type(config).__name__}")
   _check_options(config, max_new_tokens, temperature, top_k, top_p, eos_id, 1.0)
   if not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
     raise ValueError(f"chunk_size={chunk_size!r} must be a positive integer")
@@ -205,7 +205,8 @@ def load_run(run_dir: str, *, best: bool = False, data: str | None = None,
 
 
 def _family(config) -> str:
-  return {BERTConfig: "BERT", GPTConfig: "GPT", Seq2SeqConfig: "Seq2Seq"}[type(config)]
+  return {BERTConfig: "BERT", GPTConfig: "GPT", Seq2SeqConfig: "Seq2Seq",
+          MambaConfig: "Mamba"}[type(config)]
 
 
 class _TextStream:

@@ -23,7 +23,7 @@ from transformer_jax.generate.cache import (extend, init_cache, prefill, split_l
                                             with_encoder)
 from transformer_jax.generate.sampling import apply_repetition_penalty, next_token
 from transformer_jax.models.common import check_tokens
-from transformer_jax.models.config import GPTConfig, Seq2SeqConfig
+from transformer_jax.models.config import GPTConfig, MambaConfig, Seq2SeqConfig
 
 _MIN_BUCKET = 8
 
@@ -39,9 +39,9 @@ def prompt_bucket(length: int, max_len: int) -> int:
   return min(bucket, max_len)
 
 
-def _split_model(model, kinds=(GPTConfig, Seq2SeqConfig), *, what: str = "a GPT",
-                 needs: str = "generate needs a GPT or Seq2Seq model"
-                 ) -> tuple[GPTConfig | Seq2SeqConfig, nnx.GraphDef, nnx.State]:
+def _split_model(model, kinds=(GPTConfig, MambaConfig, Seq2SeqConfig), *, what: str = "a GPT",
+                 needs: str = "generate needs a GPT, Mamba or Seq2Seq model"
+                 ) -> tuple[GPTConfig | MambaConfig | Seq2SeqConfig, nnx.GraphDef, nnx.State]:
   """``(config, graphdef, params)`` of a module or a ``(config, params)`` pair whose config is one
   of ``kinds`` (``what``/``needs`` word the errors)."""
   if isinstance(model, nnx.Module):

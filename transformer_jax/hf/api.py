@@ -19,7 +19,8 @@ from transformer_jax.parallel import axes as ax
 # The input embedding of each family whose output projection may be tied to it.
 _EMBEDDING = {"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weight",
               "mistral": "model.embed_tokens.weight",
-              "t5": "shared.weight"}
+              "t5": "shared.weight", "mamba": "backbone.embeddings.weight",
+              "mamba2": "backbone.embeddings.weight"}
 
 
 def _from_transformers(model) -> tuple[dict, dict[str, np.ndarray]]:

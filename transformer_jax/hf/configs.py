@@ -1,4 +1,5 @@
-"""Config translation: a Hugging Face ``config.json`` dict <-> GPTConfig / BERTConfig / Seq2SeqConfig.
+"""Config translation: a Hugging Face ``config.json`` dict <-> GPTConfig / BERTConfig / Seq2SeqConfig /
+MambaConfig.
 
 Each family has a reader (``hf dict -> our config``) and a writer (``our config -> hf dict``). Options
 we do not implement are refused by name (``UnsupportedError``), never approximated. A writer refuses a
@@ -8,10 +9,11 @@ config the target architecture cannot express by translating back and naming the
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from transformer_jax import ops
 from transformer_jax.hf.errors import UnsupportedError
-from transformer_jax.models import BERTConfig, GPTConfig, ModelConfig, Seq2SeqConfig
+from transformer_jax.models import BERTConfig, GPTConfig, MambaConfig, ModelConfig, Seq2SeqConfig
 
 # Architecture name -> (family, model_type). The family picks the config reader/writer and params table.
 ARCHITECTURES = {
@@ -24,6 +26,8 @@ ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", "llama"),
     "MistralForCausalLM": ("mistral", "mistral"),
     "MarianMTModel": ("marian", "marian"),
+    "MambaForCausalLM": ("mamba", "mamba"),
+    "Mamba2ForCausalLM": ("mamba2", "mamba2"),
 }
 
 # Hugging Face activation names (ACT2FN) -> ours.
@@ -314,6 +318,71 @@ def _marian_to(c: Seq2SeqConfig) -> dict:
       pad_token_id=c.vocab_size - 1, decoder_start_token_id=c.vocab_size - 1, eos_token_id=0)
 
 
+# --- Mamba, Mamba-2 ------------------------------------------------------------------------------
+
+
+def _mamba_common(hf: dict) -> dict:
+  """The fields Mamba and Mamba-2 share (transformers' names -> ours)."""
+  act = hf.get("hidden_act", "silu")
+  if act not in ("silu", "swish"):
+    raise UnsupportedError(f"hidden_act={act!r} is not supported (only 'silu')")
+  return dict(
+      vocab_size=hf.get("vocab_size", 50280), d_model=hf.get("hidden_size", 768),
+      num_layers=hf.get("num_hidden_layers", 32), d_state=hf.get("state_size", 16),
+      d_conv=hf.get("conv_kernel", 4), expand=hf.get("expand", 2),
+      use_bias=hf.get("use_bias", False), conv_bias=hf.get("use_conv_bias", True),
+      norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+      residual_in_fp32=hf.get("residual_in_fp32", True),
+      time_step_min=hf.get("time_step_min", 1e-3), time_step_max=hf.get("time_step_max", 0.1),
+      time_step_floor=hf.get("time_step_floor", 1e-4),
+      init_std=hf.get("initializer_range", 0.1))
+
+
+def _mamba_from(hf: dict) -> MambaConfig:
+  common = _mamba_common(hf)
+  rank = hf.get("time_step_rank", "auto")
+  if rank != "auto" and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 1):
+    raise UnsupportedError(f"time_step_rank={rank!r} must be 'auto' or a positive integer")
+  auto = math.ceil(common["d_model"] / 16)
+  return MambaConfig(**common, mixer="mamba1", dt_rank=None if rank in ("auto", auto) else rank,
+                     tie_embeddings=hf.get("tie_word_embeddings", True) is not False)
+
+
+def _mamba_common_to(c: MambaConfig) -> dict:
+  return dict(
+      vocab_size=c.vocab_size, hidden_size=c.d_model, num_hidden_layers=c.num_layers,
+      state_size=c.d_state, conv_kernel=c.d_conv, expand=c.expand, use_bias=c.use_bias,
+      use_conv_bias=c.conv_bias, layer_norm_epsilon=c.norm_eps,
+      residual_in_fp32=c.residual_in_fp32, hidden_act="silu", time_step_min=c.time_step_min,
+      time_step_max=c.time_step_max, time_step_floor=c.time_step_floor,
+      initializer_range=c.init_std, tie_word_embeddings=c.tie_embeddings)
+
+
+def _mamba_to(c: MambaConfig) -> dict:
+  return {**_mamba_common_to(c), "model_type": "mamba", "time_step_rank": c.time_step_rank}
+
+
+def _mamba2_from(hf: dict) -> MambaConfig:
+  common = _mamba_common(hf)
+  heads, head_dim = hf.get("num_heads", 128), hf.get("head_dim", 64)
+  if common["expand"] * common["d_model"] != heads * head_dim:
+    raise UnsupportedError(f"num_heads={heads} x head_dim={head_dim} must equal expand x "
+                           f"hidden_size = {common['expand'] * common['d_model']}")
+  # transformers 5 writes a non-finite float as {"__float__": "Infinity"}.
+  limit = [float(v["__float__"]) if isinstance(v, dict) and "__float__" in v else v
+           for v in hf.get("time_step_limit", (0.0, math.inf))]
+  return MambaConfig(**common, mixer="mamba2", ssm_head_dim=head_dim,
+                     ssm_groups=hf.get("n_groups", 8), ssm_chunk=hf.get("chunk_size", 256),
+                     time_step_limit=tuple(limit),
+                     tie_embeddings=hf.get("tie_word_embeddings", False) is True)
+
+
+def _mamba2_to(c: MambaConfig) -> dict:
+  return {**_mamba_common_to(c), "model_type": "mamba2", "num_heads": c.ssm_heads,
+          "head_dim": c.ssm_head_dim, "n_groups": c.ssm_groups, "chunk_size": c.ssm_chunk,
+          "time_step_limit": list(c.time_step_limit)}
+
+
 # --- Dispatch --------------------------------------------------------------------------------------
 
 
@@ -332,6 +401,10 @@ def from_hf(hf: dict, arch: str) -> ModelConfig:
       return _t5_from(hf)
     case "marian":
       return _marian_from(hf)
+    case "mamba":
+      return _mamba_from(hf)
+    case "mamba2":
+      return _mamba2_from(hf)
     case family:
       raise UnsupportedError(f"no config reader for family {family!r}")
 
@@ -353,6 +426,10 @@ def default_architecture(config: ModelConfig) -> str:
       return "T5ForConditionalGeneration"
     case Seq2SeqConfig():
       return "MarianMTModel"
+    case MambaConfig(mixer="mamba1"):
+      return "MambaForCausalLM"
+    case MambaConfig():
+      return "Mamba2ForCausalLM"
     case _:
       raise TypeError(f"not a model config: {type(config).__name__}")
 
@@ -373,7 +450,7 @@ def token_ids(arch: str, tokenizer=None) -> dict:
       ``transformer_jax.data.Tokenizer``), or None.
   """
   family = ARCHITECTURES[arch][0]
-  if family in ("gpt2", "llama", "mistral"):
+  if family in ("gpt2", "llama", "mistral", "mamba", "mamba2"):
     eot = None if tokenizer is None else int(tokenizer.eot_id)
     return {"bos_token_id": eot, "eos_token_id": eot}
   if tokenizer is None:
@@ -399,7 +476,8 @@ def to_hf(config: ModelConfig, arch: str, tokenizer=None) -> dict:
   writers = {"gpt2": (GPTConfig, _gpt2_to), "llama": (GPTConfig, _llama_to),
              "mistral": (GPTConfig, _mistral_to),
              "bert": (BERTConfig, _bert_to), "t5": (Seq2SeqConfig, _t5_to),
-             "marian": (Seq2SeqConfig, _marian_to)}
+             "marian": (Seq2SeqConfig, _marian_to), "mamba": (MambaConfig, _mamba_to),
+             "mamba2": (MambaConfig, _mamba2_to)}
   cls, writer = writers[family]
   if not isinstance(config, cls):
     raise UnsupportedError(f"{arch} needs a {cls.__name__}, not a {type(config).__name__}")
@@ -421,6 +499,11 @@ def to_hf(config: ModelConfig, arch: str, tokenizer=None) -> dict:
   if family == "t5":
     # A tied T5 without the v1.0 rescale is written with its lm_head.weight (see params.py).
     back = dataclasses.replace(back, tie_embeddings=config.tie_embeddings)
+  if family in ("mamba", "mamba2"):
+    # None changes the function of a Mamba model (chunk, scan method and kernel are how the scan
+    # is computed, max_len sizes nothing), and Mamba-1's config.json has no field for them.
+    back = dataclasses.replace(back, ssm_chunk=config.ssm_chunk, ssm_scan=config.ssm_scan,
+                               ssm_impl=config.ssm_impl, max_len=config.max_len)
   def value(c, name):  # head counts compare by their effective values (None = the default)
     return {"head_dim": lambda: c.head_size, "num_kv_heads": lambda: c.kv_heads}.get(
         name, lambda: getattr(c, name))()

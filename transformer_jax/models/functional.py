@@ -14,8 +14,10 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from transformer_jax.models.bert import BERT
-from transformer_jax.models.config import BERTConfig, GPTConfig, ModelConfig, Seq2SeqConfig
+from transformer_jax.models.config import (
+    BERTConfig, GPTConfig, MambaConfig, ModelConfig, Seq2SeqConfig)
 from transformer_jax.models.gpt import GPT
+from transformer_jax.models.mamba import Mamba
 from transformer_jax.models.seq2seq import Seq2Seq
 
 
@@ -27,6 +29,8 @@ def model_class(config: ModelConfig) -> type[nnx.Module]:
       return BERT
     case Seq2SeqConfig():
       return Seq2Seq
+    case MambaConfig():
+      return Mamba
     case _:
       raise TypeError(f"not a model config: {type(config).__name__}")
 

@@ -15,6 +15,8 @@ from typing import Any
 import jax
 
 from transformer_jax import models, parallel, runs
+from transformer_jax.ops import ssm as ssm_ops
+from transformer_jax.ops import ssm_pallas
 from transformer_jax.train import step as step_lib
 from transformer_jax.train.config import Experiment
 
@@ -97,7 +99,35 @@ def dry_run(exp: Experiment) -> dict[str, Any]:
   b["peak_estimate"] = b["arguments"] + b["outputs"] - b["aliased"] + b["temporaries"]
   report["attention"] = attention_kernels(config, dict(mesh.shape), t.batch_size, t.seq_len,
                                           task.name)
+  report["mixers"] = mixer_kernels(config, t.seq_len)
   return report
+
+
+def mixer_kernels(config, seq_len: int) -> list[dict[str, Any]]:
+  """What each state-space layer of a ``MambaConfig`` runs (empty for other models): ``[{"layers":
+  [indices], "mixer", "op", "detail", "conv"}]``: pure ``ops`` in XLA, or Mamba-2's Pallas kernel
+  where the config asks for it."""
+  if not isinstance(config, models.MambaConfig):
+    return []
+  layers = [i for i, kind in enumerate(config.layer_kinds) if kind == "mamba"]
+  if not layers:
+    return []
+  q = min(config.ssm_chunk, seq_len)
+  if config.mixer == "mamba1":
+    op = "ops.selective_scan"
+    methods = ", ".join(
+        f"{p} {ssm_ops.choose_scan_method(p) if config.ssm_scan == 'auto' else config.ssm_scan}"
+        for p in ("tpu", "gpu", "cpu"))
+    detail = (f"chunks of {q} over [B, {q}, E={config.d_inner}, S={config.d_state}] ({methods}), "
+              f"state carried across {-(-seq_len // q)} chunks")
+  else:
+    impl = (ssm_pallas.choose_ssd_implementation(jax.default_backend())
+            if config.ssm_impl == "auto" else config.ssm_impl)
+    op = "ops.ssd" if impl == "xla" else "ops.ssm_pallas.ssd (Pallas TPU kernel)"
+    detail = (f"SSD four-term form in chunks of {q}, {config.ssm_heads} heads x "
+              f"{config.ssm_head_dim}, {config.ssm_groups} groups, S={config.d_state}")
+  return [{"layers": layers, "mixer": config.mixer, "op": op, "detail": detail,
+           "conv": f"ops.causal_conv1d, width {config.d_conv}"}]
 
 
 def attention_kernels(config, mesh: dict[str, int], batch_size: int, seq_len: int,
@@ -122,6 +152,10 @@ def attention_kernels(config, mesh: dict[str, int], batch_size: int, seq_len: in
   bias = getattr(config, "position", None) in ("alibi", "relative")
   calls = []
   match type(config).__name__:
+    case "MambaConfig":   # a hybrid's attention layers (causal, packed documents)
+      if "attention" in config.layer_kinds:
+        calls.append(("self-attention", seq_len, seq_len, dict(
+            causal=True, segment_ids=task_name == "gpt", bias=False)))
     case "GPTConfig":
       calls.append(("self-attention", seq_len, seq_len, dict(
           causal=True, window=config.sliding_window, segment_ids=task_name == "gpt",
@@ -161,6 +195,9 @@ def format_report(report: dict[str, Any]) -> str:
       f"({gib(b['aliased']).strip()} donated)",
       f"    peak estimate           {gib(b['peak_estimate'])}",
   ]
+  for m in report.get("mixers") or ():
+    lines.append(f"  layers {', '.join(map(str, m['layers']))}: {m['mixer']} mixer, {m['op']}: "
+                 f"{m['detail']}; {m['conv']}")
   if report.get("attention"):
     lines.append("  attention kernel per backend (ops.choose_implementation), one device's share:")
     for a in report["attention"]:
