@@ -112,6 +112,17 @@ KINDS: list[Kind] = [
          frozenset({SEQ2SEQ, DECODES, MASK, LEFT_PADDING}), "T5ForConditionalGeneration"),
 ]
 
+# State-space models (Mamba-1, Mamba-2) and a hybrid stack of Mamba and attention layers: the scan
+# chunk is CHUNK, so prompts and decoding cross chunk boundaries as linear attention's do.
+_SSM = dict(vocab_size=VOCAB, d_model=16, num_layers=2, d_state=4, ssm_chunk=CHUNK, max_len=64)
+KINDS += [
+    Kind("mamba1", lambda: models.get_config("mamba-tiny", **_SSM), _DECODER, "MambaForCausalLM"),
+    Kind("mamba2", lambda: models.get_config("mamba2-tiny", **_SSM, ssm_head_dim=8, ssm_groups=2),
+         _DECODER, "Mamba2ForCausalLM"),
+    Kind("hybrid", lambda: models.get_config("hybrid-tiny", **{**_SSM, "num_layers": 3},
+                                             num_heads=2, num_kv_heads=1, d_ff=32), _DECODER),
+]
+
 BY_NAME = {k.name: k for k in KINDS}
 
 
