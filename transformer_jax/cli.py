@@ -71,6 +71,9 @@ def _cmd_prepare(args) -> int:
 def _cmd_train(args) -> int:
   if args.dry_run:
     return _dry_run(args)
+  if args.devices is not None:
+    raise ValueError(f"--devices {args.devices}: --devices is for --dry-run (a real run uses the "
+                     "devices the machine has)")
   from transformer_jax.parallel import distributed
   # Before anything touches JAX: a multi-process job must be joined before its backend starts.
   if distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import jax
+import pytest
 import optax
 import yaml
 
@@ -85,3 +86,48 @@ def test_report_bytes_match_the_sharded_state(tmp_path):
   assert abs(report["per_device_bytes"]["optimizer_state"] - held(state.opt_state)) < 1024
   assert report["parameters"] == models.count_params(config)
   assert report["per_device_bytes"]["temporaries"] > 0
+
+
+def test_dry_run_takes_the_vocabulary_of_a_prepared_dataset(tmp_path, text_dataset):
+  """The README's dry run after the demo: data.path holds a prepared dataset."""
+  from transformer_jax import data
+  exp = load_experiment(_config(tmp_path, {"data": 8}), [f"data.path={text_dataset}"])
+  config, note = dry._model_config(exp)
+  vocab = data.load_dataset(text_dataset).vocab_size
+  assert config.vocab_size == vocab and f"vocabulary {vocab} from {text_dataset}" == note
+
+
+@pytest.mark.parametrize("devices", [0, -2, 2049, 100000])
+def test_device_counts_past_what_xla_cpu_simulates_are_refused_first(tmp_path, devices):
+  exp = load_experiment(_config(tmp_path, {"data": -1}))
+  before = jax.config.jax_num_cpu_devices
+  with pytest.raises(ValueError, match=rf"--devices {devices}: .*1 to {dry.MAX_SIMULATED_DEVICES}"):
+    dry.simulate_devices(exp, devices)
+  assert jax.config.jax_num_cpu_devices == before   # refused before anything was set
+
+
+def test_a_mesh_too_large_to_simulate_is_refused_by_its_sizes(tmp_path):
+  exp = load_experiment(_config(tmp_path, {"data": 64, "fsdp": 64}))
+  with pytest.raises(ValueError, match=r"mesh data=64 x fsdp=64 .* 4096 devices.*at most 2048"):
+    dry.simulate_devices(exp, None)
+
+
+def test_devices_without_dry_run_is_refused(tmp_path):
+  from tests.train.conftest import run_cli
+  code, _, err = run_cli("train", _config(tmp_path, {"data": 1}), "--devices", "4")
+  assert code == 2 and "--devices is for --dry-run" in err and "Traceback" not in err
+  assert not os.path.exists(tmp_path / "run")
+
+
+def test_dry_run_names_linear_attention_for_a_linear_model():
+  config = models.get_config("gpt2-tiny", attention_kind="linear", linear_decay=0.5,
+                             linear_chunk=32)
+  (row,) = dry.attention_kernels(config, {"data": 1}, 8, 64, "gpt")
+  assert row["attention"] == "self-attention"
+  assert set(row["kernels"].values()) == {"linear (chunks of 32, decay 0.5)"}
+
+
+def test_dry_run_names_the_kernel_a_config_forces():
+  config = models.get_config("gpt2-tiny", attention_impl="chunked")
+  (row,) = dry.attention_kernels(config, {"data": 1}, 8, 64, "gpt")
+  assert set(row["kernels"].values()) == {"chunked"}
