@@ -7,6 +7,7 @@ module only lists their committed steps (from the directory names).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import hashlib
 import json
@@ -19,6 +20,7 @@ import jax
 import yaml
 
 from transformer_jax import models
+from transformer_jax.runs.schema import parse_yaml, typed_fields
 
 CONFIG, MODEL, DATASET, METRICS, FINAL, LOCK = (
     "config.yaml", "model.yaml", "dataset.json", "metrics.jsonl", "final.json", ".lock")
@@ -37,16 +39,66 @@ class RunLocked(ValueError):
 
 
 def load_yaml(path: str) -> Any:
-  """The YAML document in ``path``; a ``ValueError`` naming the file and line when it is broken."""
-  with open(path) as f:
-    text = f.read()
+  """The YAML document in ``path`` (``schema.parse_yaml``: exponent floats are floats).
+
+  Raises:
+    ValueError: the file is not UTF-8 or not valid YAML (naming the file and line).
+  """
+  with open(path, "rb") as f:
+    data = f.read()
   try:
-    return yaml.safe_load(text)
+    text = data.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise ValueError(f"{path}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})"
+                     ) from None
+  try:
+    return parse_yaml(text)
   except yaml.YAMLError as e:
     mark = getattr(e, "problem_mark", None)
     where = f"{path}:{mark.line + 1}" if mark is not None else path
     problem = getattr(e, "problem", None) or str(e).splitlines()[0]
     raise ValueError(f"{where}: broken YAML: {problem}") from None
+
+
+def read_json(path: str, expect: type = dict) -> Any:
+  """The JSON document in ``path``, which must be a ``expect`` (an object by default).
+
+  Raises:
+    ValueError: the file is not UTF-8, not valid JSON or not a ``expect`` (naming the file).
+  """
+  with open(path, "rb") as f:
+    data = f.read()
+  try:
+    value = json.loads(data.decode("utf-8"))
+  except UnicodeDecodeError as e:
+    raise ValueError(f"{path}: not UTF-8 text (offset {e.start})") from None
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path}:{e.lineno}: broken JSON: {e.msg}") from None
+  if not isinstance(value, expect):
+    kind = "an object" if expect is dict else f"a JSON {expect.__name__}"
+    raise ValueError(f"{path}: expected {kind}, got a JSON {type(value).__name__}")
+  return value
+
+
+def model_from_spec(spec: Any, where: str) -> models.ModelConfig:
+  """The model config of a ``model.yaml``-style mapping (``family`` plus fields), each field
+  checked against its type.
+
+  Raises:
+    ValueError: naming ``where`` and the field: not a mapping, an unknown family or field, a
+      value of the wrong type or out of range.
+  """
+  if not isinstance(spec, dict):
+    raise ValueError(f"{where}: expected a mapping of model fields, got {type(spec).__name__}")
+  try:
+    cls = type(models.config_from_dict({"family": spec.get("family")}))
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(spec) - fields - {"family"})
+    if unknown:
+      raise ValueError(f"{cls.__name__} has no field(s) {', '.join(map(str, unknown))}")
+    return models.config_from_dict(typed_fields(cls, spec, ""))
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"{where}: {e}") from None
 
 
 def write_atomic(path: str, text: str) -> None:
@@ -162,11 +214,7 @@ class RunDir:
     path = self.file(MODEL)
     if not os.path.exists(path):
       return None
-    spec = load_yaml(path)
-    try:
-      return models.config_from_dict(spec)
-    except (TypeError, KeyError) as e:
-      raise ValueError(f"{path}: not a model config ({type(e).__name__}: {e})") from None
+    return model_from_spec(load_yaml(path), path)
 
   def require_model(self) -> models.ModelConfig:
     """The model config of an existing run directory (what eval, generate and convert open).
@@ -182,14 +230,20 @@ class RunDir:
     return config
 
   def read_dataset_ref(self) -> dict | None:
+    """``dataset.json``: ``path`` (a string), ``hash`` (a string) and the rest as written; None
+    when the file is absent.
+
+    Raises:
+      ValueError: a damaged file or a field of the wrong type (naming the file and the field).
+    """
     path = self.file(DATASET)
     if not os.path.exists(path):
       return None
-    with open(path) as f:
-      try:
-        return json.load(f)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{e.lineno}: broken JSON: {e.msg}") from None
+    ref = read_json(path)
+    for key in ("path", "hash"):
+      if not isinstance(ref.get(key), str):
+        raise ValueError(f"{path}: {key}={ref.get(key)!r}: expected a string")
+    return ref
 
   def write_snapshot(self, config: dict | None, model_config: models.ModelConfig,
                      dataset: dict | None) -> None:
@@ -205,11 +259,19 @@ class RunDir:
       write_atomic(self.file(DATASET), json.dumps(dataset, indent=2) + "\n")
 
   def read_final(self) -> dict | None:
+    """``final.json`` (an object), or None when the file is absent.
+
+    Raises:
+      ValueError: a damaged file (naming it).
+    """
     path = self.file(FINAL)
     if not os.path.exists(path):
       return None
-    with open(path) as f:
-      return json.load(f)
+    final = read_json(path)
+    if "step" in final and (isinstance(final["step"], bool)
+                            or not isinstance(final["step"], int)):
+      raise ValueError(f"{path}: step={final['step']!r}: expected an integer")
+    return final
 
   def write_final(self, final: dict) -> None:
     if jax.process_index() == 0:

@@ -40,7 +40,7 @@ def model_config(init_from: str, overrides: dict[str, Any]) -> models.ModelConfi
   for key in overrides:
     if key not in fields:
       raise ValueError(f"model.{key}: not a field of the {type(base).__name__} in {init_from}")
-  return dataclasses.replace(base, **overrides)
+  return dataclasses.replace(base, **runs.schema.typed_fields(type(base), overrides, "model."))
 
 
 def _flat(params) -> dict[str, Any]:
