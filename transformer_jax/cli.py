@@ -348,7 +348,11 @@ def launch() -> None:
   import os
 
   from transformer_jax.cpu import allocator
-  env = allocator.allocator_env()
+  try:
+    env = allocator.allocator_env()
+  except ValueError as e:  # a bad TJAX_MALLOC: one line, before anything runs
+    print(f"tjax: error: {e}", file=sys.stderr)
+    sys.exit(2)
   if env is not None:
     try:
       os.execve(sys.executable, [sys.executable, "-m", "transformer_jax.cli", *sys.argv[1:]], env)

@@ -218,6 +218,11 @@ class ClassifyLoader:
     self._rows = slice(self.process_index * local, (self.process_index + 1) * local)
     self.step = 0
 
+  @property
+  def examples_per_epoch(self) -> tuple[int, str]:
+    """Distinct training examples in one epoch, and what they are."""
+    return int(self.labels.size), "labelled examples"
+
   def indices_at(self, step: int) -> np.ndarray:
     """The global batch's example ids at ``step``: consecutive slices of per-epoch permutations."""
     n = self.labels.size

@@ -27,7 +27,10 @@ CONFIG, MODEL, DATASET, METRICS, FINAL, LOCK = (
 CHECKPOINTS = "checkpoints"
 # What a run writes: removed by ``RunDir.clear`` (``--force-new``), nothing else is touched.
 _OWNED = (CONFIG, MODEL, DATASET, METRICS, FINAL, CHECKPOINTS, "tensorboard", "loss.png",
-          "samples.txt")
+          "samples.txt", "init_from.json")
+# What a start leaves before its snapshot: the lock, and the dataset prepared into the default
+# ``data.path`` (RUN_DIR/data).
+_STARTED = (LOCK, "data")
 
 
 class RunLocked(ValueError):
@@ -199,6 +202,28 @@ class RunDir:
     if os.path.isdir(self.path) and not os.access(self.path, os.R_OK):
       raise ValueError(f"run_dir {self.path} is not readable (permission denied)")
 
+  def check_owned(self) -> None:
+    """Refuses a directory that holds something other than a run: a run writes ``config.yaml``,
+    ``metrics.jsonl`` and more, and must not replace files of the same names it did not create.
+
+    A directory is a run's when it is empty, holds ``model.yaml`` or ``checkpoints/`` (a run, or
+    a model ``tjax convert`` wrote), or holds only what a start leaves (``.lock``, ``data/``).
+
+    Raises:
+      ValueError: naming the directory and (some of) the entries that are not a run's.
+    """
+    if not os.path.isdir(self.path):
+      return
+    entries = sorted(os.listdir(self.path))
+    if os.path.isfile(self.file(MODEL)) or os.path.isdir(self.checkpoint_dir):
+      return
+    foreign = [e for e in entries if e not in _STARTED]
+    if foreign:
+      listed = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5
+                                         else "")
+      raise ValueError(f"run_dir {self.path} holds files that are not a run's ({listed}); give "
+                       "a new or empty directory")
+
   # Snapshots.
 
   def read_config(self) -> dict | None:
@@ -299,10 +324,22 @@ class RunDir:
 
   @contextlib.contextmanager
   def lock(self) -> Iterator[None]:
-    """Holds ``.lock`` (an exclusive ``flock``) while the body runs; a second holder is refused."""
+    """Holds ``.lock`` (an exclusive ``flock``) while the body runs; a second holder is refused.
+
+    When the body fails, what the lock itself created goes again: the ``.lock`` file, and the
+    directory when the lock made it and nothing else was written into it (a refused start leaves
+    no trace).
+    """
     import fcntl
+    created_dir = not os.path.isdir(self.path)
     os.makedirs(self.path, exist_ok=True)
-    f = open(self.file(LOCK), "a+")
+    created_lock = not os.path.lexists(self.file(LOCK))
+    try:
+      f = open(self.file(LOCK), "a+")
+    except OSError:
+      if created_dir:
+        os.rmdir(self.path)
+      raise
     try:
       fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -317,6 +354,13 @@ class RunDir:
     f.flush()
     try:
       yield
+    except BaseException:
+      if created_lock:  # removed while still held: no other process takes a lock on it meanwhile
+        with contextlib.suppress(OSError):
+          os.remove(self.file(LOCK))
+          if created_dir and not os.listdir(self.path):
+            os.rmdir(self.path)
+      raise
     finally:
       fcntl.flock(f, fcntl.LOCK_UN)
       f.close()

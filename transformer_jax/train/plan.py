@@ -55,9 +55,35 @@ def ensure_dataset(exp: Experiment, *, prepare: bool = True) -> data_lib.Dataset
   return dataset
 
 
+def preflight(exp: Experiment) -> None:
+  """What can be checked before the run directory is touched (the lock creates it): the
+  directory can hold this run, and the model config builds (with the preset's vocabulary; the
+  dataset's is checked against it once the dataset is loaded).
+
+  Raises:
+    ValueError: a path that cannot hold a run, a folder holding files that are not a run's, or a
+      model config that does not validate.
+  """
+  rd = runs.RunDir(exp.run_dir)
+  rd.check_usable()
+  rd.check_owned()
+  exp.model_config()
+
+
 def make_train_loader(exp: Experiment, dataset, task=None):
-  """The task's deterministic training loader over ``dataset`` (``batch_at(step)``)."""
-  return (task or tasks_lib.TASKS[exp.data.task]).loader(dataset, exp)
+  """The task's deterministic training loader over ``dataset`` (``batch_at(step)``).
+
+  Raises:
+    ValueError: the training split holds fewer distinct examples than one global batch (every
+      batch would repeat some: the run would train on duplicates without a word).
+  """
+  loader = (task or tasks_lib.TASKS[exp.data.task]).loader(dataset, exp)
+  count, unit = loader.examples_per_epoch
+  if count < exp.train.batch_size:
+    raise ValueError(f"the train split of {dataset.path} holds {count} {unit}, fewer than "
+                     f"train.batch_size={exp.train.batch_size}: every batch would repeat some; "
+                     f"prepare more data or give train.batch_size <= {count}")
+  return loader
 
 
 def eval_batches(exp: Experiment, dataset, task=None):
