@@ -133,8 +133,28 @@ def _cmd_convert(args) -> int:
   return 0
 
 
+def _check_bench_out(path: str) -> None:
+  """Refuses a ``--json`` path that holds something other than an earlier benchmark's result
+  (what ``bench.run`` writes: a JSON object whose ``command`` is a ``tjax bench`` command), before
+  the benchmark runs."""
+  import json
+  import os
+  if not path or not os.path.lexists(path):
+    return
+  if not os.path.isfile(path):
+    raise ValueError(f"--json {path} exists and is not a file")
+  try:
+    with open(path, "rb") as f:
+      old = json.loads(f.read().decode("utf-8"))
+  except (UnicodeDecodeError, json.JSONDecodeError):
+    old = None
+  if not (isinstance(old, dict) and str(old.get("command", "")).startswith("tjax bench ")):
+    raise ValueError(f"--json {path} exists and is not a tjax bench result; give another path")
+
+
 def _cmd_bench(args) -> int:
   from transformer_jax import bench
+  _check_bench_out(args.json if args.json is not None else bench.default_json(args.kind))
   if args.kind == "generate":
     from transformer_jax.bench import generate
     generate.check_args(args.parser, args)

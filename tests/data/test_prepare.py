@@ -190,6 +190,25 @@ def test_cli_args_and_errors(corpus_dir, tmp_path, capsys):
     args = parser.parse_args([str(corpus_dir), "--out", str(tmp_path / "o"), "--compact-vocab", "--seed", "2"])
     assert run_prepare(args) == 0
     assert "vocab_size" in capsys.readouterr().out
-    args = parser.parse_args([str(tmp_path / "missing*.txt"), "--out", str(tmp_path / "o2")])
-    assert run_prepare(args) == 1
-    assert "missing*.txt" in capsys.readouterr().err
+    from tests.train.conftest import run_cli
+    for missing in ("missing*.txt", "missing.txt"):
+        code, _, err = run_cli("prepare", str(tmp_path / missing), "--out", str(tmp_path / "o2"))
+        assert code == 2 and err.count("\n") == 1, err
+        assert err == f"tjax prepare: error: no files found for input {str(tmp_path / missing)!r}\n"
+
+
+def test_prepare_refuses_a_folder_that_is_not_a_dataset(corpus_dir, tmp_path):
+    out = tmp_path / "project"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine\n")
+    with pytest.raises(ValueError, match=rf"{out} holds files that are not a prepared dataset's "
+                       r"\(notes\.txt\)"):
+        prepare([str(corpus_dir)], str(out), progress=False)
+    assert os.listdir(out) == ["notes.txt"]
+    # A dataset folder (and what an interrupted build left in it) is rebuilt in place.
+    ds = tmp_path / "ds"
+    prepare([str(corpus_dir)], str(ds), progress=False, compact_vocab=True)
+    (ds / "metadata.json").unlink()
+    (ds / "train_000.bin.tmp").write_bytes(b"")
+    prepare([str(corpus_dir)], str(ds), progress=False, compact_vocab=True)
+    assert load_dataset(str(ds)).vocab_size > 0

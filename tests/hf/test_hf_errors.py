@@ -144,3 +144,19 @@ def test_importing_transformer_jax_needs_no_torch():
   code = ("import sys, transformer_jax, transformer_jax.hf; "
           "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
   subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_convert_to_hf_refuses_a_non_empty_out_directory(gpt2_dir, tmp_path_factory):
+  from tests.train.conftest import run_cli
+  from transformer_jax.hf import convert
+  root = tmp_path_factory.mktemp("to_hf")
+  convert.from_hf(gpt2_dir, root / "run")
+  out = root / "hf"
+  out.mkdir()
+  (out / "config.json").write_text('{"mine": true}\n')
+  code, _, err = run_cli("convert", "--to-hf", str(root / "run"), "--out", str(out))
+  assert code == 2 and err.count("\n") == 1 and "exists and is not empty" in err, err
+  assert sorted(p.name for p in out.iterdir()) == ["config.json"]
+  assert (out / "config.json").read_text() == '{"mine": true}\n'
+  code, _, err = run_cli("convert", "--to-hf", str(root / "run"), "--out", str(root / "new"))
+  assert code == 0, err

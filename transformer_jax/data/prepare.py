@@ -35,6 +35,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import sys
 import sysconfig
 import zlib
@@ -352,6 +353,30 @@ def _is_up_to_date(out: str, content_hash: str) -> dict[str, Any] | None:
     return meta if all(os.path.exists(os.path.join(out, f)) for f in files) else None
 
 
+# The files ``prepare`` writes (and their temporaries): a folder holding anything else is not a
+# dataset, and is not written into.
+_DATASET_FILE = re.compile(r"^(?:(?:train|val)(?:_src|_tgt|_b)?(?:_\d+\.bin|_offsets\.npy|"
+                           r"_labels\.npy)|vocab\.json|metadata\.json)(?:\.tmp)?$")
+
+
+def check_output_dir(out: str) -> None:
+    """Refuses an output path that is not a folder, or a folder that holds files other than a
+    prepared dataset's (a rebuild replaces the dataset's own files; it never writes over others).
+
+    Raises:
+        ValueError: naming the folder and (some of) the other files.
+    """
+    if not os.path.lexists(out):
+        return
+    if not os.path.isdir(out):
+        raise ValueError(f"--out {out} exists and is not a directory")
+    foreign = sorted(e for e in os.listdir(out) if not _DATASET_FILE.match(e))
+    if foreign:
+        listed = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise ValueError(f"{out} holds files that are not a prepared dataset's ({listed}); give a new "
+                         "or empty directory")
+
+
 def read_metadata(path: str) -> dict[str, Any]:
     """The ``metadata.json`` of the dataset directory ``path``.
 
@@ -414,6 +439,7 @@ def prepare(inputs: Sequence[str], out: str, *, tokenizer: str = "cl100k_base", 
     """
     if task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    check_output_dir(out)
     if task == "classify":
         from transformer_jax.data.classify import prepare_classify
         return prepare_classify(inputs, out, tokenizer=tokenizer, vocab_from=vocab_from,

@@ -255,8 +255,8 @@ class RunDir:
     return config
 
   def read_dataset_ref(self) -> dict | None:
-    """``dataset.json``: ``path`` (a string), ``hash`` (a string) and the rest as written; None
-    when the file is absent.
+    """``dataset.json``: ``path`` (a string), ``hash`` (a string where given) and the rest as
+    written; None when the file is absent.
 
     Raises:
       ValueError: a damaged file or a field of the wrong type (naming the file and the field).
@@ -266,7 +266,7 @@ class RunDir:
       return None
     ref = read_json(path)
     for key in ("path", "hash"):
-      if not isinstance(ref.get(key), str):
+      if (key == "path" or key in ref) and not isinstance(ref.get(key), str):
         raise ValueError(f"{path}: {key}={ref.get(key)!r}: expected a string")
     return ref
 
