@@ -1,6 +1,7 @@
 """``hardware``: datasheet peaks by device kind, and the device this process computes on."""
 
 import json
+import os
 
 import jax
 import pytest
@@ -120,3 +121,11 @@ def test_mfu_never_passes_100_percent_the_limit_rises_instead(measured, tmp_path
                       dtype="float32")
   assert sheet(2e5) == pytest.approx(2.0)                 # a datasheet is never rewritten
   assert hardware.matmul_peak("float32") == (5e11, "cached")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/meminfo"), reason="Linux's /proc/meminfo")
+def test_host_memory_available_is_the_kernels_figure():
+  free = hardware.host_memory_available()
+  with open("/proc/meminfo") as f:
+    meminfo = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+  assert free is not None and 0 < free <= meminfo["MemAvailable"]

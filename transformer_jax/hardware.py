@@ -267,3 +267,28 @@ def matmul_peak(dtype: str) -> tuple[float, str]:
   rate = measure_matmul(str(dtype))
   store_limit(str(dtype), rate)
   return rate, "measured"
+
+
+def host_memory_available() -> int | None:
+  """Bytes of host memory this process can still take: ``MemAvailable`` of ``/proc/meminfo``,
+  lowered to the room left under a cgroup (v2) memory limit; None where neither is known."""
+  out = None
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          out = int(line.split()[1]) * 1024
+          break
+  except (OSError, ValueError, IndexError):
+    pass
+  try:
+    with open("/sys/fs/cgroup/memory.max") as f:
+      limit = f.read().strip()
+    with open("/sys/fs/cgroup/memory.current") as f:
+      used = int(f.read().strip())
+    if limit != "max":
+      room = max(0, int(limit) - used)
+      out = room if out is None else min(out, room)
+  except (OSError, ValueError):
+    pass
+  return out

@@ -57,25 +57,6 @@ def _number(value: Any) -> bool:
   return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def read_metrics(path: str) -> list[dict]:
-  """The records of ``metrics.jsonl``: objects with an integer ``step`` whose ``loss`` and
-  ``val_loss``, where present, are finite numbers (a line cut short by a crash, or damaged, is
-  skipped)."""
-  if not os.path.isfile(path):
-    return []
-  records = []
-  with open(path, "rb") as f:
-    for line in f:
-      try:
-        record = json.loads(line)
-      except (json.JSONDecodeError, UnicodeDecodeError):
-        continue
-      if (isinstance(record, dict) and isinstance(record.get("step"), int)
-          and all(_number(record[k]) for k in ("loss", "val_loss") if k in record)):
-        records.append(record)
-  return records
-
-
 def _read_final(rd: runs.RunDir) -> dict:
   """``final.json`` of a run (empty when absent), its ``bars`` and ``samples`` checked.
 
@@ -179,7 +160,7 @@ def _collect(path: str, name: str, text: str | None, best: bool) -> _Run:
   if not samples and os.path.isfile(rd.file("samples.txt")):
     with open(rd.file("samples.txt")) as f:
       samples = [s for s in f.read().split("\n\n") if s.strip()]
-  run = _Run(name, path, config, rd.read_config(), read_metrics(rd.file(runs.METRICS)), final,
+  run = _Run(name, path, config, rd.read_config(), rd.read_metrics(), final,
              samples)
 
   def add(kind: str, fig: Figure, caption: str) -> None:

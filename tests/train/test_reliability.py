@@ -593,3 +593,45 @@ def test_a_step_too_large_for_the_allocator_to_reuse_is_named_once(tmp_path, tex
 
 def test_no_allocator_notice_for_a_small_step(finished):
   assert "notice: one training step" not in finished["stdout"] + finished["stderr"]
+
+
+def test_a_window_past_the_models_positions_is_refused_before_the_run(tmp_path, text_dataset):
+  run_dir = tmp_path / "r"
+  with pytest.raises(ValueError, match=r"train\.seq_len=64 is longer than the model's "
+                     r"max_len=32 positions"):
+    train(_exp(run_dir, text_dataset, seq_len=64), progress=False)
+  assert not run_dir.exists()
+
+
+def test_a_model_larger_than_the_free_memory_is_refused_before_anything_is_allocated(
+    tmp_path, text_dataset, monkeypatch):
+  from transformer_jax import hardware
+  monkeypatch.setattr(hardware, "host_memory_available", lambda: 2**10)
+  run_dir = tmp_path / "r"
+  with pytest.raises(ValueError, match=r"parameters need .* GiB for parameters, gradients and "
+                     r"AdamW moments, more than the 0\.0 GiB of memory this machine has free"):
+    train(_exp(run_dir, text_dataset), progress=False)
+  assert not run_dir.exists()
+
+
+def test_a_lock_that_is_a_symbolic_link_is_refused_and_its_target_kept(finished, tmp_path,
+                                                                        text_dataset):
+  run_dir = _copy(finished, tmp_path)
+  precious = tmp_path / "precious.txt"
+  precious.write_text("mine\n")
+  os.symlink(precious, os.path.join(run_dir, ".lock"))
+  with pytest.raises(ValueError, match=r"\.lock is a symbolic link"):
+    train(_exp(run_dir, text_dataset, steps=8), progress=False)
+  assert precious.read_text() == "mine\n"
+
+
+def test_a_torn_metrics_line_is_dropped_when_the_run_resumes(finished, tmp_path, text_dataset):
+  """A crash in the middle of a log line: the resumed run drops it (and reports and plots skip
+  it), and the file is rewritten whole."""
+  run_dir = _copy(finished, tmp_path)
+  with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+    f.write('{"step": 7, "lo')
+  assert runs.RunDir(run_dir).read_metrics() == _metrics(finished["run"])
+  assert train(_exp(run_dir, text_dataset, steps=8), progress=False)["step"] == 8
+  steps = [r["step"] for r in _metrics(run_dir) if "loss" in r]
+  assert steps == list(range(1, 9))

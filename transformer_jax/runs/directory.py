@@ -33,6 +33,11 @@ _OWNED = (CONFIG, MODEL, DATASET, METRICS, FINAL, CHECKPOINTS, "tensorboard", "l
 _STARTED = (LOCK, "data")
 
 
+def _finite(value: Any) -> bool:
+  return (isinstance(value, (int, float)) and not isinstance(value, bool)
+          and value == value and abs(value) != float("inf"))
+
+
 class RunLocked(ValueError):
   """Another process holds the run directory."""
 
@@ -298,6 +303,26 @@ class RunDir:
       raise ValueError(f"{path}: step={final['step']!r}: expected an integer")
     return final
 
+  def read_metrics(self) -> list[dict]:
+    """The records of ``metrics.jsonl``: JSON objects with an integer ``step`` whose ``loss`` and
+    ``val_loss``, where present, are finite numbers. A line cut short by a crash (or otherwise
+    damaged) is skipped: the checkpoint, not the log, is what a run resumes from."""
+    path = self.file(METRICS)
+    if not os.path.isfile(path):
+      return []
+    records = []
+    with open(path, "rb") as f:
+      for line in f:
+        try:
+          record = json.loads(line)
+        except ValueError:  # not JSON, not UTF-8
+          continue
+        if (isinstance(record, dict) and isinstance(record.get("step"), int)
+            and not isinstance(record["step"], bool)
+            and all(_finite(record[k]) for k in ("loss", "val_loss") if k in record)):
+          records.append(record)
+    return records
+
   def write_final(self, final: dict) -> None:
     if jax.process_index() == 0:
       write_atomic(self.file(FINAL), json.dumps(final, indent=2) + "\n")
@@ -335,11 +360,17 @@ class RunDir:
     os.makedirs(self.path, exist_ok=True)
     created_lock = not os.path.lexists(self.file(LOCK))
     try:
-      f = open(self.file(LOCK), "a+")
-    except OSError:
+      # Never through a symbolic link: the lock's text is rewritten, and would be written into
+      # whatever file the link names.
+      fd = os.open(self.file(LOCK), os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except OSError as e:
       if created_dir:
         os.rmdir(self.path)
-      raise
+      if os.path.islink(self.file(LOCK)):
+        raise ValueError(f"run_dir {self.path}: {LOCK} is a symbolic link; remove it (a run's "
+                         "lock is a plain file)") from None
+      raise e
+    f = os.fdopen(fd, "r+")
     try:
       fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

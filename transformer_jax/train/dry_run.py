@@ -8,7 +8,6 @@ The CLI sets the number of simulated CPU devices before JAX starts (``simulate_d
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
@@ -17,6 +16,7 @@ import jax
 from transformer_jax import models, parallel, runs
 from transformer_jax.train import step as step_lib
 from transformer_jax.train.config import Experiment
+from transformer_jax.train.plan import model_config_before_data
 
 # XLA:CPU compiles a program for at most 2048 devices in one process ("Multiprocess computations
 # aren't implemented on the CPU backend" past it); each simulated device also costs about 1 MiB
@@ -59,14 +59,7 @@ def _model_config(exp: Experiment) -> tuple[models.ModelConfig, str]:
   if rd.checkpoint_steps() and rd.read_model() is not None:
     config = rd.read_model()
     return config, f"vocabulary {config.vocab_size} from {rd.file(runs.MODEL)}"
-  path = exp.data.path
-  meta = None if path is None else os.path.join(path, "metadata.json")
-  if meta and os.path.exists(meta):
-    from transformer_jax.data.prepare import read_metadata
-    vocab = read_metadata(path)["vocab_size"]
-    return exp.model_config(vocab_size=vocab), f"vocabulary {vocab} from {path}"
-  config = exp.model_config()
-  return config, f"vocabulary {config.vocab_size} from the model config (no prepared dataset)"
+  return model_config_before_data(exp)
 
 
 def dry_run(exp: Experiment) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from transformer_jax import hardware, models
+from transformer_jax import hardware, models, runs
 from transformer_jax.train.console import log0, progress_bar
 from transformer_jax.train.optim import learning_rate_schedule
 
@@ -37,11 +37,9 @@ class MetricsLog:
     self.path = os.path.join(run_dir, "metrics.jsonl")
     if not self.enabled:
       return
-    if os.path.exists(self.path):
-      with open(self.path) as f:
-        keep = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
-      with open(self.path, "w") as f:
-        f.writelines(keep)
+    if os.path.exists(self.path):   # rewritten whole or not at all; damaged lines dropped
+      keep = [r for r in runs.RunDir(run_dir).read_metrics() if r["step"] <= resume_step]
+      runs.write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in keep))
     from tensorboardX import SummaryWriter
     self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
     self.file = open(self.path, "a")
@@ -73,13 +71,11 @@ def plot_loss(run_dir: str) -> str | None:
   import matplotlib.pyplot as plt
 
   train, val = [], []
-  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-    for line in f:
-      r = json.loads(line)
-      if "val_loss" in r:
-        val.append((r["step"], r["val_loss"]))
-      elif "loss" in r:
-        train.append((r["step"], r["loss"]))
+  for r in runs.RunDir(run_dir).read_metrics():
+    if "val_loss" in r:
+      val.append((r["step"], r["val_loss"]))
+    elif "loss" in r:
+      train.append((r["step"], r["loss"]))
   if not train:
     return None
   fig, ax = plt.subplots(figsize=(7, 4))
