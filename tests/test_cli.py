@@ -29,3 +29,9 @@ def test_bench_json_refuses_damaged_or_foreign_files(tmp_path, content):
   path.write_bytes(content)
   with pytest.raises(ValueError, match="is not a tjax bench result"):
     cli._check_bench_out(str(path))
+
+
+@pytest.mark.parametrize("flag", ["--seq-len", "--batch-size", "--vocab-size"])
+def test_info_refuses_sizes_below_one(flag):
+  code, _, err = run_cli("info", "gpt2-tiny", flag, "0")
+  assert code == 2 and err == f"tjax info: error: {flag} 0: expected an integer >= 1\n"

@@ -55,6 +55,10 @@ def presets_table() -> str:
 
 
 def _cmd_info(args) -> int:
+  for flag, value in (("--batch-size", args.batch_size), ("--seq-len", args.seq_len),
+                      ("--vocab-size", args.vocab_size)):
+    if value is not None and value < 1:
+      raise ValueError(f"{flag} {value}: expected an integer >= 1")
   if args.preset is None:
     print(presets_table())
     return 0

@@ -212,3 +212,20 @@ def test_prepare_refuses_a_folder_that_is_not_a_dataset(corpus_dir, tmp_path):
     (ds / "train_000.bin.tmp").write_bytes(b"")
     prepare([str(corpus_dir)], str(ds), progress=False, compact_vocab=True)
     assert load_dataset(str(ds)).vocab_size > 0
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--val-fraction", "nan"], "val_fraction=nan: expected a fraction"),
+    (["--val-fraction", "inf"], "val_fraction=inf: expected a fraction"),
+    (["--val-fraction", "-1"], "val_fraction=-1.0: expected a fraction"),
+    (["--val-fraction", "2.5"], "val_fraction=2.5: a value >= 1 is a whole document count"),
+    (["--workers", "-3"], "workers=-3: expected an integer >= 1"),
+    (["--compact-vocab", "0"], "compact_vocab=0: expected true, false or a count"),
+    (["--text-field", ""], "text_field='': expected a field name"),
+])
+def test_bad_prepare_options_are_one_line_before_any_file_is_read(corpus_dir, tmp_path, flags,
+                                                                  named):
+    from tests.train.conftest import run_cli
+    code, out, err = run_cli("prepare", str(corpus_dir), "--out", str(tmp_path / "o"), *flags)
+    assert code == 2 and err == f"tjax prepare: error: {named}" + err.split(named, 1)[1], err
+    assert err.count("\n") == 1 and "tokenizing" not in err and not (tmp_path / "o").exists()

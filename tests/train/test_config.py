@@ -173,3 +173,14 @@ def test_unreadable_config_files_are_named(tmp_path, content, message):
   path.write_bytes(content)
   with pytest.raises(ValueError, match=rf"^{path}(:\d+)?:? .*{message}"):
     load_experiment(str(path))
+
+
+@pytest.mark.parametrize("override", ["model.=3", "train..steps=3", "=3", ".x=1"])
+def test_an_override_key_with_an_empty_part_is_refused(override):
+  with pytest.raises(ValueError, match=r"has an empty part"):
+    load_experiment(None, [override], raw=BASE)
+
+
+def test_a_compact_vocabulary_count_below_one_is_refused():
+  with pytest.raises(ValueError, match=r"data\.compact_vocab=0: expected true, false or a count"):
+    load_experiment(None, ["data.compact_vocab=0"], raw=BASE)

@@ -303,8 +303,8 @@ def split_documents(keys: Sequence[str], val_fraction: float, seed: int) -> np.n
         splits are non-empty.
     """
     n = len(keys)
-    if val_fraction < 0:
-        raise ValueError(f"val_fraction must be >= 0, got {val_fraction}")
+    if not val_fraction >= 0 or val_fraction == float("inf"):   # NaN fails the comparison
+        raise ValueError(f"val_fraction must be a finite number >= 0, got {val_fraction}")
     hashes = np.array([_split_hash(seed, k) for k in keys], dtype=np.float64)
     if val_fraction >= 1:
         if val_fraction != int(val_fraction):
@@ -359,6 +359,30 @@ def _is_up_to_date(out: str, content_hash: str) -> dict[str, Any] | None:
 # dataset, and is not written into.
 _DATASET_FILE = re.compile(r"^(?:(?:train|val)(?:_src|_tgt|_b)?(?:_\d+\.bin|_offsets\.npy|"
                            r"_labels\.npy)|vocab\.json|metadata\.json)(?:\.tmp)?$")
+
+
+def check_options(*, task: str, val_fraction: float, workers: int, compact_vocab: bool | int,
+                  text_field: str) -> None:
+    """Refuses options ``prepare`` cannot honour, before any file is read.
+
+    Raises:
+        ValueError: an unknown task, a ``val_fraction`` that is negative, not finite or a fraction
+            above 1, fewer than one worker, a ``compact_vocab`` count below 1, or no text field.
+    """
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    if (isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float))
+            or not 0 <= val_fraction < float("inf")):
+        raise ValueError(f"val_fraction={val_fraction}: expected a fraction in [0, 1) or a whole "
+                         "number of documents")
+    if val_fraction >= 1 and val_fraction != int(val_fraction):
+        raise ValueError(f"val_fraction={val_fraction}: a value >= 1 is a whole document count")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers={workers}: expected an integer >= 1")
+    if not isinstance(compact_vocab, bool) and (not isinstance(compact_vocab, int) or compact_vocab < 1):
+        raise ValueError(f"compact_vocab={compact_vocab}: expected true, false or a count of ids >= 1")
+    if not isinstance(text_field, str) or not text_field:
+        raise ValueError(f"text_field={text_field!r}: expected a field name")
 
 
 def check_output_dir(out: str) -> None:
@@ -512,8 +536,8 @@ def prepare(inputs: Sequence[str], out: str, *, tokenizer: str = "cl100k_base", 
         FileNotFoundError: An input name matches no files.
         ValueError: Bad options, malformed jsonl/tsv lines, or an empty corpus.
     """
-    if task not in TASKS:
-        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    check_options(task=task, val_fraction=val_fraction, workers=workers, compact_vocab=compact_vocab,
+                  text_field=text_field)
     check_output_dir(out)
     if task == "classify":
         from transformer_jax.data.classify import prepare_classify

@@ -197,6 +197,9 @@ def parse_overrides(items: list[str]) -> list[tuple[str, Any]]:
     if "=" not in item:
       raise ValueError(f"override {item!r} must look like section.key=value")
     key, text = item.split("=", 1)
+    if not all(part.strip() for part in key.split(".")):
+      raise ValueError(f"override {item!r}: the key {key!r} has an empty part; it looks like "
+                       "section.key=value")
     try:
       value = parse_yaml(text) if text != "" else None
     except yaml.YAMLError:
@@ -358,6 +361,9 @@ def _validate(exp: Experiment) -> None:
     _check_range("train.clip_norm", t.clip_norm, 0.0, math.inf, False, False)
   d = exp.data
   _check_range("data.mask_prob", d.mask_prob, 0.0, 1.0, False, False)
+  if not isinstance(d.compact_vocab, bool) and d.compact_vocab < 1:
+    raise FieldError("data.compact_vocab", f"data.compact_vocab={d.compact_vocab}: expected true, "
+                     "false or a count of ids >= 1")
   if d.val_fraction <= 0:
     raise FieldError("data.val_fraction", f"data.val_fraction={d.val_fraction} must be > 0 (a "
                      "fraction, or a count of documents)")
