@@ -635,3 +635,22 @@ def test_a_torn_metrics_line_is_dropped_when_the_run_resumes(finished, tmp_path,
   assert train(_exp(run_dir, text_dataset, steps=8), progress=False)["step"] == 8
   steps = [r["step"] for r in _metrics(run_dir) if "loss" in r]
   assert steps == list(range(1, 9))
+
+
+@pytest.mark.parametrize("content, named", [
+    ('{"step": 6, "loader": "x"}', "loader='x': expected null or an object"),
+    ('{"step": 6, "loader": {"step": -1}}', "loader={'step': -1}"),
+    ("[6]", "expected an object"), ('{"step": 6, "lo', "broken JSON")])
+def test_a_damaged_checkpoint_meta_is_a_damaged_step_naming_the_file(finished, tmp_path, content,
+                                                                     named):
+  run_dir = _copy(finished, tmp_path)
+  path = os.path.join(run_dir, "checkpoints", "6", "meta", "metadata")
+  with open(path, "w") as f:
+    f.write(content)
+  ckpt = runs.Checkpoints(os.path.join(run_dir, "checkpoints"), keep=3, async_save=False)
+  try:
+    with pytest.raises(ValueError, match=re.escape(path) + r".*" + re.escape(named)):
+      ckpt.read_meta(6)
+    assert ckpt.read_meta(4)["loader"] == {"step": 4}
+  finally:
+    ckpt.close()
