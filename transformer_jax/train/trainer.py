@@ -67,9 +67,11 @@ def train(exp: Experiment, *, progress: bool | None = None, force_new: bool = Fa
     RunLocked: another trainer holds the run directory.
   """
   exp = exp.absolute()
+  rd = runs.RunDir(exp.run_dir)
+  rd.check_usable()   # before a pretraining run that may take hours
+  rd.check_owned()
   _pretrain_if_absent(exp, progress)
   preflight(exp)   # before the lock, which creates the directory
-  rd = runs.RunDir(exp.run_dir)
   lock = rd.lock() if jax.process_index() == 0 else contextlib.nullcontext()
   with lock:
     return _train_locked(exp, rd, progress, force_new, resume_hint)
