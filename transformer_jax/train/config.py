@@ -228,11 +228,17 @@ def read_config_file(path: str) -> dict:
 
 
 def load_experiment(path: str | None, overrides: list[str] = (), *,
-                    raw: dict | None = None) -> Experiment:
+                    raw: dict | None = None, source: str | None = None) -> Experiment:
   """Reads a YAML experiment (or ``raw``), applies ``key=value`` overrides and validates it.
 
   A file must hold every section of :data:`REQUIRED` (after the overrides); ``raw`` (a stored
   ``config.yaml``, a mapping built in Python) takes the defaults of the sections it lacks.
+
+  Args:
+    path: the YAML file (None: ``raw``).
+    overrides: dotted ``key=value`` overrides.
+    raw: the sections, read already.
+    source: the file ``raw`` was read from, to name in errors (a run's ``config.yaml``).
 
   Raises:
     ValueError: the file cannot be read, lacks a required section, or a key or value is wrong.
@@ -246,9 +252,10 @@ def load_experiment(path: str | None, overrides: list[str] = (), *,
     return _build(dict(raw), parsed, path)
   except FieldError as e:
     overridden = any(e.key == k or e.key.startswith(k + ".") for k, _ in parsed)
-    if path is None or overridden:
+    where = path or source
+    if where is None or overridden:
       raise
-    raise ValueError(f"{path}: {e}") from None
+    raise ValueError(f"{where}: {e}") from None
 
 
 def _build(raw: dict, overrides: list[tuple[str, Any]], path: str | None) -> Experiment:

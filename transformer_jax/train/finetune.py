@@ -130,10 +130,7 @@ def lora_run_config(run_dir: str):
 def _stored(rd: runs.RunDir, raw: dict):
   """The experiment stored in ``rd``'s ``config.yaml`` (``raw``), its errors naming the file."""
   from transformer_jax.train.config import load_experiment
-  try:
-    return load_experiment(None, raw={**raw, "run_dir": rd.path})
-  except ValueError as e:
-    raise ValueError(f"{rd.file(runs.CONFIG)}: {e}") from None
+  return load_experiment(None, raw={**raw, "run_dir": rd.path}, source=rd.file(runs.CONFIG))
 
 
 def load_lora_merged(run_dir: str, *, best: bool = False):

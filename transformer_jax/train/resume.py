@@ -34,10 +34,7 @@ def stored_experiment(raw: dict, rd: runs.RunDir) -> Experiment:
   Raises:
     ValueError: the stored experiment does not validate (naming the file and the key).
   """
-  try:
-    return load_experiment(None, raw=raw).absolute()
-  except ValueError as e:
-    raise ValueError(f"{rd.file(runs.CONFIG)}: {e}") from None
+  return load_experiment(None, raw=raw, source=rd.file(runs.CONFIG)).absolute()
 
 
 def model_changes(stored: models.ModelConfig, exp: Experiment) -> list[tuple[str, Any, Any]]:
