@@ -131,3 +131,15 @@ def test_dry_run_names_the_kernel_a_config_forces():
   config = models.get_config("gpt2-tiny", attention_impl="chunked")
   (row,) = dry.attention_kernels(config, {"data": 1}, 8, 64, "gpt")
   assert set(row["kernels"].values()) == {"chunked"}
+
+
+def test_the_dry_run_plans_a_model_larger_than_this_machine(tmp_path, monkeypatch):
+  """A pod's model need not fit the laptop that plans it: the host-memory check is a real run's."""
+  from transformer_jax import hardware
+  from transformer_jax.train import plan
+  monkeypatch.setattr(hardware, "host_memory_available", lambda: 2**10)
+  exp = load_experiment(_config(tmp_path, {"fsdp": 8}))
+  task, mesh, _ = plan.plan(exp, exp.model_config())
+  assert dict(mesh.shape)["fsdp"] == 8 and task.name == "gpt"
+  with pytest.raises(ValueError, match="more than the 0.0 GiB of memory this machine has free"):
+    plan.preflight(exp)

@@ -58,7 +58,8 @@ def ensure_dataset(exp: Experiment, *, prepare: bool = True) -> data_lib.Dataset
 def preflight(exp: Experiment) -> None:
   """What can be checked before the run directory is touched (the lock creates it): the
   directory can hold this run, the model config builds (with the preset's vocabulary; the
-  dataset's is checked against it once the dataset is loaded), and fits (``check_fits``).
+  dataset's is checked against it once the dataset is loaded), its windows fit its positions and
+  its training state the host memory.
 
   Raises:
     ValueError: a path that cannot hold a run, a folder holding files that are not a run's, or a
@@ -68,7 +69,8 @@ def preflight(exp: Experiment) -> None:
   rd.check_usable()
   rd.check_owned()
   config, _ = model_config_before_data(exp)  # the task is checked once the dataset is loaded
-  check_fits(exp, config, tasks_lib.TASKS[exp.data.task])
+  check_window(exp, config, tasks_lib.TASKS[exp.data.task])
+  check_memory(exp, config)
 
 
 def model_config_before_data(exp: Experiment) -> tuple[models.ModelConfig, str]:
@@ -107,22 +109,32 @@ def eval_batches(exp: Experiment, dataset, task=None):
   return (task or tasks_lib.TASKS[exp.data.task]).eval_batches(dataset, exp)
 
 
-def check_fits(exp: Experiment, model_config: models.ModelConfig, task) -> None:
-  """Refuses a run whose windows are longer than the model's positions, or whose parameters,
-  gradients and AdamW moments (16 bytes a parameter) do not fit the host memory left when the
-  model computes on CPU: either would fail only after the run directory is written (the second
-  by the kernel's out-of-memory killer, which may take other processes with it).
+def check_window(exp: Experiment, model_config: models.ModelConfig, task) -> None:
+  """Refuses windows longer than the model's positions (they would fail in the first step, after
+  the run directory is written).
 
   Raises:
-    ValueError: naming ``train.seq_len`` and ``max_len``, or the bytes needed and available.
+    ValueError: naming ``train.seq_len`` and ``max_len``.
   """
-  t = exp.train
   max_len = getattr(model_config, "max_len", None)
-  if task.uses_seq_len and max_len is not None and t.seq_len > max_len:
-    raise ValueError(f"train.seq_len={t.seq_len} is longer than the model's max_len={max_len} "
-                     "positions; give a shorter train.seq_len or a larger model.max_len")
+  if task.uses_seq_len and max_len is not None and exp.train.seq_len > max_len:
+    raise ValueError(f"train.seq_len={exp.train.seq_len} is longer than the model's max_len="
+                     f"{max_len} positions; give a shorter train.seq_len or a larger "
+                     "model.max_len")
+
+
+def check_memory(exp: Experiment, model_config: models.ModelConfig) -> None:
+  """Refuses, when the model computes on CPU, a run whose parameters, gradients and AdamW moments
+  (16 bytes a parameter) pass the host memory left: it would be killed by the kernel's
+  out-of-memory killer, which may take other processes with it. (Not for ``--dry-run``, which
+  plans a pod's run on a laptop and allocates nothing.)
+
+  Raises:
+    ValueError: naming the bytes needed and available.
+  """
   if jax.devices()[0].platform != "cpu":
     return
+  t = exp.train
   state = models.train_memory_bytes(model_config, t.batch_size, t.seq_len)
   need = state["params"] + state["grads"] + state["optimizer"]
   free = hardware.host_memory_available()
@@ -135,7 +147,7 @@ def check_fits(exp: Experiment, model_config: models.ModelConfig, task) -> None:
 def plan(exp: Experiment, model_config: models.ModelConfig):
   """``(task, mesh, optimizer)`` of ``exp`` for ``model_config``, checked against each other."""
   task = tasks_lib.for_experiment(exp, model_config)
-  check_fits(exp, model_config, task)
+  check_window(exp, model_config, task)
   m = exp.mesh
   mesh = parallel.make_mesh({"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor,
                              "sequence": m.sequence})
