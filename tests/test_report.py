@@ -199,3 +199,15 @@ def test_report_out_must_be_new_empty_or_a_report(tiny_runs, tmp_path, capsys):
   again = tmp_path / "again"
   for _ in range(2):   # a report's folder is written again
     assert cli.main(["report", tiny_runs[0], "--out", str(again)]) == 0
+
+
+def test_report_never_writes_through_a_symbolic_link(tiny_runs, tmp_path):
+  out = tmp_path / "r"
+  report.write_report([tiny_runs[0]], str(out))
+  precious = tmp_path / "precious.txt"
+  precious.write_text("mine\n")
+  (out / "learned-loss.png").unlink()
+  (out / "learned-loss.png").symlink_to(precious)
+  report.write_report([tiny_runs[0]], str(out))
+  assert precious.read_text() == "mine\n"
+  assert (out / "learned-loss.png").read_bytes().startswith(b"\x89PNG")

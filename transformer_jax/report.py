@@ -442,9 +442,11 @@ def write_report(run_dirs: list[str], out_dir: str, *, text: str | None = None,
           + "\n".join(sections) + "</body></html>\n")
 
   os.makedirs(out_dir, exist_ok=True)
-  for p in pictures:
-    with open(os.path.join(out_dir, p.file), "wb") as f:
+  for p in pictures:  # through a temporary file: never into what a link of that name points to
+    path = os.path.join(out_dir, p.file)
+    with open(f"{path}.tmp", "wb") as f:
       f.write(p.png)
+    os.replace(f"{path}.tmp", path)
   index = os.path.join(out_dir, "index.html")
   runs.write_atomic(index, page)
   return index

@@ -229,3 +229,16 @@ def test_bad_prepare_options_are_one_line_before_any_file_is_read(corpus_dir, tm
     code, out, err = run_cli("prepare", str(corpus_dir), "--out", str(tmp_path / "o"), *flags)
     assert code == 2 and err == f"tjax prepare: error: {named}" + err.split(named, 1)[1], err
     assert err.count("\n") == 1 and "tokenizing" not in err and not (tmp_path / "o").exists()
+
+
+def test_a_rebuild_never_writes_through_a_symbolic_link(corpus_dir, tmp_path):
+    ds = tmp_path / "ds"
+    prepare([str(corpus_dir)], str(ds), progress=False, compact_vocab=True)
+    precious = tmp_path / "precious.txt"
+    precious.write_text("mine\n")
+    for name in ("vocab.json", "train_000.bin", "metadata.json"):
+        (ds / name).unlink()
+        (ds / name).symlink_to(precious)
+    prepare([str(corpus_dir)], str(ds), progress=False, compact_vocab=True, force=True)
+    assert precious.read_text() == "mine\n"
+    assert load_dataset(str(ds)).vocab_size > 0

@@ -127,8 +127,12 @@ class CompactVocab:
         return cls(np.asarray(obj["base_ids"], dtype=np.int64), obj["base_vocab_size"])
 
     def save(self, path: str | os.PathLike) -> None:
-        with open(path, "w") as f:
+        """Writes ``vocab.json`` through a temporary file and a rename (never into a file a
+        symbolic link of that name points to, never half a file)."""
+        tmp = f"{os.fspath(path)}.tmp"
+        with open(tmp, "w") as f:
             json.dump(self.to_json(), f)
+        os.replace(tmp, path)
 
     @classmethod
     def load(cls, path: str | os.PathLike, base_vocab_size: int | None = None) -> CompactVocab:
