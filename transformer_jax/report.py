@@ -378,8 +378,10 @@ def _check_out(out_dir: str) -> None:
     return
   if os.path.isfile(index):
     with open(index, "rb") as f:
-      if _GENERATOR.encode() in f.read(4096):
-        return
+      head = f.read(4096)
+    # Pages written before the generator tag have the same title.
+    if _GENERATOR.encode() in head or b"<title>tjax report: " in head:
+      return
   listed = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
   raise ValueError(f"--out {out_dir} holds files that are not a tjax report's ({listed}); give a "
                    "new or empty directory")
