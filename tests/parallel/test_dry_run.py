@@ -143,3 +143,18 @@ def test_the_dry_run_plans_a_model_larger_than_this_machine(tmp_path, monkeypatc
   assert dict(mesh.shape)["fsdp"] == 8 and task.name == "gpt"
   with pytest.raises(ValueError, match="more than the 0.0 GiB of memory this machine has free"):
     plan.preflight(exp)
+
+
+def test_a_dry_run_over_an_existing_run_refuses_another_model(tmp_path):
+  """A real run would refuse the change; the dry run must not plan the stored model instead."""
+  from transformer_jax import runs
+  exp = load_experiment(_config(tmp_path, {"data": 8}))
+  stored = exp.model_config()
+  runs.save_model(exp.run_dir, stored, models.init(stored, jax.random.key(0)))
+  rd = runs.RunDir(exp.run_dir)
+  runs.write_atomic(rd.file(runs.CONFIG), yaml.safe_dump(exp.to_dict()))
+  assert dry._model_config(exp)[0] == stored
+  changed = load_experiment(_config(tmp_path, {"data": 8}), ["model.attention_kind=linear"])
+  with pytest.raises(ValueError, match=r"holds a run with another model \(model\.attention_kind: "
+                     r"'softmax' -> 'linear'\)"):
+    dry._model_config(changed)

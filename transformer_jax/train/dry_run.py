@@ -17,6 +17,7 @@ from transformer_jax import models, parallel, runs
 from transformer_jax.train import step as step_lib
 from transformer_jax.train.config import Experiment
 from transformer_jax.train.plan import model_config_before_data
+from transformer_jax.train.resume import model_changes
 
 # XLA:CPU compiles a program for at most 2048 devices in one process ("Multiprocess computations
 # aren't implemented on the CPU backend" past it); each simulated device also costs about 1 MiB
@@ -58,6 +59,11 @@ def _model_config(exp: Experiment) -> tuple[models.ModelConfig, str]:
   rd = runs.RunDir(exp.run_dir)
   if rd.checkpoint_steps() and rd.read_model() is not None:
     config = rd.read_model()
+    changes = model_changes(config, exp) if rd.read_config() is not None else []
+    if changes:  # what a real run refuses (resume.resumed_model): never plan another model
+      listed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changes)
+      raise ValueError(f"run_dir {rd.path} holds a run with another model ({listed}); a run "
+                       "would refuse it: plan it with another run_dir")
     return config, f"vocabulary {config.vocab_size} from {rd.file(runs.MODEL)}"
   return model_config_before_data(exp)
 
