@@ -40,7 +40,7 @@ FORCED_IMPL = os.environ.get("TJAX_ATTENTION_IMPL") or None
 # the persistent compilation cache itself, tests/test_hardware.py the matmul limits, in temporary
 # folders).
 os.environ.setdefault("TJAX_COMPILATION_CACHE", "0")
-os.environ.setdefault("TJAX_MATMUL_LIMIT_CACHE", "0")   # measured matmul limits: tests/test_hardware
+os.environ.setdefault("TJAX_MATMUL_LIMIT_CACHE", "0")   # matmul limits: tests/test_hardware.py
 
 
 def pytest_report_header(config):

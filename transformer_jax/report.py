@@ -12,7 +12,6 @@ import base64
 import dataclasses
 import html
 import io
-import json
 import math
 import os
 import re

@@ -105,7 +105,8 @@ def test_every_metadata_field_is_checked_naming_it(text_dataset_dir, tmp_path, p
     bad = _edited_copy(text_dataset_dir, tmp_path, _set(path, value))
     with pytest.raises(ValueError) as e:
         load_dataset(bad)
-    assert str(e.value).startswith(f"{bad / 'metadata.json'} is damaged (") and named in str(e.value), e.value
+    message = str(e.value)
+    assert message.startswith(f"{bad / 'metadata.json'} is damaged (") and named in message, message
 
 
 @pytest.mark.parametrize("name, content, named", [

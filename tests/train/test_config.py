@@ -113,7 +113,7 @@ def test_every_float_field_reads_yaml_exponent_forms(tmp_path, section, key, val
 def test_mistral_rope_theta_trains_from_a_yaml_exponent():
   """Mistral's real rope_theta, as a user writes it, builds the model it means."""
   exp = load_experiment(None, ["model.rope_theta=1e6", "model.norm_eps=1e-5",
-                               "model.init_std=2e-2"], raw={**BASE, "model": {"preset": "llama-tiny"}})
+                              "model.init_std=2e-2"], raw={**BASE, "model": {"preset": "llama-tiny"}})
   config = exp.model_config(vocab_size=64)
   assert (config.rope_theta, config.norm_eps, config.init_std) == (1e6, 1e-5, 0.02)
   assert isinstance(config.rope_theta, float)

@@ -379,8 +379,10 @@ def check_options(*, task: str, val_fraction: float, workers: int, compact_vocab
         raise ValueError(f"val_fraction={val_fraction}: a value >= 1 is a whole document count")
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers={workers}: expected an integer >= 1")
-    if not isinstance(compact_vocab, bool) and (not isinstance(compact_vocab, int) or compact_vocab < 1):
-        raise ValueError(f"compact_vocab={compact_vocab}: expected true, false or a count of ids >= 1")
+    if not isinstance(compact_vocab, bool) and (not isinstance(compact_vocab, int)
+                                                 or compact_vocab < 1):
+        raise ValueError(f"compact_vocab={compact_vocab}: expected true, false or a count of ids "
+                         ">= 1")
     if not isinstance(text_field, str) or not text_field:
         raise ValueError(f"text_field={text_field!r}: expected a field name")
 
@@ -398,9 +400,9 @@ def check_output_dir(out: str) -> None:
         raise ValueError(f"--out {out} exists and is not a directory")
     foreign = sorted(e for e in os.listdir(out) if not _DATASET_FILE.match(e))
     if foreign:
-        listed = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        raise ValueError(f"{out} holds files that are not a prepared dataset's ({listed}); give a new "
-                         "or empty directory")
+        more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+        raise ValueError(f"{out} holds files that are not a prepared dataset's "
+                         f"({', '.join(foreign[:5])}{more}); give a new or empty directory")
 
 
 def read_metadata(path: str) -> dict[str, Any]:
@@ -461,7 +463,8 @@ def metadata_problem(meta: dict[str, Any]) -> str | None:
         if not ok:
             return f"{field}={meta.get(field)!r}: expected {expected}"
     if not (_count(meta.get("num_regular_tokens")) and meta["num_regular_tokens"] <= vocab):
-        return f"num_regular_tokens={meta.get('num_regular_tokens')!r}: expected an integer in [0, {vocab}]"
+        return (f"num_regular_tokens={meta.get('num_regular_tokens')!r}: expected an integer in "
+                f"[0, {vocab}]")
     specials = meta.get("special_tokens")
     if not isinstance(specials, dict):
         return f"special_tokens={specials!r}: expected an object (name -> id)"
@@ -490,9 +493,11 @@ def metadata_problem(meta: dict[str, Any]) -> str | None:
                 return f"{where}: expected an object"
             shards = entry.get("shards")
             if not (isinstance(shards, list) and shards and all(_file_name(x) for x in shards)):
-                return f"{where}.shards={shards!r}: expected a list of file names inside the dataset"
+                return (f"{where}.shards={shards!r}: expected a list of file names inside the "
+                        "dataset")
             if not _file_name(entry.get("offsets")):
-                return f"{where}.offsets={entry.get('offsets')!r}: expected a file name inside the dataset"
+                return (f"{where}.offsets={entry.get('offsets')!r}: expected a file name inside "
+                        "the dataset")
     if task == "classify":
         labels = meta.get("labels")
         if not (isinstance(labels, list) and labels and all(isinstance(x, str) for x in labels)):
@@ -536,8 +541,8 @@ def prepare(inputs: Sequence[str], out: str, *, tokenizer: str = "cl100k_base", 
         FileNotFoundError: An input name matches no files.
         ValueError: Bad options, malformed jsonl/tsv lines, or an empty corpus.
     """
-    check_options(task=task, val_fraction=val_fraction, workers=workers, compact_vocab=compact_vocab,
-                  text_field=text_field)
+    check_options(task=task, val_fraction=val_fraction, workers=workers,
+                  compact_vocab=compact_vocab, text_field=text_field)
     check_output_dir(out)
     if task == "classify":
         from transformer_jax.data.classify import prepare_classify

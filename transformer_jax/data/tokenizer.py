@@ -154,8 +154,10 @@ class CompactVocab:
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"{path}: base_vocab_size={size!r}: expected an integer >= 1")
         if base_vocab_size is not None and size != base_vocab_size:
-            raise ValueError(f"{path}: base_vocab_size={size} but the tokenizer has {base_vocab_size} ids")
-        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ValueError(f"{path}: base_vocab_size={size} but the tokenizer has "
+                             f"{base_vocab_size} ids")
+        if not isinstance(ids, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise ValueError(f"{path}: base_ids: expected a list of integer ids")
         try:
             return cls.from_json(obj)

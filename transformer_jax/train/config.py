@@ -276,9 +276,10 @@ def _build(raw: dict, overrides: list[tuple[str, Any]], path: str | None) -> Exp
   if path is not None:
     missing = [k for k in REQUIRED if raw.get(k) in (None, {})]
     if missing:
-      raise ValueError(f"{path} has no {', '.join(missing)} section{'s' if len(missing) > 1 else ''}"
-                       f"; an experiment needs {', '.join(REQUIRED)} (the defaults of a whole "
-                       "section are never taken silently)")
+      plural = "s" if len(missing) > 1 else ""
+      raise ValueError(f"{path} has no {', '.join(missing)} section{plural}; an experiment "
+                       f"needs {', '.join(REQUIRED)} (the defaults of a whole section are never "
+                       "taken silently)")
   run_dir = raw.get("run_dir")
   if not isinstance(run_dir, str) or not run_dir:
     raise FieldError("run_dir", f"run_dir={run_dir!r}: expected a directory path")
