@@ -4,6 +4,7 @@ tokens equal to ``generate``, ``hf.save`` reloaded by transformers, and ``tjax c
 trips."""
 
 import functools
+import re
 
 import jax
 import numpy as np
@@ -13,7 +14,7 @@ import transformers
 from flax import nnx
 
 import transformer_jax as tj
-from transformer_jax import generate
+from transformer_jax import generate, models
 import transformer_jax.hf as tjhf
 from transformer_jax.hf import convert
 from transformer_jax.hf.errors import UnsupportedError
@@ -186,3 +187,30 @@ def test_what_transformers_cannot_express_is_refused_by_name(tmp_path):
   mamba2 = tj.models.get_config("mamba2-tiny")
   with pytest.raises(UnsupportedError, match="mixer='mamba2'"):
     tjhf.save(tj.models.create(mamba2), mamba2, tmp_path / "b", architecture="MambaForCausalLM")
+
+
+@pytest.mark.parametrize("arch, changes, named", [
+    ("MambaForCausalLM", {"state_size": 4.7}, "state_size=4.7: expected an integer"),
+    ("MambaForCausalLM", {"use_conv_bias": 1}, "use_conv_bias=1: expected true or false"),
+    ("MambaForCausalLM", {"time_step_rank": "four"}, "time_step_rank='four': expected an integer"),
+    ("Mamba2ForCausalLM", {"n_groups": "2"}, "n_groups='2': expected an integer"),
+    ("Mamba2ForCausalLM", {"time_step_limit": [0.0]}, "time_step_limit=[0.0]: expected a pair"),
+    ("Mamba2ForCausalLM", {"time_step_limit": [0.0, "x"]}, "time_step_limit[1]='x': expected a "
+     "number"),
+])
+def test_mamba_config_fields_are_read_by_type(arch, changes, named):
+  from transformer_jax.hf import configs
+  base = {"hidden_size": 16, "num_hidden_layers": 2, "vocab_size": 32, "state_size": 4,
+          "expand": 2, "num_heads": 4, "head_dim": 8, "n_groups": 1}
+  with pytest.raises(tjhf.CheckpointError, match=re.escape(named)):
+    configs.from_hf({**base, **changes}, arch)
+
+
+def test_mamba2_open_time_step_limit_survives_a_run_directory(tmp_path):
+  from transformer_jax import runs
+  config = models.get_config("mamba2-tiny")
+  assert config.time_step_limit[1] == float("inf")
+  params = models.init(config, jax.random.key(0))
+  runs.save_model(tmp_path / "run", config, params)
+  back, _ = runs.load_model(tmp_path / "run")
+  assert back.time_step_limit == config.time_step_limit

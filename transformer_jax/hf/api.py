@@ -182,16 +182,20 @@ def load(path_or_model, *, param_dtype: str | None = None,
   """
   if isinstance(path_or_model, (str, os.PathLike)):
     hf, tensors = io.read_directory(path_or_model)
+    where = os.path.join(os.fspath(path_or_model), io.CONFIG)
   elif hasattr(path_or_model, "state_dict") and hasattr(path_or_model, "config"):
     hf, tensors = _from_transformers(path_or_model)
+    where = f"the config of the {type(path_or_model).__name__}"
   else:
     raise TypeError(f"load() takes a directory or a transformers model, not "
                     f"{type(path_or_model).__name__}")
-  arch = configs.architecture_of(hf)
   try:
+    arch = configs.architecture_of(hf)
     config = configs.from_hf(hf, arch)
-  except (TypeError, KeyError) as e:
-    raise CheckpointError(f"config.json of {arch} is malformed: {type(e).__name__}: {e}") from None
+  except CheckpointError as e:  # a field refused by name (or unsupported): name the file too
+    raise type(e)(f"{where}: {e}") from None
+  except (ValueError, TypeError, KeyError) as e:  # a value our config refuses (num_heads=0, ...)
+    raise CheckpointError(f"{where}: {e}") from None
   config = dataclasses.replace(config, param_dtype=param_dtype or "float32",
                                dtype=dtype or "float32")
   tensors = _with_prefix(tensors, params.table(config, arch).prefix)

@@ -381,7 +381,8 @@ class MambaConfig(_Heads):
   # interpreter elsewhere), or "auto" (ops.ssm_pallas.choose_ssd_implementation: "xla" for now).
   ssm_impl: Literal["auto", "xla", "pallas"] = "auto"
   # Mamba-2: dt clamped to [low, high]. Mamba-1 does not clamp.
-  time_step_limit: tuple[float, float] = (0.0, math.inf)
+  time_step_limit: tuple[float, float] = dataclasses.field(default=(0.0, math.inf),
+                                                          metadata={"infinite": True})
   time_step_min: float = 1e-3          # initial dt drawn log-uniformly in [min, max], >= floor
   time_step_max: float = 0.1
   time_step_floor: float = 1e-4
