@@ -1,7 +1,9 @@
-"""Beyond quadratic attention: full softmax, sliding windows and linear attention, side by side.
+"""Beyond quadratic attention: full softmax, sliding windows, linear attention and state-space
+models, side by side.
 
-Small RoPE GPTs with the same parameters (the attention kind changes no weight) are trained
-on the same corpus (the embedded Python standard library) for the same steps:
+Small RoPE GPTs with the same parameters (the attention kind changes no weight), and three
+state-space models with as many parameters within 4%, are trained on the same corpus (the
+embedded Python standard library) for the same steps:
 
   softmax       full causal softmax attention
   window-W      softmax over the last W tokens (two widths; decoding with a rolling cache)
@@ -11,6 +13,9 @@ on the same corpus (the embedded Python standard library) for the same steps:
                 block-sparse softmax (ops.sparse): Child et al.'s fixed pattern (own block of 64
                 and 8 summary positions per block) and strided pattern (two blocks of 64 and
                 every 64th position)
+  mamba1        Mamba blocks (selective scan; Gu and Dao 2023), no attention
+  mamba2        Mamba-2 blocks (SSD; Dao and Gu 2024)
+  hybrid        Mamba, attention, Mamba blocks, each with a gated MLP (Jamba's pattern)
 
 and compared by validation loss. Then, in the same run, what each kind costs:
 
@@ -31,6 +36,7 @@ Writes experiments/results/efficient_attention.json and efficient_attention.png.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -60,6 +66,33 @@ def variants(windows: list[int]) -> dict[str, dict]:
                          "sparse_pattern": ops.SparsePattern.fixed(block=64, summary=8)}
   out["sparse-strided"] = {"attention_kind": "sparse",
                            "sparse_pattern": ops.SparsePattern.strided_pattern(block=64)}
+  return out
+
+
+def ssm_configs(args, vocab: int) -> dict[str, tj.models.MambaConfig]:
+  """The state-space rows, their depths (and the hybrid's MLP width) chosen so that each has the
+  GPTs' parameters within 4% (at the defaults: 1.29M to 1.34M non-embedding, output projection
+  included, against the GPTs' 1.31M)."""
+  d = args.d_model
+  common = dict(vocab_size=vocab, d_model=d, d_state=16, ssm_chunk=64, tie_embeddings=False,
+                max_len=1 << 16)
+  gpt = tj.models.param_count(config_for(args, vocab)).non_embedding
+  rows = {
+      "mamba1": tj.models.MambaConfig(mixer="mamba1", **common),
+      "mamba2": tj.models.MambaConfig(mixer="mamba2", ssm_head_dim=d // 4, d_state=32,
+                                      **{k: v for k, v in common.items() if k != "d_state"}),
+      "hybrid": tj.models.MambaConfig(mixer="mamba1", layer_types=("mamba", "attention", "mamba"),
+                                      num_layers=3, num_heads=args.heads, position="rope",
+                                      d_ff=7 * d // 2, **common),
+  }
+  out = {}
+  for name, config in rows.items():
+    if name != "hybrid":   # as many Mamba blocks as the GPTs' parameters pay for
+      one, two = (tj.models.param_count(dataclasses.replace(config, num_layers=n)).non_embedding
+                  for n in (1, 2))
+      head = one - (two - one)    # the output projection and the final norm
+      config = dataclasses.replace(config, num_layers=max(1, round((gpt - head) / (two - one))))
+    out[name] = config
   return out
 
 
@@ -206,6 +239,7 @@ def main(argv=None) -> dict:
   dataset = data.load_dataset(args.data)
   kinds = variants(windows)
   configs = {name: config_for(args, dataset.vocab_size, **kw) for name, kw in kinds.items()}
+  configs.update(ssm_configs(args, dataset.vocab_size))
   result = {"command": " ".join(["python", os.path.relpath(os.path.abspath(sys.argv[0]), _ROOT),
                                  *(argv if argv is not None else sys.argv[1:])]),
             "machine": {"cpu": hardware.cpu_name(), "cpu_flags": hardware.cpu_flags(),

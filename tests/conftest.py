@@ -37,8 +37,10 @@ jax.config.update("jax_default_matmul_precision", "float32")
 FORCED_IMPL = os.environ.get("TJAX_ATTENTION_IMPL") or None
 
 # Tests compile afresh and leave no files in the user's cache folder (tests/test_runtime.py checks
-# the persistent compilation cache itself, in a temporary folder).
+# the persistent compilation cache itself, tests/test_hardware.py the matmul limits, in temporary
+# folders).
 os.environ.setdefault("TJAX_COMPILATION_CACHE", "0")
+os.environ.setdefault("TJAX_MATMUL_LIMIT_CACHE", "0")   # matmul limits: tests/test_hardware.py
 
 
 def pytest_report_header(config):

@@ -111,6 +111,8 @@ def test_python_block_runs(name, text, section, tmp_path):
   res = subprocess.run([sys.executable, str(script)], cwd=cwd, env=_env(), capture_output=True,
                        text=True, timeout=300)
   assert res.returncode == 0, f"README {name}:\n{res.stderr[-3000:]}"
+  # Text a block prints is text: no special tokens a model should not write ([UNK], [PAD]).
+  assert not re.search(r"\[(UNK|PAD|MASK|CLS|SEP)\]", res.stdout), f"README {name}:\n{res.stdout}"
 
 
 @pytest.mark.parametrize("name, command", QUICK, ids=[f"{n}:{c[:40]}" for n, c in QUICK])

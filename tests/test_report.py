@@ -115,8 +115,8 @@ def test_report_refuses_a_directory_that_is_not_a_run(tmp_path, capsys):
   assert err.endswith("is not a run directory (no model.yaml)") and "\n" not in err
 
 
-def test_report_shows_an_efficient_attention_result(tmp_path, capsys):
-  result = {"setup": {"steps": 3, "train_len": 64},
+def _attention_result():
+  return {"setup": {"steps": 3, "train_len": 64},
             "learning": {"softmax": {"val_loss": 3.0, "params": 10},
                          "linear": {"val_loss": 3.2, "params": 10}},
             "train_step": {k: {"512": {"step_s": 0.1, "temp_bytes": 1},
@@ -125,6 +125,10 @@ def test_report_shows_an_efficient_attention_result(tmp_path, capsys):
             "decode": {k: {"1024": {"step_ms": 1.0, "cache_bytes": 10},
                            "4096": {"step_ms": m, "cache_bytes": b}}
                        for k, m, b in (("softmax", 3.0, 40), ("linear", 1.0, 10))}}
+
+
+def test_report_shows_an_efficient_attention_result(tmp_path, capsys):
+  result = _attention_result()
   path = tmp_path / "efficient_attention.json"
   path.write_text(json.dumps(result))
   out = tmp_path / "r"
@@ -137,3 +141,73 @@ def test_report_shows_an_efficient_attention_result(tmp_path, capsys):
   assert cli.main(["report", "--experiment", str(bad), "--out", str(out)]) == 2
   assert "is not a result of experiments/efficient_attention.py" in capsys.readouterr().err
   assert cli.main(["report", "--out", str(out)]) == 2
+
+
+def _damaged(result, damage):
+  exec(damage, {"r": result})   # noqa: S102 (a damage spelled out in the parameter list)
+  return result
+
+
+@pytest.mark.parametrize("damage, named", [
+    ("del r['learning']['linear']['val_loss']", "learning.linear.val_loss: missing"),
+    ("r['learning']['softmax']['val_loss'] = 'low'", "learning.softmax.val_loss='low': expected a "
+     "number"),
+    ("r['learning'] = [1, 2]", "learning: expected an object"),
+    ("r['train_step']['window'] = r['train_step']['linear']", "train_step.window: not a kind of "
+     "learning (softmax, linear)"),
+    ("r['decode']['linear']['long'] = {'step_ms': 1.0, 'cache_bytes': 1}",
+     "decode.linear.long: expected a whole number of tokens"),
+    ("r['decode']['linear']['4096']['cache_bytes'] = None",
+     "decode.linear.4096.cache_bytes=None: expected a number"),
+    ("del r['setup']['train_len']", "setup.train_len: missing"),
+    ("r['train_step']['softmax'] = 3", "train_step.softmax: expected an object"),
+])
+def test_a_malformed_experiment_result_is_one_line_naming_file_and_field(tmp_path, capsys,
+                                                                         damage, named):
+  path = tmp_path / "result.json"
+  path.write_text(json.dumps(_damaged(_attention_result(), damage)))
+  assert cli.main(["report", "--experiment", str(path), "--out", str(tmp_path / "r")]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and f"{path}: {named}" in err, err
+  assert not (tmp_path / "r").exists()
+
+
+def test_picture_names_never_collide(tiny_runs, tmp_path_factory):
+  """A result named compare-loss.json, or a run named compare, keeps the comparison picture."""
+  root = tmp_path_factory.mktemp("collide")
+  compare_run = root / "compare"
+  import shutil
+  shutil.copytree(tiny_runs[0], compare_run)
+  result = root / "compare-loss.json"
+  result.write_text(json.dumps(_attention_result()))
+  out = root / "r"
+  report.write_report([tiny_runs[1], str(compare_run)], str(out), experiments=[str(result)])
+  images = _embedded_images((out / "index.html").read_text())
+  pngs = {p.name: p.read_bytes() for p in out.glob("*.png")}
+  assert images == pngs                       # one file per picture: none written over another
+  assert len(pngs) == 4 + 4 + 1 + 1           # two runs' pictures, the comparison, the result
+
+
+def test_report_out_must_be_new_empty_or_a_report(tiny_runs, tmp_path, capsys):
+  out = tmp_path / "docs"
+  out.mkdir()
+  (out / "index.html").write_text("<p>my page</p>")
+  assert cli.main(["report", tiny_runs[0], "--out", str(out)]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and f"--out {out} holds files that are not a tjax report's" in err
+  assert (out / "index.html").read_text() == "<p>my page</p>" and len(os.listdir(out)) == 1
+  again = tmp_path / "again"
+  for _ in range(2):   # a report's folder is written again
+    assert cli.main(["report", tiny_runs[0], "--out", str(again)]) == 0
+
+
+def test_report_never_writes_through_a_symbolic_link(tiny_runs, tmp_path):
+  out = tmp_path / "r"
+  report.write_report([tiny_runs[0]], str(out))
+  precious = tmp_path / "precious.txt"
+  precious.write_text("mine\n")
+  (out / "learned-loss.png").unlink()
+  (out / "learned-loss.png").symlink_to(precious)
+  report.write_report([tiny_runs[0]], str(out))
+  assert precious.read_text() == "mine\n"
+  assert (out / "learned-loss.png").read_bytes().startswith(b"\x89PNG")

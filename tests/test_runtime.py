@@ -561,3 +561,21 @@ def test_cpu_kinds_match_by_name_family_model_and_flags():
   xeon = ["avx", "avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"]
   assert not any(k.matches("Intel(R) Xeon(R) Processor", 6, 143, xeon)
                  for k in (measured.EPYC_AVX2, measured.EPYC_ZEN4, measured.EPYC_ZEN5))
+
+
+@pytest.mark.parametrize("value", ["maybe", "1", "yes", "jemalloc"])
+def test_an_unknown_tjax_malloc_is_one_line_naming_it(monkeypatch, capsys, value):
+  monkeypatch.setenv("TJAX_MALLOC", value)
+  with pytest.raises(ValueError, match=rf"TJAX_MALLOC={value!r} must be one of"):
+    allocator.allocator_env()
+  calls = []
+  monkeypatch.setattr(os, "execve", lambda *args: calls.append(args))
+  monkeypatch.setattr(cli, "main", lambda: calls.append("main") or 0)
+  with pytest.raises(SystemExit) as done:
+    cli.launch()
+  err = capsys.readouterr().err
+  assert done.value.code == 2 and calls == [] and err.count("\n") == 1
+  assert f"TJAX_MALLOC={value!r} must be one of '0', 'system', 'glibc', 'mimalloc'" in err
+  for valid in ("0", "System", "mimalloc", ""):   # any case; empty is unset
+    monkeypatch.setenv("TJAX_MALLOC", valid)
+    allocator.allocator_env()

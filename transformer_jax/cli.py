@@ -56,6 +56,10 @@ def presets_table() -> str:
 
 
 def _cmd_info(args) -> int:
+  for flag, value in (("--batch-size", args.batch_size), ("--seq-len", args.seq_len),
+                      ("--vocab-size", args.vocab_size)):
+    if value is not None and value < 1:
+      raise ValueError(f"{flag} {value}: expected an integer >= 1")
   if args.preset is None:
     print(presets_table())
     return 0
@@ -72,6 +76,9 @@ def _cmd_prepare(args) -> int:
 def _cmd_train(args) -> int:
   if args.dry_run or args.export_for:
     return _dry_run(args)
+  if args.devices is not None:
+    raise ValueError(f"--devices {args.devices}: --devices is for --dry-run (a real run uses the "
+                     "devices the machine has)")
   from transformer_jax.parallel import distributed
   # Before anything touches JAX: a multi-process job must be joined before its backend starts.
   if distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
@@ -137,8 +144,28 @@ def _cmd_convert(args) -> int:
   return 0
 
 
+def _check_bench_out(path: str) -> None:
+  """Refuses a ``--json`` path that holds something other than an earlier benchmark's result
+  (what ``bench.run`` writes: a JSON object whose ``command`` is a ``tjax bench`` command), before
+  the benchmark runs."""
+  import json
+  import os
+  if not path or not os.path.lexists(path):
+    return
+  if not os.path.isfile(path):
+    raise ValueError(f"--json {path} exists and is not a file")
+  try:
+    with open(path, "rb") as f:
+      old = json.loads(f.read().decode("utf-8"))
+  except (UnicodeDecodeError, json.JSONDecodeError):
+    old = None
+  if not (isinstance(old, dict) and str(old.get("command", "")).startswith("tjax bench ")):
+    raise ValueError(f"--json {path} exists and is not a tjax bench result; give another path")
+
+
 def _cmd_bench(args) -> int:
   from transformer_jax import bench
+  _check_bench_out(args.json if args.json is not None else bench.default_json(args.kind))
   if args.kind == "generate":
     from transformer_jax.bench import generate
     generate.check_args(args.parser, args)
@@ -357,7 +384,11 @@ def launch() -> None:
   import os
 
   from transformer_jax.cpu import allocator
-  env = allocator.allocator_env()
+  try:
+    env = allocator.allocator_env()
+  except ValueError as e:  # a bad TJAX_MALLOC: one line, before anything runs
+    print(f"tjax: error: {e}", file=sys.stderr)
+    sys.exit(2)
   if env is not None:
     try:
       os.execve(sys.executable, [sys.executable, "-m", "transformer_jax.cli", *sys.argv[1:]], env)

@@ -7,6 +7,10 @@ full-precision FP32 rate (not TensorFloat-32), which is what a float32 product c
 ``jax.lax.Precision.HIGHEST`` can reach; TPUs list bfloat16 only (their float32 products are passes
 of bfloat16 ones). A measured limit (``bench.machine.matmul_limit``) is the figure a benchmark's
 utilisation is set against; the peak is the vendor's ceiling beside it.
+
+Where no datasheet figure is known (CPUs), a training run's MFU is counted against a measured
+matmul limit kept per machine in the user's cache folder (``matmul_peak``): measured once, and
+raised whenever a run goes faster, so the MFU never passes 100%.
 """
 
 from __future__ import annotations
@@ -145,24 +149,92 @@ def share_gpu_memory() -> bool:
 
 # The side of the square product ``matmul_peak`` times where no datasheet figure is known.
 PEAK_PROBE = 1024
+# The file of measured matmul limits: "0" turns it off (each process measures for itself), a
+# folder puts it there; default $XDG_CACHE_HOME/transformer_jax (~/.cache/transformer_jax).
+LIMIT_CACHE_ENV = "TJAX_MATMUL_LIMIT_CACHE"
+LIMIT_CACHE_FILE = "matmul_limits.json"
 
 
-def matmul_peak(dtype: str) -> tuple[float, str]:
-  """The matmul rate of one of this process's devices that a training log's MFU is counted
-  against: the datasheet peak (``peak_flops``) of a listed accelerator, else the best of five
-  ``PEAK_PROBE``-square products in ``dtype`` (float32 accumulation) measured now.
+def limit_cache_path() -> str | None:
+  """Where measured matmul limits are kept (``LIMIT_CACHE_ENV``), or None when turned off."""
+  env = os.environ.get(LIMIT_CACHE_ENV)
+  if env == "0":
+    return None
+  if env:
+    return os.path.join(os.path.abspath(os.path.expanduser(env)), LIMIT_CACHE_FILE)
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(base, "transformer_jax", LIMIT_CACHE_FILE)
+
+
+def limit_key(dtype: str) -> str:
+  """What a measured limit holds for: this CPU (model, family, the flags that pick kernels), the
+  CPUs this process may use, the JAX version and the products' dtype."""
+  import jax
+
+  cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  return (f"{cpu_name()} ({cpu_family()}); flags {' '.join(cpu_flags()) or '-'}; {cpus} CPUs; "
+          f"jax {jax.__version__}; {dtype}")
+
+
+def _read_limits(path: str) -> dict:
+  import json
+
+  try:
+    with open(path, "rb") as f:
+      limits = json.loads(f.read())
+  except (OSError, ValueError):  # absent or damaged: a cache, measured again
+    return {}
+  return limits if isinstance(limits, dict) else {}
+
+
+def cached_limit(dtype: str) -> float | None:
+  """This machine's cached matmul limit for ``dtype`` (FLOP/s), or None."""
+  path = limit_cache_path()
+  value = None if path is None else _read_limits(path).get(limit_key(dtype))
+  ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+  return float(value) if ok and value != float("inf") else None
+
+
+def store_limit(dtype: str, flops: float) -> bool:
+  """Records ``flops`` as this machine's matmul limit for ``dtype`` where it is higher than the
+  cached one (a limit only rises: a busy machine measures low, never high). Written atomically;
+  a cache that cannot be written is left alone.
 
   Returns:
-    ``(FLOP/s, source)``, source "datasheet" or "measured".
+    Whether the file now holds ``flops``.
   """
+  import json
+
+  path = limit_cache_path()
+  if path is None:
+    return False
+  limits = _read_limits(path)
+  key = limit_key(dtype)
+  old = limits.get(key)
+  if isinstance(old, (int, float)) and not isinstance(old, bool) and old >= flops:
+    return False
+  limits[key] = float(flops)
+  tmp = f"{path}.tmp{os.getpid()}"
+  try:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(tmp, "w") as f:
+      json.dump(limits, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+  except OSError:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    return False
+  return True
+
+
+def measure_matmul(dtype: str) -> float:
+  """The best of five ``PEAK_PROBE``-square products in ``dtype`` (float32 accumulation) on the
+  default device, in FLOP/s."""
   import time
 
   import jax
   import jax.numpy as jnp
 
-  peak = peak_flops(device_kind(), str(dtype))
-  if peak is not None:
-    return peak, "datasheet"
   n = PEAK_PROBE
   a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
   product = jax.jit(lambda a: jnp.matmul(a, a, preferred_element_type=jnp.float32))
@@ -172,4 +244,51 @@ def matmul_peak(dtype: str) -> tuple[float, str]:
     start = time.perf_counter()
     product(a).block_until_ready()
     best = min(best, time.perf_counter() - start)
-  return 2.0 * n**3 / best, "measured"
+  return 2.0 * n**3 / best
+
+
+def matmul_peak(dtype: str) -> tuple[float, str]:
+  """The matmul rate of one of this process's devices that a training log's MFU is counted
+  against: the datasheet peak (``peak_flops``) of a listed accelerator; else this machine's
+  measured limit, measured once and cached per machine (``limit_cache_path``, keyed by
+  ``limit_key``), so that a run started on a busy machine does not measure a low limit and report
+  an MFU above 100%.
+
+  Returns:
+    ``(FLOP/s, source)``, source "datasheet", "measured" (now) or "cached" (measured before on
+    this machine).
+  """
+  peak = peak_flops(device_kind(), str(dtype))
+  if peak is not None:
+    return peak, "datasheet"
+  cached = cached_limit(str(dtype))
+  if cached is not None:
+    return cached, "cached"
+  rate = measure_matmul(str(dtype))
+  store_limit(str(dtype), rate)
+  return rate, "measured"
+
+
+def host_memory_available() -> int | None:
+  """Bytes of host memory this process can still take: ``MemAvailable`` of ``/proc/meminfo``,
+  lowered to the room left under a cgroup (v2) memory limit; None where neither is known."""
+  out = None
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          out = int(line.split()[1]) * 1024
+          break
+  except (OSError, ValueError, IndexError):
+    pass
+  try:
+    with open("/sys/fs/cgroup/memory.max") as f:
+      limit = f.read().strip()
+    with open("/sys/fs/cgroup/memory.current") as f:
+      used = int(f.read().strip())
+    if limit != "max":
+      room = max(0, int(limit) - used)
+      out = room if out is None else min(out, room)
+  except (OSError, ValueError):
+    pass
+  return out

@@ -13,7 +13,9 @@ Only ``nnx.LoRAParam`` (and a classification head) are trained: :data:`TRAINABLE
 the kernels and removes them: the base architecture again, for export or fast decoding.
 
 Targets: ``query``, ``key``, ``value``, ``out`` (attention, self and cross), ``mlp_in`` (the MLP's
-up and gate projections) and ``mlp_out`` (its down projection).
+up and gate projections) and ``mlp_out`` (its down projection); Mamba mixers: ``ssm_in``
+(``in_proj``), ``ssm_x`` (Mamba-1's ``x_proj``), ``ssm_dt`` (its ``dt_proj``) and ``ssm_out``
+(``out_proj``).
 """
 
 from __future__ import annotations
@@ -30,13 +32,16 @@ from flax import nnx
 from transformer_jax.layers.dense import Projection, einsum_dims
 from transformer_jax.parallel import axes as ax
 
-TARGETS = ("query", "key", "value", "out", "mlp_in", "mlp_out")
+TARGETS = ("query", "key", "value", "out", "mlp_in", "mlp_out", "ssm_in", "ssm_x", "ssm_dt",
+           "ssm_out")
 # Attribute name of a projection in its parent -> target name.
 _ATTR_TARGET = {("attn", "query"): "query", ("attn", "key"): "key", ("attn", "value"): "value",
                 ("attn", "out"): "out", ("cross_attn", "query"): "query",
                 ("cross_attn", "key"): "key", ("cross_attn", "value"): "value",
                 ("cross_attn", "out"): "out", ("mlp", "up"): "mlp_in", ("mlp", "gate"): "mlp_in",
-                ("mlp", "down"): "mlp_out"}
+                ("mlp", "down"): "mlp_out", ("mixer", "in_proj"): "ssm_in",
+                ("mixer", "x_proj"): "ssm_x", ("mixer", "dt_proj"): "ssm_dt",
+                ("mixer", "out_proj"): "ssm_out"}
 # What a LoRA run trains: the adapters and a classification head (new for the task).
 TRAINABLE = nnx.Any(nnx.LoRAParam, nnx.PathContains("classifier"))
 

@@ -12,7 +12,7 @@ import base64
 import dataclasses
 import html
 import io
-import json
+import math
 import os
 import re
 from typing import Any
@@ -52,20 +52,25 @@ def _png(fig: Figure) -> bytes:
   return buf.getvalue()
 
 
-def read_metrics(path: str) -> list[dict]:
-  """The records of ``metrics.jsonl`` (a line cut short by a crash is skipped)."""
-  if not os.path.isfile(path):
-    return []
-  records = []
-  with open(path) as f:
-    for line in f:
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError:
-        continue
-      if isinstance(record, dict):
-        records.append(record)
-  return records
+def _number(value: Any) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _read_final(rd: runs.RunDir) -> dict:
+  """``final.json`` of a run (empty when absent), its ``bars`` and ``samples`` checked.
+
+  Raises:
+    ValueError: a damaged file or field, naming the file and the field.
+  """
+  final = rd.read_final() or {}
+  where = rd.file(runs.FINAL)
+  bars = final.get("bars", {})
+  if not isinstance(bars, dict) or not all(isinstance(v, dict) for v in bars.values()):
+    raise ValueError(f"{where}: bars: expected an object of objects (bar -> its figures)")
+  samples = final.get("samples", [])
+  if not isinstance(samples, list) or not all(isinstance(x, str) for x in samples):
+    raise ValueError(f"{where}: samples: expected a list of strings")
+  return final
 
 
 def _tokenizer(rd: runs.RunDir):
@@ -149,12 +154,12 @@ def _safe_name(name: str) -> str:
 def _collect(path: str, name: str, text: str | None, best: bool) -> _Run:
   rd = runs.RunDir(path)
   config = rd.require_model()
-  final = rd.read_final() or {}
+  final = _read_final(rd)
   samples = list(final.get("samples") or [])
   if not samples and os.path.isfile(rd.file("samples.txt")):
     with open(rd.file("samples.txt")) as f:
       samples = [s for s in f.read().split("\n\n") if s.strip()]
-  run = _Run(name, path, config, rd.read_config(), read_metrics(rd.file(runs.METRICS)), final,
+  run = _Run(name, path, config, rd.read_config(), rd.read_metrics(), final,
              samples)
 
   def add(kind: str, fig: Figure, caption: str) -> None:
@@ -272,25 +277,113 @@ def _run_html(run: _Run) -> str:
   return "\n".join(parts)
 
 
-def _experiment_section(path: str) -> tuple[str, _Picture]:
-  """An experiment's result file as a section: ``experiments/efficient_attention.py``'s JSON
-  (validation loss, train step and decoding costs per attention kind)."""
-  try:
-    with open(path) as f:
-      result = json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
-    raise ValueError(f"report: cannot read the experiment result {path}: {e}") from None
-  if not all(k in result for k in ("learning", "train_step", "decode")):
-    raise ValueError(f"report: {path} is not a result of experiments/efficient_attention.py "
-                     "(it has no learning, train_step and decode)")
+def _field(path: str, prefix: str, value: dict, key: str, kind: str) -> Any:
+  """``value[key]`` of the result file ``path`` (at the dotted ``prefix``), checked to be
+  ``kind`` ("object" or "number")."""
+  name = f"{prefix}.{key}" if prefix else key
+  if key not in value:
+    raise ValueError(f"{path}: {name}: missing")
+  got = value[key]
+  if kind == "object" and not isinstance(got, dict):
+    raise ValueError(f"{path}: {name}: expected an object")
+  if kind == "number" and not _number(got):
+    raise ValueError(f"{path}: {name}={got!r}: expected a number")
+  return got
+
+
+def read_attention_result(path: str) -> dict:
+  """``experiments/efficient_attention.py``'s result file, every field the page draws checked:
+  ``setup`` (``steps``, ``train_len``), ``learning`` (kind -> ``val_loss``, ``params``), and
+  ``train_step`` / ``decode`` (kind of ``learning`` -> token count -> ``step_s`` /
+  ``step_ms``, ``cache_bytes``).
+
+  Raises:
+    ValueError: one line naming the file and the field.
+  """
+  result = runs.read_json(path)
+  if not any(k in result for k in ("learning", "train_step", "decode")):
+    raise ValueError(f"{path} is not a result of experiments/efficient_attention.py (it has no "
+                     "learning, train_step and decode)")
+  setup = _field(path, "", result, "setup", "object")
+  for key in ("steps", "train_len"):
+    _field(path, "setup", setup, key, "number")
+  learning = _field(path, "", result, "learning", "object")
+  for kind in learning:
+    row = _field(path, "learning", learning, kind, "object")
+    for key in ("val_loss", "params"):
+      _field(path, f"learning.{kind}", row, key, "number")
+  for section, values in (("train_step", ("step_s",)), ("decode", ("step_ms", "cache_bytes"))):
+    rows = _field(path, "", result, section, "object")
+    for kind in rows:
+      if kind not in learning:
+        raise ValueError(f"{path}: {section}.{kind}: not a kind of learning "
+                         f"({', '.join(learning)})")
+      by_length = _field(path, section, rows, kind, "object")
+      for length in by_length:
+        if not length.isdigit():
+          raise ValueError(f"{path}: {section}.{kind}.{length}: expected a whole number of "
+                           "tokens")
+        row = _field(path, f"{section}.{kind}", by_length, length, "object")
+        for key in values:
+          _field(path, f"{section}.{kind}.{length}", row, key, "number")
+  return result
+
+
+def _experiment_picture(path: str) -> tuple[dict, _Picture]:
+  """An experiment's result file and its picture (``experiments/efficient_attention.py``'s JSON:
+  validation loss, train step and decoding costs per attention kind)."""
+  result = read_attention_result(path)
   name = _safe_name(os.path.splitext(os.path.basename(path))[0])
-  picture = _Picture(f"{name}.png", "Attention kinds: validation loss, train step time against "
-                     "the context, decoding time and memory against the generated length.",
-                     _png(viz.efficient_attention(result)))
+  return result, _Picture(f"{name}.png", "Attention kinds: validation loss, train step time "
+                          "against the context, decoding time and memory against the generated "
+                          "length.", _png(viz.efficient_attention(result)))
+
+
+def _experiment_html(path: str, result: dict, picture: _Picture) -> str:
   rows = [(kind, {"val_loss": r["val_loss"], "params": r["params"]})
           for kind, r in result["learning"].items()]
   return (f"<h2>{html.escape(os.path.basename(path))}</h2>" + _table(rows, "attention")
-          + _img(picture)), picture
+          + _img(picture))
+
+
+def _unique_files(pictures: list[_Picture]) -> None:
+  """Renames pictures whose file names repeat (``a.png``, ``a-2.png``): a run named ``compare``
+  or a result named ``compare-loss.json`` never writes over another picture."""
+  taken = set()
+  for p in pictures:
+    stem, i = p.file.removesuffix(".png"), 2
+    while p.file in taken:
+      p.file, i = f"{stem}-{i}.png", i + 1
+    taken.add(p.file)
+
+
+# The page's generator tag: a folder whose index.html carries it is a report's, written again.
+_GENERATOR = '<meta name="generator" content="tjax report">'
+
+
+def _check_out(out_dir: str) -> None:
+  """Refuses an output folder that holds something other than an earlier report.
+
+  Raises:
+    ValueError: the path is not a folder, or the folder is neither empty nor a report's.
+  """
+  if not os.path.lexists(out_dir):
+    return
+  if not os.path.isdir(out_dir):
+    raise ValueError(f"--out {out_dir} exists and is not a directory")
+  entries = sorted(os.listdir(out_dir))
+  index = os.path.join(out_dir, "index.html")
+  if not entries:
+    return
+  if os.path.isfile(index):
+    with open(index, "rb") as f:
+      head = f.read(4096)
+    # Pages written before the generator tag have the same title.
+    if _GENERATOR.encode() in head or b"<title>tjax report: " in head:
+      return
+  listed = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+  raise ValueError(f"--out {out_dir} holds files that are not a tjax report's ({listed}); give a "
+                   "new or empty directory")
 
 
 def write_report(run_dirs: list[str], out_dir: str, *, text: str | None = None,
@@ -300,17 +393,20 @@ def write_report(run_dirs: list[str], out_dir: str, *, text: str | None = None,
 
   Args:
     run_dirs: directories written by ``tjax train`` (or ``tjax convert``).
-    out_dir: created if needed; files of the same names are replaced.
+    out_dir: created if needed; new, empty, or an earlier report's folder (whose files of the
+      same names are replaced).
     text: draw the attention maps of each run's model on this text.
     best: read the best checkpoint by validation loss instead of the latest.
     experiments: result files of ``experiments/efficient_attention.py`` to show after the runs.
 
   Raises:
     ValueError: neither a run directory nor an experiment given, a path that is not a run
-      directory, or a file that is not such a result.
+      directory, a damaged file of a run or a result (naming the file and the field), or an
+      ``out_dir`` holding files that are not a report's.
   """
   if not run_dirs and not experiments:
     raise ValueError("report: give at least one run directory (or --experiment FILE)")
+  _check_out(out_dir)
   names, collected = set(), []
   for path in run_dirs:
     base = _safe_name(os.path.basename(os.path.normpath(path)))
@@ -320,31 +416,38 @@ def write_report(run_dirs: list[str], out_dir: str, *, text: str | None = None,
     names.add(name)
     collected.append(_collect(path, name, text, best))
 
-  sections, compare = [], None
+  extra = [(path, *_experiment_picture(path)) for path in experiments]
+  compare = None
   if len(collected) > 1:
     compare = _Picture("compare-loss.png", "All runs' losses on one axis.",
                        _png(viz.loss_curves({r.name: r.records for r in collected})))
+  pictures = ([compare] if compare else []) + [p for r in collected for p in r.pictures] + [
+      p for _, _, p in extra]
+  _unique_files(pictures)
+
+  sections = []
+  if compare is not None:
     sections.append("<h2>Comparison</h2>" + _table([(r.name, _summary(r)) for r in collected],
                                                    "run") + _img(compare))
   elif collected:
     sections.append("<h2>Summary</h2>" + _table([(collected[0].name, _summary(collected[0]))],
                                                  "run"))
   sections += [_run_html(r) for r in collected]
-  extra = [_experiment_section(path) for path in experiments]
-  sections += [html_part for html_part, _ in extra]
+  sections += [_experiment_html(path, result, p) for path, result, p in extra]
   title = "tjax report: " + ", ".join([r.name for r in collected]
                                       + [os.path.basename(p) for p in experiments])
   text_line = "" if text is None else f"<p>Attention text: <code>{html.escape(text)}</code></p>"
-  page = (f"<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>{html.escape(title)}"
+  page = (f"<!DOCTYPE html>\n<html><head><meta charset='utf-8'>{_GENERATOR}<title>"
+          f"{html.escape(title)}"
           f"</title><style>{_STYLE}</style></head><body><h1>{html.escape(title)}</h1>{text_line}"
           + "\n".join(sections) + "</body></html>\n")
 
   os.makedirs(out_dir, exist_ok=True)
-  pictures = ([p for r in collected for p in r.pictures] + ([compare] if compare else [])
-              + [p for _, p in extra])
-  for p in pictures:
-    with open(os.path.join(out_dir, p.file), "wb") as f:
+  for p in pictures:  # through a temporary file: never into what a link of that name points to
+    path = os.path.join(out_dir, p.file)
+    with open(f"{path}.tmp", "wb") as f:
       f.write(p.png)
+    os.replace(f"{path}.tmp", path)
   index = os.path.join(out_dir, "index.html")
   runs.write_atomic(index, page)
   return index

@@ -58,3 +58,67 @@ def test_tjax_train_on_a_damaged_dataset_is_one_line_naming_the_file(text_datase
     assert code == 2 and err.count("\n") == 1, err
     assert f"{bad / 'metadata.json'} is damaged" in err and "tjax prepare" in err
     assert not (tmp_path / "r" / "model.yaml").exists()
+
+
+def _edited_copy(text_dataset_dir, tmp_path, edit):
+    bad = tmp_path / "bad"
+    shutil.copytree(text_dataset_dir, bad)
+    meta = json.loads((bad / "metadata.json").read_text())
+    edit(meta)
+    (bad / "metadata.json").write_text(json.dumps(meta))
+    return bad
+
+
+def _set(path, value):
+    def edit(meta):
+        node = meta
+        for key in path[:-1]:
+            node = node[key]
+        if value is _DELETE:
+            del node[path[-1]]
+        else:
+            node[path[-1]] = value
+    return edit
+
+
+_DELETE = object()
+_TOKENS = ("splits", "train", "streams", "tokens")
+
+
+@pytest.mark.parametrize("path, value, named", [
+    (("vocab_size",), "big", "vocab_size='big': expected an integer >= 1"),
+    (("vocab_size",), _DELETE, "vocab_size=None: expected an integer >= 1"),
+    (("task",), "poetry", "task='poetry': expected one of"),
+    (("tokenizer",), 3, "tokenizer=3: expected a tokenizer name"),
+    (("num_regular_tokens",), -1, "num_regular_tokens=-1"),
+    (("special_tokens",), [1], "special_tokens=[1]: expected an object"),
+    (("special_tokens", "[PAD]"), 10**9, "special_tokens.[PAD]=1000000000: expected an id in"),
+    (("splits",), [], "splits=[]: expected an object with the splits train, val"),
+    (("splits", "train", "documents"), "x", "splits.train.documents='x'"),
+    (("splits", "train", "streams"), {}, "splits.train.streams: expected the streams tokens"),
+    (_TOKENS + ("shards",), ["../../elsewhere.bin"], "splits.train.streams.tokens.shards="),
+    (_TOKENS + ("shards",), ["/etc/passwd"], "expected a list of file names inside the dataset"),
+    (_TOKENS + ("offsets",), None, "splits.train.streams.tokens.offsets=None"),
+    (("compact_vocab",), "../vocab.json", "compact_vocab='../vocab.json'"),
+])
+def test_every_metadata_field_is_checked_naming_it(text_dataset_dir, tmp_path, path, value, named):
+    bad = _edited_copy(text_dataset_dir, tmp_path, _set(path, value))
+    with pytest.raises(ValueError) as e:
+        load_dataset(bad)
+    message = str(e.value)
+    assert message.startswith(f"{bad / 'metadata.json'} is damaged (") and named in message, message
+
+
+@pytest.mark.parametrize("name, content, named", [
+    ("train_offsets.npy", b"\x93NUMPY garbage", "train_offsets.npy: not a document offsets array"),
+    ("train_offsets.npy", b"", "train_offsets.npy: not a document offsets array"),
+    ("vocab.json", b"{", "vocab.json is damaged"),
+    ("vocab.json", b'{"base_ids": [1], "base_vocab_size": 1000000000000}',
+     "vocab.json: base_vocab_size=1000000000000 but the tokenizer has"),
+])
+def test_damaged_stream_and_vocabulary_files_are_named(corpus_dir, tmp_path, name, content, named):
+    ds = tmp_path / "ds"
+    prepare([str(corpus_dir)], str(ds), val_fraction=4, compact_vocab=True, progress=False)
+    (ds / name).write_bytes(content)
+    with pytest.raises(ValueError, match=named):
+        load_dataset(ds).tokenizer

@@ -190,6 +190,55 @@ def test_cli_args_and_errors(corpus_dir, tmp_path, capsys):
     args = parser.parse_args([str(corpus_dir), "--out", str(tmp_path / "o"), "--compact-vocab", "--seed", "2"])
     assert run_prepare(args) == 0
     assert "vocab_size" in capsys.readouterr().out
-    args = parser.parse_args([str(tmp_path / "missing*.txt"), "--out", str(tmp_path / "o2")])
-    assert run_prepare(args) == 1
-    assert "missing*.txt" in capsys.readouterr().err
+    from tests.train.conftest import run_cli
+    for missing in ("missing*.txt", "missing.txt"):
+        code, _, err = run_cli("prepare", str(tmp_path / missing), "--out", str(tmp_path / "o2"))
+        assert code == 2 and err.count("\n") == 1, err
+        assert err == f"tjax prepare: error: no files found for input {str(tmp_path / missing)!r}\n"
+
+
+def test_prepare_refuses_a_folder_that_is_not_a_dataset(corpus_dir, tmp_path):
+    out = tmp_path / "project"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine\n")
+    with pytest.raises(ValueError, match=rf"{out} holds files that are not a prepared dataset's "
+                       r"\(notes\.txt\)"):
+        prepare([str(corpus_dir)], str(out), progress=False)
+    assert os.listdir(out) == ["notes.txt"]
+    # A dataset folder (and what an interrupted build left in it) is rebuilt in place.
+    ds = tmp_path / "ds"
+    prepare([str(corpus_dir)], str(ds), progress=False, compact_vocab=True)
+    (ds / "metadata.json").unlink()
+    (ds / "train_000.bin.tmp").write_bytes(b"")
+    prepare([str(corpus_dir)], str(ds), progress=False, compact_vocab=True)
+    assert load_dataset(str(ds)).vocab_size > 0
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--val-fraction", "nan"], "val_fraction=nan: expected a fraction"),
+    (["--val-fraction", "inf"], "val_fraction=inf: expected a fraction"),
+    (["--val-fraction", "-1"], "val_fraction=-1.0: expected a fraction"),
+    (["--val-fraction", "2.5"], "val_fraction=2.5: a value >= 1 is a whole document count"),
+    (["--workers", "-3"], "workers=-3: expected an integer >= 1"),
+    (["--compact-vocab", "0"], "compact_vocab=0: expected true, false or a count"),
+    (["--text-field", ""], "text_field='': expected a field name"),
+])
+def test_bad_prepare_options_are_one_line_before_any_file_is_read(corpus_dir, tmp_path, flags,
+                                                                  named):
+    from tests.train.conftest import run_cli
+    code, out, err = run_cli("prepare", str(corpus_dir), "--out", str(tmp_path / "o"), *flags)
+    assert code == 2 and err == f"tjax prepare: error: {named}" + err.split(named, 1)[1], err
+    assert err.count("\n") == 1 and "tokenizing" not in err and not (tmp_path / "o").exists()
+
+
+def test_a_rebuild_never_writes_through_a_symbolic_link(corpus_dir, tmp_path):
+    ds = tmp_path / "ds"
+    prepare([str(corpus_dir)], str(ds), progress=False, compact_vocab=True)
+    precious = tmp_path / "precious.txt"
+    precious.write_text("mine\n")
+    for name in ("vocab.json", "train_000.bin", "metadata.json"):
+        (ds / name).unlink()
+        (ds / name).symlink_to(precious)
+    prepare([str(corpus_dir)], str(ds), progress=False, compact_vocab=True, force=True)
+    assert precious.read_text() == "mine\n"
+    assert load_dataset(str(ds)).vocab_size > 0

@@ -197,6 +197,13 @@ def test_stream_equals_generate_and_compiles_once_per_chunk_size():
   np.testing.assert_array_equal(streamed, want[:, :streamed.shape[1]])
   assert (want[:, streamed.shape[1]:] == eos).all()
   assert (eos in want[1]) == (streamed.shape[1] < 16)
+  # Suppressed ids: the same rule in both (traced: no new compilation).
+  banned = sorted(set(whole.reshape(-1).tolist()))[:4]
+  suppressed = np.asarray(generate.generate(model, prompts, suppress_ids=banned, **kw))
+  streamed = np.concatenate(list(commands.stream_generate(
+      model, prompts, chunk_size=6, suppress_ids=banned, **kw)), axis=1)
+  np.testing.assert_array_equal(streamed, suppressed)
+  assert not np.isin(suppressed, banned).any()
   assert commands.trace_count - before <= 1
 
 

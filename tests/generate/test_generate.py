@@ -179,3 +179,49 @@ def test_repetition_penalty_greedy_equals_naive_penalised_loop():
   np.testing.assert_array_equal(same, plain)
   with pytest.raises(ValueError, match="repetition_penalty=0.0"):
     generate.generate(model, prompts, max_new_tokens=NEW, repetition_penalty=0.0)
+
+
+def test_suppressed_ids_never_appear_and_greedy_is_the_naive_loop_without_them():
+  from flax import nnx
+  from tests.generate.conftest import last_logits
+  model = gpt_model("gpt2-learned")
+  _, params = nnx.split(model)
+  prompts = random_prompts(13, [6, 3])
+  plain = np.asarray(generate.generate(model, prompts, max_new_tokens=NEW))
+  banned = sorted(set(plain.reshape(-1).tolist()))[:3]
+  out = np.asarray(generate.generate(model, prompts, max_new_tokens=NEW, suppress_ids=banned,
+                                     repetition_penalty=2.0))
+  for i, p in enumerate(prompts):
+    seq = list(p)
+    for _ in range(NEW):
+      logits = last_logits(params, model.config, seq)
+      seen = np.isin(np.arange(VOCAB), seq)
+      logits = np.where(seen, np.where(logits > 0, logits / 2.0, logits * 2.0), logits)
+      logits[banned] = -np.inf
+      seq.append(int(np.argmax(logits)))
+    assert out[i].tolist() == seq[len(p):], i
+  sampled = generate.generate(model, prompts * 8, max_new_tokens=NEW, temperature=2.0,
+                              suppress_ids=banned, key=jax.random.key(3))
+  assert not np.isin(np.asarray(sampled), banned).any()
+
+
+@pytest.mark.parametrize("suppress, match", [
+    ([VOCAB], rf"suppress_ids \[{VOCAB}\] must lie in the vocabulary \[0, {VOCAB}\)"),
+    ([-1, 2], r"suppress_ids \[-1, 2\] must lie in the vocabulary"),
+    (list(range(VOCAB)), rf"suppress_ids hold all {VOCAB} ids of the vocabulary"),
+])
+def test_bad_suppress_ids_are_refused_by_name(suppress, match):
+  model = gpt_model("gpt2-learned")
+  with pytest.raises(ValueError, match=match):
+    generate.generate(model, [[1, 2]], max_new_tokens=2, suppress_ids=suppress)
+  with pytest.raises(ValueError, match=match):
+    generate.beam_search(model, [[1, 2]], num_beams=2, max_new_tokens=2, suppress_ids=suppress)
+
+
+def test_special_ids_are_every_special_token_but_the_kept_ones(text_dataset):
+  from transformer_jax import data
+  tok = data.load_dataset(text_dataset).tokenizer
+  got = generate.special_ids(tok, keep=[tok.eot_id])
+  assert got == sorted(set(tok.special_ids.values()) - {tok.eot_id})
+  assert tok.unk_id in got and tok.eot_id not in got
+  assert generate.special_ids(tok) == sorted(set(tok.special_ids.values()))

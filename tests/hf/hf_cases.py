@@ -95,7 +95,8 @@ def build(name: str, seed: int = 0):
 
 def family(arch: str) -> str:
   return {"GPT2LMHeadModel": "causal", "LlamaForCausalLM": "causal",
-          "MistralForCausalLM": "causal", "MarianMTModel": "seq2seq",
+          "MistralForCausalLM": "causal", "MambaForCausalLM": "causal",
+          "Mamba2ForCausalLM": "causal", "MarianMTModel": "seq2seq",
           "T5ForConditionalGeneration": "seq2seq"}.get(arch, "bert")
 
 
@@ -124,6 +125,8 @@ def hf_outputs(model, arch: str, x: dict, tgt: dict | None = None) -> dict[str, 
         out = model(input_ids=tt(x["ids"]), attention_mask=tt(x["mask"]),
                     position_ids=tt(x["positions"]))
         res = {"logits": out.logits}
+      case "MambaForCausalLM" | "Mamba2ForCausalLM":   # no positions: order is the sequence's
+        res = {"logits": model(input_ids=tt(x["ids"]), attention_mask=tt(x["mask"])).logits}
       case "BertForPreTraining":
         out = model(input_ids=tt(x["ids"]), attention_mask=tt(x["mask"]),
                     token_type_ids=tt(x["types"]))
@@ -153,6 +156,8 @@ def our_outputs(model, arch: str, x: dict, tgt: dict | None = None) -> dict[str,
   match arch:
     case "GPT2LMHeadModel" | "LlamaForCausalLM" | "MistralForCausalLM":
       res = {"logits": model(ids, positions=np.asarray(x["positions"]), attention_mask=mask)}
+    case "MambaForCausalLM" | "Mamba2ForCausalLM":
+      res = {"logits": model(ids, attention_mask=mask)}
     case "BertForPreTraining":
       mlm, nsp = model(ids, np.asarray(x["types"]), mask)
       res = {"mlm": mlm, "nsp": nsp}

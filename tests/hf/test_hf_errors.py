@@ -144,3 +144,145 @@ def test_importing_transformer_jax_needs_no_torch():
   code = ("import sys, transformer_jax, transformer_jax.hf; "
           "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
   subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_convert_to_hf_refuses_a_non_empty_out_directory(gpt2_dir, tmp_path_factory):
+  from tests.train.conftest import run_cli
+  from transformer_jax.hf import convert
+  root = tmp_path_factory.mktemp("to_hf")
+  convert.from_hf(gpt2_dir, root / "run")
+  out = root / "hf"
+  out.mkdir()
+  (out / "config.json").write_text('{"mine": true}\n')
+  code, _, err = run_cli("convert", "--to-hf", str(root / "run"), "--out", str(out))
+  assert code == 2 and err.count("\n") == 1 and "exists and is not empty" in err, err
+  assert sorted(p.name for p in out.iterdir()) == ["config.json"]
+  assert (out / "config.json").read_text() == '{"mine": true}\n'
+  code, _, err = run_cli("convert", "--to-hf", str(root / "run"), "--out", str(root / "new"))
+  assert code == 0, err
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+  """One saved checkpoint folder per family, copied and damaged by each case."""
+  root = tmp_path_factory.mktemp("saved")
+  for name in ("gpt2-base", "mistral-window", "llama-tied-linear", "bert-classifier", "t5-v1.0",
+               "marian"):
+    hc.build(name).save_pretrained(root / name)
+  return root
+
+
+def _damaged_config(saved, tmp_path, case, **changes):
+  import shutil
+  folder = tmp_path / case
+  shutil.copytree(saved / case, folder)
+  _edit_config(folder, **changes)
+  return folder
+
+
+@pytest.mark.parametrize("case, changes, named", [
+    ("mistral-window", {"sliding_window": 4.7}, "sliding_window=4.7: expected an integer"),
+    ("mistral-window", {"sliding_window": True}, "sliding_window=True: expected an integer"),
+    ("mistral-window", {"sliding_window": "four"}, "sliding_window='four': expected an integer"),
+    ("mistral-window", {"rms_norm_eps": "1e-6"}, "rms_norm_eps='1e-6': expected a number"),
+    ("mistral-window", {"num_key_value_heads": 2.5}, "num_key_value_heads=2.5: expected an "
+     "integer"),
+    ("llama-tied-linear", {"rope_parameters": {"rope_type": "linear", "factor": "2"}},
+     "rope_parameters.factor='2': expected a number"),
+    ("llama-tied-linear", {"rope_parameters": [1, 2]}, "rope_parameters=[1, 2]: expected an "
+     "object"),
+    ("llama-tied-linear", {"attention_bias": 1}, "attention_bias=1: expected true or false"),
+    ("gpt2-base", {"n_embd": "48"}, "n_embd='48': expected an integer"),
+    ("gpt2-base", {"tie_word_embeddings": "yes"}, "tie_word_embeddings='yes': expected true or "
+     "false"),
+    ("gpt2-base", {"resid_pdrop": None}, "resid_pdrop=None: expected a number"),
+    ("gpt2-base", {"scale_attn_weights": 1}, "scale_attn_weights=1 is not supported (only True)"),
+    ("gpt2-base", {"model_type": ["gpt2"]}, "model_type=['gpt2']: expected a string"),
+    ("gpt2-base", {"architectures": "GPT2LMHeadModel"}, "architectures='GPT2LMHeadModel': "
+     "expected a list of one name"),
+    ("bert-classifier", {"id2label": "x"}, "id2label='x': expected an object"),
+    ("bert-classifier", {"layer_norm_eps": float("inf")}, "layer_norm_eps=inf: expected a "
+     "finite number"),
+    ("t5-v1.0", {"feed_forward_proj": 3}, "feed_forward_proj=3: expected a string"),
+    ("t5-v1.0", {"num_decoder_layers": -1}, "num_decoder_layers=-1"),
+    ("marian", {"scale_embedding": "true"}, "scale_embedding='true': expected true or false"),
+])
+def test_hf_config_fields_are_checked_by_type_naming_the_file(saved, tmp_path, case, changes,
+                                                               named):
+  folder = _damaged_config(saved, tmp_path, case, **changes)
+  with pytest.raises(tjhf.CheckpointError) as e:
+    tjhf.load(folder)
+  assert str(e.value).startswith(f"{folder / 'config.json'}: ") and named in str(e.value), e.value
+
+
+@pytest.mark.parametrize("content, named", [
+    (b"[1, 2]", "expected an object"), (b"\xff\xfe{}", "not UTF-8"), (b"{", "not valid JSON")])
+def test_an_unreadable_config_json_is_named(saved, tmp_path, content, named):
+  import shutil
+  folder = tmp_path / "c"
+  shutil.copytree(saved / "gpt2-base", folder)
+  (folder / "config.json").write_bytes(content)
+  with pytest.raises(tjhf.CheckpointError, match=rf"^{folder / 'config.json'}:? .*{named}"):
+    tjhf.load(folder)
+
+
+def _safetensors(path, header, data=b""):
+  blob = json.dumps(header).encode()
+  path.write_bytes(len(blob).to_bytes(8, "little") + blob + data)
+  return path
+
+
+@pytest.mark.parametrize("header, data, named", [
+    ([1, 2], b"", "header is not an object"),
+    ({"w": [1]}, b"", "tensor 'w' has a malformed header entry"),
+    ({"w": {"dtype": "F99", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4,
+     "tensor 'w': dtype 'F99' is not one of"),
+    ({"w": {"dtype": "F32", "shape": [-1, 4], "data_offsets": [0, 16]}}, b"\0" * 16,
+     "tensor 'w': shape [-1, 4]"),
+    ({"w": {"dtype": "F32", "shape": "x", "data_offsets": [0, 4]}}, b"\0" * 4,
+     "tensor 'w': shape 'x'"),
+    ({"w": {"dtype": "F32", "shape": [1], "data_offsets": [8, 4]}}, b"\0" * 8,
+     "tensor 'w': data_offsets [8, 4]"),
+    ({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0.5, 4]}}, b"\0" * 4,
+     "tensor 'w': data_offsets [0.5, 4]"),
+    ({"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8,
+     "tensor 'w' has 8 bytes for shape (3,)"),
+    ({"w": {"dtype": "F32", "shape": [2**40, 2**40], "data_offsets": [0, 8]}}, b"\0" * 8,
+     "tensor 'w' has 8 bytes for shape"),
+])
+def test_malformed_safetensors_headers_name_file_and_tensor(tmp_path, header, data, named):
+  path = _safetensors(tmp_path / "model.safetensors", header, data)
+  with pytest.raises(tjhf.CheckpointError) as e:
+    io.read_safetensors(path)
+  assert str(e.value).startswith(str(path)) and named in str(e.value), e.value
+
+
+@pytest.mark.parametrize("shard", ["../other/model.safetensors", "/abs/model.safetensors",
+                                   "sub/../../other/model.safetensors", "", 7])
+def test_an_index_never_reads_outside_its_folder(saved, tmp_path, shard):
+  import shutil
+  folder = tmp_path / "ckpt"
+  shutil.copytree(saved / "gpt2-base", folder)
+  other = tmp_path / "other"
+  other.mkdir()
+  (folder / "model.safetensors").rename(other / "model.safetensors")
+  names = io.read_safetensors(other / "model.safetensors")
+  (folder / "model.safetensors.index.json").write_text(json.dumps(
+      {"weight_map": {k: shard for k in names}}))
+  with pytest.raises(tjhf.CheckpointError, match=rf"{folder / 'model.safetensors.index.json'}: "
+                     r"shard .* (lies outside|is not a file name)"):
+    tjhf.load(folder)
+
+
+@pytest.mark.parametrize("content, named", [
+    (b"{", "not valid JSON"), (b"[]", "expected an object"), (b'{"weight_map": [1]}',
+                                                                "weight_map: expected an object")])
+def test_a_damaged_index_is_named(saved, tmp_path, content, named):
+  import shutil
+  folder = tmp_path / "ckpt"
+  shutil.copytree(saved / "gpt2-base", folder)
+  (folder / "model.safetensors").unlink()
+  (folder / "model.safetensors.index.json").write_bytes(content)
+  with pytest.raises(tjhf.CheckpointError, match=rf"^{folder / 'model.safetensors.index.json'}"
+                     rf":? .*{named}"):
+    tjhf.load(folder)

@@ -84,3 +84,41 @@ def test_a_small_model_learns_from_the_ids_its_row_has_used():
     params, opt_state, _ = step(params, opt_state, batch(32))
   held_out = float(jax.jit(loss_fn)(params, batch(256)))
   assert held_out < (np.log(4) + np.log(64)) / 2, held_out
+
+
+@pytest.mark.parametrize("decay,lengths", [(0.5, (2, 200)), ("retnet", (3, 3000))])
+def test_a_short_row_beside_a_long_one_decodes_as_it_does_alone(decay, lengths):
+  """The short row's prefill is padded to the long row's bucket; padding must neither add to nor
+  decay its state (decayed and multiplied back, 0.5 over 254 positions overflows to a NaN
+  state, which decodes as id 0 forever)."""
+  config = models.get_config("gpt2-tiny", vocab_size=97, d_model=16, num_layers=1, num_heads=2,
+                             d_ff=32, max_len=4096, attention_kind="linear", linear_decay=decay,
+                             init_std=0.3)
+  params = models.init(config, jax.random.key(0))
+  rng = np.random.default_rng(0)
+  rows = [list(rng.integers(0, 97, n)) for n in lengths]
+  both = np.asarray(generate.generate((config, params), rows, max_new_tokens=4))
+  for i, row in enumerate(rows):
+    alone = np.asarray(generate.generate((config, params), [row], max_new_tokens=4))[0]
+    np.testing.assert_array_equal(both[i], alone, err_msg=f"row {i} of {lengths}")
+
+
+@pytest.mark.parametrize("decay", [None, (0.9, 0.3)])
+def test_linear_attention_weights_are_the_ones_its_output_uses(decay):
+  """``Attention.weights`` of a linear layer, with padding and two packed documents: the
+  weights times the values give ``ops.linear_attention``'s output at every real position."""
+  from transformer_jax import ops
+  from transformer_jax.layers import Attention, LinearKind
+  layer = Attention(16, 2, 2, 8, use_bias=False, init_std=0.3, out_init_std=0.3,
+                    dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0),
+                    linear=LinearKind(chunk_size=4, decay=decay))
+  x = jax.random.normal(jax.random.key(1), (2, 11, 16))
+  valid = np.ones((2, 11), bool)
+  valid[0, :3] = valid[1, 9:] = False
+  segments = np.where(np.arange(11) < 6, 1, 2)[None].repeat(2, 0)
+  w_BNTS = layer.weights(x, causal=True, kv_valid=valid, segment_ids=segments)
+  q, k, v = layer.query(x), layer.key(x), layer.value(x)
+  want = ops.linear_attention(q, k, v, chunk_size=4, decay=decay, kv_valid=valid,
+                              segment_ids=segments)
+  got = jnp.einsum("bnij,bjne->bine", w_BNTS, v)
+  np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], atol=2e-5)

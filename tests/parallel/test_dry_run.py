@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import jax
+import pytest
 import optax
 import yaml
 
@@ -85,3 +86,75 @@ def test_report_bytes_match_the_sharded_state(tmp_path):
   assert abs(report["per_device_bytes"]["optimizer_state"] - held(state.opt_state)) < 1024
   assert report["parameters"] == models.count_params(config)
   assert report["per_device_bytes"]["temporaries"] > 0
+
+
+def test_dry_run_takes_the_vocabulary_of_a_prepared_dataset(tmp_path, text_dataset):
+  """The README's dry run after the demo: data.path holds a prepared dataset."""
+  from transformer_jax import data
+  exp = load_experiment(_config(tmp_path, {"data": 8}), [f"data.path={text_dataset}"])
+  config, note = dry._model_config(exp)
+  vocab = data.load_dataset(text_dataset).vocab_size
+  assert config.vocab_size == vocab and f"vocabulary {vocab} from {text_dataset}" == note
+
+
+@pytest.mark.parametrize("devices", [0, -2, 2049, 100000])
+def test_device_counts_past_what_xla_cpu_simulates_are_refused_first(tmp_path, devices):
+  exp = load_experiment(_config(tmp_path, {"data": -1}))
+  before = jax.config.jax_num_cpu_devices
+  with pytest.raises(ValueError, match=rf"--devices {devices}: .*1 to {dry.MAX_SIMULATED_DEVICES}"):
+    dry.simulate_devices(exp, devices)
+  assert jax.config.jax_num_cpu_devices == before   # refused before anything was set
+
+
+def test_a_mesh_too_large_to_simulate_is_refused_by_its_sizes(tmp_path):
+  exp = load_experiment(_config(tmp_path, {"data": 64, "fsdp": 64}))
+  with pytest.raises(ValueError, match=r"mesh data=64 x fsdp=64 .* 4096 devices.*at most 2048"):
+    dry.simulate_devices(exp, None)
+
+
+def test_devices_without_dry_run_is_refused(tmp_path):
+  from tests.train.conftest import run_cli
+  code, _, err = run_cli("train", _config(tmp_path, {"data": 1}), "--devices", "4")
+  assert code == 2 and "--devices is for --dry-run" in err and "Traceback" not in err
+  assert not os.path.exists(tmp_path / "run")
+
+
+def test_dry_run_names_linear_attention_for_a_linear_model():
+  config = models.get_config("gpt2-tiny", attention_kind="linear", linear_decay=0.5,
+                             linear_chunk=32)
+  (row,) = dry.attention_kernels(config, {"data": 1}, 8, 64, "gpt")
+  assert row["attention"] == "self-attention"
+  assert set(row["kernels"].values()) == {"linear (chunks of 32, decay 0.5)"}
+
+
+def test_dry_run_names_the_kernel_a_config_forces():
+  config = models.get_config("gpt2-tiny", attention_impl="chunked")
+  (row,) = dry.attention_kernels(config, {"data": 1}, 8, 64, "gpt")
+  assert set(row["kernels"].values()) == {"chunked"}
+
+
+def test_the_dry_run_plans_a_model_larger_than_this_machine(tmp_path, monkeypatch):
+  """A pod's model need not fit the laptop that plans it: the host-memory check is a real run's."""
+  from transformer_jax import hardware
+  from transformer_jax.train import plan
+  monkeypatch.setattr(hardware, "host_memory_available", lambda: 2**10)
+  exp = load_experiment(_config(tmp_path, {"fsdp": 8}))
+  task, mesh, _ = plan.plan(exp, exp.model_config())
+  assert dict(mesh.shape)["fsdp"] == 8 and task.name == "gpt"
+  with pytest.raises(ValueError, match="more than the 0.0 GiB of memory this machine has free"):
+    plan.preflight(exp)
+
+
+def test_a_dry_run_over_an_existing_run_refuses_another_model(tmp_path):
+  """A real run would refuse the change; the dry run must not plan the stored model instead."""
+  from transformer_jax import runs
+  exp = load_experiment(_config(tmp_path, {"data": 8}))
+  stored = exp.model_config()
+  runs.save_model(exp.run_dir, stored, models.init(stored, jax.random.key(0)))
+  rd = runs.RunDir(exp.run_dir)
+  runs.write_atomic(rd.file(runs.CONFIG), yaml.safe_dump(exp.to_dict()))
+  assert dry._model_config(exp)[0] == stored
+  changed = load_experiment(_config(tmp_path, {"data": 8}), ["model.attention_kind=linear"])
+  with pytest.raises(ValueError, match=r"holds a run with another model \(model\.attention_kind: "
+                     r"'softmax' -> 'linear'\)"):
+    dry._model_config(changed)

@@ -96,7 +96,7 @@ def test_pretrain_runs_first_only_when_init_from_is_absent(tmp_path, pretrained,
   pre_yaml = tmp_path / "pre.yaml"
   missing = tmp_path / "runs" / "pre"
   pre_yaml.write_text(f"run_dir: {missing}\nmodel: {{preset: bert-tiny}}\n"
-                      "data: {inputs: [stdlib]}\n")
+                      "data: {inputs: [stdlib]}\ntrain: {steps: 2}\n")
   raw = {"run_dir": str(tmp_path / "ft"), "pretrain": str(pre_yaml),
          "data": {"task": "classify", "inputs": ["stdlib:packages"]}}
   # The pretrained run exists: nothing to do.

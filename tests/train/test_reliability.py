@@ -107,12 +107,13 @@ def test_model_and_data_overrides_are_refused_and_nothing_is_rewritten(finished,
   run_dir = _copy(finished, tmp_path)
   snapshot = {n: open(os.path.join(run_dir, n)).read() for n in ("config.yaml", "model.yaml")}
   for overrides, named in ((["model.d_model=64"], "model.d_model: 32 -> 64"),
-                           (["model.d_modle=64"], "model.d_modle: None -> 64"),   # misspelt
                            (["train.seq_len=16", "train.steps=10"], "train.seq_len: 32 -> 16"),
                            (["data.path=/elsewhere"], "data.path")):
     with pytest.raises(ValueError, match="holds a run with another model or data") as e:
       train(_exp(run_dir, text_dataset, overrides), progress=False)
     assert named in str(e.value)
+  with pytest.raises(ValueError, match=r"model\.d_modle: unknown key \(did you mean 'd_model'"):
+    train(_exp(run_dir, text_dataset, ["model.d_modle=64"]), progress=False)  # misspelt
   with pytest.raises(ValueError, match="train.steps=4 is below the run's last checkpoint"):
     train(_exp(run_dir, text_dataset, steps=4), progress=False)
   assert snapshot == {n: open(os.path.join(run_dir, n)).read() for n in snapshot}
@@ -128,11 +129,51 @@ def test_force_new_starts_over(finished, tmp_path, text_dataset):
   assert runs.RunDir(run_dir).checkpoint_steps() == [2]
 
 
-def test_a_failed_start_leaves_no_snapshot_behind(tmp_path, text_dataset):
+def test_a_failed_start_leaves_no_run_folder_behind(tmp_path, text_dataset):
   run_dir = tmp_path / "r"
   with pytest.raises(ValueError, match="does not fit a GPTConfig"):
     train(_exp(run_dir, text_dataset, ["data.task=bert"]), progress=False)
-  assert not (run_dir / "model.yaml").exists() and not (run_dir / "config.yaml").exists()
+  assert not run_dir.exists()   # not even a .lock
+  with pytest.raises(ValueError, match="num_heads=3 does not divide d_model=32"):
+    train(_exp(run_dir, text_dataset, ["model.num_heads=3"]), progress=False)
+  assert not run_dir.exists()
+  run_dir.mkdir()   # an empty folder given: left as it was
+  with pytest.raises(ValueError, match="num_heads=3 does not divide d_model=32"):
+    train(_exp(run_dir, text_dataset, ["model.num_heads=3"]), progress=False)
+  assert os.listdir(run_dir) == []
+
+
+def test_spelled_out_defaults_resume_the_same_run(finished, tmp_path, text_dataset):
+  """A config that spells a default explicitly is the same config."""
+  run_dir = _copy(finished, tmp_path)
+  same = ["model.attention_kind=softmax", "model.position=learned", "model.norm_eps=1e-5",
+          "model.sliding_window=null", "data.mask_prob=0.15", "train.dtype=null"]
+  assert train(_exp(run_dir, text_dataset, same), progress=False)["finished_before"]
+  with pytest.raises(ValueError, match=r"model\.attention_kind: 'softmax' -> 'linear'"):
+    train(_exp(run_dir, text_dataset, ["model.attention_kind=linear"]), progress=False)
+
+
+def test_a_folder_that_is_not_a_run_is_not_written_into(tmp_path, text_dataset):
+  folder = tmp_path / "project"
+  folder.mkdir()
+  (folder / "config.yaml").write_text("mine: true\n")
+  (folder / "notes.txt").write_text("mine\n")
+  for force_new in (False, True):
+    with pytest.raises(ValueError, match=rf"run_dir {folder} holds files that are not a run's "
+                       r"\(config\.yaml, notes\.txt\)"):
+      train(_exp(folder, text_dataset), progress=False, force_new=force_new)
+  assert sorted(os.listdir(folder)) == ["config.yaml", "notes.txt"]
+  assert (folder / "config.yaml").read_text() == "mine: true\n"
+
+
+def test_a_dataset_smaller_than_one_batch_is_refused(tmp_path, text_dataset):
+  from transformer_jax.data import GPTLoader, load_dataset
+  windows = GPTLoader(load_dataset(text_dataset), batch_size=1, seq_len=32).num_windows
+  run_dir = tmp_path / "r"
+  with pytest.raises(ValueError, match=rf"the train split of {text_dataset} holds {windows} "
+                     rf"windows of 33 tokens, fewer than train\.batch_size={windows + 1}"):
+    train(_exp(run_dir, text_dataset, batch_size=windows + 1), progress=False)
+  assert not run_dir.exists()
 
 
 # -------------------------------------------------------------------------------------------------
@@ -345,7 +386,7 @@ def test_out_of_range_token_ids_are_refused_on_the_host():
 
 @pytest.mark.parametrize("override, message", [
     ("train.clip_norm=-1", "train.clip_norm=-1.0 must lie in (0.0, inf)"),
-    ("train.lr=nan", "train.lr=nan must be a finite number"),
+    ("train.lr=nan", "train.lr='nan': expected a finite number"),
     ("train.lr=0", "train.lr=0.0 must lie in (0.0, inf)"),
     ("bars.val_loss_below_unigarm=1", "bars.val_loss_below_unigarm: unknown key (did you mean"),
     ("train.b2=1.5", "train.b2=1.5 must lie in [0.0, 1.0)"),
@@ -552,3 +593,64 @@ def test_a_step_too_large_for_the_allocator_to_reuse_is_named_once(tmp_path, tex
 
 def test_no_allocator_notice_for_a_small_step(finished):
   assert "notice: one training step" not in finished["stdout"] + finished["stderr"]
+
+
+def test_a_window_past_the_models_positions_is_refused_before_the_run(tmp_path, text_dataset):
+  run_dir = tmp_path / "r"
+  with pytest.raises(ValueError, match=r"train\.seq_len=64 is longer than the model's "
+                     r"max_len=32 positions"):
+    train(_exp(run_dir, text_dataset, seq_len=64), progress=False)
+  assert not run_dir.exists()
+
+
+def test_a_model_larger_than_the_free_memory_is_refused_before_anything_is_allocated(
+    tmp_path, text_dataset, monkeypatch):
+  from transformer_jax import hardware
+  monkeypatch.setattr(hardware, "host_memory_available", lambda: 2**10)
+  run_dir = tmp_path / "r"
+  with pytest.raises(ValueError, match=r"parameters need .* GiB for parameters, gradients and "
+                     r"AdamW moments, more than the 0\.0 GiB of memory this machine has free"):
+    train(_exp(run_dir, text_dataset), progress=False)
+  assert not run_dir.exists()
+
+
+def test_a_lock_that_is_a_symbolic_link_is_refused_and_its_target_kept(finished, tmp_path,
+                                                                        text_dataset):
+  run_dir = _copy(finished, tmp_path)
+  precious = tmp_path / "precious.txt"
+  precious.write_text("mine\n")
+  os.symlink(precious, os.path.join(run_dir, ".lock"))
+  with pytest.raises(ValueError, match=r"\.lock is a symbolic link"):
+    train(_exp(run_dir, text_dataset, steps=8), progress=False)
+  assert precious.read_text() == "mine\n"
+
+
+def test_a_torn_metrics_line_is_dropped_when_the_run_resumes(finished, tmp_path, text_dataset):
+  """A crash in the middle of a log line: the resumed run drops it (and reports and plots skip
+  it), and the file is rewritten whole."""
+  run_dir = _copy(finished, tmp_path)
+  with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+    f.write('{"step": 7, "lo')
+  assert runs.RunDir(run_dir).read_metrics() == _metrics(finished["run"])
+  assert train(_exp(run_dir, text_dataset, steps=8), progress=False)["step"] == 8
+  steps = [r["step"] for r in _metrics(run_dir) if "loss" in r]
+  assert steps == list(range(1, 9))
+
+
+@pytest.mark.parametrize("content, named", [
+    ('{"step": 6, "loader": "x"}', "loader='x': expected null or an object"),
+    ('{"step": 6, "loader": {"step": -1}}', "loader={'step': -1}"),
+    ("[6]", "expected an object"), ('{"step": 6, "lo', "broken JSON")])
+def test_a_damaged_checkpoint_meta_is_a_damaged_step_naming_the_file(finished, tmp_path, content,
+                                                                     named):
+  run_dir = _copy(finished, tmp_path)
+  path = os.path.join(run_dir, "checkpoints", "6", "meta", "metadata")
+  with open(path, "w") as f:
+    f.write(content)
+  ckpt = runs.Checkpoints(os.path.join(run_dir, "checkpoints"), keep=3, async_save=False)
+  try:
+    with pytest.raises(ValueError, match=re.escape(path) + r".*" + re.escape(named)):
+      ckpt.read_meta(6)
+    assert ckpt.read_meta(4)["loader"] == {"step": 4}
+  finally:
+    ckpt.close()

@@ -6,7 +6,8 @@
     python experiments/bench_generate.py ...     # the same (its former command line)
 
 Both sides run the same random weights (``init_std`` 0.02): a transformer_jax model is initialised,
-written with ``transformer_jax.hf.save`` and read back by ``transformers.GPT2LMHeadModel``. They do the
+written with ``transformer_jax.hf.save`` and read back by ``transformers.GPT2LMHeadModel`` (a Mamba
+preset: ``MambaForCausalLM`` or ``Mamba2ForCausalLM``, its PyTorch path on CPU). They do the
 same work: greedy, exactly ``--new-tokens`` tokens per row (no EOS), batch rows of one prompt length.
 Hugging Face runs its normal path: ``model.generate`` with its KV cache under
 ``torch.inference_mode()``, ``torch.set_num_threads(--torch-threads)`` (default: all cores). It is
@@ -101,7 +102,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--preset", default="gpt2-small", help="a GPT-2 preset (GPT2LMHeadModel on their side)")
+  p.add_argument("--preset", default="gpt2-small",
+                 help="a GPT-2 or Mamba preset (GPT2LMHeadModel, MambaForCausalLM or "
+                      "Mamba2ForCausalLM on their side)")
   p.add_argument("--batch-sizes", default="1,8", help="comma-separated")
   p.add_argument("--prompt-len", type=int, default=None,
                  help=f"prompt tokens per row (default: {DEFAULT_PROMPT_LEN}, less where the "
@@ -431,10 +434,10 @@ def _run(args, command: str | None) -> dict:
 
   model32 = models.create(config32, rngs=nnx.Rngs(args.seed))
   with tempfile.TemporaryDirectory() as tmp:
-    tjhf.save(model32, config32, tmp)
+    arch = tjhf.save(model32, config32, tmp)
     with warnings.catch_warnings():
       warnings.simplefilter("ignore")
-      hf32 = transformers.GPT2LMHeadModel.from_pretrained(tmp).eval()
+      hf32 = getattr(transformers, arch).from_pretrained(tmp).eval()
   if not on_cpu:
     hf32.to(device)
   _, params32 = nnx.split(model32)

@@ -3,11 +3,13 @@
 Ours is the real step (``train.step.make_train_step`` + ``jit_train_step``: the task's token-mean
 cross-entropy, clipping and AdamW from ``train.optim.make_optimizer``) on a batch built once with
 NumPy and placed on the device, so host loading is not timed. Theirs (``--against torch``, GPT
-presets) is the ``transformers`` class of the preset's family holding the same weights (written by
-``transformer_jax.hf.save``: ``GPT2LMHeadModel``, ``LlamaForCausalLM`` for the LLaMA flavour, e.g.
-``tinyllama-1.1b``, ``MistralForCausalLM``), in train mode, with the same tokens, the same loss (token-mean
-cross-entropy over the same labels), ``clip_grad_norm_`` and ``torch.optim.AdamW`` with the same
-hyper-parameters; dropout is off on both sides. Steps alternate (ours, theirs, ours, ...) so both
+and Mamba presets) is the ``transformers`` class of the preset's family holding the same weights
+(written by ``transformer_jax.hf.save``: ``GPT2LMHeadModel``, ``LlamaForCausalLM`` for the LLaMA
+flavour, e.g. ``tinyllama-1.1b``, ``MistralForCausalLM``, ``MambaForCausalLM``,
+``Mamba2ForCausalLM``; on CPU transformers' Mamba runs its sequential PyTorch path), in train mode,
+with the same tokens, the same loss (token-mean cross-entropy over the same labels),
+``clip_grad_norm_`` and ``torch.optim.AdamW`` with the same hyper-parameters; dropout is off on
+both sides. Steps alternate (ours, theirs, ours, ...) so both
 see the same machine, and medians are compared, after ``--warmup`` untimed steps per side (default 2:
 the first steps fault each side's scratch memory in, several seconds of kernel time each, and
 the per-step page faults and kernel time of the timed steps are in the JSON, ``*_all``).
@@ -55,7 +57,7 @@ import numpy as np
 from transformer_jax import hardware, models, runtime
 from transformer_jax.bench import machine
 from transformer_jax.cpu import onednn
-from transformer_jax.models.config import BERTConfig, GPTConfig, Seq2SeqConfig
+from transformer_jax.models.config import BERTConfig, GPTConfig, MambaConfig, Seq2SeqConfig
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -223,7 +225,7 @@ def random_batch(config, batch: int, seq_len: int, seed: int) -> tuple[dict[str,
   rng = np.random.default_rng(seed)
   ids = lambda: rng.integers(0, config.vocab_size, (batch, seq_len), dtype=np.int32)  # noqa: E731
   match config:
-    case GPTConfig():
+    case GPTConfig() | MambaConfig():
       return {"tokens": ids(), "labels": ids(), "segment_ids": np.ones((batch, seq_len), np.int32),
               "positions": np.tile(np.arange(seq_len, dtype=np.int32), (batch, 1)),
               "loss_mask": np.ones((batch, seq_len), bool)}, "gpt"
@@ -243,8 +245,12 @@ def random_batch(config, batch: int, seq_len: int, seed: int) -> tuple[dict[str,
 
 
 def step_matmul_shapes(config, tokens: int) -> list[tuple[int, int, int]]:
-  """``(m, k, n)`` of the step's projections: attention, feed-forward and vocabulary."""
+  """``(m, k, n)`` of the step's projections: attention, feed-forward and vocabulary (a Mamba
+  model: its mixers' in- and out-projections)."""
   d = config.d_model
+  if isinstance(config, MambaConfig):
+    e = config.d_inner
+    return [(tokens, d, 2 * e), (tokens, e, d), (tokens, d, config.vocab_size)]
   return [(tokens, d, 3 * d), (tokens, d, config.d_ff), (tokens, config.d_ff, d),
           (tokens, d, config.vocab_size)]
 
@@ -340,10 +346,13 @@ class Torch:
     self.architecture = default_architecture(config)
     with tempfile.TemporaryDirectory() as tmp:
       tjhf.save(model, config, tmp)
+      # PyTorch's fused attention; Mamba's mixers have no attention to choose.
+      extra = ({} if self.architecture in ("MambaForCausalLM", "Mamba2ForCausalLM")
+               else {"attn_implementation": "sdpa"})
       with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         self.model = getattr(transformers, self.architecture).from_pretrained(
-            tmp, attn_implementation="sdpa").train()
+            tmp, **extra).train()
     self.device, self.autocast = device, autocast
     self.fused_adamw = device == "cuda"
     self._sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -491,12 +500,13 @@ def run(args) -> dict:
   overrides = parse_model_overrides(getattr(args, "model", None) or [])
   entries = parse_table(getattr(args, "table", None) or [])
   config = models.get_config(args.preset, dtype=args.dtype, remat=args.remat, **overrides)
-  if rivals and not isinstance(config, GPTConfig):
-    raise ValueError(f"--against {args.against}: the PyTorch rival is a causal LM (GPT presets); "
-                     f"{args.preset} is a {type(config).__name__} (use --against none)")
+  if rivals and not isinstance(config, (GPTConfig, MambaConfig)):
+    raise ValueError(f"--against {args.against}: the PyTorch rival is a causal LM (GPT presets, "
+                     f"Mamba presets); {args.preset} is a {type(config).__name__} (use --against "
+                     "none)")
   args.seq_len = resolve_seq_len(args, config)
-  if hasattr(config, "dropout_rate"):
-    config = dataclasses.replace(config, dropout_rate=0.0, attention_dropout_rate=0.0)
+  config = dataclasses.replace(config, **{f: 0.0 for f in ("dropout_rate", "attention_dropout_rate")
+                                          if hasattr(config, f)})
   host_batch, task_name = random_batch(config, args.batch_size, args.seq_len, args.seed)
   tc = TrainConfig()
   lr = 1e-4

@@ -73,10 +73,25 @@ def mimalloc_path() -> str | None:
   return None
 
 
+def malloc_setting(environ: Mapping[str, str] | None = None) -> str:
+  """``TJAX_MALLOC`` lower-cased ("" when unset or empty).
+
+  Raises:
+    ValueError: a value other than "0", "system", "glibc" or "mimalloc" (any case), naming it.
+  """
+  env = os.environ if environ is None else environ
+  raw = env.get(MALLOC_ENV, "")
+  setting = raw.strip().lower()
+  if setting and setting not in _OFF + _FORCED:
+    raise ValueError(f"{MALLOC_ENV}={raw!r} must be one of {', '.join(map(repr, _OFF + _FORCED))}"
+                     " (or unset: mimalloc when the process computes on CPU)")
+  return setting
+
+
 def _wants_mimalloc(env: Mapping[str, str], find_spec) -> bool:
   """Whether a process with ``env`` should run over mimalloc: on Linux, no malloc preloaded yet,
   not turned off, and computing on CPU (or asked for with ``TJAX_MALLOC=mimalloc``)."""
-  setting = env.get(MALLOC_ENV, "").lower()
+  setting = malloc_setting(env)
   if setting in _OFF or sys.platform != "linux" or "malloc" in env.get("LD_PRELOAD", ""):
     return False
   return setting in _FORCED or computes_on_cpu(env, find_spec=find_spec)
@@ -97,6 +112,9 @@ def allocator_env(environ: Mapping[str, str] | None = None, *,
     runs over a preloaded malloc, ``TJAX_MALLOC`` is "0", "system" or "glibc", this is not Linux,
     the process will not compute on CPU (``computes_on_cpu``; ``TJAX_MALLOC=mimalloc`` overrides),
     or mimalloc is not installed.
+
+  Raises:
+    ValueError: an unknown ``TJAX_MALLOC`` value (``malloc_setting``).
   """
   env = dict(os.environ if environ is None else environ)
   if not _wants_mimalloc(env, find_spec):

@@ -141,11 +141,20 @@ def labels_of(dataset, split: str) -> np.ndarray:
   """The int32 labels ``[num_docs]`` of a classification dataset's split."""
   if dataset.task != "classify":
     raise ValueError(f"dataset {dataset.path} was prepared for task {dataset.task!r}, not 'classify'")
-  labels = np.load(os.path.join(dataset.path, f"{split}{LABELS_SUFFIX}"))
+  file = os.path.join(dataset.path, f"{split}{LABELS_SUFFIX}")
+  try:
+    labels = np.load(file, allow_pickle=False)
+  except (ValueError, EOFError) as e:
+    raise ValueError(f"{file}: not a labels array ({e})") from None
   n = dataset.stream(split).num_docs
-  if labels.shape != (n,):
-    raise ValueError(f"{dataset.path}/{split}{LABELS_SUFFIX}: {labels.shape[0]} labels for {n} "
-                     "examples")
+  if labels.shape != (n,) or not np.issubdtype(labels.dtype, np.integer):
+    raise ValueError(f"{file}: labels of shape {labels.shape} and dtype {labels.dtype} for {n} "
+                     "examples (expected integers, one per example)")
+  num_labels = len(dataset.meta["labels"])
+  if labels.size and (labels.min() < 0 or labels.max() >= num_labels):
+    bad = int(labels[(labels < 0) | (labels >= num_labels)][0])
+    raise ValueError(f"{file}: label {bad} lies outside the {num_labels} labels of "
+                     f"{dataset.path}/metadata.json")
   return labels.astype(np.int32)
 
 
@@ -217,6 +226,11 @@ class ClassifyLoader:
     local = batch_size // self.process_count
     self._rows = slice(self.process_index * local, (self.process_index + 1) * local)
     self.step = 0
+
+  @property
+  def examples_per_epoch(self) -> tuple[int, str]:
+    """Distinct training examples in one epoch, and what they are."""
+    return int(self.labels.size), "labelled examples"
 
   def indices_at(self, step: int) -> np.ndarray:
     """The global batch's example ids at ``step``: consecutive slices of per-epoch permutations."""

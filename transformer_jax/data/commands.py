@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from transformer_jax.data.prepare import TASKS, prepare
 
@@ -31,14 +30,20 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
 
 def run_prepare(args: argparse.Namespace) -> int:
-    """Runs ``tjax prepare`` from parsed arguments; prints a summary or a one-line error. Returns an exit code."""
+    """Runs ``tjax prepare`` from parsed arguments; prints a summary. Returns an exit code.
+
+    Raises:
+        ValueError: bad input (an input that matches no file included), for the CLI's one line and
+            exit 2.
+    """
     try:
         meta = prepare(args.inputs, args.out, tokenizer=args.tokenizer, compact_vocab=args.compact_vocab,
                        task=args.task, val_fraction=args.val_fraction, seed=args.seed, workers=args.workers,
                        text_field=args.text_field, force=args.force, vocab_from=args.vocab_from)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        print(f"tjax prepare: error: {e}", file=sys.stderr)
-        return 1
+    except FileNotFoundError as e:
+        if e.errno is not None:  # the system's, naming its path
+            raise
+        raise ValueError(str(e)) from None   # an input that matches nothing: bad input, exit 2
     parts = [f"{s}: {m['documents']} docs, {m['tokens']} tokens" for s, m in meta["splits"].items()]
     print(f"{args.out}: {'; '.join(parts)}; tokenizer {meta['tokenizer']}, vocab_size {meta['vocab_size']}")
     return 0

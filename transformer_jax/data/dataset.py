@@ -100,7 +100,13 @@ def _load_stream(path: str, entry: dict[str, Any], vocab_size: int) -> Stream:
         shards.append(tokens)
     tokens = shards[0] if len(shards) == 1 else np.concatenate(shards)
     offsets_file = os.path.join(path, entry["offsets"])
-    offsets = np.load(offsets_file)
+    try:
+        offsets = np.load(offsets_file, allow_pickle=False)
+    except (ValueError, EOFError) as e:  # truncated, or not an .npy array
+        raise ValueError(f"{offsets_file}: not a document offsets array ({e})") from None
+    if not np.issubdtype(offsets.dtype, np.integer):
+        raise ValueError(f"{offsets_file}: document offsets of dtype {offsets.dtype}, expected "
+                         "integers")
     if (offsets.ndim != 1 or offsets.size == 0 or offsets[0] != 0 or offsets[-1] != tokens.size
             or np.any(np.diff(offsets) < 0)):
         raise ValueError(f"{offsets_file}: document offsets are inconsistent with {tokens.size} tokens "

@@ -129,6 +129,11 @@ class GPTLoader(_Loader):
         self.num_windows = max(1, (self.stream_len - seq_len) // seq_len)
         self._perms: dict[int, tuple[int, np.ndarray]] = {}
 
+    @property
+    def examples_per_epoch(self) -> tuple[int, str]:
+        """Distinct training examples in one epoch, and what they are."""
+        return self.num_windows, f"windows of {self.seq_len + 1} tokens"
+
     def _epoch_plan(self, epoch: int) -> tuple[int, np.ndarray]:
         if epoch not in self._perms:
             rng = np.random.default_rng([self.seed, epoch])
@@ -263,6 +268,11 @@ class BertLoader(_Loader):
         self._doc_rank = np.zeros(len(offsets) - 1, dtype=np.int64)
         self._doc_rank[self._docs] = np.arange(self._docs.size)
         self._candidates = np.flatnonzero(has_next)
+
+    @property
+    def examples_per_epoch(self) -> tuple[int, str]:
+        """Distinct segment-A starts (sentences with a successor), and what they are."""
+        return int(self._candidates.size), "sentences that can start a pair"
 
     def batch_at(self, step: int) -> Batch:
         B, T = self.batch_size, self.seq_len
@@ -415,6 +425,11 @@ class Seq2SeqLoader(_Loader):
         self.num_examples = self._p.src_len.size
         self.batches_per_epoch = max(1, self.num_examples // batch_size)
         self._plans: dict[int, np.ndarray] = {}
+
+    @property
+    def examples_per_epoch(self) -> tuple[int, str]:
+        """Distinct training examples in one epoch, and what they are."""
+        return self.num_examples, "source-target pairs"
 
     def _epoch_plan(self, epoch: int) -> np.ndarray:
         """Example indices of every batch of ``epoch``, shape ``[batches_per_epoch, batch_size]``."""

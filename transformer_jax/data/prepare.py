@@ -35,6 +35,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import sys
 import sysconfig
 import zlib
@@ -302,8 +303,8 @@ def split_documents(keys: Sequence[str], val_fraction: float, seed: int) -> np.n
         splits are non-empty.
     """
     n = len(keys)
-    if val_fraction < 0:
-        raise ValueError(f"val_fraction must be >= 0, got {val_fraction}")
+    if not val_fraction >= 0 or val_fraction == float("inf"):   # NaN fails the comparison
+        raise ValueError(f"val_fraction must be a finite number >= 0, got {val_fraction}")
     hashes = np.array([_split_hash(seed, k) for k in keys], dtype=np.float64)
     if val_fraction >= 1:
         if val_fraction != int(val_fraction):
@@ -339,9 +340,11 @@ def _is_up_to_date(out: str, content_hash: str) -> dict[str, Any] | None:
     if not os.path.exists(path):
         return None
     try:
-        with open(path) as f:
-            meta = json.load(f)
-    except (OSError, json.JSONDecodeError):
+        with open(path, "rb") as f:
+            meta = json.loads(f.read())
+    except (OSError, ValueError):  # unreadable, not UTF-8, not JSON: rebuilt
+        return None
+    if not isinstance(meta, dict) or metadata_problem(meta) is not None:
         return None
     if meta.get("content_hash") != content_hash:
         return None
@@ -350,6 +353,56 @@ def _is_up_to_date(out: str, content_hash: str) -> dict[str, Any] | None:
     if meta.get("compact_vocab"):
         files.append(meta["compact_vocab"])
     return meta if all(os.path.exists(os.path.join(out, f)) for f in files) else None
+
+
+# The files ``prepare`` writes (and their temporaries): a folder holding anything else is not a
+# dataset, and is not written into.
+_DATASET_FILE = re.compile(r"^(?:(?:train|val)(?:_src|_tgt|_b)?(?:_\d+\.bin|_offsets\.npy|"
+                           r"_labels\.npy)|vocab\.json|metadata\.json)(?:\.tmp)?$")
+
+
+def check_options(*, task: str, val_fraction: float, workers: int, compact_vocab: bool | int,
+                  text_field: str) -> None:
+    """Refuses options ``prepare`` cannot honour, before any file is read.
+
+    Raises:
+        ValueError: an unknown task, a ``val_fraction`` that is negative, not finite or a fraction
+            above 1, fewer than one worker, a ``compact_vocab`` count below 1, or no text field.
+    """
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    if (isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float))
+            or not 0 <= val_fraction < float("inf")):
+        raise ValueError(f"val_fraction={val_fraction}: expected a fraction in [0, 1) or a whole "
+                         "number of documents")
+    if val_fraction >= 1 and val_fraction != int(val_fraction):
+        raise ValueError(f"val_fraction={val_fraction}: a value >= 1 is a whole document count")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers={workers}: expected an integer >= 1")
+    if not isinstance(compact_vocab, bool) and (not isinstance(compact_vocab, int)
+                                                 or compact_vocab < 1):
+        raise ValueError(f"compact_vocab={compact_vocab}: expected true, false or a count of ids "
+                         ">= 1")
+    if not isinstance(text_field, str) or not text_field:
+        raise ValueError(f"text_field={text_field!r}: expected a field name")
+
+
+def check_output_dir(out: str) -> None:
+    """Refuses an output path that is not a folder, or a folder that holds files other than a
+    prepared dataset's (a rebuild replaces the dataset's own files; it never writes over others).
+
+    Raises:
+        ValueError: naming the folder and (some of) the other files.
+    """
+    if not os.path.lexists(out):
+        return
+    if not os.path.isdir(out):
+        raise ValueError(f"--out {out} exists and is not a directory")
+    foreign = sorted(e for e in os.listdir(out) if not _DATASET_FILE.match(e))
+    if foreign:
+        more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+        raise ValueError(f"{out} holds files that are not a prepared dataset's "
+                         f"({', '.join(foreign[:5])}{more}); give a new or empty directory")
 
 
 def read_metadata(path: str) -> dict[str, Any]:
@@ -369,11 +422,87 @@ def read_metadata(path: str) -> dict[str, Any]:
         problem = None if isinstance(meta, dict) else f"a JSON {type(meta).__name__}, not an object"
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         problem = str(e)
+    if problem is None:
+        problem = metadata_problem(meta)
     if problem is not None:
         raise ValueError(f"{meta_file} is damaged ({problem}); rebuild the dataset with `tjax prepare "
                          f"... --out {path}`, or delete {path} for `tjax train` to prepare it again from "
                          "data.inputs")
     return meta
+
+
+# The streams each task's splits hold (classify may add "tokens_b", the second texts of pairs).
+_STREAMS = {"gpt": {"tokens"}, "bert": {"tokens"}, "seq2seq": {"src", "tgt"},
+            "classify": {"tokens"}}
+
+
+def _count(value: Any, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _file_name(value: Any) -> bool:
+    """A plain file name: the dataset's files all lie in its own folder."""
+    return (isinstance(value, str) and value not in ("", ".", "..") and "/" not in value
+            and os.sep not in value)
+
+
+def metadata_problem(meta: dict[str, Any]) -> str | None:
+    """What is wrong with a ``metadata.json`` object, naming the field (None: nothing). Checks
+    every field a reader uses: ``task``, ``tokenizer``, ``vocab_size``, ``num_regular_tokens``,
+    ``special_tokens`` (ids inside the vocabulary), ``compact_vocab``, the splits' counts and
+    stream files (plain names, inside the dataset's folder) and a classification set's labels."""
+    if meta.get("format_version") != FORMAT_VERSION:
+        return None  # load_dataset names an unsupported version itself
+    task, vocab = meta.get("task"), meta.get("vocab_size")
+    checks = (
+        ("task", task in TASKS, f"one of {', '.join(TASKS)}"),
+        ("tokenizer", isinstance(meta.get("tokenizer"), str), "a tokenizer name"),
+        ("vocab_size", _count(vocab, 1), "an integer >= 1"),
+    )
+    for field, ok, expected in checks:
+        if not ok:
+            return f"{field}={meta.get(field)!r}: expected {expected}"
+    if not (_count(meta.get("num_regular_tokens")) and meta["num_regular_tokens"] <= vocab):
+        return (f"num_regular_tokens={meta.get('num_regular_tokens')!r}: expected an integer in "
+                f"[0, {vocab}]")
+    specials = meta.get("special_tokens")
+    if not isinstance(specials, dict):
+        return f"special_tokens={specials!r}: expected an object (name -> id)"
+    for name, i in specials.items():
+        if not (_count(i) and i < vocab):
+            return f"special_tokens.{name}={i!r}: expected an id in [0, {vocab})"
+    if meta.get("compact_vocab") is not None and not _file_name(meta["compact_vocab"]):
+        return f"compact_vocab={meta['compact_vocab']!r}: expected a file name inside the dataset"
+    splits = meta.get("splits")
+    if not isinstance(splits, dict) or not splits or not set(splits) <= set(SPLITS):
+        return f"splits={splits!r}: expected an object with the splits {', '.join(SPLITS)}"
+    for split, m in splits.items():
+        if not isinstance(m, dict):
+            return f"splits.{split}: expected an object"
+        for key in ("documents", "tokens"):
+            if not _count(m.get(key)):
+                return f"splits.{split}.{key}={m.get(key)!r}: expected an integer >= 0"
+        streams = m.get("streams")
+        want = _STREAMS[task]
+        have = set(streams) if isinstance(streams, dict) else set()
+        if not isinstance(streams, dict) or not want <= have or not have <= want | {"tokens_b"}:
+            return f"splits.{split}.streams: expected the streams {', '.join(sorted(want))}"
+        for name, entry in streams.items():
+            where = f"splits.{split}.streams.{name}"
+            if not isinstance(entry, dict):
+                return f"{where}: expected an object"
+            shards = entry.get("shards")
+            if not (isinstance(shards, list) and shards and all(_file_name(x) for x in shards)):
+                return (f"{where}.shards={shards!r}: expected a list of file names inside the "
+                        "dataset")
+            if not _file_name(entry.get("offsets")):
+                return (f"{where}.offsets={entry.get('offsets')!r}: expected a file name inside "
+                        "the dataset")
+    if task == "classify":
+        labels = meta.get("labels")
+        if not (isinstance(labels, list) and labels and all(isinstance(x, str) for x in labels)):
+            return f"labels={labels!r}: expected a list of label names"
+    return None
 
 
 # ---- entry point --------------------------------------------------------------------------------------
@@ -412,8 +541,9 @@ def prepare(inputs: Sequence[str], out: str, *, tokenizer: str = "cl100k_base", 
         FileNotFoundError: An input name matches no files.
         ValueError: Bad options, malformed jsonl/tsv lines, or an empty corpus.
     """
-    if task not in TASKS:
-        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    check_options(task=task, val_fraction=val_fraction, workers=workers,
+                  compact_vocab=compact_vocab, text_field=text_field)
+    check_output_dir(out)
     if task == "classify":
         from transformer_jax.data.classify import prepare_classify
         return prepare_classify(inputs, out, tokenizer=tokenizer, vocab_from=vocab_from,

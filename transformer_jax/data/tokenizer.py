@@ -127,13 +127,42 @@ class CompactVocab:
         return cls(np.asarray(obj["base_ids"], dtype=np.int64), obj["base_vocab_size"])
 
     def save(self, path: str | os.PathLike) -> None:
-        with open(path, "w") as f:
+        """Writes ``vocab.json`` through a temporary file and a rename (never into a file a
+        symbolic link of that name points to, never half a file)."""
+        tmp = f"{os.fspath(path)}.tmp"
+        with open(tmp, "w") as f:
             json.dump(self.to_json(), f)
+        os.replace(tmp, path)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> CompactVocab:
-        with open(path) as f:
-            return cls.from_json(json.load(f))
+    def load(cls, path: str | os.PathLike, base_vocab_size: int | None = None) -> CompactVocab:
+        """Reads ``vocab.json``; ``base_vocab_size``, when given, is the tokenizer's, which the file
+        must have been built for (checked before the id table is allocated).
+
+        Raises:
+            ValueError: a damaged file or field, or another base vocabulary, naming the file.
+        """
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:
+            obj = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path} is damaged ({e})") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path}: expected an object (base_ids, base_vocab_size)")
+        size, ids = obj.get("base_vocab_size"), obj.get("base_ids")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"{path}: base_vocab_size={size!r}: expected an integer >= 1")
+        if base_vocab_size is not None and size != base_vocab_size:
+            raise ValueError(f"{path}: base_vocab_size={size} but the tokenizer has "
+                             f"{base_vocab_size} ids")
+        if not isinstance(ids, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ValueError(f"{path}: base_ids: expected a list of integer ids")
+        try:
+            return cls.from_json(obj)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, CompactVocab) and self.base_vocab_size == other.base_vocab_size
@@ -214,7 +243,8 @@ class Tokenizer:
         if meta.get("compact_vocab"):
             if directory is None:
                 raise ValueError("metadata names a compact vocabulary file; pass the dataset directory")
-            compact = CompactVocab.load(os.path.join(directory, meta["compact_vocab"]))
+            base = cls(meta["tokenizer"]).base_vocab_size
+            compact = CompactVocab.load(os.path.join(directory, meta["compact_vocab"]), base)
         return cls(meta["tokenizer"], compact)
 
     # ---- sizes ----------------------------------------------------------------------------------------

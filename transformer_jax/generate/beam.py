@@ -32,7 +32,7 @@ from flax import nnx
 
 from transformer_jax.generate.cache import KVCache, extend, init_cache, with_encoder
 from transformer_jax.generate.decode import (
-    _check_options, _padded_inputs, _split_model, decode_layers)
+    _check_options, _padded_inputs, _split_model, decode_layers, suppress_mask)
 from transformer_jax.models.config import Seq2SeqConfig
 
 # Score of an empty slot / a candidate that must not be chosen (transformers uses the same value,
@@ -87,7 +87,8 @@ def beam_search(model, inputs, *, num_beams: int, length_penalty: float = 1.0,
     prompt_lengths: ``[B]`` real lengths of the rows of ``inputs`` (default: all P).
     decoder_start_id: Seq2Seq only (required there): the first decoder input.
     suppress_ids: ids never produced (their log-probability is set to -inf, as transformers'
-      ``suppress_tokens``), e.g. ``[UNK]``.
+      ``suppress_tokens``), e.g. a tokenizer's special ids: ``special_ids(tokenizer,
+      keep=[eos_id])``.
 
   Returns:
     ``BeamSearchOutput``: the best hypothesis ``[B, max_new_tokens]`` and its score ``[B]``, and all
@@ -105,14 +106,10 @@ def beam_search(model, inputs, *, num_beams: int, length_penalty: float = 1.0,
     raise ValueError(f"num_beams={num_beams!r} must be a positive integer")
   if not np.isfinite(length_penalty):
     raise ValueError(f"length_penalty={length_penalty!r} must be a finite number")
-  suppress = tuple(sorted({int(i) for i in suppress_ids}))
-  if suppress and not 0 <= suppress[0] <= suppress[-1] < config.vocab_size:
-    raise ValueError(f"suppress_ids {suppress} must lie in the vocabulary [0, {config.vocab_size})")
+  suppress_V = suppress_mask(suppress_ids, config.vocab_size)
   padded, lengths, cache_len = _padded_inputs(config, inputs, prompt_lengths, "right",
                                               max_new_tokens, decoder_start_id, "inputs")
   run = _compiled(graphdef, cache_len, int(num_beams), int(max_new_tokens), seq2seq)
-  suppress_V = np.zeros((config.vocab_size,), bool)
-  suppress_V[list(suppress)] = True
   # Options that do not change shapes are traced arguments: one compilation serves them all.
   options = _Options(eos_id=jnp.int32(-1 if eos_id is None else eos_id),
                      pad_id=jnp.int32(0 if eos_id is None else eos_id),

@@ -27,11 +27,12 @@ from transformer_jax.generate.beam import beam_search
 from transformer_jax.generate.cache import KVCache, extend, init_cache
 from transformer_jax.generate.cache import prefill as prefill_cache
 from transformer_jax.generate.decode import (
-    _check_options, _right_padded, _split_model, decode_layers, generate, prompt_bucket)
+    _check_options, _right_padded, _split_model, decode_layers, generate, prompt_bucket,
+    special_ids, suppress_mask)
 from transformer_jax.generate.fill_mask import fill_mask
 from transformer_jax.generate.sampling import next_token
 from transformer_jax.models.common import check_tokens
-from transformer_jax.models.config import BERTConfig, GPTConfig, Seq2SeqConfig
+from transformer_jax.models.config import BERTConfig, GPTConfig, MambaConfig, Seq2SeqConfig
 
 MASK_TEXT = "[MASK]"
 
@@ -50,8 +51,8 @@ def stream_generate(model, prompt_ids, *, max_new_tokens: int, chunk_size: int =
                     suppress_ids: Sequence[int] = ()) -> Iterator[np.ndarray]:
   """Continues GPT prompts like ``generate``, yielding the new tokens as they are produced.
 
-  With the same arguments (and no ``suppress_ids``) the concatenated chunks equal ``generate``'s
-  output up to the point where every row has produced ``eos_id``: the sampling keys are the same.
+  With the same arguments the concatenated chunks equal ``generate``'s output up to the point
+  where every row has produced ``eos_id``: the sampling keys are the same.
 
   Args:
     model: a ``GPT`` module or a ``(config, params)`` pair.
@@ -71,8 +72,8 @@ def stream_generate(model, prompt_ids, *, max_new_tokens: int, chunk_size: int =
     TypeError: a model that is not a GPT.
   """
   config, graphdef, params = _split_model(model)
-  if not isinstance(config, GPTConfig):
-    raise TypeError(f"stream_generate needs a GPT model; got a {type(config).__name__}")
+  if not isinstance(config, (GPTConfig, MambaConfig)):
+    raise TypeError(f"stream_generate needs a GPT or Mamba model; got a {type(config).__name__}")
   _check_options(config, max_new_tokens, temperature, top_k, top_p, eos_id, 1.0)
   if not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
     raise ValueError(f"chunk_size={chunk_size!r} must be a positive integer")
@@ -85,11 +86,7 @@ def stream_generate(model, prompt_ids, *, max_new_tokens: int, chunk_size: int =
   bucket = prompt_bucket(longest, config.max_len)
   padded = np.zeros((tokens.shape[0], bucket), np.int32)
   padded[:, :tokens.shape[1]] = tokens
-  suppress = [int(i) for i in suppress_ids]
-  if any(not 0 <= i < config.vocab_size for i in suppress):
-    raise ValueError(f"suppress_ids {suppress} must lie in the vocabulary [0, {config.vocab_size})")
-  suppress_V = np.zeros((config.vocab_size,), bool)
-  suppress_V[suppress] = True
+  suppress_V = suppress_mask(suppress_ids, config.vocab_size)
   prefill, steps = _stream_fns(
       graphdef, min(bucket + max_new_tokens, config.max_len), int(chunk_size), float(temperature),
       None if top_k is None else int(top_k), None if top_p is None else float(top_p))
@@ -208,12 +205,8 @@ def load_run(run_dir: str, *, best: bool = False, data: str | None = None,
 
 
 def _family(config) -> str:
-  return {BERTConfig: "BERT", GPTConfig: "GPT", Seq2SeqConfig: "Seq2Seq"}[type(config)]
-
-
-def _suppressed(tokenizer, keep: int) -> list[int]:
-  """Special ids a model should not write in text ([UNK], [PAD], ...), all but ``keep``."""
-  return sorted(set(tokenizer.special_ids.values()) - {keep})
+  return {BERTConfig: "BERT", GPTConfig: "GPT", Seq2SeqConfig: "Seq2Seq",
+          MambaConfig: "Mamba"}[type(config)]
 
 
 class _TextStream:
@@ -341,7 +334,7 @@ def _generate_text(args, config, params, tok, out: TextIO) -> int:
   ids = tok.encode(args.prompt)
   seq2seq = isinstance(config, Seq2SeqConfig)
   eos = tok.eos_id if seq2seq else tok.eot_id
-  suppress = _suppressed(tok, eos)
+  suppress = special_ids(tok, keep=[eos])   # [UNK], [PAD]... are not text
   model = (config, params)
   key = jax.random.key(args.seed)
   # Defaults: sampling for a language model, greedy for a Seq2Seq (translation-like) model.
@@ -356,7 +349,7 @@ def _generate_text(args, config, params, tok, out: TextIO) -> int:
     else:
       new = generate(model, [ids], max_new_tokens=args.max_new_tokens, temperature=temperature,
                      top_k=top_k, top_p=args.top_p, eos_id=eos, key=key,
-                     decoder_start_id=start)[0]
+                     decoder_start_id=start, suppress_ids=suppress)[0]
     out.write(tok.decode(_until_eos(np.asarray(new), eos)) + "\n")
     return 0
   out.write(args.prompt)

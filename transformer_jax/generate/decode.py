@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Sequence
 from typing import Literal
 
 import jax
@@ -22,7 +23,7 @@ from transformer_jax.generate.cache import (extend, init_cache, prefill, split_l
                                             with_encoder)
 from transformer_jax.generate.sampling import apply_repetition_penalty, next_token
 from transformer_jax.models.common import check_tokens
-from transformer_jax.models.config import GPTConfig, Seq2SeqConfig
+from transformer_jax.models.config import GPTConfig, MambaConfig, Seq2SeqConfig
 
 _MIN_BUCKET = 8
 
@@ -38,9 +39,9 @@ def prompt_bucket(length: int, max_len: int) -> int:
   return min(bucket, max_len)
 
 
-def _split_model(model, kinds=(GPTConfig, Seq2SeqConfig), *, what: str = "a GPT",
-                 needs: str = "generate needs a GPT or Seq2Seq model"
-                 ) -> tuple[GPTConfig | Seq2SeqConfig, nnx.GraphDef, nnx.State]:
+def _split_model(model, kinds=(GPTConfig, MambaConfig, Seq2SeqConfig), *, what: str = "a GPT",
+                 needs: str = "generate needs a GPT, Mamba or Seq2Seq model"
+                 ) -> tuple[GPTConfig | MambaConfig | Seq2SeqConfig, nnx.GraphDef, nnx.State]:
   """``(config, graphdef, params)`` of a module or a ``(config, params)`` pair whose config is one
   of ``kinds`` (``what``/``needs`` word the errors)."""
   if isinstance(model, nnx.Module):
@@ -119,11 +120,34 @@ def _check_options(config, max_new_tokens, temperature, top_k, top_p, eos_id, re
     raise ValueError(f"eos_id={eos_id!r} is outside the vocabulary [0, {config.vocab_size})")
 
 
+def suppress_mask(suppress_ids: Sequence[int], vocab_size: int) -> np.ndarray:
+  """``[V]`` bool, True at the ids never to be produced (validated: in the vocabulary, and at
+  least one id left to produce)."""
+  suppress = sorted({int(i) for i in suppress_ids})
+  if suppress and not 0 <= suppress[0] <= suppress[-1] < vocab_size:
+    raise ValueError(f"suppress_ids {suppress} must lie in the vocabulary [0, {vocab_size})")
+  if len(suppress) >= vocab_size:
+    raise ValueError(f"suppress_ids hold all {vocab_size} ids of the vocabulary: none is left to "
+                     "produce")
+  mask_V = np.zeros((vocab_size,), bool)
+  mask_V[suppress] = True
+  return mask_V
+
+
+def special_ids(tokenizer, keep: Sequence[int] = ()) -> list[int]:
+  """The ids of ``tokenizer``'s special tokens (``[UNK]``, ``[PAD]``, ``[MASK]``, BOS/EOS,
+  ``<|endoftext|>``...) except ``keep``: the ``suppress_ids`` that keep them out of generated
+  text, as ``tjax generate`` does (keeping the id that ends a text: ``eot_id`` for a GPT,
+  ``eos_id`` for a Seq2Seq model)."""
+  return sorted(set(tokenizer.special_ids.values()) - {int(i) for i in keep})
+
+
 def generate(model, prompt_ids, *, prompt_lengths=None, max_new_tokens: int,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              eos_id: int | None = None, key: jax.Array | None = None,
              padding_side: Literal["right", "left"] = "right",
-             decoder_start_id: int | None = None, repetition_penalty: float = 1.0) -> jax.Array:
+             decoder_start_id: int | None = None, repetition_penalty: float = 1.0,
+             suppress_ids: Sequence[int] = ()) -> jax.Array:
   """Continues each prompt with up to ``max_new_tokens`` tokens (GPT), or decodes from each source
   (Seq2Seq: ``prompt_ids`` are the encoder inputs and decoding starts from ``decoder_start_id``).
 
@@ -142,6 +166,8 @@ def generate(model, prompt_ids, *, prompt_lengths=None, max_new_tokens: int,
     decoder_start_id: Seq2Seq only (required there): the first decoder input (BOS; T5 uses 0).
     repetition_penalty: > 0; above 1 discourages tokens already in the prompt (GPT) or the decoder
       input (Seq2Seq) or generated so far (CTRL's rule; applied before temperature).
+    suppress_ids: ids never produced (their logits are set to -inf before choosing), e.g. a
+      tokenizer's special ids: ``special_ids(tokenizer, keep=[eos_id])``.
 
   Returns:
     int32 ``[B, max_new_tokens]``: the new tokens of each row. After a row's ``eos_id`` (or when
@@ -154,6 +180,7 @@ def generate(model, prompt_ids, *, prompt_lengths=None, max_new_tokens: int,
   """
   config, graphdef, params = _split_model(model)
   _check_options(config, max_new_tokens, temperature, top_k, top_p, eos_id, repetition_penalty)
+  suppress_V = suppress_mask(suppress_ids, config.vocab_size)
   padded, lengths, cache_len = _padded_inputs(config, prompt_ids, prompt_lengths, padding_side,
                                               max_new_tokens, decoder_start_id, "prompt_ids")
   run = _compiled(graphdef, cache_len, int(max_new_tokens), float(temperature),
@@ -163,7 +190,9 @@ def generate(model, prompt_ids, *, prompt_lengths=None, max_new_tokens: int,
                   float(repetition_penalty))
   key = jax.random.key(0) if key is None else key
   layers = decode_layers(graphdef, params)
-  return run(params, layers, jnp.asarray(padded), jnp.asarray(lengths, jnp.int32), key)
+  # Traced: one compilation serves every set of suppressed ids.
+  return run(params, layers, jnp.asarray(padded), jnp.asarray(lengths, jnp.int32), key,
+             jnp.asarray(suppress_V))
 
 
 @functools.lru_cache(maxsize=64)
@@ -253,10 +282,10 @@ def _compiled(graphdef, cache_len, max_new_tokens, temperature, top_k, top_p, eo
   """The jitted decode loop for one model structure and strategy (jit then caches per shape)."""
   choose = functools.partial(next_token, temperature=temperature, top_k=top_k, top_p=top_p)
 
-  def pick(logits_BV, seen_BV, key):
+  def pick(logits_BV, seen_BV, key, suppress_V):
     if repetition_penalty != 1.0:
       logits_BV = apply_repetition_penalty(logits_BV, seen_BV, repetition_penalty)
-    return choose(logits_BV, key)
+    return choose(jnp.where(suppress_V[None], -jnp.inf, logits_BV), key)
 
   def mark(seen_BV, tok_B):
     if repetition_penalty == 1.0:  # nothing reads it: keep it empty
@@ -264,7 +293,7 @@ def _compiled(graphdef, cache_len, max_new_tokens, temperature, top_k, top_p, eo
     return seen_BV.at[jnp.arange(tok_B.shape[0]), tok_B].set(True)
   pad = 0 if eos_id is None else eos_id
 
-  def run(params, layers, prompt_BP, lengths_B, key):
+  def run(params, layers, prompt_BP, lengths_B, key, suppress_V):
     global trace_count
     trace_count += 1
     model = nnx.merge(graphdef, params)
@@ -285,7 +314,7 @@ def _compiled(graphdef, cache_len, max_new_tokens, temperature, top_k, top_p, eo
       last_BV = last_BV[:, 0]
       seen_BV = mark(jnp.zeros((b, vocab if repetition_penalty != 1.0 else 0), bool),
                      start_B1[:, 0])
-    tok_B = pick(last_BV, seen_BV, jax.random.fold_in(key, 0))
+    tok_B = pick(last_BV, seen_BV, jax.random.fold_in(key, 0), suppress_V)
     seen_BV = mark(seen_BV, tok_B)
     done_B = jnp.zeros((b,), bool) if eos_id is None else tok_B == eos_id
     out_BM = jnp.full((b, max_new_tokens), pad, jnp.int32).at[:, 0].set(tok_B)
@@ -297,7 +326,7 @@ def _compiled(graphdef, cache_len, max_new_tokens, temperature, top_k, top_p, eo
     def body(state):
       i, tok_B, out_BM, cache, done_B, seen_BV = state
       logits_B1V, cache = extend(model, tok_B[:, None], cache, layers=layers)
-      new_B = pick(logits_B1V[:, 0], seen_BV, jax.random.fold_in(key, i))
+      new_B = pick(logits_B1V[:, 0], seen_BV, jax.random.fold_in(key, i), suppress_V)
       new_B = jnp.where(done_B, pad, new_B)
       out_BM = jax.lax.dynamic_update_slice_in_dim(out_BM, new_B[:, None], i, axis=1)
       if eos_id is not None:

@@ -20,7 +20,8 @@ from transformer_jax.parallel import axes as ax
 # The input embedding of each family whose output projection may be tied to it.
 _EMBEDDING = {"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weight",
               "mistral": "model.embed_tokens.weight",
-              "t5": "shared.weight"}
+              "t5": "shared.weight", "mamba": "backbone.embeddings.weight",
+              "mamba2": "backbone.embeddings.weight"}
 
 
 def _from_transformers(model) -> tuple[dict, dict[str, np.ndarray]]:
@@ -182,18 +183,22 @@ def load(path_or_model, *, param_dtype: str | None = None,
   """
   if isinstance(path_or_model, (str, os.PathLike)):
     hf, tensors = io.read_directory(path_or_model)
+    where = os.path.join(os.fspath(path_or_model), io.CONFIG)
   elif hasattr(path_or_model, "state_dict") and hasattr(path_or_model, "config"):
     hf, tensors = _from_transformers(path_or_model)
+    where = f"the config of the {type(path_or_model).__name__}"
   else:
     raise TypeError(f"load() takes a directory or a transformers model, not "
                     f"{type(path_or_model).__name__}")
   if hf.get("model_type") == reformer_hf.MODEL_TYPE:
-    return reformer_hf.load(hf, tensors, param_dtype=param_dtype, dtype=dtype)
-  arch = configs.architecture_of(hf)
+    return reformer_hf.load(hf, tensors, param_dtype=param_dtype, dtype=dtype, where=where)
   try:
+    arch = configs.architecture_of(hf)
     config = configs.from_hf(hf, arch)
-  except (TypeError, KeyError) as e:
-    raise CheckpointError(f"config.json of {arch} is malformed: {type(e).__name__}: {e}") from None
+  except CheckpointError as e:  # a field refused by name (or unsupported): name the file too
+    raise type(e)(f"{where}: {e}") from None
+  except (ValueError, TypeError, KeyError) as e:  # a value our config refuses (num_heads=0, ...)
+    raise CheckpointError(f"{where}: {e}") from None
   config = dataclasses.replace(config, param_dtype=param_dtype or "float32",
                                dtype=dtype or "float32")
   tensors = _with_prefix(tensors, params.table(config, arch).prefix)

@@ -1,4 +1,5 @@
-"""Config translation: a Hugging Face ``config.json`` dict <-> GPTConfig / BERTConfig / Seq2SeqConfig.
+"""Config translation: a Hugging Face ``config.json`` dict <-> GPTConfig / BERTConfig / Seq2SeqConfig /
+MambaConfig.
 
 Each family has a reader (``hf dict -> our config``) and a writer (``our config -> hf dict``). Options
 we do not implement are refused by name (``UnsupportedError``), never approximated. A writer refuses a
@@ -8,10 +9,11 @@ config the target architecture cannot express by translating back and naming the
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from transformer_jax import ops
-from transformer_jax.hf.errors import UnsupportedError
-from transformer_jax.models import BERTConfig, GPTConfig, ModelConfig, Seq2SeqConfig
+from transformer_jax.hf.errors import CheckpointError, UnsupportedError
+from transformer_jax.models import BERTConfig, GPTConfig, MambaConfig, ModelConfig, Seq2SeqConfig
 
 # Architecture name -> (family, model_type). The family picks the config reader/writer and params table.
 ARCHITECTURES = {
@@ -27,6 +29,8 @@ ARCHITECTURES = {
     "BigBirdModel": ("bigbird", "big_bird"),
     "BigBirdForMaskedLM": ("bigbird", "big_bird"),
     "BigBirdForPreTraining": ("bigbird", "big_bird"),
+    "MambaForCausalLM": ("mamba", "mamba"),
+    "Mamba2ForCausalLM": ("mamba2", "mamba2"),
 }
 
 # Hugging Face activation names (ACT2FN) -> ours.
@@ -43,7 +47,9 @@ _NON_ARCHITECTURAL = {"dropout_rate", "attention_dropout_rate", "ffn_dropout_rat
 def architecture_of(hf: dict) -> str:
   """The single supported architecture named in ``hf["architectures"]`` (refused by name otherwise)."""
   archs = hf.get("architectures") or []
-  model_type = hf.get("model_type")
+  if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+    raise CheckpointError(f"architectures={archs!r}: expected a list of one name")
+  model_type = _Fields(hf).str("model_type")
   if model_type not in {mt for _, mt in ARCHITECTURES.values()}:
     raise UnsupportedError(
         f"model_type={model_type!r} is not supported; supported: "
@@ -69,8 +75,52 @@ def _activation(name, field: str) -> ops.Activation:
 
 def _require(hf: dict, field: str, expected, default=None) -> None:
   value = hf.get(field, default)
-  if value != expected:
+  if value != expected or type(value) is not type(expected):
     raise UnsupportedError(f"{field}={value!r} is not supported (only {expected!r})")
+
+
+class _Fields:
+  """Typed reads of a ``config.json`` mapping: each value is checked against the type the field
+  has in transformers, never coerced (``sliding_window: 4.7`` is refused, not read as 4). A key
+  that is absent gives the default; ``null`` is taken only where ``null=True``.
+
+  Raises (every method):
+    CheckpointError: ``field=value: expected ...``, naming the field (``prefix.field`` inside a
+      nested object).
+  """
+
+  def __init__(self, hf: dict, prefix: str = ""):
+    self.hf, self.prefix = hf, prefix
+
+  def _get(self, field: str, default, null: bool, kind: str, ok) -> object:
+    value = self.hf.get(field, default)
+    if value is None and (null or default is None and field not in self.hf):
+      return None
+    if not ok(value):
+      raise CheckpointError(f"{self.prefix}{field}={value!r}: expected {kind}")
+    return value
+
+  def int(self, field: str, default=None, *, null: bool = False) -> int | None:
+    value = self._get(field, default, null, "an integer", lambda v: not isinstance(v, bool) and (
+        isinstance(v, int) or isinstance(v, float) and v.is_integer()))
+    return None if value is None else int(value)   # 4096.0 is 4096; 4.7 was refused
+
+  def float(self, field: str, default=None, *, null: bool = False) -> float | None:
+    value = self._get(field, default, null, "a number",
+                      lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))
+    if value is not None and not math.isfinite(value):
+      raise CheckpointError(f"{self.prefix}{field}={value!r}: expected a finite number")
+    return None if value is None else float(value)
+
+  def bool(self, field: str, default=None, *, null: bool = False) -> bool | None:
+    return self._get(field, default, null, "true or false", lambda v: isinstance(v, bool))
+
+  def str(self, field: str, default=None, *, null: bool = False) -> str | None:
+    return self._get(field, default, null, "a string", lambda v: isinstance(v, str))
+
+  def object(self, field: str, *, null: bool = True) -> dict:
+    """A nested object (absent or null: empty)."""
+    return self._get(field, None, null, "an object", lambda v: isinstance(v, dict)) or {}
 
 
 # --- GPT-2 -----------------------------------------------------------------------------------------
@@ -80,16 +130,17 @@ def _gpt2_from(hf: dict) -> GPTConfig:
   _require(hf, "scale_attn_weights", True, True)
   _require(hf, "scale_attn_by_inverse_layer_idx", False, False)
   _require(hf, "add_cross_attention", False, False)
-  d = hf.get("n_embd", 768)
+  f = _Fields(hf)
+  d = f.int("n_embd", 768)
   return GPTConfig(
-      vocab_size=hf.get("vocab_size", 50257), d_model=d, num_layers=hf.get("n_layer", 12),
-      num_heads=hf.get("n_head", 12), d_ff=hf.get("n_inner") or 4 * d,
-      max_len=hf.get("n_positions", 1024), position="learned", norm="layernorm",
-      norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-      activation=_activation(hf.get("activation_function", "gelu_new"), "activation_function"),
-      gated=False, use_bias=True, tie_embeddings=hf.get("tie_word_embeddings", True),
-      dropout_rate=hf.get("resid_pdrop", 0.1), attention_dropout_rate=hf.get("attn_pdrop", 0.1),
-      init_std=hf.get("initializer_range", 0.02))
+      vocab_size=f.int("vocab_size", 50257), d_model=d, num_layers=f.int("n_layer", 12),
+      num_heads=f.int("n_head", 12), d_ff=f.int("n_inner", null=True) or 4 * d,
+      max_len=f.int("n_positions", 1024), position="learned", norm="layernorm",
+      norm_eps=f.float("layer_norm_epsilon", 1e-5),
+      activation=_activation(f.str("activation_function", "gelu_new"), "activation_function"),
+      gated=False, use_bias=True, tie_embeddings=f.bool("tie_word_embeddings", True),
+      dropout_rate=f.float("resid_pdrop", 0.1), attention_dropout_rate=f.float("attn_pdrop", 0.1),
+      init_std=f.float("initializer_range", 0.02))
 
 
 def _gpt2_to(c: GPTConfig) -> dict:
@@ -107,49 +158,59 @@ def _gpt2_to(c: GPTConfig) -> dict:
 def _llama_rope(hf: dict) -> tuple[float, ops.RopeScaling | None]:
   # transformers 5 writes rope_parameters {rope_type, rope_theta, ...}; 4.x wrote rope_theta plus
   # rope_scaling {type|rope_type, factor, ...}. Both are read.
-  params = dict(hf.get("rope_scaling") or {})
-  params.update(hf.get("rope_parameters") or {})
-  theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-  kind = params.get("rope_type", params.get("type", "default"))
-  if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+  f = _Fields(hf)
+  params = dict(f.object("rope_scaling"))
+  params.update(f.object("rope_parameters"))
+  where = "rope_parameters." if "rope_parameters" in hf else "rope_scaling."
+  p = _Fields(params, where)
+  theta = p.float("rope_theta", f.float("rope_theta", 10000.0))
+  kind = p.str("rope_type", p.str("type", "default"))
+  partial = p.float("partial_rotary_factor", f.float("partial_rotary_factor", 1.0))
+  if partial != 1.0:
     raise UnsupportedError("partial_rotary_factor != 1 (partial rotary embedding) is not supported")
-  if params.get("attention_factor") not in (None, 1.0):
+  if p.float("attention_factor", null=True) not in (None, 1.0):
     raise UnsupportedError(f"rope attention_factor={params['attention_factor']!r} is not supported")
   match kind:
     case "default":
       return theta, None
     case "linear":
-      return theta, ops.RopeScaling("linear", factor=float(params["factor"]))
+      return theta, ops.RopeScaling("linear", factor=p.float("factor", 1.0))
     case "llama3":
+      for key in ("factor", "low_freq_factor", "high_freq_factor",
+                  "original_max_position_embeddings"):
+        if key not in params:
+          raise CheckpointError(f"{where}{key}: missing (rope_type 'llama3' needs it)")
       return theta, ops.RopeScaling(
-          "llama3", factor=float(params["factor"]),
-          low_freq_factor=float(params["low_freq_factor"]),
-          high_freq_factor=float(params["high_freq_factor"]),
-          original_max_len=int(params["original_max_position_embeddings"]))
+          "llama3", factor=p.float("factor"), low_freq_factor=p.float("low_freq_factor"),
+          high_freq_factor=p.float("high_freq_factor"),
+          original_max_len=p.int("original_max_position_embeddings"))
     case _:
       raise UnsupportedError(
           f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)")
 
 
 def _llama_from(hf: dict) -> GPTConfig:
-  attn_bias, mlp_bias = hf.get("attention_bias", False), hf.get("mlp_bias", False)
+  f = _Fields(hf)
+  attn_bias, mlp_bias = f.bool("attention_bias", False), f.bool("mlp_bias", False)
   if attn_bias != mlp_bias:
     raise UnsupportedError(
         f"attention_bias={attn_bias} with mlp_bias={mlp_bias} is not supported: biases are on both "
         "the attention and MLP projections or on neither")
   theta, scaling = _llama_rope(hf)
-  d, n = hf.get("hidden_size", 4096), hf.get("num_attention_heads", 32)
+  d, n = f.int("hidden_size", 4096), f.int("num_attention_heads", 32)
   return GPTConfig(
-      vocab_size=hf.get("vocab_size", 32000), d_model=d, num_layers=hf.get("num_hidden_layers", 32),
-      num_heads=n, num_kv_heads=hf.get("num_key_value_heads") or n,
-      head_dim=hf.get("head_dim") or d // n, d_ff=hf.get("intermediate_size", 11008),
-      max_len=hf.get("max_position_embeddings", 2048), position="rope", norm="rmsnorm",
-      norm_eps=hf.get("rms_norm_eps", 1e-6),
-      activation=_activation(hf.get("hidden_act", "silu"), "hidden_act"), gated=True,
-      use_bias=bool(attn_bias), tie_embeddings=hf.get("tie_word_embeddings", False),
+      vocab_size=f.int("vocab_size", 32000), d_model=d,
+      num_layers=f.int("num_hidden_layers", 32), num_heads=n,
+      num_kv_heads=f.int("num_key_value_heads", null=True) or n,
+      head_dim=f.int("head_dim", null=True) or (d // n if n else None),
+      d_ff=f.int("intermediate_size", 11008),
+      max_len=f.int("max_position_embeddings", 2048), position="rope", norm="rmsnorm",
+      norm_eps=f.float("rms_norm_eps", 1e-6),
+      activation=_activation(f.str("hidden_act", "silu"), "hidden_act"), gated=True,
+      use_bias=attn_bias, tie_embeddings=f.bool("tie_word_embeddings", False),
       rope_theta=theta, rope_scaling=scaling, dropout_rate=0.0,
-      attention_dropout_rate=float(hf.get("attention_dropout", 0.0)),
-      init_std=hf.get("initializer_range", 0.02))
+      attention_dropout_rate=f.float("attention_dropout", 0.0),
+      init_std=f.float("initializer_range", 0.02))
 
 
 def _llama_to(c: GPTConfig) -> dict:
@@ -177,9 +238,8 @@ def _llama_to(c: GPTConfig) -> dict:
 
 def _mistral_from(hf: dict) -> GPTConfig:
   """Mistral: LLaMA's layers, attention over the last ``sliding_window`` tokens (null: none)."""
-  window = hf.get("sliding_window")
-  return dataclasses.replace(_llama_from(hf), sliding_window=None if window is None
-                             else int(window))
+  window = _Fields(hf).int("sliding_window", null=True)
+  return dataclasses.replace(_llama_from(hf), sliding_window=window)
 
 
 def _mistral_to(c: GPTConfig) -> dict:
@@ -193,18 +253,20 @@ def _bert_from(hf: dict, arch: str) -> BERTConfig:
   _require(hf, "position_embedding_type", "absolute", "absolute")
   _require(hf, "is_decoder", False, False)
   _require(hf, "add_cross_attention", False, False)
+  f = _Fields(hf)
   num_labels = 0
   if arch == "BertForSequenceClassification":
-    num_labels = len(hf["id2label"]) if hf.get("id2label") else hf.get("num_labels", 2)
+    id2label = f.object("id2label")
+    num_labels = len(id2label) if id2label else f.int("num_labels", 2)
   return BERTConfig(
-      vocab_size=hf.get("vocab_size", 30522), d_model=hf.get("hidden_size", 768),
-      num_layers=hf.get("num_hidden_layers", 12), num_heads=hf.get("num_attention_heads", 12),
-      d_ff=hf.get("intermediate_size", 3072), max_len=hf.get("max_position_embeddings", 512),
-      type_vocab_size=hf.get("type_vocab_size", 2), norm_eps=hf.get("layer_norm_eps", 1e-12),
-      activation=_activation(hf.get("hidden_act", "gelu"), "hidden_act"), num_labels=num_labels,
-      dropout_rate=hf.get("hidden_dropout_prob", 0.1),
-      attention_dropout_rate=hf.get("attention_probs_dropout_prob", 0.1),
-      init_std=hf.get("initializer_range", 0.02))
+      vocab_size=f.int("vocab_size", 30522), d_model=f.int("hidden_size", 768),
+      num_layers=f.int("num_hidden_layers", 12), num_heads=f.int("num_attention_heads", 12),
+      d_ff=f.int("intermediate_size", 3072), max_len=f.int("max_position_embeddings", 512),
+      type_vocab_size=f.int("type_vocab_size", 2), norm_eps=f.float("layer_norm_eps", 1e-12),
+      activation=_activation(f.str("hidden_act", "gelu"), "hidden_act"), num_labels=num_labels,
+      dropout_rate=f.float("hidden_dropout_prob", 0.1),
+      attention_dropout_rate=f.float("attention_probs_dropout_prob", 0.1),
+      init_std=f.float("initializer_range", 0.02))
 
 
 def _bert_to(c: BERTConfig) -> dict:
@@ -270,30 +332,33 @@ def _bigbird_to(c: BERTConfig) -> dict:
 
 
 def _t5_from(hf: dict) -> Seq2SeqConfig:
-  proj = hf.get("feed_forward_proj", "relu")
+  f = _Fields(hf)
+  proj = f.str("feed_forward_proj", "relu")
   parts = proj.split("-")
   if len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated"):
     raise UnsupportedError(f"feed_forward_proj={proj!r} is not supported")
   act = "gelu_new" if proj == "gated-gelu" else parts[-1]  # transformers' own legacy rule
   # T5 v1.0 scales the decoder output by d_model^-0.5 before the tied projection; v1.1 does not.
   # transformers 5 records this as scale_decoder_outputs; 4.x inferred it from tie_word_embeddings.
-  rescale = hf.get("scale_decoder_outputs", hf.get("tie_word_embeddings", True) is not False)
-  d = hf.get("d_model", 512)
-  rate = hf.get("dropout_rate", 0.1)
+  tied = f.bool("tie_word_embeddings", True, null=True) is not False
+  rescale = bool(f.bool("scale_decoder_outputs", tied, null=True))
+  d = f.int("d_model", 512)
+  rate = f.float("dropout_rate", 0.1)
   return Seq2SeqConfig(
-      vocab_size=hf.get("vocab_size", 32128), d_model=d,
-      num_encoder_layers=hf.get("num_layers", 6),
-      num_decoder_layers=hf.get("num_decoder_layers") or hf.get("num_layers", 6),
-      num_heads=hf.get("num_heads", 8), head_dim=hf.get("d_kv", 64), d_ff=hf.get("d_ff", 2048),
-      max_len=hf.get("n_positions", 512), position="relative",
-      relative_num_buckets=hf.get("relative_attention_num_buckets", 32),
-      relative_max_distance=hf.get("relative_attention_max_distance", 128), norm="rmsnorm",
-      norm_eps=hf.get("layer_norm_epsilon", 1e-6), pre_norm=True,
+      vocab_size=f.int("vocab_size", 32128), d_model=d,
+      num_encoder_layers=f.int("num_layers", 6),
+      num_decoder_layers=f.int("num_decoder_layers", null=True) or f.int("num_layers", 6),
+      num_heads=f.int("num_heads", 8), head_dim=f.int("d_kv", 64), d_ff=f.int("d_ff", 2048),
+      max_len=f.int("n_positions", 512), position="relative",
+      relative_num_buckets=f.int("relative_attention_num_buckets", 32),
+      relative_max_distance=f.int("relative_attention_max_distance", 128), norm="rmsnorm",
+      norm_eps=f.float("layer_norm_epsilon", 1e-6), pre_norm=True,
       activation=_activation(act, "feed_forward_proj"), gated=parts[0] == "gated", use_bias=False,
       # Tied unless the weights say otherwise: the loader unties when lm_head.weight differs.
-      tie_embeddings=hf.get("tie_word_embeddings", True) is not False or rescale,
-      embed_scale=False, logits_rescale=bool(rescale), scale_attention=False, dropout_rate=rate,
-      attention_dropout_rate=rate, ffn_dropout_rate=rate, init_std=d**-0.5, embed_init_std=1.0)
+      tie_embeddings=tied or rescale,
+      embed_scale=False, logits_rescale=rescale, scale_attention=False, dropout_rate=rate,
+      attention_dropout_rate=rate, ffn_dropout_rate=rate, init_std=d**-0.5 if d > 0 else 1.0,
+      embed_init_std=1.0)
 
 
 def _t5_to(c: Seq2SeqConfig) -> dict:
@@ -323,30 +388,33 @@ def _t5_to(c: Seq2SeqConfig) -> dict:
 
 
 def _marian_from(hf: dict) -> Seq2SeqConfig:
+  f = _Fields(hf)
   for a, b, default in (("encoder_attention_heads", "decoder_attention_heads", 16),
                         ("encoder_ffn_dim", "decoder_ffn_dim", 4096)):
-    if hf.get(a, default) != hf.get(b, default):
+    if f.int(a, default) != f.int(b, default):
       raise UnsupportedError(f"{a}={hf.get(a)} != {b}={hf.get(b)}: encoder and decoder must match")
-  if hf.get("share_encoder_decoder_embeddings", True) is not True:
+  if f.bool("share_encoder_decoder_embeddings", True, null=True) is not True:
     raise UnsupportedError("share_encoder_decoder_embeddings=False is not supported")
-  if hf.get("decoder_vocab_size") not in (None, hf.get("vocab_size")):
+  vocab = f.int("vocab_size", 58101)
+  if f.int("decoder_vocab_size", null=True) not in (None, vocab):
     raise UnsupportedError("a decoder_vocab_size different from vocab_size is not supported")
-  if hf.get("normalize_before", False) or hf.get("normalize_embedding", False):
+  if f.bool("normalize_before", False) or f.bool("normalize_embedding", False):
     raise UnsupportedError("normalize_before/normalize_embedding are not supported")
-  if hf.get("tie_word_embeddings", True) is False:
+  if f.bool("tie_word_embeddings", True, null=True) is False:
     raise UnsupportedError("tie_word_embeddings=False is not supported for Marian")
   return Seq2SeqConfig(
-      vocab_size=hf.get("vocab_size", 58101), d_model=hf.get("d_model", 1024),
-      num_encoder_layers=hf.get("encoder_layers", 12),
-      num_decoder_layers=hf.get("decoder_layers", 12),
-      num_heads=hf.get("encoder_attention_heads", 16), d_ff=hf.get("encoder_ffn_dim", 4096),
-      max_len=hf.get("max_position_embeddings", 1024), position="sinusoidal", norm="layernorm",
+      vocab_size=vocab, d_model=f.int("d_model", 1024),
+      num_encoder_layers=f.int("encoder_layers", 12),
+      num_decoder_layers=f.int("decoder_layers", 12),
+      num_heads=f.int("encoder_attention_heads", 16), d_ff=f.int("encoder_ffn_dim", 4096),
+      max_len=f.int("max_position_embeddings", 1024), position="sinusoidal", norm="layernorm",
       norm_eps=1e-5, pre_norm=False,
-      activation=_activation(hf.get("activation_function", "gelu"), "activation_function"),
-      gated=False, use_bias=True, tie_embeddings=True, embed_scale=hf.get("scale_embedding", False),
-      logits_rescale=False, scale_attention=True, dropout_rate=hf.get("dropout", 0.1),
-      attention_dropout_rate=hf.get("attention_dropout", 0.0),
-      ffn_dropout_rate=hf.get("activation_dropout", 0.0), init_std=hf.get("init_std", 0.02))
+      activation=_activation(f.str("activation_function", "gelu"), "activation_function"),
+      gated=False, use_bias=True, tie_embeddings=True,
+      embed_scale=f.bool("scale_embedding", False),
+      logits_rescale=False, scale_attention=True, dropout_rate=f.float("dropout", 0.1),
+      attention_dropout_rate=f.float("attention_dropout", 0.0),
+      ffn_dropout_rate=f.float("activation_dropout", 0.0), init_std=f.float("init_std", 0.02))
 
 
 def _marian_to(c: Seq2SeqConfig) -> dict:
@@ -360,6 +428,89 @@ def _marian_to(c: Seq2SeqConfig) -> dict:
       activation_dropout=c.ffn_dropout_rate, init_std=c.init_std, is_encoder_decoder=True,
       share_encoder_decoder_embeddings=True, tie_word_embeddings=True,
       pad_token_id=c.vocab_size - 1, decoder_start_token_id=c.vocab_size - 1, eos_token_id=0)
+
+
+# --- Mamba, Mamba-2 ------------------------------------------------------------------------------
+
+
+def _mamba_common(f: _Fields) -> dict:
+  """The fields Mamba and Mamba-2 share (transformers' names -> ours), each read by its type."""
+  act = f.str("hidden_act", "silu")
+  if act not in ("silu", "swish"):
+    raise UnsupportedError(f"hidden_act={act!r} is not supported (only 'silu')")
+  return dict(
+      vocab_size=f.int("vocab_size", 50280), d_model=f.int("hidden_size", 768),
+      num_layers=f.int("num_hidden_layers", 32), d_state=f.int("state_size", 16),
+      d_conv=f.int("conv_kernel", 4), expand=f.int("expand", 2),
+      use_bias=f.bool("use_bias", False), conv_bias=f.bool("use_conv_bias", True),
+      norm_eps=f.float("layer_norm_epsilon", 1e-5),
+      residual_in_fp32=f.bool("residual_in_fp32", True),
+      time_step_min=f.float("time_step_min", 1e-3), time_step_max=f.float("time_step_max", 0.1),
+      time_step_floor=f.float("time_step_floor", 1e-4),
+      init_std=f.float("initializer_range", 0.1))
+
+
+def _mamba_from(hf: dict) -> MambaConfig:
+  f = _Fields(hf)
+  common = _mamba_common(f)
+  rank = hf.get("time_step_rank", "auto")
+  if rank != "auto":
+    rank = f.int("time_step_rank")
+    if rank < 1:
+      raise CheckpointError(f"time_step_rank={rank!r}: expected 'auto' or a positive integer")
+  auto = math.ceil(common["d_model"] / 16)
+  return MambaConfig(**common, mixer="mamba1", dt_rank=None if rank in ("auto", auto) else rank,
+                     tie_embeddings=f.bool("tie_word_embeddings", True))
+
+
+def _mamba_common_to(c: MambaConfig) -> dict:
+  return dict(
+      vocab_size=c.vocab_size, hidden_size=c.d_model, num_hidden_layers=c.num_layers,
+      state_size=c.d_state, conv_kernel=c.d_conv, expand=c.expand, use_bias=c.use_bias,
+      use_conv_bias=c.conv_bias, layer_norm_epsilon=c.norm_eps,
+      residual_in_fp32=c.residual_in_fp32, hidden_act="silu", time_step_min=c.time_step_min,
+      time_step_max=c.time_step_max, time_step_floor=c.time_step_floor,
+      initializer_range=c.init_std, tie_word_embeddings=c.tie_embeddings)
+
+
+def _mamba_to(c: MambaConfig) -> dict:
+  return {**_mamba_common_to(c), "model_type": "mamba", "time_step_rank": c.time_step_rank}
+
+
+def _mamba2_from(hf: dict) -> MambaConfig:
+  f = _Fields(hf)
+  common = _mamba_common(f)
+  heads, head_dim = f.int("num_heads", 128), f.int("head_dim", 64)
+  if common["expand"] * common["d_model"] != heads * head_dim:
+    raise UnsupportedError(f"num_heads={heads} x head_dim={head_dim} must equal expand x "
+                           f"hidden_size = {common['expand'] * common['d_model']}")
+  # transformers 5 writes a non-finite float as {"__float__": "Infinity"}.
+  raw = hf.get("time_step_limit", (0.0, math.inf))
+  if not isinstance(raw, (list, tuple)) or len(raw) != 2:
+    raise CheckpointError(f"time_step_limit={raw!r}: expected a pair of numbers")
+  limit = _Fields({"time_step_limit[0]": _unboxed(raw[0]), "time_step_limit[1]": _unboxed(raw[1])})
+  lo, hi = (limit._get(k, None, False, "a number", lambda v: isinstance(v, (int, float))
+                       and not isinstance(v, bool)) for k in limit.hf)
+  return MambaConfig(**common, mixer="mamba2", ssm_head_dim=head_dim,
+                     ssm_groups=f.int("n_groups", 8), ssm_chunk=f.int("chunk_size", 256),
+                     time_step_limit=(float(lo), float(hi)),
+                     tie_embeddings=f.bool("tie_word_embeddings", False))
+
+
+def _unboxed(v):
+  """A number as transformers writes it: plain, or ``{"__float__": "Infinity"}``."""
+  if isinstance(v, dict) and isinstance(v.get("__float__"), str):
+    try:
+      return float(v["__float__"])
+    except ValueError:
+      return v
+  return v
+
+
+def _mamba2_to(c: MambaConfig) -> dict:
+  return {**_mamba_common_to(c), "model_type": "mamba2", "num_heads": c.ssm_heads,
+          "head_dim": c.ssm_head_dim, "n_groups": c.ssm_groups, "chunk_size": c.ssm_chunk,
+          "time_step_limit": list(c.time_step_limit)}
 
 
 # --- Dispatch --------------------------------------------------------------------------------------
@@ -382,6 +533,10 @@ def from_hf(hf: dict, arch: str) -> ModelConfig:
       return _t5_from(hf)
     case "marian":
       return _marian_from(hf)
+    case "mamba":
+      return _mamba_from(hf)
+    case "mamba2":
+      return _mamba2_from(hf)
     case family:
       raise UnsupportedError(f"no config reader for family {family!r}")
 
@@ -405,6 +560,10 @@ def default_architecture(config: ModelConfig) -> str:
       return "T5ForConditionalGeneration"
     case Seq2SeqConfig():
       return "MarianMTModel"
+    case MambaConfig(mixer="mamba1"):
+      return "MambaForCausalLM"
+    case MambaConfig():
+      return "Mamba2ForCausalLM"
     case _:
       raise TypeError(f"not a model config: {type(config).__name__}")
 
@@ -425,7 +584,7 @@ def token_ids(arch: str, tokenizer=None) -> dict:
       ``transformer_jax.data.Tokenizer``), or None.
   """
   family = ARCHITECTURES[arch][0]
-  if family in ("gpt2", "llama", "mistral"):
+  if family in ("gpt2", "llama", "mistral", "mamba", "mamba2"):
     eot = None if tokenizer is None else int(tokenizer.eot_id)
     return {"bos_token_id": eot, "eos_token_id": eot}
   if tokenizer is None:
@@ -452,7 +611,8 @@ def to_hf(config: ModelConfig, arch: str, tokenizer=None) -> dict:
              "mistral": (GPTConfig, _mistral_to),
              "bert": (BERTConfig, _bert_to), "t5": (Seq2SeqConfig, _t5_to),
              "bigbird": (BERTConfig, _bigbird_to),
-             "marian": (Seq2SeqConfig, _marian_to)}
+             "marian": (Seq2SeqConfig, _marian_to), "mamba": (MambaConfig, _mamba_to),
+             "mamba2": (MambaConfig, _mamba2_to)}
   cls, writer = writers[family]
   if not isinstance(config, cls):
     raise UnsupportedError(f"{arch} needs a {cls.__name__}, not a {type(config).__name__}")
@@ -474,6 +634,11 @@ def to_hf(config: ModelConfig, arch: str, tokenizer=None) -> dict:
   if family == "t5":
     # A tied T5 without the v1.0 rescale is written with its lm_head.weight (see params.py).
     back = dataclasses.replace(back, tie_embeddings=config.tie_embeddings)
+  if family in ("mamba", "mamba2"):
+    # None changes the function of a Mamba model (chunk, scan method and kernel are how the scan
+    # is computed, max_len sizes nothing), and Mamba-1's config.json has no field for them.
+    back = dataclasses.replace(back, ssm_chunk=config.ssm_chunk, ssm_scan=config.ssm_scan,
+                               ssm_impl=config.ssm_impl, max_len=config.max_len)
   def value(c, name):  # head counts compare by their effective values (None = the default)
     return {"head_dim": lambda: c.head_size, "num_kv_heads": lambda: c.kv_heads,
             "sparse_pattern": lambda: _bigbird_shape(c.sparse_pattern)}.get(

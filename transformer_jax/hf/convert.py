@@ -37,6 +37,8 @@ def to_hf(run_dir_path: str | os.PathLike, out_dir: str | os.PathLike, *,
   from transformer_jax import runs
   from transformer_jax.train import finetune
 
+  if not runs.RunDir(out_dir).is_empty():  # before reading the run
+    raise ValueError(f"--out {out_dir} exists and is not empty; give a new directory")
   if finetune.lora_run_config(os.fspath(run_dir_path)) is not None:
     config, params = finetune.load_lora_merged(os.fspath(run_dir_path))
   else:

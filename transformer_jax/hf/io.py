@@ -9,6 +9,7 @@ so loading needs neither torch nor the ``safetensors`` package and a damaged fil
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -32,11 +33,39 @@ _DTYPES = {
 _NAMES = {v: k for k, v in _DTYPES.items()}
 
 
+def _entry(path: Path, name: str, info, data_size: int) -> tuple[np.dtype, int, int, tuple]:
+  """``(dtype, begin, end, shape)`` of one safetensors header entry, every field checked."""
+  if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+    raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry {info!r}")
+  dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+  if not isinstance(dtype, str) or dtype not in _DTYPES:
+    raise CheckpointError(f"{path}: tensor {name!r}: dtype {dtype!r} is not one of "
+                          f"{', '.join(_DTYPES)}")
+  if not isinstance(shape, list) or not all(
+      isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+    raise CheckpointError(f"{path}: tensor {name!r}: shape {shape!r} is not a list of sizes >= 0")
+  if (not isinstance(offsets, list) or len(offsets) != 2
+      or not all(isinstance(n, int) and not isinstance(n, bool) for n in offsets)
+      or not 0 <= offsets[0] <= offsets[1]):
+    raise CheckpointError(f"{path}: tensor {name!r}: data_offsets {offsets!r} is not "
+                          "[begin, end] with 0 <= begin <= end")
+  begin, end = offsets
+  if end > data_size:
+    raise CheckpointError(
+        f"{path} is truncated: tensor {name!r} needs bytes up to {end} of the data section, "
+        f"which has {data_size}")
+  if end - begin != math.prod(shape) * _DTYPES[dtype].itemsize:
+    raise CheckpointError(f"{path}: tensor {name!r} has {end - begin} bytes for shape "
+                          f"{tuple(shape)}")
+  return _DTYPES[dtype], begin, end, tuple(shape)
+
+
 def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
   """All tensors of one ``.safetensors`` file, as NumPy arrays (memory-mapped, read-only).
 
   Raises:
-    CheckpointError: the file is truncated, its header is not valid, or a tensor lies outside it.
+    CheckpointError: the file is truncated, its header is not valid (the field and the tensor
+      named), or a tensor lies outside it.
   """
   path = Path(path)
   size = path.stat().st_size
@@ -52,23 +81,14 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
       header = json.loads(f.read(n))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
       raise CheckpointError(f"{path} has a corrupt safetensors header: {e}") from None
+  if not isinstance(header, dict):
+    raise CheckpointError(f"{path}: the safetensors header is not an object")
   header.pop("__metadata__", None)
   data_size = size - 8 - n
   data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if data_size else np.zeros(0, np.uint8)
   out = {}
   for name, info in header.items():
-    try:
-      dtype = _DTYPES[info["dtype"]]
-      begin, end = info["data_offsets"]
-      shape = tuple(info["shape"])
-    except (KeyError, TypeError, ValueError):
-      raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry {info!r}") from None
-    if end > data_size:
-      raise CheckpointError(
-          f"{path} is truncated: tensor {name!r} needs bytes up to {end} of the data section, "
-          f"which has {data_size}")
-    if end - begin != int(np.prod(shape)) * dtype.itemsize:
-      raise CheckpointError(f"{path}: tensor {name!r} has {end - begin} bytes for shape {shape}")
+    dtype, begin, end, shape = _entry(path, name, info, data_size)
     out[name] = data[begin:end].view(dtype).reshape(shape)
   return out
 
@@ -105,6 +125,9 @@ def _read_bin(path: Path) -> dict[str, np.ndarray]:
     ) from None
   if not isinstance(state, dict):
     raise CheckpointError(f"{path} does not hold a state dict (got {type(state).__name__})")
+  for name, value in state.items():
+    if not isinstance(value, torch.Tensor):
+      raise CheckpointError(f"{path}: {name!r} is a {type(value).__name__}, not a tensor")
   return torch_to_numpy(state)
 
 
@@ -122,33 +145,63 @@ def torch_to_numpy(state) -> dict[str, np.ndarray]:
   return out
 
 
+def _read_json_object(path: Path) -> dict:
+  """The JSON object in ``path``; a ``CheckpointError`` naming the file otherwise."""
+  try:
+    value = json.loads(path.read_bytes().decode("utf-8"))
+  except UnicodeDecodeError as e:
+    raise CheckpointError(f"{path}: not UTF-8 text (offset {e.start})") from None
+  except json.JSONDecodeError as e:
+    raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+  if not isinstance(value, dict):
+    raise CheckpointError(f"{path}: expected an object, got a JSON {type(value).__name__}")
+  return value
+
+
+def _shard_path(folder: Path, index: Path, shard) -> Path:
+  """The file of a shard named in ``index``: a relative name that stays inside ``folder`` (a name
+  with ``..``, an absolute path or no name at all is refused, so an index never reads elsewhere).
+  The names are checked as written; a symbolic link inside the folder is followed, as in the
+  Hugging Face cache, whose snapshot files link to its blobs."""
+  if not isinstance(shard, str) or not shard or os.path.isabs(shard):
+    raise CheckpointError(f"{index}: shard {shard!r} is not a file name inside {folder}")
+  parts = Path(shard).parts
+  if ".." in parts:
+    raise CheckpointError(f"{index}: shard {shard!r} lies outside {folder}")
+  return folder / shard
+
+
 def read_directory(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
   """``(config dict, tensors)`` of a local Hugging Face checkpoint directory.
 
-  Looks for ``model.safetensors``, then ``model.safetensors.index.json`` (shards), then
-  ``pytorch_model.bin``.
+  Looks for ``model.safetensors``, then ``model.safetensors.index.json`` (shards, named inside
+  the directory), then ``pytorch_model.bin``.
+
+  Raises:
+    CheckpointError: a missing or damaged file, naming it (and the field or tensor).
   """
   path = Path(path)
   if not path.is_dir():
     raise CheckpointError(f"{path} is not a directory (expected config.json plus weights)")
   if not (path / CONFIG).is_file():
     raise CheckpointError(f"{path} has no {CONFIG}")
-  try:
-    config = json.loads((path / CONFIG).read_text())
-  except json.JSONDecodeError as e:
-    raise CheckpointError(f"{path / CONFIG} is not valid JSON: {e}") from None
+  config = _read_json_object(path / CONFIG)
   if (path / SAFETENSORS).is_file():
     return config, read_safetensors(path / SAFETENSORS)
   if (path / SAFETENSORS_INDEX).is_file():
-    index = json.loads((path / SAFETENSORS_INDEX).read_text())
-    weight_map = index.get("weight_map")
+    index_file = path / SAFETENSORS_INDEX
+    weight_map = _read_json_object(index_file).get("weight_map")
     if not isinstance(weight_map, dict):
-      raise CheckpointError(f"{path / SAFETENSORS_INDEX} has no weight_map")
+      raise CheckpointError(f"{index_file}: weight_map: expected an object (tensor -> shard)")
+    shards = {}
+    for shard in weight_map.values():
+      if shard not in shards:
+        shards[shard] = _shard_path(path, index_file, shard)
     tensors = {}
-    for shard in sorted(set(weight_map.values())):
-      if not (path / shard).is_file():
+    for shard, file in sorted(shards.items()):
+      if not file.is_file():
         raise CheckpointError(f"{path} lacks the shard {shard} named in {SAFETENSORS_INDEX}")
-      tensors.update(read_safetensors(path / shard))
+      tensors.update(read_safetensors(file))
     absent = sorted(set(weight_map) - set(tensors))
     if absent:
       raise CheckpointError(f"{path}: tensors listed in the index are absent from their shards: "

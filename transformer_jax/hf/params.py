@@ -32,6 +32,9 @@ class Transform(enum.Enum):
   CONV_QKV = "conv_qkv"          # GPT-2 c_attn [D, 3*N*H] -> [D, N, H] x 3 (query, key, value)
   CONV_QKV_BIAS = "conv_qkv_b"   # [3*N*H] -> [N, H] x 3
   CONV_O = "conv_o"              # GPT-2 c_proj [N*H, D] -> [N, H, D]
+  LINEAR_HALVES = "linear_halves"  # Mamba in_proj [2*E, D] -> [D, 2, E] (x and gate)
+  BIAS_HALVES = "bias_halves"    # [2*E] -> [2, E]
+  DEPTHWISE = "depthwise"        # Conv1d(groups=C) weight [C, 1, W] -> [W, C]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +67,12 @@ def to_ours(t: Transform, x: np.ndarray, d: Dims) -> tuple[np.ndarray, ...]:
       return tuple(b.reshape(d.n, d.h) for b in np.split(x, 3))
     case Transform.CONV_O:
       return (x.reshape(d.n, d.h, x.shape[1]),)
+    case Transform.LINEAR_HALVES:
+      return (x.T.reshape(x.shape[1], 2, x.shape[0] // 2),)
+    case Transform.BIAS_HALVES:
+      return (x.reshape(2, -1),)
+    case Transform.DEPTHWISE:
+      return (x[:, 0, :].T,)
     case _:
       raise ValueError(f"unknown transform {t}")
 
@@ -76,12 +85,14 @@ def to_hf(t: Transform, xs: tuple[np.ndarray, ...], d: Dims) -> np.ndarray:
       return x
     case Transform.LINEAR:
       return x.T
-    case Transform.LINEAR_Q | Transform.LINEAR_KV:
+    case Transform.LINEAR_Q | Transform.LINEAR_KV | Transform.LINEAR_HALVES:
       return x.reshape(x.shape[0], -1).T
     case Transform.LINEAR_O:
       return x.reshape(-1, x.shape[-1]).T
-    case Transform.BIAS_Q | Transform.BIAS_KV:
+    case Transform.BIAS_Q | Transform.BIAS_KV | Transform.BIAS_HALVES:
       return x.reshape(-1)
+    case Transform.DEPTHWISE:
+      return x.T[:, None, :]
     case Transform.CONV_QKV:
       return np.concatenate([w.reshape(w.shape[0], -1) for w in xs], axis=1)
     case Transform.CONV_QKV_BIAS:
@@ -100,12 +111,14 @@ def hf_shape(t: Transform, shapes: tuple[tuple[int, ...], ...]) -> tuple[int, ..
       return s
     case Transform.LINEAR:
       return s[::-1]
-    case Transform.LINEAR_Q | Transform.LINEAR_KV:
+    case Transform.LINEAR_Q | Transform.LINEAR_KV | Transform.LINEAR_HALVES:
       return (s[1] * s[2], s[0])
     case Transform.LINEAR_O:
       return (s[2], s[0] * s[1])
-    case Transform.BIAS_Q | Transform.BIAS_KV:
+    case Transform.BIAS_Q | Transform.BIAS_KV | Transform.BIAS_HALVES:
       return (s[0] * s[1],)
+    case Transform.DEPTHWISE:
+      return (s[1], 1, s[0])
     case Transform.CONV_QKV:
       return (s[0], 3 * s[1] * s[2])
     case Transform.CONV_QKV_BIAS:
@@ -313,6 +326,41 @@ def _marian(c) -> Table:
   return Table(rules, aliases, ignore, P, permute_embed=True)
 
 
+def _mamba(c) -> Table:
+  """Mamba and Mamba-2 (``MambaForCausalLM``, ``Mamba2ForCausalLM``): ``backbone.layers.{i}`` is
+  ``norm`` and ``mixer``; the mixers' names are ours too."""
+  L, P, B = c.num_layers, "backbone.", "blocks.mamba"
+  h, m = f"{P}layers.{{i}}", f"{B}.mixer"
+  v1 = c.mixer == "mamba1"
+  rules = [
+      Rule(f"{P}embeddings.weight", ("embed.embedding",)),
+      *_norm(f"{h}.norm", f"{B}.norm", False, L),
+      *_linear(f"{h}.mixer.in_proj", f"{m}.in_proj", c.use_bias,
+               Transform.LINEAR_HALVES if v1 else Transform.LINEAR,
+               Transform.BIAS_HALVES if v1 else Transform.COPY, L),
+      Rule(f"{h}.mixer.conv1d.weight", (f"{m}.conv_kernel",), Transform.DEPTHWISE, L),
+      Rule(f"{h}.mixer.A_log", (f"{m}.A_log",), Transform.COPY, L),
+      Rule(f"{h}.mixer.D", (f"{m}.D",), Transform.COPY, L),
+      *_linear(f"{h}.mixer.out_proj", f"{m}.out_proj", c.use_bias, L=L),
+      *_norm(f"{P}norm_f", "final_norm", False),
+  ]
+  if c.conv_bias:
+    rules.append(Rule(f"{h}.mixer.conv1d.bias", (f"{m}.conv_bias",), Transform.COPY, L))
+  if v1:
+    rules += [*_linear(f"{h}.mixer.x_proj", f"{m}.x_proj", False, L=L),
+              *_linear(f"{h}.mixer.dt_proj", f"{m}.dt_proj", True, L=L)]
+  else:
+    rules += [Rule(f"{h}.mixer.dt_bias", (f"{m}.dt_bias",), Transform.COPY, L),
+              *_norm(f"{h}.mixer.norm", f"{m}.norm", False, L)]
+  # Older checkpoints name the embedding "backbone.embedding" (transformers renames it on load).
+  aliases = {f"{P}embedding.weight": f"{P}embeddings.weight"}
+  if c.tie_embeddings:
+    aliases["lm_head.weight"] = f"{P}embeddings.weight"
+  else:
+    rules.append(Rule("lm_head.weight", ("lm_head.kernel",), Transform.LINEAR))
+  return Table(rules, aliases, (), P)
+
+
 def table(config: ModelConfig, arch: str) -> Table:
   """The mapping for ``config`` saved as ``arch``."""
   match ARCHITECTURES[arch][0]:
@@ -328,6 +376,8 @@ def table(config: ModelConfig, arch: str) -> Table:
       return _t5(config)
     case "marian":
       return _marian(config)
+    case "mamba" | "mamba2":
+      return _mamba(config)
     case family:
       raise ValueError(f"no parameter table for family {family!r}")
 

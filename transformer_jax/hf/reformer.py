@@ -181,14 +181,15 @@ def _rules(c: ReformerConfig):
 
 
 def load(hf: dict, tensors: dict[str, np.ndarray], *, param_dtype: str | None = None,
-         dtype: str | None = None):
-  """``(config, model)`` of a transformers Reformer (``tj.hf.load`` calls this)."""
+         dtype: str | None = None, where: str = "config.json"):
+  """``(config, model)`` of a transformers Reformer (``tj.hf.load`` calls this); ``where``
+  names the config in errors."""
   try:
     config = from_hf(hf)
-  except (TypeError, KeyError, ValueError) as e:
-    if isinstance(e, UnsupportedError):
-      raise
-    raise CheckpointError(f"config.json of {ARCHITECTURE} is malformed: {e}") from None
+  except CheckpointError as e:   # a field refused by name
+    raise type(e)(f"{where}: {e}") from None
+  except (TypeError, KeyError, ValueError) as e:   # a value our config refuses
+    raise CheckpointError(f"{where}: {ARCHITECTURE} config is malformed: {e}") from None
   config = dataclasses.replace(config, param_dtype=param_dtype or "float32",
                                dtype=dtype or "float32")
   graphdef, state = nnx.split(models.abstract(config))

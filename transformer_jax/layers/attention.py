@@ -106,7 +106,7 @@ class Attention(nnx.Module):
     attention dropout runs as ring attention (``parallel.ring``); GSPMD handles the rest.
     """
     if self.linear is not None:
-      return self._linear(x_BTD, positions, causal, cache)
+      return self._linear(x_BTD, positions, causal, cache, kv_valid, segment_ids)
     q_BTNH = self.query(x_BTD)
     q_positions = None
     if cache is not None and cache.lengths is None:   # keys/values projected once
@@ -174,14 +174,19 @@ class Attention(nnx.Module):
     q_BTNH, k_BTKH = self._rope(self.query(x_BTD), self.key(x_BTD), positions)
     return q_BTNH, k_BTKH, self.value(x_BTD)
 
-  def _linear(self, x_BTD, positions, causal, cache):
-    """Causal linear attention; with a one-layer ``LinearCache``, from and into its state."""
+  def _linear(self, x_BTD, positions, causal, cache, kv_valid=None, segment_ids=None):
+    """Causal linear attention; with a one-layer ``LinearCache``, from and into its state.
+
+    ``kv_valid`` (padding) and ``segment_ids`` (packed documents, the state emptied at each
+    document's first position) as in ``ops.linear_attention``. With a cache, the tokens past a
+    row's ``new_valid`` are its right padding: they neither add to nor decay its state."""
     if not causal:
       raise ValueError("linear attention here is causal (a decoder's self-attention)")
     lin = self.linear
     if cache is None:
       q, k, v = self._rotated(x_BTD, positions)
-      out_BTNH = ops.linear_attention(q, k, v, chunk_size=lin.chunk_size, decay=lin.decay)
+      out_BTNH = ops.linear_attention(q, k, v, chunk_size=lin.chunk_size, decay=lin.decay,
+                                      kv_valid=kv_valid, segment_ids=segment_ids)
       return self.out(out_BTNH.astype(q.dtype)), None
     t = x_BTD.shape[1]
     q, k, v = self._rotated(x_BTD, cache.positions(t))
@@ -195,10 +200,6 @@ class Attention(nnx.Module):
       out_BTNH, state = ops.linear_attention(q, k, v, chunk_size=lin.chunk_size, decay=lin.decay,
                                              initial_state=state, return_state=True,
                                              kv_valid=valid_BT)
-      if lin.decay is not None:   # the padding after a row's n_b tokens decayed its state
-        undo_BN = jnp.exp(-jnp.log(jnp.asarray(lin.decay, jnp.float32))[None, :]
-                          * (t - n_B)[:, None].astype(jnp.float32))
-        state = ops.LinearState(state.s * undo_BN[..., None, None], state.z * undo_BN[..., None])
     cache = cache.replace(s=(state.s,), z=(state.z,))
     return self._out_merged(out_BTNH.astype(q.dtype)), cache
 
@@ -210,7 +211,7 @@ class Attention(nnx.Module):
     """The self-attention weights ``[B, N, T, S]`` (float32) that ``__call__`` on ``x`` uses,
     with the same mask and bias parts (no cache, no dropout): for pictures and inspection."""
     if self.linear is not None:
-      return self._linear_weights(x_BTD, positions)
+      return self._linear_weights(x_BTD, positions, kv_valid, segment_ids)
     q_BTNH, k_BSKH = self._rope(self.query(x_BTD), self.key(x_BTD), positions)
     # The values do not change the weights; the keys stand in for them.
     _, weights_BNTS = ops.dot_product_attention(
@@ -219,19 +220,28 @@ class Attention(nnx.Module):
         bias_params=bias_params, scale=self.scale, return_weights=True, implementation="xla")
     return weights_BNTS
 
-  def _linear_weights(self, x_BTD, positions):
-    """Linear attention's weights ``[B, N, T, T]``: ``phi(q_i) . phi(k_j)`` (decayed) over its
-    row's sum, causal."""
+  def _linear_weights(self, x_BTD, positions, kv_valid=None, segment_ids=None):
+    """Linear attention's weights ``[B, N, T, T]``: ``phi(q_i) . phi(k_j)`` over its row's sum,
+    causal, for valid keys ``j`` of query i's document, decayed by gamma per valid position in
+    ``(j, i]`` (as ``ops.linear_attention`` weighs them)."""
     q, k = self._rope(self.query(x_BTD), self.key(x_BTD), positions)
     b, t, n, _ = q.shape
     phi_k = jnp.repeat(linear_feature_map(k), n // k.shape[2], axis=2)
     w_BNTS = jnp.einsum("bins,bjns->bnij", linear_feature_map(q), phi_k)
+    valid_BT = jnp.ones((b, t), bool) if kv_valid is None else jnp.asarray(kv_valid, bool)
+    doc_BT = (jnp.zeros((b, t), jnp.int32) if segment_ids is None else jnp.concatenate(
+        [jnp.zeros((b, 1), jnp.int32),
+         jnp.cumsum(segment_ids[:, 1:] != segment_ids[:, :-1], axis=1, dtype=jnp.int32)], 1))
     i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
-    mask = (j <= i).astype(jnp.float32)
+    same_BTT = (j <= i)[None] & (doc_BT[:, :, None] == doc_BT[:, None, :]) & valid_BT[:, None, :]
+    mask_BNTT = same_BTT[:, None].astype(jnp.float32)
     if self.linear.decay is not None:
-      gamma_N = jnp.asarray(self.linear.decay, jnp.float32)
-      mask = mask * gamma_N[:, None, None] ** jnp.maximum(i - j, 0).astype(jnp.float32)
-    w_BNTS = w_BNTS * mask
+      count_BT = jnp.cumsum(valid_BT, axis=1, dtype=jnp.int32)
+      gap_BTT = jnp.where(same_BTT, count_BT[:, :, None] - count_BT[:, None, :], 0)
+      log_g_N = jnp.log(jnp.asarray(self.linear.decay, jnp.float32))
+      mask_BNTT = mask_BNTT * jnp.exp(log_g_N[None, :, None, None]
+                                      * gap_BTT[:, None].astype(jnp.float32))
+    w_BNTS = w_BNTS * mask_BNTT
     return w_BNTS / (jnp.sum(w_BNTS, axis=-1, keepdims=True) + LINEAR_EPS)
 
   def _mesh_axes(self, q_BTNH: jax.Array) -> tuple[tuple[str, ...], str | None]:

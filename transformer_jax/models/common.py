@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +56,31 @@ def is_concrete(x) -> bool:
   return not isinstance(x, jax.core.Tracer)
 
 
+def _device_check(name: str, values, hi: int, message: str) -> None:
+  """Under ``checked``: a device check that ``values`` lie in ``[0, hi)``, compared in a dtype
+  that holds ``hi`` (int8 ids against a vocabulary of 50257 are compared in int32)."""
+  values = jnp.asarray(values)
+  if jnp.iinfo(values.dtype).bits < 32:
+    values = values.astype(jnp.int32)
+  ok = values < hi
+  if jnp.issubdtype(values.dtype, jnp.signedinteger):
+    ok = ok & (values >= 0)
+  checkify.check(jnp.all(ok), f"{name} holds {message}: min {{lo}}, max {{hi}}",
+                 lo=jnp.min(values), hi=jnp.max(values))
+
+
+def _first_outside(name: str, values, hi: int, what: str) -> None:
+  """Raises naming the first entry of concrete ``values`` outside ``[0, hi)``."""
+  arr = np.asarray(values)
+  if not np.issubdtype(arr.dtype, np.integer):
+    raise ValueError(f"{name} must be integers; got dtype {arr.dtype}")
+  bad = (arr < 0) | (arr >= hi)
+  if bad.any():
+    idx = tuple(int(i) for i in np.argwhere(bad)[0])
+    at = f"[{', '.join(map(str, idx))}]" if idx else ""
+    raise ValueError(f"{name}{at} = {int(arr[idx])} is outside {what}")
+
+
 def check_tokens(name: str, ids, vocab_size: int) -> None:
   """Raises ``ValueError`` naming the first out-of-range id and where it is.
 
@@ -67,21 +93,26 @@ def check_tokens(name: str, ids, vocab_size: int) -> None:
     return
   if not is_concrete(ids):
     if _CHECKING_IDS.get():
-      ids = jnp.asarray(ids)
-      checkify.check(jnp.all((ids >= 0) & (ids < vocab_size)),
-                     f"{name} holds ids outside the vocabulary [0, {vocab_size}): min {{lo}}, "
-                     "max {hi}", lo=jnp.min(ids), hi=jnp.max(ids))
+      _device_check(name, ids, vocab_size, f"ids outside the vocabulary [0, {vocab_size})")
     return
   arr = np.asarray(ids)
   if arr.ndim != 2:
     raise ValueError(f"{name} must be [batch, length] integers; got shape {arr.shape}")
-  if not np.issubdtype(arr.dtype, np.integer):
-    raise ValueError(f"{name} must be integers; got dtype {arr.dtype}")
-  bad = (arr < 0) | (arr >= vocab_size)
-  if bad.any():
-    idx = tuple(int(i) for i in np.argwhere(bad)[0])
-    raise ValueError(
-        f"{name}[{idx[0]}, {idx[1]}] = {int(arr[idx])} is outside the vocabulary [0, {vocab_size})")
+  _first_outside(name, arr, vocab_size, f"the vocabulary [0, {vocab_size})")
+
+
+def check_positions(name: str, positions, max_len: int) -> None:
+  """Raises ``ValueError`` naming the first position outside a position table of ``max_len``
+  rows (learned or sinusoidal), which the lookup would otherwise clamp silently. Traced
+  positions are checked on the device under ``checked`` (as ``check_tokens``)."""
+  if positions is None:
+    return
+  if not is_concrete(positions):
+    if _CHECKING_IDS.get():
+      _device_check(name, positions, max_len,
+                    f"positions outside the table [0, max_len={max_len})")
+    return
+  _first_outside(name, positions, max_len, f"the position table [0, max_len={max_len})")
 
 
 def check_length(name: str, length: int, max_len: int) -> None:
@@ -94,14 +125,45 @@ def check_same_shape(name: str, x, ref_name: str, ref) -> None:
     raise ValueError(f"{name}.shape={tuple(x.shape)} must equal {ref_name}.shape={tuple(ref.shape)}")
 
 
-def checked(fn):
-  """``jax.jit(fn)`` with the models' token-id checks kept inside the compiled function.
+def _refuse_wrapping_ints(fn, args, kwargs) -> None:
+  """Raises for a concrete 64-bit integer argument holding a value outside int32: without
+  ``jax_enable_x64`` JAX converts it to int32 at the call, wrapping 2**32 + 3 to 3 (a valid id
+  or position) before any check could see it. Named by ``fn``'s parameter, where it binds."""
+  if jax.config.jax_enable_x64:
+    return
+  try:
+    named = inspect.signature(fn).bind(*args, **kwargs).arguments
+  except (TypeError, ValueError):
+    named = {**{f"argument {i}": a for i, a in enumerate(args)}, **kwargs}
+  lo, hi = np.iinfo(np.int32).min, np.iinfo(np.int32).max
+  for name, value in named.items():
+    for path, leaf in jax.tree_util.tree_leaves_with_path(value):
+      if not isinstance(leaf, (np.ndarray, np.generic)):
+        continue
+      arr = np.asarray(leaf)
+      if arr.dtype.kind not in "iu" or arr.dtype.itemsize < 8 or arr.size == 0:
+        continue
+      bad = (arr < lo) | (arr > hi)
+      if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        at = f"[{', '.join(map(str, idx))}]" if idx else ""
+        raise ValueError(f"{name}{jax.tree_util.keystr(path)}{at} = {int(arr[idx])} does not fit "
+                         f"in int32 ({arr.dtype} without jax_enable_x64 would wrap it silently); "
+                         "no vocabulary or position table is that large")
 
-  Under a plain ``jax.jit`` the models cannot see their ids' values and the embedding lookup
-  clamps an id outside ``[0, vocab_size)``. A function made by ``checked`` checks every model
-  input's ids on the device (``jax.experimental.checkify``) and raises ``ValueError`` naming the
-  input and the ids' range after the call. Pass the undecorated ``fn`` (a function already
-  jitted elsewhere may reuse a trace made without the checks).
+
+def checked(fn):
+  """``jax.jit(fn)`` with the models' token-id and position checks kept inside the compiled
+  function.
+
+  Under a plain ``jax.jit`` the models cannot see their ids' values: the embedding lookup clamps
+  an id outside ``[0, vocab_size)``, and a learned or sinusoidal position table a position
+  outside ``[0, max_len)``. A function made by ``checked`` checks every model input's ids and
+  explicit positions on the device (``jax.experimental.checkify``) and raises ``ValueError``
+  naming the input and the values' range after the call. Before the call it refuses 64-bit
+  integer arguments that int32 cannot hold (JAX would wrap them; see ``_refuse_wrapping_ints``).
+  Pass the undecorated ``fn`` (a function already jitted elsewhere may reuse a trace made
+  without the checks).
 
   Example: ``logits = tj.models.checked(lambda params, t: apply(config, params, t))(params, ids)``.
   """
@@ -116,6 +178,7 @@ def checked(fn):
 
   @functools.wraps(fn)
   def call(*args, **kwargs):
+    _refuse_wrapping_ints(fn, args, kwargs)
     err, out = run(*args, **kwargs)
     message = err.get()
     if message is not None:

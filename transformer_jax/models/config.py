@@ -9,6 +9,7 @@ arguments of ``jax.jit``.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 import jax
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 from transformer_jax import ops
 from transformer_jax.layers import BlockConfig, LinearKind, Remat
 from transformer_jax.layers.approx import ApproxKind, LinformerKind, SparseKind
+from transformer_jax.layers.ssm import MambaKind, MixerBlockConfig
 from transformer_jax.ops import dispatch
 
 Norm = Literal["layernorm", "rmsnorm"]
@@ -161,9 +163,9 @@ class GPTConfig(_Heads):
   # attention_kind="sparse": an ops.SparsePattern (or its fields as a mapping); None: Child et
   # al.'s fixed pattern, SparsePattern.fixed() (blocks of 128, 8 summary positions).
   sparse_pattern: ops.SparsePattern | None = None
-  # Linear attention's decay per position (RetNet's gamma): None, one float for every head, or
-  # "retnet" (head h decays by 1 - 2^(-5 - h), RetNet's schedule over the heads).
-  linear_decay: float | Literal["retnet"] | None = None
+  # Linear attention's decay per position (RetNet's gamma): None, one float for every head, a
+  # tuple of one per head, or "retnet" (head h decays by 1 - 2^(-5 - h), RetNet's schedule).
+  linear_decay: float | tuple[float, ...] | Literal["retnet"] | None = None
   linear_chunk: int = 64               # positions per chunk of linear attention's parallel form
   dropout_rate: float = 0.0            # embedding and residual dropout (GPT-2 used 0.1)
   attention_dropout_rate: float = 0.0
@@ -206,9 +208,16 @@ class GPTConfig(_Heads):
         raise ValueError(f"attention_kind='linear' takes no sliding_window or ALiBi bias "
                          f"(sliding_window={self.sliding_window!r}, position={self.position!r})")
       d = self.linear_decay
-      if d is not None and d != "retnet" and (isinstance(d, bool) or not isinstance(
-          d, (int, float)) or not 0.0 < d <= 1.0):
-        raise ValueError(f"linear_decay={d!r} must be None, 'retnet' or a number in (0, 1]")
+      if isinstance(d, list):   # a YAML sequence: stored as a tuple, so the config hashes
+        d = tuple(d)
+        object.__setattr__(self, "linear_decay", d)
+      gammas = d if isinstance(d, tuple) else (d,)
+      if (d is not None and d != "retnet" and (
+          isinstance(d, tuple) and len(d) != self.num_heads or not gammas or any(
+              isinstance(g, bool) or not isinstance(g, (int, float)) or not 0.0 < g <= 1.0
+              for g in gammas))):
+        raise ValueError(f"linear_decay={d!r} must be None, 'retnet', a number in (0, 1] or "
+                         f"one such number per head (num_heads={self.num_heads})")
     elif self.linear_decay is not None:
       raise ValueError(f"linear_decay={self.linear_decay!r} needs attention_kind='linear'")
     if self.position == "rope" and self.head_size % 2:
@@ -248,6 +257,8 @@ class GPTConfig(_Heads):
     decay = self.linear_decay
     if decay == "retnet":
       decay = tuple(1.0 - 2.0 ** (-5.0 - h) for h in range(self.num_heads))
+    elif isinstance(decay, tuple):
+      decay = tuple(float(g) for g in decay)
     elif decay is not None:
       decay = (float(decay),) * self.num_heads
     return LinearKind(chunk_size=self.linear_chunk, decay=decay)
@@ -401,6 +412,199 @@ class Seq2SeqConfig(_Heads):
         param_dtype=self.param_dtype, attention_impl=self.attention_impl)
 
 
+def _floats(cfg, *names):
+  """Numbers as floats; a numeric string too (YAML 1.1 reads ``1e-3``, without a dot, as one)."""
+  for name in names:
+    value = getattr(cfg, name)
+    if isinstance(value, str):
+      try:
+        value = float(value)
+      except ValueError:
+        raise ValueError(f"{name}={value!r} must be a number") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+      raise ValueError(f"{name}={value!r} must be a number")
+    object.__setattr__(cfg, name, float(value))
+
+
+_LAYER_TYPES = ("mamba", "attention")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MambaConfig(_Heads):
+  """A decoder-only language model of Mamba blocks (Gu and Dao 2023; Mamba-2: Dao and Gu 2024),
+  or a hybrid stack whose ``layer_types`` mix Mamba and attention blocks (as Jamba).
+
+  A Mamba block is ``x + mixer(rmsnorm x)``; an attention block ``x + attention(rmsnorm x)``;
+  ``d_ff > 0`` adds ``x + mlp(rmsnorm x)`` to every block. The attention fields (``num_heads``,
+  ``num_kv_heads``, ``head_dim``, ``position``) only matter for the attention layers.
+  """
+
+  vocab_size: int = 50280
+  d_model: int = 768
+  num_layers: int = 24
+  mixer: Literal["mamba1", "mamba2"] = "mamba1"
+  d_state: int = 16                    # S, the state size per channel
+  d_conv: int = 4                      # W, the causal convolution's width
+  expand: int = 2                      # d_inner = expand * d_model
+  dt_rank: int | None = None           # Mamba-1: the time step's rank; None: ceil(d_model / 16)
+  ssm_head_dim: int = 64               # Mamba-2: H per head; heads = d_inner / ssm_head_dim
+  ssm_groups: int = 1                  # Mamba-2: G groups of B and C (and of the gated norm)
+  ssm_chunk: int = 64                  # positions per chunk of the training scan (no effect on
+                                       # the function)
+  # Mamba-1's scan inside a chunk: "associative" (log depth), "sequential" (less work), or
+  # "auto": sequential on CPUs, associative on GPUs and TPUs (ops.ssm.choose_scan_method).
+  ssm_scan: Literal["auto", "associative", "sequential"] = "auto"
+  # Mamba-2's chunked scan: "xla" (ops.ssd), "pallas" (the TPU kernel of ops.ssm_pallas; Pallas'
+  # interpreter elsewhere), or "auto" (ops.ssm_pallas.choose_ssd_implementation: "xla" for now).
+  ssm_impl: Literal["auto", "xla", "pallas"] = "auto"
+  # Mamba-2: dt clamped to [low, high]. Mamba-1 does not clamp.
+  time_step_limit: tuple[float, float] = dataclasses.field(default=(0.0, math.inf),
+                                                          metadata={"infinite": True})
+  time_step_min: float = 1e-3          # initial dt drawn log-uniformly in [min, max], >= floor
+  time_step_max: float = 0.1
+  time_step_floor: float = 1e-4
+  conv_bias: bool = True
+  use_bias: bool = False               # biases on the mixers' in and out projections
+  norm_eps: float = 1e-5
+  residual_in_fp32: bool = True        # the residual stream in float32 whatever the dtype
+  tie_embeddings: bool = True
+  # The longest sequence accepted. Nothing is sized by it but a hybrid's key/value cache.
+  max_len: int = 1 << 20
+  # Per layer "mamba" or "attention" (a hybrid stack); None: every layer "mamba".
+  layer_types: tuple[str, ...] | None = None
+  num_heads: int = 8                   # attention layers
+  num_kv_heads: int | None = None
+  head_dim: int | None = None
+  position: Literal["none", "rope"] = "none"   # the attention layers' positions (Jamba: none)
+  rope_theta: float = 10000.0
+  d_ff: int = 0                        # > 0: a gated MLP in every block (Jamba); 0: none
+  activation: ops.Activation = "silu"
+  dropout_rate: float = 0.0            # residual dropout
+  init_std: float = 0.02
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  matmul_precision: str = "float32"    # as GPTConfig's
+  remat: Remat = "none"
+  scan_layers: bool | Literal["auto"] = "auto"
+  attention_impl: ops.Implementation | None = None   # the attention layers' kernel
+
+  def __post_init__(self):
+    _positive(self, "vocab_size", "d_model", "num_layers", "d_state", "d_conv", "expand",
+              "ssm_head_dim", "ssm_groups", "ssm_chunk", "max_len", "num_heads")
+    _choice(self, "mixer", ("mamba1", "mamba2"))
+    _choice(self, "ssm_scan", ("auto", "associative", "sequential"))
+    _choice(self, "ssm_impl", ("auto", "xla", "pallas"))
+    _floats(self, "time_step_min", "time_step_max", "time_step_floor", "norm_eps", "rope_theta",
+            "init_std", "dropout_rate")
+    if self.dt_rank is not None:
+      _positive(self, "dt_rank")
+    limit = self.time_step_limit
+    if isinstance(limit, str) or not hasattr(limit, "__len__") or len(limit) != 2:
+      raise ValueError(f"time_step_limit={limit!r} must be [low, high]")
+    try:
+      limit = tuple(float(v) for v in limit)
+    except (TypeError, ValueError):
+      raise ValueError(f"time_step_limit={self.time_step_limit!r} must be two numbers") from None
+    if not 0.0 <= limit[0] <= limit[1]:
+      raise ValueError(f"time_step_limit={self.time_step_limit!r} must have 0 <= low <= high")
+    object.__setattr__(self, "time_step_limit", limit)
+    if not 0.0 < self.time_step_min <= self.time_step_max:
+      raise ValueError(f"time_step_min={self.time_step_min!r} and time_step_max="
+                       f"{self.time_step_max!r} must have 0 < min <= max")
+    if not self.norm_eps > 0:
+      raise ValueError(f"norm_eps={self.norm_eps!r} must be > 0")
+    if self.mixer == "mamba2":
+      if self.d_inner % self.ssm_head_dim:
+        raise ValueError(f"ssm_head_dim={self.ssm_head_dim} does not divide d_inner = expand * "
+                         f"d_model = {self.d_inner}")
+      if self.ssm_heads % self.ssm_groups:
+        raise ValueError(f"ssm_groups={self.ssm_groups} does not divide the "
+                         f"{self.ssm_heads} Mamba-2 heads")
+    if self.layer_types is not None:
+      types = self.layer_types
+      if isinstance(types, str) or not hasattr(types, "__len__"):
+        raise ValueError(f"layer_types={types!r} must be a list of 'mamba'/'attention'")
+      types = tuple(types)
+      if len(types) != self.num_layers:
+        raise ValueError(f"layer_types has {len(types)} entries for num_layers="
+                         f"{self.num_layers}")
+      bad = [t for t in types if t not in _LAYER_TYPES]
+      if bad:
+        raise ValueError(f"layer_types: {bad[0]!r} must be 'mamba' or 'attention'")
+      object.__setattr__(self, "layer_types", types)
+    if not isinstance(self.d_ff, int) or isinstance(self.d_ff, bool) or self.d_ff < 0:
+      raise ValueError(f"d_ff={self.d_ff!r} must be an integer >= 0")
+    if self.head_dim is None:
+      if self.d_model % self.num_heads:
+        raise ValueError(f"num_heads={self.num_heads} does not divide d_model={self.d_model}")
+    else:
+      _positive(self, "head_dim")
+    if self.num_kv_heads is not None:
+      _positive(self, "num_kv_heads")
+      if self.num_heads % self.num_kv_heads:
+        raise ValueError(
+            f"num_kv_heads={self.num_kv_heads} does not divide num_heads={self.num_heads}")
+    _choice(self, "position", ("none", "rope"))
+    if self.position == "rope" and self.head_size % 2:
+      raise ValueError(f"head_dim={self.head_size} must be even for rotary positions")
+    _choice(self, "activation", _ACTIVATIONS)
+    _rate(self, "dropout_rate")
+    _dtype(self, "dtype", "param_dtype")
+    _choice(self, "matmul_precision", ops.precision.PRECISIONS)
+    _choice(self, "remat", _REMATS)
+    _scan_layers(self)
+    _choice(self, "attention_impl", _ATTENTION_IMPLS)
+
+  @property
+  def d_inner(self) -> int:
+    """E = expand * d_model, the mixers' width."""
+    return self.expand * self.d_model
+
+  @property
+  def time_step_rank(self) -> int:
+    """Mamba-1's R (``dt_rank``, or ceil(d_model / 16) when unset)."""
+    return math.ceil(self.d_model / 16) if self.dt_rank is None else self.dt_rank
+
+  @property
+  def ssm_heads(self) -> int:
+    """Mamba-2's heads N = d_inner / ssm_head_dim."""
+    return self.d_inner // self.ssm_head_dim
+
+  @property
+  def rope_scaling(self) -> None:
+    """The attention layers' RoPE is never rescaled (as GPTConfig's ``rope_scaling=None``)."""
+    return None
+
+  @property
+  def layer_kinds(self) -> tuple[str, ...]:
+    """Every layer's type, ``layer_types`` or all ``"mamba"``."""
+    return ("mamba",) * self.num_layers if self.layer_types is None else self.layer_types
+
+  def mamba_kind(self) -> MambaKind:
+    return MambaKind(
+        version=1 if self.mixer == "mamba1" else 2, d_model=self.d_model, d_inner=self.d_inner,
+        d_state=self.d_state, d_conv=self.d_conv, dt_rank=self.time_step_rank,
+        head_dim=self.ssm_head_dim, groups=self.ssm_groups, chunk_size=self.ssm_chunk,
+        scan_method=self.ssm_scan, ssd_impl=self.ssm_impl, time_step_limit=self.time_step_limit, time_step_min=self.time_step_min,
+        time_step_max=self.time_step_max, time_step_floor=self.time_step_floor,
+        conv_bias=self.conv_bias, use_bias=self.use_bias, norm_eps=self.norm_eps,
+        init_std=self.init_std,
+        # One residual branch per layer: GPT-2's 1/sqrt(N) scaling of the output projections.
+        out_init_std=self.init_std / self.num_layers**0.5, dtype=self.dtype,
+        param_dtype=self.param_dtype)
+
+  def block_config(self) -> MixerBlockConfig:
+    return MixerBlockConfig(
+        d_model=self.d_model, norm_eps=self.norm_eps, mamba=self.mamba_kind(),
+        residual_in_fp32=self.residual_in_fp32, num_heads=self.num_heads,
+        num_kv_heads=self.kv_heads, head_dim=self.head_size,
+        rope_theta=self.rope_theta if self.position == "rope" else None,
+        attention_impl=self.attention_impl, d_ff=self.d_ff, activation=self.activation,
+        gated=True, dropout_rate=self.dropout_rate, init_std=self.init_std,
+        out_init_std=self.init_std / self.num_layers**0.5, dtype=self.dtype,
+        param_dtype=self.param_dtype)
+
+
 _REFORMER_KINDS = ("lsh", "local")
 
 
@@ -482,7 +686,8 @@ class ReformerConfig:
     return len(self.attn_layers)
 
 
-ModelConfig = GPTConfig | BERTConfig | Seq2SeqConfig | ReformerConfig
+ModelConfig = (GPTConfig | BERTConfig | Seq2SeqConfig | MambaConfig
+               | ReformerConfig)
 
 # "auto" unrolls at most this many layers in all (encoder and decoder together): the unrolled
 # program's compile time grows with every layer (experiments/PERFORMANCE.md, "Unrolled layers").
@@ -517,6 +722,7 @@ def unrolls_layers(config: ModelConfig, platform: str | None = None) -> bool:
 
 
 _FAMILIES = {"gpt": GPTConfig, "bert": BERTConfig, "seq2seq": Seq2SeqConfig,
+             "mamba": MambaConfig,
              "reformer": ReformerConfig}
 
 
@@ -526,9 +732,9 @@ def config_to_dict(config: ModelConfig) -> dict:
   fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
   if fields.get("rope_scaling") is not None:
     fields["rope_scaling"] = dataclasses.asdict(fields["rope_scaling"])
-  for name in ("attn_layers", "axial_pos_shape", "axial_pos_dims", "n_buckets"):
-    if isinstance(fields.get(name), tuple):
-      fields[name] = list(fields[name])
+  # Tuples (per-head linear_decay, Mamba's layer_types, time_step_limit) as lists: YAML has no
+  # tuple.
+  fields = {k: list(v) if isinstance(v, tuple) else v for k, v in fields.items()}
   if fields.get("sparse_pattern") is not None:
     fields["sparse_pattern"] = dataclasses.asdict(fields["sparse_pattern"])
     fields["sparse_pattern"]["global_blocks"] = list(fields["sparse_pattern"]["global_blocks"])

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from transformer_jax.models.config import BERTConfig, GPTConfig, ModelConfig, Seq2SeqConfig
+from transformer_jax.models.config import (
+    BERTConfig, GPTConfig, MambaConfig, ModelConfig, Seq2SeqConfig)
 
 
 def _attention(c, use_bias: bool) -> int:
@@ -21,6 +22,22 @@ def _mlp(c, gated: bool, use_bias: bool) -> int:
 
 def _norm(d: int, kind: str) -> int:
   return 2 * d if kind == "layernorm" else d
+
+
+def _mamba_mixer(c: MambaConfig) -> int:
+  d, e, s, w = c.d_model, c.d_inner, c.d_state, c.d_conv
+  if c.mixer == "mamba1":
+    r = c.time_step_rank
+    channels = e
+    inner = e * (r + 2 * s) + (r * e + e) + e * s + e   # x_proj, dt_proj, A_log, D
+    proj = 2 * e
+  else:
+    n, gs = c.ssm_heads, c.ssm_groups * s
+    channels = e + 2 * gs
+    inner = 3 * n + e                                    # dt_bias, A_log, D, gated norm
+    proj = 2 * e + 2 * gs + n
+  in_out = d * proj + e * d + ((proj + d) if c.use_bias else 0)
+  return in_out + w * channels + (channels if c.conv_bias else 0) + inner
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +78,15 @@ def param_count(config: ModelConfig) -> ParamCount:
       head = 0 if c.tie_embeddings else c.d_model * c.vocab_size
       head += c.d_model * c.num_labels + c.num_labels
       return ParamCount(tables + rel + enc + dec + final + head, tables + rel)
+    case MambaConfig():
+      d = c.d_model
+      attn = d * c.num_heads * c.head_size * 2 + 2 * d * c.kv_heads * c.head_size
+      mlp = (3 * d * c.d_ff + d) if c.d_ff else 0
+      blocks = sum(d + mlp + (_mamba_mixer(c) if kind == "mamba" else attn)
+                   for kind in c.layer_kinds)
+      tables = c.vocab_size * d
+      head = 0 if c.tie_embeddings else d * c.vocab_size
+      return ParamCount(tables + blocks + d + head, tables)
     case _:
       raise TypeError(f"not a model config: {type(config).__name__}")
 
@@ -74,6 +100,9 @@ def _layers(c: ModelConfig) -> tuple[int, int]:
   """(self-attention layers over the sequence, number of attention modules incl. cross)."""
   if isinstance(c, Seq2SeqConfig):
     return c.num_encoder_layers + c.num_decoder_layers, c.num_encoder_layers + 2 * c.num_decoder_layers
+  if isinstance(c, MambaConfig):   # a hybrid's attention layers only
+    n = c.layer_kinds.count("attention")
+    return n, n
   return c.num_layers, c.num_layers
 
 
@@ -83,7 +112,9 @@ def train_flops_per_token(config: ModelConfig, seq_len: int) -> float:
   ``N`` counts the parameters used in matrix multiplies: the non-embedding parameters plus the output
   projection onto the vocabulary (tied or not). The attention term counts ``q k^T`` and
   ``weights v`` over ``T`` keys (not halved for causal masking, as PaLM does). For an
-  encoder-decoder, a "token" is one source plus one target token with ``S = T = seq_len``.
+  encoder-decoder, a "token" is one source plus one target token with ``S = T = seq_len``. A
+  Mamba model counts its projections; the scans' elementwise work (O(E S) per token and layer)
+  is left out, and attention only for a hybrid's attention layers.
   """
   pc = param_count(config)
   matmul = pc.non_embedding + (config.d_model * config.vocab_size

@@ -15,8 +15,9 @@ from jax.sharding import Mesh
 
 from transformer_jax.models.bert import BERT
 from transformer_jax.models.config import (
-    BERTConfig, GPTConfig, ModelConfig, ReformerConfig, Seq2SeqConfig)
+    BERTConfig, GPTConfig, MambaConfig, ModelConfig, ReformerConfig, Seq2SeqConfig)
 from transformer_jax.models.gpt import GPT
+from transformer_jax.models.mamba import Mamba
 from transformer_jax.models.reformer import Reformer
 from transformer_jax.models.seq2seq import Seq2Seq
 
@@ -29,6 +30,8 @@ def model_class(config: ModelConfig) -> type[nnx.Module]:
       return BERT
     case Seq2SeqConfig():
       return Seq2Seq
+    case MambaConfig():
+      return Mamba
     case ReformerConfig():
       return Reformer
     case _:

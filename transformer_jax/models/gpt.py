@@ -11,7 +11,8 @@ from jax.sharding import Mesh
 from transformer_jax import ops
 from transformer_jax.layers import Embed, KVCache, LinearCache, Norm, Stack
 from transformer_jax.models.common import (
-    check_length, check_same_shape, check_tokens, output_heads, with_matmul_precision)
+    check_length, check_positions, check_same_shape, check_tokens, output_heads,
+    with_matmul_precision)
 from transformer_jax.models.config import GPTConfig, unrolls_layers
 from transformer_jax.parallel import axes as ax
 
@@ -52,6 +53,8 @@ class GPT(nnx.Module):
       tokens: ``[B, T]`` token ids in ``[0, vocab_size)``: an eager call refuses others; under
         ``jax.jit`` the embedding lookup clamps them silently (``models.checked`` checks them).
       positions: ``[B, T]`` positions (default ``0..T-1``); packed sequences restart them per document.
+        With a learned or sinusoidal table they must lie in ``[0, max_len)`` (refused eagerly,
+        and under ``models.checked``; a plain ``jax.jit`` clamps them).
       segment_ids: ``[B, T]`` ints; tokens attend only within their segment (packed documents).
       attention_mask: ``[B, T]`` bool/0-1, False for padding keys.
       dropout_rng: a PRNG key turns dropout on (training); None means deterministic.
@@ -118,6 +121,7 @@ class GPT(nnx.Module):
     else:
       if c.position in ("learned", "sinusoidal"):
         check_length("tokens", t, c.max_len)
+        check_positions("positions", positions, c.max_len)   # rows of a table: never clamped
       if positions is None:
         positions = jnp.arange(t)[None, :]
     if attention_mask is not None:

@@ -10,7 +10,8 @@ import dataclasses
 import difflib
 
 from transformer_jax import ops
-from transformer_jax.models.config import BERTConfig, GPTConfig, ModelConfig, Seq2SeqConfig
+from transformer_jax.models.config import (
+    BERTConfig, GPTConfig, MambaConfig, ModelConfig, Seq2SeqConfig)
 
 
 def _gpt2(d_model: int, num_layers: int, num_heads: int) -> GPTConfig:
@@ -109,6 +110,22 @@ PRESETS: dict[str, ModelConfig] = {
     "t5-tiny": _t5(vocab_size=512, d_model=64, num_encoder_layers=2, num_decoder_layers=2,
                    num_heads=4, head_dim=16, d_ff=128, relative_num_buckets=16,
                    relative_max_distance=32),
+    # --- Mamba (Gu and Dao 2023): selective-scan blocks, no attention, tied; GPT-NeoX vocabulary
+    # padded to 50280. Mamba-2 (Dao and Gu 2024): SSD blocks with grouped B/C and a gated norm.
+    "mamba-130m": MambaConfig(vocab_size=50280, d_model=768, num_layers=24),
+    "mamba-2.8b": MambaConfig(vocab_size=50280, d_model=2560, num_layers=64),
+    "mamba-codestral-7b": MambaConfig(vocab_size=32768, d_model=4096, num_layers=64,
+                                      mixer="mamba2", d_state=128, ssm_head_dim=64, ssm_groups=8,
+                                      ssm_chunk=256, tie_embeddings=False),
+    "mamba-tiny": MambaConfig(vocab_size=512, d_model=64, num_layers=2, d_state=8, ssm_chunk=16),
+    "mamba2-tiny": MambaConfig(vocab_size=512, d_model=64, num_layers=2, mixer="mamba2",
+                               d_state=16, ssm_head_dim=16, ssm_groups=2, ssm_chunk=16,
+                               tie_embeddings=False),
+    # --- A hybrid stack (Jamba's pattern at toy size): Mamba and attention layers, each with a
+    # gated MLP; attention without positions (the Mamba layers carry the order).
+    "hybrid-tiny": MambaConfig(vocab_size=512, d_model=64, num_layers=3, d_state=8, ssm_chunk=16,
+                               layer_types=("mamba", "attention", "mamba"), num_heads=4,
+                               num_kv_heads=2, d_ff=128),
 }
 
 

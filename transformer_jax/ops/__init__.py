@@ -20,6 +20,9 @@ from transformer_jax.ops.positions import (
     relative_position_bucket, relative_positions, rope_frequencies, sinusoidal_positions)
 from transformer_jax.ops.reductions import argmax
 from transformer_jax.ops.sparse import SparsePattern, sparse_attention
+from transformer_jax.ops.ssm import (
+    SSMState, causal_conv1d, causal_conv1d_step, gated_rms_norm, selective_scan, selective_scan_step,
+    ssd, ssd_step)
 
 __all__ = [
     "Activation", "alibi_bias", "alibi_slopes", "AlibiBias", "and_masks", "apply_rope", "argmax",
@@ -32,4 +35,8 @@ __all__ = [
     "rope_frequencies", "RopeScaling", "segment_mask", "segment_runs", "silu",
     "sinusoidal_positions",
     "sliding_window_mask", "SparsePattern", "sparse_attention", "swiglu",
+    # State-space scans (Mamba-1, Mamba-2) and their convolution.
+    "SSMState", "causal_conv1d", "causal_conv1d_step", "gated_rms_norm", "selective_scan",
+    "selective_scan_step",
+    "ssd", "ssd_step",
 ]

@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # Added to the normaliser: phi(q) . z > 0 always, but it can underflow for long decayed sums.
 EPS = 1e-6
@@ -50,6 +51,10 @@ def zero_state(batch: int, num_heads: int, head_dim: int, value_dim: int | None 
 def _decay_per_head(decay, n: int) -> jax.Array | None:
   if decay is None:
     return None
+  if not isinstance(decay, jax.core.Tracer):
+    values = np.asarray(decay, np.float64)
+    if not np.all((values > 0.0) & (values <= 1.0)):   # NaN fails too
+      raise ValueError(f"decay={decay!r} must lie in (0, 1] (one gamma, or one per query head)")
   gamma = jnp.asarray(decay, jnp.float32)
   if gamma.ndim == 0:
     gamma = jnp.full((n,), gamma)
@@ -59,7 +64,7 @@ def _decay_per_head(decay, n: int) -> jax.Array | None:
   return gamma
 
 
-def _check(q, k, v, chunk_size, decay, causal):
+def _check(q, k, v, chunk_size, decay, causal, kv_valid, segment_ids):
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
     raise ValueError(f"q, k and v must be 4-D [B, T, N|K, H]; got q.shape={q.shape}, "
                      f"k.shape={k.shape}, v.shape={v.shape}")
@@ -73,11 +78,18 @@ def _check(q, k, v, chunk_size, decay, causal):
     raise ValueError(f"chunk_size={chunk_size!r} must be a positive integer")
   if decay is not None and not causal:
     raise ValueError("decay needs causal=True (a decayed sum runs forward in time)")
+  if segment_ids is not None and not causal:
+    raise ValueError("segment_ids needs causal=True (a document's state starts at its first "
+                     "position)")
+  for name, x in (("kv_valid", kv_valid), ("segment_ids", segment_ids)):
+    if x is not None and tuple(jnp.shape(x)) != (b, t):
+      raise ValueError(f"{name} must be [B, T] = {(b, t)}; got shape {tuple(jnp.shape(x))}")
 
 
 def linear_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
                      chunk_size: int = 64, decay=None, initial_state: LinearState | None = None,
-                     return_state: bool = False, kv_valid: jax.Array | None = None):
+                     return_state: bool = False, kv_valid: jax.Array | None = None,
+                     segment_ids: jax.Array | None = None):
   """Linear attention with the ``elu + 1`` feature map and its normaliser.
 
   Args:
@@ -88,21 +100,31 @@ def linear_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool =
     chunk_size: positions per chunk of the causal chunked-parallel form (``T`` need not be a
       multiple: the last chunk is padded with positions that contribute nothing).
     decay: RetNet's gamma in ``(0, 1]``, a scalar or one per query head ``[N]``: the state is
-      multiplied by it at every position. None: no decay. Causal only.
+      multiplied by it at every (valid) position. None: no decay. Causal only.
     initial_state: the state before the first position (``LinearState``, e.g. after a prompt);
       default empty. Causal only.
     return_state: also return the state after the last position.
-    kv_valid: ``[B, T]`` bool, False for padding positions: they add nothing to any sum (their
-      outputs are still computed). With a decay they still decay the state.
+    kv_valid: ``[B, T]`` bool, False for padding positions: they neither add to the sums nor
+      decay them, so each row's outputs at its valid positions and its state are those of its
+      valid positions alone, wherever the padding is (their own outputs are computed but
+      meaningless).
+    segment_ids: ``[B, T]`` ints, causal only: packed documents. A position whose id differs
+      from the previous position's starts a document: the state is emptied before it, so each
+      document sees only itself (a document is a run of equal ids; the first position continues
+      ``initial_state``).
 
   Returns:
     ``[B, T, N, E]`` in q's dtype (with ``return_state``, ``(out, LinearState)``).
 
   Raises:
-    ValueError: inconsistent shapes, a bad ``chunk_size`` or ``decay``, or a decay or state
-      with ``causal=False``.
+    ValueError: inconsistent shapes, a bad ``chunk_size`` or a decay outside (0, 1], or a decay,
+      state or ``segment_ids`` with ``causal=False``.
+
+  Decays are applied as ``gamma ** n`` for counts ``n >= 0`` of valid positions, never divided
+  out again, so no factor exceeds 1: a tiny gamma underflows to 0 (the old state is forgotten),
+  never to an overflow or 0/0.
   """
-  _check(q, k, v, chunk_size, decay, causal)
+  _check(q, k, v, chunk_size, decay, causal, kv_valid, segment_ids)
   b, t, n, h = q.shape
   kh, e = k.shape[2], v.shape[3]
   g = n // kh
@@ -110,8 +132,6 @@ def linear_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool =
   phi_q = feature_map(q).reshape(b, t, kh, g, h)
   phi_k, v32 = feature_map(k), v.astype(jnp.float32)
   if kv_valid is not None:
-    if kv_valid.shape != (b, t):
-      raise ValueError(f"kv_valid must be [B, T] = {(b, t)}; got shape {kv_valid.shape}")
     phi_k = phi_k * jnp.asarray(kv_valid, jnp.float32)[:, :, None, None]
   if not causal:
     if initial_state is not None or return_state:
@@ -124,31 +144,61 @@ def linear_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool =
 
   c = min(chunk_size, t)
   pad = (-t) % c
-  if pad:   # padded keys are phi(0) != 0: their values and features are zeroed below
+  # Per position: valid (adds and decays) and document start (empties the state before it).
+  # Rows share one [1, T] pattern when neither is given.
+  valid_BT = (jnp.ones((1, t), bool) if kv_valid is None else jnp.asarray(kv_valid, bool))
+  if segment_ids is None:
+    start_BT = jnp.zeros((1, t), bool)
+  else:
+    seg = jnp.asarray(segment_ids)
+    start_BT = jnp.concatenate([jnp.zeros((b, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+  if pad:   # padded positions are invalid: phi(0) != 0, so their features are zeroed too
     phi_q = jnp.pad(phi_q, ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
-    valid = (jnp.arange(t + pad) < t).astype(jnp.float32)[None, :, None, None]
-    phi_k = jnp.pad(phi_k, ((0, 0), (0, pad), (0, 0), (0, 0))) * valid
+    phi_k = jnp.pad(phi_k, ((0, 0), (0, pad), (0, 0), (0, 0)))
     v32 = jnp.pad(v32, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    valid_BT = jnp.pad(valid_BT, ((0, 0), (0, pad)))
+    start_BT = jnp.pad(start_BT, ((0, 0), (0, pad)))
+  phi_k = phi_k * valid_BT.astype(jnp.float32)[:, :, None, None]
   nc = (t + pad) // c
-  # Chunks lead, for the scan: [nC, B, C, ...].
+  # Chunks lead, for the scan: [nC, B, C, ...] ([nC, 1, C] for patterns shared by the rows).
   q_chunks = phi_q.reshape(b, nc, c, kh, g, h).swapaxes(0, 1)
   k_chunks = phi_k.reshape(b, nc, c, kh, h).swapaxes(0, 1)
   v_chunks = v32.reshape(b, nc, c, kh, e).swapaxes(0, 1)
+  valid_chunks = valid_BT.reshape(-1, nc, c).swapaxes(0, 1)
+  start_chunks = start_BT.reshape(-1, nc, c).swapaxes(0, 1)
 
-  pos = jnp.arange(c, dtype=jnp.float32)
+  pos = jnp.arange(c)
   causal_CC = pos[:, None] >= pos[None, :]
-  if gamma_N is None:
-    within_KGCC = jnp.broadcast_to(causal_CC, (kh, g, c, c)).astype(jnp.float32)
-    into_KGC = jnp.ones((kh, g, c))             # decay from the state to each query: gamma^(i+1)
-    out_of_KGC = jnp.ones((kh, g, c))           # decay from each key to the chunk's end
-    across_KG = jnp.ones((kh, g))               # decay over a whole chunk: gamma^C
-  else:
-    log_g = jnp.log(gamma_N).reshape(kh, g)[..., None]
-    within_KGCC = jnp.where(causal_CC, jnp.exp(log_g[..., None] * (pos[:, None] - pos[None, :])),
-                            0.0)
-    into_KGC = jnp.exp(log_g * (pos + 1.0))
-    out_of_KGC = jnp.exp(log_g * (c - 1.0 - pos))
-    across_KG = jnp.exp(log_g[..., 0] * c)
+  log_g = None if gamma_N is None else jnp.log(gamma_N).reshape(kh, g)
+
+  def factors(valid_BC, start_BC):
+    """A chunk's decay-and-reset factors, all in [0, 1]: ``within [B, K, G, C, C]`` from key j
+    to query i, ``into [B, C, K, G]`` from the carried state to query i, ``out_of [B, C, K, G]``
+    from key j to the chunk's end, ``across [B, K, G]`` over the whole chunk."""
+    count_BC = jnp.cumsum(valid_BC.astype(jnp.int32), axis=1)    # valid positions up to i
+    doc_BC = jnp.cumsum(start_BC.astype(jnp.int32), axis=1)      # documents started up to i
+    same_BCC = causal_CC[None] & (doc_BC[:, :, None] == doc_BC[:, None, :])
+    fresh_BC = doc_BC == 0                                       # still the carried document
+    last_same_BC = doc_BC == doc_BC[:, -1:]
+    if log_g is None:
+      within = jnp.broadcast_to(same_BCC[:, None, None], (same_BCC.shape[0], kh, g, c, c))
+      into = jnp.broadcast_to(fresh_BC[:, :, None, None], (fresh_BC.shape[0], c, kh, g))
+      out_of = jnp.broadcast_to(last_same_BC[:, :, None, None], into.shape)
+      across = jnp.broadcast_to(fresh_BC[:, -1, None, None], (fresh_BC.shape[0], kh, g))
+      return (within.astype(jnp.float32), into.astype(jnp.float32),
+              out_of.astype(jnp.float32), across.astype(jnp.float32))
+    # gamma ** count with count >= 0 (masked entries get count 0 and then the mask's 0).
+    gap_BCC = jnp.where(same_BCC, count_BC[:, :, None] - count_BC[:, None, :], 0)
+    within = same_BCC[:, None, None] * jnp.exp(
+        log_g[None, :, :, None, None] * gap_BCC[:, None, None].astype(jnp.float32))
+    into = fresh_BC[:, :, None, None] * jnp.exp(
+        log_g[None, None] * count_BC[:, :, None, None].astype(jnp.float32))
+    to_end_BC = (count_BC[:, -1:] - count_BC).astype(jnp.float32)
+    out_of = last_same_BC[:, :, None, None] * jnp.exp(log_g[None, None] * to_end_BC[..., None,
+                                                                                    None])
+    across = fresh_BC[:, -1, None, None] * jnp.exp(
+        log_g[None] * count_BC[:, -1, None, None].astype(jnp.float32))
+    return within, into, out_of, across
 
   state = zero_state(b, n, h, e) if initial_state is None else initial_state
   s0 = state.s.reshape(b, kh, g, h, e)
@@ -156,25 +206,23 @@ def linear_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool =
 
   def chunk(carry, xs):
     s_BKGHE, z_BKGH = carry
-    q_c, k_c, v_c = xs                               # [B, C, K, G, H], [B, C, K, H], [B, C, K, E]
-    scores = jnp.einsum("bikgh,bjkh->bkgij", q_c, k_c) * within_KGCC
+    q_c, k_c, v_c, valid_c, start_c = xs      # [B, C, K, G, H], [B, C, K, H], [B, C, K, E], ...
+    within_BKGCC, into_BCKG, out_of_BCKG, across_BKG = factors(valid_c, start_c)
+    scores = jnp.einsum("bikgh,bjkh->bkgij", q_c, k_c) * within_BKGCC
     num = jnp.einsum("bkgij,bjke->bikge", scores, v_c)
     den = jnp.sum(scores, axis=-1).transpose(0, 3, 1, 2)              # [B, C, K, G]
-    into = into_KGC.transpose(2, 0, 1)[None]                           # [1, C, K, G]
-    num = num + jnp.einsum("bikgh,bkghe->bikge", q_c, s_BKGHE) * into[..., None]
-    den = den + jnp.einsum("bikgh,bkgh->bikg", q_c, z_BKGH) * into
-    weighted_k = k_c[:, :, :, None, :] * out_of_KGC.transpose(2, 0, 1)[None, :, :, :, None]
-    s_next = (s_BKGHE * across_KG[None, :, :, None, None]
+    num = num + jnp.einsum("bikgh,bkghe->bikge", q_c, s_BKGHE) * into_BCKG[..., None]
+    den = den + jnp.einsum("bikgh,bkgh->bikg", q_c, z_BKGH) * into_BCKG
+    weighted_k = k_c[:, :, :, None, :] * out_of_BCKG[..., None]       # [B, C, K, G, H]
+    s_next = (s_BKGHE * across_BKG[:, :, :, None, None]
               + jnp.einsum("bjkgh,bjke->bkghe", weighted_k, v_c))
-    z_next = z_BKGH * across_KG[None, :, :, None] + jnp.sum(weighted_k, axis=1)
+    z_next = z_BKGH * across_BKG[:, :, :, None] + jnp.sum(weighted_k, axis=1)
     return (s_next, z_next), num / (den[..., None] + EPS)
 
-  (s_end, z_end), out = jax.lax.scan(chunk, (s0, z0), (q_chunks, k_chunks, v_chunks))
+  (s_end, z_end), out = jax.lax.scan(
+      chunk, (s0, z0), (q_chunks, k_chunks, v_chunks, valid_chunks, start_chunks))
   out_BTNE = out.swapaxes(0, 1).reshape(b, nc * c, n, e)[:, :t].astype(q.dtype)
   if return_state:
-    if pad and gamma_N is not None:   # the padding positions decayed the state: undo it
-      undo = jnp.exp(-jnp.log(gamma_N) * pad).reshape(kh, g)
-      s_end, z_end = s_end * undo[None, :, :, None, None], z_end * undo[None, :, :, None]
     return out_BTNE, LinearState(s_end.reshape(b, n, h, e), z_end.reshape(b, n, h))
   return out_BTNE
 

@@ -18,3 +18,10 @@ TYPES = "types"          # token-type table rows
 BUCKETS = "buckets"      # relative-position buckets
 CLASSES = "classes"      # classifier outputs
 LORA_RANK = "lora_rank"  # the rank r of a LoRA adapter
+# State-space mixers (Mamba-1, Mamba-2).
+SSM_INNER = "ssm_inner"  # the expanded width E (d_inner): channels, Mamba-2's gated norm
+SSM_STATE = "ssm_state"  # the state size S
+SSM_HEADS = "ssm_heads"  # Mamba-2's heads (one decay, dt and skip weight each)
+SSM_PROJ = "ssm_proj"    # outputs of a fused projection (Mamba-2's in_proj, x_proj, conv channels)
+SSM_RANK = "ssm_rank"    # Mamba-1's low-rank time-step projection
+CONV = "conv"            # convolution taps W

@@ -55,6 +55,14 @@ RULES: Rules = (
     # LoRA adapters: A [in, r] and B [r, out] name their in/out dims like the kernel they adapt
     # (embed over fsdp, heads/mlp over tensor); the rank is small and stays whole.
     (ax.LORA_RANK, None),
+    # State-space mixers: Mamba-1's channels over tensor (column split in, row split out, as the
+    # MLP); fused projections, states and taps stay whole.
+    (ax.SSM_INNER, "tensor"),
+    (ax.SSM_STATE, None),
+    (ax.SSM_HEADS, None),
+    (ax.SSM_PROJ, None),
+    (ax.SSM_RANK, None),
+    (ax.CONV, None),
 )
 
 # Activations at block boundaries: [B, T, D] split over batch and length, the width whole.

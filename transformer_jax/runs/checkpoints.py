@@ -11,7 +11,6 @@ Multi-host: every process calls these methods (orbax synchronises them).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from typing import Any
@@ -21,7 +20,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Sharding
 
 from transformer_jax import models
-from transformer_jax.runs.directory import RunDir, warn
+from transformer_jax.runs.directory import RunDir, read_json, warn
 from transformer_jax.runs.orbax_errors import naming, quiet_aborted_reads, reason
 from transformer_jax.runs.trees import abstract_target, check_finite, nonfinite_leaves, verify_tree
 
@@ -63,12 +62,23 @@ class Checkpoints:
                      metrics={"val_loss": float(val_loss)})
 
   def read_meta(self, step: int) -> dict:
-    """The ``meta`` item of ``step``, read from its file."""
+    """The ``meta`` item of ``step``, read from its file: an object whose ``loader`` (the data
+    position to resume from) is null or an object with an integer ``step`` >= 0.
+
+    Raises:
+      ValueError: the item is missing or damaged (the file and the field named).
+    """
     path = os.path.join(self.directory, str(step), "meta", "metadata")
     if not os.path.exists(path):
       raise ValueError(f"item meta/ is missing ({path})")
-    with open(path) as f:
-      return json.load(f)
+    meta = read_json(path)
+    loader = meta.get("loader")
+    if loader is not None and not (
+        isinstance(loader, dict) and isinstance(loader.get("step"), int)
+        and not isinstance(loader["step"], bool) and loader["step"] >= 0):
+      raise ValueError(f"{path}: loader={loader!r}: expected null or an object with an integer "
+                       "step >= 0")
+    return meta
 
   def restore(self, step: int, params, opt_state, *, sharding: Sharding | None = None):
     """Restores and verifies ``(params, opt_state, meta)`` of ``step``.

@@ -7,6 +7,7 @@ module only lists their committed steps (from the directory names).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import hashlib
 import json
@@ -19,13 +20,22 @@ import jax
 import yaml
 
 from transformer_jax import models
+from transformer_jax.runs.schema import parse_yaml, typed_fields
 
 CONFIG, MODEL, DATASET, METRICS, FINAL, LOCK = (
     "config.yaml", "model.yaml", "dataset.json", "metrics.jsonl", "final.json", ".lock")
 CHECKPOINTS = "checkpoints"
 # What a run writes: removed by ``RunDir.clear`` (``--force-new``), nothing else is touched.
 _OWNED = (CONFIG, MODEL, DATASET, METRICS, FINAL, CHECKPOINTS, "tensorboard", "loss.png",
-          "samples.txt")
+          "samples.txt", "init_from.json")
+# What a start leaves before its snapshot: the lock, and the dataset prepared into the default
+# ``data.path`` (RUN_DIR/data).
+_STARTED = (LOCK, "data")
+
+
+def _finite(value: Any) -> bool:
+  return (isinstance(value, (int, float)) and not isinstance(value, bool)
+          and value == value and abs(value) != float("inf"))
 
 
 class RunLocked(ValueError):
@@ -37,16 +47,66 @@ class RunLocked(ValueError):
 
 
 def load_yaml(path: str) -> Any:
-  """The YAML document in ``path``; a ``ValueError`` naming the file and line when it is broken."""
-  with open(path) as f:
-    text = f.read()
+  """The YAML document in ``path`` (``schema.parse_yaml``: exponent floats are floats).
+
+  Raises:
+    ValueError: the file is not UTF-8 or not valid YAML (naming the file and line).
+  """
+  with open(path, "rb") as f:
+    data = f.read()
   try:
-    return yaml.safe_load(text)
+    text = data.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise ValueError(f"{path}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})"
+                     ) from None
+  try:
+    return parse_yaml(text)
   except yaml.YAMLError as e:
     mark = getattr(e, "problem_mark", None)
     where = f"{path}:{mark.line + 1}" if mark is not None else path
     problem = getattr(e, "problem", None) or str(e).splitlines()[0]
     raise ValueError(f"{where}: broken YAML: {problem}") from None
+
+
+def read_json(path: str, expect: type = dict) -> Any:
+  """The JSON document in ``path``, which must be a ``expect`` (an object by default).
+
+  Raises:
+    ValueError: the file is not UTF-8, not valid JSON or not a ``expect`` (naming the file).
+  """
+  with open(path, "rb") as f:
+    data = f.read()
+  try:
+    value = json.loads(data.decode("utf-8"))
+  except UnicodeDecodeError as e:
+    raise ValueError(f"{path}: not UTF-8 text (offset {e.start})") from None
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path}:{e.lineno}: broken JSON: {e.msg}") from None
+  if not isinstance(value, expect):
+    kind = "an object" if expect is dict else f"a JSON {expect.__name__}"
+    raise ValueError(f"{path}: expected {kind}, got a JSON {type(value).__name__}")
+  return value
+
+
+def model_from_spec(spec: Any, where: str) -> models.ModelConfig:
+  """The model config of a ``model.yaml``-style mapping (``family`` plus fields), each field
+  checked against its type.
+
+  Raises:
+    ValueError: naming ``where`` and the field: not a mapping, an unknown family or field, a
+      value of the wrong type or out of range.
+  """
+  if not isinstance(spec, dict):
+    raise ValueError(f"{where}: expected a mapping of model fields, got {type(spec).__name__}")
+  try:
+    cls = type(models.config_from_dict({"family": spec.get("family")}))
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(spec) - fields - {"family"})
+    if unknown:
+      raise ValueError(f"{cls.__name__} has no field(s) {', '.join(map(str, unknown))}")
+    return models.config_from_dict(typed_fields(cls, spec, ""))
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"{where}: {e}") from None
 
 
 def write_atomic(path: str, text: str) -> None:
@@ -147,6 +207,28 @@ class RunDir:
     if os.path.isdir(self.path) and not os.access(self.path, os.R_OK):
       raise ValueError(f"run_dir {self.path} is not readable (permission denied)")
 
+  def check_owned(self) -> None:
+    """Refuses a directory that holds something other than a run: a run writes ``config.yaml``,
+    ``metrics.jsonl`` and more, and must not replace files of the same names it did not create.
+
+    A directory is a run's when it is empty, holds ``model.yaml`` or ``checkpoints/`` (a run, or
+    a model ``tjax convert`` wrote), or holds only what a start leaves (``.lock``, ``data/``).
+
+    Raises:
+      ValueError: naming the directory and (some of) the entries that are not a run's.
+    """
+    if not os.path.isdir(self.path):
+      return
+    entries = sorted(os.listdir(self.path))
+    if os.path.isfile(self.file(MODEL)) or os.path.isdir(self.checkpoint_dir):
+      return
+    foreign = [e for e in entries if e not in _STARTED]
+    if foreign:
+      listed = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5
+                                         else "")
+      raise ValueError(f"run_dir {self.path} holds files that are not a run's ({listed}); give "
+                       "a new or empty directory")
+
   # Snapshots.
 
   def read_config(self) -> dict | None:
@@ -162,11 +244,7 @@ class RunDir:
     path = self.file(MODEL)
     if not os.path.exists(path):
       return None
-    spec = load_yaml(path)
-    try:
-      return models.config_from_dict(spec)
-    except (TypeError, KeyError) as e:
-      raise ValueError(f"{path}: not a model config ({type(e).__name__}: {e})") from None
+    return model_from_spec(load_yaml(path), path)
 
   def require_model(self) -> models.ModelConfig:
     """The model config of an existing run directory (what eval, generate and convert open).
@@ -182,14 +260,20 @@ class RunDir:
     return config
 
   def read_dataset_ref(self) -> dict | None:
+    """``dataset.json``: ``path`` (a string), ``hash`` (a string where given) and the rest as
+    written; None when the file is absent.
+
+    Raises:
+      ValueError: a damaged file or a field of the wrong type (naming the file and the field).
+    """
     path = self.file(DATASET)
     if not os.path.exists(path):
       return None
-    with open(path) as f:
-      try:
-        return json.load(f)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{e.lineno}: broken JSON: {e.msg}") from None
+    ref = read_json(path)
+    for key in ("path", "hash"):
+      if (key == "path" or key in ref) and not isinstance(ref.get(key), str):
+        raise ValueError(f"{path}: {key}={ref.get(key)!r}: expected a string")
+    return ref
 
   def write_snapshot(self, config: dict | None, model_config: models.ModelConfig,
                      dataset: dict | None) -> None:
@@ -205,11 +289,39 @@ class RunDir:
       write_atomic(self.file(DATASET), json.dumps(dataset, indent=2) + "\n")
 
   def read_final(self) -> dict | None:
+    """``final.json`` (an object), or None when the file is absent.
+
+    Raises:
+      ValueError: a damaged file (naming it).
+    """
     path = self.file(FINAL)
     if not os.path.exists(path):
       return None
-    with open(path) as f:
-      return json.load(f)
+    final = read_json(path)
+    if "step" in final and (isinstance(final["step"], bool)
+                            or not isinstance(final["step"], int)):
+      raise ValueError(f"{path}: step={final['step']!r}: expected an integer")
+    return final
+
+  def read_metrics(self) -> list[dict]:
+    """The records of ``metrics.jsonl``: JSON objects with an integer ``step`` whose ``loss`` and
+    ``val_loss``, where present, are finite numbers. A line cut short by a crash (or otherwise
+    damaged) is skipped: the checkpoint, not the log, is what a run resumes from."""
+    path = self.file(METRICS)
+    if not os.path.isfile(path):
+      return []
+    records = []
+    with open(path, "rb") as f:
+      for line in f:
+        try:
+          record = json.loads(line)
+        except ValueError:  # not JSON, not UTF-8
+          continue
+        if (isinstance(record, dict) and isinstance(record.get("step"), int)
+            and not isinstance(record["step"], bool)
+            and all(_finite(record[k]) for k in ("loss", "val_loss") if k in record)):
+          records.append(record)
+    return records
 
   def write_final(self, final: dict) -> None:
     if jax.process_index() == 0:
@@ -237,10 +349,28 @@ class RunDir:
 
   @contextlib.contextmanager
   def lock(self) -> Iterator[None]:
-    """Holds ``.lock`` (an exclusive ``flock``) while the body runs; a second holder is refused."""
+    """Holds ``.lock`` (an exclusive ``flock``) while the body runs; a second holder is refused.
+
+    When the body fails, what the lock itself created goes again: the ``.lock`` file, and the
+    directory when the lock made it and nothing else was written into it (a refused start leaves
+    no trace).
+    """
     import fcntl
+    created_dir = not os.path.isdir(self.path)
     os.makedirs(self.path, exist_ok=True)
-    f = open(self.file(LOCK), "a+")
+    created_lock = not os.path.lexists(self.file(LOCK))
+    try:
+      # Never through a symbolic link: the lock's text is rewritten, and would be written into
+      # whatever file the link names.
+      fd = os.open(self.file(LOCK), os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except OSError as e:
+      if created_dir:
+        os.rmdir(self.path)
+      if os.path.islink(self.file(LOCK)):
+        raise ValueError(f"run_dir {self.path}: {LOCK} is a symbolic link; remove it (a run's "
+                         "lock is a plain file)") from None
+      raise e
+    f = os.fdopen(fd, "r+")
     try:
       fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -255,6 +385,13 @@ class RunDir:
     f.flush()
     try:
       yield
+    except BaseException:
+      if created_lock:  # removed while still held: no other process takes a lock on it meanwhile
+        with contextlib.suppress(OSError):
+          os.remove(self.file(LOCK))
+          if created_dir and not os.listdir(self.path):
+            os.rmdir(self.path)
+      raise
     finally:
       fcntl.flock(f, fcntl.LOCK_UN)
       f.close()

@@ -11,14 +11,13 @@ import dataclasses
 import difflib
 import math
 import os
-import types
-import typing
 from typing import Any, Literal
 
 import yaml
 
-from transformer_jax import models
+from transformer_jax import models, runs
 from transformer_jax.lora import LoRAConfig
+from transformer_jax.runs.schema import FieldError, build_section, parse_yaml, typed_fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,98 +168,16 @@ BARS = ("val_loss_below_unigram", "mlm_accuracy_over_baseline", "exact_match",
 FIXED = ("model", "data", "train.batch_size", "train.seq_len", "train.seed", "train.dtype",
          "train.lora")
 
-_SECTIONS = {"data": DataConfig, "train": TrainConfig, "mesh": MeshConfig}
 _TOP = ("run_dir", "model", "data", "train", "mesh", "bars", "pretrain")
+# The sections every experiment file spells out; mesh, bars and pretrain may be left out.
+REQUIRED = ("run_dir", "model", "data", "train")
 
 
-def _unknown(where: str, key: str, choices) -> ValueError:
-  close = difflib.get_close_matches(key, list(choices), n=1)
+def _unknown(where: str, key: str, choices) -> FieldError:
+  close = difflib.get_close_matches(str(key), list(choices), n=1)
   hint = f" (did you mean {close[0]!r}?)" if close else ""
-  return ValueError(f"{where}{key}: unknown key{hint}; expected one of {', '.join(choices)}")
-
-
-def _coerce(name: str, value: Any, annotation) -> Any:
-  """Checks ``value`` against a field annotation (evaluated type), coercing int -> float and list ->
-  tuple; raises ``ValueError`` naming the key otherwise."""
-  origin = typing.get_origin(annotation)
-  args = typing.get_args(annotation)
-  if dataclasses.is_dataclass(annotation):  # a nested section (train.lora)
-    if not isinstance(value, dict):
-      raise ValueError(f"{name}={value!r}: expected a mapping")
-    return _build_section(annotation, name, value)
-  if origin in (typing.Union, types.UnionType):
-    section = next((a for a in args if dataclasses.is_dataclass(a)), None)
-    if section is not None and isinstance(value, dict):  # its own errors name the nested key
-      return _coerce(name, value, section)
-    errors = []
-    for arg in args:
-      try:
-        return _coerce(name, value, arg)
-      except ValueError as e:
-        errors.append(e)
-    raise ValueError(f"{name}={value!r}: expected {_describe(annotation)}")
-  if annotation is type(None):
-    if value is None:
-      return None
-    raise ValueError(f"{name}={value!r}: expected null")
-  if origin is Literal:
-    if value in args:
-      return value
-    raise ValueError(f"{name}={value!r}: expected one of {', '.join(map(repr, args))}")
-  if origin is tuple:
-    if isinstance(value, str):
-      value = [value]
-    if not isinstance(value, (list, tuple)):
-      raise ValueError(f"{name}={value!r}: expected a list")
-    return tuple(_coerce(name, v, args[0]) for v in value)
-  if annotation is bool:
-    if isinstance(value, bool):
-      return value
-    raise ValueError(f"{name}={value!r}: expected true or false")
-  if annotation is int:
-    if isinstance(value, int) and not isinstance(value, bool):
-      return value
-    raise ValueError(f"{name}={value!r}: expected an integer")
-  if annotation is float:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-      return float(value)
-    if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
-      try:
-        return float(value)
-      except ValueError:
-        pass
-    raise ValueError(f"{name}={value!r}: expected a number")
-  if annotation is str:
-    if isinstance(value, str):
-      return value
-    raise ValueError(f"{name}={value!r}: expected a string")
-  return value
-
-
-def _describe(annotation) -> str:
-  """``int | Literal["auto"] | None`` -> "int or 'auto' or null"."""
-  names = []
-  for a in typing.get_args(annotation):
-    if typing.get_origin(a) is Literal:
-      names += [repr(v) for v in typing.get_args(a)]
-    else:
-      names.append(getattr(a, "__name__", str(a)).replace("NoneType", "null"))
-  return " or ".join(names)
-
-
-def _build_section(cls, name: str, raw: Any):
-  if raw is None:
-    raw = {}
-  if not isinstance(raw, dict):
-    raise ValueError(f"{name}: expected a mapping, got {raw!r}")
-  hints = typing.get_type_hints(cls)
-  fields = [f.name for f in dataclasses.fields(cls)]
-  kwargs = {}
-  for key, value in raw.items():
-    if key not in fields:
-      raise _unknown(f"{name}.", key, fields)
-    kwargs[key] = _coerce(f"{name}.{key}", value, hints[key])
-  return cls(**kwargs)
+  return FieldError(f"{where}{key}", f"{where}{key}: unknown key{hint}; expected one of "
+                    f"{', '.join(choices)}")
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
@@ -280,60 +197,152 @@ def parse_overrides(items: list[str]) -> list[tuple[str, Any]]:
     if "=" not in item:
       raise ValueError(f"override {item!r} must look like section.key=value")
     key, text = item.split("=", 1)
+    if not all(part.strip() for part in key.split(".")):
+      raise ValueError(f"override {item!r}: the key {key!r} has an empty part; it looks like "
+                       "section.key=value")
     try:
-      value = yaml.safe_load(text) if text != "" else None
+      value = parse_yaml(text) if text != "" else None
     except yaml.YAMLError:
       raise ValueError(f"override {item!r}: the value is not valid YAML") from None
     out.append((key.strip(), value))
   return out
 
 
-def load_experiment(path: str | None, overrides: list[str] = (), *,
-                    raw: dict | None = None) -> Experiment:
-  """Reads a YAML experiment (or ``raw``), applies ``key=value`` overrides and validates it."""
+def read_config_file(path: str) -> dict:
+  """The mapping of sections in the YAML file ``path``.
+
+  Raises:
+    ValueError: the path is missing or not a file, the file is empty, not UTF-8, not valid YAML,
+      or not a mapping (each message names the file).
+  """
+  if not os.path.isfile(path):
+    raise ValueError(f"experiment config {path!r} not found" if not os.path.exists(path)
+                     else f"experiment config {path!r} is not a file")
+  raw = runs.load_yaml(path)
   if raw is None:
-    from transformer_jax.runs import load_yaml
-    if not os.path.isfile(path):
-      raise ValueError(f"experiment config {path!r} not found" if not os.path.exists(path)
-                       else f"experiment config {path!r} is not a file")
-    raw = load_yaml(path) or {}
-    if not isinstance(raw, dict):
-      raise ValueError(f"{path}: expected a mapping of sections (run_dir, model, data, ...)")
-  raw = dict(raw)
-  for key, value in parse_overrides(list(overrides)):
+    raise ValueError(f"{path} is empty; an experiment has the sections {', '.join(REQUIRED)}")
+  if not isinstance(raw, dict):
+    raise ValueError(f"{path}: expected a mapping of sections ({', '.join(_TOP)}), got "
+                     f"{type(raw).__name__}")
+  return raw
+
+
+def load_experiment(path: str | None, overrides: list[str] = (), *,
+                    raw: dict | None = None, source: str | None = None) -> Experiment:
+  """Reads a YAML experiment (or ``raw``), applies ``key=value`` overrides and validates it.
+
+  A file must hold every section of :data:`REQUIRED` (after the overrides); ``raw`` (a stored
+  ``config.yaml``, a mapping built in Python) takes the defaults of the sections it lacks.
+
+  Args:
+    path: the YAML file (None: ``raw``).
+    overrides: dotted ``key=value`` overrides.
+    raw: the sections, read already.
+    source: the file ``raw`` was read from, to name in errors (a run's ``config.yaml``).
+
+  Raises:
+    ValueError: the file cannot be read, lacks a required section, or a key or value is wrong.
+      A bad key or value from the file is named with the file (``e.yaml: train.lr='x': expected a
+      number``); one given as an override is named alone.
+  """
+  parsed = parse_overrides(list(overrides))
+  if raw is None:
+    raw = read_config_file(path)
+  try:
+    return _build(dict(raw), parsed, path)
+  except FieldError as e:
+    overridden = any(e.key == k or e.key.startswith(k + ".") for k, _ in parsed)
+    where = path or source
+    if where is None or overridden:
+      raise
+    raise ValueError(f"{where}: {e}") from None
+
+
+def _build(raw: dict, overrides: list[tuple[str, Any]], path: str | None) -> Experiment:
+  for key in raw:
+    if key not in _TOP:
+      raise _unknown("", key, _TOP)
+  for key, value in overrides:
     top = key.split(".")[0]
     if top not in _TOP:
       raise _unknown("", top, _TOP)
     if "." not in key:
       raw[key] = value
     else:
-      raw.setdefault(top, {})
-      raw[top] = dict(raw[top] or {})
+      if raw.get(top) is not None and not isinstance(raw[top], dict):
+        raise FieldError(top, f"{top}: expected a mapping, got {raw[top]!r}")
+      raw[top] = dict(raw.get(top) or {})
       _set_dotted(raw, key, value)
-  for key in raw:
-    if key not in _TOP:
-      raise _unknown("", key, _TOP)
-  model = dict(raw.get("model") or {})
+  if path is not None:
+    missing = [k for k in REQUIRED if raw.get(k) in (None, {})]
+    if missing:
+      plural = "s" if len(missing) > 1 else ""
+      raise ValueError(f"{path} has no {', '.join(missing)} section{plural}; an experiment "
+                       f"needs {', '.join(REQUIRED)} (the defaults of a whole section are never "
+                       "taken silently)")
   run_dir = raw.get("run_dir")
-  if not isinstance(run_dir, str):
-    raise ValueError(f"run_dir={run_dir!r}: expected a directory path")
+  if not isinstance(run_dir, str) or not run_dir:
+    raise FieldError("run_dir", f"run_dir={run_dir!r}: expected a directory path")
+  model = raw.get("model")
+  if model is not None and not isinstance(model, dict):
+    raise FieldError("model", f"model: expected a mapping, got {model!r}")
+  bars = raw.get("bars")
+  if bars is not None and not isinstance(bars, dict):
+    raise FieldError("bars", f"bars: expected a mapping, got {bars!r}")
   exp = Experiment(
-      run_dir=run_dir, model=model,
-      data=_build_section(DataConfig, "data", raw.get("data")),
-      train=_build_section(TrainConfig, "train", raw.get("train")),
-      mesh=_build_section(MeshConfig, "mesh", raw.get("mesh")),
-      bars=dict(raw.get("bars") or {}), pretrain=raw.get("pretrain"))
+      run_dir=run_dir, model=model_section(dict(model or {})),
+      data=build_section(DataConfig, "data", raw.get("data")),
+      train=build_section(TrainConfig, "train", raw.get("train")),
+      mesh=build_section(MeshConfig, "mesh", raw.get("mesh")),
+      bars=dict(bars or {}), pretrain=raw.get("pretrain"))
   if exp.pretrain is not None and not isinstance(exp.pretrain, str):
-    raise ValueError(f"pretrain={exp.pretrain!r}: expected the path of an experiment YAML")
+    raise FieldError("pretrain", f"pretrain={exp.pretrain!r}: expected the path of an "
+                     "experiment YAML")
   _validate(exp)
   return exp
+
+
+# What names the model rather than being one of its config fields.
+_MODEL_KEYS = ("preset", "family", "init_from")
+
+
+def model_section(model: dict) -> dict:
+  """The ``model`` section with every model-config field checked against its type (the preset's
+  or family's config class): ``rope_theta: 1e6`` is the float 1e6, ``d_model: 6.5`` is refused
+  naming ``model.d_model``. Unknown fields are refused with the closest name. With
+  ``model.init_from`` the class is the pretrained run's, checked when the config is built.
+
+  Raises:
+    FieldError: a bad preset or family, an unknown field, or a value of the wrong type.
+  """
+  for key in _MODEL_KEYS:
+    if key in model and not isinstance(model[key], str):
+      raise FieldError(f"model.{key}", f"model.{key}={model[key]!r}: expected a "
+                       + ("run directory path" if key == "init_from" else "name"))
+  if "family" in model:
+    try:
+      cls = type(models.config_from_dict({"family": model["family"]}))
+    except ValueError as e:
+      raise FieldError("model.family", f"model.{e}") from None
+  elif "preset" in model:
+    try:
+      cls = type(models.get_config(model["preset"]))
+    except ValueError as e:
+      raise FieldError("model.preset", f"model.preset: {e}") from None
+  else:
+    return model
+  fields = [f.name for f in dataclasses.fields(cls)]
+  for key in model:
+    if key not in fields and key not in _MODEL_KEYS:
+      raise _unknown("model.", key, fields)
+  return typed_fields(cls, model, "model.")
 
 
 def _check_range(name: str, value, lo, hi, lo_in: bool, hi_in: bool) -> None:
   ok = (value >= lo if lo_in else value > lo) and (value <= hi if hi_in else value < hi)
   if not ok:
-    interval = f"{'[' if lo_in else '('}{lo}, {hi}{']' if hi_in else ')'}".replace("inf", "inf")
-    raise ValueError(f"{name}={value} must lie in {interval}")
+    interval = f"{'[' if lo_in else '('}{lo}, {hi}{']' if hi_in else ')'}"
+    raise FieldError(name, f"{name}={value} must lie in {interval}")
 
 
 def _validate(exp: Experiment) -> None:
@@ -343,16 +352,10 @@ def _validate(exp: Experiment) -> None:
     if name == "microbatches" and t.microbatches == "auto":
       continue
     if getattr(t, name) < 1:
-      raise ValueError(f"train.{name}={getattr(t, name)} must be >= 1")
-  if t.loss_head not in ("logits", "fused"):
-    raise ValueError(f"train.loss_head={t.loss_head!r} must be 'logits' or 'fused'")
+      raise FieldError(f"train.{name}", f"train.{name}={getattr(t, name)} must be >= 1")
   if t.microbatches != "auto" and t.batch_size % t.microbatches:
-    raise ValueError(
-        f"train.microbatches={t.microbatches} does not divide train.batch_size={t.batch_size}")
-  for f in dataclasses.fields(t):
-    value = getattr(t, f.name)
-    if isinstance(value, float) and not math.isfinite(value):
-      raise ValueError(f"train.{f.name}={value} must be a finite number")
+    raise FieldError("train.microbatches", f"train.microbatches={t.microbatches} does not divide "
+                     f"train.batch_size={t.batch_size}")
   ranges = {  # name: (low, high, low included, high included)
       "lr": (0.0, math.inf, False, False), "min_lr_ratio": (0.0, 1.0, True, True),
       "weight_decay": (0.0, math.inf, True, False), "b1": (0.0, 1.0, True, False),
@@ -366,26 +369,28 @@ def _validate(exp: Experiment) -> None:
     _check_range("train.clip_norm", t.clip_norm, 0.0, math.inf, False, False)
   d = exp.data
   _check_range("data.mask_prob", d.mask_prob, 0.0, 1.0, False, False)
-  if not math.isfinite(d.val_fraction) or d.val_fraction <= 0:
-    raise ValueError(f"data.val_fraction={d.val_fraction} must be > 0 (a fraction, or a count "
-                     "of documents)")
+  if not isinstance(d.compact_vocab, bool) and d.compact_vocab < 1:
+    raise FieldError("data.compact_vocab", f"data.compact_vocab={d.compact_vocab}: expected true, "
+                     "false or a count of ids >= 1")
+  if d.val_fraction <= 0:
+    raise FieldError("data.val_fraction", f"data.val_fraction={d.val_fraction} must be > 0 (a "
+                     "fraction, or a count of documents)")
   for name in ("data", "fsdp", "tensor", "sequence"):
     size = getattr(exp.mesh, name)
     if size != -1 and size < 1:
-      raise ValueError(f"mesh.{name}={size} must be >= 1 (or -1: every remaining device)")
+      raise FieldError(f"mesh.{name}", f"mesh.{name}={size} must be >= 1 (or -1: every "
+                       "remaining device)")
   for key, value in exp.bars.items():
     if key not in BARS:
       raise _unknown("bars.", key, BARS)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-      raise ValueError(f"bars.{key}={value!r}: expected a finite number")
+      raise FieldError(f"bars.{key}", f"bars.{key}={value!r}: expected a finite number")
   if exp.data.path is None and not exp.data.inputs:
-    raise ValueError("data.path or data.inputs must be given")
+    raise FieldError("data", "data.path or data.inputs must be given")
   init_from = exp.model.get("init_from")
-  if init_from is not None and not isinstance(init_from, str):
-    raise ValueError(f"model.init_from={init_from!r}: expected a run directory path")
   if init_from is not None and ("preset" in exp.model or "family" in exp.model):
-    raise ValueError("model.init_from takes the pretrained model's architecture: drop "
-                     "model.preset/model.family")
+    raise FieldError("model.init_from", "model.init_from takes the pretrained model's "
+                     "architecture: drop model.preset/model.family")
   if "preset" not in exp.model and "family" not in exp.model and init_from is None:
-    raise ValueError("model.preset (or a full model with model.family) is required; "
-                     "see `tjax info` for the presets")
+    raise FieldError("model.preset", "model.preset (or a full model with model.family) is "
+                     "required; see `tjax info` for the presets")

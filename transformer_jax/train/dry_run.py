@@ -8,23 +8,32 @@ The CLI sets the number of simulated CPU devices before JAX starts (``simulate_d
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 import jax
 
 from transformer_jax import models, parallel, runs
+from transformer_jax.ops import ssm as ssm_ops
+from transformer_jax.ops import ssm_pallas
 from transformer_jax.train import step as step_lib
 from transformer_jax.train.config import Experiment
+from transformer_jax.train.plan import model_config_before_data
+from transformer_jax.train.resume import model_changes
+
+# XLA:CPU compiles a program for at most 2048 devices in one process ("Multiprocess computations
+# aren't implemented on the CPU backend" past it); each simulated device also costs about 1 MiB
+# of host memory while the step compiles.
+MAX_SIMULATED_DEVICES = 2048
 
 
 def simulate_devices(exp: Experiment, num_devices: int | None) -> int:
   """Makes JAX's CPU backend present ``num_devices`` devices (default: the product of the mesh
-  sizes). Must run before anything touches a JAX backend.
+  sizes). Must run before anything touches a JAX backend; checks the count before setting it.
 
   Raises:
-    ValueError: the mesh has a -1 axis and no device count was given.
+    ValueError: the mesh has a -1 axis and no device count was given, or the count lies outside
+      ``[1, MAX_SIMULATED_DEVICES]``.
   """
   sizes = [exp.mesh.data, exp.mesh.fsdp, exp.mesh.tensor, exp.mesh.sequence]
   if num_devices is None:
@@ -34,6 +43,13 @@ def simulate_devices(exp: Experiment, num_devices: int | None) -> int:
     num_devices = 1
     for s in sizes:
       num_devices *= s
+    if num_devices > MAX_SIMULATED_DEVICES:
+      mesh = " x ".join(f"{a}={s}" for a, s in zip(parallel.AXES, sizes))
+      raise ValueError(f"mesh {mesh} needs {num_devices} devices; a dry run simulates at most "
+                       f"{MAX_SIMULATED_DEVICES} (XLA:CPU's limit for one process)")
+  elif isinstance(num_devices, bool) or not 1 <= num_devices <= MAX_SIMULATED_DEVICES:
+    raise ValueError(f"--devices {num_devices}: a dry run simulates 1 to {MAX_SIMULATED_DEVICES} "
+                     "devices (XLA:CPU's limit for one process)")
   jax.config.update("jax_platforms", "cpu")
   jax.config.update("jax_num_cpu_devices", int(num_devices))
   return int(num_devices)
@@ -45,15 +61,13 @@ def _model_config(exp: Experiment) -> tuple[models.ModelConfig, str]:
   rd = runs.RunDir(exp.run_dir)
   if rd.checkpoint_steps() and rd.read_model() is not None:
     config = rd.read_model()
+    changes = model_changes(config, exp) if rd.read_config() is not None else []
+    if changes:  # what a real run refuses (resume.resumed_model): never plan another model
+      listed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changes)
+      raise ValueError(f"run_dir {rd.path} holds a run with another model ({listed}); a run "
+                       "would refuse it: plan it with another run_dir")
     return config, f"vocabulary {config.vocab_size} from {rd.file(runs.MODEL)}"
-  path = exp.data.path
-  meta = None if path is None else os.path.join(path, "metadata.json")
-  if meta and os.path.exists(meta):
-    from transformer_jax.data import prepare
-    vocab = prepare.read_metadata(path)["vocab_size"]
-    return exp.model_config(vocab_size=vocab), f"vocabulary {vocab} from {path}"
-  config = exp.model_config()
-  return config, f"vocabulary {config.vocab_size} from the model config (no prepared dataset)"
+  return model_config_before_data(exp)
 
 
 def dry_run(exp: Experiment) -> dict[str, Any]:
@@ -97,13 +111,42 @@ def dry_run(exp: Experiment) -> dict[str, Any]:
   b["peak_estimate"] = b["arguments"] + b["outputs"] - b["aliased"] + b["temporaries"]
   report["attention"] = attention_kernels(config, dict(mesh.shape), t.batch_size, t.seq_len,
                                           task.name)
+  report["mixers"] = mixer_kernels(config, t.seq_len)
   return report
+
+
+def mixer_kernels(config, seq_len: int) -> list[dict[str, Any]]:
+  """What each state-space layer of a ``MambaConfig`` runs (empty for other models): ``[{"layers":
+  [indices], "mixer", "op", "detail", "conv"}]``: pure ``ops`` in XLA, or Mamba-2's Pallas kernel
+  where the config asks for it."""
+  if not isinstance(config, models.MambaConfig):
+    return []
+  layers = [i for i, kind in enumerate(config.layer_kinds) if kind == "mamba"]
+  if not layers:
+    return []
+  q = min(config.ssm_chunk, seq_len)
+  if config.mixer == "mamba1":
+    op = "ops.selective_scan"
+    methods = ", ".join(
+        f"{p} {ssm_ops.choose_scan_method(p) if config.ssm_scan == 'auto' else config.ssm_scan}"
+        for p in ("tpu", "gpu", "cpu"))
+    detail = (f"chunks of {q} over [B, {q}, E={config.d_inner}, S={config.d_state}] ({methods}), "
+              f"state carried across {-(-seq_len // q)} chunks")
+  else:
+    impl = (ssm_pallas.choose_ssd_implementation(jax.default_backend())
+            if config.ssm_impl == "auto" else config.ssm_impl)
+    op = "ops.ssd" if impl == "xla" else "ops.ssm_pallas.ssd (Pallas TPU kernel)"
+    detail = (f"SSD four-term form in chunks of {q}, {config.ssm_heads} heads x "
+              f"{config.ssm_head_dim}, {config.ssm_groups} groups, S={config.d_state}")
+  return [{"layers": layers, "mixer": config.mixer, "op": op, "detail": detail,
+           "conv": f"ops.causal_conv1d, width {config.d_conv}"}]
 
 
 def attention_kernels(config, mesh: dict[str, int], batch_size: int, seq_len: int,
                       task_name: str) -> list[dict[str, Any]]:
-  """The kernel ``ops.choose_implementation`` gives each attention of a training step, on each
-  backend, for one device's share: ``[{"attention", "shape" [B, T, N, H], "dtype", "kernels":
+  """The kernel each attention of a training step runs on each backend, for one device's share
+  (linear attention's chunked form, the config's ``attention_impl``, else the kernel
+  ``ops.choose_implementation`` gives): ``[{"attention", "shape" [B, T, N, H], "dtype", "kernels":
   {platform: kernel}}]``. The mask parts are the ones the task and model pass (GPT: causal, the
   packed documents' segment ids, the sliding window; BERT: key padding; Seq2Seq: padding, causal
   decoder self-attention, cross-attention)."""
@@ -122,6 +165,10 @@ def attention_kernels(config, mesh: dict[str, int], batch_size: int, seq_len: in
   bias = getattr(config, "position", None) in ("alibi", "relative")
   calls = []
   match type(config).__name__:
+    case "MambaConfig":   # a hybrid's attention layers (causal, packed documents)
+      if "attention" in config.layer_kinds:
+        calls.append(("self-attention", seq_len, seq_len, dict(
+            causal=True, segment_ids=task_name == "gpt", bias=False)))
     case "GPTConfig":
       calls.append(("self-attention", seq_len, seq_len, dict(
           causal=True, window=config.sliding_window, segment_ids=task_name == "gpt",
@@ -132,15 +179,31 @@ def attention_kernels(config, mesh: dict[str, int], batch_size: int, seq_len: in
       calls.append(("encoder self-attention", seq_len, seq_len, dict(kv_valid=True, bias=bias)))
       calls.append(("decoder self-attention", seq_len, seq_len, dict(causal=True, bias=bias)))
       calls.append(("cross-attention", seq_len, seq_len, dict(kv_valid=True)))
+  dropout = getattr(config, "attention_dropout_rate", 0.0) > 0.0
   out = []
   for name, t, s, parts in calls:
     q, k = shapes(t, s)
-    kernels = {p: ops.choose_implementation(q, k, k, platform=p,
-                                            sequence_shards=mesh.get("sequence", 1), **parts)
+    kernels = {p: _kernel(config, q, k, p, mesh.get("sequence", 1), dict(parts, dropout=dropout))
                for p in ("tpu", "gpu", "cpu")}
     out.append({"attention": name, "shape": list(q.shape), "dtype": str(dtype),
                 "kernels": kernels})
   return out
+
+
+def _kernel(config, q, k, platform: str, sequence_shards: int, parts: dict) -> str:
+  """What one attention of ``config`` runs on ``platform``, as ``layers.Attention`` decides: linear
+  attention's chunked form, ring attention over a sequence axis, the kernel the config forces
+  (``attention_impl``), else ``ops.choose_implementation``'s."""
+  from transformer_jax import ops
+
+  linear = config.linear_kind() if hasattr(config, "linear_kind") else None
+  if linear is not None:
+    decay = getattr(config, "linear_decay", None)
+    return (f"linear (chunks of {linear.chunk_size}"
+            + ("" if decay is None else f", decay {decay}") + ")")
+  choice = ops.choose_implementation(q, k, k, platform=platform, sequence_shards=sequence_shards,
+                                     **parts)
+  return choice if choice == "ring" else (config.attention_impl or choice)
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -161,6 +224,9 @@ def format_report(report: dict[str, Any]) -> str:
       f"({gib(b['aliased']).strip()} donated)",
       f"    peak estimate           {gib(b['peak_estimate'])}",
   ]
+  for m in report.get("mixers") or ():
+    lines.append(f"  layers {', '.join(map(str, m['layers']))}: {m['mixer']} mixer, {m['op']}: "
+                 f"{m['detail']}; {m['conv']}")
   if report.get("attention"):
     lines.append("  attention kernel per backend (ops.choose_implementation), one device's share:")
     for a in report["attention"]:

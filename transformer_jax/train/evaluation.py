@@ -91,11 +91,13 @@ def evaluate_run(run_dir: str, overrides: list[str] = (), *,
     raw = {"model": runs.model_spec(model_config), "data": {"task": family}}
   raw = {**raw, "run_dir": rd.path}
   ref = rd.read_dataset_ref()
-  if ref is not None:  # the dataset the run trained on, wherever the command runs from
-    raw["data"] = {**raw["data"], "path": ref["path"]}
-  exp = load_experiment(None, list(overrides), raw=raw).absolute()
+  if ref is not None and isinstance(raw.get("data") or {}, dict):
+    # the dataset the run trained on, wherever the command runs from
+    raw["data"] = {**(raw.get("data") or {}), "path": ref["path"]}
+  exp = load_experiment(None, list(overrides), raw=raw, source=rd.file(runs.CONFIG)).absolute()
   run = Run.build(exp, model_config, prepare=False)
-  if ref is not None and os.path.abspath(run.dataset.path) == ref["path"]:
+  if (ref is not None and "hash" in ref
+      and os.path.abspath(run.dataset.path) == os.path.abspath(ref["path"])):
     now = runs.dataset_fingerprint(ref["path"])
     if now != ref["hash"]:
       raise ValueError(f"the dataset {ref['path']} changed since the run trained on it (content "

@@ -40,7 +40,7 @@ def model_config(init_from: str, overrides: dict[str, Any]) -> models.ModelConfi
   for key in overrides:
     if key not in fields:
       raise ValueError(f"model.{key}: not a field of the {type(base).__name__} in {init_from}")
-  return dataclasses.replace(base, **overrides)
+  return dataclasses.replace(base, **runs.schema.typed_fields(type(base), overrides, "model."))
 
 
 def _flat(params) -> dict[str, Any]:
@@ -119,21 +119,27 @@ def lora_start(model_config: models.ModelConfig, lora_config, seed: int,
 
 def lora_run_config(run_dir: str):
   """The ``LoRAConfig`` of a run directory's experiment, or None (not a LoRA run)."""
-  raw = runs.RunDir(run_dir).read_config()
-  if not raw or not (raw.get("train") or {}).get("lora"):
+  rd = runs.RunDir(run_dir)
+  raw = rd.read_config()
+  train = (raw or {}).get("train")
+  if not isinstance(train, dict) or not train.get("lora"):
     return None
+  return _stored(rd, raw).train.lora
+
+
+def _stored(rd: runs.RunDir, raw: dict):
+  """The experiment stored in ``rd``'s ``config.yaml`` (``raw``), its errors naming the file."""
   from transformer_jax.train.config import load_experiment
-  return load_experiment(None, raw={**raw, "run_dir": run_dir}).train.lora
+  return load_experiment(None, raw={**raw, "run_dir": rd.path}, source=rd.file(runs.CONFIG))
 
 
 def load_lora_merged(run_dir: str, *, best: bool = False):
   """``(config, params)`` of a LoRA run with its adapters merged into the base: the base
   architecture's parameters, as ``runs.load_model`` gives for a plain run."""
   from transformer_jax import lora
-  from transformer_jax.train.config import load_experiment
   rd = runs.RunDir(run_dir)
   config = rd.require_model()
-  exp = load_experiment(None, raw={**rd.read_config(), "run_dir": rd.path})
+  exp = _stored(rd, rd.read_config() or {})
   _, trainable_abs, _ = lora.split(lora.abstract(config, exp.train.lora))
   trainable, _ = runs.restore_params(rd.checkpoint_dir, config, best=best, target=trainable_abs)
   _, frozen, _ = lora_start(config, exp.train.lora, exp.train.seed, exp.model.get("init_from"))

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from transformer_jax import hardware, models
+from transformer_jax import hardware, models, runs
 from transformer_jax.train.console import log0, progress_bar
 from transformer_jax.train.optim import learning_rate_schedule
 
@@ -37,11 +37,9 @@ class MetricsLog:
     self.path = os.path.join(run_dir, "metrics.jsonl")
     if not self.enabled:
       return
-    if os.path.exists(self.path):
-      with open(self.path) as f:
-        keep = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
-      with open(self.path, "w") as f:
-        f.writelines(keep)
+    if os.path.exists(self.path):   # rewritten whole or not at all; damaged lines dropped
+      keep = [r for r in runs.RunDir(run_dir).read_metrics() if r["step"] <= resume_step]
+      runs.write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in keep))
     from tensorboardX import SummaryWriter
     self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
     self.file = open(self.path, "a")
@@ -73,13 +71,11 @@ def plot_loss(run_dir: str) -> str | None:
   import matplotlib.pyplot as plt
 
   train, val = [], []
-  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-    for line in f:
-      r = json.loads(line)
-      if "val_loss" in r:
-        val.append((r["step"], r["val_loss"]))
-      elif "loss" in r:
-        train.append((r["step"], r["loss"]))
+  for r in runs.RunDir(run_dir).read_metrics():
+    if "val_loss" in r:
+      val.append((r["step"], r["val_loss"]))
+    elif "loss" in r:
+      train.append((r["step"], r["loss"]))
   if not train:
     return None
   fig, ax = plt.subplots(figsize=(7, 4))
@@ -125,17 +121,40 @@ class StepMetrics:
     return cls(step, metrics, tokens * jax.process_count(), crc)
 
 
-def mfu_scale(run) -> float | None:
-  """Model FLOPs per token over the devices' matmul rate (``hardware.matmul_peak``: a datasheet
-  peak, or a product measured on this CPU): tokens/s times it is the model FLOPs utilisation.
-  None for tasks whose tokens are not one sequence's (Seq2Seq)."""
-  if not run.task.uses_seq_len or isinstance(run.model_config, models.Seq2SeqConfig):
-    return None
-  peak, source = hardware.matmul_peak(run.model_config.dtype)
-  log0(f"MFU is counted against {peak / 1e12:.3g} TFLOP/s per device ({source}, "
-       f"{run.model_config.dtype}) on {jax.device_count()} device(s)")
-  flops = models.train_flops_per_token(run.model_config, run.exp.train.seq_len)
-  return flops / (peak * jax.device_count())
+class MFU:
+  """Model FLOPs utilisation: model FLOP/s over the devices' matmul rate
+  (``hardware.matmul_peak``: a datasheet peak, or this machine's measured limit).
+
+  A measured limit is a floor of what the machine can do: when a run's model FLOP/s pass it, the
+  limit is raised to that rate (and the machine's cache with it), so the MFU is 100% at most and
+  never inflated by a limit measured on a busy machine.
+  """
+
+  def __init__(self, flops_per_token: float, peak: float, source: str, devices: int, dtype: str):
+    self.flops_per_token, self.peak, self.source = flops_per_token, peak, source
+    self.devices, self.dtype = devices, dtype
+
+  @classmethod
+  def of(cls, run) -> "MFU | None":
+    """The run's MFU; None for tasks whose tokens are not one sequence's (Seq2Seq)."""
+    if not run.task.uses_seq_len or isinstance(run.model_config, models.Seq2SeqConfig):
+      return None
+    dtype = str(run.model_config.dtype)
+    peak, source = hardware.matmul_peak(dtype)
+    log0(f"MFU is counted against {peak / 1e12:.3g} TFLOP/s per device ({source}, {dtype}) on "
+         f"{jax.device_count()} device(s)")
+    flops = models.train_flops_per_token(run.model_config, run.exp.train.seq_len)
+    return cls(flops, peak, source, jax.device_count(), dtype)
+
+  def __call__(self, tokens_per_sec: float) -> float:
+    """The MFU at ``tokens_per_sec`` (global)."""
+    per_device = tokens_per_sec * self.flops_per_token / self.devices
+    if per_device > self.peak and self.source != "datasheet":
+      hardware.store_limit(self.dtype, per_device)
+      log0(f"notice: the step ran at {per_device / 1e12:.3g} TFLOP/s per device, above the "
+           f"measured matmul limit ({self.peak / 1e12:.3g}); the limit is raised to it")
+      self.peak, self.source = per_device, "raised"
+    return per_device / self.peak
 
 
 class TrainLog:
@@ -148,7 +167,7 @@ class TrainLog:
     self.schedule = learning_rate_schedule(t)
     self.log = MetricsLog(run_dir, start)
     self.bar = progress_bar(start, t.steps, progress)
-    self.mfu_scale = mfu_scale(run)
+    self.mfu = MFU.of(run)
     self.since = time.perf_counter()
 
   def write_steps(self, pending: list[StepMetrics]) -> tuple[int, float] | None:
@@ -171,8 +190,8 @@ class TrainLog:
       record = {"step": p.step, "loss": loss, "tokens_per_sec": tokens / max(elapsed, 1e-9),
                 "lr": float(self.schedule(p.step - 1)), "grad_norm": float(m["grad_norm"]),
                 "batch_hash": p.batch_hash}
-      if self.mfu_scale is not None:
-        record["mfu"] = record["tokens_per_sec"] * self.mfu_scale
+      if self.mfu is not None:
+        record["mfu"] = self.mfu(record["tokens_per_sec"])
       record.update({k: float(v) for k, v in m.items() if k.endswith(("_loss", "_accuracy"))})
       self.log.write(record)
     self.bar.update(len(pending))

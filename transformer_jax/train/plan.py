@@ -16,7 +16,7 @@ from flax import nnx
 
 from transformer_jax import data as data_lib
 from transformer_jax import lora as lora_lib
-from transformer_jax import models, parallel, runs
+from transformer_jax import hardware, models, parallel, runs
 from transformer_jax.train import step as step_lib
 from transformer_jax.train import tasks as tasks_lib
 from transformer_jax.train.config import Experiment
@@ -55,9 +55,53 @@ def ensure_dataset(exp: Experiment, *, prepare: bool = True) -> data_lib.Dataset
   return dataset
 
 
+def preflight(exp: Experiment) -> None:
+  """What can be checked before the run directory is touched (the lock creates it): the
+  directory can hold this run, the model config builds (with the preset's vocabulary; the
+  dataset's is checked against it once the dataset is loaded), its windows fit its positions and
+  its training state the host memory.
+
+  Raises:
+    ValueError: a path that cannot hold a run, a folder holding files that are not a run's, or a
+      model config that does not validate.
+  """
+  rd = runs.RunDir(exp.run_dir)
+  rd.check_usable()
+  rd.check_owned()
+  config, _ = model_config_before_data(exp)  # the task is checked once the dataset is loaded
+  check_window(exp, config, tasks_lib.TASKS[exp.data.task])
+  check_memory(exp, config)
+
+
+def model_config_before_data(exp: Experiment) -> tuple[models.ModelConfig, str]:
+  """The experiment's model before its dataset is loaded, and where its vocabulary came from:
+  with the vocabulary of the prepared dataset when ``data.path`` holds one, else the preset's.
+
+  Raises:
+    ValueError: a model config that does not validate, or a damaged ``metadata.json``.
+  """
+  path = exp.data.path
+  if path is not None and os.path.exists(os.path.join(path, data_lib.METADATA_FILE)):
+    vocab = data_lib.read_metadata(path)["vocab_size"]
+    return exp.model_config(vocab_size=vocab), f"vocabulary {vocab} from {path}"
+  config = exp.model_config()
+  return config, f"vocabulary {config.vocab_size} from the model config (no prepared dataset)"
+
+
 def make_train_loader(exp: Experiment, dataset, task=None):
-  """The task's deterministic training loader over ``dataset`` (``batch_at(step)``)."""
-  return (task or tasks_lib.TASKS[exp.data.task]).loader(dataset, exp)
+  """The task's deterministic training loader over ``dataset`` (``batch_at(step)``).
+
+  Raises:
+    ValueError: the training split holds fewer distinct examples than one global batch (every
+      batch would repeat some: the run would train on duplicates without a word).
+  """
+  loader = (task or tasks_lib.TASKS[exp.data.task]).loader(dataset, exp)
+  count, unit = loader.examples_per_epoch
+  if count < exp.train.batch_size:
+    raise ValueError(f"the train split of {dataset.path} holds {count} {unit}, fewer than "
+                     f"train.batch_size={exp.train.batch_size}: every batch would repeat some; "
+                     f"prepare more data or give train.batch_size <= {count}")
+  return loader
 
 
 def eval_batches(exp: Experiment, dataset, task=None):
@@ -65,9 +109,45 @@ def eval_batches(exp: Experiment, dataset, task=None):
   return (task or tasks_lib.TASKS[exp.data.task]).eval_batches(dataset, exp)
 
 
+def check_window(exp: Experiment, model_config: models.ModelConfig, task) -> None:
+  """Refuses windows longer than the model's positions (they would fail in the first step, after
+  the run directory is written).
+
+  Raises:
+    ValueError: naming ``train.seq_len`` and ``max_len``.
+  """
+  max_len = getattr(model_config, "max_len", None)
+  if task.uses_seq_len and max_len is not None and exp.train.seq_len > max_len:
+    raise ValueError(f"train.seq_len={exp.train.seq_len} is longer than the model's max_len="
+                     f"{max_len} positions; give a shorter train.seq_len or a larger "
+                     "model.max_len")
+
+
+def check_memory(exp: Experiment, model_config: models.ModelConfig) -> None:
+  """Refuses, when the model computes on CPU, a run whose parameters, gradients and AdamW moments
+  (16 bytes a parameter) pass the host memory left: it would be killed by the kernel's
+  out-of-memory killer, which may take other processes with it. (Not for ``--dry-run``, which
+  plans a pod's run on a laptop and allocates nothing.)
+
+  Raises:
+    ValueError: naming the bytes needed and available.
+  """
+  if jax.devices()[0].platform != "cpu":
+    return
+  t = exp.train
+  state = models.train_memory_bytes(model_config, t.batch_size, t.seq_len)
+  need = state["params"] + state["grads"] + state["optimizer"]
+  free = hardware.host_memory_available()
+  if free is not None and need > free:
+    raise ValueError(f"the model's {models.count_params(model_config):,} parameters need "
+                     f"{need / 2**30:.1f} GiB for parameters, gradients and AdamW moments, more "
+                     f"than the {free / 2**30:.1f} GiB of memory this machine has free")
+
+
 def plan(exp: Experiment, model_config: models.ModelConfig):
   """``(task, mesh, optimizer)`` of ``exp`` for ``model_config``, checked against each other."""
   task = tasks_lib.for_experiment(exp, model_config)
+  check_window(exp, model_config, task)
   m = exp.mesh
   mesh = parallel.make_mesh({"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor,
                              "sequence": m.sequence})

@@ -10,10 +10,13 @@ notice says with the learning rate before and after at the resume point.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import numpy as np
 
-from transformer_jax import runs
+from transformer_jax import models, runs
 from transformer_jax.train import finetune, lora_run
 from transformer_jax.train import step as step_lib
 from transformer_jax.train.config import Experiment, TrainConfig, fixed_changes, load_experiment
@@ -25,9 +28,24 @@ from transformer_jax.train.plan import Run
 _DECAYING = ("cosine", "linear")
 
 
-def stored_experiment(raw: dict) -> Experiment:
-  """A stored ``config.yaml`` as a full, absolute experiment."""
-  return load_experiment(None, raw=raw).absolute()
+def stored_experiment(raw: dict, rd: runs.RunDir) -> Experiment:
+  """A stored ``config.yaml`` (of ``rd``) as a full, absolute experiment.
+
+  Raises:
+    ValueError: the stored experiment does not validate (naming the file and the key).
+  """
+  return load_experiment(None, raw=raw, source=rd.file(runs.CONFIG)).absolute()
+
+
+def model_changes(stored: models.ModelConfig, exp: Experiment) -> list[tuple[str, Any, Any]]:
+  """``(model.FIELD, stored, new)`` for each field where the experiment's model differs from the
+  run's ``model.yaml``, both resolved: a field spelled out at its default is no change. The
+  dataset's vocabulary and label count are the stored model's (they came from the dataset)."""
+  new = exp.model_config(vocab_size=stored.vocab_size, num_labels=stored.num_labels)
+  if type(new) is not type(stored):
+    return [("model", type(stored).__name__, type(new).__name__)]
+  return [(f"model.{f.name}", getattr(stored, f.name), getattr(new, f.name))
+          for f in dataclasses.fields(stored) if getattr(stored, f.name) != getattr(new, f.name)]
 
 
 def resumed_model(exp: Experiment, rd: runs.RunDir, stored: dict | None, force_new: bool):
@@ -52,7 +70,9 @@ def resumed_model(exp: Experiment, rd: runs.RunDir, stored: dict | None, force_n
     log0(f"fine-tuning the model in {rd.path} ({runs.MODEL}; the experiment's model section is "
          "not used)")
     return stored_model, True
-  changes = fixed_changes(stored_experiment(stored).to_dict(), exp.to_dict())
+  changes = [c for c in fixed_changes(stored_experiment(stored, rd).to_dict(), exp.to_dict())
+             if c[0] != "model" and not c[0].startswith("model.")]
+  changes = model_changes(stored_model, exp) + changes
   if changes:
     listed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changes)
     raise ValueError(f"run_dir {rd.path} holds a run with another model or data ({listed}); "

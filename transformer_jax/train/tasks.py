@@ -54,7 +54,7 @@ class GPTTask:
   ``ops.cross_entropy``) or "fused" (``GPT.lm_loss``: no ``[B, T, V]`` array)."""
 
   name = "gpt"
-  config_type = models.GPTConfig
+  config_type = (models.GPTConfig, models.MambaConfig)   # every decoder-only language model
   loss_terms = ("lm",)
   keys = ("tokens", "labels", "segment_ids", "positions", "loss_mask")
   token_keys = ("tokens", "labels")     # ids checked against the vocabulary on the host

@@ -36,7 +36,7 @@ from transformer_jax.train.lora_run import base_params
 from transformer_jax.train.metrics import plot_loss
 from transformer_jax.train.plan import (
     Run, compiled_step, ensure_dataset, eval_batches, fixed_microbatches, make_step,
-    make_train_loader, plan)
+    make_train_loader, plan, preflight)
 from transformer_jax.train.resume import resumed_model, start_state, stored_experiment
 
 __all__ = [
@@ -61,14 +61,17 @@ def train(exp: Experiment, *, progress: bool | None = None, force_new: bool = Fa
     ``interrupted`` (stopped by SIGINT/SIGTERM after saving).
 
   Raises:
-    ValueError: a bad experiment, dataset, run directory or checkpoint (one line, named).
+    ValueError: a bad experiment, dataset, run directory or checkpoint (one line, named); a
+      refused start leaves the run directory as it was (a directory it created is removed).
     TrainingDiverged: the loss or the parameters became non-finite.
     RunLocked: another trainer holds the run directory.
   """
   exp = exp.absolute()
-  _pretrain_if_absent(exp, progress)
   rd = runs.RunDir(exp.run_dir)
-  rd.check_usable()
+  rd.check_usable()   # before a pretraining run that may take hours
+  rd.check_owned()
+  _pretrain_if_absent(exp, progress)
+  preflight(exp)   # before the lock, which creates the directory
   lock = rd.lock() if jax.process_index() == 0 else contextlib.nullcontext()
   with lock:
     return _train_locked(exp, rd, progress, force_new, resume_hint)
@@ -112,13 +115,14 @@ def _train_locked(exp: Experiment, rd: runs.RunDir, progress, force_new: bool,
     raise ValueError(f"the dataset {ref['path']} changed since this run started (content hash "
                      f"{old_ref.get('hash', '?')[:12]} -> {ref['hash'][:12]}); use the same data, "
                      "or --force-new / another run_dir")
+  loader = make_train_loader(exp, run.dataset, run.task)
   if force_new and jax.process_index() == 0:
-    rd.clear()
+    rd.clear()   # only now: a refused experiment loses nothing of the old run
   ckpt = runs.Checkpoints(rd.checkpoint_dir, keep=t.keep_checkpoints,
                           async_save=t.async_checkpoints)
   try:
-    loader = make_train_loader(exp, run.dataset, run.task)
-    before = stored_experiment(stored).train if resuming and stored is not None else None
+    before = (stored_experiment(stored, rd).train if resuming and stored is not None
+              else None)
     state, start = start_state(run, rd, ckpt, loader, before)
     # Everything is checked: only now is the directory's snapshot (re)written.
     rd.write_snapshot(exp.to_dict(), run.model_config, ref)
