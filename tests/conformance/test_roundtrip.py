@@ -67,5 +67,5 @@ def test_a_run_directory_gives_back_the_model_and_accepts_its_resume(kind, tmp_p
   raw = _experiment(kind, run_dir, tmp_path / "data")
   stored = yaml.safe_load(yaml.safe_dump(load_experiment(None, raw=raw).absolute().to_dict()))
   assert load_experiment(None, raw=raw).model_config() == config
-  assert fixed_changes(stored_experiment(stored).to_dict(),
+  assert fixed_changes(stored_experiment(stored, runs.RunDir(str(run_dir))).to_dict(),
                        load_experiment(None, raw=raw).absolute().to_dict()) == []

@@ -41,7 +41,10 @@ def model_changes(stored: models.ModelConfig, exp: Experiment) -> list[tuple[str
   """``(model.FIELD, stored, new)`` for each field where the experiment's model differs from the
   run's ``model.yaml``, both resolved: a field spelled out at its default is no change. The
   dataset's vocabulary and label count are the stored model's (they came from the dataset)."""
-  new = exp.model_config(vocab_size=stored.vocab_size, num_labels=stored.num_labels)
+  from_dataset = {"vocab_size": stored.vocab_size}
+  if hasattr(stored, "num_labels"):   # families without a classification head have none
+    from_dataset["num_labels"] = stored.num_labels
+  new = exp.model_config(**from_dataset)
   if type(new) is not type(stored):
     return [("model", type(stored).__name__, type(new).__name__)]
   return [(f"model.{f.name}", getattr(stored, f.name), getattr(new, f.name))
