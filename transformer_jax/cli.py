@@ -344,7 +344,7 @@ def launch() -> None:
   (``cpu.allocator.system_allocator_notice``); then ``main``."""
   import os
 
-  from transformer_jax.cpu import allocator
+  from transformer_jax.backends.cpu import allocator
   env = allocator.allocator_env()
   if env is not None:
     try:

@@ -87,7 +87,7 @@ from flax import nnx
 import transformer_jax.hf as tjhf
 from transformer_jax import hardware, models
 from transformer_jax.bench import machine
-from transformer_jax.cpu import poll
+from transformer_jax.backends.cpu import poll
 from transformer_jax.generate import generate
 
 _DTYPES = ("float32", "bfloat16")
@@ -488,7 +488,7 @@ def _run(args, command: str | None) -> dict:
       "weight_bytes": weight_bytes,
       "memory_bandwidth": bandwidth,
       "step_floor_s_at_batch1": floor,
-      "device_kind": hardware.device_kind(), "platform": hardware.platform(),
+      "device_kind": hardware.device_kind(), "platform": backends.platform(),
       "hf_device": device,
       "machine": {**machine.describe(("torch", "transformers")),
                   "torch_threads": threads,

@@ -11,12 +11,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-import jax
 import jax.numpy as jnp
 
-from transformer_jax import ops
+from transformer_jax import backends, ops
 from transformer_jax.layers import BlockConfig, LinearKind, Remat
-from transformer_jax.ops import dispatch
 
 Norm = Literal["layernorm", "rmsnorm"]
 _ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
@@ -147,7 +145,7 @@ class GPTConfig(_Heads):
   # parameters; "auto": see unrolls_layers.
   scan_layers: bool | Literal["auto"] = "auto"
   # Kernel of ops.dot_product_attention: "xla", "chunked", "cudnn", "splash"; None: the
-  # backend's choice (ops.choose_implementation).
+  # backend's choice (Backend.attention).
   attention_impl: ops.Implementation | None = None
 
   def __post_init__(self):
@@ -230,7 +228,7 @@ class BERTConfig(_Heads):
   remat: Remat = "none"
   scan_layers: bool | Literal["auto"] = "auto"   # see unrolls_layers
   # Kernel of ops.dot_product_attention: "xla", "chunked", "cudnn", "splash"; None: the
-  # backend's choice (ops.choose_implementation).
+  # backend's choice (Backend.attention).
   attention_impl: ops.Implementation | None = None
 
   def __post_init__(self):
@@ -290,7 +288,7 @@ class Seq2SeqConfig(_Heads):
   remat: Remat = "none"
   scan_layers: bool | Literal["auto"] = "auto"   # see unrolls_layers
   # Kernel of ops.dot_product_attention: "xla", "chunked", "cudnn", "splash"; None: the
-  # backend's choice (ops.choose_implementation).
+  # backend's choice (Backend.attention).
   attention_impl: ops.Implementation | None = None
 
   def __post_init__(self):
@@ -331,20 +329,20 @@ ModelConfig = GPTConfig | BERTConfig | Seq2SeqConfig
 UNROLL_MAX_LAYERS = 12
 
 
-def unrolls_layers(config: ModelConfig, platform: str | None = None) -> bool:
+def unrolls_layers(config: ModelConfig, backend: backends.Backend | None = None) -> bool:
   """Whether ``config``'s layer stacks run as an unrolled loop instead of one ``lax.scan``.
 
   ``scan_layers`` true or false says so. ``"auto"`` (the default) unrolls a model of at most
-  ``UNROLL_MAX_LAYERS`` layers on a GPU, and on a CPU one whose products run through
-  ``cpu.matmul`` (``ops.dispatch.choose_product``: bfloat16 on a CPU with bf16 units);
-  anything else, and everything on a TPU, is scanned. Unrolled, the step skips the scan's
+  ``UNROLL_MAX_LAYERS`` layers where the backend asks for it (``Backend.unrolls_layers``: on a
+  GPU, and on a CPU whose bfloat16 products run on its bf16 units); anything else, and
+  everything on a TPU, is scanned. Unrolled, the step skips the scan's
   stacking of each layer's saved residuals and gradients, at the price of compiling every layer
   (experiments/PERFORMANCE.md, "Unrolled layers"). The parameters are stacked either way, so
   checkpoints do not depend on it.
 
   Args:
     config: a model config.
-    platform: ``"cpu"``, ``"gpu"`` or ``"tpu"``; default ``jax.default_backend()``.
+    backend: the backend the model runs on; default ``backends.current()``.
   """
   if config.scan_layers != "auto":
     return not config.scan_layers
@@ -352,10 +350,7 @@ def unrolls_layers(config: ModelConfig, platform: str | None = None) -> bool:
             if isinstance(config, Seq2SeqConfig) else config.num_layers)
   if layers > UNROLL_MAX_LAYERS:
     return False
-  platform = jax.default_backend() if platform is None else platform
-  if platform == "gpu":
-    return True
-  return dispatch.choose_product(config.dtype, platform=platform) == "cpu_bf16"
+  return (backend or backends.current()).unrolls_layers(config.dtype)
 
 
 _FAMILIES = {"gpt": GPTConfig, "bert": BERTConfig, "seq2seq": Seq2SeqConfig}

@@ -1,7 +1,7 @@
 """Experiment configs: YAML files in ``experiments/`` plus dotted ``key=value`` overrides.
 
-Sections: ``model`` (a preset plus any model-config field), ``data``, ``train``, ``mesh`` and the
-top-level ``run_dir``. Every key is checked: an unknown key or a wrong type raises ``ValueError``
+Sections: ``model`` (a preset plus any model-config field), ``data``, ``train``, ``mesh``,
+``kernels`` (the kernel table, ``backends.KernelTable``) and the top-level ``run_dir``. Every key is checked: an unknown key or a wrong type raises ``ValueError``
 naming it (``train.stpes: unknown key; expected one of ...``).
 """
 
@@ -18,6 +18,7 @@ from typing import Any, Literal
 import yaml
 
 from transformer_jax import models
+from transformer_jax.backends import KernelTable
 from transformer_jax.lora import LoRAConfig
 
 
@@ -86,6 +87,8 @@ class Experiment:
   bars: dict[str, Any] = dataclasses.field(default_factory=dict)  # learning bars to check at the end
   # The experiment whose run is model.init_from: trained first when that run directory is absent.
   pretrain: str | None = None
+  # The kernels' levers (backends.KernelTable): they change the compiled program, not the model.
+  kernels: KernelTable = dataclasses.field(default_factory=KernelTable)
 
   def model_config(self, **defaults) -> models.ModelConfig:
     """The model config: preset, then ``defaults`` (e.g. the dataset's vocab size), then the YAML."""
@@ -110,6 +113,7 @@ class Experiment:
     out["data"]["inputs"] = list(self.data.inputs)
     if out["train"]["lora"] is not None:
       out["train"]["lora"]["targets"] = list(self.train.lora.targets)
+    out["kernels"] = self.kernels.to_dict()
     return out
 
   def absolute(self) -> "Experiment":
@@ -170,7 +174,7 @@ FIXED = ("model", "data", "train.batch_size", "train.seq_len", "train.seed", "tr
          "train.lora")
 
 _SECTIONS = {"data": DataConfig, "train": TrainConfig, "mesh": MeshConfig}
-_TOP = ("run_dir", "model", "data", "train", "mesh", "bars", "pretrain")
+_TOP = ("run_dir", "model", "data", "train", "mesh", "bars", "pretrain", "kernels")
 
 
 def _unknown(where: str, key: str, choices) -> ValueError:
@@ -322,7 +326,8 @@ def load_experiment(path: str | None, overrides: list[str] = (), *,
       data=_build_section(DataConfig, "data", raw.get("data")),
       train=_build_section(TrainConfig, "train", raw.get("train")),
       mesh=_build_section(MeshConfig, "mesh", raw.get("mesh")),
-      bars=dict(raw.get("bars") or {}), pretrain=raw.get("pretrain"))
+      bars=dict(raw.get("bars") or {}), pretrain=raw.get("pretrain"),
+      kernels=KernelTable.from_dict(raw.get("kernels"), where="kernels"))
   if exp.pretrain is not None and not isinstance(exp.pretrain, str):
     raise ValueError(f"pretrain={exp.pretrain!r}: expected the path of an experiment YAML")
   _validate(exp)

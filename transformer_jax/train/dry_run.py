@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from transformer_jax import models, parallel, runs
+from transformer_jax import backends, models, parallel, runs
 from transformer_jax.train import step as step_lib
 from transformer_jax.train.config import Experiment
 
@@ -71,8 +71,9 @@ def dry_run(exp: Experiment) -> dict[str, Any]:
   batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding)
            for k, v in task.batch_shapes(t.batch_size, t.seq_len).items()}
   start = time.perf_counter()
-  _, compiled, microbatches = trainer.compiled_step(exp, models.graphdef(config, mesh), task,
-                                                    optimizer, mesh, state, batch)
+  backend = backends.for_platform(mesh.devices.flat[0].platform, exp.kernels)
+  _, compiled, microbatches = trainer.compiled_step(exp, models.graphdef(config, mesh, backend),
+                                                    task, optimizer, mesh, state, batch, backend)
   compile_s = time.perf_counter() - start
 
   def per_device(tree):
@@ -96,19 +97,17 @@ def dry_run(exp: Experiment) -> dict[str, Any]:
   b = report["per_device_bytes"]
   b["peak_estimate"] = b["arguments"] + b["outputs"] - b["aliased"] + b["temporaries"]
   report["attention"] = attention_kernels(config, dict(mesh.shape), t.batch_size, t.seq_len,
-                                          task.name)
+                                          task.name, exp.kernels)
   return report
 
 
 def attention_kernels(config, mesh: dict[str, int], batch_size: int, seq_len: int,
-                      task_name: str) -> list[dict[str, Any]]:
-  """The kernel ``ops.choose_implementation`` gives each attention of a training step, on each
-  backend, for one device's share: ``[{"attention", "shape" [B, T, N, H], "dtype", "kernels":
+                      task_name: str, kernels=None) -> list[dict[str, Any]]:
+  """The kernel each backend (with the kernel table ``kernels``) chooses for each attention of a
+  training step (``Backend.choose_attention``), for one device's share: ``[{"attention", "shape" [B, T, N, H], "dtype", "kernels":
   {platform: kernel}}]``. The mask parts are the ones the task and model pass (GPT: causal, the
   packed documents' segment ids, the sliding window; BERT: key padding; Seq2Seq: padding, causal
   decoder self-attention, cross-attention)."""
-  from transformer_jax import ops
-
   rows_per_device = max(1, batch_size // (mesh.get("data", 1) * mesh.get("fsdp", 1)))
   heads = max(1, config.num_heads // mesh.get("tensor", 1))
   kv_heads = max(1, config.kv_heads // mesh.get("tensor", 1))
@@ -135,11 +134,11 @@ def attention_kernels(config, mesh: dict[str, int], batch_size: int, seq_len: in
   out = []
   for name, t, s, parts in calls:
     q, k = shapes(t, s)
-    kernels = {p: ops.choose_implementation(q, k, k, platform=p,
-                                            sequence_shards=mesh.get("sequence", 1), **parts)
-               for p in ("tpu", "gpu", "cpu")}
+    chosen = {p: backends.for_platform(p, kernels).choose_attention(
+                  q, k, k, sequence_shards=mesh.get("sequence", 1), **parts)
+              for p in ("tpu", "gpu", "cpu")}
     out.append({"attention": name, "shape": list(q.shape), "dtype": str(dtype),
-                "kernels": kernels})
+                "kernels": chosen})
   return out
 
 
