@@ -4,7 +4,6 @@ models calling the backend they are given, ``jax.default_backend()`` asked in on
 import ast
 import pathlib
 
-import pytest
 
 import transformer_jax
 

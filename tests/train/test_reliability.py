@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from transformer_jax import data, runs
-from transformer_jax.cpu import allocator
+from transformer_jax.backends.cpu import allocator
 from transformer_jax.runs import orbax_errors
 from transformer_jax.train import TrainingDiverged, evaluate_run, load_experiment, train
 from transformer_jax.train import tasks as tasks_lib

@@ -61,6 +61,10 @@ def _integer(name: str, value: Any) -> int:
   number = value
   if isinstance(value, str):
     try:
+      return int(value.strip())
+    except ValueError:
+      pass
+    try:
       number = float(value.strip())
     except ValueError:
       raise ValueError(f"{name}={value!r}: expected an integer") from None
