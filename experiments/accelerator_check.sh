@@ -33,8 +33,9 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$OUT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TJAX_COMPILATION_CACHE=0
 PY=${PYTHON:-python3}
-# The table entries not yet on by default that the train part also times (ops.dispatch).
-TABLE=${TABLE-CUDNN_PACKED_SEGMENTS=16 PAD_COLS=128}
+# The kernel-table entries not yet on by default that the train part also times
+# (backends.KernelTable).
+TABLE=${TABLE-cudnn_packed_segments=16 pad_cols=128}
 TABLE_ARGS=()
 for entry in $TABLE; do TABLE_ARGS+=(--table "$entry"); done
 LEVERS=default,packed_segments_16,packed_segments_16_host_cond,vocab_pad_128,command_buffer_off

@@ -1,6 +1,6 @@
-"""The backends' kernels: which piece each method runs on each platform (read from the traced program
-or by counting the pieces' calls, so every platform is checked here), against float64 where a
-method computes something of its own."""
+"""The backends' kernels: which piece each method runs on each platform (read from the traced
+program or by counting the pieces' calls, so every platform is checked here), against float64
+where a method computes something of its own."""
 
 import functools
 

@@ -41,7 +41,8 @@ def _resolve(module: str, node: ast.ImportFrom) -> str:
 
 def imports(module: str) -> set[str]:
   """The package's modules ``module`` imports, anywhere in its source (function-local imports
-  included): ``from pkg import name`` counts as ``pkg.name`` where that is a module, else ``pkg``."""
+  included): ``from pkg import name`` counts as ``pkg.name`` where that is a module, else
+  ``pkg``."""
   out = set()
   for node in ast.walk(TREES[module]):
     if isinstance(node, ast.Import):

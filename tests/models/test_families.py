@@ -214,9 +214,9 @@ def test_mismatched_mask_shape_is_a_clear_error(tokens):
 def test_bf16_cpu_matmuls_compute_what_xla_einsums_do(name, tokens, monkeypatch):
   # bfloat16 on a CPU with bfloat16 units sends every projection and the tied head through
   # backends.cpu.matmul.matmul (bfloat16 dots in the layouts XLA:CPU keeps, its own backward).
-  # Forced on here (a CPU backend with bf16 units), whatever this CPU has: the loss and every gradient match the plain einsum path (which XLA
-  # upcasts to float32 dots) to bfloat16 rounding, and the program runs (a dot left in a layout
-  # XLA cannot run in bfloat16 fails at run time).
+  # Forced on here (a CPU backend with bf16 units), whatever this CPU has: the loss and every
+  # gradient match the plain einsum path (which XLA upcasts to float32 dots) to bfloat16 rounding,
+  # and the program runs (a dot left in a layout XLA cannot run in bfloat16 fails at run time).
   from transformer_jax.backends import CpuBackend
   from transformer_jax.backends.cpu import matmul
   from tests.backends.cpu.test_matmul import _dots

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +9,6 @@ import pytest
 from jax.test_util import check_grads
 
 from transformer_jax.ops import alibi_bias, dot_product_attention, padding_mask
-from tests.backends import only_on
 
 B, T, S, H = 2, 5, 7, 8
 

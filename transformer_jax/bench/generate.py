@@ -50,10 +50,11 @@ repetition's step against the reading taken right before its calls, the median o
 (``all`` lists them). Other processes share the machine;
 the load average is recorded before and after.
 
-With ``--cpu-poll`` (or ``TJAX_CPU_POLL=1``) the whole run holds ``cpu.poll.cpu_poll``'s request
-(idle CPUs poll instead of halting, where the OS lets this process ask; it covers the whole
-machine, so it is off unless asked for): both sides and the bandwidth readings run under the same
-setting either way, and ``cpu_poll`` in the JSON says whether it was requested and held, or why
+With ``--cpu-poll`` (or ``TJAX_CPU_POLL=1``) the whole run holds
+``backends.cpu.poll.cpu_poll``'s request (idle CPUs poll instead of halting, where the OS lets
+this process ask; it covers the whole machine, so it is off unless asked for): both sides and the
+bandwidth readings run under the same setting either way, and ``cpu_poll`` in the JSON says
+whether it was requested and held, or why
 not. ``machine.cpu_idle`` records how the machine's idle CPUs wait.
 
 Hugging Face runs on JAX's device: on CPU as above; when JAX runs on a GPU, on "cuda" (model and
@@ -365,7 +366,7 @@ def run(args, command: str | None = None) -> dict:
   """The benchmark of ``args`` (``add_args``/``check_args``): the result dict.
 
   When ``args.cpu_poll`` (or, when it is None, ``$TJAX_CPU_POLL``) asks for it, the whole run
-  (both sides, every bandwidth reading) holds ``cpu.poll.cpu_poll``; ``result["cpu_poll"]``
+  (both sides, every bandwidth reading) holds ``backends.cpu.poll.cpu_poll``; ``result["cpu_poll"]``
   records whether it was requested and held, or why not.
 
   Raises:

@@ -170,8 +170,8 @@ def generate(model, prompt_ids, *, prompt_lengths=None, max_new_tokens: int,
 @functools.lru_cache(maxsize=64)
 def _layer_splitter(graphdef):
   """Jitted ``params -> split_layers(model)``: each decoder layer's weights as arrays of their own,
-  on CPU every projection kernel in its decoding layout (``Projection.decode_layout``,
-  ``cpu.decode``).
+  every projection kernel in the backend's decoding layout (``Backend.decode_layout``: on CPU
+  ``backends.cpu.decode``).
 
   The decode loop reads them where they are, instead of slicing (copying) every layer out of the
   layer-stacked arrays at every step. The split is a program of its own because XLA then copies

@@ -36,7 +36,8 @@ DEFAULT_BLOCK_K = 512
 
 
 def default_block_sizes() -> tuple[int, int]:
-  """``(block_q, block_k)`` where the caller gives none: ``DEFAULT_BLOCK_Q``, ``DEFAULT_BLOCK_K``."""
+  """``(block_q, block_k)`` where the caller gives none: ``DEFAULT_BLOCK_Q`` and
+  ``DEFAULT_BLOCK_K``."""
   return DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K
 
 

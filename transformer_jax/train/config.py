@@ -1,8 +1,9 @@
 """Experiment configs: YAML files in ``experiments/`` plus dotted ``key=value`` overrides.
 
 Sections: ``model`` (a preset plus any model-config field), ``data``, ``train``, ``mesh``,
-``kernels`` (the kernel table, ``backends.KernelTable``) and the top-level ``run_dir``. Every key is checked: an unknown key or a wrong type raises ``ValueError``
-naming it (``train.stpes: unknown key; expected one of ...``).
+``kernels`` (the kernel table, ``backends.KernelTable``) and the top-level ``run_dir``. Every key
+is checked: an unknown key or a wrong type raises ``ValueError`` naming it (``train.stpes: unknown
+key; expected one of ...``).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class TrainConfig:
   batch_size: int = 16                    # global batch (all processes, all devices)
   seq_len: int = 128                      # GPT/BERT window; ignored by seq2seq (bucketed)
   # Gradient accumulation inside the step. "auto": 1 unless the step's temporaries pass what the
-  # CPU allocator reuses, then the fewest that fit (cpu.microbatches.auto_microbatches).
+  # CPU allocator reuses, then the fewest that fit (backends.cpu.microbatches).
   microbatches: int | Literal["auto"] = "auto"
   seed: int = 0
   lr: float = 1e-3

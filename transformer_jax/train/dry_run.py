@@ -104,10 +104,10 @@ def dry_run(exp: Experiment) -> dict[str, Any]:
 def attention_kernels(config, mesh: dict[str, int], batch_size: int, seq_len: int,
                       task_name: str, kernels=None) -> list[dict[str, Any]]:
   """The kernel each backend (with the kernel table ``kernels``) chooses for each attention of a
-  training step (``Backend.choose_attention``), for one device's share: ``[{"attention", "shape" [B, T, N, H], "dtype", "kernels":
-  {platform: kernel}}]``. The mask parts are the ones the task and model pass (GPT: causal, the
-  packed documents' segment ids, the sliding window; BERT: key padding; Seq2Seq: padding, causal
-  decoder self-attention, cross-attention)."""
+  training step (``Backend.choose_attention``), for one device's share: ``[{"attention", "shape"
+  [B, T, N, H], "dtype", "kernels": {platform: kernel}}]``. The mask parts are the ones the task
+  and model pass (GPT: causal, the packed documents' segment ids, the sliding window; BERT: key
+  padding; Seq2Seq: padding, causal decoder self-attention, cross-attention)."""
   rows_per_device = max(1, batch_size // (mesh.get("data", 1) * mesh.get("fsdp", 1)))
   heads = max(1, config.num_heads // mesh.get("tensor", 1))
   kv_heads = max(1, config.kv_heads // mesh.get("tensor", 1))

@@ -1,5 +1,5 @@
-"""The CPU backend's row-major dense core (``backends.cpu.attention``) against float64, and where the
-backend gives it to the dense kernel."""
+"""The CPU backend's row-major dense core (``backends.cpu.attention``) against float64, and where
+the backend gives it to the dense kernel."""
 
 import functools
 

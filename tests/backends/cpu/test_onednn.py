@@ -28,8 +28,8 @@ CPU = backends.for_platform("cpu")
 def test_steps_with_onednn_products_are_compiled_each_run_without_a_warning(tmp_path):
   """This jaxlib cannot serialize oneDNN products, so the cache cannot keep such a step: every
   run compiles it again (a jaxlib that can would fail this test, and the docs in
-  ``backends.cpu.onednn`` and experiments/PERFORMANCE.md would want updating). JAX's warning about the
-  failed write is silenced where such a step compiles (a held step's first call, a compile in
+  ``backends.cpu.onednn`` and experiments/PERFORMANCE.md would want updating). JAX's warning about
+  the failed write is silenced where such a step compiles (a held step's first call, a compile in
   ``quiet_uncacheable``), and only there: asking for the options leaves the process's warning
   filters as they were, and the same program compiled outside those scopes still warns. Other
   programs are still cached."""
@@ -169,8 +169,8 @@ def test_onednn_attention_and_its_gradients_match_float64_numpy():
 @only_on("cpu", "XLA:CPU's oneDNN products")
 def test_steps_with_onednn_products_outlive_their_callers(monkeypatch):
   """This jaxlib aborts the process when an executable with oneDNN products dies just after a
-  call (``backends.cpu.onednn.hold``): a step compiled with the options stays alive after its caller drops
-  it, until 16 more have been held; without the options nothing is held."""
+  call (``backends.cpu.onednn.hold``): a step compiled with the options stays alive after its
+  caller drops it, until 16 more have been held; without the options nothing is held."""
   from transformer_jax.parallel.mesh import make_mesh
   from transformer_jax.train import step as step_lib
 

@@ -12,8 +12,9 @@ that merge ``B`` and ``K``), and the four products with a head-dim side (``p v``
 ``dk``) are computed transposed (``v^T p^T`` and so on), the faster form of the kernel. The
 weights are kept in bfloat16, the dtype the products take.
 
-The CPU backend (``backends.cpu.backend.CpuBackend.dense_core``) gives this core to the dense kernel
-where ``rowmajor_core_takes`` the inputs. Letters as in ``ops/attention.py``; ``R = B * K`` and ``M = G * T`` query rows.
+The CPU backend (``CpuBackend.dense_core``) gives this core to the dense kernel where
+``rowmajor_core_takes`` the inputs. Letters as in ``ops/attention.py``; ``R = B * K`` and
+``M = G * T`` query rows.
 """
 
 from __future__ import annotations
