@@ -203,17 +203,17 @@ def test_train_table_on_an_accelerator():
 
 def test_rivals_run_on_jax_device_or_are_left_out(monkeypatch):
   torch = pytest.importorskip("torch")
-  from transformer_jax import hardware
+  from transformer_jax import backends
   from transformer_jax.bench import generate, machine
 
   assert machine.torch_device() == ("cpu", "") and generate.hf_device() == "cpu"
-  monkeypatch.setattr(hardware, "platform", lambda: "tpu")
+  monkeypatch.setattr(backends, "platform", lambda: "tpu")
   device, why = machine.torch_device()
   assert device is None and "no PyTorch rival on tpu" in why
   with pytest.raises(ValueError, match="on tpu"):
     generate.hf_device()
   # A GPU run whose torch has no CUDA: no rival on another device either.
-  monkeypatch.setattr(hardware, "platform", lambda: "gpu")
+  monkeypatch.setattr(backends, "platform", lambda: "gpu")
   monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
   device, why = machine.torch_device()
   assert device is None and "has no CUDA device" in why
@@ -328,7 +328,7 @@ def test_generate_against_transformers_same_tokens_and_floor_from_the_same_momen
   pytest.importorskip("transformers")
   from transformer_jax.bench import machine
   from transformer_jax.backends.cpu import poll
-  from tests.test_runtime import _fds_on
+  from tests.backends.cpu.test_poll import _fds_on
 
   # With --cpu-poll the whole run holds the polling request (a stand-in file here): every
   # bandwidth reading is taken under it, like both sides' calls.
@@ -403,7 +403,7 @@ def test_generate_against_transformers_same_tokens_and_floor_from_the_same_momen
 def test_generate_bench_polls_cpus_only_when_asked(tmp_path, monkeypatch):
   from transformer_jax.bench import generate as bench_generate
   from transformer_jax.backends.cpu import poll
-  from tests.test_runtime import _fds_on
+  from tests.backends.cpu.test_poll import _fds_on
 
   device = tmp_path / "cpu_dma_latency"
   device.write_bytes(b"")

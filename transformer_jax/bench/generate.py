@@ -86,7 +86,7 @@ import numpy as np
 from flax import nnx
 
 import transformer_jax.hf as tjhf
-from transformer_jax import hardware, models
+from transformer_jax import backends, hardware, models
 from transformer_jax.bench import machine
 from transformer_jax.backends.cpu import poll
 from transformer_jax.generate import generate
