@@ -11,7 +11,7 @@ from flax import nnx
 
 from jax.sharding import Mesh
 
-from transformer_jax import ops
+from transformer_jax import backends, ops
 from transformer_jax.layers.approx import ApproxAttention, ApproxKind
 from transformer_jax.layers.attention import Attention, LinearKind
 from transformer_jax.layers.cache import KVCache
@@ -55,13 +55,17 @@ class BlockConfig:
 class Block(nnx.Module):
   """``x + attn(norm x)`` then ``x + mlp(norm x)`` (pre-norm) or ``norm(x + attn x)`` (post-norm)."""
 
-  def __init__(self, cfg: BlockConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None):
+  def __init__(self, cfg: BlockConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None,
+               backend: backends.Backend | None = None):
+    """``mesh``: where the block runs (see ``Attention``); ``backend``: its kernels (default
+    ``backends.current()``)."""
     self.cfg = cfg
+    backend = backend or backends.current()
     dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     norm = dict(kind=cfg.norm, eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
     attn = dict(use_bias=cfg.use_bias, init_std=cfg.init_std, out_init_std=cfg.out_init_std,
                 dtype=dtype, param_dtype=param_dtype, rngs=rngs, scale=cfg.attention_scale,
-                implementation=cfg.attention_impl, mesh=mesh)
+                implementation=cfg.attention_impl, mesh=mesh, backend=backend)
     self.attn_norm = Norm(cfg.d_model, **norm)
     self_kind = {} if cfg.approx is None else {"approx": cfg.approx}
     self.attn = (Attention if cfg.approx is None else ApproxAttention)(
@@ -79,7 +83,7 @@ class Block(nnx.Module):
     self.mlp_norm = Norm(cfg.d_model, **norm)
     self.mlp = MLP(cfg.d_model, cfg.d_ff, activation=cfg.activation, gated=cfg.gated,
                    use_bias=cfg.use_bias, init_std=cfg.init_std, out_init_std=cfg.out_init_std,
-                   dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                   dtype=dtype, param_dtype=param_dtype, rngs=rngs, backend=backend)
 
   def _residual(self, x, norm, fn, rng):
     """One sub-layer with its residual connection, dropout and norm in the configured place."""

@@ -2,8 +2,8 @@
 
 Scanning compiles one block instead of L and is what FSDP-per-layer gathering and remat policies
 hang on. ``unroll=True`` runs a Python loop over the same stacked parameters; both give the same
-numbers, and ``models.unrolls_layers`` decides per backend (experiments/PERFORMANCE.md,
-"Unrolled layers").
+numbers, and ``models.unrolls_layers`` decides per backend (``Backend.unrolls_layers``;
+experiments/PERFORMANCE.md, "Unrolled layers").
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
+from transformer_jax import backends
 from transformer_jax.layers.cache import KVCache
 from transformer_jax.layers.block import Block, BlockConfig
 from transformer_jax.layers import reversible as reversible_lib
@@ -36,11 +37,13 @@ class Stack(nnx.Module):
 
   def __init__(self, cfg: BlockConfig, num_layers: int, *, remat: Remat = "none",
                unroll: bool = False, rngs: nnx.Rngs, mesh: Mesh | None = None,
-               reversible: bool = False):
+               reversible: bool = False, backend: backends.Backend | None = None):
     """``mesh``: where the model runs (activations are pinned to it at block boundaries and
     self-attention may run as ring attention); None on one device. ``reversible``: the blocks
     run as reversible residual layers (``layers.reversible``: activations recomputed in the
-    backward pass; pre-norm blocks without cross-attention, no remat)."""
+    backward pass; pre-norm blocks without cross-attention, no remat). ``backend``: the blocks'
+    kernels (default ``backends.current()``)."""
+    backend = backend or backends.current()
     if remat != "none" and remat not in _REMAT_POLICIES:
       raise ValueError(f"remat={remat!r} must be one of 'none', {', '.join(map(repr, _REMAT_POLICIES))}")
     if reversible:
@@ -53,11 +56,12 @@ class Stack(nnx.Module):
     self.remat = remat
     self.unroll = unroll
     self.mesh = mesh
+    self.backend = backend
 
     @nnx.split_rngs(splits=num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: ax.LAYERS})
     def make(rngs):
-      return Block(cfg, rngs=rngs, mesh=mesh)
+      return Block(cfg, rngs=rngs, mesh=mesh, backend=backend)
 
     self.layers = make(rngs)
 
@@ -144,16 +148,18 @@ class Stack(nnx.Module):
 
   def split_layers(self) -> tuple[nnx.State, ...]:
     """This stack's parameters as one state per layer, for decoding: each array sliced out of the
-    stacked one; on CPU every projection kernel in its decoding layout
-    (``Projection.decode_layout``, XLA:CPU's matrix-vector products)."""
+    stacked one, every projection kernel in the backend's decoding layout
+    (``Backend.decode_layout``; on CPU, XLA:CPU's matrix-vector products)."""
     graphdef, params = nnx.split(self.layers)
-    layout = jax.default_backend() == "cpu"
     out = []
     for i in range(self.num_layers):
       block = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], params))
       for _, node in nnx.iter_graph(block):
-        if layout and isinstance(node, Projection):
-          node.decode_layout()
+        if isinstance(node, Projection):
+          kernel = self.backend.decode_layout(node.kernel, n_in=node.contracted_dims(),
+                                              dtype=node.dtype)
+          if kernel is not node.kernel:
+            node.kernel = kernel
       out.append(nnx.state(block))
     return tuple(out)
 

@@ -12,14 +12,12 @@ import dataclasses
 import math
 from typing import Literal
 
-import jax
 import jax.numpy as jnp
 
-from transformer_jax import ops
+from transformer_jax import backends, ops
 from transformer_jax.layers import BlockConfig, LinearKind, Remat
 from transformer_jax.layers.approx import ApproxKind, LinformerKind, SparseKind
 from transformer_jax.layers.ssm import MambaKind, MixerBlockConfig
-from transformer_jax.ops import dispatch
 
 Norm = Literal["layernorm", "rmsnorm"]
 _ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
@@ -183,7 +181,7 @@ class GPTConfig(_Heads):
   # the backward pass, so training memory does not grow with num_layers (needs remat "none").
   reversible: bool = False
   # Kernel of ops.dot_product_attention: "xla", "chunked", "cudnn", "splash"; None: the
-  # backend's choice (ops.choose_implementation).
+  # backend's choice (Backend.attention).
   attention_impl: ops.Implementation | None = None
 
   def __post_init__(self):
@@ -291,7 +289,7 @@ class BERTConfig(_Heads):
   remat: Remat = "none"
   scan_layers: bool | Literal["auto"] = "auto"   # see unrolls_layers
   # Kernel of ops.dot_product_attention: "xla", "chunked", "cudnn", "splash"; None: the
-  # backend's choice (ops.choose_implementation).
+  # backend's choice (Backend.attention).
   attention_impl: ops.Implementation | None = None
   # "softmax"; "linformer" (keys and values projected along the sequence to linformer_rows
   # rows, Wang et al. 2020: ops.linformer); "sparse" (block-sparse softmax: ops.sparse).
@@ -378,7 +376,7 @@ class Seq2SeqConfig(_Heads):
   remat: Remat = "none"
   scan_layers: bool | Literal["auto"] = "auto"   # see unrolls_layers
   # Kernel of ops.dot_product_attention: "xla", "chunked", "cudnn", "splash"; None: the
-  # backend's choice (ops.choose_implementation).
+  # backend's choice (Backend.attention).
   attention_impl: ops.Implementation | None = None
 
   def __post_init__(self):
@@ -694,20 +692,20 @@ ModelConfig = (GPTConfig | BERTConfig | Seq2SeqConfig | MambaConfig
 UNROLL_MAX_LAYERS = 12
 
 
-def unrolls_layers(config: ModelConfig, platform: str | None = None) -> bool:
+def unrolls_layers(config: ModelConfig, backend: backends.Backend | None = None) -> bool:
   """Whether ``config``'s layer stacks run as an unrolled loop instead of one ``lax.scan``.
 
   ``scan_layers`` true or false says so. ``"auto"`` (the default) unrolls a model of at most
-  ``UNROLL_MAX_LAYERS`` layers on a GPU, and on a CPU one whose products run through
-  ``cpu.matmul`` (``ops.dispatch.choose_product``: bfloat16 on a CPU with bf16 units);
-  anything else, and everything on a TPU, is scanned. Unrolled, the step skips the scan's
+  ``UNROLL_MAX_LAYERS`` layers where the backend asks for it (``Backend.unrolls_layers``: on a
+  GPU, and on a CPU whose bfloat16 products run on its bf16 units); anything else, and
+  everything on a TPU, is scanned. Unrolled, the step skips the scan's
   stacking of each layer's saved residuals and gradients, at the price of compiling every layer
   (experiments/PERFORMANCE.md, "Unrolled layers"). The parameters are stacked either way, so
   checkpoints do not depend on it.
 
   Args:
     config: a model config.
-    platform: ``"cpu"``, ``"gpu"`` or ``"tpu"``; default ``jax.default_backend()``.
+    backend: the backend the model runs on; default ``backends.current()``.
   """
   if config.scan_layers != "auto":
     return not config.scan_layers
@@ -715,10 +713,7 @@ def unrolls_layers(config: ModelConfig, platform: str | None = None) -> bool:
             if isinstance(config, Seq2SeqConfig) else config.num_layers)
   if layers > UNROLL_MAX_LAYERS:
     return False
-  platform = jax.default_backend() if platform is None else platform
-  if platform == "gpu":
-    return True
-  return dispatch.choose_product(config.dtype, platform=platform) == "cpu_bf16"
+  return (backend or backends.current()).unrolls_layers(config.dtype)
 
 
 _FAMILIES = {"gpt": GPTConfig, "bert": BERTConfig, "seq2seq": Seq2SeqConfig,

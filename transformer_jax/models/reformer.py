@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from transformer_jax import ops
+from transformer_jax import backends, ops
 from transformer_jax.layers import MLP, Embed, Norm, Projection
 from transformer_jax.layers.common import normal, param
 from transformer_jax.layers.reversible import reversible_layers
@@ -63,11 +63,13 @@ class ReformerLayer(nnx.Module):
   """One reversible layer's two branches: attention of ``kind`` ("lsh" or "local") and the
   feed-forward, each behind its LayerNorm."""
 
-  def __init__(self, config: ReformerConfig, kind: str, *, rngs: nnx.Rngs):
+  def __init__(self, config: ReformerConfig, kind: str, *, rngs: nnx.Rngs,
+               backend: backends.Backend | None = None):
     c = config
     self.kind = kind
     dtype, param_dtype = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
-    common = dict(init_std=c.init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    common = dict(init_std=c.init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                  backend=backend)
     norm = dict(kind="layernorm", eps=c.norm_eps, param_dtype=param_dtype, rngs=rngs)
     proj = lambda: Projection("BTD,DNH->BTNH", (c.d_model, c.num_heads, c.head_dim),
                               (ax.EMBED, ax.HEADS, ax.HEAD_DIM), **common)
@@ -82,7 +84,7 @@ class ReformerLayer(nnx.Module):
     self.mlp_norm = Norm(c.d_model, **norm)
     self.mlp = MLP(c.d_model, c.d_ff, activation=c.activation, gated=False, use_bias=True,
                    init_std=c.init_std, out_init_std=c.init_std, dtype=dtype,
-                   param_dtype=param_dtype, rngs=rngs)
+                   param_dtype=param_dtype, rngs=rngs, backend=backend)
 
   def attention(self, x_BTD, config: ReformerConfig, kv_valid, rotations, key):
     """The attention branch ``[B, T, D]`` (without the residual)."""
@@ -138,14 +140,17 @@ def _feed_forward_branch(graphdef, config, p, x, shared, key):
 class Reformer(nnx.Module):
   """``Reformer(config, rngs=...)(tokens, attention_mask) -> logits [B, T, V]``."""
 
-  def __init__(self, config: ReformerConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None):
+  def __init__(self, config: ReformerConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None,
+               backend: backends.Backend | None = None):
     """``mesh``: accepted for the families' common signature; the Reformer runs on one
-    device's arrays (GSPMD splits them under a mesh)."""
+    device's arrays (GSPMD splits them under a mesh). ``backend``: the kernels its projections
+    call (default ``backends.current()``)."""
     del mesh
     self.config = c = config
+    self.backend = backend = backend or backends.current()
     dtype, param_dtype = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
     self.embed = Embed(c.vocab_size, c.d_model, init_std=c.init_std, dtype=dtype,
-                       param_dtype=param_dtype, rngs=rngs)
+                       param_dtype=param_dtype, rngs=rngs, backend=backend)
     if c.axial_pos_shape is None:
       self.pos_embed = Embed(c.max_len, c.d_model, init_std=c.init_std, dtype=dtype,
                              param_dtype=param_dtype, rngs=rngs, axes=(ax.POSITIONS, ax.EMBED))
@@ -167,7 +172,7 @@ class Reformer(nnx.Module):
       @nnx.split_rngs(splits=steps)
       @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: ax.LAYERS})
       def make(rngs):
-        return ReformerLayer(c, kind, rngs=rngs)
+        return ReformerLayer(c, kind, rngs=rngs, backend=backend)
       return make(rngs)
 
     # Layer s * P + j is step s of stack j (P = layer_period(attn_layers)).
@@ -177,7 +182,7 @@ class Reformer(nnx.Module):
     self.lm_head = Projection("BTE,EV->BTV", (2 * c.d_model, c.vocab_size), (ax.EMBED, ax.VOCAB),
                               bias_shape=(c.vocab_size,), bias_axes=(ax.VOCAB,),
                               init_std=c.init_std, dtype=dtype, param_dtype=param_dtype,
-                              rngs=rngs)
+                              rngs=rngs, backend=backend)
 
   def padded_length(self, t: int) -> int:
     """The length the layers see: ``t`` rounded up to a whole number of chunks of every kind

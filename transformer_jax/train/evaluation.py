@@ -106,10 +106,10 @@ def evaluate_run(run_dir: str, overrides: list[str] = (), *,
   if finetune.lora_run_config(rd.path) is not None:  # adapters merged: the base architecture
     _, params = finetune.load_lora_merged(rd.path, best=best)
     step = rd.checkpoint_steps(best)[-1]
-    run.graphdef = models.graphdef(model_config, run.mesh)
+    run.graphdef = models.graphdef(model_config, run.mesh, run.backend)
   else:
     params, step = runs.restore_params(rd.checkpoint_dir, model_config, best=best)
   params = jax.device_put(params, parallel.param_shardings(params, run.mesh))
   metrics, _ = evaluate(run, params, step_lib.jit_eval_step(
-      step_lib.make_eval_step(run.graphdef, run.task), run.mesh, params))
+      step_lib.make_eval_step(run.graphdef, run.task), run.mesh, params, backend=run.backend))
   return {"step": step, **metrics}

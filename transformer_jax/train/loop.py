@@ -14,10 +14,7 @@ import signal
 import threading
 from typing import Any
 
-import jax
-
 from transformer_jax import runs, runtime
-from transformer_jax.cpu import allocator
 from transformer_jax.train import step as step_lib
 from transformer_jax.train import tasks as tasks_lib
 from transformer_jax.train.console import log0
@@ -73,13 +70,13 @@ def compile_train_step(run: Run, state: step_lib.TrainState, loader, start: int)
   exp, t = run.exp, run.exp.train
   if start >= t.steps:  # nothing to train: the final report only
     step = step_lib.jit_train_step(make_step(exp, run.graphdef, run.task, run.optimizer),
-                                   run.mesh, state)
+                                   run.mesh, state, backend=run.backend)
     return step, None
   first = step_lib.shard_batch(loader.batch_at(start), run.mesh, run.task.keys)
   step, compiled, microbatches = compiled_step(exp, run.graphdef, run.task, run.optimizer,
-                                               run.mesh, state, first)
-  notice = allocator.scratch_notice(runtime.temp_bytes(compiled),
-                                    platform=jax.default_backend(), malloc=allocator.allocator())
+                                               run.mesh, state, first, run.backend)
+  notice = step_lib.mesh_backend(run.mesh, run.backend).scratch_notice(
+      runtime.temp_bytes(compiled))
   if t.microbatches == "auto" and microbatches > 1:
     log0(f"train.microbatches=auto: {microbatches} microbatches, which keep the step's "
          "temporaries within what the allocator reuses between steps")
@@ -103,7 +100,7 @@ def train_loop(run: Run, rd: runs.RunDir, ckpt: runs.Checkpoints, loader,
   t = run.exp.train
   train_step, notice = compile_train_step(run, state, loader, start)
   eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(run.graphdef, run.task), run.mesh,
-                                     all_params(state))
+                                     all_params(state), backend=run.backend)
   guard = Guard(run, ckpt, eval_step)
   log = TrainLog(run, rd.path, start, progress)
   stop = StopFlag()

@@ -16,7 +16,7 @@ from flax import nnx
 
 from transformer_jax import data as data_lib
 from transformer_jax import lora as lora_lib
-from transformer_jax import hardware, models, parallel, runs
+from transformer_jax import backends, hardware, models, parallel, runs
 from transformer_jax.train import step as step_lib
 from transformer_jax.train import tasks as tasks_lib
 from transformer_jax.train.config import Experiment
@@ -171,23 +171,26 @@ def make_step(exp: Experiment, graphdef, task, optimizer, microbatches: int | No
       label_smoothing=t.label_smoothing, z_loss=t.z_loss)
 
 
-def compiled_step(exp: Experiment, graphdef, task, optimizer, mesh, state, batch):
+def compiled_step(exp: Experiment, graphdef, task, optimizer, mesh, state, batch,
+                  backend: backends.Backend | None = None):
   """The jitted train step of ``exp`` and its microbatch count, compiled for ``(state, batch)``
-  (arrays or shapes): ``(step, compiled, microbatches)``.
+  (arrays or shapes) with ``backend``'s options (default: the mesh platform's, with the
+  experiment's kernel table): ``(step, compiled, microbatches)``.
 
   The count is ``step_lib.pick_microbatches``' (``train.microbatches: auto`` on CPU over mimalloc:
-  ``cpu.microbatches.auto_microbatches``).
+  ``backends.cpu.microbatches.auto_microbatches``).
   """
+  backend = backend or backends.for_platform(mesh.devices.flat[0].platform, exp.kernels)
   built = {}
 
   def compile_for(m):
-    step = step_lib.jit_train_step(make_step(exp, graphdef, task, optimizer, m), mesh, state)
+    step = step_lib.jit_train_step(make_step(exp, graphdef, task, optimizer, m), mesh, state,
+                                   backend=backend)
     built[m] = step, step.lower(state, batch).compile()
     return built[m][1]
 
   m, _ = step_lib.pick_microbatches(exp.train.microbatches, compile_for, exp.train.batch_size,
-                                    mesh.shape["data"] * mesh.shape["fsdp"],
-                                    platform=mesh.devices.flat[0].platform)
+                                    mesh.shape["data"] * mesh.shape["fsdp"], backend=backend)
   return (*built[m], m)
 
 
@@ -202,6 +205,8 @@ class Run:
   mesh: Any
   graphdef: Any
   optimizer: Any
+  # The kernels the model and its steps are built with (the experiment's ``kernels:`` table).
+  backend: Any = None
 
   @classmethod
   def build(cls, exp: Experiment, model_config: models.ModelConfig | None = None, *,
@@ -221,8 +226,9 @@ class Run:
       model_config = exp.model_config(**defaults)
     runs.check_vocab(dataset.vocab_size, model_config, dataset.path)
     task, mesh, optimizer = plan(exp, model_config)
+    backend = backends.for_platform(mesh.devices.flat[0].platform, exp.kernels)
     if exp.train.lora is not None:  # the adapted model's graph (its adapters are parameters too)
-      graphdef = nnx.split(lora_lib.abstract(model_config, exp.train.lora, mesh))[0]
+      graphdef = nnx.split(lora_lib.abstract(model_config, exp.train.lora, mesh, backend))[0]
     else:
-      graphdef = models.graphdef(model_config, mesh)
-    return cls(exp, dataset, model_config, task, mesh, graphdef, optimizer)
+      graphdef = models.graphdef(model_config, mesh, backend)
+    return cls(exp, dataset, model_config, task, mesh, graphdef, optimizer, backend)
