@@ -10,7 +10,6 @@ applied here; the library itself has no such switch (the kernel is always the co
 
 import os
 import random
-import time
 
 # The tests' programs are tiny and run a few times each: XLA:CPU's LLVM optimisation passes cost
 # more than they save (about half of every compilation). Set before JAX starts its backend; commands
@@ -112,11 +111,11 @@ def release_compiled_programs() -> None:
   (its compilation cache holds up to 2048 executables, the jit fast path 8192 call signatures, the
   op-by-op cache one per primitive and shape): a folder of small tests leaves hundreds of MB
   behind (tests/ops/test_chunked_attention.py alone about 200 MB), and over the whole suite both
-  workers grow by GiBs. First a pause of ``onednn.EXIT_WAIT_S``: a program with oneDNN products
-  destroyed just after a call aborts the process (``backends.cpu.onednn.hold``), and clearing
-  destroys the executables behind held ``jax.jit`` steps too (a held ``Compiled`` keeps its own).
+  workers grow by GiBs. First ``onednn.settle()``: a program with oneDNN products destroyed
+  just after a call aborts the process (``backends.cpu.onednn.hold``), and clearing destroys the
+  executables behind held ``jax.jit`` steps too (a held ``Compiled`` keeps its own).
   """
-  time.sleep(onednn.EXIT_WAIT_S)
+  onednn.settle()
   jax.clear_caches()
 
 
