@@ -13,6 +13,7 @@ import pytest
 
 from tests import conftest
 from tests.backends import only_on
+from tests.backends import only_on
 
 
 def test_compiled_programs_are_released_at_the_end_of_each_folder(request):
@@ -44,7 +45,6 @@ def test_releasing_after_a_held_onednn_step_ran_does_not_abort():   # about 9 s:
       import jax, jax.numpy as jnp
       from transformer_jax.backends.cpu import onednn
       from tests import conftest
-from tests.backends import only_on
       x = jnp.ones((16, 384, 384))
       for i in range(10):
         step = onednn.hold(jax.jit(lambda a, i=i: a @ a + i, compiler_options=onednn.ONEDNN_DOTS),
