@@ -13,7 +13,6 @@ import pytest
 
 from tests import conftest
 from tests.backends import only_on
-from tests.backends import only_on
 
 
 def test_compiled_programs_are_released_at_the_end_of_each_folder(request):
