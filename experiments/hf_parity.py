@@ -15,11 +15,11 @@ import warnings
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "hf"))
 
-import numpy as np  # noqa: E402
-import transformers  # noqa: E402
+import numpy as np
+import transformers
 
-import hf_cases as hc  # noqa: E402
-import transformer_jax.hf as tjhf  # noqa: E402
+import hf_cases as hc
+import transformer_jax.hf as tjhf
 
 
 def main() -> None:

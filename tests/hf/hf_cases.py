@@ -118,7 +118,8 @@ def batch(vocab: int, *, b: int = 3, t: int = 12, seed: int = 0, left: bool = Fa
 
 def hf_outputs(model, arch: str, x: dict, tgt: dict | None = None) -> dict[str, np.ndarray]:
   """Named float32 outputs of the transformers model."""
-  tt = lambda a: torch.as_tensor(a)
+  def tt(a):
+    return torch.as_tensor(a)
   with torch.no_grad():
     match arch:
       case "GPT2LMHeadModel" | "LlamaForCausalLM" | "MistralForCausalLM":

@@ -405,7 +405,8 @@ def test_vmap_over_extra_axis_equals_loop():
   kk = jnp.asarray(rng.standard_normal((e, B, S, 2, H)), jnp.float32)
   v = jnp.asarray(rng.standard_normal((e, B, S, 2, H)), jnp.float32)
   mask = jnp.asarray(rng.random((e, B, 1, T, S)) < 0.7)
-  f = lambda q_, k_, v_, m_: attn(q_, k_, v_, mask=m_, causal=True)
+  def f(q_, k_, v_, m_):
+    return attn(q_, k_, v_, mask=m_, causal=True)
   batched = jax.jit(jax.vmap(f))(q, kk, v, mask)
   for i in range(e):
     np.testing.assert_allclose(batched[i], f(q[i], kk[i], v[i], mask[i]), atol=1e-6, rtol=1e-6)
@@ -448,7 +449,8 @@ def test_gradients_match_reference_gradients():
   w = np.random.default_rng(38).standard_normal((1, 3, 2, 4))
   gq = np.asarray(jax.jit(jax.grad(
       lambda q_: jnp.sum(dot_product_attention(q_, kk, v, causal=True) * w)))(q))
-  ref_loss = lambda q_: np.sum(attention_ref(q_, kk, v, causal=True)[0] * w)
+  def ref_loss(q_):
+    return np.sum(attention_ref(q_, kk, v, causal=True)[0] * w)
   q64 = np.asarray(q, np.float64)
   num = np.zeros_like(q64)
   eps = 1e-6

@@ -265,7 +265,7 @@ class Ours:
     self.config = config
     mesh = parallel.make_mesh({"data": -1})
     task = tasks_lib.get_task(task_name)
-    self._shard = lambda batch: step_lib.shard_batch(batch, mesh, task.keys)  # noqa: E731
+    self._shard = lambda batch: step_lib.shard_batch(batch, mesh, task.keys)
     b, t = host_batch["tokens"].shape if "tokens" in host_batch else host_batch["src"].shape
     tcfg = tcfg or TrainConfig(steps=1000, batch_size=b, seq_len=t, seed=seed, lr=lr,
                                warmup_steps=0, schedule="constant")
@@ -374,7 +374,7 @@ class Torch:
     if autocast:
       plain, cast_to = loss_fn, getattr(torch, autocast)
 
-      def loss_fn(tokens, labels):  # noqa: F811 - the same loss under autocast
+      def loss_fn(tokens, labels):
         with torch.autocast("cuda", dtype=cast_to):
           return plain(tokens, labels)
 

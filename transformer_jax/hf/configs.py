@@ -489,7 +489,8 @@ def _mamba2_from(hf: dict) -> MambaConfig:
   if not isinstance(raw, (list, tuple)) or len(raw) != 2:
     raise CheckpointError(f"time_step_limit={raw!r}: expected a pair of numbers")
   limit = _Fields({"time_step_limit[0]": _unboxed(raw[0]), "time_step_limit[1]": _unboxed(raw[1])})
-  lo, hi = (limit._get(k, None, False, "a number", lambda v: isinstance(v, (int, float))
+  # _get, not float(): the limit may be infinite.
+  lo, hi = (limit._get(k, None, False, "a number", lambda v: isinstance(v, (int, float))  # noqa: SLF001
                        and not isinstance(v, bool)) for k in limit.hf)
   return MambaConfig(**common, mixer="mamba2", ssm_head_dim=head_dim,
                      ssm_groups=f.int("n_groups", 8), ssm_chunk=f.int("chunk_size", 256),

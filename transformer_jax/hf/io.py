@@ -119,7 +119,7 @@ def _read_bin(path: Path) -> dict[str, np.ndarray]:
 
   try:
     state = torch.load(path, map_location="cpu", weights_only=True)
-  except Exception as e:  # torch raises many types for corrupt or unsafe pickles
+  except Exception as e:  # noqa: BLE001 - torch raises many types for corrupt or unsafe pickles
     raise CheckpointError(
         f"{path} could not be read with torch.load(weights_only=True): {type(e).__name__}: {e}"
     ) from None
