@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 
+import jax
+
 from transformer_jax import backends
 from transformer_jax.backends.compile import temp_bytes
 
@@ -42,7 +44,6 @@ def enable_compilation_cache(path: str | None = None) -> str | None:
   (``jax_compilation_cache_dir``), or the folder cannot be created (then nothing changes: a cache
   is an optimisation, never a reason to fail).
   """
-  import jax
 
   if os.environ.get(CACHE_ENV) == "0":
     return None

@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 from matplotlib.figure import Figure
 
@@ -105,7 +106,7 @@ def attention_maps(weights: np.ndarray, *, query_tokens: Sequence[str] | None = 
 
 
 def _cmap_with_bad(name: str):
-  import matplotlib
+  import matplotlib  # noqa: PLC0415 - matplotlib loads only to draw
   return matplotlib.colormaps[name].with_extremes(bad=_MASKED_COLOUR)
 
 
@@ -216,7 +217,6 @@ def lr_schedule(schedule: Callable[[int], float], steps: int, *,
 def parameter_counts(params: Any, *, depth: int = 2) -> dict[str, int]:
   """Parameters per component: leaves grouped by the first ``depth`` names of their path
   (``{"blocks/attn": 28_348_416, ...}``; the stacked ``layers`` level is skipped). ``params`` is any pytree (an ``nnx.State`` too)."""
-  import jax
 
   counts: dict[str, int] = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:

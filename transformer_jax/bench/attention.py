@@ -143,7 +143,7 @@ def torch_cell(b: int, t: int, n: int, h: int, dtype: str, reps: int,
   """Forward + backward of ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)`` on
   ``[b, n, t, h]`` inputs on ``device``: the first call's seconds and ``reps`` later
   repetitions' (``_times``)."""
-  import torch
+  import torch  # noqa: PLC0415 - torch is optional (the hf extra)
 
   gen = torch.Generator(device=device).manual_seed(0)
   q, k, v = (torch.randn((b, n, t, h), generator=gen, device=device, dtype=torch.float32)
@@ -208,7 +208,7 @@ def run(args) -> dict:
         row["error"] = _error(e)
         print(f"# T={t} {impl}: {row['error']}", file=sys.stderr)
         if torch_on == "cuda":
-          import torch
+          import torch  # noqa: PLC0415 - torch is optional (the hf extra)
           torch.cuda.empty_cache()
         rows.append(row)
         continue

@@ -213,11 +213,11 @@ class Theirs:
 
   def _sync(self) -> None:
     if self.device == "cuda":
-      import torch
+      import torch  # noqa: PLC0415 - torch is optional (the hf extra)
       torch.cuda.synchronize()
 
   def generate(self, prompt_BP: np.ndarray, new_tokens: int) -> np.ndarray:
-    import torch
+    import torch  # noqa: PLC0415 - torch is optional (the hf extra)
     self._sync()
     ids = torch.as_tensor(prompt_BP, dtype=torch.long)
     if self.device != "cpu":
@@ -232,7 +232,7 @@ class Theirs:
     return out[:, prompt_BP.shape[1]:].cpu().numpy()
 
   def logits(self, ids_1T: np.ndarray) -> np.ndarray:
-    import torch
+    import torch  # noqa: PLC0415 - torch is optional (the hf extra)
     if self.threads is not None:
       torch.set_num_threads(self.threads)
     with torch.inference_mode():
@@ -420,8 +420,8 @@ def run(args, command: str | None = None) -> dict:
 
 
 def _run(args, command: str | None) -> dict:
-  import torch
-  import transformers
+  import torch  # noqa: PLC0415 - torch is optional (the hf extra)
+  import transformers  # noqa: PLC0415 - transformers is optional (the hf extra)
 
   transformers.logging.set_verbosity_error()
   device = hf_device()

@@ -49,15 +49,27 @@ import re
 import resource
 import statistics
 import sys
+import tempfile
 import time
+import warnings
 
+from flax import nnx
 import jax
 import numpy as np
+import yaml
 
 from transformer_jax import backends, hardware, models, parallel, runtime
+from transformer_jax import data as data_lib
+from transformer_jax import hf as tjhf
 from transformer_jax.backends import table as table_lib
 from transformer_jax.bench import machine
+from transformer_jax.bench import profile
+from transformer_jax.hf.configs import default_architecture
 from transformer_jax.models.config import BERTConfig, GPTConfig, MambaConfig, Seq2SeqConfig
+from transformer_jax.train import step as step_lib
+from transformer_jax.train import tasks as tasks_lib
+from transformer_jax.train.config import TrainConfig
+from transformer_jax.train.optim import make_optimizer
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -203,7 +215,6 @@ def parse_model_overrides(items: list[str]) -> dict:
     ValueError: for an item without ``=`` or a key, a key given twice, or a field the bench sets
       itself (``dtype``, ``remat``: their own flags; dropout: off on both sides).
   """
-  import yaml
 
   out = {}
   for item, key, text in _pairs(items, "--model", "KEY=VALUE (e.g. --model scan_layers=false)"):
@@ -257,10 +268,6 @@ class Ours:
   def __init__(self, config, host_batch, task_name: str, lr: float, seed: int, tcfg=None,
                table: backends.KernelTable | None = None):
     """``table``: the kernel table the model and step are built with (default the library's)."""
-    from transformer_jax.train import step as step_lib
-    from transformer_jax.train import tasks as tasks_lib
-    from transformer_jax.train.config import TrainConfig
-    from transformer_jax.train.optim import make_optimizer
 
     self.config = config
     mesh = parallel.make_mesh({"data": -1})
@@ -325,15 +332,10 @@ class Torch:
   def __init__(self, config, params, host_batch, lr: float, weight_decay: float, clip: float,
                b1: float, b2: float, eps: float, compiled: bool = False, device: str = "cpu",
                autocast: str | None = None):
-    import tempfile
-    import warnings
 
-    import torch
-    import transformers
-    from flax import nnx
+    import torch  # noqa: PLC0415 - torch is optional (the hf extra)
+    import transformers  # noqa: PLC0415 - transformers is optional (the hf extra)
 
-    from transformer_jax import hf as tjhf
-    from transformer_jax.hf.configs import default_architecture
 
     if device not in ("cpu", "cuda"):
       raise ValueError(f"device={device!r}: the PyTorch rival runs on 'cpu' or 'cuda'")
@@ -417,8 +419,6 @@ def loss_curves(config, steps: int, batch_size: int, seq_len: int, seed: int,
   through their 10-step trailing means (single steps' losses swing with their batch):
   ``max_relative_gap`` is the largest ``|bf16 - fp32| / fp32`` of those means.
   """
-  from transformer_jax import data as data_lib
-  from transformer_jax.train.config import TrainConfig
 
   if not isinstance(config, GPTConfig):
     raise ValueError(f"--curve-steps trains on text with the GPT task; {type(config).__name__} "
@@ -464,7 +464,6 @@ def _progress(text: str) -> None:
 def _profiles(sides: dict, steps: int, keep_dir: str | None = None) -> dict:
   """Each side's device kernels over ``steps`` more steps (``bench.profile``), with the same
   steps' median wall time; each trace kept in ``keep_dir`` when given."""
-  from transformer_jax.bench import profile
 
   if keep_dir:
     os.makedirs(keep_dir, exist_ok=True)
@@ -483,8 +482,6 @@ def _profiles(sides: dict, steps: int, keep_dir: str | None = None) -> dict:
 
 def run(args) -> dict:
   """Runs the benchmark described by ``args`` (see ``add_args``); returns the result dict."""
-  from transformer_jax import runtime
-  from transformer_jax.train.config import TrainConfig
 
   hardware.share_gpu_memory()   # before JAX starts its backend, where it has not yet
   runtime.bf16_notice(args.dtype)

@@ -115,7 +115,7 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray]) -
 
 
 def _read_bin(path: Path) -> dict[str, np.ndarray]:
-  import torch  # lazy: only .bin checkpoints need torch
+  import torch  # noqa: PLC0415 - torch is optional (the hf extra)
 
   try:
     state = torch.load(path, map_location="cpu", weights_only=True)
@@ -133,7 +133,7 @@ def _read_bin(path: Path) -> dict[str, np.ndarray]:
 
 def torch_to_numpy(state) -> dict[str, np.ndarray]:
   """A torch state dict as float32/int NumPy arrays (bfloat16 is widened: NumPy lacks it in torch)."""
-  import torch
+  import torch  # noqa: PLC0415 - torch is optional (the hf extra)
 
   out = {}
   for name, t in state.items():

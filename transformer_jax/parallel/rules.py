@@ -113,7 +113,8 @@ def mesh_axes(logical: Sequence[str | None], rules: Rules = RULES, mesh: Mesh | 
 
 def logical_specs(params) -> Any:
   """The logical ``PartitionSpec`` (axis names) of each leaf of an ``nnx.State`` of parameters."""
-  from flax import nnx  # parallel depends only on JAX; Flax is needed just to read the metadata
+  # parallel/ depends only on JAX; Flax is needed just to read the metadata.
+  from flax import nnx  # noqa: PLC0415
   return nnx.get_partition_spec(params)
 
 
