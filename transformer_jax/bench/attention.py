@@ -123,8 +123,9 @@ def ours_cell(b: int, t: int, n: int, h: int, dtype: str, impl: str, reps: int,
   keys = jax.random.split(jax.random.key(0), 3)
   q, k, v = (jax.random.normal(key, (b, t, n, h), jnp.float32).astype(dtype) for key in keys)
   implementation = None if impl == "auto" else impl
-  loss = lambda q, k, v: jnp.sum(backend.attention(  # noqa: E731
-      q, k, v, causal=True, implementation=implementation).astype(jnp.float32))
+  def loss(q, k, v):
+    return jnp.sum(backend.attention(
+        q, k, v, causal=True, implementation=implementation).astype(jnp.float32))
   step = backend.jit_step(jax.grad(loss, argnums=(0, 1, 2)))
   pending = []   # the latest call's gradients, waited for at a repetition's end
 

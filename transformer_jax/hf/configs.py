@@ -105,6 +105,11 @@ class _Fields:
         isinstance(v, int) or isinstance(v, float) and v.is_integer()))
     return None if value is None else int(value)   # 4096.0 is 4096; 4.7 was refused
 
+  def number(self, field: str) -> int | float:
+    """A required number that may be infinite (``float()`` refuses that)."""
+    return self._get(field, None, False, "a number",
+                     lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))
+
   def float(self, field: str, default=None, *, null: bool = False) -> float | None:
     value = self._get(field, default, null, "a number",
                       lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))
@@ -489,9 +494,7 @@ def _mamba2_from(hf: dict) -> MambaConfig:
   if not isinstance(raw, (list, tuple)) or len(raw) != 2:
     raise CheckpointError(f"time_step_limit={raw!r}: expected a pair of numbers")
   limit = _Fields({"time_step_limit[0]": _unboxed(raw[0]), "time_step_limit[1]": _unboxed(raw[1])})
-  # _get, not float(): the limit may be infinite.
-  lo, hi = (limit._get(k, None, False, "a number", lambda v: isinstance(v, (int, float))  # noqa: SLF001
-                       and not isinstance(v, bool)) for k in limit.hf)
+  lo, hi = (limit.number(k) for k in limit.hf)
   return MambaConfig(**common, mixer="mamba2", ssm_head_dim=head_dim,
                      ssm_groups=f.int("n_groups", 8), ssm_chunk=f.int("chunk_size", 256),
                      time_step_limit=(float(lo), float(hi)),

@@ -102,8 +102,9 @@ def _forward(x, dt32, A, B, C, h0, seg_BT, q, interpret):
   seg_in = seg_in.reshape(b, z, 1, 1)
   a_n11 = A.astype(jnp.float32).reshape(n, 1, 1)
   per_head = lambda *blk: pl.BlockSpec((1, 1, 1, *blk), lambda i, j, k: (i, j, k, 0, 0))  # noqa
-  per_group = lambda *blk: pl.BlockSpec((1, 1, 1, *blk),   # noqa: E731
-                                        lambda i, j, k: (i, j // rep, k, 0, 0))
+  def per_group(*blk):
+    return pl.BlockSpec((1, 1, 1, *blk),
+                                          lambda i, j, k: (i, j // rep, k, 0, 0))
   y, h_end = pl.pallas_call(
       _kernel,
       out_shape=(jax.ShapeDtypeStruct((b, n, z, q, hd), jnp.float32),
