@@ -3,7 +3,8 @@
     python experiments/hf_parity.py            # JSON on stdout, one entry per case plus a summary
 
 Uses the random-weight, offline cases of tests/hf/hf_cases.py (padded batches; causal models both
-right- and left-padded, compared on real tokens) and the naive greedy continuation of the causal ones.
+right- and left-padded, compared on real tokens) and the naive greedy continuation of the causal
+ones.
 """
 
 from __future__ import annotations

@@ -48,8 +48,8 @@ def test_train_against_torch_does_the_same_work(tmp_path, capsys):
 
 
 def test_train_against_torch_llama_is_transformers_llama(tmp_path):
-  # ~10 s. A LLaMA-style preset's rival is transformers' LlamaForCausalLM on the same weights (RoPE, GQA,
-  # SwiGLU, RMSNorm, untied head): the same first loss, and AdamW keeps them together.
+  # ~10 s. A LLaMA-style preset's rival is transformers' LlamaForCausalLM on the same weights (RoPE,
+  # GQA, SwiGLU, RMSNorm, untied head): the same first loss, and AdamW keeps them together.
   pytest.importorskip("torch")
   r = _bench(tmp_path, "train", "--preset", "llama-tiny", "--batch-size", "2", "--seq-len", "16",
              "--steps", "2", "--warmup", "0")

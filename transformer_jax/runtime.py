@@ -28,7 +28,8 @@ CACHE_ENV = "TJAX_COMPILATION_CACHE"   # a folder, or "0" to turn the cache off
 
 
 def default_cache_dir() -> str:
-  """``$TJAX_COMPILATION_CACHE``, else ``$XDG_CACHE_HOME/transformer_jax/xla`` (``~/.cache/...``)."""
+  """``$TJAX_COMPILATION_CACHE``, else ``$XDG_CACHE_HOME/transformer_jax/xla``
+  (``~/.cache/...``)."""
   env = os.environ.get(CACHE_ENV)
   if env and env != "0":
     return os.path.abspath(os.path.expanduser(env))

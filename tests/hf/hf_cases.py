@@ -101,7 +101,8 @@ def family(arch: str) -> str:
 
 
 def batch(vocab: int, *, b: int = 3, t: int = 12, seed: int = 0, left: bool = False) -> dict:
-  """Random ids ``[b, t]`` and a 0/1 mask with padding: row 0 full, the others padded (right or left)."""
+  """Random ids ``[b, t]`` and a 0/1 mask with padding: row 0 full, the others padded (right or
+  left)."""
   rng = np.random.default_rng(seed)
   ids = rng.integers(0, vocab, (b, t)).astype(np.int64)
   mask = np.ones((b, t), np.int64)

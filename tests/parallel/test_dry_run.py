@@ -1,4 +1,5 @@
-"""``tjax train CONFIG --dry-run``: compiles the sharded step on simulated devices, reads no data."""
+"""``tjax train CONFIG --dry-run``: compiles the sharded step on simulated devices, reads no
+data."""
 
 import os
 import subprocess

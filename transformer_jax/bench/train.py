@@ -10,11 +10,11 @@ flavour, e.g. ``tinyllama-1.1b``, ``MistralForCausalLM``, ``MambaForCausalLM``,
 with the same tokens, the same loss (token-mean cross-entropy over the same labels),
 ``clip_grad_norm_`` and ``torch.optim.AdamW`` with the same hyper-parameters; dropout is off on
 both sides. Steps alternate (ours, theirs, ours, ...) so both
-see the same machine, and medians are compared, after ``--warmup`` untimed steps per side (default 2:
-the first steps fault each side's scratch memory in, several seconds of kernel time each, and
-the per-step page faults and kernel time of the timed steps are in the JSON, ``*_all``).
-``--against torch.compile`` adds a
-``torch.compile``-d forward+backward when it compiles within ``--compile-timeout`` seconds.
+see the same machine, and medians are compared, after ``--warmup`` untimed steps per side (default
+2: the first steps fault each side's scratch memory in, several seconds of kernel time each, and the
+per-step page faults and kernel time of the timed steps are in the JSON, ``*_all``).
+``--against torch.compile`` adds a ``torch.compile``-d forward+backward when it compiles within
+``--compile-timeout`` seconds.
 
 The machine's limit is measured in the same run: the best matmul rate on the step's own shapes
 (``machine.run_matmul_limit``; on a GPU or TPU also a large square product), from which
@@ -320,8 +320,9 @@ class Ours:
 
 class Torch:
   """The preset's ``transformers`` causal LM (``hf.save``'s architecture: ``GPT2LMHeadModel``,
-  ``LlamaForCausalLM``, ``MistralForCausalLM``) on the same weights: forward, token-mean cross-entropy, backward, clipping,
-  AdamW, in eager mode (or with the forward+loss ``torch.compile``-d).
+  ``LlamaForCausalLM``, ``MistralForCausalLM``) on the same weights: forward, token-mean
+  cross-entropy, backward, clipping, AdamW, in eager mode (or with the forward+loss
+  ``torch.compile``-d).
 
   On ``device`` "cpu" everything is float32. On "cuda" the model and batch live on the GPU, the
   forward+loss runs under ``torch.autocast`` to ``autocast`` when given ("bfloat16"; the weights
@@ -644,11 +645,13 @@ def table(result: dict) -> str:
   ref = result["limit"]["step_floor_s"]
   on_cpu = result.get("platform", "cpu") == "cpu"
   on = "" if on_cpu else f" on {result['device_kind']}"
+  matmul = result["limit"]["matmul"]
+  widest = matmul[list(matmul)[-1]]["flops_per_sec"]
   lines = [f"train step {result['preset']} {result['batch_size']}x{result['seq_len']} "
            f"{result['dtype']}{on}, layers {result['layers']}: floor "
            f"{ref:.{2 if on_cpu else 4}f} s at "
            "the measured matmul limit "
-           f"({result['limit']['matmul'][list(result['limit']['matmul'])[-1]]['flops_per_sec'] / 1e9:.0f} GFLOP/s)"]
+           f"({widest / 1e9:.0f} GFLOP/s)"]
   if result.get("model_overrides"):
     lines.append("  model overrides: " + ", ".join(
         f"{k}={v}" for k, v in result["model_overrides"].items()))

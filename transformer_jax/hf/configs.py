@@ -1,9 +1,10 @@
-"""Config translation: a Hugging Face ``config.json`` dict <-> GPTConfig / BERTConfig / Seq2SeqConfig /
-MambaConfig.
+"""Config translation: a Hugging Face ``config.json`` dict <-> GPTConfig / BERTConfig /
+Seq2SeqConfig / MambaConfig.
 
-Each family has a reader (``hf dict -> our config``) and a writer (``our config -> hf dict``). Options
-we do not implement are refused by name (``UnsupportedError``), never approximated. A writer refuses a
-config the target architecture cannot express by translating back and naming the fields that differ.
+Each family has a reader (``hf dict -> our config``) and a writer (``our config -> hf dict``).
+Options we do not implement are refused by name (``UnsupportedError``), never approximated. A writer
+refuses a config the target architecture cannot express by translating back and naming the fields
+that differ.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from transformer_jax import ops
 from transformer_jax.hf.errors import CheckpointError, UnsupportedError
 from transformer_jax.models import BERTConfig, GPTConfig, MambaConfig, ModelConfig, Seq2SeqConfig
 
-# Architecture name -> (family, model_type). The family picks the config reader/writer and params table.
+# Architecture name -> (family, model_type). The family picks the config reader/writer and params
+# table.
 ARCHITECTURES = {
     "GPT2LMHeadModel": ("gpt2", "gpt2"),
     "BertForPreTraining": ("bert", "bert"),
@@ -45,7 +47,8 @@ _NON_ARCHITECTURAL = {"dropout_rate", "attention_dropout_rate", "ffn_dropout_rat
 
 
 def architecture_of(hf: dict) -> str:
-  """The single supported architecture named in ``hf["architectures"]`` (refused by name otherwise)."""
+  """The single supported architecture named in ``hf["architectures"]`` (refused by name
+  otherwise)."""
   archs = hf.get("architectures") or []
   if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
     raise CheckpointError(f"architectures={archs!r}: expected a list of one name")
@@ -128,7 +131,7 @@ class _Fields:
     return self._get(field, None, null, "an object", lambda v: isinstance(v, dict)) or {}
 
 
-# --- GPT-2 -----------------------------------------------------------------------------------------
+# --- GPT-2 ----------------------------------------------------------------------------------------
 
 
 def _gpt2_from(hf: dict) -> GPTConfig:
@@ -157,7 +160,7 @@ def _gpt2_to(c: GPTConfig) -> dict:
       initializer_range=c.init_std, scale_attn_weights=True)
 
 
-# --- LLaMA -----------------------------------------------------------------------------------------
+# --- LLaMA ----------------------------------------------------------------------------------------
 
 
 def _llama_rope(hf: dict) -> tuple[float, ops.RopeScaling | None]:
@@ -251,7 +254,7 @@ def _mistral_to(c: GPTConfig) -> dict:
   return {**_llama_to(c), "model_type": "mistral", "sliding_window": c.sliding_window}
 
 
-# --- BERT ------------------------------------------------------------------------------------------
+# --- BERT -----------------------------------------------------------------------------------------
 
 
 def _bert_from(hf: dict, arch: str) -> BERTConfig:
@@ -288,7 +291,7 @@ def _bert_to(c: BERTConfig) -> dict:
   return out
 
 
-# --- BigBird ---------------------------------------------------------------------------------------
+# --- BigBird --------------------------------------------------------------------------------------
 # BERT's layers and names with block-sparse attention. transformers' BigBird in eval mode (what
 # its logits are compared with) takes every random block to be block 0 and attends densely up to
 # (5 + 2 * num_random_blocks) * block_size tokens: SparsePattern.bigbird(eval_mode=True). In
@@ -333,7 +336,7 @@ def _bigbird_to(c: BERTConfig) -> dict:
           "num_random_blocks": p.random_blocks}
 
 
-# --- T5 --------------------------------------------------------------------------------------------
+# --- T5 -------------------------------------------------------------------------------------------
 
 
 def _t5_from(hf: dict) -> Seq2SeqConfig:
@@ -389,7 +392,7 @@ def _t5_to(c: Seq2SeqConfig) -> dict:
       decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
 
 
-# --- Marian (the Transformer of Vaswani et al.) ----------------------------------------------------
+# --- Marian (the Transformer of Vaswani et al.) ---------------------------------------------------
 
 
 def _marian_from(hf: dict) -> Seq2SeqConfig:
@@ -517,7 +520,7 @@ def _mamba2_to(c: MambaConfig) -> dict:
           "time_step_limit": list(c.time_step_limit)}
 
 
-# --- Dispatch --------------------------------------------------------------------------------------
+# --- Dispatch -------------------------------------------------------------------------------------
 
 
 def from_hf(hf: dict, arch: str) -> ModelConfig:

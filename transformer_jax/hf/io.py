@@ -1,7 +1,7 @@
 """Reading and writing checkpoint files: safetensors (single or sharded), ``pytorch_model.bin``.
 
-Safetensors is parsed here directly (an 8-byte header length, a JSON header, raw little-endian data),
-so loading needs neither torch nor the ``safetensors`` package and a damaged file gives a
+Safetensors is parsed here directly (an 8-byte header length, a JSON header, raw little-endian
+data), so loading needs neither torch nor the ``safetensors`` package and a damaged file gives a
 ``CheckpointError`` that says what is wrong. ``pytorch_model.bin`` is read only through
 ``torch.load(..., weights_only=True)``: no arbitrary unpickling.
 """
@@ -132,7 +132,8 @@ def _read_bin(path: Path) -> dict[str, np.ndarray]:
 
 
 def torch_to_numpy(state) -> dict[str, np.ndarray]:
-  """A torch state dict as float32/int NumPy arrays (bfloat16 is widened: NumPy lacks it in torch)."""
+  """A torch state dict as float32/int NumPy arrays (bfloat16 is widened: NumPy lacks it in
+  torch)."""
   import torch  # noqa: PLC0415 - torch is optional (the hf extra)
 
   out = {}

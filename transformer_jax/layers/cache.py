@@ -1,4 +1,5 @@
-"""The key/value cache of decoding: one small pytree per layer stack, passed in and out of the layers."""
+"""The key/value cache of decoding: one small pytree per layer stack, passed in and out of the
+layers."""
 
 from __future__ import annotations
 
@@ -22,10 +23,10 @@ class KVCache:
   written at slots ``lengths[b] ..`` and attend causally by position (slots past a row's position
   may hold stale entries; they are masked). A rolling cache (``window`` W, for sliding-window
   attention) has W slots used as a ring: position ``p`` lives in slot ``p mod W``, so its size and
-  a step's time stay flat however long the generation runs (``ordered`` and ``write_rolling``). A read-only cache (``lengths`` None) holds keys/values
-  projected once, e.g. an encoder's output for cross-attention, with ``kv_valid`` marking padding;
-  a decoder's cache carries it in ``cross``. ``layer(i)`` is the one-layer view an attention layer
-  reads and returns.
+  a step's time stay flat however long the generation runs (``ordered`` and ``write_rolling``). A
+  read-only cache (``lengths`` None) holds keys/values projected once, e.g. an encoder's output for
+  cross-attention, with ``kv_valid`` marking padding; a decoder's cache carries it in ``cross``.
+  ``layer(i)`` is the one-layer view an attention layer reads and returns.
   """
 
   k: tuple[jax.Array, ...]            # L arrays [B * K, S, H] (keys already rotated by RoPE)

@@ -1,5 +1,5 @@
-"""The device mesh (``data``, ``fsdp``, ``tensor``, ``sequence``) and the checks that a model, batch and
-sequence length fit it, made before anything compiles."""
+"""The device mesh (``data``, ``fsdp``, ``tensor``, ``sequence``) and the checks that a model, batch
+and sequence length fit it, made before anything compiles."""
 
 from __future__ import annotations
 
