@@ -4,13 +4,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo tour test venv clean
+.PHONY: demo tour test test-fast lint format venv clean
 
 # (Re)create the virtual environment when it is missing or pyproject.toml changed.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,hf,cpu]'
+	$(PY) -m pip install -q -e '.[test,dev,hf,cpu]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -31,6 +31,21 @@ tour: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest tests -n 2 --dist worksteal --ignore=tests/parallel
 	$(PY) -m pytest tests/parallel -n 2 --dist worksteal
+
+# The inner loop: the core's unit tests (ops, layers, models, backends) without the tests marked
+# slow. The conformance suite (tests/conformance) compiles every model kind: make test runs it.
+test-fast: $(STAMP)
+	$(PY) -m pytest tests/ops tests/layers tests/models tests/backends -n 2 -m "not slow"
+
+# What CI checks: the lint rules and the formatting (configured in pyproject.toml).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+# Rewrites the tree to the house format and applies ruff's safe fixes.
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
 
 clean:
 	rm -rf $(VENV) runs report

@@ -112,7 +112,8 @@ def main(argv=None) -> dict:
   p.add_argument("--memory-limit-gib", type=float, default=16.0)
   p.add_argument("--out", default=os.path.join(ROOT, "experiments/results/attention_memory.json"))
   args = p.parse_args(argv)
-  ints = lambda s: [int(x) for x in s.split(",") if x]
+  def ints(s):
+    return [int(x) for x in s.split(",") if x]
 
   load_before = os.getloadavg()
   sweep = [measure(impl, t, args.sweep_reps, args)

@@ -9,7 +9,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from transformer_jax.bench.generate import main  # noqa: E402
+from transformer_jax.bench.generate import main
 
 if __name__ == "__main__":
   main()

@@ -149,8 +149,9 @@ def kernel_speed(lengths: list[int], window: int, heads: int, head_dim: int, rep
     q, k, v = (jax.random.normal(key, (1, t, heads, head_dim), jnp.float32) for key in keys)
 
     def grad_fn(win):
-      loss = lambda q, k, v: jnp.sum(tj.backends.current().attention(  # noqa: E731
-          q, k, v, causal=True, window=win, implementation="chunked"))
+      def loss(q, k, v):
+        return jnp.sum(tj.backends.current().attention(
+                q, k, v, causal=True, window=win, implementation="chunked"))
       return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
     med = _median_times({"full": grad_fn(None), "window": grad_fn(window)},

@@ -35,7 +35,8 @@ if mode == "frozen":
   ds = exp.data.path
   out = evaluate_run(exp.model["init_from"], [f"data.path={ds}",
                      f"train.eval_batches={exp.train.eval_batches}",
-                     f"train.batch_size={exp.train.batch_size}", f"train.seq_len={exp.train.seq_len}"])
+                     f"train.batch_size={exp.train.batch_size}",
+                     f"train.seq_len={exp.train.seq_len}"])
   from transformer_jax import models, runs
   n = models.count_params(runs.RunDir(exp.model["init_from"]).require_model())
   out = {"val_loss": out["val_loss"], "trainable": 0, "total": n, "fraction": 0.0}

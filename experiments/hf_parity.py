@@ -3,7 +3,8 @@
     python experiments/hf_parity.py            # JSON on stdout, one entry per case plus a summary
 
 Uses the random-weight, offline cases of tests/hf/hf_cases.py (padded batches; causal models both
-right- and left-padded, compared on real tokens) and the naive greedy continuation of the causal ones.
+right- and left-padded, compared on real tokens) and the naive greedy continuation of the causal
+ones.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ import warnings
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "hf"))
 
-import numpy as np  # noqa: E402
-import transformers  # noqa: E402
+import numpy as np
+import transformers
 
-import hf_cases as hc  # noqa: E402
-import transformer_jax.hf as tjhf  # noqa: E402
+import hf_cases as hc
+import transformer_jax.hf as tjhf
 
 
 def main() -> None:

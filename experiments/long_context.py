@@ -3,7 +3,8 @@
 Each (implementation, length) runs in a fresh process that trains a few AdamW steps on one row of
 the embedded corpus (the Python standard library's sources, prepared by `tjax prepare` on first use)
 and reports seconds per step and its peak resident memory. The parent watches each child's memory
-and stops it above a cap (default 16 GiB), so the dense kernel failing at 16k is recorded, not fatal.
+and stops it above a cap (default 16 GiB), so the dense kernel failing at 16k is recorded, not
+fatal.
 
   python experiments/long_context.py                  # writes experiments/results/long_context.json
   python experiments/long_context.py --lengths 4096 --steps 2 --json /tmp/lc.json

@@ -89,7 +89,8 @@ def eval_docs(dataset, args) -> np.ndarray:
 
 
 def _loss_sums(config, params, windows_WL1: np.ndarray, score_from: int) -> tuple[float, int]:
-  """Summed next-token loss over ``windows[:, score_from:]`` targets (batched, one jit per shape)."""
+  """Summed next-token loss over ``windows[:, score_from:]`` targets (batched, one jit per
+  shape)."""
   tokens, labels = jnp.asarray(windows_WL1[:, :-1]), jnp.asarray(windows_WL1[:, 1:])
   mask = jnp.zeros(labels.shape, bool).at[:, score_from:].set(True)
 

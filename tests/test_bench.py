@@ -48,8 +48,8 @@ def test_train_against_torch_does_the_same_work(tmp_path, capsys):
 
 
 def test_train_against_torch_llama_is_transformers_llama(tmp_path):
-  # ~10 s. A LLaMA-style preset's rival is transformers' LlamaForCausalLM on the same weights (RoPE, GQA,
-  # SwiGLU, RMSNorm, untied head): the same first loss, and AdamW keeps them together.
+  # ~10 s. A LLaMA-style preset's rival is transformers' LlamaForCausalLM on the same weights (RoPE,
+  # GQA, SwiGLU, RMSNorm, untied head): the same first loss, and AdamW keeps them together.
   pytest.importorskip("torch")
   r = _bench(tmp_path, "train", "--preset", "llama-tiny", "--batch-size", "2", "--seq-len", "16",
              "--steps", "2", "--warmup", "0")
@@ -258,7 +258,7 @@ def test_attention_inner_calls_are_issued_back_to_back_and_divided(monkeypatch):
   log = []
   clock = iter(range(0, 1000, 8))   # each perf_counter() reading is 8 s after the last
   monkeypatch.setattr(attention.time, "perf_counter", lambda: next(clock))
-  first, times = attention._times(lambda: log.append("call"), lambda: log.append("sync"),  # noqa: SLF001
+  first, times = attention._times(lambda: log.append("call"), lambda: log.append("sync"),
                                   reps=2, inner=4)
   assert first == 8 and times == [2.0, 2.0]   # 8 s over 4 calls
   one_rep = ["sync"] + ["call"] * 4 + ["sync"]

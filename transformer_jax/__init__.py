@@ -3,5 +3,7 @@ transformers (the Transformer, T5)."""
 
 from transformer_jax import backends, models, ops, parallel
 
+# The one place the version is written: pyproject.toml reads it (dynamic version); CHANGELOG.md
+# has a section per version.
 __version__ = "0.1.0"
 __all__ = ["backends", "models", "ops", "parallel", "__version__"]

@@ -16,9 +16,14 @@ raised whenever a run goes faster, so the MFU never passes 100%.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import platform as _platform
 import re
+import time
+
+import jax
+import jax.numpy as jnp
 
 # cpuinfo flags that decide which kernels are fast: vector width, FMA, bfloat16 and AMX units.
 _FLAGS_OF_INTEREST = ("avx", "avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16",
@@ -115,7 +120,6 @@ def peak_flops(device_kind: str, dtype: str) -> float | None:
 def device_kind() -> str:
   """The ``device_kind`` of the default backend's first device (e.g. "NVIDIA H100 80GB HBM3";
   "cpu" on CPU)."""
-  import jax
 
   return jax.devices()[0].device_kind
 
@@ -133,7 +137,7 @@ def share_gpu_memory() -> bool:
   """
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   try:
-    from jax._src import xla_bridge
+    from jax._src import xla_bridge  # noqa: PLC0415 - private jax module: may move or go
     return not xla_bridge.backends_are_initialized()
   except (ImportError, AttributeError):
     return False
@@ -161,7 +165,6 @@ def limit_cache_path() -> str | None:
 def limit_key(dtype: str) -> str:
   """What a measured limit holds for: this CPU (model, family, the flags that pick kernels), the
   CPUs this process may use, the JAX version and the products' dtype."""
-  import jax
 
   cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
   return (f"{cpu_name()} ({cpu_family()}); flags {' '.join(cpu_flags()) or '-'}; {cpus} CPUs; "
@@ -169,7 +172,6 @@ def limit_key(dtype: str) -> str:
 
 
 def _read_limits(path: str) -> dict:
-  import json
 
   try:
     with open(path, "rb") as f:
@@ -195,7 +197,6 @@ def store_limit(dtype: str, flops: float) -> bool:
   Returns:
     Whether the file now holds ``flops``.
   """
-  import json
 
   path = limit_cache_path()
   if path is None:
@@ -222,10 +223,7 @@ def store_limit(dtype: str, flops: float) -> bool:
 def measure_matmul(dtype: str) -> float:
   """The best of five ``PEAK_PROBE``-square products in ``dtype`` (float32 accumulation) on the
   default device, in FLOP/s."""
-  import time
 
-  import jax
-  import jax.numpy as jnp
 
   n = PEAK_PROBE
   a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)

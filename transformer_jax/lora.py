@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from transformer_jax import models
 from transformer_jax.layers.dense import Projection, einsum_dims
 from transformer_jax.parallel import axes as ax
 
@@ -179,7 +180,6 @@ def create(model_config, config: LoRAConfig, key: jax.Array, mesh=None,
   """The model of ``model_config`` with adapters, built for ``mesh`` and ``backend`` (see
   ``models.create``); the base parameters come from ``key`` exactly as
   ``models.init(model_config, key)`` makes them, the adapters from a key folded from it."""
-  from transformer_jax import models
   model = models.model_class(model_config)(model_config, rngs=nnx.Rngs(params=key), mesh=mesh,
                                            backend=backend)
   return add_adapters(model, config, rngs=nnx.Rngs(params=jax.random.fold_in(key, 0x10A)))

@@ -19,9 +19,13 @@ from typing import Any
 
 import numpy as np
 import yaml
+from flax import nnx
 from matplotlib.figure import Figure
 
 from transformer_jax import models, ops, runs, viz
+from transformer_jax.data import load_dataset
+from transformer_jax.train.config import load_experiment
+from transformer_jax.train.optim import learning_rate_schedule
 
 MAX_TEXT_TOKENS = 48  # attention maps past this many tokens are unreadable
 
@@ -75,7 +79,6 @@ def _read_final(rd: runs.RunDir) -> dict:
 
 def _tokenizer(rd: runs.RunDir):
   """The tokenizer of the run's dataset, or None when the run names none that can be read."""
-  from transformer_jax.data import load_dataset
   ref = rd.read_dataset_ref()
   path = ref["path"] if ref else ((rd.read_config() or {}).get("data") or {}).get("path")
   if not path:
@@ -137,8 +140,6 @@ def _attention_picture(config, model, tokenizer, text: str) -> tuple[Figure, str
 def _lr_picture(raw_config: dict | None) -> Figure | None:
   if not raw_config or "train" not in raw_config:
     return None
-  from transformer_jax.train.config import load_experiment
-  from transformer_jax.train.optim import learning_rate_schedule
   try:
     train = load_experiment(None, raw={**raw_config, "run_dir": "-"}).train
   except ValueError:
@@ -173,7 +174,6 @@ def _collect(path: str, name: str, text: str | None, best: bool) -> _Run:
 
   model = None
   if rd.checkpoint_steps(best=best):
-    from flax import nnx
     _, params = runs.load_model(path, best=best)
     model = nnx.merge(models.graphdef(config), params)
     add("params", viz.parameter_breakdown(params, title=None), "Parameters per component.")

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 
+import jax
+
 from transformer_jax import backends
 from transformer_jax.backends.compile import temp_bytes
 
@@ -26,7 +28,8 @@ CACHE_ENV = "TJAX_COMPILATION_CACHE"   # a folder, or "0" to turn the cache off
 
 
 def default_cache_dir() -> str:
-  """``$TJAX_COMPILATION_CACHE``, else ``$XDG_CACHE_HOME/transformer_jax/xla`` (``~/.cache/...``)."""
+  """``$TJAX_COMPILATION_CACHE``, else ``$XDG_CACHE_HOME/transformer_jax/xla``
+  (``~/.cache/...``)."""
   env = os.environ.get(CACHE_ENV)
   if env and env != "0":
     return os.path.abspath(os.path.expanduser(env))
@@ -42,7 +45,6 @@ def enable_compilation_cache(path: str | None = None) -> str | None:
   (``jax_compilation_cache_dir``), or the folder cannot be created (then nothing changes: a cache
   is an optimisation, never a reason to fail).
   """
-  import jax
 
   if os.environ.get(CACHE_ENV) == "0":
     return None

@@ -1,9 +1,9 @@
 """Pictures of models and runs, as pure functions returning matplotlib Figures.
 
 Every function takes arrays or plain records (no run directory, no model), draws them, and returns
-the ``Figure``; the caller saves it (``fig.savefig("x.png")``) or embeds it. What is drawn is exactly
-the data passed in (tests read it back from the figure), so a picture never disagrees with the
-numbers. Uses matplotlib's non-interactive Agg canvas: no display is needed.
+the ``Figure``; the caller saves it (``fig.savefig("x.png")``) or embeds it. What is drawn is
+exactly the data passed in (tests read it back from the figure), so a picture never disagrees with
+the numbers. Uses matplotlib's non-interactive Agg canvas: no display is needed.
 
 Letters as in ``ops/attention.py``: L layers, N heads, T queries, S keys, P positions, D width.
 """
@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 from matplotlib.figure import Figure
 
@@ -105,7 +106,7 @@ def attention_maps(weights: np.ndarray, *, query_tokens: Sequence[str] | None = 
 
 
 def _cmap_with_bad(name: str):
-  import matplotlib
+  import matplotlib  # noqa: PLC0415 - matplotlib loads only to draw
   return matplotlib.colormaps[name].with_extremes(bad=_MASKED_COLOUR)
 
 
@@ -215,8 +216,8 @@ def lr_schedule(schedule: Callable[[int], float], steps: int, *,
 
 def parameter_counts(params: Any, *, depth: int = 2) -> dict[str, int]:
   """Parameters per component: leaves grouped by the first ``depth`` names of their path
-  (``{"blocks/attn": 28_348_416, ...}``; the stacked ``layers`` level is skipped). ``params`` is any pytree (an ``nnx.State`` too)."""
-  import jax
+  (``{"blocks/attn": 28_348_416, ...}``; the stacked ``layers`` level is skipped). ``params`` is any
+  pytree (an ``nnx.State`` too)."""
 
   counts: dict[str, int] = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
@@ -229,7 +230,8 @@ def parameter_counts(params: Any, *, depth: int = 2) -> dict[str, int]:
 
 
 def parameter_breakdown(params: Any, *, depth: int = 2, title: str | None = None) -> Figure:
-  """A horizontal bar per component (``parameter_counts``), largest first, with counts and shares."""
+  """A horizontal bar per component (``parameter_counts``), largest first, with counts and
+  shares."""
   counts = sorted(parameter_counts(params, depth=depth).items(), key=lambda kv: kv[1])
   total = sum(v for _, v in counts)
   fig = Figure(figsize=(7.5, 0.35 * len(counts) + 1.2), layout="constrained")

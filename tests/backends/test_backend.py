@@ -153,8 +153,9 @@ def test_fused_loss_copies_x_row_major_on_cpu_only(monkeypatch):
   calls = _calls(monkeypatch, matmul, "transposed")
   x, w = jnp.ones((6, 4)), jnp.ones((10, 4))
   labels = jnp.arange(6) % 10
-  loss = lambda backend: jax.grad(lambda x, w: backend.linear_cross_entropy(
-      x, w, labels, chunk_size=3)[0], argnums=(0, 1))(x, w)
+  def loss(backend):
+    return jax.grad(lambda x, w: backend.linear_cross_entropy(
+        x, w, labels, chunk_size=3)[0], argnums=(0, 1))(x, w)
   got_gpu = loss(GPU)
   assert calls["transposed"] == 0
   got_cpu = loss(CPU_PLAIN)

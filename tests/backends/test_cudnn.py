@@ -205,7 +205,8 @@ def test_models_with_cudnn_train_as_accurately_as_with_xla(name):
   loss_xla, grads_xla = _loss_and_grads(name, "xla", "bfloat16")
   loss, grads = _loss_and_grads(name, "cudnn", "bfloat16")
   assert abs(float(loss) - float(loss_f32)) <= 2 * abs(float(loss_xla) - float(loss_f32)) + 1e-3
-  as64 = lambda g: np.asarray(g, np.float64)
+  def as64(g):
+    return np.asarray(g, np.float64)
   top = max(float(np.linalg.norm(as64(g))) for g in jax.tree.leaves(grads_f32))
   for (path, g32), g_xla, g in zip(jax.tree_util.tree_leaves_with_path(grads_f32),
                                    jax.tree.leaves(grads_xla), jax.tree.leaves(grads)):

@@ -51,10 +51,12 @@ def checked_calls():
       config = kind.config()
       graphdef = models.graphdef(config)
       if with_positions:
-        fn = lambda p, ids, positions: h.call(kind, nnx.merge(graphdef, p), ids,
-                                              positions=positions)
+        def fn(p, ids, positions):
+          return h.call(kind, nnx.merge(graphdef, p), ids,
+                                                      positions=positions)
       else:
-        fn = lambda p, ids: h.call(kind, nnx.merge(graphdef, p), ids)
+        def fn(p, ids):
+          return h.call(kind, nnx.merge(graphdef, p), ids)
       cache[key] = (models.checked(fn), h.params(config))
     return cache[key]
 

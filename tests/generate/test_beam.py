@@ -1,5 +1,6 @@
 """``beam_search``: equals a naive beam search over full forward passes, greedy at one beam, batch
-independence, and Hugging Face transformers' ``generate(num_beams=...)`` on the same GPT-2 weights."""
+independence, and Hugging Face transformers' ``generate(num_beams=...)`` on the same GPT-2
+weights."""
 
 import functools
 
@@ -25,8 +26,8 @@ def naive_beam_search(next_logp, *, num_beams, max_new_tokens, eos_id=None, leng
   """Beam search over Python lists, written from the description of transformers' algorithm.
 
   ``next_logp(new_tokens)`` is the float64 log-distribution of the next token after the new tokens
-  so far (a full forward pass, no cache). Returns the finished hypotheses ``[(score, tokens)]``, best
-  first, and whether any ended with EOS before ``max_new_tokens``.
+  so far (a full forward pass, no cache). Returns the finished hypotheses ``[(score, tokens)]``,
+  best first, and whether any ended with EOS before ``max_new_tokens``.
   """
   live = [(0.0, [])]
   finished = []
@@ -230,7 +231,7 @@ def test_suppressed_ids_never_appear():
   assert not np.isin(np.asarray(out.all_sequences), banned).any()
 
 
-# --- Hugging Face transformers, same random GPT-2 weights -------------------------------------------
+# --- Hugging Face transformers, same random GPT-2 weights -----------------------------------------
 
 @functools.lru_cache(maxsize=None)
 def _hf_gpt2():

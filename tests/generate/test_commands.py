@@ -1,5 +1,6 @@
 """``tjax generate`` / ``tjax fill-mask`` on tiny run directories (random weights saved with
-``save_model`` next to a prepared dataset): output against references, streaming, and every error."""
+``save_model`` next to a prepared dataset): output against references, streaming, and every
+error."""
 
 import functools
 import os

@@ -101,7 +101,8 @@ def family(arch: str) -> str:
 
 
 def batch(vocab: int, *, b: int = 3, t: int = 12, seed: int = 0, left: bool = False) -> dict:
-  """Random ids ``[b, t]`` and a 0/1 mask with padding: row 0 full, the others padded (right or left)."""
+  """Random ids ``[b, t]`` and a 0/1 mask with padding: row 0 full, the others padded (right or
+  left)."""
   rng = np.random.default_rng(seed)
   ids = rng.integers(0, vocab, (b, t)).astype(np.int64)
   mask = np.ones((b, t), np.int64)
@@ -118,7 +119,8 @@ def batch(vocab: int, *, b: int = 3, t: int = 12, seed: int = 0, left: bool = Fa
 
 def hf_outputs(model, arch: str, x: dict, tgt: dict | None = None) -> dict[str, np.ndarray]:
   """Named float32 outputs of the transformers model."""
-  tt = lambda a: torch.as_tensor(a)
+  def tt(a):
+    return torch.as_tensor(a)
   with torch.no_grad():
     match arch:
       case "GPT2LMHeadModel" | "LlamaForCausalLM" | "MistralForCausalLM":

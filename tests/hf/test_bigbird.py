@@ -9,7 +9,7 @@ import torch
 from transformers import BigBirdConfig, BigBirdForMaskedLM, BigBirdModel
 
 import transformer_jax as tj
-import transformer_jax.hf  # noqa: F401  (tj.hf)
+import transformer_jax.hf
 
 
 def hf_model(cls=BigBirdForMaskedLM, **kw):

@@ -23,7 +23,8 @@ def _attention(num_kv_heads=K, **kw):
 
 def _reference(attn, x, kv, allowed_BTS, bias_BNTS=None):
   """float64 NumPy: projections, softmax over allowed keys (zeros for a row with none), output."""
-  f = lambda a: np.asarray(a, np.float64)
+  def f(a):
+    return np.asarray(a, np.float64)
   q = np.einsum("btd,dnh->btnh", f(x), f(attn.query.kernel[...])) + f(attn.query.bias[...])
   k = np.einsum("bsd,dkh->bskh", f(kv), f(attn.key.kernel[...])) + f(attn.key.bias[...])
   v = np.einsum("bsd,dkh->bskh", f(kv), f(attn.value.kernel[...])) + f(attn.value.bias[...])

@@ -79,10 +79,12 @@ def test_sparse_kind_with_a_covering_pattern_equals_softmax():
   for family in ("bert", "gpt"):
     if family == "bert":
       base = bert()
-      run = lambda c, p: models.apply(c, p, tokens, None, mask).mlm_logits
+      def run(c, p):
+        return models.apply(c, p, tokens, None, mask).mlm_logits
     else:
       base = models.get_config("llama-tiny", vocab_size=64, max_len=64)
-      run = lambda c, p: models.apply(c, p, tokens, attention_mask=mask)
+      def run(c, p):
+        return models.apply(c, p, tokens, attention_mask=mask)
     sparse = dataclasses.replace(base, attention_kind="sparse", sparse_pattern=pattern)
     params = models.init(base, jax.random.key(3))
     np.testing.assert_allclose(np.asarray(run(sparse, params)), np.asarray(run(base, params)),

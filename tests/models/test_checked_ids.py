@@ -1,4 +1,5 @@
-"""Token ids under ``jit``: clamped silently by the embedding lookup, refused by ``models.checked``."""
+"""Token ids under ``jit``: clamped silently by the embedding lookup, refused by
+``models.checked``."""
 
 import jax
 import jax.numpy as jnp

@@ -161,13 +161,15 @@ def _np_gelu_tanh(x):
 
 
 def _np_gpt2(p, tokens, c):
-  f64 = lambda a: np.asarray(a, np.float64)
+  def f64(a):
+    return np.asarray(a, np.float64)
   x = f64(p["embed"]["embedding"])[tokens] + f64(p["pos_embed"]["embedding"])[:tokens.shape[1]]
   t = tokens.shape[1]
   causal = np.tril(np.ones((t, t), bool))
   blocks = p["blocks"]["layers"]
   for i in range(c.num_layers):
-    get = lambda *path: f64(_dig(blocks, path)[i])
+    def get(*path):
+      return f64(_dig(blocks, path)[i])
     h = _np_layer_norm(x, get("attn_norm", "scale"), get("attn_norm", "bias"), c.norm_eps)
     q = np.einsum("btd,dnh->bnth", h, get("attn", "query", "kernel")) + get(
         "attn", "query", "bias")[None, :, None, :]

@@ -129,7 +129,7 @@ def test_activations_work_under_strict_rank_promotion():
     jax.eval_shape(lambda: dropout(gate, 0.5, jax.random.key(0)))
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Derivatives: gelu, gelu_tanh and silu carry their derivative as a JVP rule (one saved residual).
 
 SMOOTH = ("gelu", "gelu_tanh", "silu")
@@ -221,7 +221,7 @@ def test_packed_activation_stacks_its_bf16_residual_in_place_in_a_scan():
   assert re.search(r"u16\[3,16,24\]\{[^}]*\} dynamic-update-slice\(", hlo)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Dropout.
 
 

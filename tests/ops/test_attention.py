@@ -59,7 +59,7 @@ attn = jax.jit(
     dot_product_attention, static_argnames=("causal", "scale", "dropout_rate", "return_weights"))
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Values against the reference.
 
 
@@ -183,7 +183,7 @@ def test_output_dtype_follows_query_dtype():
     assert attn(q, kk, v).dtype == dtype
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Fully masked rows.
 
 
@@ -233,7 +233,7 @@ def test_fully_masked_row_gradients_are_finite():
   assert np.all(np.asarray(grads[0])[1, 3] == 0.0)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Low precision.
 
 
@@ -271,7 +271,7 @@ def _grads_f64(q, kk, v, bias, mask, w, causal):
     return np.asarray(out), [np.asarray(g) for g in grads]
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Errors.
 
 
@@ -308,7 +308,7 @@ def test_shape_error_names_shapes_when_not_4d():
     attn(q[0], kk, v)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Against jax.nn.dot_product_attention.
 
 
@@ -330,7 +330,7 @@ def test_matches_jax_nn_dot_product_attention_with_mask_and_bias():
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Dropout on the attention weights.
 
 
@@ -380,7 +380,7 @@ def test_attention_dropout_zeroes_about_rate_of_weights():
   np.testing.assert_allclose(dropped[kept], w[kept] / 0.75, rtol=1e-5, atol=1e-7)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Transformations.
 
 
@@ -405,7 +405,8 @@ def test_vmap_over_extra_axis_equals_loop():
   kk = jnp.asarray(rng.standard_normal((e, B, S, 2, H)), jnp.float32)
   v = jnp.asarray(rng.standard_normal((e, B, S, 2, H)), jnp.float32)
   mask = jnp.asarray(rng.random((e, B, 1, T, S)) < 0.7)
-  f = lambda q_, k_, v_, m_: attn(q_, k_, v_, mask=m_, causal=True)
+  def f(q_, k_, v_, m_):
+    return attn(q_, k_, v_, mask=m_, causal=True)
   batched = jax.jit(jax.vmap(f))(q, kk, v, mask)
   for i in range(e):
     np.testing.assert_allclose(batched[i], f(q[i], kk[i], v[i], mask[i]), atol=1e-6, rtol=1e-6)
@@ -448,7 +449,8 @@ def test_gradients_match_reference_gradients():
   w = np.random.default_rng(38).standard_normal((1, 3, 2, 4))
   gq = np.asarray(jax.jit(jax.grad(
       lambda q_: jnp.sum(dot_product_attention(q_, kk, v, causal=True) * w)))(q))
-  ref_loss = lambda q_: np.sum(attention_ref(q_, kk, v, causal=True)[0] * w)
+  def ref_loss(q_):
+    return np.sum(attention_ref(q_, kk, v, causal=True)[0] * w)
   q64 = np.asarray(q, np.float64)
   num = np.zeros_like(q64)
   eps = 1e-6

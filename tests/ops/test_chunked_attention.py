@@ -220,8 +220,9 @@ def dropout_keep(rng, rate, b, n, t, s):
   """The kernel's dropout mask, assembled from its per-block draws (fold_in(rng, qi), ki). The
   block sizes are BQ and BK: the lengths used (37) split into blocks of exactly those sizes."""
   nq, nk = -(-t // BQ), -(-s // BK)
-  draw = lambda qi, ki: jax.random.bernoulli(
-      jax.random.fold_in(jax.random.fold_in(rng, qi), ki), 1.0 - rate, (b, n, BQ, BK))
+  def draw(qi, ki):
+    return jax.random.bernoulli(
+        jax.random.fold_in(jax.random.fold_in(rng, qi), ki), 1.0 - rate, (b, n, BQ, BK))
   blocks = jax.jit(jax.vmap(jax.vmap(draw, (None, 0)), (0, None)))(jnp.arange(nq), jnp.arange(nk))
   keep = np.asarray(blocks).transpose(2, 3, 0, 4, 1, 5).reshape(b, n, nq * BQ, nk * BK)
   return keep[:, :, :t, :s]

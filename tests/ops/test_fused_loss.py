@@ -84,7 +84,8 @@ def test_default_weights_and_cotangent_scaling():
   """No weights means all ones; the backward scales the saved gradients by the cotangent."""
   x, w, labels, _ = data(1)
   ref_loss, _, ref_dx, ref_dw = reference(x, w, labels, np.ones(N))
-  fn = lambda x, w: 0.25 * linear_cross_entropy(x, w, labels, chunk_size=5)[0]
+  def fn(x, w):
+    return 0.25 * linear_cross_entropy(x, w, labels, chunk_size=5)[0]
   loss, (dx, dw) = jax.value_and_grad(fn, argnums=(0, 1))(x, w)
   assert_close(loss, 0.25 * ref_loss)
   assert_close(dx, 0.25 * ref_dx)
@@ -102,8 +103,9 @@ def test_equals_cross_entropy_on_explicit_logits(w_layout):
     loss, count = cross_entropy(logits, labels, mask=weights, **kw)
     return loss * count
 
-  fused = lambda x, w: linear_cross_entropy(x, w, labels, weights, w_layout=w_layout,
-                                            chunk_size=6, **kw)[0]
+  def fused(x, w):
+    return linear_cross_entropy(x, w, labels, weights, w_layout=w_layout,
+                                              chunk_size=6, **kw)[0]
   want, want_grads = jax.value_and_grad(explicit, argnums=(0, 1))(x, w)
   got, got_grads = jax.value_and_grad(fused, argnums=(0, 1))(x, w)
   assert_close(got, want)
@@ -113,9 +115,11 @@ def test_equals_cross_entropy_on_explicit_logits(w_layout):
 
 def test_jit_matches_eager():
   x, w, labels, weights = data(3)
-  fn = lambda x, w: linear_cross_entropy(x, w, labels, weights, label_smoothing=0.1, z_loss=1e-3,
-                                         chunk_size=4)
-  loss_fn = lambda x, w: fn(x, w)[0]
+  def fn(x, w):
+    return linear_cross_entropy(x, w, labels, weights, label_smoothing=0.1, z_loss=1e-3,
+                                           chunk_size=4)
+  def loss_fn(x, w):
+    return fn(x, w)[0]
   eager, jitted = fn(x, w), jax.jit(fn)(x, w)
   for a, b in zip(eager, jitted):
     np.testing.assert_allclose(a, b, rtol=1e-6)
@@ -168,7 +172,8 @@ def test_labels_and_weights_get_no_gradient():
 def test_empty_batch():
   x, w, _, _ = data(7, n=0)
   labels = jnp.zeros((0,), jnp.int32)
-  fn = lambda x, w: linear_cross_entropy(x, w, labels)[0]
+  def fn(x, w):
+    return linear_cross_entropy(x, w, labels)[0]
   loss, (dx, dw) = jax.value_and_grad(fn, argnums=(0, 1))(x, w)
   assert float(loss) == 0.0 and dx.shape == (0, D)
   np.testing.assert_array_equal(dw, 0.0)
@@ -192,7 +197,8 @@ def test_plain_forward_computes_no_gradients():
   """A non-differentiated call runs the primal alone: one product per chunk (the logits); the
   differentiated one three (logits, dx, dW)."""
   x, w, labels, weights = data(8)
-  fn = lambda x, w: linear_cross_entropy(x, w, labels, weights, chunk_size=4)[0]
+  def fn(x, w):
+    return linear_cross_entropy(x, w, labels, weights, chunk_size=4)[0]
   assert _count_dots(jax.make_jaxpr(fn)(x, w).jaxpr) == 1
   grad_jaxpr = jax.make_jaxpr(jax.grad(fn, argnums=(0, 1)))(x, w).jaxpr
   assert _count_dots(grad_jaxpr) == 3
@@ -203,7 +209,8 @@ def test_no_full_logits_buffer():
   the 512 MiB of float32 [N, V] logits."""
   n, d, v, chunk = 4096, 64, 32768, 512
   labels = jnp.zeros((n,), jnp.int32)
-  fn = lambda x, w: linear_cross_entropy(x, w, labels, chunk_size=chunk)[0]
+  def fn(x, w):
+    return linear_cross_entropy(x, w, labels, chunk_size=chunk)[0]
   shapes = jax.ShapeDtypeStruct((n, d), jnp.float32), jax.ShapeDtypeStruct((v, d), jnp.float32)
   compiled = jax.jit(jax.grad(fn, argnums=(0, 1))).lower(*shapes).compile()
   stats = compiled.memory_analysis()

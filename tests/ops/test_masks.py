@@ -159,7 +159,8 @@ def test_segment_and_padding_masks_vmap_over_extra_axis_equals_loop():
   rng = np.random.default_rng(1)
   seg = jnp.asarray(rng.integers(0, 3, (3, 2, 5)))
   valid = jnp.asarray(rng.random((3, 2, 5)) < 0.7)
-  f = lambda s_, v_: and_masks(segment_mask(s_), padding_mask(v_, v_))
+  def f(s_, v_):
+    return and_masks(segment_mask(s_), padding_mask(v_, v_))
   batched = jax.vmap(f)(seg, valid)
   assert batched.shape == (3, 2, 1, 5, 5)
   for e in range(3):

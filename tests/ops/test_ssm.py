@@ -149,8 +149,9 @@ def check_against_reference(op, ref, args, names, **extra):
                          ids=["chunk8", "chunk5-ragged-tail", "one-chunk", "sequential"])
 def test_selective_scan_matches_the_float64_recurrence(chunk, method):
   args = m1_inputs(0)
-  op = lambda *a: ops.selective_scan(*a, chunk_size=chunk, return_state=True,   # noqa: E731
-                                     method=method)
+  def op(*a):
+    return ops.selective_scan(*a, chunk_size=chunk, return_state=True,
+                                       method=method)
   check_against_reference(op, ref_selective, args, ("x", "dt", "A", "B", "C", "D"))
 
 
@@ -164,9 +165,10 @@ def test_selective_scan_with_initial_state_padding_and_segments_matches_the_recu
   seg[0, 9:] = 1
   seg[1, 4:17] = 3
   seg[1, 17:] = 4
-  op = lambda *a: ops.selective_scan(*a[:6], chunk_size=6, initial_state=a[6],   # noqa: E731
-                                     return_state=True, valid=valid, segment_ids=seg,
-                                     method="sequential")
+  def op(*a):
+    return ops.selective_scan(*a[:6], chunk_size=6, initial_state=a[6],
+                                       return_state=True, valid=valid, segment_ids=seg,
+                                       method="sequential")
   ref = lambda *a: ref_selective(*a[:6], h0=a[6], valid=valid, seg=seg)   # noqa: E731
   check_against_reference(op, ref, [x, dt, A, B, C, D, h0], ("x", "dt", "A", "B", "C", "D", "h0"))
 
@@ -201,8 +203,9 @@ def test_ssd_matches_the_float64_recurrence(chunk):
 def test_ssd_clamps_dt_to_the_time_step_limit():
   args = m2_inputs(4, t=21)
   limit = (0.2, 0.9)
-  op = lambda *a: ops.ssd(*a, chunk_size=8, time_step_limit=limit,   # noqa: E731
-                          return_state=True)
+  def op(*a):
+    return ops.ssd(*a, chunk_size=8, time_step_limit=limit,
+                            return_state=True)
   check_against_reference(op, ref_ssd, args, ("x", "dt", "A", "B", "C", "D"), limit=limit)
   # The clamp matters: without it the outputs differ.
   assert rel_err(ops.ssd(*args, chunk_size=8), op(*args)[0]) > 1e-2
@@ -218,8 +221,9 @@ def test_ssd_with_initial_state_padding_and_segments_matches_the_recurrence():
   seg[0, 7:] = 2
   seg[0, 8:] = 5          # a one-position segment
   seg[1, 12:] = 1
-  op = lambda *a: ops.ssd(*a[:6], chunk_size=6, initial_state=a[6],   # noqa: E731
-                          return_state=True, valid=valid, segment_ids=seg)
+  def op(*a):
+    return ops.ssd(*a[:6], chunk_size=6, initial_state=a[6],
+                            return_state=True, valid=valid, segment_ids=seg)
   ref = lambda *a: ref_ssd(*a[:6], h0=a[6], valid=valid, seg=seg)   # noqa: E731
   check_against_reference(op, ref, [x, dt, A, B, C, D, h0], ("x", "dt", "A", "B", "C", "D", "h0"))
 
@@ -278,8 +282,9 @@ def test_padding_never_changes_a_rows_result(name, side):
       valid[r, :n] = True
     else:
       valid[r, 13 - n:] = True
-  garbage = lambda a: np.where(valid.reshape(valid.shape + (1,) * (a.ndim - 2)), a,   # noqa: E731
-                               100 * rng.standard_normal(a.shape).astype(np.float32))
+  def garbage(a):
+    return np.where(valid.reshape(valid.shape + (1,) * (a.ndim - 2)), a,
+                                 100 * rng.standard_normal(a.shape).astype(np.float32))
   px, pdt, pB, pC = (garbage(a) for a in (x, dt, B, C))
   y, h = op(px, np.abs(pdt), A, pB, pC, D, valid=valid, return_state=True)
   for r in range(3):

@@ -1,4 +1,5 @@
-"""``tjax train CONFIG --dry-run``: compiles the sharded step on simulated devices, reads no data."""
+"""``tjax train CONFIG --dry-run``: compiles the sharded step on simulated devices, reads no
+data."""
 
 import os
 import subprocess
@@ -79,8 +80,9 @@ def test_report_bytes_match_the_sharded_state(tmp_path):
   state = step_lib.init_state(config, optax.adamw(1e-3), parallel.make_mesh({"fsdp": 8}),
                               jax.random.key(0))
   device = jax.devices()[3]
-  held = lambda tree: sum(s.data.nbytes for x in jax.tree.leaves(tree)
-                          for s in x.addressable_shards if s.device == device)
+  def held(tree):
+    return sum(s.data.nbytes for x in jax.tree.leaves(tree)
+                            for s in x.addressable_shards if s.device == device)
   assert report["per_device_bytes"]["parameters"] == held(state.params)
   # make_optimizer's chain may hold extra scalars; the moments dominate.
   assert abs(report["per_device_bytes"]["optimizer_state"] - held(state.opt_state)) < 1024

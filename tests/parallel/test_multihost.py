@@ -113,8 +113,9 @@ def _targets(run_dir, mesh, spec_of):
   optimizer = make_optimizer(exp.train)
   params = models.init_abstract(config)
   opt_state = jax.eval_shape(optimizer.init, params)
-  place = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
-                                         sharding=NamedSharding(mesh, spec_of(a.shape)))
+  def place(a):
+    return jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                           sharding=NamedSharding(mesh, spec_of(a.shape)))
   return config, exp, optimizer, jax.tree.map(place, params), jax.tree.map(place, opt_state)
 
 

@@ -29,6 +29,9 @@ The platforms: ``CpuBackend`` (``backends.cpu``: everything that exists only for
 
 from __future__ import annotations
 
+import jax
+
+from transformer_jax import hardware
 from transformer_jax.backends.base import Backend, einsum_dims, padded_attend
 from transformer_jax.backends.compile import temp_bytes
 from transformer_jax.backends.cpu.backend import CpuBackend
@@ -43,7 +46,6 @@ __all__ = ["PLATFORMS", "Backend", "CpuBackend", "GpuBackend", "KernelTable", "T
 
 def platform() -> str:
   """The platform JAX computes on: "cpu", "gpu" (CUDA or ROCm) or "tpu"."""
-  import jax
 
   backend = jax.default_backend()
   return "gpu" if backend in ("cuda", "rocm") else backend
@@ -60,7 +62,6 @@ def for_platform(name: str, table: KernelTable | None = None) -> Backend:
   table = KernelTable() if table is None else table
   match name:
     case "cpu":
-      from transformer_jax import hardware
 
       return CpuBackend(table, bf16_units=hardware.has_bf16_units())
     case "gpu":

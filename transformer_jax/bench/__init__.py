@@ -15,6 +15,8 @@ import json
 import os
 import sys
 
+from transformer_jax.bench import machine
+
 KINDS = ("train", "generate", "attention")
 
 
@@ -38,7 +40,6 @@ def default_json(kind: str) -> str:
 def run(kind: str, args, argv: list[str]) -> dict:
   """Runs benchmark ``kind`` with parsed ``args``; prints its table; writes ``args.json`` (None:
   ``default_json(kind)``; "": nothing) and says where on stderr."""
-  from transformer_jax.bench import machine
 
   command = " ".join(["tjax", "bench", kind, *argv])
   mod = module(kind)

@@ -123,8 +123,9 @@ def ours_cell(b: int, t: int, n: int, h: int, dtype: str, impl: str, reps: int,
   keys = jax.random.split(jax.random.key(0), 3)
   q, k, v = (jax.random.normal(key, (b, t, n, h), jnp.float32).astype(dtype) for key in keys)
   implementation = None if impl == "auto" else impl
-  loss = lambda q, k, v: jnp.sum(backend.attention(  # noqa: E731
-      q, k, v, causal=True, implementation=implementation).astype(jnp.float32))
+  def loss(q, k, v):
+    return jnp.sum(backend.attention(
+        q, k, v, causal=True, implementation=implementation).astype(jnp.float32))
   step = backend.jit_step(jax.grad(loss, argnums=(0, 1, 2)))
   pending = []   # the latest call's gradients, waited for at a repetition's end
 
@@ -143,7 +144,7 @@ def torch_cell(b: int, t: int, n: int, h: int, dtype: str, reps: int,
   """Forward + backward of ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)`` on
   ``[b, n, t, h]`` inputs on ``device``: the first call's seconds and ``reps`` later
   repetitions' (``_times``)."""
-  import torch
+  import torch  # noqa: PLC0415 - torch is optional (the hf extra)
 
   gen = torch.Generator(device=device).manual_seed(0)
   q, k, v = (torch.randn((b, n, t, h), generator=gen, device=device, dtype=torch.float32)
@@ -208,7 +209,7 @@ def run(args) -> dict:
         row["error"] = _error(e)
         print(f"# T={t} {impl}: {row['error']}", file=sys.stderr)
         if torch_on == "cuda":
-          import torch
+          import torch  # noqa: PLC0415 - torch is optional (the hf extra)
           torch.cuda.empty_cache()
         rows.append(row)
         continue

@@ -8,15 +8,14 @@
 Both sides run the same random weights (``init_std`` 0.02): a transformer_jax model is initialised,
 written with ``transformer_jax.hf.save`` and read back by ``transformers.GPT2LMHeadModel`` (a Mamba
 preset: ``MambaForCausalLM`` or ``Mamba2ForCausalLM``, its PyTorch path on CPU). They do the
-same work: greedy, exactly ``--new-tokens`` tokens per row (no EOS), batch rows of one prompt length.
-Hugging Face runs its normal path: ``model.generate`` with its KV cache under
+same work: greedy, exactly ``--new-tokens`` tokens per row (no EOS), batch rows of one prompt
+length. Hugging Face runs its normal path: ``model.generate`` with its KV cache under
 ``torch.inference_mode()``, ``torch.set_num_threads(--torch-threads)`` (default: all cores). It is
 also timed with ``--torch-threads-alt`` threads (default 1): when other processes load the machine,
 torch's OpenMP threads wait for each other at every operation and one thread can be several times
 faster than all cores, so ``ratio_vs_their_best_threads`` (against their faster setting) is the
-figure that does not flatter us.
-bfloat16 means bfloat16 weights and compute on both sides (our ``dtype`` and ``param_dtype``,
-``model.to(torch.bfloat16)`` there).
+figure that does not flatter us. bfloat16 means bfloat16 weights and compute on both sides (our
+``dtype`` and ``param_dtype``, ``model.to(torch.bfloat16)`` there).
 
 Repetitions alternate (ours, theirs, ours, theirs, ...) so that both see the same machine load, and
 medians are reported. Numbers per (dtype, batch):
@@ -25,16 +24,16 @@ medians are reported. Numbers per (dtype, batch):
   * ``ttft_s``: time to first token, the median wall time of ``generate`` with one new token
     (prefill + the first token).
   * ``decode_tokens_per_sec``: ``batch * (new_tokens - 1) / decode_s``, the rate of the one-token
-    steps alone. ``decode_s`` is the median over repetitions of (full call - one-token call), the two
-    calls made back to back in each repetition so that their difference comes from the same
+    steps alone. ``decode_s`` is the median over repetitions of (full call - one-token call), the
+    two calls made back to back in each repetition so that their difference comes from the same
     moments. When that median is not positive (a tiny model's steps are shorter than the calls'
     jitter) the step time, its rate and its fractions of the floor are ``None`` and
     ``step_unresolved`` says why: never a negative or clamped time.
   * ``compile_s`` (ours): first call minus the median steady call, for the full call and for the
     one-token call (separate compilations).
-  * ``tokens_equal``: whether the greedy tokens agree. Random weights give near-ties; when the tokens
-    part, the first index where they do and both models' logit gap between the two candidates there
-    are recorded.
+  * ``tokens_equal``: whether the greedy tokens agree. Random weights give near-ties; when the
+    tokens part, the first index where they do and both models' logit gap between the two
+    candidates there are recorded.
 
 The machine's weight-streaming bandwidth (``machine.weight_bandwidth``: a matrix-vector product over
 a 512 MB matrix, which is what a batch-1 step does with every weight) and the weights' size are
@@ -213,11 +212,11 @@ class Theirs:
 
   def _sync(self) -> None:
     if self.device == "cuda":
-      import torch
+      import torch  # noqa: PLC0415 - torch is optional (the hf extra)
       torch.cuda.synchronize()
 
   def generate(self, prompt_BP: np.ndarray, new_tokens: int) -> np.ndarray:
-    import torch
+    import torch  # noqa: PLC0415 - torch is optional (the hf extra)
     self._sync()
     ids = torch.as_tensor(prompt_BP, dtype=torch.long)
     if self.device != "cpu":
@@ -232,7 +231,7 @@ class Theirs:
     return out[:, prompt_BP.shape[1]:].cpu().numpy()
 
   def logits(self, ids_1T: np.ndarray) -> np.ndarray:
-    import torch
+    import torch  # noqa: PLC0415 - torch is optional (the hf extra)
     if self.threads is not None:
       torch.set_num_threads(self.threads)
     with torch.inference_mode():
@@ -420,8 +419,8 @@ def run(args, command: str | None = None) -> dict:
 
 
 def _run(args, command: str | None) -> dict:
-  import torch
-  import transformers
+  import torch  # noqa: PLC0415 - torch is optional (the hf extra)
+  import transformers  # noqa: PLC0415 - transformers is optional (the hf extra)
 
   transformers.logging.set_verbosity_error()
   device = hf_device()

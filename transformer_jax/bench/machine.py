@@ -106,7 +106,7 @@ def torch_device() -> tuple[str | None, str]:
     return "cpu", ""
   if platform != "gpu":
     return None, f"no PyTorch rival on {platform} (JAX runs on {hardware.device_kind()})"
-  import torch
+  import torch  # noqa: PLC0415 - torch is optional (the hf extra)
 
   if not torch.cuda.is_available():
     return None, f"JAX runs on a GPU but torch {torch.__version__} has no CUDA device"

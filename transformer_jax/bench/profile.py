@@ -21,6 +21,8 @@ import re
 import shutil
 import tempfile
 
+import jax
+
 # (kind, pattern on the lower-cased kernel name), first match wins.
 KINDS = (
     ("attention", re.compile(r"fmha|flash|sdpa|attention|cudnn_generated|fprop_kernel|bprop")),
@@ -101,7 +103,6 @@ def jax_kernels(fn, steps: int, keep: str | None = None) -> dict:
   """Runs ``fn()`` (which must block until its device work is done) ``steps`` times under
   ``jax.profiler`` and summarizes the GPU kernels; with ``keep`` the trace (Chrome format,
   gzipped) is copied to that path."""
-  import jax
 
   with tempfile.TemporaryDirectory() as tmp:
     with jax.profiler.trace(tmp):
@@ -121,8 +122,8 @@ def torch_kernels(fn, steps: int, keep: str | None = None) -> dict:
   """Runs ``fn()`` ``steps`` times under ``torch.profiler`` (CPU and CUDA activity) and summarizes
   the CUDA kernels, memcpys and memsets; with ``keep`` the Chrome trace is written gzipped to
   that path."""
-  import torch
-  from torch.profiler import ProfilerActivity, profile
+  import torch  # noqa: PLC0415 - torch is optional (the hf extra)
+  from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415 - torch is optional (the hf extra)
 
   activities = [ProfilerActivity.CPU]
   if torch.cuda.is_available():

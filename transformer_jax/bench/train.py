@@ -10,11 +10,11 @@ flavour, e.g. ``tinyllama-1.1b``, ``MistralForCausalLM``, ``MambaForCausalLM``,
 with the same tokens, the same loss (token-mean cross-entropy over the same labels),
 ``clip_grad_norm_`` and ``torch.optim.AdamW`` with the same hyper-parameters; dropout is off on
 both sides. Steps alternate (ours, theirs, ours, ...) so both
-see the same machine, and medians are compared, after ``--warmup`` untimed steps per side (default 2:
-the first steps fault each side's scratch memory in, several seconds of kernel time each, and
-the per-step page faults and kernel time of the timed steps are in the JSON, ``*_all``).
-``--against torch.compile`` adds a
-``torch.compile``-d forward+backward when it compiles within ``--compile-timeout`` seconds.
+see the same machine, and medians are compared, after ``--warmup`` untimed steps per side (default
+2: the first steps fault each side's scratch memory in, several seconds of kernel time each, and the
+per-step page faults and kernel time of the timed steps are in the JSON, ``*_all``).
+``--against torch.compile`` adds a ``torch.compile``-d forward+backward when it compiles within
+``--compile-timeout`` seconds.
 
 The machine's limit is measured in the same run: the best matmul rate on the step's own shapes
 (``machine.run_matmul_limit``; on a GPU or TPU also a large square product), from which
@@ -49,15 +49,27 @@ import re
 import resource
 import statistics
 import sys
+import tempfile
 import time
+import warnings
 
+from flax import nnx
 import jax
 import numpy as np
+import yaml
 
 from transformer_jax import backends, hardware, models, parallel, runtime
+from transformer_jax import data as data_lib
+from transformer_jax import hf as tjhf
 from transformer_jax.backends import table as table_lib
 from transformer_jax.bench import machine
+from transformer_jax.bench import profile
+from transformer_jax.hf.configs import default_architecture
 from transformer_jax.models.config import BERTConfig, GPTConfig, MambaConfig, Seq2SeqConfig
+from transformer_jax.train import step as step_lib
+from transformer_jax.train import tasks as tasks_lib
+from transformer_jax.train.config import TrainConfig
+from transformer_jax.train.optim import make_optimizer
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -203,7 +215,6 @@ def parse_model_overrides(items: list[str]) -> dict:
     ValueError: for an item without ``=`` or a key, a key given twice, or a field the bench sets
       itself (``dtype``, ``remat``: their own flags; dropout: off on both sides).
   """
-  import yaml
 
   out = {}
   for item, key, text in _pairs(items, "--model", "KEY=VALUE (e.g. --model scan_layers=false)"):
@@ -257,15 +268,11 @@ class Ours:
   def __init__(self, config, host_batch, task_name: str, lr: float, seed: int, tcfg=None,
                table: backends.KernelTable | None = None):
     """``table``: the kernel table the model and step are built with (default the library's)."""
-    from transformer_jax.train import step as step_lib
-    from transformer_jax.train import tasks as tasks_lib
-    from transformer_jax.train.config import TrainConfig
-    from transformer_jax.train.optim import make_optimizer
 
     self.config = config
     mesh = parallel.make_mesh({"data": -1})
     task = tasks_lib.get_task(task_name)
-    self._shard = lambda batch: step_lib.shard_batch(batch, mesh, task.keys)  # noqa: E731
+    self._shard = lambda batch: step_lib.shard_batch(batch, mesh, task.keys)
     b, t = host_batch["tokens"].shape if "tokens" in host_batch else host_batch["src"].shape
     tcfg = tcfg or TrainConfig(steps=1000, batch_size=b, seq_len=t, seed=seed, lr=lr,
                                warmup_steps=0, schedule="constant")
@@ -313,8 +320,9 @@ class Ours:
 
 class Torch:
   """The preset's ``transformers`` causal LM (``hf.save``'s architecture: ``GPT2LMHeadModel``,
-  ``LlamaForCausalLM``, ``MistralForCausalLM``) on the same weights: forward, token-mean cross-entropy, backward, clipping,
-  AdamW, in eager mode (or with the forward+loss ``torch.compile``-d).
+  ``LlamaForCausalLM``, ``MistralForCausalLM``) on the same weights: forward, token-mean
+  cross-entropy, backward, clipping, AdamW, in eager mode (or with the forward+loss
+  ``torch.compile``-d).
 
   On ``device`` "cpu" everything is float32. On "cuda" the model and batch live on the GPU, the
   forward+loss runs under ``torch.autocast`` to ``autocast`` when given ("bfloat16"; the weights
@@ -325,15 +333,10 @@ class Torch:
   def __init__(self, config, params, host_batch, lr: float, weight_decay: float, clip: float,
                b1: float, b2: float, eps: float, compiled: bool = False, device: str = "cpu",
                autocast: str | None = None):
-    import tempfile
-    import warnings
 
-    import torch
-    import transformers
-    from flax import nnx
+    import torch  # noqa: PLC0415 - torch is optional (the hf extra)
+    import transformers  # noqa: PLC0415 - transformers is optional (the hf extra)
 
-    from transformer_jax import hf as tjhf
-    from transformer_jax.hf.configs import default_architecture
 
     if device not in ("cpu", "cuda"):
       raise ValueError(f"device={device!r}: the PyTorch rival runs on 'cpu' or 'cuda'")
@@ -374,7 +377,7 @@ class Torch:
     if autocast:
       plain, cast_to = loss_fn, getattr(torch, autocast)
 
-      def loss_fn(tokens, labels):  # noqa: F811 - the same loss under autocast
+      def loss_fn(tokens, labels):
         with torch.autocast("cuda", dtype=cast_to):
           return plain(tokens, labels)
 
@@ -417,8 +420,6 @@ def loss_curves(config, steps: int, batch_size: int, seq_len: int, seed: int,
   through their 10-step trailing means (single steps' losses swing with their batch):
   ``max_relative_gap`` is the largest ``|bf16 - fp32| / fp32`` of those means.
   """
-  from transformer_jax import data as data_lib
-  from transformer_jax.train.config import TrainConfig
 
   if not isinstance(config, GPTConfig):
     raise ValueError(f"--curve-steps trains on text with the GPT task; {type(config).__name__} "
@@ -464,7 +465,6 @@ def _progress(text: str) -> None:
 def _profiles(sides: dict, steps: int, keep_dir: str | None = None) -> dict:
   """Each side's device kernels over ``steps`` more steps (``bench.profile``), with the same
   steps' median wall time; each trace kept in ``keep_dir`` when given."""
-  from transformer_jax.bench import profile
 
   if keep_dir:
     os.makedirs(keep_dir, exist_ok=True)
@@ -483,8 +483,6 @@ def _profiles(sides: dict, steps: int, keep_dir: str | None = None) -> dict:
 
 def run(args) -> dict:
   """Runs the benchmark described by ``args`` (see ``add_args``); returns the result dict."""
-  from transformer_jax import runtime
-  from transformer_jax.train.config import TrainConfig
 
   hardware.share_gpu_memory()   # before JAX starts its backend, where it has not yet
   runtime.bf16_notice(args.dtype)
@@ -647,11 +645,13 @@ def table(result: dict) -> str:
   ref = result["limit"]["step_floor_s"]
   on_cpu = result.get("platform", "cpu") == "cpu"
   on = "" if on_cpu else f" on {result['device_kind']}"
+  matmul = result["limit"]["matmul"]
+  widest = matmul[list(matmul)[-1]]["flops_per_sec"]
   lines = [f"train step {result['preset']} {result['batch_size']}x{result['seq_len']} "
            f"{result['dtype']}{on}, layers {result['layers']}: floor "
            f"{ref:.{2 if on_cpu else 4}f} s at "
            "the measured matmul limit "
-           f"({result['limit']['matmul'][list(result['limit']['matmul'])[-1]]['flops_per_sec'] / 1e9:.0f} GFLOP/s)"]
+           f"({widest / 1e9:.0f} GFLOP/s)"]
   if result.get("model_overrides"):
     lines.append("  model overrides: " + ", ".join(
         f"{k}={v}" for k, v in result["model_overrides"].items()))

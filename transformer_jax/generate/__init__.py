@@ -1,4 +1,5 @@
-"""Fast generation: a preallocated key/value cache and decode loops compiled once (``lax.while_loop``).
+"""Fast generation: a preallocated key/value cache and decode loops compiled once
+(``lax.while_loop``).
 
 ``generate(model, prompt_ids, max_new_tokens=...)`` samples or decodes greedily (GPT, Seq2Seq),
 never producing ``suppress_ids`` (``special_ids(tokenizer, keep=[eos])``: text without ``[UNK]``);

@@ -1,4 +1,5 @@
-"""``beam_search``: deterministic beam search with a key/value cache, the whole search in one ``jax.jit``.
+"""``beam_search``: deterministic beam search with a key/value cache, the whole search in one
+``jax.jit``.
 
 The beams of a row are batch rows of the cache (``B * num_beams`` rows; row ``b * num_beams + j`` is
 beam j of input b). Each step scores every one-token extension of every live beam, keeps the best

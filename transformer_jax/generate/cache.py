@@ -2,12 +2,12 @@
 
 Shapes never change while decoding, so one compiled step serves every position: the cache
 (``layers.KVCache``) holds ``S`` slots per row, a row's tokens sit in slots ``0 .. lengths[b] - 1``
-(slot = position), and a new token of row ``b`` is written at slot ``lengths[b]``. Slots past a row's
-length may hold stale entries (padding of a shorter prompt, say); attention masks them by position,
-so they never matter. Only the ``K`` key/value heads are stored (GQA/MQA caches are ``N / K`` times
-smaller). The model says what its cache looks like (``init_cache``) and which layers decode
-(``split_layers``); an encoder-decoder's cache also carries the cross-attention keys/values of the
-source, projected once (``with_encoder``).
+(slot = position), and a new token of row ``b`` is written at slot ``lengths[b]``. Slots past a
+row's length may hold stale entries (padding of a shorter prompt, say); attention masks them by
+position, so they never matter. Only the ``K`` key/value heads are stored (GQA/MQA caches are
+``N / K`` times smaller). The model says what its cache looks like (``init_cache``) and which layers
+decode (``split_layers``); an encoder-decoder's cache also carries the cross-attention keys/values
+of the source, projected once (``with_encoder``).
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def init_cache(config: models.ModelConfig, batch_size: int, max_len: int,
 
 def with_encoder(model, cache: KVCache, encoder_out_BSD: jax.Array,
                  src_mask_BS: jax.Array | None = None) -> KVCache:
-  """``cache`` plus a Seq2Seq model's cross-attention keys/values of ``encoder_out`` (computed once)."""
+  """``cache`` plus a Seq2Seq model's cross-attention keys/values of ``encoder_out`` (computed
+  once)."""
   return cache.replace(cross=model.cross_cache(encoder_out_BSD, src_mask_BS))
 
 

@@ -32,7 +32,8 @@ trace_count = 0
 
 
 def prompt_bucket(length: int, max_len: int) -> int:
-  """The padded prompt length: the next power of two >= ``length`` (at least 8), capped at max_len."""
+  """The padded prompt length: the next power of two >= ``length`` (at least 8), capped at
+  max_len."""
   bucket = _MIN_BUCKET
   while bucket < length:
     bucket *= 2

@@ -1,4 +1,5 @@
-"""Choosing the next token from logits: greedy, temperature, top-k and top-p (nucleus) truncation."""
+"""Choosing the next token from logits: greedy, temperature, top-k and top-p (nucleus)
+truncation."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ def truncate_logits(logits_BV: jax.Array, *, top_k: int | None = None,
 def apply_repetition_penalty(logits_BV: jax.Array, seen_BV: jax.Array,
                              penalty: float) -> jax.Array:
   """CTRL's repetition penalty (Keskar et al.): logits of tokens already seen are divided by
-  ``penalty`` when positive and multiplied by it when negative (``penalty > 1`` discourages them)."""
+  ``penalty`` when positive and multiplied by it when negative (``penalty > 1`` discourages
+  them)."""
   logits_BV = logits_BV.astype(jnp.float32)
   penalised = jnp.where(logits_BV > 0, logits_BV / penalty, logits_BV * penalty)
   return jnp.where(seen_BV, penalised, logits_BV)

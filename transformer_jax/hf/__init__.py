@@ -1,8 +1,9 @@
-"""Hugging Face interop: load ``transformers`` checkpoints into transformer_jax models and save back.
+"""Hugging Face interop: load ``transformers`` checkpoints into transformer_jax models and save
+back.
 
-    config, model = transformer_jax.hf.load("path/to/checkpoint_dir")   # or a transformers model
-    transformer_jax.hf.save(model, config, "out_dir")                     # config.json + safetensors
-    transformer_jax.hf.save(model, config, "out_dir", tokenizer=tok)      # with its special ids
+    config, model = transformer_jax.hf.load("path/to/checkpoint_dir")  # or a transformers model
+    transformer_jax.hf.save(model, config, "out_dir")                  # config.json + safetensors
+    transformer_jax.hf.save(model, config, "out_dir", tokenizer=tok)   # with its special ids
 
 Supported architectures: GPT2LMHeadModel; BertForPreTraining, BertForMaskedLM,
 BertForSequenceClassification, BertModel; T5ForConditionalGeneration (v1.0 and v1.1);

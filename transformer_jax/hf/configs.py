@@ -1,9 +1,10 @@
-"""Config translation: a Hugging Face ``config.json`` dict <-> GPTConfig / BERTConfig / Seq2SeqConfig /
-MambaConfig.
+"""Config translation: a Hugging Face ``config.json`` dict <-> GPTConfig / BERTConfig /
+Seq2SeqConfig / MambaConfig.
 
-Each family has a reader (``hf dict -> our config``) and a writer (``our config -> hf dict``). Options
-we do not implement are refused by name (``UnsupportedError``), never approximated. A writer refuses a
-config the target architecture cannot express by translating back and naming the fields that differ.
+Each family has a reader (``hf dict -> our config``) and a writer (``our config -> hf dict``).
+Options we do not implement are refused by name (``UnsupportedError``), never approximated. A writer
+refuses a config the target architecture cannot express by translating back and naming the fields
+that differ.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from transformer_jax import ops
 from transformer_jax.hf.errors import CheckpointError, UnsupportedError
 from transformer_jax.models import BERTConfig, GPTConfig, MambaConfig, ModelConfig, Seq2SeqConfig
 
-# Architecture name -> (family, model_type). The family picks the config reader/writer and params table.
+# Architecture name -> (family, model_type). The family picks the config reader/writer and params
+# table.
 ARCHITECTURES = {
     "GPT2LMHeadModel": ("gpt2", "gpt2"),
     "BertForPreTraining": ("bert", "bert"),
@@ -45,7 +47,8 @@ _NON_ARCHITECTURAL = {"dropout_rate", "attention_dropout_rate", "ffn_dropout_rat
 
 
 def architecture_of(hf: dict) -> str:
-  """The single supported architecture named in ``hf["architectures"]`` (refused by name otherwise)."""
+  """The single supported architecture named in ``hf["architectures"]`` (refused by name
+  otherwise)."""
   archs = hf.get("architectures") or []
   if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
     raise CheckpointError(f"architectures={archs!r}: expected a list of one name")
@@ -105,6 +108,11 @@ class _Fields:
         isinstance(v, int) or isinstance(v, float) and v.is_integer()))
     return None if value is None else int(value)   # 4096.0 is 4096; 4.7 was refused
 
+  def number(self, field: str) -> int | float:
+    """A required number that may be infinite (``float()`` refuses that)."""
+    return self._get(field, None, False, "a number",
+                     lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))
+
   def float(self, field: str, default=None, *, null: bool = False) -> float | None:
     value = self._get(field, default, null, "a number",
                       lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))
@@ -123,7 +131,7 @@ class _Fields:
     return self._get(field, None, null, "an object", lambda v: isinstance(v, dict)) or {}
 
 
-# --- GPT-2 -----------------------------------------------------------------------------------------
+# --- GPT-2 ----------------------------------------------------------------------------------------
 
 
 def _gpt2_from(hf: dict) -> GPTConfig:
@@ -152,7 +160,7 @@ def _gpt2_to(c: GPTConfig) -> dict:
       initializer_range=c.init_std, scale_attn_weights=True)
 
 
-# --- LLaMA -----------------------------------------------------------------------------------------
+# --- LLaMA ----------------------------------------------------------------------------------------
 
 
 def _llama_rope(hf: dict) -> tuple[float, ops.RopeScaling | None]:
@@ -246,7 +254,7 @@ def _mistral_to(c: GPTConfig) -> dict:
   return {**_llama_to(c), "model_type": "mistral", "sliding_window": c.sliding_window}
 
 
-# --- BERT ------------------------------------------------------------------------------------------
+# --- BERT -----------------------------------------------------------------------------------------
 
 
 def _bert_from(hf: dict, arch: str) -> BERTConfig:
@@ -283,7 +291,7 @@ def _bert_to(c: BERTConfig) -> dict:
   return out
 
 
-# --- BigBird ---------------------------------------------------------------------------------------
+# --- BigBird --------------------------------------------------------------------------------------
 # BERT's layers and names with block-sparse attention. transformers' BigBird in eval mode (what
 # its logits are compared with) takes every random block to be block 0 and attends densely up to
 # (5 + 2 * num_random_blocks) * block_size tokens: SparsePattern.bigbird(eval_mode=True). In
@@ -328,7 +336,7 @@ def _bigbird_to(c: BERTConfig) -> dict:
           "num_random_blocks": p.random_blocks}
 
 
-# --- T5 --------------------------------------------------------------------------------------------
+# --- T5 -------------------------------------------------------------------------------------------
 
 
 def _t5_from(hf: dict) -> Seq2SeqConfig:
@@ -384,7 +392,7 @@ def _t5_to(c: Seq2SeqConfig) -> dict:
       decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
 
 
-# --- Marian (the Transformer of Vaswani et al.) ----------------------------------------------------
+# --- Marian (the Transformer of Vaswani et al.) ---------------------------------------------------
 
 
 def _marian_from(hf: dict) -> Seq2SeqConfig:
@@ -489,8 +497,7 @@ def _mamba2_from(hf: dict) -> MambaConfig:
   if not isinstance(raw, (list, tuple)) or len(raw) != 2:
     raise CheckpointError(f"time_step_limit={raw!r}: expected a pair of numbers")
   limit = _Fields({"time_step_limit[0]": _unboxed(raw[0]), "time_step_limit[1]": _unboxed(raw[1])})
-  lo, hi = (limit._get(k, None, False, "a number", lambda v: isinstance(v, (int, float))
-                       and not isinstance(v, bool)) for k in limit.hf)
+  lo, hi = (limit.number(k) for k in limit.hf)
   return MambaConfig(**common, mixer="mamba2", ssm_head_dim=head_dim,
                      ssm_groups=f.int("n_groups", 8), ssm_chunk=f.int("chunk_size", 256),
                      time_step_limit=(float(lo), float(hi)),
@@ -513,7 +520,7 @@ def _mamba2_to(c: MambaConfig) -> dict:
           "time_step_limit": list(c.time_step_limit)}
 
 
-# --- Dispatch --------------------------------------------------------------------------------------
+# --- Dispatch -------------------------------------------------------------------------------------
 
 
 def from_hf(hf: dict, arch: str) -> ModelConfig:

@@ -12,14 +12,15 @@ from pathlib import Path
 
 from flax import nnx
 
-from transformer_jax import models
+from transformer_jax import models, runs
+from transformer_jax.data import Tokenizer
 from transformer_jax.hf import configs
 from transformer_jax.hf.api import load, save
+from transformer_jax.train import finetune
 
 
 def from_hf(hf_dir: str | os.PathLike, out_run_dir: str | os.PathLike) -> str:
   """Converts the checkpoint in ``hf_dir`` into a run directory; returns the architecture read."""
-  from transformer_jax import runs
 
   if not runs.RunDir(out_run_dir).is_empty():  # before the (slow) read of the checkpoint
     raise ValueError(f"--out {out_run_dir} exists and is not empty; give a new directory")
@@ -34,8 +35,6 @@ def to_hf(run_dir_path: str | os.PathLike, out_dir: str | os.PathLike, *,
 
   A LoRA run (``train.lora``) is written with its adapters merged into the base weights. The
   special-token ids come from the run's tokenizer (``run_tokenizer``), when its dataset is there."""
-  from transformer_jax import runs
-  from transformer_jax.train import finetune
 
   if not runs.RunDir(out_dir).is_empty():  # before reading the run
     raise ValueError(f"--out {out_dir} exists and is not empty; give a new directory")
@@ -56,8 +55,6 @@ def run_tokenizer(run_dir_path: str | os.PathLike):
   """The tokenizer of the dataset a run directory names (``dataset.json``, else ``config.yaml``'s
   ``data.path``), or None: a run converted from Hugging Face names none, and a dataset that is
   gone cannot be read (its special ids are then written as unknown)."""
-  from transformer_jax import runs
-  from transformer_jax.data import Tokenizer
 
   rd = runs.RunDir(run_dir_path)
   ref = rd.read_dataset_ref()

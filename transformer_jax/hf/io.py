@@ -1,7 +1,7 @@
 """Reading and writing checkpoint files: safetensors (single or sharded), ``pytorch_model.bin``.
 
-Safetensors is parsed here directly (an 8-byte header length, a JSON header, raw little-endian data),
-so loading needs neither torch nor the ``safetensors`` package and a damaged file gives a
+Safetensors is parsed here directly (an 8-byte header length, a JSON header, raw little-endian
+data), so loading needs neither torch nor the ``safetensors`` package and a damaged file gives a
 ``CheckpointError`` that says what is wrong. ``pytorch_model.bin`` is read only through
 ``torch.load(..., weights_only=True)``: no arbitrary unpickling.
 """
@@ -115,11 +115,11 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray]) -
 
 
 def _read_bin(path: Path) -> dict[str, np.ndarray]:
-  import torch  # lazy: only .bin checkpoints need torch
+  import torch  # noqa: PLC0415 - torch is optional (the hf extra)
 
   try:
     state = torch.load(path, map_location="cpu", weights_only=True)
-  except Exception as e:  # torch raises many types for corrupt or unsafe pickles
+  except Exception as e:  # noqa: BLE001 - torch raises many types for corrupt or unsafe pickles
     raise CheckpointError(
         f"{path} could not be read with torch.load(weights_only=True): {type(e).__name__}: {e}"
     ) from None
@@ -132,8 +132,9 @@ def _read_bin(path: Path) -> dict[str, np.ndarray]:
 
 
 def torch_to_numpy(state) -> dict[str, np.ndarray]:
-  """A torch state dict as float32/int NumPy arrays (bfloat16 is widened: NumPy lacks it in torch)."""
-  import torch
+  """A torch state dict as float32/int NumPy arrays (bfloat16 is widened: NumPy lacks it in
+  torch)."""
+  import torch  # noqa: PLC0415 - torch is optional (the hf extra)
 
   out = {}
   for name, t in state.items():

@@ -1,8 +1,10 @@
-"""The parameter mapping: one table per family from Hugging Face tensor names to our parameter paths.
+"""The parameter mapping: one table per family from Hugging Face tensor names to our parameter
+paths.
 
-A ``Rule`` names a Hugging Face tensor (``{i}`` stands for the layer index), the parameter path(s) it
-becomes, and a ``Transform`` saying how the layout changes. Rules whose name has ``{i}`` are per layer:
-the L tensors are stacked along our leading ``layers`` axis. The same table serves both directions.
+A ``Rule`` names a Hugging Face tensor (``{i}`` stands for the layer index), the parameter path(s)
+it becomes, and a ``Transform`` saying how the layout changes. Rules whose name has ``{i}`` are per
+layer: the L tensors are stacked along our leading ``layers`` axis. The same table serves both
+directions.
 
 Layouts: torch ``Linear`` weights are ``[out, in]``; GPT-2's ``Conv1D`` weights are ``[in, out]``;
 our kernels are einsum-shaped: query ``[D, N, H]``, key/value ``[D, K, H]``, output ``[N, H, D]``,

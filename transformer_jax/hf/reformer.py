@@ -94,7 +94,7 @@ def torch_rotations(c: ReformerConfig) -> np.ndarray:
   """The rotations transformers draws for ``c``: ``torch.manual_seed(hash_seed)`` then
   ``torch.randn([N, H, n_hashes, R / 2])``."""
   try:
-    import torch
+    import torch  # noqa: PLC0415 - torch is optional (the hf extra)
   except ImportError:
     raise UnsupportedError("loading a Reformer needs torch, to draw transformers' LSH rotations "
                            "(pip install torch)") from None

@@ -231,7 +231,8 @@ class Attention(nnx.Module):
     return w_BNTS / (jnp.sum(w_BNTS, axis=-1, keepdims=True) + LINEAR_EPS)
 
   def project_kv(self, kv_BSD: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Keys and values ``[B, S, K, H]`` of ``kv_BSD`` (no RoPE): a read-only cross-attention cache."""
+    """Keys and values ``[B, S, K, H]`` of ``kv_BSD`` (no RoPE): a read-only cross-attention
+    cache."""
     return self.key(kv_BSD), self.value(kv_BSD)
 
   def _out_merged(self, out_BTNH: jax.Array) -> jax.Array:

@@ -1,4 +1,5 @@
-"""One transformer block (self-attention, optional cross-attention, feed-forward), pre- or post-norm."""
+"""One transformer block (self-attention, optional cross-attention, feed-forward), pre- or
+post-norm."""
 
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ class BlockConfig:
 
 
 class Block(nnx.Module):
-  """``x + attn(norm x)`` then ``x + mlp(norm x)`` (pre-norm) or ``norm(x + attn x)`` (post-norm)."""
+  """``x + attn(norm x)`` then ``x + mlp(norm x)`` (pre-norm) or ``norm(x + attn x)``
+  (post-norm)."""
 
   def __init__(self, cfg: BlockConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None,
                backend: backends.Backend | None = None):

@@ -1,4 +1,5 @@
-"""The key/value cache of decoding: one small pytree per layer stack, passed in and out of the layers."""
+"""The key/value cache of decoding: one small pytree per layer stack, passed in and out of the
+layers."""
 
 from __future__ import annotations
 
@@ -22,10 +23,10 @@ class KVCache:
   written at slots ``lengths[b] ..`` and attend causally by position (slots past a row's position
   may hold stale entries; they are masked). A rolling cache (``window`` W, for sliding-window
   attention) has W slots used as a ring: position ``p`` lives in slot ``p mod W``, so its size and
-  a step's time stay flat however long the generation runs (``ordered`` and ``write_rolling``). A read-only cache (``lengths`` None) holds keys/values
-  projected once, e.g. an encoder's output for cross-attention, with ``kv_valid`` marking padding;
-  a decoder's cache carries it in ``cross``. ``layer(i)`` is the one-layer view an attention layer
-  reads and returns.
+  a step's time stay flat however long the generation runs (``ordered`` and ``write_rolling``). A
+  read-only cache (``lengths`` None) holds keys/values projected once, e.g. an encoder's output for
+  cross-attention, with ``kv_valid`` marking padding; a decoder's cache carries it in ``cross``.
+  ``layer(i)`` is the one-layer view an attention layer reads and returns.
   """
 
   k: tuple[jax.Array, ...]            # L arrays [B * K, S, H] (keys already rotated by RoPE)
@@ -46,8 +47,9 @@ class KVCache:
     a sliding ``window`` shorter than that, a rolling cache of ``window`` slots."""
     rolling = window is not None and window < max_len
     slots = window if rolling else max_len
-    empty = lambda: tuple(jnp.zeros((batch_size * kv_heads, slots, head_dim), dtype)
-                          for _ in range(num_layers))
+    def empty():
+      return tuple(jnp.zeros((batch_size * kv_heads, slots, head_dim), dtype)
+                              for _ in range(num_layers))
     return cls(empty(), empty(), jnp.zeros((batch_size,), jnp.int32), kv_heads,
                window=window if rolling else None)
 
@@ -56,8 +58,9 @@ class KVCache:
                 kv_valid_BS: jax.Array | None = None) -> KVCache:
     """A read-only cache of stacked keys/values ``[L, B, S, K, H]`` (cross-attention)."""
     l, b, s, k, h = k_LBSKH.shape
-    heads_major = lambda x: tuple(
-        jnp.transpose(x[i], (0, 2, 1, 3)).reshape(b * k, s, h) for i in range(l))
+    def heads_major(x):
+      return tuple(
+            jnp.transpose(x[i], (0, 2, 1, 3)).reshape(b * k, s, h) for i in range(l))
     valid = None if kv_valid_BS is None else jnp.asarray(kv_valid_BS, bool)
     return cls(heads_major(k_LBSKH), heads_major(v_LBSKH), None, k, kv_valid=valid)
 
@@ -161,7 +164,8 @@ class KVCache:
       x = jnp.take(x.reshape(-1, k, *x.shape[1:]), rows_R, axis=0)
       return x.reshape(-1, *x.shape[2:])
 
-    pick = lambda x: None if x is None else jnp.take(x, rows_R, axis=0)
+    def pick(x):
+      return None if x is None else jnp.take(x, rows_R, axis=0)
     return self.replace(k=tuple(map(take, self.k)), v=tuple(map(take, self.v)),
                         lengths=pick(self.lengths), kv_valid=pick(self.kv_valid),
                         cross=None if self.cross is None else self.cross.take_rows(rows_R))
@@ -204,7 +208,8 @@ class LinearCache:
 
   def take_rows(self, rows_R: jax.Array) -> LinearCache:
     """The state of batch rows ``rows`` (repeated or reordered beams)."""
-    pick = lambda x: jnp.take(x, rows_R, axis=0)
+    def pick(x):
+      return jnp.take(x, rows_R, axis=0)
     return self.replace(s=tuple(map(pick, self.s)), z=tuple(map(pick, self.z)),
                         lengths=pick(self.lengths),
                         new_valid=None if self.new_valid is None else pick(self.new_valid))

@@ -126,7 +126,8 @@ class GatedRMSNorm(nnx.Module):
 
 
 class MambaMixer(nnx.Module):
-  """A Mamba mixer: in-projection, causal depthwise conv, SiLU, selective scan, gate, out-projection.
+  """A Mamba mixer: in-projection, causal depthwise conv, SiLU, selective scan, gate,
+  out-projection.
 
   Mamba-1 (``version=1``): ``x, z = in_proj(u)``; ``x = silu(conv(x))``; ``dt, B, C = x_proj(x)``
   with ``dt = softplus(dt_proj(dt))``; ``y = scan(x) * silu(z)``. Mamba-2: ``z, xBC, dt =
@@ -274,7 +275,7 @@ class MambaMixer(nnx.Module):
     return y_BTD, (None if state is None else ops.SSMState(conv_state, h))
 
 
-# --- blocks and stacks -----------------------------------------------------------------------------
+# --- blocks and stacks ----------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

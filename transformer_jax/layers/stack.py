@@ -1,4 +1,5 @@
-"""A stack of identical blocks with stacked parameters (leading ``layers`` axis), run by ``lax.scan``.
+"""A stack of identical blocks with stacked parameters (leading ``layers`` axis), run by
+``lax.scan``.
 
 Scanning compiles one block instead of L and is what FSDP-per-layer gathering and remat policies
 hang on. ``unroll=True`` runs a Python loop over the same stacked parameters; both give the same
@@ -75,7 +76,8 @@ class Stack(nnx.Module):
     Args:
       x_BTD: ``[B, T, D]``.
       dropout_rng: a key turns dropout on (one key per layer is split from it).
-      cache: a ``KVCache`` of every layer (decoding): layer ``i`` reads and writes ``cache.layer(i)``
+      cache: a ``KVCache`` of every layer (decoding): layer ``i`` reads and writes
+      ``cache.layer(i)``
         and the T new tokens advance ``lengths``. The layers then run one after another (their
         caches are separate arrays); without a cache they run under ``lax.scan``.
       layer_params: this stack's parameters split per layer (``split_layers``), for a decoding

@@ -1,9 +1,9 @@
 """Model configs: frozen, hashable dataclasses validated at construction.
 
 Field names follow the papers and are shared by the families (``vocab_size``, ``d_model``, ``d_ff``,
-``num_heads``, ``num_kv_heads``, ``head_dim``, ``max_len``, ``dropout_rate``, ``dtype``...). A bad value
-raises ``ValueError`` naming the field and the value. Configs are hashable, so they can be static
-arguments of ``jax.jit``.
+``num_heads``, ``num_kv_heads``, ``head_dim``, ``max_len``, ``dropout_rate``, ``dtype``...). A bad
+value raises ``ValueError`` naming the field and the value. Configs are hashable, so they can be
+static arguments of ``jax.jit``.
 """
 
 from __future__ import annotations
@@ -264,7 +264,8 @@ class GPTConfig(_Heads):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BERTConfig(_Heads):
-  """BERT (Devlin et al.): post-LayerNorm encoder with MLM, NSP and optional classification heads."""
+  """BERT (Devlin et al.): post-LayerNorm encoder with MLM, NSP and optional classification
+  heads."""
 
   vocab_size: int = 30522
   d_model: int = 768
@@ -338,7 +339,8 @@ class BERTConfig(_Heads):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Seq2SeqConfig(_Heads):
-  """Encoder-decoder: the Transformer of Vaswani et al. by default; T5 with relative/rmsnorm/pre-norm."""
+  """Encoder-decoder: the Transformer of Vaswani et al. by default; T5 with
+  relative/rmsnorm/pre-norm."""
 
   vocab_size: int = 37000              # one vocabulary shared by source and target
   d_model: int = 512

@@ -109,12 +109,12 @@ def _layers(c: ModelConfig) -> tuple[int, int]:
 def train_flops_per_token(config: ModelConfig, seq_len: int) -> float:
   """Training FLOPs per token: ``6 N + 12 L T N_h H`` (Kaplan et al.; PaLM's attention term).
 
-  ``N`` counts the parameters used in matrix multiplies: the non-embedding parameters plus the output
-  projection onto the vocabulary (tied or not). The attention term counts ``q k^T`` and
+  ``N`` counts the parameters used in matrix multiplies: the non-embedding parameters plus the
+  output projection onto the vocabulary (tied or not). The attention term counts ``q k^T`` and
   ``weights v`` over ``T`` keys (not halved for causal masking, as PaLM does). For an
-  encoder-decoder, a "token" is one source plus one target token with ``S = T = seq_len``. A
-  Mamba model counts its projections; the scans' elementwise work (O(E S) per token and layer)
-  is left out, and attention only for a hybrid's attention layers.
+  encoder-decoder, a "token" is one source plus one target token with ``S = T = seq_len``. A Mamba
+  model counts its projections; the scans' elementwise work (O(E S) per token and layer) is left
+  out, and attention only for a hybrid's attention layers.
   """
   pc = param_count(config)
   matmul = pc.non_embedding + (config.d_model * config.vocab_size

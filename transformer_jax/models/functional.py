@@ -1,8 +1,8 @@
 """Models as pure functions: ``init(config, key) -> params`` and ``apply(config, params, *inputs)``.
 
 Built on ``nnx.split``/``nnx.merge``: the graph definition is derived once per config (configs are
-hashable) and the parameters are a plain pytree, so ``jax.grad``, ``jax.vmap`` and ``jax.jit`` treat a
-model like any function.
+hashable) and the parameters are a plain pytree, so ``jax.grad``, ``jax.vmap`` and ``jax.jit`` treat
+a model like any function.
 """
 
 from __future__ import annotations

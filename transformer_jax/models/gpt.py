@@ -55,7 +55,8 @@ class GPT(nnx.Module):
     Args:
       tokens: ``[B, T]`` token ids in ``[0, vocab_size)``: an eager call refuses others; under
         ``jax.jit`` the embedding lookup clamps them silently (``models.checked`` checks them).
-      positions: ``[B, T]`` positions (default ``0..T-1``); packed sequences restart them per document.
+      positions: ``[B, T]`` positions (default ``0..T-1``); packed sequences restart them per
+      document.
         With a learned or sinusoidal table they must lie in ``[0, max_len)`` (refused eagerly,
         and under ``models.checked``; a plain ``jax.jit`` clamps them).
       segment_ids: ``[B, T]`` ints; tokens attend only within their segment (packed documents).

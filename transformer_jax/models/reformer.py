@@ -71,8 +71,9 @@ class ReformerLayer(nnx.Module):
     common = dict(init_std=c.init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
                   backend=backend)
     norm = dict(kind="layernorm", eps=c.norm_eps, param_dtype=param_dtype, rngs=rngs)
-    proj = lambda: Projection("BTD,DNH->BTNH", (c.d_model, c.num_heads, c.head_dim),
-                              (ax.EMBED, ax.HEADS, ax.HEAD_DIM), **common)
+    def proj():
+      return Projection("BTD,DNH->BTNH", (c.d_model, c.num_heads, c.head_dim),
+                                  (ax.EMBED, ax.HEADS, ax.HEAD_DIM), **common)
     self.attn_norm = Norm(c.d_model, **norm)
     if kind == "lsh":
       self.query_key, self.query, self.key = proj(), None, None

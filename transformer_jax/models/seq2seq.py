@@ -1,6 +1,6 @@
 """Encoder-decoder models: the Transformer of Vaswani et al. (sinusoidal positions, post-LayerNorm,
-ReLU, one shared embedding scaled by sqrt(d_model)) and T5 (shared relative-position bias, pre-RMSNorm,
-no biases, optional gated GELU)."""
+ReLU, one shared embedding scaled by sqrt(d_model)) and T5 (shared relative-position bias,
+pre-RMSNorm, no biases, optional gated GELU)."""
 
 from __future__ import annotations
 

@@ -86,7 +86,8 @@ def get_activation(name: Activation) -> Callable[[jax.Array], jax.Array]:
 
 
 def gated(activation: Activation, gate: jax.Array, up: jax.Array) -> jax.Array:
-  """``act(gate) * up``: SwiGLU with ``silu``, GeGLU with ``gelu``/``gelu_tanh``, ReGLU with relu."""
+  """``act(gate) * up``: SwiGLU with ``silu``, GeGLU with ``gelu``/``gelu_tanh``, ReGLU with
+  relu."""
   return get_activation(activation)(gate) * up
 
 

@@ -357,8 +357,9 @@ def _attend_grads(st: Static, tiles: Tiling, res, do_BTKGH):
       blk = _block(qi, ki, bias, params, aux, st, tiles, b, n)
       dq_i, dk_i, dv_i, ds = block_grads(q_blk, _kv_block(k, ki, bk), _kv_block(v, ki, bk),
                                          do_blk, lse, delta, blk, st)
-      add = lambda acc, x: jax.lax.dynamic_update_slice_in_dim(
-          acc, _kv_block(acc, ki, bk) + x, ki * bk, axis=1)
+      def add(acc, x):
+        return jax.lax.dynamic_update_slice_in_dim(
+                acc, _kv_block(acc, ki, bk) + x, ki * bk, axis=1)
       dk, dv = add(dk, dk_i), add(dv, dv_i)
       ds_BNts = ds.reshape(b, n, bq, bk)
       if dbias is not None:
@@ -373,12 +374,14 @@ def _attend_grads(st: Static, tiles: Tiling, res, do_BTKGH):
     dq, *carry = jax.lax.fori_loop(lo, hi, step, (dq0, *carry))
     return tuple(carry), dq
 
-  zeros32 = lambda x: jnp.zeros(x.shape, jnp.float32)
+  def zeros32(x):
+    return jnp.zeros(x.shape, jnp.float32)
   init = (zeros32(k), zeros32(v), None if bias is None else zeros32(bias),
           None if st.bias_fn is None else jax.tree.map(jnp.zeros_like, params))
   (dk, dv, dbias, dparams), dq_QBtKGH = jax.lax.scan(one_query_block, init, jnp.arange(nq))
   dq = dq_QBtKGH.transpose(1, 0, 2, 3, 4, 5).reshape(b, tp, kh, g, h)
-  cast = lambda d, x: None if d is None else d.astype(x.dtype)
+  def cast(d, x):
+    return None if d is None else d.astype(x.dtype)
   return (cast(dq, q5), cast(dk, k), cast(dv, v), cast(dbias, bias), dparams, None)
 
 

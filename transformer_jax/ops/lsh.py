@@ -168,9 +168,11 @@ def lsh_attention(qk: jax.Array, v: jax.Array, *, n_buckets: int | tuple[int, ..
   order_BNM = jnp.argsort(key_BNM, axis=-1)
   undo_BNM = jnp.argsort(order_BNM, axis=-1)
   pos_BNM = order_BNM % t
-  gather = lambda x: jnp.take_along_axis(x, pos_BNM[..., None], axis=2)
+  def gather(x):
+    return jnp.take_along_axis(x, pos_BNM[..., None], axis=2)
   c, chunk = n_hashes * t // chunk_length, chunk_length
-  split = lambda x: x.reshape(b, n, c, chunk, *x.shape[3:])
+  def split(x):
+    return x.reshape(b, n, c, chunk, *x.shape[3:])
   q_BNCLH = split(gather(qk_BNTH.astype(f32)))
   k_BNCAH = _look_adjacent(split(gather(k_BNTH)), chunks_before, chunks_after)
   v_BNCAH = _look_adjacent(split(gather(v_BNTH.astype(f32))), chunks_before, chunks_after)
@@ -184,8 +186,9 @@ def lsh_attention(qk: jax.Array, v: jax.Array, *, n_buckets: int | tuple[int, ..
   p, lse_BNCL = _masked_softmax(dots, q_pos_BNCL, k_pos_BNCA, k_valid, causal, True)
   out_BNCLH = jnp.einsum("BNCLA,BNCAH->BNCLH", p, v_BNCAH)
   # Back to (round, position) order, then the rounds weighted by their log-sum-exp.
-  unsort = lambda x: jnp.take_along_axis(x, undo_BNM.reshape(
-      b, n, -1, *([1] * (x.ndim - 3))), axis=2)
+  def unsort(x):
+    return jnp.take_along_axis(x, undo_BNM.reshape(
+        b, n, -1, *([1] * (x.ndim - 3))), axis=2)
   out_BNhTH = unsort(out_BNCLH.reshape(b, n, -1, h)).reshape(b, n, n_hashes, t, h)
   lse_BNhT = unsort(lse_BNCL.reshape(b, n, -1)).reshape(b, n, n_hashes, t)
   # exp(lse - logsumexp(lse)) rather than a max-shifted softmax: the same rounding as the
@@ -229,8 +232,10 @@ def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, chunk_length: i
     p, _ = _masked_softmax(dots, pos, pos, valid, causal, False)
     return jnp.einsum("BNTS,BNSH->BNTH", p, v_BNTH).transpose(0, 2, 1, 3).astype(q.dtype)
   c = t // chunk_length
-  split = lambda x: x.reshape(*x.shape[:2], c, chunk_length, *x.shape[3:])
-  adjacent = lambda x: _look_adjacent(split(x), chunks_before, chunks_after)
+  def split(x):
+    return x.reshape(*x.shape[:2], c, chunk_length, *x.shape[3:])
+  def adjacent(x):
+    return _look_adjacent(split(x), chunks_before, chunks_after)
   pos_BNT = jnp.broadcast_to(pos, (b, n, t))
   dots = jnp.einsum("BNCLH,BNCAH->BNCLA", split(q_BNTH), adjacent(k_BNTH))
   p, _ = _masked_softmax(dots, split(pos_BNT), adjacent(pos_BNT),

@@ -15,7 +15,8 @@ def _feature(p: jax.Array, ndim: int) -> jax.Array:
 
 def layer_norm(x: jax.Array, scale: jax.Array | None, bias: jax.Array | None,
                eps: float = 1e-5) -> jax.Array:
-  """``(x - mean) / sqrt(var + eps) * scale + bias`` over the last axis (biased variance, Ba et al.).
+  """``(x - mean) / sqrt(var + eps) * scale + bias`` over the last axis (biased variance, Ba et
+  al.).
 
   ``scale`` and ``bias`` are ``[D]`` or ``None`` (skipped). Output has ``x``'s dtype.
   """

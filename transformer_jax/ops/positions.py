@@ -30,7 +30,7 @@ def sinusoidal_positions(num_positions: int, dim: int) -> jax.Array:
   return jnp.asarray(pe, dtype=jnp.float32)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Rotary position embedding.
 
 
@@ -131,7 +131,7 @@ def apply_rope(
   return out.astype(x.dtype)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # ALiBi (Press et al., "Train Short, Test Long").
 
 
@@ -171,7 +171,7 @@ def alibi_bias(num_heads: int, q_len: int, k_len: int | None = None) -> jax.Arra
   return jnp.asarray(bias[None], dtype=jnp.float32)
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # T5 relative positions (Raffel et al.; bucketing as in Mesh TensorFlow).
 
 
@@ -215,9 +215,9 @@ def relative_positions(q_len: int, k_len: int | None = None) -> jax.Array:
   return jnp.arange(k_len)[None, :] - q_pos
 
 
-# ---------------------------------------------------------------------------------------------------
-# Additive position biases as functions of positions, for attention kernels that build the bias block
-# by block (``dot_product_attention(bias_fn=..., bias_params=...)``) instead of taking a dense
+# --------------------------------------------------------------------------------------------------
+# Additive position biases as functions of positions, for attention kernels that build the bias
+# block by block (``dot_product_attention(bias_fn=..., bias_params=...)``) instead of taking a dense
 # ``[B, N, T, S]`` array. Frozen dataclasses: hashable, so they can be static arguments of a kernel.
 
 

@@ -434,7 +434,8 @@ def _grads(plan: _Plan, res, do_BTKGH):
       dk, dv = dk + dkb.reshape(dk.shape), dv + dvb.reshape(dv.shape)
     return (dk, dv, dks, dvs), dq
 
-  zeros = lambda x: None if x is None else jnp.zeros(x.shape, f32)
+  def zeros(x):
+    return None if x is None else jnp.zeros(x.shape, f32)
   init = (zeros(k), zeros(v), zeros(ks), zeros(vs))
   (dk, dv, dks, dvs), dq_QBtKGH = jax.lax.scan(one_query_block, init, jnp.arange(nb))
   if plan.ns:   # the summary positions are distinct: a scatter-add puts each back once
@@ -530,8 +531,9 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: SparsePa
   b = pattern.block
   nb = lay.shape[0]
   tp = nb * b
-  pad = lambda x, value: None if x is None else jnp.pad(
-      x, [(0, 0), (0, tp - t)] + [(0, 0)] * (x.ndim - 2), constant_values=value)
+  def pad(x, value):
+    return None if x is None else jnp.pad(
+        x, [(0, 0), (0, tp - t)] + [(0, 0)] * (x.ndim - 2), constant_values=value)
   q5 = pad(q, 0).reshape(bsz, tp, kh, n // kh, h)
   first_bias = None
   if pattern.random_first and pattern.random_blocks:

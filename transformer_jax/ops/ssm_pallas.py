@@ -90,8 +90,9 @@ def _forward(x, dt32, A, B, C, h0, seg_BT, q, interpret):
   pad = (-t) % q
   z = (t + pad) // q
   # Head-major chunks: [B, N|G, Z, Q, ...]; padding has dt = 0 (keeps the state).
-  heads = lambda a: jnp.moveaxis(jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)),
-                                 2, 1)   # noqa: E731
+  def heads(a):
+    return jnp.moveaxis(jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)),
+                                   2, 1)
   x_c = heads(x.astype(jnp.float32)).reshape(b, n, z, q, hd)
   dt_c = heads(dt32[..., None]).reshape(b, n, z, q, 1)
   b_c = heads(B.astype(jnp.float32)).reshape(b, g, z, q, s)
@@ -101,8 +102,9 @@ def _forward(x, dt32, A, B, C, h0, seg_BT, q, interpret):
   seg_in = seg_in.reshape(b, z, 1, 1)
   a_n11 = A.astype(jnp.float32).reshape(n, 1, 1)
   per_head = lambda *blk: pl.BlockSpec((1, 1, 1, *blk), lambda i, j, k: (i, j, k, 0, 0))  # noqa
-  per_group = lambda *blk: pl.BlockSpec((1, 1, 1, *blk),   # noqa: E731
-                                        lambda i, j, k: (i, j // rep, k, 0, 0))
+  def per_group(*blk):
+    return pl.BlockSpec((1, 1, 1, *blk),
+                                          lambda i, j, k: (i, j // rep, k, 0, 0))
   y, h_end = pl.pallas_call(
       _kernel,
       out_shape=(jax.ShapeDtypeStruct((b, n, z, q, hd), jnp.float32),
@@ -140,9 +142,10 @@ def ssd(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array,
       or n % B.shape[2]:
     raise ValueError(f"ssd shapes: x {x.shape} [B, T, N, H], dt {dt.shape} [B, T, N], A "
                      f"{A.shape} [N], B {B.shape} and C {C.shape} [B, T, G, S] with N % G == 0")
-  ssm_ops._check_chunk(chunk_size)
-  ssm_ops._check_mask("valid", valid, b, t)
-  ssm_ops._check_mask("segment_ids", segment_ids, b, t)
+  # The same checks and time-step rules as the reference scan in ops/ssm.py.
+  ssm_ops._check_chunk(chunk_size)  # noqa: SLF001
+  ssm_ops._check_mask("valid", valid, b, t)  # noqa: SLF001
+  ssm_ops._check_mask("segment_ids", segment_ids, b, t)  # noqa: SLF001
   h0 = (jnp.zeros((b, n, hd, s), jnp.float32) if initial_state is None
         else initial_state.astype(jnp.float32))
   seg_BT = ssm_ops.segment_index(segment_ids, b, t)
@@ -156,7 +159,7 @@ def ssd(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array,
 
   @jax.custom_vjp
   def run(x, dt, A, B, C, D, h0):
-    dt32 = ssm_ops._masked_dt(ssm_ops._clamped_dt(dt, limit), valid, b, t)
+    dt32 = ssm_ops._masked_dt(ssm_ops._clamped_dt(dt, limit), valid, b, t)  # noqa: SLF001
     y, h_end = _forward(x, dt32, A, B, C, h0, seg_BT, q, interpret)
     if D is not None:
       y = y + x.astype(jnp.float32) * D.astype(jnp.float32)[:, None]

@@ -1,5 +1,5 @@
-"""Meshes, logical-axis rules, ring attention and multi-host start-up. Depends only on JAX (Flax just
-to read parameters' axis metadata)."""
+"""Meshes, logical-axis rules, ring attention and multi-host start-up. Depends only on JAX (Flax
+just to read parameters' axis metadata)."""
 
 from transformer_jax.parallel import axes, distributed
 from transformer_jax.parallel.mesh import (

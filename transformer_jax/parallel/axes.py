@@ -1,7 +1,7 @@
 """Logical axis names carried by every parameter and key activation.
 
-``parallel`` maps these names to mesh axes (``data``, ``fsdp``, ``tensor``, ``sequence``) with a rules
-table, so a change of parallelism never touches model code.
+``parallel`` maps these names to mesh axes (``data``, ``fsdp``, ``tensor``, ``sequence``) with a
+rules table, so a change of parallelism never touches model code.
 """
 
 BATCH = "batch"

@@ -1,5 +1,5 @@
-"""The device mesh (``data``, ``fsdp``, ``tensor``, ``sequence``) and the checks that a model, batch and
-sequence length fit it, made before anything compiles."""
+"""The device mesh (``data``, ``fsdp``, ``tensor``, ``sequence``) and the checks that a model, batch
+and sequence length fit it, made before anything compiles."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Mapping
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 AXES = ("data", "fsdp", "tensor", "sequence")
@@ -55,7 +56,6 @@ def make_mesh(shape: Mapping[str, int] | None = None, devices=None) -> Mesh:
   dims = tuple(sizes[n] for n in AXES)
   if len(devices) == jax.device_count() and devices == jax.devices():
     try:
-      from jax.experimental import mesh_utils
       arr = mesh_utils.create_device_mesh(dims, devices=devices)
     except (ValueError, NotImplementedError, AssertionError):
       arr = np.asarray(devices).reshape(dims)

@@ -229,8 +229,8 @@ def ring_attention(
   (``layers.Attention``) calls it instead of ``ops.dot_product_attention`` for self-attention
   without a key/value cache, a bias function or attention dropout, when the mesh it was built with
   has a ``sequence`` axis, after RoPE (positions must be the global ones, which ``jnp.arange(T)``
-  on the global array already is). Dense ``[B, N, T, S]`` masks and additive biases (ALiBi, T5 buckets) are not
-  supported: express padding as ``kv_mask_BS`` and packing as ``segment_ids_BT``.
+  on the global array already is). Dense ``[B, N, T, S]`` masks and additive biases (ALiBi, T5
+  buckets) are not supported: express padding as ``kv_mask_BS`` and packing as ``segment_ids_BT``.
 
   Args:
     q_BTNH: queries ``[B, T, N, H]``.

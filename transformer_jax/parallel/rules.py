@@ -1,18 +1,20 @@
 """Logical axis names -> mesh axes: one table decides how every parameter and activation is split.
 
 Parameters name their dimensions when they are built (``layers.common.param``: the query kernel is
-``("embed", "heads", "head_dim")``, stacked blocks add ``"layers"`` in front). ``RULES`` maps each name
-onto mesh axes (``data``, ``fsdp``, ``tensor``, ``sequence``):
+``("embed", "heads", "head_dim")``, stacked blocks add ``"layers"`` in front). ``RULES`` maps each
+name onto mesh axes (``data``, ``fsdp``, ``tensor``, ``sequence``):
 
 - data parallel: the ``batch`` of activations over ``data`` (and ``fsdp``); parameters replicated.
-- FSDP: parameters' ``embed`` dimension (present in every large matrix) over ``fsdp``, so parameters,
-  gradients and optimizer state are split 1/fsdp per device; inside the layer scan XLA gathers one
-  layer's weights at a time. The batch is split over ``fsdp`` as well (FSDP is data parallel).
+- FSDP: parameters' ``embed`` dimension (present in every large matrix) over ``fsdp``, so
+  parameters, gradients and optimizer state are split 1/fsdp per device; inside the layer scan XLA
+  gathers one layer's weights at a time. The batch is split over ``fsdp`` as well (FSDP is data
+  parallel).
 - tensor (Megatron): attention ``heads``/``kv_heads`` and ``mlp`` columns over ``tensor``, so the
   query/key/value and MLP-in projections are column-split and the output projections row-split; the
   vocabulary too (embedding rows, logits).
 - sequence: the ``length`` of activations over ``sequence``; self-attention then runs as ring
-  attention (``parallel.ring``) in models built with that mesh (``mesh=`` of the model constructors).
+  attention (``parallel.ring``) in models built with that mesh (``mesh=`` of the model
+  constructors).
 
 A dimension that a mesh axis does not divide stays whole along that axis (a 97-token vocabulary on
 ``tensor=2`` is replicated, say); the splits that must divide (heads, sequence length, batch) are
@@ -113,12 +115,14 @@ def mesh_axes(logical: Sequence[str | None], rules: Rules = RULES, mesh: Mesh | 
 
 def logical_specs(params) -> Any:
   """The logical ``PartitionSpec`` (axis names) of each leaf of an ``nnx.State`` of parameters."""
-  from flax import nnx  # parallel depends only on JAX; Flax is needed just to read the metadata
+  # parallel/ depends only on JAX; Flax is needed just to read the metadata.
+  from flax import nnx  # noqa: PLC0415
   return nnx.get_partition_spec(params)
 
 
 def param_shardings(params, mesh: Mesh, rules: Rules = RULES) -> Any:
-  """``NamedSharding`` for every parameter (concrete or ``ShapeDtypeStruct``) from its axis names."""
+  """``NamedSharding`` for every parameter (concrete or ``ShapeDtypeStruct``) from its axis
+  names."""
   specs = logical_specs(params)
   return jax.tree.map(
       lambda spec, x: NamedSharding(mesh, mesh_axes(tuple(spec), rules, mesh, x.shape)),
@@ -126,8 +130,9 @@ def param_shardings(params, mesh: Mesh, rules: Rules = RULES) -> Any:
 
 
 def shardings_like(tree, params, params_shardings, mesh: Mesh) -> Any:
-  """Shardings for a tree holding copies of ``params`` (optimizer moments): every subtree shaped like
-  ``params`` gets ``params_shardings``; everything else (step counts, scalars) is replicated."""
+  """Shardings for a tree holding copies of ``params`` (optimizer moments): every subtree shaped
+  like ``params`` gets ``params_shardings``; everything else (step counts, scalars) is
+  replicated."""
   params_def = jax.tree.structure(params)
   replicated = NamedSharding(mesh, P())
 
@@ -152,7 +157,8 @@ def bytes_per_device(tree, shardings) -> int:
 
 def constrain(x: jax.Array, logical: Sequence[str | None], mesh: Mesh | None,
               rules: Rules = RULES) -> jax.Array:
-  """``with_sharding_constraint`` of ``x`` to its logical axes on ``mesh``; ``x`` itself without one.
+  """``with_sharding_constraint`` of ``x`` to its logical axes on ``mesh``; ``x`` itself without
+  one.
 
   Layers call it with the mesh their model was built with (``mesh=`` of the model constructors), so
   the same model code runs on one device (``mesh=None``) and on a mesh.

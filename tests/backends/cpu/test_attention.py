@@ -78,9 +78,10 @@ def test_the_table_keeps_bf16_dense_past_the_chunked_threshold(monkeypatch):
   monkeypatch.setattr(dispatch, "AUTO_CHUNKED_MIN_TS", 6 * 8)
   monkeypatch.setattr(CpuBackend, "chunk_block", 4)   # several blocks of the short inputs
   q, kk, v = make_qkv(53, b=2, t=6, s=8, n=4, k=2, dtype=jnp.bfloat16)
-  attend = lambda q_, k_, v_, **kw: np.asarray(jax.jit(
-      lambda q_, k_, v_: BF16_UNITS.attention(q_, k_, v_, causal=True, **kw))(q_, k_, v_),
-      np.float32)
+  def attend(q_, k_, v_, **kw):
+    return np.asarray(jax.jit(
+        lambda q_, k_, v_: BF16_UNITS.attention(q_, k_, v_, causal=True, **kw))(q_, k_, v_),
+        np.float32)
   xla = attend(q, kk, v, implementation="xla")
   by_blocks = attend(q, kk, v, implementation="chunked")
   assert not np.array_equal(xla, by_blocks)     # the kernels round bfloat16 differently

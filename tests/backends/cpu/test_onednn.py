@@ -185,7 +185,7 @@ def test_steps_with_onednn_products_outlive_their_callers(monkeypatch):
   del step
   gc.collect()
   assert alive() is not None
-  assert onednn._HELD.maxlen == onednn.HELD_LIMIT == 16   # noqa: SLF001
+  assert onednn._HELD.maxlen == onednn.HELD_LIMIT == 16
   for _ in range(onednn.HELD_LIMIT):
     onednn.hold(object(), onednn.ONEDNN_DOTS)
   gc.collect()
@@ -207,7 +207,7 @@ def test_held_steps_get_a_moment_at_exit_before_they_are_destroyed(monkeypatch):
   for obj in ("a", "b", "c"):
     assert onednn.hold(obj, onednn.ONEDNN_DOTS) == obj
   assert onednn.hold("d", None) == "d"   # built without the options: not held
-  assert list(onednn._HELD) == ["b", "c"]   # noqa: SLF001 - bounded
+  assert list(onednn._HELD) == ["b", "c"]
   assert registered == [(time.sleep, onednn.EXIT_WAIT_S)]   # once
 
 

@@ -121,7 +121,8 @@ def _rowmajor_core_bwd(scale, b, t, res, dout_RMH):
   dq_RHM = _products("RHS,RMS->RHM", matmul.transposed(k_RSH), ds_RMS) * jnp.float32(scale)
   dk_RHS = _products("RHM,RMS->RHS", matmul.transposed(q_RMH), ds_RMS) * jnp.float32(scale)
   dmask = None if mask is None else np.zeros(mask.shape, jax.dtypes.float0)
-  back = lambda x_RAB, like: matmul.transposed(x_RAB.astype(like.dtype))
+  def back(x_RAB, like):
+    return matmul.transposed(x_RAB.astype(like.dtype))
   return back(dq_RHM, q_RMH), back(dk_RHS, k_RSH), back(dv_RHS, v_RSH), dbias, dmask
 
 

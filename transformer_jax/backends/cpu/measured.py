@@ -12,6 +12,8 @@ import dataclasses
 import re
 from typing import Iterable
 
+from transformer_jax import hardware
+
 
 @dataclasses.dataclass(frozen=True)
 class CpuKind:
@@ -87,7 +89,6 @@ def this_cpu_measured(rule: str) -> bool:
   Raises:
     ValueError: ``rule`` is not in ``MEASURED_ON``.
   """
-  from transformer_jax import hardware
 
   kinds = measured_on(rule)
   family, model = parse_family(hardware.cpu_family())

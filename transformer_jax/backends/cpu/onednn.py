@@ -25,6 +25,9 @@ import os
 import time
 import warnings
 
+import jax
+import jax.numpy as jnp
+
 ONEDNN_ENV = "TJAX_ONEDNN"   # "0"/"off"/"false"/"no": leave the steps' products where XLA puts them
 _OFF = ("0", "off", "false", "no")
 
@@ -79,8 +82,6 @@ def uses_onednn(options: dict | None) -> bool:
 def _onednn_compiles() -> bool:
   """Whether this jaxlib's CPU compiler takes ``ONEDNN_DOTS`` (an older or newer one may not know
   them: then the steps compile without, instead of failing)."""
-  import jax
-  import jax.numpy as jnp
 
   x = jax.ShapeDtypeStruct((2, 16, 16), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(
       jax.local_devices(backend="cpu")[0]))

@@ -21,6 +21,8 @@ import struct
 import sys
 from typing import Mapping
 
+import jax
+
 POLL_ENV = "TJAX_CPU_POLL"   # "1": tjax generate and tjax bench generate hold the request
 CPU_DMA_LATENCY = "/dev/cpu_dma_latency"
 _ON = ("1", "on", "true", "yes")
@@ -71,7 +73,6 @@ def cpu_poll():
   if sys.platform != "linux":
     yield PollRequest(False, f"a Linux request ({CPU_DMA_LATENCY}); this is {sys.platform}")
     return
-  import jax
 
   if jax.default_backend() != "cpu":
     yield PollRequest(False, f"not on CPU (backend {jax.default_backend()})")
