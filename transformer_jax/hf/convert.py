@@ -35,14 +35,11 @@ def to_hf(run_dir_path: str | os.PathLike, out_dir: str | os.PathLike, *,
   A LoRA run (``train.lora``) is written with its adapters merged into the base weights. The
   special-token ids come from the run's tokenizer (``run_tokenizer``), when its dataset is there."""
   from transformer_jax import runs
-  from transformer_jax.train import finetune
+  from transformer_jax.train import method
 
   if not runs.RunDir(out_dir).is_empty():  # before reading the run
     raise ValueError(f"--out {out_dir} exists and is not empty; give a new directory")
-  if finetune.lora_run_config(os.fspath(run_dir_path)) is not None:
-    config, params = finetune.load_lora_merged(os.fspath(run_dir_path))
-  else:
-    config, params = runs.load_model(run_dir_path)
+  config, params = method.load_base(run_dir_path)   # a LoRA run: its adapters merged
   if not isinstance(params, nnx.State):
     # A plain nested dict of arrays: put it into the abstract model's state.
     _, state = nnx.split(models.abstract(config))
