@@ -90,8 +90,9 @@ if [[ "$backend" != gpu && "$backend" != tpu ]]; then
 fi
 
 mkdir -p "$OUTDIR"
-# The table entries not yet on by default that the train part also times (ops.dispatch).
-TABLE=${TABLE-CUDNN_PACKED_SEGMENTS=16 PAD_COLS=128}
+# The kernel-table entries not yet on by default that the train part also times
+# (backends.KernelTable).
+TABLE=${TABLE-cudnn_packed_segments=16 pad_cols=128}
 TABLE_ARGS=()
 for entry in $TABLE; do TABLE_ARGS+=(--table "$entry"); done
 LEVERS=default,packed_segments_16,packed_segments_16_host_cond,vocab_pad_128

@@ -13,7 +13,7 @@ the dense kernel at long lengths fails cleanly (recorded as an error) instead of
 shared machine.
 
 The sweep (``--sweep-lengths``) times "chunked" against "xla" at shorter lengths: where chunked
-stops being slower is the documented threshold ``ops.attention.AUTO_CHUNKED_MIN_TS`` of the default.
+stops being slower is the documented threshold ``ops.dispatch.AUTO_CHUNKED_MIN_TS`` of the default.
 """
 
 from __future__ import annotations
@@ -40,18 +40,19 @@ def worker(impl: str, t: int, reps: int, block_q: int | None, block_k: int | Non
   import jax
   import jax.numpy as jnp
 
-  from transformer_jax import ops
+  from transformer_jax import backends, ops
 
   keys = jax.random.split(jax.random.key(0), 3)
   q, k, v = (jax.random.normal(key, (1, t, HEADS, HEAD_DIM), jnp.float32) for key in keys)
   jax.block_until_ready((q, k, v))
   rss_inputs = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-  extra = {} if impl == "xla" else {"block_q": block_q, "block_k": block_k}
+  block = backends.current().chunk_block   # the backend's blocks where none are given
+  extra = {} if impl == "xla" else {"block_q": block_q or block, "block_k": block_k or block}
 
   def loss(q, k, v):
-    out = ops.dot_product_attention(
-        q, k, v, causal=True, implementation=None if impl == "default" else impl, **extra)
-    return jnp.sum(out)
+    if impl == "default":   # the backend's choice, in its blocks
+      return jnp.sum(backends.current().attention(q, k, v, causal=True))
+    return jnp.sum(ops.dot_product_attention(q, k, v, causal=True, implementation=impl, **extra))
 
   step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
   start = time.perf_counter()
@@ -121,7 +122,8 @@ def main(argv=None) -> dict:
   sys.path.insert(0, ROOT)
   import jax
 
-  from transformer_jax.ops import attention, chunked
+  from transformer_jax import backends
+  from transformer_jax.ops import dispatch
   result = {
       "what": "jax.grad of sum(ops.dot_product_attention(q, k, v, causal=True, implementation=X))"
               f", q/k/v float32 [1, T, {HEADS}, {HEAD_DIM}], each in a fresh process",
@@ -136,9 +138,9 @@ def main(argv=None) -> dict:
                           "noisy (the load averages bracket the run); peak RSS is not affected"},
       "settings": {"reps": args.reps, "sweep_reps": args.sweep_reps,
                    "memory_limit_gib": args.memory_limit_gib,
-                   "block_q": args.block_q or chunked.default_block_sizes()[0],
-                   "block_k": args.block_k or chunked.default_block_sizes()[1],
-                   "auto_chunked_min_ts": attention.AUTO_CHUNKED_MIN_TS},
+                   "block_q": args.block_q or backends.current().chunk_block,
+                   "block_k": args.block_k or backends.current().chunk_block,
+                   "auto_chunked_min_ts": dispatch.AUTO_CHUNKED_MIN_TS},
       "versions": {d: importlib.metadata.version(d) for d in ("jax", "jaxlib", "numpy")}
                   | {"python": platform.python_version()},
       "rows": rows,

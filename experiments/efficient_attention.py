@@ -1,7 +1,7 @@
 """Beyond quadratic attention: full softmax, sliding windows, linear attention and state-space
 models, side by side.
 
-Five small RoPE GPTs with the same parameters (the attention kind changes no weight), and three
+Small RoPE GPTs with the same parameters (the attention kind changes no weight), and three
 state-space models with as many parameters within 4%, are trained on the same corpus (the
 embedded Python standard library) for the same steps:
 
@@ -9,6 +9,10 @@ embedded Python standard library) for the same steps:
   window-W      softmax over the last W tokens (two widths; decoding with a rolling cache)
   linear        linear attention (elu + 1 features, Katharopoulos et al. 2020)
   linear-decay  linear attention with RetNet's per-head decay
+  sparse-fixed, sparse-strided
+                block-sparse softmax (ops.sparse): Child et al.'s fixed pattern (own block of 64
+                and 8 summary positions per block) and strided pattern (two blocks of 64 and
+                every 64th position)
   mamba1        Mamba blocks (selective scan; Gu and Dao 2023), no attention
   mamba2        Mamba-2 blocks (SSD; Dao and Gu 2024)
   hybrid        Mamba, attention, Mamba blocks, each with a gated MLP (Jamba's pattern)
@@ -58,6 +62,10 @@ def variants(windows: list[int]) -> dict[str, dict]:
   out.update({f"window-{w}": {"sliding_window": w} for w in windows})
   out["linear"] = {"attention_kind": "linear"}
   out["linear-decay"] = {"attention_kind": "linear", "linear_decay": "retnet"}
+  out["sparse-fixed"] = {"attention_kind": "sparse",
+                         "sparse_pattern": ops.SparsePattern.fixed(block=64, summary=8)}
+  out["sparse-strided"] = {"attention_kind": "sparse",
+                           "sparse_pattern": ops.SparsePattern.strided_pattern(block=64)}
   return out
 
 
@@ -141,7 +149,7 @@ def kernel_speed(lengths: list[int], window: int, heads: int, head_dim: int, rep
     q, k, v = (jax.random.normal(key, (1, t, heads, head_dim), jnp.float32) for key in keys)
 
     def grad_fn(win):
-      loss = lambda q, k, v: jnp.sum(ops.dot_product_attention(  # noqa: E731
+      loss = lambda q, k, v: jnp.sum(tj.backends.current().attention(  # noqa: E731
           q, k, v, causal=True, window=win, implementation="chunked"))
       return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 

@@ -17,11 +17,10 @@ step (AdamW, clipping, token-mean cross-entropy) on one random batch, compiled o
   cublaslt        the step compiled with ``xla_gpu_enable_cublaslt: true`` (cuBLASLt's epilogues)
   autotune_level_1 the step compiled with ``xla_gpu_autotune_level: 1`` (no buffer checks)
   vocab_pad_128   the tied vocabulary product padded to a multiple of 128 columns
-                  (``ops.dispatch.PAD_COLS``)
+                  (the kernel table's ``pad_cols``)
   packed_segments_4, packed_segments_16  segment ids to cuDNN as up to 4 (16) packed sequences
-                  per row instead of a [B, 1, T, T] mask (``ops.dispatch.CUDNN_PACKED_SEGMENTS``;
-                  the step's conditionals in CUDA graphs, as ``runtime.step_compiler_options``
-                  then asks)
+                  per row instead of a [B, 1, T, T] mask (``cudnn_packed_segments``; the step's
+                  conditionals in CUDA graphs, as ``GpuBackend.step_compiler_options`` then asks)
   packed_segments_16_host_cond  the same with XLA's default command buffers: each attention's
                   conditional outside the graphs, its predicate read by the host
   cudnn_layer_norm  layer norms (forward and backward) as cuDNN kernels
@@ -29,10 +28,12 @@ step (AdamW, clipping, token-mean cross-entropy) on one random batch, compiled o
   command_buffer_off  no CUDA graphs (``xla_gpu_enable_command_buffer: ""``): how much of the
                   launch time XLA's command buffers already save
 
-Each variant: compile seconds, the median of ``--steps`` steps after 3 warm-up steps, tokens/s, and
-the step's temporaries. Generation: greedy ``generate`` of ``--new-tokens`` tokens for each batch
-size and dtype, with the decoding loop compiled with the library's options and with each of
-``DECODE_VARIANTS``; ``compile_s`` = first call - median of two more.
+Every variant is a kernel table (``backends.KernelTable``): compile options are its
+``step_options``, laid over the backend's own. Each variant: compile seconds, the median of
+``--steps`` steps after 3 warm-up steps, tokens/s, and the step's temporaries. Generation: greedy
+``generate`` of ``--new-tokens`` tokens for each batch size and dtype, with the decoding loop
+compiled with the library's options and with each of ``DECODE_VARIANTS`` over them (the table's
+``decode_options``); ``compile_s`` = first call - median of two more.
 
 Every variant runs in a process of its own: XLA:GPU keeps its autotuning results for the
 process's lifetime, so a second program with the same products would compile faster than a
@@ -55,8 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from transformer_jax import models, runtime
-from transformer_jax.bench.train import table_set
+from transformer_jax import backends, models, runtime
 from transformer_jax.train import step as step_lib
 from transformer_jax.train import tasks as tasks_lib
 from transformer_jax.train.config import TrainConfig
@@ -83,10 +83,10 @@ def _batch(config, b: int, t: int, seed: int = 0) -> dict:
 
 
 def train_variant(preset: str, dtype: str, b: int, t: int, steps: int, *, overrides=None,
-                  loss_head: str = "logits", options=None, segments: bool = True,
+                  loss_head: str = "logits", segments: bool = True,
                   table: dict | None = None) -> dict:
-  """Compile and time one variant of the train step, traced with the kernel-table entries
-  ``table`` (``bench.train.table_set``); returns its row."""
+  """Compile and time one variant of the train step, built with the kernel table ``table``
+  (``backends.KernelTable`` fields); returns its row."""
   config = models.get_config(preset, dtype=dtype, dropout_rate=0.0, **(overrides or {}))
   tcfg = TrainConfig(steps=1000, batch_size=b, seq_len=t, lr=1e-4, warmup_steps=0,
                      schedule="constant")
@@ -94,14 +94,15 @@ def train_variant(preset: str, dtype: str, b: int, t: int, steps: int, *, overri
   task = (tasks_lib.GPTTask if segments else _NoSegments)(loss_head=loss_head)
   state = step_lib.create_state(models.init(config, jax.random.key(0)), optimizer)
   batch = _batch(config, b, t)
-  with table_set(table or {}, jax.default_backend()):
-    options = (runtime.step_compiler_options(jax.default_backend()) if options is None
-               else options)
-    fn = jax.jit(step_lib.make_train_step(models.graphdef(config), task, optimizer, seed=0),
-                 donate_argnums=(0,))
-    start = time.perf_counter()
-    compiled = fn.lower(state, batch).compile(compiler_options=options or None)
-    compile_s = time.perf_counter() - start
+  backend = backends.current(backends.KernelTable.from_dict(table))
+  options = backend.step_compiler_options()
+  fn = jax.jit(step_lib.make_train_step(models.graphdef(config, None, backend), task, optimizer,
+                                        seed=0), donate_argnums=(0,))
+  start = time.perf_counter()
+  with backend.compiling():
+    compiled = backend.hold(fn.lower(state, batch).compile(compiler_options=options or None),
+                            options)
+  compile_s = time.perf_counter() - start
   temp = runtime.temp_bytes(compiled)
   times, losses = [], []
   for i in range(3 + steps):
@@ -121,50 +122,49 @@ def train_variant(preset: str, dtype: str, b: int, t: int, steps: int, *, overri
           "loss_head": loss_head, "options": options}
 
 
-def generate_variant(preset: str, dtype: str, batch: int, new_tokens: int, options: dict) -> dict:
+def generate_variant(preset: str, dtype: str, batch: int, new_tokens: int,
+                     options: dict) -> dict:
   """Greedy generation's first call (compile) and steady call with the decoding loop compiled
-  with ``options``."""
+  with ``options`` over the library's (the kernel table's ``decode_options``)."""
   from transformer_jax.generate import decode
 
   config = models.get_config(preset, dtype=dtype, param_dtype=dtype)
-  model = nnx.merge(models.graphdef(config), models.init(config, jax.random.key(0)))
+  backend = backends.current(backends.KernelTable(decode_options=tuple(options.items())))
+  model = nnx.merge(models.graphdef(config, None, backend), models.init(config, jax.random.key(0)))
   prompt = np.random.default_rng(0).integers(0, config.vocab_size, (batch, 32))
-  saved = dict(runtime.GPU_DECODE_OPTIONS)
-  runtime.GPU_DECODE_OPTIONS.clear()
-  runtime.GPU_DECODE_OPTIONS.update(options)
-  decode._compiled.cache_clear()   # noqa: SLF001 - a fresh jit with these options
-  try:
-    calls = []
-    for _ in range(3):
-      start = time.perf_counter()
-      np.asarray(decode.generate(model, prompt, max_new_tokens=new_tokens))
-      calls.append(time.perf_counter() - start)
-  finally:
-    runtime.GPU_DECODE_OPTIONS.clear()
-    runtime.GPU_DECODE_OPTIONS.update(saved)
-    decode._compiled.cache_clear()   # noqa: SLF001
+  calls = []
+  for _ in range(3):
+    start = time.perf_counter()
+    np.asarray(decode.generate(model, prompt, max_new_tokens=new_tokens))
+    calls.append(time.perf_counter() - start)
   steady = statistics.median(calls[1:])
   return {"first_call_s": calls[0], "steady_s": steady, "compile_s": calls[0] - steady,
-          "tokens_per_sec": batch * new_tokens / steady, "options": options}
+          "tokens_per_sec": batch * new_tokens / steady,
+          "options": backend.decode_compiler_options()}
+
+
+def _options(**options) -> dict:
+  """A variant whose kernel table lays ``options`` over the step's own compile options."""
+  return {"table": {"step_options": options}}
 
 
 VARIANTS = {"default": {}, "logits_head": {"loss_head": "logits"},
             "fused_head": {"loss_head": "fused"},
             "scanned": {"overrides": {"scan_layers": True}},
             "no_segment_ids": {"segments": False},
-            "triton_gemm_on": {"options": {"xla_gpu_enable_triton_gemm": True}},
-            "triton_gemm_off": {"options": {"xla_gpu_enable_triton_gemm": False}},
-            "cublaslt": {"options": {"xla_gpu_enable_cublaslt": True}},
-            "autotune_level_1": {"options": {"xla_gpu_autotune_level": 1}},
-            "vocab_pad_128": {"table": {"PAD_COLS": 128}},
-            "packed_segments_4": {"table": {"CUDNN_PACKED_SEGMENTS": 4}},
-            "packed_segments_16": {"table": {"CUDNN_PACKED_SEGMENTS": 16}},
-            "packed_segments_16_host_cond": {
-                "table": {"CUDNN_PACKED_SEGMENTS": 16},
-                "options": {"xla_gpu_enable_command_buffer":
-                            "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"}},
-            "cudnn_layer_norm": {"options": {"xla_gpu_enable_cudnn_layer_norm": True}},
-            "command_buffer_off": {"options": {"xla_gpu_enable_command_buffer": ""}}}
+            "triton_gemm_on": _options(xla_gpu_enable_triton_gemm=True),
+            "triton_gemm_off": _options(xla_gpu_enable_triton_gemm=False),
+            "cublaslt": _options(xla_gpu_enable_cublaslt=True),
+            "autotune_level_1": _options(xla_gpu_autotune_level=1),
+            "vocab_pad_128": {"table": {"pad_cols": 128}},
+            "packed_segments_4": {"table": {"cudnn_packed_segments": 4}},
+            "packed_segments_16": {"table": {"cudnn_packed_segments": 16}},
+            "packed_segments_16_host_cond": {"table": {
+                "cudnn_packed_segments": 16,
+                "step_options": {"xla_gpu_enable_command_buffer":
+                                 "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"}}},
+            "cudnn_layer_norm": _options(xla_gpu_enable_cudnn_layer_norm=True),
+            "command_buffer_off": _options(xla_gpu_enable_command_buffer="")}
 
 
 def _one(args) -> dict:
@@ -172,14 +172,10 @@ def _one(args) -> dict:
   ``generate:DTYPE:BATCH:NAME``."""
   kind, *rest = args.one.split(":")
   if kind == "train":
-    spec = dict(VARIANTS[rest[0]])
-    if "options" in spec:   # on top of the library's own step options
-      spec["options"] = {**runtime.step_compiler_options(jax.default_backend()), **spec["options"]}
     return train_variant(args.preset, args.dtype, args.batch_size, args.seq_len, args.steps,
-                         **spec)
+                         **VARIANTS[rest[0]])
   dtype, batch, name = rest
-  options = (runtime.decode_compiler_options(jax.default_backend()) if name == "default"
-             else DECODE_VARIANTS[name])
+  options = {} if name == "default" else DECODE_VARIANTS[name]
   return generate_variant(args.preset, dtype, int(batch), args.new_tokens, options)
 
 
@@ -203,11 +199,12 @@ def main(argv=None) -> dict:
     with open(args.json, "w") as f:
       json.dump(row, f)
     return row
-  result = {"device_kind": jax.devices()[0].device_kind, "platform": jax.default_backend(),
+  backend = backends.current()
+  result = {"device_kind": jax.devices()[0].device_kind, "platform": backends.platform(),
             "jax": jax.__version__, "preset": args.preset, "dtype": args.dtype,
             "batch_size": args.batch_size, "seq_len": args.seq_len,
-            "step_compiler_options": runtime.step_compiler_options(jax.default_backend()),
-            "decode_compiler_options": runtime.decode_compiler_options(jax.default_backend()),
+            "step_compiler_options": backend.step_compiler_options(),
+            "decode_compiler_options": backend.decode_compiler_options(),
             "train": {}, "generate": {}}
   jobs = [("train", f"train:{v}") for v in args.variants.split(",") if v]
   for dtype in [d for d in args.generate_dtypes.split(",") if d]:

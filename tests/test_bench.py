@@ -113,35 +113,77 @@ def test_model_override_reaches_the_step(tmp_path, capsys):
 
 
 def test_table_entries_are_checked():
+  from transformer_jax.backends import KernelTable
   from transformer_jax.bench.train import parse_table
 
-  assert parse_table(["PAD_COLS=128", "CUDNN_PACKED_SEGMENTS=16"]) == {
-      "PAD_COLS": 128, "CUDNN_PACKED_SEGMENTS": 16}
+  assert parse_table(["pad_cols=128", "CUDNN_PACKED_SEGMENTS=16"]) == KernelTable(
+      pad_cols=128, cudnn_packed_segments=16)
+  assert parse_table(["PAD_COLS=1.28e2"]) == KernelTable(pad_cols=128)   # exponent form
+  assert parse_table([]) is None
   for bad, match in (("PAD_COLS", "expected NAME=N"), ("NO_SUCH=1", "NO_SUCH is not one of"),
-                     ("PAD_COLS=-8", "integer >= 0"), ("PAD_COLS=x", "integer >= 0")):
+                     ("PAD_COLS=-8", "pad_cols=-8 must be 0 .off. or an integer from 2 to"),
+                     ("PAD_COLS=x", "pad_cols='x': expected an integer"),
+                     ("PAD_COLS=12.5", "pad_cols='12.5': expected an integer"),
+                     ("PAD_COLS=1e999", "pad_cols='1e999': expected an integer"),
+                     ("PAD_COLS=0", "pad_cols=0 is the default")):
     with pytest.raises(ValueError, match=match):
       parse_table([bad])
-  with pytest.raises(ValueError, match="PAD_COLS is given twice"):
-    parse_table(["PAD_COLS=8", "PAD_COLS=16"])
+  with pytest.raises(ValueError, match="pad_cols is given twice"):
+    parse_table(["PAD_COLS=8", "pad_cols=16"])
+  with pytest.raises(ValueError, match="cudnn_packed_segments has no effect on cpu .it applies "
+                                       "on gpu."):
+    parse_table(["CUDNN_PACKED_SEGMENTS=4"], "cpu")
+  assert parse_table(["CUDNN_PACKED_SEGMENTS=4"], "gpu") == KernelTable(cudnn_packed_segments=4)
+
+
+@pytest.mark.parametrize("item,words", [
+    ("PAD_COLS=99999999999999999999", "pad_cols=99999999999999999999 must be 0 (off) or an "
+                                      "integer from 2 to 65536"),
+    ("CUDNN_PACKED_SEGMENTS=4", "cudnn_packed_segments has no effect on cpu"),
+])
+def test_table_entries_are_refused_in_one_line_before_anything_compiles(
+    tmp_path, capsys, monkeypatch, item, words):
+  from transformer_jax.bench import machine
+  from transformer_jax.bench import train as bench_train
+
+  if "CUDNN" in item and jax_platform() != "cpu":
+    pytest.skip("the entry applies off CPU")
+
+  def compiles(*args, **kwargs):
+    raise AssertionError("compiled a program before the table was checked")
+
+  monkeypatch.setattr(machine, "run_matmul_limit", compiles)
+  monkeypatch.setattr(bench_train, "Ours", compiles)
+  assert cli.main(["bench", "train", "--preset", "gpt2-tiny", "--batch-size", "2", "--seq-len",
+                   "16", "--against", "none", "--table", item,
+                   "--json", str(tmp_path / "x.json")]) == 2
+  err = capsys.readouterr().err.strip()
+  assert words in err and len(err.splitlines()) == 1, err
+  assert not (tmp_path / "x.json").exists()
+
+
+def jax_platform() -> str:
+  import jax
+
+  return jax.default_backend()
 
 
 def test_table_side_runs_the_lever_from_the_same_weights(tmp_path, capsys):
-  # PAD_COLS on this backend pads the tied vocabulary product (gpt2-tiny: 512 rows, padded to
-  # 640): the same losses from the same weights, a program with other shapes, and the table as it
-  # was afterwards.
-  from transformer_jax.ops import dispatch
+  # pad_cols pads the tied vocabulary product (gpt2-tiny: 512 rows, padded to 640): the same
+  # losses from the same weights, a program with other shapes; the default table is untouched.
+  from transformer_jax import backends
 
   r = _bench(tmp_path, "train", "--preset", "gpt2-tiny", "--batch-size", "2", "--seq-len", "16",
              "--steps", "2", "--warmup", "0", "--against", "none", "--table", "PAD_COLS=640")
-  assert dispatch.PAD_COLS == {} and dispatch.CUDNN_PACKED_SEGMENTS == 0
-  assert r["table"] == {"PAD_COLS": 640}
+  assert backends.current().table == backends.KernelTable()
+  assert r["table"] == {"pad_cols": 640}
   assert r["ours+table"]["losses"] == pytest.approx(r["ours"]["losses"], rel=1e-5)
   assert r["first_loss_diff_of_table"] < 1e-5
   assert r["ours+table"]["temp_bytes"] != r["ours"]["temp_bytes"]
   assert r["speedup_of_table"] == pytest.approx(
       r["ours"]["step_s"]["median"] / r["ours+table"]["step_s"]["median"], rel=1e-9)
   out = capsys.readouterr().out
-  assert "ours+table: PAD_COLS=640" in out and "x ours" in out
+  assert "ours+table: pad_cols=640" in out and "x ours" in out
   assert cli.main(["bench", "train", "--preset", "gpt2-tiny", "--against", "none", "--table",
                    "NO_SUCH=1", "--json", str(tmp_path / "x")]) == 2
   assert "NO_SUCH is not one of" in capsys.readouterr().err
@@ -172,17 +214,17 @@ def test_train_table_on_an_accelerator():
 
 def test_rivals_run_on_jax_device_or_are_left_out(monkeypatch):
   torch = pytest.importorskip("torch")
-  from transformer_jax import hardware
+  from transformer_jax import backends
   from transformer_jax.bench import generate, machine
 
   assert machine.torch_device() == ("cpu", "") and generate.hf_device() == "cpu"
-  monkeypatch.setattr(hardware, "platform", lambda: "tpu")
+  monkeypatch.setattr(backends, "platform", lambda: "tpu")
   device, why = machine.torch_device()
   assert device is None and "no PyTorch rival on tpu" in why
   with pytest.raises(ValueError, match="on tpu"):
     generate.hf_device()
   # A GPU run whose torch has no CUDA: no rival on another device either.
-  monkeypatch.setattr(hardware, "platform", lambda: "gpu")
+  monkeypatch.setattr(backends, "platform", lambda: "gpu")
   monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
   device, why = machine.torch_device()
   assert device is None and "has no CUDA device" in why
@@ -296,8 +338,8 @@ def test_generate_against_transformers_same_tokens_and_floor_from_the_same_momen
     tmp_path, monkeypatch):
   pytest.importorskip("transformers")
   from transformer_jax.bench import machine
-  from transformer_jax.cpu import poll
-  from tests.test_runtime import _fds_on
+  from transformer_jax.backends.cpu import poll
+  from tests.backends.cpu.test_poll import _fds_on
 
   # With --cpu-poll the whole run holds the polling request (a stand-in file here): every
   # bandwidth reading is taken under it, like both sides' calls.
@@ -371,8 +413,8 @@ def test_generate_against_transformers_same_tokens_and_floor_from_the_same_momen
 
 def test_generate_bench_polls_cpus_only_when_asked(tmp_path, monkeypatch):
   from transformer_jax.bench import generate as bench_generate
-  from transformer_jax.cpu import poll
-  from tests.test_runtime import _fds_on
+  from transformer_jax.backends.cpu import poll
+  from tests.backends.cpu.test_poll import _fds_on
 
   device = tmp_path / "cpu_dma_latency"
   device.write_bytes(b"")

@@ -44,9 +44,7 @@ def test_kinds_are_matched_after_normalizing():
 
 def test_this_process_device():
   assert hardware.device_kind() == jax.devices()[0].device_kind
-  assert hardware.platform() in ("cpu", "gpu", "tpu")
   if jax.default_backend() == "cpu":
-    assert hardware.platform() == "cpu"
     assert hardware.peak_flops(hardware.device_kind(), "float32") is None
 
 

@@ -378,12 +378,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def launch() -> None:
   """The ``tjax`` program: when it will compute on CPU, runs itself again over mimalloc
-  (``cpu.allocator.allocator_env``; ``TJAX_MALLOC=0`` keeps the system allocator) or, without
-  mimalloc installed, says once on stderr that it runs on the system allocator
-  (``cpu.allocator.system_allocator_notice``); then ``main``."""
+  (``backends.cpu.allocator.allocator_env``; ``TJAX_MALLOC=0`` keeps the system allocator) or,
+  without mimalloc installed, says once on stderr that it runs on the system allocator
+  (``backends.cpu.allocator.system_allocator_notice``); then ``main``."""
   import os
 
-  from transformer_jax.cpu import allocator
+  from transformer_jax.backends.cpu import allocator
   try:
     env = allocator.allocator_env()
   except ValueError as e:  # a bad TJAX_MALLOC: one line, before anything runs

@@ -120,14 +120,6 @@ def device_kind() -> str:
   return jax.devices()[0].device_kind
 
 
-def platform() -> str:
-  """The default backend: "cpu", "gpu" (CUDA or ROCm) or "tpu"."""
-  import jax
-
-  backend = jax.default_backend()
-  return "gpu" if backend in ("cuda", "rocm") else backend
-
-
 def share_gpu_memory() -> bool:
   """Lets another framework in this process (PyTorch) allocate GPU memory beside JAX.
 

@@ -174,16 +174,19 @@ def split(model: nnx.Module):
 # Pure-function forms for the trainer (configs in, states out).
 
 
-def create(model_config, config: LoRAConfig, key: jax.Array, mesh=None) -> nnx.Module:
-  """The model of ``model_config`` with adapters; the base parameters come from ``key`` exactly
-  as ``models.init(model_config, key)`` makes them, the adapters from a key folded from it."""
+def create(model_config, config: LoRAConfig, key: jax.Array, mesh=None,
+           backend=None) -> nnx.Module:
+  """The model of ``model_config`` with adapters, built for ``mesh`` and ``backend`` (see
+  ``models.create``); the base parameters come from ``key`` exactly as
+  ``models.init(model_config, key)`` makes them, the adapters from a key folded from it."""
   from transformer_jax import models
-  model = models.model_class(model_config)(model_config, rngs=nnx.Rngs(params=key), mesh=mesh)
+  model = models.model_class(model_config)(model_config, rngs=nnx.Rngs(params=key), mesh=mesh,
+                                           backend=backend)
   return add_adapters(model, config, rngs=nnx.Rngs(params=jax.random.fold_in(key, 0x10A)))
 
 
-def abstract(model_config, config: LoRAConfig, mesh=None) -> nnx.Module:
-  return nnx.eval_shape(lambda: create(model_config, config, jax.random.key(0), mesh))
+def abstract(model_config, config: LoRAConfig, mesh=None, backend=None) -> nnx.Module:
+  return nnx.eval_shape(lambda: create(model_config, config, jax.random.key(0), mesh, backend))
 
 
 def count(trainable, frozen) -> dict[str, Any]:

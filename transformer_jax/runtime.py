@@ -1,24 +1,26 @@
-"""Process-level settings every backend has: the persistent compilation cache, the compile options
-of the train and eval steps and of the decoding loop (one table per backend), and the notice when
-bfloat16 would be slower than float32 on this CPU.
+"""Process-level settings: the persistent compilation cache, and the notice when bfloat16 would be
+slower than float32 here.
 
-What exists only for XLA:CPU lives in ``transformer_jax.cpu``: the mimalloc launcher
-(``cpu.allocator``), the steps' oneDNN options and ``hold`` (``cpu.onednn``), idle CPUs that poll
-while decoding (``cpu.poll``) and the microbatch rule (``cpu.microbatches``).
+The compile options of the train and eval steps and of the decoding loop are the backend's
+(``backends.current(table).step_compiler_options()``, ``decode_compiler_options()``), and so is what
+exists only for XLA:CPU (``backends.cpu``: the mimalloc launcher, the steps' oneDNN options and
+``hold``, idle CPUs that poll while decoding, the microbatch rule).
 
 ``tjax`` applies them (the trainer gives the notices). A library user calls
 ``enable_compilation_cache()`` once (the trainer does it too); to run over mimalloc, starts their
-program with the environment ``cpu.allocator.allocator_env()`` returns (a running process cannot
-change its allocator); and may wrap decoding in ``with cpu.poll.cpu_poll():``.
+program with the environment ``backends.cpu.allocator.allocator_env()`` returns (a running process
+cannot change its allocator); and may wrap decoding in ``with backends.cpu.poll.cpu_poll():``.
 """
 
 from __future__ import annotations
 
 import os
-import warnings
 
-from transformer_jax.cpu import onednn as _onednn
-from transformer_jax.ops import dispatch as _dispatch
+from transformer_jax import backends
+from transformer_jax.backends.compile import temp_bytes
+
+__all__ = ["CACHE_ENV", "bf16_notice", "default_cache_dir", "enable_compilation_cache",
+           "temp_bytes"]
 
 CACHE_ENV = "TJAX_COMPILATION_CACHE"   # a folder, or "0" to turn the cache off
 
@@ -57,70 +59,8 @@ def enable_compilation_cache(path: str | None = None) -> str | None:
   return path
 
 
-# XLA:GPU compile options of the train and eval steps (``step_compiler_options("gpu")``) and of the
-# decoding loop (``decode_compiler_options``): experiments/PERFORMANCE.md, "XLA:GPU options".
-GPU_STEP_OPTIONS: dict = {"xla_gpu_enable_triton_gemm": False}
-GPU_DECODE_OPTIONS: dict = {"xla_gpu_enable_triton_gemm": False}
-
-# With segment ids packed for cuDNN (``ops.dispatch.CUDNN_PACKED_SEGMENTS``) each attention picks
-# its kernel in a conditional, which XLA:GPU otherwise runs outside its CUDA graphs, the host
-# waiting for the predicate. XLA's default command-buffer types (jax 0.10 and 0.11) plus
-# CONDITIONAL: compile options take the list itself, not the flag's "+CONDITIONAL".
-GPU_COMMAND_BUFFERS_WITH_CONDITIONALS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL"
-
-
-def step_compiler_options(platform: str) -> dict:
-  """Compile options for the train and eval steps on ``platform`` (a device's ``.platform``).
-
-  Returns:
-    A new dict: ``GPU_STEP_OPTIONS`` on "gpu" (with ``GPU_COMMAND_BUFFERS_WITH_CONDITIONALS``
-    while ``ops.dispatch.CUDNN_PACKED_SEGMENTS`` is on); on "cpu" ``cpu.onednn.step_options``
-    (each matrix product to oneDNN; none with ``$TJAX_ONEDNN=0`` or a jaxlib that lacks the
-    options); none elsewhere. Pass them as ``jax.jit(..., compiler_options=...)`` (they are part
-    of the persistent cache's key) and pass what you compile with them to ``cpu.onednn.hold``.
-    Asking for them changes nothing in the process.
-  """
-  if platform == "gpu":
-    options = dict(GPU_STEP_OPTIONS)
-    if _dispatch.CUDNN_PACKED_SEGMENTS:
-      options.setdefault("xla_gpu_enable_command_buffer", GPU_COMMAND_BUFFERS_WITH_CONDITIONALS)
-    return options
-  return _onednn.step_options(platform)
-
-
-def decode_compiler_options(platform: str) -> dict:
-  """Compile options for ``generate``'s decoding loop on ``platform``: ``GPU_DECODE_OPTIONS`` on
-  GPUs, none elsewhere."""
-  return dict(GPU_DECODE_OPTIONS) if platform == "gpu" else {}
-
-
-def temp_bytes(compiled) -> int | None:
-  """A compiled program's temporaries in bytes (``memory_analysis()``), or None where XLA does
-  not say."""
-  analysis = compiled.memory_analysis()
-  return None if analysis is None else int(analysis.temp_size_in_bytes)
-
-
-_warned_bf16 = False
-
-
 def bf16_notice(dtype: str) -> str | None:
   """When ``dtype`` is bfloat16 and the computation runs on a CPU without bfloat16 matrix units
-  (AVX-512 BF16 or AMX), warns once that it will be slower than float32, and why. Returns the text
-  (None when there is nothing to say)."""
-  global _warned_bf16
-  import jax
-
-  from transformer_jax import hardware
-
-  if str(dtype) != "bfloat16" or jax.default_backend() != "cpu" or hardware.has_bf16_units():
-    return None
-  text = (f"dtype=bfloat16 on {hardware.cpu_name() or 'this CPU'}, which has no bfloat16 matrix "
-          "instructions (avx512_bf16/amx_bf16): XLA converts every bfloat16 dot to float32 and "
-          "back, so this runs slower than dtype=float32 (about 0.6x the matmul rate here); use "
-          "float32 on this machine, bfloat16 on CPUs with AVX-512 BF16 or AMX, or on "
-          "accelerators.")
-  if not _warned_bf16:
-    _warned_bf16 = True
-    warnings.warn(text, stacklevel=2)
-  return text
+  (AVX-512 BF16 or AMX), warns once that it will be slower than float32, and why
+  (``Backend.bf16_notice``). Returns the text (None when there is nothing to say)."""
+  return backends.current().bf16_notice(dtype)

@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from transformer_jax import models
+from transformer_jax import models, ops
 
 DECODER, ENCODER, SEQ2SEQ = "decoder", "encoder", "seq2seq"
 DECODES = "decodes"
@@ -121,6 +121,32 @@ KINDS += [
          _DECODER, "Mamba2ForCausalLM"),
     Kind("hybrid", lambda: models.get_config("hybrid-tiny", **{**_SSM, "num_layers": 3},
                                              num_heads=2, num_kv_heads=1, d_ff=32), _DECODER),
+]
+
+# Approximations of softmax attention (docs/approximations.md). A block-sparse pattern is laid out
+# over array positions, so left padding and packed documents, which move a row's tokens within
+# the array, are not claimed; blocks of 4 and 3 put the suite's rows across several blocks.
+# BigBird and the Reformer are not registered: a row's result depends on the length it is padded
+# to (BigBird's last block is global, LSH chunks span the padded rounds), as in transformers, so
+# they neither honour attention_mask in this suite's sense nor refuse it; tests/hf/test_bigbird.py,
+# tests/hf/test_reformer.py and tests/models/test_approx_properties.py cover them.
+_SPARSE = frozenset({DECODER, DECODES, MASK, TABLE_POSITIONS})
+_BERT = dict(**SMALL, num_layers=2, dropout_rate=0.0, attention_dropout_rate=0.0)
+KINDS += [
+    Kind("gpt-sparse-fixed", _gpt("gpt2-tiny", attention_kind="sparse",
+                                  sparse_pattern=ops.SparsePattern.fixed(block=4, summary=1)),
+         _SPARSE, extremes=({"sparse_pattern": ops.SparsePattern(block=1)},)),
+    Kind("gpt-sparse-strided", _gpt("gpt2-tiny", attention_kind="sparse",
+                                    sparse_pattern=ops.SparsePattern.strided_pattern(block=3)),
+         _SPARSE),
+    Kind("gpt-reversible", _gpt("llama-tiny", reversible=True), _DECODER),
+    Kind("bert-linformer", lambda: models.get_config("bert-tiny", **_BERT,
+                                                     attention_kind="linformer", linformer_rows=8),
+         frozenset({ENCODER, MASK})),
+    Kind("bert-sparse-fixed", lambda: models.get_config(
+        "bert-tiny", **_BERT, attention_kind="sparse",
+        sparse_pattern=ops.SparsePattern.fixed(block=4, summary=1)),
+         frozenset({ENCODER, MASK})),
 ]
 
 BY_NAME = {k.name: k for k in KINDS}

@@ -14,11 +14,11 @@ import yaml
 from flax import nnx
 
 from transformer_jax import cli, data, generate, models
-from transformer_jax.cpu import poll
+from transformer_jax.backends.cpu import poll
 from transformer_jax.generate import commands
 from transformer_jax.runs import save_model
 from tests.generate.conftest import gpt_model, last_logits, random_prompts
-from tests.test_runtime import _fds_on
+from tests.backends.cpu.test_poll import _fds_on
 
 MAX_LEN = 32
 

@@ -83,19 +83,17 @@ def test_scanned_stack_equals_unrolled_stack(name, tokens):
   np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_auto_unrolls_only_bfloat16_cpu_products_of_a_few_layers(monkeypatch):
-  from transformer_jax.cpu import matmul
+def test_auto_unrolls_only_bfloat16_cpu_products_of_a_few_layers():
+  from transformer_jax.backends import CpuBackend
   from transformer_jax.layers import Stack
 
-  monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-
-  def stacks(config):
-    model = models.abstract(config)
-    return [m.unroll for _, m in nnx.iter_graph(model) if isinstance(m, Stack)]
-
   for native in (True, False):
-    monkeypatch.setattr(matmul, "bf16_products_native",
-                        lambda dtype, native=native: native and dtype == "bfloat16")
+    backend = CpuBackend(bf16_units=native)
+
+    def stacks(config):
+      model = models.abstract(config, None, backend)
+      return [m.unroll for _, m in nnx.iter_graph(model) if isinstance(m, Stack)]
+
     for name in ("gpt2-tiny", "bert-tiny", "t5-tiny"):
       bf16 = tiny(name, dtype="bfloat16")
       assert bf16.scan_layers == "auto"
@@ -104,21 +102,24 @@ def test_auto_unrolls_only_bfloat16_cpu_products_of_a_few_layers(monkeypatch):
       assert stacks(dataclasses.replace(bf16, scan_layers=True)) == [False] * len(stacks(bf16))
       assert stacks(dataclasses.replace(bf16, scan_layers=False)) == [True] * len(stacks(bf16))
     deep = tiny("gpt2-tiny", dtype="bfloat16", num_layers=models.config.UNROLL_MAX_LAYERS + 1)
-    assert not models.unrolls_layers(deep)
+    assert not models.unrolls_layers(deep, backend)
     t5 = tiny("t5-tiny", dtype="bfloat16", num_encoder_layers=6, num_decoder_layers=7)
-    assert not models.unrolls_layers(t5)   # encoder and decoder count together
-    assert models.unrolls_layers(dataclasses.replace(t5, num_decoder_layers=6)) == native
+    assert not models.unrolls_layers(t5, backend)   # encoder and decoder count together
+    assert models.unrolls_layers(dataclasses.replace(t5, num_decoder_layers=6), backend) == native
 
 
 def test_auto_unrolls_a_few_layers_on_gpus_and_scans_on_tpus():
+  from transformer_jax import backends
+
+  gpu, tpu = backends.for_platform("gpu"), backends.for_platform("tpu")
   for name in ("gpt2-tiny", "bert-tiny", "t5-tiny"):
     for dtype in ("float32", "bfloat16"):
       config = tiny(name, dtype=dtype)
-      assert models.unrolls_layers(config, "gpu")
-      assert not models.unrolls_layers(config, "tpu")
-      assert not models.unrolls_layers(dataclasses.replace(config, scan_layers=True), "gpu")
+      assert models.unrolls_layers(config, gpu)
+      assert not models.unrolls_layers(config, tpu)
+      assert not models.unrolls_layers(dataclasses.replace(config, scan_layers=True), gpu)
   deep = tiny("gpt2-tiny", num_layers=models.config.UNROLL_MAX_LAYERS + 1)
-  assert not models.unrolls_layers(deep, "gpu")
+  assert not models.unrolls_layers(deep, gpu)
 
 
 @pytest.mark.parametrize("remat", ["full", "dots"])
@@ -208,23 +209,26 @@ def test_mismatched_mask_shape_is_a_clear_error(tokens):
     model(tokens, None, jnp.ones((2, 5)))
 
 
-@only_on("cpu", "XLA:CPU's bfloat16 products (cpu.matmul)")
+@only_on("cpu", "XLA:CPU's bfloat16 products (backends.cpu.matmul)")
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "bert-tiny", "t5-tiny"])
 def test_bf16_cpu_matmuls_compute_what_xla_einsums_do(name, tokens, monkeypatch):
   # bfloat16 on a CPU with bfloat16 units sends every projection and the tied head through
-  # cpu.matmul.matmul (bfloat16 dots in the layouts XLA:CPU keeps, its own backward). Forced on
-  # here, whatever this CPU has: the loss and every gradient match the plain einsum path (which XLA
-  # upcasts to float32 dots) to bfloat16 rounding, and the program runs (a dot left in a layout
-  # XLA cannot run in bfloat16 fails at run time).
-  from transformer_jax.cpu import matmul
-  from tests.ops.test_linear import _dots
+  # backends.cpu.matmul.matmul (bfloat16 dots in the layouts XLA:CPU keeps, its own backward).
+  # Forced on here (a CPU backend with bf16 units), whatever this CPU has: the loss and every
+  # gradient match the plain einsum path (which XLA upcasts to float32 dots) to bfloat16 rounding,
+  # and the program runs (a dot left in a layout XLA cannot run in bfloat16 fails at run time).
+  from transformer_jax.backends import CpuBackend
+  from transformer_jax.backends.cpu import matmul
+  from tests.backends.cpu.test_matmul import _dots
 
-  config = dataclasses.replace(tiny(name), dtype="bfloat16")
+  # Unrolled on both sides (as "auto" runs it on bf16 units): scanned and unrolled layers round
+  # bfloat16 differently (T5's unscaled logits by several percent).
+  config = dataclasses.replace(tiny(name), dtype="bfloat16", scan_layers=False)
   params = params_for(tiny(name))
 
   def loss_and_grads(fast: bool):
     monkeypatch.setattr(matmul, "bf16_products_native", lambda dtype: fast)
-    graphdef = models.graphdef(config)
+    graphdef = models.graphdef(config, None, CpuBackend(bf16_units=fast))
 
     def loss_fn(params, tokens):
       logits = forward(nnx.merge(graphdef, params), config, tokens)
@@ -271,10 +275,12 @@ def test_matmul_precision_reaches_every_dot_forward_and_backward(name, impl, fas
                                                                  monkeypatch):
   # A GPU computes float32 dots in TensorFloat-32 unless told otherwise (errors ~1e-3 against
   # PyTorch); config.matmul_precision must reach every dot of the loss's gradient, the hand-written
-  # backward passes (attention cores, cpu.matmul.matmul) included, which JAX traces after the
-  # forward has returned. Checked on the traced program, so it holds on any backend.
-  from transformer_jax.cpu import matmul
+  # backward passes (attention cores, backends.cpu.matmul.matmul) included, which JAX traces after
+  # the forward has returned. Checked on the traced program, so it holds on any backend.
+  from transformer_jax.backends import CpuBackend
+  from transformer_jax.backends.cpu import matmul
   monkeypatch.setattr(matmul, "bf16_products_native", lambda dtype: fast)
+  backend = CpuBackend(bf16_units=fast)
   base = dataclasses.replace(tiny(name), attention_impl=impl,
                              dtype="bfloat16" if fast else "float32")
   params = params_for(tiny(name))
@@ -285,7 +291,7 @@ def test_matmul_precision_reaches_every_dot_forward_and_backward(name, impl, fas
   for value in values:
     want = expected[value]
     config = dataclasses.replace(base, matmul_precision=value)
-    graphdef = models.graphdef(config)
+    graphdef = models.graphdef(config, None, backend)
 
     def loss_fn(params, tokens):
       logits = forward(nnx.merge(graphdef, params), config, tokens)

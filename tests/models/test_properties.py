@@ -205,17 +205,17 @@ def test_gpt2_matches_float64_numpy_reference():
 
 @pytest.mark.parametrize("name", ["gpt2-tiny", "bert-tiny", "t5-tiny"])
 def test_attention_impl_reaches_the_kernel_of_every_attention(name, tokens, monkeypatch):
-  """The config's ``attention_impl`` is what every attention call passes to the kernel."""
-  from transformer_jax import ops
+  """The config's ``attention_impl`` is what every attention call passes to its backend."""
+  from transformer_jax import backends
   from tests.models.conftest import forward
   seen = []
-  real = ops.dot_product_attention
+  real = backends.Backend.attention
 
-  def spy(*args, implementation=None, **kw):
+  def spy(self, *args, implementation=None, **kw):
     seen.append(implementation)
-    return real(*args, implementation="xla", **kw)
+    return real(self, *args, implementation="xla", **kw)
 
-  monkeypatch.setattr(ops, "dot_product_attention", spy)
+  monkeypatch.setattr(backends.Backend, "attention", spy)
   config = tiny(name, attention_impl="cudnn", dtype="bfloat16", scan_layers=False)
   model = models.create(config, rngs=nnx.Rngs(0))
   forward(model, config, tokens)

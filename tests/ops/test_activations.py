@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
-from transformer_jax.cpu import matmul
+from transformer_jax.backends.cpu import matmul
 from transformer_jax.ops import (
     dropout, gated, geglu, gelu, gelu_tanh, get_activation, packed_activation, relu, silu, swiglu)
 from tests.backends import only_on

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from transformer_jax import models
+from transformer_jax import models, parallel
 from transformer_jax.train import load_experiment, make_plan
 from transformer_jax.train import step as step_lib
 
@@ -22,7 +22,7 @@ MODELS = {
 
 def _train(exp, plan, devices, steps=4):
   """Losses of ``steps`` steps and the sum of |params| after them, on a data mesh of ``devices``."""
-  mesh = step_lib.make_mesh({"data": -1}, devices)
+  mesh = parallel.make_mesh({"data": -1}, devices)
   loader = plan.loader
   params = models.init(plan.model_config, jax.random.key(0))
   state = jax.device_put(step_lib.create_state(params, plan.optimizer), step_lib.replicated(mesh))

@@ -111,7 +111,6 @@ def test_kernels_keep_their_shapes_and_adapters_flatten_heads():
 
 
 def test_only_adapters_and_head_train():
-  cfg = CONFIGS["bert"]
   model = _adapted("bert", lora.LoRAConfig(rank=2, targets=("query", "value")))
   graphdef, trainable, frozen = lora.split(model)
   paths = ["/".join(map(str, p)) for p in nnx.traversals.flatten_mapping(

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 import yaml
 
-from transformer_jax import data, runs
-from transformer_jax.cpu import allocator
+from transformer_jax import data, parallel, runs
+from transformer_jax.backends.cpu import allocator
 from transformer_jax.runs import orbax_errors
 from transformer_jax.train import TrainingDiverged, evaluate_run, load_experiment, train
 from transformer_jax.train import tasks as tasks_lib
@@ -289,7 +289,7 @@ def test_divergence_guard_never_saves_non_finite_parameters(tmp_path, text_datas
       from transformer_jax.train import step as step_lib
       from transformer_jax.train.optim import make_optimizer
       target = step_lib.abstract_state(rd.read_model(), make_optimizer(exp.train),
-                                       step_lib.make_mesh({"data": 1}))
+                                       parallel.make_mesh({"data": 1}))
       params, _, _ = ckpt.restore(step, target.params, target.opt_state)   # verifies finiteness
     finally:
       ckpt.close()

@@ -116,7 +116,7 @@ def test_gradient_accumulation_equals_full_batch(text_dataset, tmp_path):
     ({1: 9000}, 8, 4, 1, [1]),                                    # would need 5: none divides 2
 ])
 def test_auto_microbatches_takes_the_fewest_that_fit(temps, batch, n_batch, want, compiled):
-  from transformer_jax.cpu import microbatches
+  from transformer_jax.backends.cpu import microbatches
   calls = []
 
   def compile_step(m):
@@ -138,7 +138,7 @@ def test_make_train_step_takes_only_a_count_of_microbatches(bad):
 def test_auto_microbatches_in_a_run_on_cpu_over_mimalloc(text_dataset, tmp_path, monkeypatch):
   # A real case needs over 2 GiB of temporaries; the limit is lowered to the size of the step in
   # 2 microbatches instead, which the whole batch's step passes.
-  from transformer_jax.cpu import allocator
+  from transformer_jax.backends.cpu import allocator
   from transformer_jax.train import make_plan
   from transformer_jax.train import step as S
   raw = {"run_dir": str(tmp_path / "r"), "model": {**TINY_GPT, "dropout_rate": 0.0},
@@ -166,7 +166,7 @@ def test_auto_microbatches_in_a_run_on_cpu_over_mimalloc(text_dataset, tmp_path,
 
 def test_config_yaml_records_the_resolved_microbatches(text_dataset, tmp_path, monkeypatch):
   """``train.microbatches: auto`` is resolved by the plan, before the snapshot is written."""
-  from transformer_jax.cpu import allocator
+  from transformer_jax.backends.cpu import allocator
   from transformer_jax.train import make_plan, train
   raw = {"run_dir": str(tmp_path / "r"), "model": {**TINY_GPT, "dropout_rate": 0.0},
          "data": {"path": text_dataset, "task": "gpt"},

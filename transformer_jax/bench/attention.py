@@ -1,9 +1,10 @@
-"""``tjax bench attention``: forward + backward of ``ops.dot_product_attention`` per implementation.
+"""``tjax bench attention``: forward + backward of the backend's attention per implementation.
 
 Causal self-attention on ``[batch, T, heads, head_dim]`` inputs (GPT-2 small's layer by default),
 each implementation at each length, jitted with the train step's compile options
-(``runtime.step_compiler_options``: oneDNN products on CPU), best and median of ``--reps`` after a
-compiling call. "auto" names ``implementation=None``, the library's own choice by size. The
+(``Backend.step_compiler_options``: oneDNN products on CPU), best and median of ``--reps`` after a
+compiling call. "auto" names ``implementation=None``, the backend's own choice
+(``Backend.attention``). The
 attention core's FLOPs (``4 * B * N * T * S * H`` forward, 2.5x that forward + backward, halved for
 causal masking's useful half) are set against the matmul limit measured in the same run (on a GPU
 or TPU: also a large square product in ``--dtype``, ``machine.run_matmul_limit``) and, where
@@ -34,9 +35,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from transformer_jax import hardware, ops, runtime
+from transformer_jax import backends, hardware
 from transformer_jax.bench import machine
-from transformer_jax.cpu import onednn
 
 # --implementations when not given, by platform ("auto": the library's choice).
 DEFAULT_IMPLEMENTATIONS = {"cpu": "xla,chunked", "gpu": "xla,chunked,cudnn,auto",
@@ -116,16 +116,16 @@ def _times(call, sync, reps: int, inner: int = 1) -> tuple[float, list[float]]:
 
 
 def ours_cell(b: int, t: int, n: int, h: int, dtype: str, impl: str, reps: int,
-              options: dict, inner: int = 1) -> tuple[float, list[float]]:
-  """Forward + backward of ``ops.dot_product_attention`` (``impl``; "auto": None) on ``[b, t, n,
-  h]`` inputs: the first call's seconds and ``reps`` later repetitions' (``_times``)."""
+              backend: backends.Backend, inner: int = 1) -> tuple[float, list[float]]:
+  """Forward + backward of ``backend.attention`` (``impl``; "auto": None, its choice) on ``[b, t,
+  n, h]`` inputs, jitted with its step options: the first call's seconds and ``reps`` later
+  repetitions' (``_times``)."""
   keys = jax.random.split(jax.random.key(0), 3)
   q, k, v = (jax.random.normal(key, (b, t, n, h), jnp.float32).astype(dtype) for key in keys)
   implementation = None if impl == "auto" else impl
-  loss = lambda q, k, v: jnp.sum(ops.dot_product_attention(  # noqa: E731
+  loss = lambda q, k, v: jnp.sum(backend.attention(  # noqa: E731
       q, k, v, causal=True, implementation=implementation).astype(jnp.float32))
-  step = onednn.hold(jax.jit(jax.grad(loss, argnums=(0, 1, 2)),
-                              compiler_options=options or None), options)
+  step = backend.jit_step(jax.grad(loss, argnums=(0, 1, 2)))
   pending = []   # the latest call's gradients, waited for at a repetition's end
 
   def call():
@@ -167,7 +167,7 @@ def run(args) -> dict:
     raise ValueError(f"--inner {inner}: must be at least 1")
   lengths = [int(x) for x in args.lengths.split(",") if x]
   sizes = batch_sizes(lengths, args.batch_size, getattr(args, "batch_sizes", None))
-  platform, kind = hardware.platform(), hardware.device_kind()
+  platform, kind = backends.platform(), hardware.device_kind()
   spec = args.implementations
   if spec is None:
     spec = DEFAULT_IMPLEMENTATIONS.get(platform, "xla,chunked")
@@ -184,7 +184,7 @@ def run(args) -> dict:
   limit = (machine.matmul_limit(core, dtype="float32") if platform == "cpu"
            else machine.run_matmul_limit(core, dtype=args.dtype))
   peak = hardware.peak_flops(kind, limit["dtype"])
-  options = runtime.step_compiler_options(jax.default_backend())
+  backend = backends.current()
   # Accelerators: float32 products at full precision, as the models' default and PyTorch.
   precision = ((lambda: contextlib.nullcontext()) if platform == "cpu"
                else (lambda: jax.default_matmul_precision("float32")))
@@ -203,7 +203,7 @@ def run(args) -> dict:
           first, times = torch_cell(b, t, n, h, args.dtype, args.reps, torch_on, inner)
         else:
           with precision():
-            first, times = ours_cell(b, t, n, h, args.dtype, impl, args.reps, options, inner)
+            first, times = ours_cell(b, t, n, h, args.dtype, impl, args.reps, backend, inner)
       except Exception as e:  # noqa: BLE001 - a failing cell is recorded, the others still run
         row["error"] = _error(e)
         print(f"# T={t} {impl}: {row['error']}", file=sys.stderr)

@@ -51,10 +51,11 @@ repetition's step against the reading taken right before its calls, the median o
 (``all`` lists them). Other processes share the machine;
 the load average is recorded before and after.
 
-With ``--cpu-poll`` (or ``TJAX_CPU_POLL=1``) the whole run holds ``cpu.poll.cpu_poll``'s request
-(idle CPUs poll instead of halting, where the OS lets this process ask; it covers the whole
-machine, so it is off unless asked for): both sides and the bandwidth readings run under the same
-setting either way, and ``cpu_poll`` in the JSON says whether it was requested and held, or why
+With ``--cpu-poll`` (or ``TJAX_CPU_POLL=1``) the whole run holds
+``backends.cpu.poll.cpu_poll``'s request (idle CPUs poll instead of halting, where the OS lets
+this process ask; it covers the whole machine, so it is off unless asked for): both sides and the
+bandwidth readings run under the same setting either way, and ``cpu_poll`` in the JSON says
+whether it was requested and held, or why
 not. ``machine.cpu_idle`` records how the machine's idle CPUs wait.
 
 Hugging Face runs on JAX's device: on CPU as above; when JAX runs on a GPU, on "cuda" (model and
@@ -86,9 +87,9 @@ import numpy as np
 from flax import nnx
 
 import transformer_jax.hf as tjhf
-from transformer_jax import hardware, models
+from transformer_jax import backends, hardware, models
 from transformer_jax.bench import machine
-from transformer_jax.cpu import poll
+from transformer_jax.backends.cpu import poll
 from transformer_jax.generate import generate
 
 _DTYPES = ("float32", "bfloat16")
@@ -404,7 +405,7 @@ def run(args, command: str | None = None) -> dict:
   """The benchmark of ``args`` (``add_args``/``check_args``): the result dict.
 
   When ``args.cpu_poll`` (or, when it is None, ``$TJAX_CPU_POLL``) asks for it, the whole run
-  (both sides, every bandwidth reading) holds ``cpu.poll.cpu_poll``; ``result["cpu_poll"]``
+  (both sides, every bandwidth reading) holds ``backends.cpu.poll.cpu_poll``; ``result["cpu_poll"]``
   records whether it was requested and held, or why not.
 
   Raises:
@@ -525,7 +526,7 @@ def _run(args, command: str | None) -> dict:
       "weight_bytes": weight_bytes,
       "memory_bandwidth": bandwidth,
       "step_floor_s_at_batch1": floor,
-      "device_kind": hardware.device_kind(), "platform": hardware.platform(),
+      "device_kind": hardware.device_kind(), "platform": backends.platform(),
       "hf_device": device,
       "machine": {**machine.describe(("torch", "transformers")),
                   "torch_threads": threads,

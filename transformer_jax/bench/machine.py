@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax import hardware, runtime
-from transformer_jax.cpu import allocator, onednn
+from transformer_jax import backends, hardware
+from transformer_jax.backends.cpu import allocator
 
 # The CPU's facts live in transformer_jax.hardware; the bench's result files name them.
 BF16_FLAGS = hardware.BF16_FLAGS
@@ -89,10 +89,10 @@ def describe(extra_versions: Iterable[str] = ()) -> dict:
   versions["python"] = platform.python_version()
   return {
       "cpu": cpu_name(), "cpu_flags": cpu_flags(), "bf16_hardware": has_bf16_hardware(),
-      "cpu_count": os.cpu_count(), "cpu_idle": cpu_idle(), "platform": jax.default_backend(),
+      "cpu_count": os.cpu_count(), "cpu_idle": cpu_idle(), "platform": backends.platform(),
       "devices": [d.device_kind for d in jax.devices()], "allocator": allocator.allocator(),
       "xla_flags": os.environ.get("XLA_FLAGS", ""),
-      "step_compiler_options": runtime.step_compiler_options(jax.default_backend()),
+      "step_compiler_options": backends.current().step_compiler_options(),
       "load_average": list(os.getloadavg()),
       "versions": versions, "source": source_revision(),
   }
@@ -101,7 +101,7 @@ def describe(extra_versions: Iterable[str] = ()) -> dict:
 def torch_device() -> tuple[str | None, str]:
   """Where a benchmark's PyTorch rival runs: ``("cpu", "")`` on CPU, ``("cuda", "")`` when JAX is
   on a GPU and torch has CUDA, else ``(None, why not)``."""
-  platform = hardware.platform()
+  platform = backends.platform()
   if platform == "cpu":
     return "cpu", ""
   if platform != "gpu":
@@ -133,7 +133,7 @@ def matmul_limit(shapes: Sequence[tuple[int, int, int]], dtype: str = "float32",
   """Best FLOP/s of ``[m, k] @ [k, n]`` over ``shapes`` (each ``(m, k, n)``), each in the three
   layouts a training step uses: ``x @ W``, ``dy @ W^T`` and ``x^T @ dy``, and on CPU with each
   library that XLA can give the products to: its default (YNNPACK or Eigen) and oneDNN, which the
-  train step uses (``runtime.step_compiler_options``). The limit is the best of them all.
+  train step uses (``Backend.step_compiler_options``). The limit is the best of them all.
 
   Inputs are ``dtype``; bfloat16 accumulates in float32 (``preferred_element_type``), as the
   models do. ``precision`` (a ``jax.lax.Precision`` name, e.g. "highest") is the products'
@@ -143,7 +143,8 @@ def matmul_limit(shapes: Sequence[tuple[int, int, int]], dtype: str = "float32",
   """
   dt = jnp.dtype(dtype)
   rng = np.random.default_rng(0)
-  on_device = jax.default_backend() != "cpu"
+  backend = backends.current()
+  on_device = backend.platform != "cpu"
   keys = iter(jax.random.split(jax.random.key(0), 3 * len(shapes)))
 
   def normal(shape):
@@ -154,7 +155,7 @@ def matmul_limit(shapes: Sequence[tuple[int, int, int]], dtype: str = "float32",
     return jnp.asarray(rng.standard_normal(shape, np.float32), dt)
 
   libraries = {"default": None}
-  if jax.default_backend() == "cpu" and (options := runtime.step_compiler_options("cpu")):
+  if not on_device and (options := backend.step_compiler_options()):
     libraries["onednn"] = options
   rates_by_library: dict[str, dict] = {name: {} for name in libraries}
   best = 0.0
@@ -170,7 +171,7 @@ def matmul_limit(shapes: Sequence[tuple[int, int, int]], dtype: str = "float32",
     for library, options in libraries.items():
       rates = {}
       for name, (fn, args) in layouts.items():
-        compiled = onednn.hold(jax.jit(fn).lower(*args).compile(compiler_options=options),
+        compiled = backend.hold(jax.jit(fn).lower(*args).compile(compiler_options=options),
                                 options)
         rates[name] = 2.0 * m * k * n / _best_time(compiled, *args, reps=reps)
       rates_by_library[library][f"{m}x{k}x{n}"] = rates
@@ -192,7 +193,7 @@ def run_matmul_limit(shapes: Sequence[tuple[int, int, int]], dtype: str = "float
   float32 products at full float32 precision (``"highest"``: as the models' default
   ``matmul_precision`` and PyTorch compute them, not TensorFloat-32 or one bfloat16 pass).
   """
-  if jax.default_backend() == "cpu":
+  if backends.platform() == "cpu":
     return matmul_limit(shapes, dtype=dtype)
   square = (SQUARE_MATMUL,) * 3
   return matmul_limit([*shapes, square], dtype=dtype, reps=10,

@@ -34,15 +34,15 @@ the memory (``hardware.share_gpu_memory``), so the rival finds room.
 attention_impl=cudnn``.
 
 ``--table NAME=N`` (repeatable) adds a side ``ours+table``: our step again, from the same weights,
-traced with an entry of the kernel table (``ops.dispatch``) set to ``N`` on this backend
+built with a kernel table (``backends.KernelTable``) whose entry ``NAME`` is ``N``
 (``TABLE_ENTRIES``), and timed in the same interleaved loop: a lever against the default and the
-rivals in one run. The table is as it was once that side is built.
+rivals in one run. Values are range-checked, and an entry that changes nothing on this backend is
+refused, before anything compiles.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import os
 import re
@@ -54,9 +54,9 @@ import time
 import jax
 import numpy as np
 
-from transformer_jax import hardware, models, runtime
+from transformer_jax import backends, hardware, models, parallel, runtime
+from transformer_jax.backends import table as table_lib
 from transformer_jax.bench import machine
-from transformer_jax.cpu import onednn
 from transformer_jax.models.config import BERTConfig, GPTConfig, MambaConfig, Seq2SeqConfig
 
 
@@ -124,11 +124,9 @@ def resolve_seq_len(args, config) -> int:
   return args.seq_len
 
 
-# The kernel-table entries ``--table`` sets, for the side "ours+table" (ops.dispatch).
-TABLE_ENTRIES = {
-    "CUDNN_PACKED_SEGMENTS": "segment ids to cuDNN as up to N packed sequences per row (0: off)",
-    "PAD_COLS": "the tied vocabulary product padded to a multiple of N columns (0: off)",
-}
+# The kernel-table entries ``--table`` sets, for the side "ours+table" (backends.KernelTable's
+# integer levers; a name is read in any case, PAD_COLS as pad_cols).
+TABLE_ENTRIES = {name: what for name, (_, _, what) in table_lib.INT_LEVERS.items()}
 
 
 def _pairs(items: list[str], flag: str, expected: str) -> list[tuple[str, str, str]]:
@@ -150,45 +148,43 @@ def _pairs(items: list[str], flag: str, expected: str) -> list[tuple[str, str, s
   return out
 
 
-def parse_table(items: list[str]) -> dict[str, int]:
-  """``--table`` values (``"NAME=N"``) as a dict.
+def parse_table(items: list[str], platform: str | None = None) -> backends.KernelTable | None:
+  """``--table`` values (``"NAME=N"``) as a kernel table, checked before anything compiles.
+
+  Args:
+    items: the ``--table`` values.
+    platform: the backend the bench runs on: an entry that changes nothing there is refused.
+
+  Returns:
+    The table, or None without items.
 
   Raises:
-    ValueError: for an item without ``=``, a name not in ``TABLE_ENTRIES``, a name given twice,
-      or a value that is not an integer >= 0.
+    ValueError: one line naming the item, for an item without ``=``, a name not in
+      ``TABLE_ENTRIES``, a name given twice, a value that is not an integer or out of the
+      entry's range, the entry's default, or an entry that does nothing on ``platform``.
   """
+  if not items:
+    return None
   out = {}
-  for item, name, text in _pairs(items, "--table", "NAME=N (e.g. --table PAD_COLS=128)"):
-    if name not in TABLE_ENTRIES:
+  for item, name, text in _pairs([i.strip() for i in items], "--table",
+                                 "NAME=N (e.g. --table pad_cols=128)"):
+    field = name.lower()
+    if field not in TABLE_ENTRIES:
       raise ValueError(f"--table {item!r}: {name} is not one of {', '.join(TABLE_ENTRIES)}")
+    if field in out:
+      raise ValueError(f"--table {item!r}: {field} is given twice")
+    out[field] = text.strip()
     try:
-      value = int(text)
-    except ValueError:
-      value = -1
-    if value < 0:
-      raise ValueError(f"--table {item!r}: N must be an integer >= 0")
-    out[name] = value
-  return out
-
-
-@contextlib.contextmanager
-def table_set(entries: dict[str, int], platform: str):
-  """The kernel table with ``entries`` set on ``platform`` inside the block, as it was after."""
-  from transformer_jax.ops import dispatch
-
-  packed, pad = dispatch.CUDNN_PACKED_SEGMENTS, dict(dispatch.PAD_COLS)
-  try:
-    if "CUDNN_PACKED_SEGMENTS" in entries:
-      dispatch.CUDNN_PACKED_SEGMENTS = entries["CUDNN_PACKED_SEGMENTS"]
-    if entries.get("PAD_COLS"):
-      dispatch.PAD_COLS[platform] = entries["PAD_COLS"]
-    elif "PAD_COLS" in entries:
-      dispatch.PAD_COLS.pop(platform, None)
-    yield
-  finally:
-    dispatch.CUDNN_PACKED_SEGMENTS = packed
-    dispatch.PAD_COLS.clear()
-    dispatch.PAD_COLS.update(pad)
+      table = backends.KernelTable.from_dict({field: out[field]}, where="--table")
+    except ValueError as e:
+      raise ValueError(f"--table {item!r}: {str(e).removeprefix('--table.')}") from None
+    if not table.changed():
+      raise ValueError(f"--table {item!r}: {field}={getattr(table, field)} is the default, so "
+                       "ours+table would be ours")
+    if platform is not None and table.no_effect_on(platform):
+      raise ValueError(f"--table {item!r}: {field} has no effect on {platform} (it applies on "
+                       f"{', '.join(table_lib.APPLIES_ON[field])})")
+  return backends.KernelTable.from_dict(out, where="--table")
 
 
 # Config fields the bench sets itself: its own flags, and no dropout on either side.
@@ -258,14 +254,16 @@ def step_matmul_shapes(config, tokens: int) -> list[tuple[int, int, int]]:
 class Ours:
   """The project's jitted train step on a one-device mesh."""
 
-  def __init__(self, config, host_batch, task_name: str, lr: float, seed: int, tcfg=None):
+  def __init__(self, config, host_batch, task_name: str, lr: float, seed: int, tcfg=None,
+               table: backends.KernelTable | None = None):
+    """``table``: the kernel table the model and step are built with (default the library's)."""
     from transformer_jax.train import step as step_lib
     from transformer_jax.train import tasks as tasks_lib
     from transformer_jax.train.config import TrainConfig
     from transformer_jax.train.optim import make_optimizer
 
     self.config = config
-    mesh = step_lib.make_mesh({"data": -1})
+    mesh = parallel.make_mesh({"data": -1})
     task = tasks_lib.get_task(task_name)
     self._shard = lambda batch: step_lib.shard_batch(batch, mesh, task.keys)  # noqa: E731
     b, t = host_batch["tokens"].shape if "tokens" in host_batch else host_batch["src"].shape
@@ -276,13 +274,14 @@ class Ours:
     state = jax.device_put(step_lib.create_state(self.params, optimizer),
                            step_lib.replicated(mesh))
     self.batch = self._shard(host_batch)
-    graphdef = models.graphdef(config, mesh)
+    backend = backends.current(table)
+    graphdef = models.graphdef(config, mesh, backend)
     times = {}
 
     def compile_for(m):  # the step a run would take: train.microbatches' "auto" rule on CPU
       jitted = step_lib.jit_train_step(
           step_lib.make_train_step(graphdef, task, optimizer, seed=seed, microbatches=m),
-          mesh, state)
+          mesh, state, backend=backend)
       start = time.perf_counter()
       lowered = jitted.lower(state, self.batch)
       mid = time.perf_counter()
@@ -291,13 +290,13 @@ class Ours:
       return compiled
 
     self.microbatches, self.step_fn = step_lib.pick_microbatches(
-        tcfg.microbatches, compile_for, b, platform=jax.default_backend())
+        tcfg.microbatches, compile_for, b, backend=backend)
     self.trace_s, self.compile_s = times[self.microbatches]
     # Every count the rule compiled (a step over the limit is compiled whole first).
     self.compile_s_by_microbatches = {m: c for m, (_, c) in times.items()}
     # The jitted step is held (jit_train_step); this ahead-of-time executable is another one.
-    onednn.hold(self.step_fn, runtime.step_compiler_options(jax.default_backend()))
-    # XLA:CPU takes a step's temporaries as one block per call (see cpu.microbatches).
+    backend.hold(self.step_fn, backend.step_compiler_options())
+    # XLA:CPU takes a step's temporaries as one block per call (see backends.cpu.microbatches).
     self.temp_bytes = runtime.temp_bytes(self.step_fn)
     self.state = state
     self.losses: list[float] = []
@@ -498,7 +497,7 @@ def run(args) -> dict:
     if r not in ("torch", "torch.compile"):
       raise ValueError(f"--against: {r!r} is not one of torch, torch.compile, none")
   overrides = parse_model_overrides(getattr(args, "model", None) or [])
-  entries = parse_table(getattr(args, "table", None) or [])
+  table = parse_table(getattr(args, "table", None) or [], backends.platform())
   config = models.get_config(args.preset, dtype=args.dtype, remat=args.remat, **overrides)
   if rivals and not isinstance(config, (GPTConfig, MambaConfig)):
     raise ValueError(f"--against {args.against}: the PyTorch rival is a causal LM (GPT presets, "
@@ -510,7 +509,7 @@ def run(args) -> dict:
   host_batch, task_name = random_batch(config, args.batch_size, args.seq_len, args.seed)
   tc = TrainConfig()
   lr = 1e-4
-  platform, kind = hardware.platform(), hardware.device_kind()
+  platform, kind = backends.platform(), hardware.device_kind()
   shapes = step_matmul_shapes(config, args.batch_size * args.seq_len)
   start = time.perf_counter()
   # The float32 limit on CPU always (the bfloat16 step is also compared with it there); on an
@@ -524,11 +523,10 @@ def run(args) -> dict:
   start = time.perf_counter()
   sides = {"ours": Ours(config, host_batch, task_name, lr, args.seed)}
   _progress(f"our step compiled in {time.perf_counter() - start:.0f} s")
-  if entries:
+  if table is not None:
     start = time.perf_counter()
-    with table_set(entries, platform):
-      sides["ours+table"] = Ours(config, host_batch, task_name, lr, args.seed)
-    _progress(f"our step with {entries} compiled in {time.perf_counter() - start:.0f} s")
+    sides["ours+table"] = Ours(config, host_batch, task_name, lr, args.seed, table=table)
+    _progress(f"our step with {table.changed()} compiled in {time.perf_counter() - start:.0f} s")
   left_out = {}
   device, why_not = machine.torch_device() if rivals else (None, "")
   autocast = "bfloat16" if device == "cuda" and args.dtype == "bfloat16" else None
@@ -625,8 +623,8 @@ def run(args) -> dict:
       result[f"first_loss_diff_vs_{name}"] = abs(side.losses[0] - ours.losses[0])
   if "torch.compile" in sides:
     result["ratio_vs_torch_compile"] = med["torch.compile"] / med["ours"]
-  if entries:
-    result["table"] = entries
+  if table is not None:
+    result["table"] = table.changed()
     result["ours+table"] = our_row("ours+table")
     result["speedup_of_table"] = med["ours"] / med["ours+table"]
     # The same step from the same weights: the first losses agree to the levers' rounding.

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from transformer_jax.cpu import poll
+from transformer_jax.backends.cpu import poll
 from transformer_jax.generate.beam import beam_search
 from transformer_jax.generate.cache import KVCache, extend, init_cache
 from transformer_jax.generate.cache import prefill as prefill_cache

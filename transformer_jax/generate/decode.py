@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from transformer_jax import models, runtime
+from transformer_jax import backends, models
 from transformer_jax.generate.cache import (extend, init_cache, prefill, split_layers,
                                             with_encoder)
 from transformer_jax.generate.sampling import apply_repetition_penalty, next_token
@@ -183,7 +183,8 @@ def generate(model, prompt_ids, *, prompt_lengths=None, max_new_tokens: int,
   suppress_V = suppress_mask(suppress_ids, config.vocab_size)
   padded, lengths, cache_len = _padded_inputs(config, prompt_ids, prompt_lengths, padding_side,
                                               max_new_tokens, decoder_start_id, "prompt_ids")
-  run = _compiled(graphdef, cache_len, int(max_new_tokens), float(temperature),
+  backend = getattr(model, "backend", None) or backends.current()
+  run = _compiled(graphdef, backend, cache_len, int(max_new_tokens), float(temperature),
                   None if top_k is None else int(top_k), None if top_p is None else float(top_p),
                   None if eos_id is None else int(eos_id),
                   None if decoder_start_id is None else int(decoder_start_id),
@@ -198,8 +199,8 @@ def generate(model, prompt_ids, *, prompt_lengths=None, max_new_tokens: int,
 @functools.lru_cache(maxsize=64)
 def _layer_splitter(graphdef):
   """Jitted ``params -> split_layers(model)``: each decoder layer's weights as arrays of their own,
-  on CPU every projection kernel in its decoding layout (``Projection.decode_layout``,
-  ``cpu.decode``).
+  every projection kernel in the backend's decoding layout (``Backend.decode_layout``: on CPU
+  ``backends.cpu.decode``).
 
   The decode loop reads them where they are, instead of slicing (copying) every layer out of the
   layer-stacked arrays at every step. The split is a program of its own because XLA then copies
@@ -277,9 +278,10 @@ def _padded_inputs(config, inputs, prompt_lengths, padding_side, max_new_tokens,
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(graphdef, cache_len, max_new_tokens, temperature, top_k, top_p, eos_id,
+def _compiled(graphdef, backend, cache_len, max_new_tokens, temperature, top_k, top_p, eos_id,
               decoder_start_id, repetition_penalty):
-  """The jitted decode loop for one model structure and strategy (jit then caches per shape)."""
+  """The jitted decode loop for one model structure and strategy (jit then caches per shape),
+  compiled with ``backend``'s decoding options (the model's)."""
   choose = functools.partial(next_token, temperature=temperature, top_k=top_k, top_p=top_p)
 
   def pick(logits_BV, seen_BV, key, suppress_V):
@@ -336,5 +338,4 @@ def _compiled(graphdef, cache_len, max_new_tokens, temperature, top_k, top_p, eo
     state = (jnp.int32(1), tok_B, out_BM, cache, done_B, seen_BV)
     return jax.lax.while_loop(cond, body, state)[2]
 
-  return jax.jit(run, compiler_options=runtime.decode_compiler_options(jax.default_backend())
-                 or None)
+  return jax.jit(run, compiler_options=backend.decode_compiler_options() or None)

@@ -12,6 +12,7 @@ from flax import nnx
 
 from transformer_jax import models
 from transformer_jax.hf import configs, io, params
+from transformer_jax.hf import reformer as reformer_hf
 from transformer_jax.hf.errors import CheckpointError, UnsupportedError, listing
 from transformer_jax.models import ModelConfig
 from transformer_jax.parallel import axes as ax
@@ -189,6 +190,8 @@ def load(path_or_model, *, param_dtype: str | None = None,
   else:
     raise TypeError(f"load() takes a directory or a transformers model, not "
                     f"{type(path_or_model).__name__}")
+  if hf.get("model_type") == reformer_hf.MODEL_TYPE:
+    return reformer_hf.load(hf, tensors, param_dtype=param_dtype, dtype=dtype, where=where)
   try:
     arch = configs.architecture_of(hf)
     config = configs.from_hf(hf, arch)
@@ -234,6 +237,12 @@ def save(model: nnx.Module, config: ModelConfig, path: str | os.PathLike, *,
     UnsupportedError: the architecture cannot express ``config`` (the fields are named).
     ValueError: a special id of ``tokenizer`` lies outside the model's vocabulary.
   """
+  if isinstance(config, models.ReformerConfig) or architecture == reformer_hf.ARCHITECTURE:
+    if not isinstance(config, models.ReformerConfig) or architecture not in (
+        None, reformer_hf.ARCHITECTURE):
+      raise UnsupportedError(f"{reformer_hf.ARCHITECTURE} goes with a ReformerConfig; got "
+                             f"{type(config).__name__} as {architecture!r}")
+    return reformer_hf.save(model, config, path)
   arch = architecture or configs.default_architecture(config)
   hf = configs.to_hf(config, arch, tokenizer)
   state = model if isinstance(model, nnx.State) else nnx.state(model, nnx.Param)

@@ -26,6 +26,9 @@ ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", "llama"),
     "MistralForCausalLM": ("mistral", "mistral"),
     "MarianMTModel": ("marian", "marian"),
+    "BigBirdModel": ("bigbird", "big_bird"),
+    "BigBirdForMaskedLM": ("bigbird", "big_bird"),
+    "BigBirdForPreTraining": ("bigbird", "big_bird"),
     "MambaForCausalLM": ("mamba", "mamba"),
     "Mamba2ForCausalLM": ("mamba2", "mamba2"),
 }
@@ -280,6 +283,51 @@ def _bert_to(c: BERTConfig) -> dict:
   return out
 
 
+# --- BigBird ---------------------------------------------------------------------------------------
+# BERT's layers and names with block-sparse attention. transformers' BigBird in eval mode (what
+# its logits are compared with) takes every random block to be block 0 and attends densely up to
+# (5 + 2 * num_random_blocks) * block_size tokens: SparsePattern.bigbird(eval_mode=True). In
+# training it draws new random blocks at every call, which a fixed pattern cannot follow.
+
+
+def _bigbird_from(hf: dict, arch: str) -> BERTConfig:
+  _require(hf, "rescale_embeddings", False, False)
+  _require(hf, "use_bias", True, True)
+  base = _bert_from({"hidden_act": "gelu_new", "max_position_embeddings": 4096, **hf},
+                    "BertModel")
+  attention = hf.get("attention_type", "block_sparse")
+  match attention:
+    case "original_full":
+      return base
+    case "block_sparse":
+      pattern = ops.SparsePattern.bigbird(hf.get("block_size", 64),
+                                          hf.get("num_random_blocks", 3), eval_mode=True)
+      return dataclasses.replace(base, attention_kind="sparse", sparse_pattern=pattern,
+                                 attention_dropout_rate=0.0)
+    case _:
+      raise UnsupportedError(f"attention_type={attention!r} is not supported "
+                             "('block_sparse' or 'original_full')")
+
+
+def _bigbird_shape(p: ops.SparsePattern | None):
+  """What transformers' BigBird config holds of a pattern (not its seed or eval-mode parts)."""
+  if p is None:
+    return None
+  return (p.block, p.local_blocks, p.global_blocks, p.random_blocks, p.summary, p.strided)
+
+
+def _bigbird_to(c: BERTConfig) -> dict:
+  out = {**_bert_to(c), "model_type": "big_bird", "rescale_embeddings": False, "use_bias": True}
+  if c.attention_kind == "softmax":
+    return {**out, "attention_type": "original_full"}
+  p = c.sparse_pattern or ops.SparsePattern.bigbird()
+  if c.attention_kind != "sparse" or _bigbird_shape(p) != _bigbird_shape(
+      ops.SparsePattern.bigbird(p.block, p.random_blocks)):
+    raise KeyError(f"attention_kind={c.attention_kind!r} with sparse_pattern={p!r}")
+  return {**out, "attention_type": "block_sparse", "block_size": p.block,
+          "num_random_blocks": p.random_blocks}
+
+
 # --- T5 --------------------------------------------------------------------------------------------
 
 
@@ -471,6 +519,8 @@ def _mamba2_to(c: MambaConfig) -> dict:
 def from_hf(hf: dict, arch: str) -> ModelConfig:
   """Our config for the Hugging Face config dict ``hf`` of architecture ``arch``."""
   match ARCHITECTURES[arch][0]:
+    case "bigbird":
+      return _bigbird_from(hf, arch)
     case "gpt2":
       return _gpt2_from(hf)
     case "llama":
@@ -500,6 +550,8 @@ def default_architecture(config: ModelConfig) -> str:
       return "MistralForCausalLM"
     case GPTConfig():
       return "GPT2LMHeadModel"
+    case BERTConfig(attention_kind="sparse"):
+      return "BigBirdForMaskedLM"
     case BERTConfig(num_labels=0):
       return "BertForPreTraining"
     case BERTConfig():
@@ -537,7 +589,7 @@ def token_ids(arch: str, tokenizer=None) -> dict:
     return {"bos_token_id": eot, "eos_token_id": eot}
   if tokenizer is None:
     return {}
-  if family == "bert":
+  if family in ("bert", "bigbird"):
     return {"pad_token_id": int(tokenizer.pad_id)}
   return {"pad_token_id": int(tokenizer.pad_id), "eos_token_id": int(tokenizer.eos_id),
           "decoder_start_token_id": int(tokenizer.bos_id)}
@@ -558,6 +610,7 @@ def to_hf(config: ModelConfig, arch: str, tokenizer=None) -> dict:
   writers = {"gpt2": (GPTConfig, _gpt2_to), "llama": (GPTConfig, _llama_to),
              "mistral": (GPTConfig, _mistral_to),
              "bert": (BERTConfig, _bert_to), "t5": (Seq2SeqConfig, _t5_to),
+             "bigbird": (BERTConfig, _bigbird_to),
              "marian": (Seq2SeqConfig, _marian_to), "mamba": (MambaConfig, _mamba_to),
              "mamba2": (MambaConfig, _mamba2_to)}
   cls, writer = writers[family]
@@ -587,7 +640,8 @@ def to_hf(config: ModelConfig, arch: str, tokenizer=None) -> dict:
     back = dataclasses.replace(back, ssm_chunk=config.ssm_chunk, ssm_scan=config.ssm_scan,
                                ssm_impl=config.ssm_impl, max_len=config.max_len)
   def value(c, name):  # head counts compare by their effective values (None = the default)
-    return {"head_dim": lambda: c.head_size, "num_kv_heads": lambda: c.kv_heads}.get(
+    return {"head_dim": lambda: c.head_size, "num_kv_heads": lambda: c.kv_heads,
+            "sparse_pattern": lambda: _bigbird_shape(c.sparse_pattern)}.get(
         name, lambda: getattr(c, name))()
 
   differ = [f.name for f in dataclasses.fields(config)

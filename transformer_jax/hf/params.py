@@ -245,6 +245,17 @@ def _bert(c, arch: str) -> Table:
   return Table(rules, aliases, (r"position_ids$", r"token_type_ids$"), P)
 
 
+def _bigbird(c, arch: str) -> Table:
+  """BigBird's names are BERT's, but its pooler is ``pooler`` (not ``pooler.dense``) and its
+  masked LM keeps it."""
+  bert = {"BigBirdModel": "BertModel", "BigBirdForMaskedLM": "BertForPreTraining",
+          "BigBirdForPreTraining": "BertForPreTraining"}[arch]
+  t = _bert(c, bert)
+  rules = [dataclasses.replace(r, hf=r.hf.replace("pooler.dense.", "pooler.")) for r in t.rules
+           if not (arch == "BigBirdForMaskedLM" and r.hf.startswith("cls.seq_relationship"))]
+  return dataclasses.replace(t, rules=rules)
+
+
 def _t5(c) -> Table:
   Le, Ld = c.num_encoder_layers, c.num_decoder_layers
   qkvo = ("q", "k", "v", "o")
@@ -359,6 +370,8 @@ def table(config: ModelConfig, arch: str) -> Table:
       return _llama(config)
     case "bert":
       return _bert(config, arch)
+    case "bigbird":
+      return _bigbird(config, arch)
     case "t5":
       return _t5(config)
     case "marian":

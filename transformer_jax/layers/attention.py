@@ -11,16 +11,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
-from transformer_jax import ops
+from transformer_jax import backends, ops
 from transformer_jax.layers.cache import KVCache
 from transformer_jax.layers.dense import Projection
-from transformer_jax.ops import dispatch
 from transformer_jax.parallel import axes as ax
 from transformer_jax.ops.linear_attn import EPS as LINEAR_EPS
 from transformer_jax.ops.linear_attn import feature_map as linear_feature_map
-from transformer_jax.parallel.ring import ring_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,15 +38,18 @@ class Attention(nnx.Module):
                rope_theta: float | None = None, rope_interleaved: bool = False,
                rope_scaling: ops.RopeScaling | None = None, scale: float | None = None,
                implementation: ops.Implementation | None = None, mesh: Mesh | None = None,
-               linear: LinearKind | None = None):
-    """``implementation``: the kernel of ``ops.dot_product_attention`` (None: its choice).
-    ``mesh``: the mesh the model runs on; self-attention runs as ring attention when it has a
-    ``sequence`` axis of size > 1 (see ``__call__``). ``linear``: causal linear attention instead
-    of softmax (its decoding cache is a ``LinearCache``)."""
+               linear: LinearKind | None = None, backend: backends.Backend | None = None):
+    """``implementation``: the attention kernel (None: the backend's choice). ``mesh``: the mesh
+    the model runs on; self-attention runs as ring attention when it has a ``sequence`` axis of
+    size > 1 (see ``__call__``). ``linear``: causal linear attention instead of softmax (its
+    decoding cache is a ``LinearCache``). ``backend``: the kernels (``Backend.attention`` and its
+    products; default ``backends.current()``)."""
     if num_heads % num_kv_heads:
       raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     d, n, k, h = d_model, num_heads, num_kv_heads, head_dim
-    common = dict(init_std=init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.backend = backend = backend or backends.current()
+    common = dict(init_std=init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                  backend=backend)
     self.query = Projection("BTD,DNH->BTNH", (d, n, h), (ax.EMBED, ax.HEADS, ax.HEAD_DIM),
                             bias_shape=(n, h) if use_bias else None,
                             bias_axes=(ax.HEADS, ax.HEAD_DIM), **common)
@@ -101,9 +101,10 @@ class Attention(nnx.Module):
     Returns:
       ``(out [B, T, D], cache)``: the cache with the new entries written (None without one).
 
-    The kernel is ``ops.choose_implementation``'s (or the layer's ``implementation``): under a
-    mesh with a ``sequence`` axis of size > 1, self-attention without a cache, bias, window or
-    attention dropout runs as ring attention (``parallel.ring``); GSPMD handles the rest.
+    The kernel is the backend's choice (``Backend.attention``, or the layer's
+    ``implementation``): under a mesh with a ``sequence`` axis of size > 1, self-attention without
+    a cache, bias, window or attention dropout runs as ring attention (``parallel.ring``); GSPMD
+    handles the rest.
     """
     if self.linear is not None:
       return self._linear(x_BTD, positions, causal, cache, kv_valid, segment_ids)
@@ -134,27 +135,12 @@ class Attention(nnx.Module):
       elif cache is not None:
         cache = cache.write(k_BSKH, v_BSKH)
         k_BSKH, v_BSKH = cache.read()
-    dropout = dropout_rate > 0.0 and dropout_rng is not None
-    self_attention = cache is None and kv_BSD is x_BTD
-    choice = ops.choose_implementation(
-        q_BTNH, k_BSKH, v_BSKH, platform=jax.default_backend(), causal=causal, window=window,
-        segment_ids=segment_ids is not None, bias=bias_fn is not None, dropout=dropout,
-        kv_valid=kv_valid is not None, q_positions=q_positions is not None,
-        sequence_shards=self._sequence_shards(x_BTD) if self_attention else 1)
-    kernel = self.implementation or choice
-    if choice == "ring":
-      out_BTNH = ring_attention(q_BTNH, k_BSKH, v_BSKH, mesh=self.mesh, causal=causal,
-                                kv_mask_BS=kv_valid, segment_ids_BT=segment_ids, scale=self.scale)
-    elif self._mesh_splits(q_BTNH) and (kernel == "splash" or kernel == "cudnn" and (
-        kv_valid is None and bias_fn is None and not dropout and q_positions is None)):
-      out_BTNH = self._kernel_on_mesh(kernel, q_BTNH, k_BSKH.astype(q_BTNH.dtype),
-                                      v_BSKH.astype(q_BTNH.dtype), segment_ids, causal, window)
-    else:
-      out_BTNH = ops.dot_product_attention(
-          q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype), causal=causal,
-          kv_valid=kv_valid, q_segment_ids=segment_ids, window=window, q_positions=q_positions,
-          bias_fn=bias_fn, bias_params=bias_params, scale=self.scale,
-          dropout_rate=dropout_rate, dropout_rng=dropout_rng, implementation=kernel)
+    out_BTNH = self.backend.attention(
+        q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype), causal=causal,
+        kv_valid=kv_valid, q_segment_ids=segment_ids, window=window, q_positions=q_positions,
+        bias_fn=bias_fn, bias_params=bias_params, scale=self.scale, dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng, implementation=self.implementation, mesh=self.mesh,
+        self_attention=cache is None and kv_BSD is x_BTD)
     if cache is not None:
       return self._out_merged(out_BTNH), cache
     return self.out(out_BTNH), None
@@ -244,55 +230,6 @@ class Attention(nnx.Module):
     w_BNTS = w_BNTS * mask_BNTT
     return w_BNTS / (jnp.sum(w_BNTS, axis=-1, keepdims=True) + LINEAR_EPS)
 
-  def _mesh_axes(self, q_BTNH: jax.Array) -> tuple[tuple[str, ...], str | None]:
-    """The mesh axes that split the batch (``data``, ``fsdp``) and the heads (``tensor``, when
-    it divides the key/value heads) of one attention call."""
-    sizes = self.mesh.shape
-    batch = tuple(a for a in ("data", "fsdp") if sizes.get(a, 1) > 1)
-    tensor = sizes.get("tensor", 1)
-    return batch, "tensor" if tensor > 1 and q_BTNH.shape[2] % tensor == 0 else None
-
-  def _mesh_splits(self, q_BTNH: jax.Array) -> bool:
-    """The mesh splits this call's batch or heads (and divides the batch)."""
-    if self.mesh is None:
-      return False
-    batch, head = self._mesh_axes(q_BTNH)
-    rows = 1
-    for a in batch:
-      rows *= self.mesh.shape[a]
-    return bool(batch or head) and q_BTNH.shape[0] % rows == 0
-
-  def _kernel_on_mesh(self, kernel, q_BTNH, k_BSKH, v_BSKH, segment_ids, causal, window):
-    """The splash or cuDNN kernel on each device's rows and heads (``jax.shard_map``): a Pallas
-    call is one custom call that GSPMD cannot split, and jax splits a cuDNN call with a Python
-    callback while compiling, which an exported program cannot hold (``train.export``); so each
-    is given its shards explicitly."""
-    batch, head = self._mesh_axes(q_BTNH)
-    if head is not None and k_BSKH.shape[2] % self.mesh.shape[head]:
-      head = None   # MQA/GQA with fewer key/value heads than the axis: heads replicated
-    x_spec = P(batch or None, None, head, None)
-    args, specs = [q_BTNH, k_BSKH, v_BSKH], [x_spec, x_spec, x_spec]
-    if segment_ids is not None:
-      args.append(segment_ids)
-      specs.append(P(batch or None, None))
-
-    def attend(q, k, v, seg=None):
-      return ops.dot_product_attention(q, k, v, causal=causal, window=window, q_segment_ids=seg,
-                                       scale=self.scale, implementation=kernel)
-
-    return jax.shard_map(attend, mesh=self.mesh, in_specs=tuple(specs), out_specs=x_spec,
-                         check_vma=False)(*args)
-
-  def _sequence_shards(self, x_BTD: jax.Array) -> int:
-    """How many devices the mesh splits this input's sequence over (1: not split, or the mesh's
-    ``sequence`` axis does not divide this batch and length)."""
-    if self.mesh is None:
-      return 1
-    sizes = self.mesh.shape
-    n = sizes.get("sequence", 1)
-    rows = sizes.get("data", 1) * sizes.get("fsdp", 1)
-    return n if x_BTD.shape[1] % n == 0 and x_BTD.shape[0] % rows == 0 else 1
-
   def project_kv(self, kv_BSD: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Keys and values ``[B, S, K, H]`` of ``kv_BSD`` (no RoPE): a read-only cross-attention cache."""
     return self.key(kv_BSD), self.value(kv_BSD)
@@ -301,17 +238,7 @@ class Attention(nnx.Module):
     """``self.out`` with the heads merged into one contracted axis (the same numbers).
 
     ``jnp.einsum("BTNH,NHD->BTD")`` contracts ``(H, N)`` in that order and XLA's CPU backend then
-    copies the ``[N, H, D]`` kernel into an ``[H, N, D]`` layout at every call, i.e. at every layer of
-    every decoded token; contracting the merged ``N*H`` axis reads the kernel where it is.
+    copies the ``[N, H, D]`` kernel into an ``[H, N, D]`` layout at every call, i.e. at every layer
+    of every decoded token; contracting the merged ``N*H`` axis reads the kernel where it is.
     """
-    proj = self.out
-    if proj.in_decode_layout() or dispatch.choose_product(proj.dtype) == "cpu_bf16":
-      return proj(out_BTNH)   # the decoding layout, or cpu.matmul: both merge the heads themselves
-    b, t, n, h = out_BTNH.shape
-    kernel_ED = proj.kernel[...].reshape(n * h, -1).astype(proj.dtype)  # E = N * H
-    y_BTD = jnp.einsum("BTE,ED->BTD", out_BTNH.reshape(b, t, n * h).astype(proj.dtype), kernel_ED)
-    if proj.bias is not None:
-      y_BTD = y_BTD + proj.bias[...].astype(proj.dtype)
-    if proj.lora is not None:
-      y_BTD = y_BTD + proj.lora(out_BTNH.astype(proj.dtype)).astype(y_BTD.dtype)
-    return y_BTD
+    return self.out(out_BTNH, merged=True)

@@ -11,7 +11,8 @@ from flax import nnx
 
 from jax.sharding import Mesh
 
-from transformer_jax import ops
+from transformer_jax import backends, ops
+from transformer_jax.layers.approx import ApproxAttention, ApproxKind
 from transformer_jax.layers.attention import Attention, LinearKind
 from transformer_jax.layers.cache import KVCache
 from transformer_jax.layers.common import split_key
@@ -41,6 +42,7 @@ class BlockConfig:
   attention_scale: float | None = None    # None: 1/sqrt(head_dim); T5 uses 1.0
   attention_impl: ops.Implementation | None = None  # kernel of ops.dot_product_attention; None: auto
   linear: LinearKind | None = None        # self-attention as causal linear attention
+  approx: ApproxKind | None = None        # self-attention block-sparse or Linformer (layers.approx)
   dropout_rate: float = 0.0               # on each residual branch
   attention_dropout_rate: float = 0.0     # on the attention weights
   ffn_dropout_rate: float = 0.0           # after the MLP activation (T5)
@@ -53,17 +55,23 @@ class BlockConfig:
 class Block(nnx.Module):
   """``x + attn(norm x)`` then ``x + mlp(norm x)`` (pre-norm) or ``norm(x + attn x)`` (post-norm)."""
 
-  def __init__(self, cfg: BlockConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None):
+  def __init__(self, cfg: BlockConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None,
+               backend: backends.Backend | None = None):
+    """``mesh``: where the block runs (see ``Attention``); ``backend``: its kernels (default
+    ``backends.current()``)."""
     self.cfg = cfg
+    backend = backend or backends.current()
     dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     norm = dict(kind=cfg.norm, eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
     attn = dict(use_bias=cfg.use_bias, init_std=cfg.init_std, out_init_std=cfg.out_init_std,
                 dtype=dtype, param_dtype=param_dtype, rngs=rngs, scale=cfg.attention_scale,
-                implementation=cfg.attention_impl, mesh=mesh)
+                implementation=cfg.attention_impl, mesh=mesh, backend=backend)
     self.attn_norm = Norm(cfg.d_model, **norm)
-    self.attn = Attention(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                          rope_theta=cfg.rope_theta, rope_interleaved=cfg.rope_interleaved,
-                          rope_scaling=cfg.rope_scaling, linear=cfg.linear, **attn)
+    self_kind = {} if cfg.approx is None else {"approx": cfg.approx}
+    self.attn = (Attention if cfg.approx is None else ApproxAttention)(
+        cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rope_theta=cfg.rope_theta,
+        rope_interleaved=cfg.rope_interleaved, rope_scaling=cfg.rope_scaling, linear=cfg.linear,
+        **self_kind, **attn)
     if cfg.cross_attention:
       self.cross_norm = Norm(cfg.d_model, **norm)
       # Cross-attention keys come from the encoder: no rotary embedding; the same heads (and
@@ -75,7 +83,7 @@ class Block(nnx.Module):
     self.mlp_norm = Norm(cfg.d_model, **norm)
     self.mlp = MLP(cfg.d_model, cfg.d_ff, activation=cfg.activation, gated=cfg.gated,
                    use_bias=cfg.use_bias, init_std=cfg.init_std, out_init_std=cfg.out_init_std,
-                   dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                   dtype=dtype, param_dtype=param_dtype, rngs=rngs, backend=backend)
 
   def _residual(self, x, norm, fn, rng):
     """One sub-layer with its residual connection, dropout and norm in the configured place."""

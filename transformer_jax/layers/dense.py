@@ -2,47 +2,44 @@
 
 from __future__ import annotations
 
-import math
 from typing import Literal, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from transformer_jax import ops
+from transformer_jax import backends, ops
+from transformer_jax.backends import einsum_dims
 from transformer_jax.layers.common import normal, ones, param, zeros
-from transformer_jax.ops import dispatch
 from transformer_jax.parallel import axes as ax
 
-
-def einsum_dims(einsum: str) -> tuple[str, str, str]:
-  """``"BTD,DNH->BTNH"`` -> (x letters, kernel letters, output letters)."""
-  lhs, out = einsum.replace(" ", "").split("->")
-  x, kernel = lhs.split(",")
-  return x, kernel, out
+__all__ = ["Embed", "Norm", "Projection", "RelativePositionBias", "einsum_dims"]
 
 
 class Projection(nnx.Module):
   """A linear map written as an einsum, e.g. ``"BTD,DNH->BTNH"``, with an optional bias.
 
   The kernel's shape and logical axes are given explicitly, so attention projections keep their
-  head structure (``[D, N, H]``) and need no reshapes. ``lora``: an optional low-rank adapter
+  head structure (``[D, N, H]``) and need no reshapes. The product is the ``backend``'s
+  (``Backend.project``; default ``backends.current()``). ``lora``: an optional low-rank adapter
   (``transformer_jax.lora``) whose output is added; None in a plain model.
   """
 
   def __init__(self, einsum: str, kernel_shape: Sequence[int], kernel_axes: Sequence[str], *,
                bias_shape: Sequence[int] | None = None, bias_axes: Sequence[str] | None = None,
-               init_std: float, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs):
+               init_std: float, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs,
+               backend: backends.Backend | None = None):
     self.einsum = einsum
     self.dtype = dtype
+    self.backend = backend or backends.current()
     self.kernel = param(rngs, normal(init_std), kernel_shape, kernel_axes, param_dtype)
     self.bias = (param(rngs, zeros, bias_shape, bias_axes, param_dtype)
                  if bias_shape is not None else None)
     self.lora = nnx.data(None)
 
   def contracted_dims(self) -> int:
-    """How many leading kernel dims the einsum contracts with x's trailing ones (the decoding
-    layout, ``cpu.matmul`` and LoRA adapters rely on that order; every projection here has it).
+    """How many leading kernel dims the einsum contracts with x's trailing ones (the backends'
+    products and LoRA adapters rely on that order; every projection here has it).
 
     Raises:
       ValueError: for an einsum whose kernel does not lead with the dims it contracts.
@@ -55,60 +52,28 @@ class Projection(nnx.Module):
                        "close x")
     return n_in
 
-  def in_decode_layout(self) -> bool:
-    """Whether the kernel is in the decoding layout (``decode_layout``; on CPU only)."""
-    if jax.default_backend() != "cpu":
-      return False
-    from transformer_jax.cpu import decode  # noqa: PLC0415 - CPU only
+  def __call__(self, x: jax.Array, *, merged: bool = False) -> jax.Array:
+    """``einsum(x, kernel) + bias`` (plus the LoRA adapter's output) in ``self.dtype``.
 
-    return isinstance(self.kernel, decode.OutInKernel)
-
-  def decode_layout(self, threads: int | None = None) -> None:
-    """On CPU, replaces the kernel by its read-only decoding-layout copy
-    (``cpu.decode.out_in_kernel``: ``[out..., in...]``, multiplied weight-first, cut into pieces
-    that share evenly over XLA's ``threads``). Does nothing off CPU or when already done."""
-    if jax.default_backend() != "cpu" or self.in_decode_layout():
-      return
-    from transformer_jax.cpu import decode  # noqa: PLC0415 - CPU only
-
-    self.kernel = decode.out_in_kernel(self.kernel[...], self.contracted_dims(), self.dtype,
-                                       threads)
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    """``einsum(x, kernel) + bias`` (plus the LoRA adapter's output) in ``self.dtype``."""
-    if self.in_decode_layout():
-      from transformer_jax.cpu import decode  # noqa: PLC0415 - CPU only
-
-      y = decode.project(self.kernel, x, self.contracted_dims(), self.dtype)
-      if self.bias is not None:
-        y = y + self.bias[...].astype(self.dtype)
-    elif dispatch.choose_product(self.dtype) == "cpu_bf16":
-      from transformer_jax.cpu import matmul  # noqa: PLC0415 - CPU only
-
-      # One [rows, in] @ [in, out] product, bias included (added in float32); the reshapes are
-      # free: the contracted dims close x and lead the kernel.
-      n_in = self.contracted_dims()
-      w = self.kernel[...]
-      lead, k_in, out = x.shape[:x.ndim - n_in], math.prod(w.shape[:n_in]), w.shape[n_in:]
-      bias = None if self.bias is None else self.bias[...].reshape(-1)
-      y = matmul.matmul(x.reshape(*lead, k_in), w.reshape(k_in, -1), dtype=self.dtype,
-                        bias=bias).reshape(*lead, *out)
-    else:
-      y = jnp.einsum(self.einsum, x.astype(self.dtype), self.kernel[...].astype(self.dtype))
-      if self.bias is not None:
-        y = y + self.bias[...].astype(self.dtype)
+    ``merged``: the contracted dims as one (the same numbers; ``Backend.project``).
+    """
+    y = self.backend.project(x, self.kernel, self.bias, einsum=self.einsum,
+                             n_in=self.contracted_dims(), dtype=self.dtype, merged=merged)
     if self.lora is not None:
       y = y + self.lora(x.astype(self.dtype)).astype(y.dtype)
     return y
 
 
 class Embed(nnx.Module):
-  """A lookup table ``[V, D]``; ``attend`` reuses it as the (tied) output projection."""
+  """A lookup table ``[V, D]``; ``attend`` reuses it as the (tied) output projection, the
+  ``backend``'s vocabulary head (default ``backends.current()``)."""
 
   def __init__(self, num_embeddings: int, features: int, *, init_std: float, dtype: jnp.dtype,
                param_dtype: jnp.dtype, rngs: nnx.Rngs,
-               axes: tuple[str, str] = (ax.VOCAB, ax.EMBED)):
+               axes: tuple[str, str] = (ax.VOCAB, ax.EMBED),
+               backend: backends.Backend | None = None):
     self.dtype = dtype
+    self.backend = backend or backends.current()
     self.embedding = param(rngs, normal(init_std), (num_embeddings, features), axes, param_dtype)
 
   def __call__(self, ids: jax.Array) -> jax.Array:
@@ -116,36 +81,9 @@ class Embed(nnx.Module):
     return jnp.take(self.embedding[...], ids, axis=0, mode="clip").astype(self.dtype)
 
   def attend(self, x_BTD: jax.Array) -> jax.Array:
-    """``x @ E^T``: logits ``[B, T, V]`` from hidden states, in the product form
-    ``ops.dispatch.choose_product`` gives a weight stored ``[out, in]`` (on CPU, weight-first for
-    a few rows, as when decoding)."""
-    x_BTD = x_BTD.astype(self.dtype)
-    table_VD = self.embedding[...].astype(self.dtype)
-    b, t, d = x_BTD.shape
-    match dispatch.choose_product(self.dtype, rows=b * t, cols=table_VD.shape[0]):
-      case "weight_first":
-        from transformer_jax.cpu import decode  # noqa: PLC0415 - CPU only
-
-        return decode.weight_first(table_VD, x_BTD.reshape(b * t, d)).reshape(b, t, -1)
-      case "cpu_bf16":
-        from transformer_jax.cpu import matmul  # noqa: PLC0415 - CPU only
-
-        # The logits kept in float32.
-        return matmul.matmul(x_BTD, self.embedding[...], dtype=self.dtype,
-                             out_dtype=jnp.float32, transpose_w=True)
-      case "padded":
-        return padded_attend(x_BTD, table_VD, dispatch.PAD_COLS[jax.default_backend()])
-      case _:
-        return jnp.einsum("BTD,VD->BTV", x_BTD, table_VD)
-
-
-def padded_attend(x_BTD: jax.Array, table_VD: jax.Array, multiple: int) -> jax.Array:
-  """``x @ E^T`` (``[B, T, V]``) through a table padded with zero rows to a multiple of
-  ``multiple``, the padded columns sliced off: the same values, with the product and its
-  transposes at an aligned width (``ops.dispatch.PAD_COLS``)."""
-  v = table_VD.shape[0]
-  table_PD = jnp.pad(table_VD, ((0, -v % multiple), (0, 0)))
-  return jnp.einsum("BTD,PD->BTP", x_BTD, table_PD)[..., :v]
+    """``x @ E^T``: logits ``[B, T, V]`` from hidden states, the backend's vocabulary head
+    (``Backend.vocab_head``: on CPU, weight-first for a few rows, as when decoding)."""
+    return self.backend.vocab_head(x_BTD, self.embedding, self.dtype)
 
 
 class Norm(nnx.Module):

@@ -6,21 +6,22 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from transformer_jax import ops
+from transformer_jax import backends, ops
 from transformer_jax.layers.dense import Projection
-from transformer_jax.ops import dispatch
 from transformer_jax.parallel import axes as ax
 
 
 class MLP(nnx.Module):
-  """ReLU/GELU MLP, or SwiGLU/GeGLU when ``gated``."""
+  """ReLU/GELU MLP, or SwiGLU/GeGLU when ``gated``; products and activation are the
+  ``backend``'s (default ``backends.current()``)."""
 
   def __init__(self, d_model: int, d_ff: int, *, activation: ops.Activation, gated: bool,
                use_bias: bool, init_std: float, out_init_std: float, dtype: jnp.dtype,
-               param_dtype: jnp.dtype, rngs: nnx.Rngs):
+               param_dtype: jnp.dtype, rngs: nnx.Rngs, backend: backends.Backend | None = None):
     ops.get_activation(activation)  # fail early on an unknown name
     self.activation = activation
-    common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.backend = backend = backend or backends.current()
+    common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, backend=backend)
     up = dict(bias_shape=(d_ff,) if use_bias else None, bias_axes=(ax.MLP,), init_std=init_std)
     self.up = Projection("BTD,DF->BTF", (d_model, d_ff), (ax.EMBED, ax.MLP), **up, **common)
     self.gate = (Projection("BTD,DF->BTF", (d_model, d_ff), (ax.EMBED, ax.MLP), **up, **common)
@@ -31,13 +32,7 @@ class MLP(nnx.Module):
 
   def __call__(self, x_BTD: jax.Array, *, dropout_rate: float = 0.0,
                dropout_rng: jax.Array | None = None) -> jax.Array:
-    if dispatch.choose_product(self.down.dtype) == "cpu_bf16":
-      # The projections are cpu.matmul (reverse mode only): the activation saves its input as bits.
-      h_BTF = ops.packed_activation(self.activation, *(
-          (self.up(x_BTD),) if self.gate is None else (self.gate(x_BTD), self.up(x_BTD))))
-    elif self.gate is None:
-      h_BTF = ops.get_activation(self.activation)(self.up(x_BTD))
-    else:
-      h_BTF = ops.gated(self.activation, self.gate(x_BTD), self.up(x_BTD))
+    inputs = (self.up(x_BTD),) if self.gate is None else (self.gate(x_BTD), self.up(x_BTD))
+    h_BTF = self.backend.activate(self.activation, *inputs, dtype=self.down.dtype)
     h_BTF = ops.dropout(h_BTF, dropout_rate, dropout_rng)
     return self.down(h_BTF)

@@ -21,12 +21,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from transformer_jax import ops
+from transformer_jax import backends, ops
 from transformer_jax.layers.attention import Attention
 from transformer_jax.ops import ssm as ssm_ops
 from transformer_jax.ops import ssm_pallas
 from transformer_jax.layers.cache import KVCache
-from transformer_jax.layers.common import normal, ones, param, split_key, zeros
+from transformer_jax.layers.common import ones, param, split_key, zeros
 from transformer_jax.layers.dense import Norm, Projection
 from transformer_jax.layers.mlp import MLP
 from transformer_jax.parallel import axes as ax
@@ -135,10 +135,13 @@ class MambaMixer(nnx.Module):
   ``dt_bias``, ``in_proj``, ``x_proj``, ``dt_proj``, ``out_proj``).
   """
 
-  def __init__(self, kind: MambaKind, *, rngs: nnx.Rngs):
+  def __init__(self, kind: MambaKind, *, rngs: nnx.Rngs, backend: backends.Backend | None = None):
+    """``backend``: the kernels its projections call and the scan it picks (default
+    ``backends.current()``)."""
     self.kind = k = kind
+    self.backend = backend = backend or backends.current()
     dtype, param_dtype = jnp.dtype(k.dtype), jnp.dtype(k.param_dtype)
-    common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    common = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, backend=backend)
     d, e, s, w = k.d_model, k.d_inner, k.d_state, k.d_conv
     c = k.conv_channels
     if k.version == 1:
@@ -235,7 +238,7 @@ class MambaMixer(nnx.Module):
                                        C_BTS[:, 0], D)
         out = (y[:, None], h)
       else:
-        method = (ssm_ops.choose_scan_method(jax.default_backend())
+        method = (ssm_ops.choose_scan_method(self.backend.platform)
                   if k.scan_method == "auto" else k.scan_method)
         out = ops.selective_scan(xc, dt_BTE, A, B_BTS, C_BTS, D, method=method, **scan_kw)
       y_BTE, h = out if state is not None else (out, None)
@@ -252,7 +255,7 @@ class MambaMixer(nnx.Module):
                             C_BTGS[:, 0], D, time_step_limit=k.time_step_limit)
         out = (y[:, None], h)
       else:
-        platform = jax.default_backend()
+        platform = self.backend.platform
         impl = (ssm_pallas.choose_ssd_implementation(platform) if k.ssd_impl == "auto"
                 else k.ssd_impl)
         match impl:
@@ -304,28 +307,30 @@ class MixerBlock(nnx.Module):
   the config has ``d_ff > 0``."""
 
   def __init__(self, cfg: MixerBlockConfig, layer_type: LayerType, *, rngs: nnx.Rngs,
-               mesh: Mesh | None = None):
+               mesh: Mesh | None = None, backend: backends.Backend | None = None):
+    """``mesh``: where the block runs; ``backend``: its kernels (default ``backends.current()``)."""
     self.cfg = cfg
     self.layer_type = layer_type
+    backend = backend or backends.current()
     dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     norm = dict(kind="rmsnorm", eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
     self.norm = Norm(cfg.d_model, **norm)
     match layer_type:
       case "mamba":
-        self.mixer = MambaMixer(cfg.mamba, rngs=rngs)
+        self.mixer = MambaMixer(cfg.mamba, rngs=rngs, backend=backend)
       case "attention":
         self.mixer = Attention(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                use_bias=False, init_std=cfg.init_std,
                                out_init_std=cfg.out_init_std, dtype=dtype,
                                param_dtype=param_dtype, rngs=rngs, rope_theta=cfg.rope_theta,
-                               implementation=cfg.attention_impl, mesh=mesh)
+                               implementation=cfg.attention_impl, mesh=mesh, backend=backend)
       case _:
         raise ValueError(f"layer type {layer_type!r} must be 'mamba' or 'attention'")
     if cfg.d_ff:
       self.mlp_norm = Norm(cfg.d_model, **norm)
       self.mlp = MLP(cfg.d_model, cfg.d_ff, activation=cfg.activation, gated=cfg.gated,
                      use_bias=False, init_std=cfg.init_std, out_init_std=cfg.out_init_std,
-                     dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                     dtype=dtype, param_dtype=param_dtype, rngs=rngs, backend=backend)
     else:
       self.mlp_norm = self.mlp = None
 
@@ -409,7 +414,7 @@ class MixerStack(nnx.Module):
 
   def __init__(self, cfg: MixerBlockConfig, layer_types: tuple[LayerType, ...], *,
                remat: str = "none", unroll: bool = False, rngs: nnx.Rngs,
-               mesh: Mesh | None = None):
+               mesh: Mesh | None = None, backend: backends.Backend | None = None):
     if remat != "none" and remat not in _REMAT_POLICIES:
       raise ValueError(f"remat={remat!r} must be one of 'none', "
                        f"{', '.join(map(repr, _REMAT_POLICIES))}")
@@ -417,6 +422,7 @@ class MixerStack(nnx.Module):
     self.remat = remat
     self.unroll = unroll
     self.mesh = mesh
+    self.backend = backend = backend or backends.current()
 
     def stacked(layer_type, count):
       if not count:
@@ -425,7 +431,7 @@ class MixerStack(nnx.Module):
       @nnx.split_rngs(splits=count)
       @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: ax.LAYERS})
       def make(rngs):
-        return MixerBlock(cfg, layer_type, rngs=rngs, mesh=mesh)
+        return MixerBlock(cfg, layer_type, rngs=rngs, mesh=mesh, backend=backend)
 
       return make(rngs)
 
@@ -511,8 +517,8 @@ class MixerStack(nnx.Module):
 
   def split_layers(self) -> tuple[nnx.State, ...]:
     """Every layer's parameters as a state of its own, in layer order (each sliced out of its
-    kind's stacked arrays; on CPU every projection in its decoding layout): ``layer_params``."""
-    layout = jax.default_backend() == "cpu"
+    kind's stacked arrays; every projection kernel in the backend's decoding layout,
+    ``Backend.decode_layout``): ``layer_params``."""
     kinds = {kind: nnx.split(getattr(self, kind)) for kind in ("mamba", "attention")
              if getattr(self, kind) is not None}
     out = []
@@ -520,7 +526,10 @@ class MixerStack(nnx.Module):
       graphdef, params = kinds[kind]
       block = nnx.merge(graphdef, jax.tree.map(functools.partial(lambda i, a: a[i], j), params))
       for _, node in nnx.iter_graph(block):
-        if layout and isinstance(node, Projection):
-          node.decode_layout()
+        if isinstance(node, Projection):
+          kernel = self.backend.decode_layout(node.kernel, n_in=node.contracted_dims(),
+                                              dtype=node.dtype)
+          if kernel is not node.kernel:
+            node.kernel = kernel
       out.append(nnx.state(block))
     return tuple(out)

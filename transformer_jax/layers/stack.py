@@ -2,8 +2,8 @@
 
 Scanning compiles one block instead of L and is what FSDP-per-layer gathering and remat policies
 hang on. ``unroll=True`` runs a Python loop over the same stacked parameters; both give the same
-numbers, and ``models.unrolls_layers`` decides per backend (experiments/PERFORMANCE.md,
-"Unrolled layers").
+numbers, and ``models.unrolls_layers`` decides per backend (``Backend.unrolls_layers``;
+experiments/PERFORMANCE.md, "Unrolled layers").
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
+from transformer_jax import backends
 from transformer_jax.layers.cache import KVCache
 from transformer_jax.layers.block import Block, BlockConfig
+from transformer_jax.layers import reversible as reversible_lib
 from transformer_jax.layers.dense import Projection
 from transformer_jax.parallel import axes as ax
 from transformer_jax.parallel.rules import ACTIVATION_BTD, constrain
@@ -34,20 +36,32 @@ class Stack(nnx.Module):
   """``num_layers`` blocks sharing one config; parameters are stacked along axis 0."""
 
   def __init__(self, cfg: BlockConfig, num_layers: int, *, remat: Remat = "none",
-               unroll: bool = False, rngs: nnx.Rngs, mesh: Mesh | None = None):
+               unroll: bool = False, rngs: nnx.Rngs, mesh: Mesh | None = None,
+               reversible: bool = False, backend: backends.Backend | None = None):
     """``mesh``: where the model runs (activations are pinned to it at block boundaries and
-    self-attention may run as ring attention); None on one device."""
+    self-attention may run as ring attention); None on one device. ``reversible``: the blocks
+    run as reversible residual layers (``layers.reversible``: activations recomputed in the
+    backward pass; pre-norm blocks without cross-attention, no remat). ``backend``: the blocks'
+    kernels (default ``backends.current()``)."""
+    backend = backend or backends.current()
     if remat != "none" and remat not in _REMAT_POLICIES:
       raise ValueError(f"remat={remat!r} must be one of 'none', {', '.join(map(repr, _REMAT_POLICIES))}")
+    if reversible:
+      reversible_lib.check_blocks(cfg)
+      if remat != "none":
+        raise ValueError(f"reversible layers recompute their activations already: remat="
+                         f"{remat!r} must be 'none'")
+    self.reversible = reversible
     self.num_layers = num_layers
     self.remat = remat
     self.unroll = unroll
     self.mesh = mesh
+    self.backend = backend
 
     @nnx.split_rngs(splits=num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: ax.LAYERS})
     def make(rngs):
-      return Block(cfg, rngs=rngs, mesh=mesh)
+      return Block(cfg, rngs=rngs, mesh=mesh, backend=backend)
 
     self.layers = make(rngs)
 
@@ -72,6 +86,8 @@ class Stack(nnx.Module):
       ``(x [B, T, D], cache)``: the updated cache, or None without one.
     """
     graphdef, params = nnx.split(self.layers)
+    if self.reversible:
+      return self._reversible(x_BTD, dropout_rng, cache, layer_params, block_kwargs)
     if cache is not None:
       if layer_params is None:
         layer_params = self.split_layers()
@@ -98,6 +114,17 @@ class Stack(nnx.Module):
       x_BTD, _ = jax.lax.scan(body, x_BTD, (params, keys))
     return constrain(x_BTD, ACTIVATION_BTD, self.mesh), None
 
+  def _reversible(self, x_BTD, dropout_rng, cache, layer_params, block_kwargs):
+    """``__call__`` of a reversible stack (``layers.reversible``)."""
+    if cache is None:
+      return reversible_lib.run_blocks(self.layers, x_BTD, dropout_rng=dropout_rng,
+                                       num_layers=self.num_layers, **block_kwargs), None
+    graphdef, _ = nnx.split(self.layers)
+    blocks = [nnx.merge(graphdef, p) for p in (layer_params or self.split_layers())]
+    x_BTD, layers = reversible_lib.run_blocks_cached(
+        blocks, x_BTD, [cache.layer(i) for i in range(self.num_layers)], **block_kwargs)
+    return x_BTD, cache.joined(layers, x_BTD.shape[1])
+
   def attention_weights(self, x_BTD: jax.Array, **block_kwargs) -> tuple[jax.Array, jax.Array]:
     """Every layer's self-attention weights on the way through the stack (no dropout, no cache).
 
@@ -121,16 +148,18 @@ class Stack(nnx.Module):
 
   def split_layers(self) -> tuple[nnx.State, ...]:
     """This stack's parameters as one state per layer, for decoding: each array sliced out of the
-    stacked one; on CPU every projection kernel in its decoding layout
-    (``Projection.decode_layout``, XLA:CPU's matrix-vector products)."""
+    stacked one, every projection kernel in the backend's decoding layout
+    (``Backend.decode_layout``; on CPU, XLA:CPU's matrix-vector products)."""
     graphdef, params = nnx.split(self.layers)
-    layout = jax.default_backend() == "cpu"
     out = []
     for i in range(self.num_layers):
       block = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], params))
       for _, node in nnx.iter_graph(block):
-        if layout and isinstance(node, Projection):
-          node.decode_layout()
+        if isinstance(node, Projection):
+          kernel = self.backend.decode_layout(node.kernel, n_in=node.contracted_dims(),
+                                              dtype=node.dtype)
+          if kernel is not node.kernel:
+            node.kernel = kernel
       out.append(nnx.state(block))
     return tuple(out)
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from transformer_jax import ops
+from transformer_jax import backends, ops
 from transformer_jax.layers import Embed, Norm, Projection, Stack
 from transformer_jax.layers.common import param, zeros
 from transformer_jax.models.common import (
@@ -27,20 +27,24 @@ class BERTOutput(NamedTuple):
 class BERT(nnx.Module):
   """``BERT(config, rngs=...)(tokens, token_types, attention_mask) -> BERTOutput``."""
 
-  def __init__(self, config: BERTConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None):
-    """``mesh``: the device mesh the model runs on (see ``GPT``); None on one device."""
+  def __init__(self, config: BERTConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None,
+               backend: backends.Backend | None = None):
+    """``mesh``: the device mesh the model runs on; ``backend``: its kernels (see ``GPT``)."""
     self.config = config
+    self.backend = backend = backend or backends.current()
     c = config
     dtype, param_dtype = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
-    dense = dict(init_std=c.init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    emb = dict(init_std=c.init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    dense = dict(init_std=c.init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                 backend=backend)
+    emb = dict(init_std=c.init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+               backend=backend)
     self.embed = Embed(c.vocab_size, c.d_model, **emb)
     self.pos_embed = Embed(c.max_len, c.d_model, axes=(ax.POSITIONS, ax.EMBED), **emb)
     self.type_embed = Embed(c.type_vocab_size, c.d_model, axes=(ax.TYPES, ax.EMBED), **emb)
     self.embed_norm = Norm(c.d_model, kind="layernorm", eps=c.norm_eps, param_dtype=param_dtype,
                            rngs=rngs)
-    self.blocks = Stack(c.block_config(), c.num_layers, remat=c.remat, unroll=unrolls_layers(c),
-                        rngs=rngs, mesh=mesh)
+    self.blocks = Stack(c.block_config(), c.num_layers, remat=c.remat,
+                        unroll=unrolls_layers(c, backend), rngs=rngs, mesh=mesh, backend=backend)
     self.pooler = Projection("BD,DE->BE", (c.d_model, c.d_model), (ax.EMBED, ax.EMBED),
                              bias_shape=(c.d_model,), bias_axes=(ax.EMBED,), **dense)
     # Masked-LM head: transform (dense, activation, LayerNorm), then the tied decoder plus a bias.

@@ -21,18 +21,20 @@ from transformer_jax.parallel import axes as ax
 _CHECKING_IDS = contextvars.ContextVar("checking_ids", default=False)
 
 
-def output_heads(config, *, dtype, param_dtype, rngs: nnx.Rngs
+def output_heads(config, *, dtype, param_dtype, rngs: nnx.Rngs, backend=None
                  ) -> tuple[Projection | None, Projection | None]:
   """A family's ``(lm_head, classifier)``: the untied vocabulary projection ``[D, V]`` (None when
   the embedding is tied) and the classification head ``[D, C]`` with a bias (None without
-  ``num_labels``)."""
+  ``num_labels``); their products are ``backend``'s."""
   lm_head = (None if config.tie_embeddings else Projection(
       "BTD,DV->BTV", (config.d_model, config.vocab_size), (ax.EMBED, ax.VOCAB),
-      init_std=config.init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs))
+      init_std=config.init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+      backend=backend))
   classifier = (Projection(
       "BD,DC->BC", (config.d_model, config.num_labels), (ax.EMBED, ax.CLASSES),
       bias_shape=(config.num_labels,), bias_axes=(ax.CLASSES,), init_std=config.init_std,
-      dtype=dtype, param_dtype=param_dtype, rngs=rngs) if config.num_labels else None)
+      dtype=dtype, param_dtype=param_dtype, rngs=rngs, backend=backend)
+                if config.num_labels else None)
   return lm_head, classifier
 
 

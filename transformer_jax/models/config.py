@@ -12,13 +12,12 @@ import dataclasses
 import math
 from typing import Literal
 
-import jax
 import jax.numpy as jnp
 
-from transformer_jax import ops
+from transformer_jax import backends, ops
 from transformer_jax.layers import BlockConfig, LinearKind, Remat
+from transformer_jax.layers.approx import ApproxKind, LinformerKind, SparseKind
 from transformer_jax.layers.ssm import MambaKind, MixerBlockConfig
-from transformer_jax.ops import dispatch
 
 Norm = Literal["layernorm", "rmsnorm"]
 _ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
@@ -65,6 +64,32 @@ def _dtype(cfg, *names):
       raise ValueError(f"{name}={value!r} is not a dtype name") from None
     if not jnp.issubdtype(dt, jnp.floating):
       raise ValueError(f"{name}={value!r} must be a floating dtype")
+
+
+def _sparse_pattern(cfg, *, causal: bool):
+  """``sparse_pattern`` as an ``ops.SparsePattern`` (a mapping from YAML is converted; None is
+  left for the model's default), checked for ``attention_kind``."""
+  value = cfg.sparse_pattern
+  if isinstance(value, dict):
+    spec = dict(value)
+    if "global_blocks" in spec:
+      spec["global_blocks"] = tuple(spec["global_blocks"])
+    try:
+      value = ops.SparsePattern(**spec)
+    except TypeError as e:
+      raise ValueError(f"sparse_pattern={cfg.sparse_pattern!r}: {e}") from None
+    object.__setattr__(cfg, "sparse_pattern", value)
+  if value is not None and not isinstance(value, ops.SparsePattern):
+    raise ValueError(f"sparse_pattern={value!r} must be an ops.SparsePattern or a mapping")
+  if value is not None and cfg.attention_kind != "sparse":
+    raise ValueError(f"sparse_pattern needs attention_kind='sparse' (attention_kind="
+                     f"{cfg.attention_kind!r})")
+  if causal and value is not None and any(g < 0 for g in value.global_blocks):
+    raise ValueError(f"sparse_pattern.global_blocks={value.global_blocks} of a decoder must "
+                     "count from the start (>= 0): a causal pattern may not depend on the length")
+  if causal and value is not None and (value.random_first or value.dense_up_to):
+    raise ValueError("sparse_pattern.random_first and dense_up_to (transformers' BigBird) are "
+                     "for encoders; a decoder's cache reads the pattern row by row")
 
 
 class _Heads:
@@ -130,8 +155,12 @@ class GPTConfig(_Heads):
   rope_interleaved: bool = False       # GPT-J pairing; default is LLaMA's rotate-half
   rope_scaling: ops.RopeScaling | None = None
   sliding_window: int | None = None    # local attention over the last `sliding_window` tokens
-  # "softmax" attention, or "linear" (Katharopoulos et al.: elu+1 features, O(1) decoding state).
-  attention_kind: Literal["softmax", "linear"] = "softmax"
+  # "softmax" attention, "linear" (Katharopoulos et al.: elu+1 features, O(1) decoding state),
+  # or "sparse" (block-sparse softmax under sparse_pattern: ops.sparse).
+  attention_kind: Literal["softmax", "linear", "sparse"] = "softmax"
+  # attention_kind="sparse": an ops.SparsePattern (or its fields as a mapping); None: Child et
+  # al.'s fixed pattern, SparsePattern.fixed() (blocks of 128, 8 summary positions).
+  sparse_pattern: ops.SparsePattern | None = None
   # Linear attention's decay per position (RetNet's gamma): None, one float for every head, a
   # tuple of one per head, or "retnet" (head h decays by 1 - 2^(-5 - h), RetNet's schedule).
   linear_decay: float | tuple[float, ...] | Literal["retnet"] | None = None
@@ -148,8 +177,11 @@ class GPTConfig(_Heads):
   # True: one lax.scan over the stacked layers; False: an unrolled Python loop over the same
   # parameters; "auto": see unrolls_layers.
   scan_layers: bool | Literal["auto"] = "auto"
+  # Reversible residual layers (layers.reversible, the Reformer's): activations recomputed in
+  # the backward pass, so training memory does not grow with num_layers (needs remat "none").
+  reversible: bool = False
   # Kernel of ops.dot_product_attention: "xla", "chunked", "cudnn", "splash"; None: the
-  # backend's choice (ops.choose_implementation).
+  # backend's choice (Backend.attention).
   attention_impl: ops.Implementation | None = None
 
   def __post_init__(self):
@@ -162,8 +194,13 @@ class GPTConfig(_Heads):
     _choice(self, "activation", _ACTIVATIONS)
     if self.sliding_window is not None:
       _positive(self, "sliding_window")
-    _choice(self, "attention_kind", ("softmax", "linear"))
+    _choice(self, "attention_kind", ("softmax", "linear", "sparse"))
     _positive(self, "linear_chunk")
+    _sparse_pattern(self, causal=True)
+    if self.attention_kind == "sparse" and (self.sliding_window is not None
+                                            or self.position == "alibi"):
+      raise ValueError(f"attention_kind='sparse' takes no sliding_window or ALiBi bias "
+                       f"(sliding_window={self.sliding_window!r}, position={self.position!r})")
     if self.attention_kind == "linear":
       if self.sliding_window is not None or self.position == "alibi":
         raise ValueError(f"attention_kind='linear' takes no sliding_window or ALiBi bias "
@@ -185,6 +222,11 @@ class GPTConfig(_Heads):
       raise ValueError(f"head_dim={self.head_size} must be even for rotary positions")
     if self.position == "sinusoidal" and self.d_model % 2:
       raise ValueError(f"d_model={self.d_model} must be even for sinusoidal positions")
+    if not isinstance(self.reversible, bool):
+      raise ValueError(f"reversible={self.reversible!r} must be true or false")
+    if self.reversible and self.remat != "none":
+      raise ValueError(f"reversible=True recomputes activations already: remat={self.remat!r} "
+                       "must be 'none'")
 
   def block_config(self) -> BlockConfig:
     return BlockConfig(
@@ -198,7 +240,13 @@ class GPTConfig(_Heads):
         # GPT-2: "scale the weights of residual layers at initialization by 1/sqrt(N)".
         out_init_std=self.init_std / (2 * self.num_layers) ** 0.5,
         dtype=self.dtype, param_dtype=self.param_dtype, attention_impl=self.attention_impl,
-        linear=self.linear_kind())
+        linear=self.linear_kind(), approx=self.approx_kind())
+
+  def approx_kind(self) -> ApproxKind | None:
+    """The block-sparse kind (``layers.approx.SparseKind``), or None."""
+    if self.attention_kind != "sparse":
+      return None
+    return SparseKind(self.sparse_pattern or ops.SparsePattern.fixed())
 
   def linear_kind(self) -> LinearKind | None:
     """Linear attention's options (``layers.LinearKind``), or None for softmax attention."""
@@ -241,15 +289,41 @@ class BERTConfig(_Heads):
   remat: Remat = "none"
   scan_layers: bool | Literal["auto"] = "auto"   # see unrolls_layers
   # Kernel of ops.dot_product_attention: "xla", "chunked", "cudnn", "splash"; None: the
-  # backend's choice (ops.choose_implementation).
+  # backend's choice (Backend.attention).
   attention_impl: ops.Implementation | None = None
+  # "softmax"; "linformer" (keys and values projected along the sequence to linformer_rows
+  # rows, Wang et al. 2020: ops.linformer); "sparse" (block-sparse softmax: ops.sparse).
+  attention_kind: Literal["softmax", "linformer", "sparse"] = "softmax"
+  linformer_rows: int = 128            # Linformer's k: projected keys/values per layer
+  linformer_share_kv: bool = False     # one projection for keys and values (per layer)
+  # attention_kind="sparse": an ops.SparsePattern (or its fields as a mapping); None: BigBird's,
+  # SparsePattern.bigbird() (blocks of 64, windows of 3 blocks, 2 global and 3 random blocks).
+  sparse_pattern: ops.SparsePattern | None = None
 
   def __post_init__(self):
     self._validate_heads()
-    _positive(self, "num_layers", "type_vocab_size")
+    _positive(self, "num_layers", "type_vocab_size", "linformer_rows")
     _scan_layers(self)
     _choice(self, "activation", _ACTIVATIONS)
     _num_labels(self)
+    _choice(self, "attention_kind", ("softmax", "linformer", "sparse"))
+    _sparse_pattern(self, causal=False)
+    if self.attention_kind != "softmax" and self.attention_dropout_rate > 0.0:
+      raise ValueError(f"attention_kind={self.attention_kind!r} has no attention dropout: "
+                       f"attention_dropout_rate={self.attention_dropout_rate} must be 0")
+
+  def approx_kind(self) -> ApproxKind | None:
+    """Linformer's or the block-sparse kind (``layers.approx``), or None for softmax."""
+    match self.attention_kind:
+      case "softmax":
+        return None
+      case "linformer":
+        return LinformerKind(rows=self.linformer_rows, max_len=self.max_len,
+                             share_kv=self.linformer_share_kv)
+      case "sparse":
+        return SparseKind(self.sparse_pattern or ops.SparsePattern.bigbird())
+      case _:
+        raise ValueError(f"attention_kind={self.attention_kind!r}")
 
   def block_config(self) -> BlockConfig:
     return BlockConfig(
@@ -258,7 +332,8 @@ class BERTConfig(_Heads):
         norm="layernorm", norm_eps=self.norm_eps, pre_norm=False, use_bias=True,
         dropout_rate=self.dropout_rate, attention_dropout_rate=self.attention_dropout_rate,
         init_std=self.init_std, out_init_std=self.init_std, dtype=self.dtype,
-        param_dtype=self.param_dtype, attention_impl=self.attention_impl)
+        param_dtype=self.param_dtype, attention_impl=self.attention_impl,
+        approx=self.approx_kind())
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -301,7 +376,7 @@ class Seq2SeqConfig(_Heads):
   remat: Remat = "none"
   scan_layers: bool | Literal["auto"] = "auto"   # see unrolls_layers
   # Kernel of ops.dot_product_attention: "xla", "chunked", "cudnn", "splash"; None: the
-  # backend's choice (ops.choose_implementation).
+  # backend's choice (Backend.attention).
   attention_impl: ops.Implementation | None = None
 
   def __post_init__(self):
@@ -528,27 +603,109 @@ class MambaConfig(_Heads):
         param_dtype=self.param_dtype)
 
 
-ModelConfig = GPTConfig | BERTConfig | Seq2SeqConfig | MambaConfig
+_REFORMER_KINDS = ("lsh", "local")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReformerConfig:
+  """The Reformer (Kitaev et al. 2020) as a causal LM (``models.Reformer``): reversible layers of
+  LSH or local attention, chunked feed-forward, axial positions. Field names follow the other
+  families; the defaults are transformers' ``ReformerConfig``'s."""
+
+  vocab_size: int = 320
+  d_model: int = 256
+  num_heads: int = 12
+  head_dim: int = 64
+  d_ff: int = 512
+  attn_layers: tuple[str, ...] = ("local", "lsh", "local", "lsh", "local", "lsh")  # "lsh"/"local"
+  max_len: int = 4096
+  # Axial positions: position p gets [A0[p // w], A1[p % w]] for axial_pos_shape (h, w), widths
+  # axial_pos_dims (summing to d_model), h * w >= max_len; None: a learned [max_len, D] table.
+  axial_pos_shape: tuple[int, int] | None = (64, 64)
+  axial_pos_dims: tuple[int, int] = (64, 192)
+  axial_init_std: float = 1.0
+  causal: bool = True                  # a decoder (transformers' is_decoder)
+  lsh_chunk_length: int = 64
+  lsh_chunks_before: int = 1
+  lsh_chunks_after: int = 0
+  n_hashes: int = 1
+  n_buckets: int | tuple[int, ...] = 64  # even; or even factors whose product is the buckets
+  hash_seed: int = 0                   # the random rotations' seed (ops.lsh.random_rotations)
+  local_chunk_length: int = 64
+  local_chunks_before: int = 1
+  local_chunks_after: int = 0
+  ff_chunk: int = 0                    # chunked feed-forward: positions per chunk; 0: at once
+  activation: ops.Activation = "relu"
+  norm_eps: float = 1e-12
+  dropout_rate: float = 0.0            # embeddings, residual branches and the final norm
+  init_std: float = 0.02
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  matmul_precision: str = "float32"
+
+  def __post_init__(self):
+    for name in ("attn_layers", "axial_pos_shape", "axial_pos_dims", "n_buckets"):
+      if isinstance(getattr(self, name), list):   # from YAML / JSON
+        object.__setattr__(self, name, tuple(getattr(self, name)))
+    _positive(self, "vocab_size", "d_model", "num_heads", "head_dim", "d_ff", "max_len",
+              "lsh_chunk_length", "local_chunk_length", "n_hashes")
+    for name in ("lsh_chunks_before", "lsh_chunks_after", "local_chunks_before",
+                 "local_chunks_after", "ff_chunk", "hash_seed"):
+      if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+        raise ValueError(f"{name}={getattr(self, name)!r} must be an integer >= 0")
+    if (not isinstance(self.attn_layers, tuple) or not self.attn_layers
+        or any(k not in _REFORMER_KINDS for k in self.attn_layers)):
+      raise ValueError(f"attn_layers={self.attn_layers!r} must be a non-empty list of 'lsh' and "
+                       "'local'")
+    factors = (self.n_buckets,) if isinstance(self.n_buckets, int) else self.n_buckets
+    if not factors or any(isinstance(f, bool) or not isinstance(f, int) or f < 2 or f % 2
+                          for f in factors):
+      raise ValueError(f"n_buckets={self.n_buckets!r} must be an even integer >= 2 or a list of "
+                       "them")
+    if self.axial_pos_shape is not None:
+      shape, dims = self.axial_pos_shape, self.axial_pos_dims
+      if len(shape) != 2 or any(not isinstance(x, int) or x < 1 for x in shape):
+        raise ValueError(f"axial_pos_shape={shape!r} must be two positive integers")
+      if len(dims) != 2 or sum(dims) != self.d_model:
+        raise ValueError(f"axial_pos_dims={dims!r} must be two widths summing to d_model="
+                         f"{self.d_model}")
+      if shape[0] * shape[1] < self.max_len:
+        raise ValueError(f"axial_pos_shape={shape!r} covers {shape[0] * shape[1]} positions, "
+                         f"fewer than max_len={self.max_len}")
+    _choice(self, "activation", _ACTIVATIONS)
+    _rate(self, "dropout_rate")
+    _dtype(self, "dtype", "param_dtype")
+    _choice(self, "matmul_precision", ops.precision.PRECISIONS)
+    if not self.norm_eps > 0:
+      raise ValueError(f"norm_eps={self.norm_eps!r} must be > 0")
+
+  @property
+  def num_layers(self) -> int:
+    return len(self.attn_layers)
+
+
+ModelConfig = (GPTConfig | BERTConfig | Seq2SeqConfig | MambaConfig
+               | ReformerConfig)
 
 # "auto" unrolls at most this many layers in all (encoder and decoder together): the unrolled
 # program's compile time grows with every layer (experiments/PERFORMANCE.md, "Unrolled layers").
 UNROLL_MAX_LAYERS = 12
 
 
-def unrolls_layers(config: ModelConfig, platform: str | None = None) -> bool:
+def unrolls_layers(config: ModelConfig, backend: backends.Backend | None = None) -> bool:
   """Whether ``config``'s layer stacks run as an unrolled loop instead of one ``lax.scan``.
 
   ``scan_layers`` true or false says so. ``"auto"`` (the default) unrolls a model of at most
-  ``UNROLL_MAX_LAYERS`` layers on a GPU, and on a CPU one whose products run through
-  ``cpu.matmul`` (``ops.dispatch.choose_product``: bfloat16 on a CPU with bf16 units);
-  anything else, and everything on a TPU, is scanned. Unrolled, the step skips the scan's
+  ``UNROLL_MAX_LAYERS`` layers where the backend asks for it (``Backend.unrolls_layers``: on a
+  GPU, and on a CPU whose bfloat16 products run on its bf16 units); anything else, and
+  everything on a TPU, is scanned. Unrolled, the step skips the scan's
   stacking of each layer's saved residuals and gradients, at the price of compiling every layer
   (experiments/PERFORMANCE.md, "Unrolled layers"). The parameters are stacked either way, so
   checkpoints do not depend on it.
 
   Args:
     config: a model config.
-    platform: ``"cpu"``, ``"gpu"`` or ``"tpu"``; default ``jax.default_backend()``.
+    backend: the backend the model runs on; default ``backends.current()``.
   """
   if config.scan_layers != "auto":
     return not config.scan_layers
@@ -556,14 +713,12 @@ def unrolls_layers(config: ModelConfig, platform: str | None = None) -> bool:
             if isinstance(config, Seq2SeqConfig) else config.num_layers)
   if layers > UNROLL_MAX_LAYERS:
     return False
-  platform = jax.default_backend() if platform is None else platform
-  if platform == "gpu":
-    return True
-  return dispatch.choose_product(config.dtype, platform=platform) == "cpu_bf16"
+  return (backend or backends.current()).unrolls_layers(config.dtype)
 
 
 _FAMILIES = {"gpt": GPTConfig, "bert": BERTConfig, "seq2seq": Seq2SeqConfig,
-             "mamba": MambaConfig}
+             "mamba": MambaConfig,
+             "reformer": ReformerConfig}
 
 
 def config_to_dict(config: ModelConfig) -> dict:
@@ -575,6 +730,9 @@ def config_to_dict(config: ModelConfig) -> dict:
   # Tuples (per-head linear_decay, Mamba's layer_types, time_step_limit) as lists: YAML has no
   # tuple.
   fields = {k: list(v) if isinstance(v, tuple) else v for k, v in fields.items()}
+  if fields.get("sparse_pattern") is not None:
+    fields["sparse_pattern"] = dataclasses.asdict(fields["sparse_pattern"])
+    fields["sparse_pattern"]["global_blocks"] = list(fields["sparse_pattern"]["global_blocks"])
   return {"family": family, **fields}
 
 

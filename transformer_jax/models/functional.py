@@ -13,11 +13,13 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
+from transformer_jax.backends import Backend
 from transformer_jax.models.bert import BERT
 from transformer_jax.models.config import (
-    BERTConfig, GPTConfig, MambaConfig, ModelConfig, Seq2SeqConfig)
+    BERTConfig, GPTConfig, MambaConfig, ModelConfig, ReformerConfig, Seq2SeqConfig)
 from transformer_jax.models.gpt import GPT
 from transformer_jax.models.mamba import Mamba
+from transformer_jax.models.reformer import Reformer
 from transformer_jax.models.seq2seq import Seq2Seq
 
 
@@ -31,32 +33,39 @@ def model_class(config: ModelConfig) -> type[nnx.Module]:
       return Seq2Seq
     case MambaConfig():
       return Mamba
+    case ReformerConfig():
+      return Reformer
     case _:
       raise TypeError(f"not a model config: {type(config).__name__}")
 
 
-def create(config: ModelConfig, *, rngs: nnx.Rngs | None = None,
-           mesh: Mesh | None = None) -> nnx.Module:
-  """The NNX module for ``config`` (GPT, BERT or Seq2Seq), built for ``mesh`` (see ``GPT``).
+def create(config: ModelConfig, *, rngs: nnx.Rngs | None = None, mesh: Mesh | None = None,
+           backend: Backend | None = None) -> nnx.Module:
+  """The NNX module for ``config`` (GPT, BERT or Seq2Seq), built for ``mesh`` and ``backend``
+  (see ``GPT``).
 
   Without ``rngs`` the parameters come from ``init(config, jax.random.key(0))``: one compiled
   initialisation instead of hundreds of eagerly dispatched ops.
   """
   if rngs is None:
-    return nnx.merge(graphdef(config, mesh), init(config, jax.random.key(0)))
-  return model_class(config)(config, rngs=rngs, mesh=mesh)
+    return nnx.merge(graphdef(config, mesh, backend), init(config, jax.random.key(0)))
+  return model_class(config)(config, rngs=rngs, mesh=mesh, backend=backend)
 
 
-def abstract(config: ModelConfig, mesh: Mesh | None = None) -> nnx.Module:
+def abstract(config: ModelConfig, mesh: Mesh | None = None,
+             backend: Backend | None = None) -> nnx.Module:
   """The module with ``ShapeDtypeStruct`` parameters: no memory, any size (``nnx.eval_shape``)."""
-  return nnx.eval_shape(lambda: model_class(config)(config, rngs=nnx.Rngs(0), mesh=mesh))
+  return nnx.eval_shape(
+      lambda: model_class(config)(config, rngs=nnx.Rngs(0), mesh=mesh, backend=backend))
 
 
 @functools.lru_cache(maxsize=64)
-def graphdef(config: ModelConfig, mesh: Mesh | None = None) -> nnx.GraphDef:
+def graphdef(config: ModelConfig, mesh: Mesh | None = None,
+             backend: Backend | None = None) -> nnx.GraphDef:
   """The model's graph definition; ``mesh``: the mesh its layers run on (ring attention and
-  activation shardings; see ``GPT``). Parameters do not depend on it."""
-  return nnx.split(abstract(config, mesh))[0]
+  activation shardings; see ``GPT``); ``backend``: the kernels they call (default
+  ``backends.current()``, the default kernel table). Parameters depend on neither."""
+  return nnx.split(abstract(config, mesh, backend))[0]
 
 
 @functools.lru_cache(maxsize=64)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from transformer_jax import ops
+from transformer_jax import backends, ops
 from transformer_jax.layers import Embed, KVCache, LinearCache, Norm, Stack
 from transformer_jax.models.common import (
     check_length, check_positions, check_same_shape, check_tokens, output_heads,
@@ -20,26 +20,30 @@ from transformer_jax.parallel import axes as ax
 class GPT(nnx.Module):
   """``GPT(config, rngs=nnx.Rngs(0))(tokens) -> logits [B, T, V]``."""
 
-  def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None):
+  def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None,
+               backend: backends.Backend | None = None):
     """``mesh``: the device mesh the model runs on (activation shardings, ring attention under
-    ``mesh.sequence > 1``); None on one device or to leave the layout to GSPMD."""
+    ``mesh.sequence > 1``); None on one device or to leave the layout to GSPMD. ``backend``: the
+    kernels its layers call (default ``backends.current()``, the default kernel table)."""
     self.config = config
+    self.backend = backend = backend or backends.current()
     c = config
     dtype, param_dtype = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
     # Sinusoidal positions (Vaswani et al. 3.4): token embeddings drawn with std d^-0.5 and
     # multiplied by sqrt(d), so tokens and the fixed table (entries of size ~1) are of one scale.
     token_std = c.d_model**-0.5 if c.position == "sinusoidal" else c.init_std
     self.embed = Embed(c.vocab_size, c.d_model, init_std=token_std, dtype=dtype,
-                       param_dtype=param_dtype, rngs=rngs)
+                       param_dtype=param_dtype, rngs=rngs, backend=backend)
     self.pos_embed = (Embed(c.max_len, c.d_model, init_std=c.init_std / 2, dtype=dtype,
                             param_dtype=param_dtype, rngs=rngs, axes=(ax.POSITIONS, ax.EMBED))
                       if c.position == "learned" else None)
-    self.blocks = Stack(c.block_config(), c.num_layers, remat=c.remat, unroll=unrolls_layers(c),
-                        rngs=rngs, mesh=mesh)
+    self.blocks = Stack(c.block_config(), c.num_layers, remat=c.remat,
+                        unroll=unrolls_layers(c, backend), reversible=c.reversible, rngs=rngs,
+                        mesh=mesh, backend=backend)
     self.final_norm = Norm(c.d_model, kind=c.norm, eps=c.norm_eps, param_dtype=param_dtype,
                            rngs=rngs)
     self.lm_head, self.classifier = output_heads(c, dtype=dtype, param_dtype=param_dtype,
-                                                 rngs=rngs)
+                                                 rngs=rngs, backend=backend)
 
   @with_matmul_precision
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
@@ -185,7 +189,8 @@ class GPT(nnx.Module):
               positions: jax.Array | None = None, segment_ids: jax.Array | None = None, *,
               dropout_rng: jax.Array | None = None, label_smoothing: float = 0.0,
               z_loss: float = 0.0) -> tuple[jax.Array, jax.Array]:
-    """The next-token loss without the ``[B, T, V]`` logits (``ops.linear_cross_entropy``).
+    """The next-token loss without the ``[B, T, V]`` logits (``ops.linear_cross_entropy`` in the
+    backend's layout).
 
     Args:
       tokens: ``[B, T]`` token ids; ``positions``, ``segment_ids``, ``dropout_rng`` as in
@@ -205,7 +210,7 @@ class GPT(nnx.Module):
       w, layout = self.embed.embedding[...], "VD"
     else:
       w, layout = self.lm_head.kernel[...], "DV"
-    return ops.linear_cross_entropy(
+    return self.backend.linear_cross_entropy(
         x_BTD.reshape(b * t, d), w, labels.reshape(-1), weights.reshape(-1).astype(jnp.float32),
         w_layout=layout, label_smoothing=label_smoothing, z_loss=z_loss,
         dtype=jnp.dtype(self.config.dtype))

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from transformer_jax import ops
+from transformer_jax import backends, ops
 from transformer_jax.layers import Embed, KVCache, MixerStack, Norm, Projection, SSMCache
 from transformer_jax.models.common import (
     check_length, check_same_shape, check_tokens, with_matmul_precision)
@@ -20,19 +20,23 @@ from transformer_jax.parallel import axes as ax
 class Mamba(nnx.Module):
   """``Mamba(config, rngs=nnx.Rngs(0))(tokens) -> logits [B, T, V]``."""
 
-  def __init__(self, config: MambaConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None):
-    """``mesh``: the device mesh the model runs on (activation shardings); None on one device."""
+  def __init__(self, config: MambaConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None,
+               backend: backends.Backend | None = None):
+    """``mesh``: the device mesh the model runs on (activation shardings); None on one device.
+    ``backend``: the kernels its layers call (default ``backends.current()``)."""
     self.config = c = config
+    self.backend = backend = backend or backends.current()
     dtype, param_dtype = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
     self.embed = Embed(c.vocab_size, c.d_model, init_std=c.init_std, dtype=dtype,
-                       param_dtype=param_dtype, rngs=rngs)
+                       param_dtype=param_dtype, rngs=rngs, backend=backend)
     self.blocks = MixerStack(c.block_config(), c.layer_kinds, remat=c.remat,
-                             unroll=unrolls_layers(c), rngs=rngs, mesh=mesh)
+                             unroll=unrolls_layers(c, backend), rngs=rngs, mesh=mesh,
+                             backend=backend)
     self.final_norm = Norm(c.d_model, kind="rmsnorm", eps=c.norm_eps, param_dtype=param_dtype,
                            rngs=rngs)
     self.lm_head = (None if c.tie_embeddings else Projection(
         "BTD,DV->BTV", (c.d_model, c.vocab_size), (ax.EMBED, ax.VOCAB), init_std=c.init_std,
-        dtype=dtype, param_dtype=param_dtype, rngs=rngs))
+        dtype=dtype, param_dtype=param_dtype, rngs=rngs, backend=backend))
 
   @with_matmul_precision
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
@@ -115,7 +119,7 @@ class Mamba(nnx.Module):
       w, layout = self.embed.embedding[...], "VD"
     else:
       w, layout = self.lm_head.kernel[...], "DV"
-    return ops.linear_cross_entropy(
+    return self.backend.linear_cross_entropy(
         x_BTD.reshape(b * t, d), w, labels.reshape(-1), weights.reshape(-1).astype(jnp.float32),
         w_layout=layout, label_smoothing=label_smoothing, z_loss=z_loss,
         dtype=jnp.dtype(self.config.dtype))

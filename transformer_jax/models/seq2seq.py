@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from transformer_jax import ops
+from transformer_jax import backends, ops
 from transformer_jax.layers import Embed, KVCache, Norm, RelativePositionBias, Stack
 from transformer_jax.models.common import (
     check_length, check_same_shape, check_tokens, output_heads, with_matmul_precision)
@@ -22,14 +22,17 @@ class Seq2Seq(nnx.Module):
   Ids in ``[0, vocab_size)``: eager calls refuse others; under ``jax.jit`` the embedding lookup
   clamps them silently (``models.checked`` checks them on the device)."""
 
-  def __init__(self, config: Seq2SeqConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None):
-    """``mesh``: the device mesh the model runs on (see ``GPT``); None on one device."""
+  def __init__(self, config: Seq2SeqConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None,
+               backend: backends.Backend | None = None):
+    """``mesh``: the device mesh the model runs on; ``backend``: its kernels (see ``GPT``)."""
     self.config = config
+    self.backend = backend = backend or backends.current()
     c = config
     dtype, param_dtype = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
     self.embed = Embed(c.vocab_size, c.d_model, init_std=c.embedding_init_std, dtype=dtype,
-                       param_dtype=param_dtype, rngs=rngs)
-    stack = dict(remat=c.remat, unroll=unrolls_layers(c), rngs=rngs, mesh=mesh)
+                       param_dtype=param_dtype, rngs=rngs, backend=backend)
+    stack = dict(remat=c.remat, unroll=unrolls_layers(c, backend), rngs=rngs, mesh=mesh,
+                 backend=backend)
     self.encoder = Stack(c.block_config(decoder=False), c.num_encoder_layers, **stack)
     self.decoder = Stack(c.block_config(decoder=True), c.num_decoder_layers, **stack)
     norm = dict(kind=c.norm, eps=c.norm_eps, param_dtype=param_dtype, rngs=rngs)
@@ -44,6 +47,7 @@ class Seq2Seq(nnx.Module):
     else:
       self.encoder_rel_bias = self.decoder_rel_bias = None
     self.lm_head, self.classifier = output_heads(c, dtype=dtype, param_dtype=param_dtype,
+                                                 backend=backend,
                                                  rngs=rngs)
 
   def _embed(self, ids_BT: jax.Array, positions_BT: jax.Array | None,

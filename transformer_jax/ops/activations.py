@@ -138,7 +138,7 @@ def packed_activation(name: Activation, x: jax.Array, up: jax.Array | None = Non
   residual with a bfloat16 ``dynamic_update_slice``, which it does in float32 by converting the
   whole ``[L, ...]`` stack at every layer; bits are stacked in place. The gradients are the same
   numbers. It is a ``custom_vjp``, so forward mode is lost: ``layers.MLP`` uses it only where its
-  projections are ``cpu.matmul``'s (also reverse mode only; ``ops.dispatch.choose_product``).
+  projections are the CPU backend's ``matmul`` (also reverse mode only; ``Backend.activate``).
   """
   get_activation(name)  # fail early on an unknown name
   return _packed(name, x) if up is None else _packed_gated(name, x, up)

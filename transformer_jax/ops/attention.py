@@ -10,15 +10,18 @@ Implementations (``implementation=``):
 
   ``"xla"``      dense ``[B, N, T, S]`` scores, weights and their gradients: O(T * S) memory; any
                  backend; the reference, and the only one with ``return_weights``. Its core is
-                 ``ops.dispatch.choose_dense_core``'s: heads-major, or on CPU the row-major one
-                 of ``cpu.attention`` for bfloat16.
+                 heads-major, or the ``dense_core`` a backend gives (the CPU backend's row-major
+                 core for bfloat16).
   ``"chunked"``  ``ops.chunked``: FlashAttention-2's blocks and online softmax in ``lax`` loops
                  with its own backward: O(T + S) memory (plus one block of scores); any backend;
                  masks and position biases by parts, causal / window blocks skipped.
-  ``"cudnn"``    ``jax.nn.dot_product_attention(implementation="cudnn")``: NVIDIA GPUs only.
-  ``"splash"``   ``ops.splash``: the Pallas splash-attention kernel, TPUs (elsewhere it runs in
-                 Pallas interpret mode, for tests).
-  ``None``       the kernel table's choice for this backend (``ops.choose_implementation``).
+  ``None``       ``"xla"`` while the float32 scores fit ``ops.dispatch.DENSE_MAX_BYTES``, else
+                 ``"chunked"``.
+
+The platforms' own kernels (cuDNN's fused attention, Pallas splash attention, ring attention over a
+mesh) and the table that chooses among all of them for a platform are the backend's:
+``transformer_jax.backends.current().attention(q, k, v, ...)`` chooses and calls
+(``ops.choose_implementation`` holds the rules).
 
 Masks are boolean with ``True`` meaning *attend*. Additive biases (ALiBi, T5 relative bias) go in
 ``bias``. Softmax runs in float32 whatever the input dtype.
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -36,14 +39,18 @@ import numpy as np
 
 from transformer_jax.ops import dispatch, precision, residuals
 from transformer_jax.ops.chunked import chunked_attention, output_delta
-from transformer_jax.ops.dispatch import Implementation
-from transformer_jax.ops.masks import MASK_VALUE, and_masks, segment_mask, segment_runs, sum_to
+from transformer_jax.ops.masks import MASK_VALUE, and_masks, segment_mask, sum_to
 
 
 # A bias function: ``bias_fn(bias_params, q_pos_BT, k_pos_S) -> [B|1, N|1, T, S]`` float32 additive
 # logits bias (``ops.AlibiBias``, ``ops.RelativeBias``). Kernels that work block by block call it on
 # each block's positions, so a position bias never needs a dense ``[T, S]`` array.
 BiasFn = Callable[[Any, jax.Array, jax.Array], jax.Array]
+
+# A dense core: ``core(q [B, T, N, H], k [B, S, K, H], v, *, bias, mask, scale) -> [B, T, N, H]``,
+# softmax attention on the whole score matrix with masked weights exactly 0 (a backend's form of
+# the "xla" kernel's core, e.g. the CPU backend's row-major one for bfloat16).
+DenseCore = Callable[..., jax.Array]
 
 
 def check_qkv(q, k, v) -> None:
@@ -63,6 +70,19 @@ def check_qkv(q, k, v) -> None:
     raise ValueError(f"query heads N={n} must be a multiple of key/value heads K={kh}")
 
 
+def check_call(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax.Array | None = None,
+               window: int | None = None, kv_valid: jax.Array | None = None,
+               q_segment_ids: jax.Array | None = None,
+               kv_segment_ids: jax.Array | None = None) -> None:
+  """Raises ``ValueError`` naming the problem unless the inputs of an attention call are
+  consistent: q, k, v as ``check_qkv`` asks and floating-point, a boolean ``mask``, and the mask
+  parts' shapes (``window >= 1``, ``kv_valid`` ``[B, S]``, segment ids ``[B, T]`` / ``[B, S]``)."""
+  _check_inputs(q, k, v, mask)
+  b, t, _, _ = q.shape
+  _check_parts(b, t, k.shape[1], window=window, kv_valid=kv_valid, q_segment_ids=q_segment_ids,
+               kv_segment_ids=kv_segment_ids)
+
+
 def _check_inputs(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None) -> None:
   check_qkv(q, k, v)
   for name, x in (("q", q), ("k", k), ("v", v)):
@@ -74,7 +94,7 @@ def _check_inputs(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | No
         "belongs in `bias`")
 
 
-def _query_positions(q_positions: jax.Array | None, b: int, t: int, s: int) -> jax.Array:
+def query_positions(q_positions: jax.Array | None, b: int, t: int, s: int) -> jax.Array:
   """``[B|1, T]`` int32 position of each query; by default aligned to the end of the keys."""
   if q_positions is None:
     return (jnp.arange(t, dtype=jnp.int32) + (s - t))[None]
@@ -86,7 +106,7 @@ def _query_positions(q_positions: jax.Array | None, b: int, t: int, s: int) -> j
   return q_positions.astype(jnp.int32)
 
 
-def _parts_mask(q_pos_BT: jax.Array, s: int, *, causal: bool, window: int | None,
+def parts_mask(q_pos_BT: jax.Array, s: int, *, causal: bool, window: int | None,
                 kv_valid: jax.Array | None, q_segment_ids: jax.Array | None,
                 kv_segment_ids: jax.Array | None) -> jax.Array | None:
   """The dense ``[B|1, 1, T, S]`` mask of the parts (None when there are none)."""
@@ -133,7 +153,7 @@ def dot_product_attention(
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     return_weights: bool = False,
-    implementation: Implementation | None = None,
+    implementation: Literal["xla", "chunked"] | None = None,
     kv_valid: jax.Array | None = None,
     q_segment_ids: jax.Array | None = None,
     kv_segment_ids: jax.Array | None = None,
@@ -143,6 +163,7 @@ def dot_product_attention(
     bias_params: Any = None,
     block_q: int | None = None,
     block_k: int | None = None,
+    dense_core: DenseCore | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """softmax(scale * q k^T + bias, masked) v, with multi-, multi-query and grouped-query heads.
 
@@ -163,8 +184,10 @@ def dot_product_attention(
     dropout_rng: PRNG key for attention dropout; ``None`` disables dropout.
     return_weights: also return the attention weights ``[B, N, T, S]`` (float32; "xla" only).
     implementation: ``"xla"`` (dense ``[B, N, T, S]`` scores), ``"chunked"`` (memory-efficient,
-      key/value blocks with an online softmax), ``"cudnn"`` (fused GPU kernel), ``"splash"``
-      (Pallas TPU kernel), or ``None``: ``ops.choose_implementation`` for the default backend.
+      key/value blocks with an online softmax), or ``None``: ``"xla"`` while the float32 scores
+      fit ``ops.dispatch.DENSE_MAX_BYTES`` (or the weights are asked for), else ``"chunked"``.
+      A platform's fused kernels ("cudnn", "splash") are its backend's
+      (``transformer_jax.backends``).
     kv_valid: ``[B, S]`` bool, False for padding keys.
     q_segment_ids: ``[B, T]`` int; queries see only keys of the same segment (packed sequences).
     kv_segment_ids: ``[B, S]`` int (default ``q_segment_ids``, which needs ``T == S``).
@@ -174,9 +197,11 @@ def dot_product_attention(
       ``bias_fn(bias_params, q_pos_BT, k_pos_S) -> [B|1, N|1, T, S]``.
     bias_params: the (differentiable) parameters of ``bias_fn``.
     block_q: the most query rows per block of the "chunked" kernel (default
-      ``ops.chunked.default_block_sizes()``: 128 on CPU, 512 elsewhere; the blocks are evened out:
-      ``ceil(T / ceil(T / block_q))``).
-    block_k: the most keys per block of the "chunked" kernel (default as ``block_q``).
+      ``ops.chunked.DEFAULT_BLOCK_Q``; a backend passes its own, 128 on CPU; the blocks are
+      evened out: ``ceil(T / ceil(T / block_q))``).
+    block_k: the most keys per block of the "chunked" kernel (default ``DEFAULT_BLOCK_K``).
+    dense_core: the core of the "xla" kernel without dropout or weights (see ``DenseCore``;
+      default the heads-major core).
 
   Returns:
     ``[B, T, N, H]`` in q's dtype (and the weights if asked). A query row whose every key is
@@ -192,17 +217,12 @@ def dot_product_attention(
   _check_parts(b, t, s, window=window, kv_valid=kv_valid, q_segment_ids=q_segment_ids,
                kv_segment_ids=kv_segment_ids)
   if implementation is None:
-    implementation = dispatch.choose_implementation(
-        q, k, v, platform=jax.default_backend(), causal=causal, window=window,
-        segment_ids=q_segment_ids is not None, bias=bias is not None or bias_fn is not None,
-        dropout=dropout_rate > 0.0 and dropout_rng is not None, return_weights=return_weights,
-        mask=mask is not None, kv_valid=kv_valid is not None,
-        q_positions=q_positions is not None)
-  q_pos_BT = _query_positions(q_positions, b, t, s)
+    implementation = "xla" if return_weights else dispatch.dense_or_chunked(q, k)
+  q_pos_BT = query_positions(q_positions, b, t, s)
   h = q.shape[-1]
   match implementation:
     case "xla":
-      parts = _parts_mask(q_pos_BT, s, causal=causal, window=window, kv_valid=kv_valid,
+      parts = parts_mask(q_pos_BT, s, causal=causal, window=window, kv_valid=kv_valid,
                           q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
       mask = and_masks(mask, parts)
       if bias_fn is not None:
@@ -210,7 +230,7 @@ def dot_product_attention(
         bias = block_bias if bias is None else bias + block_bias
       return _xla_attention(q, k, v, bias=bias, mask=mask, scale=scale,
                             dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-                            return_weights=return_weights)
+                            return_weights=return_weights, dense_core=dense_core)
     case "chunked":
       if return_weights:
         raise ValueError(
@@ -222,126 +242,13 @@ def dot_product_attention(
           kv_valid=kv_valid, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
           dropout_rate=dropout_rate, dropout_rng=dropout_rng,
           block_q=block_q, block_k=block_k)
-    case "cudnn":
-      return _cudnn_attention(
-          q, k, v, q_pos_BT, bias=bias, mask=mask, causal=causal, scale=scale,
-          dropout_rate=dropout_rate, dropout_rng=dropout_rng, return_weights=return_weights,
-          kv_valid=kv_valid, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-          window=window, q_positions=q_positions, bias_fn=bias_fn, bias_params=bias_params)
-    case "splash":
-      return _splash_attention(q, k, v, bias=bias, mask=mask, causal=causal, scale=scale,
-                               dropout=dropout_rate > 0.0 and dropout_rng is not None,
-                               return_weights=return_weights, kv_valid=kv_valid,
-                               q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                               window=window, q_positions=q_positions, bias_fn=bias_fn)
+    case "cudnn" | "splash":
+      raise ValueError(
+          f"implementation={implementation!r} is a platform's kernel: call it through its "
+          "backend, transformer_jax.backends.current().attention(..., "
+          f"implementation={implementation!r})")
     case _:
-      raise ValueError(f"implementation={implementation!r} must be None, 'xla', 'chunked', "
-                       "'cudnn' or 'splash'")
-
-
-def _splash_attention(q, k, v, *, bias, mask, causal, scale, dropout, return_weights, kv_valid,
-                      q_segment_ids, kv_segment_ids, window, q_positions, bias_fn):
-  """Delegates to ``ops.splash``, which takes the causal, window and segment-id parts only."""
-  from transformer_jax.ops import splash   # noqa: PLC0415 - Pallas is imported only when asked
-
-  unsupported = [name for name, given in (
-      ("bias", bias is not None or bias_fn is not None), ("mask", mask is not None),
-      ("kv_valid", kv_valid is not None), ("q_positions", q_positions is not None),
-      ("attention dropout", dropout), ("return_weights", return_weights)) if given]
-  if unsupported:
-    raise ValueError(f"implementation='splash' does not take {', '.join(unsupported)}: use "
-                     "'chunked' or 'xla'")
-  return splash.splash_attention(q, k, v, causal=causal, window=window,
-                                 q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                                 scale=scale)
-
-
-def _cudnn_attention(q, k, v, q_pos_BT, *, bias, mask, causal, scale, dropout_rate, dropout_rng,
-                     return_weights, kv_valid, q_segment_ids, kv_segment_ids, window, q_positions,
-                     bias_fn, bias_params):
-  """Delegates to cuDNN's fused kernel through ``jax.nn.dot_product_attention``.
-
-  The mask parts become what that API takes: ``causal`` (``T == S`` with default positions:
-  cuDNN aligns the causal mask to the first key), ``window`` (``local_window_size`` when causal;
-  cuDNN has no two-sided window, so without causal it is a dense mask), ``kv_valid``
-  (key lengths when it is concretely a prefix, else a dense mask), segment ids (a dense mask;
-  with ``dispatch.cudnn_packed_segments``, packed sequences where each row's runs fit, the mask
-  elsewhere) and ``bias_fn`` (a dense bias). cuDNN folds a dense mask into its bias, so a query row whose every
-  key is masked follows cuDNN's convention, not the zeros of "xla" and "chunked"."""
-  platform = jax.default_backend()
-  if platform != "gpu":
-    raise ValueError(
-        f"implementation='cudnn' needs an NVIDIA GPU; the default backend is {platform!r}: use "
-        "'chunked' or 'xla'")
-  if q.dtype not in (jnp.bfloat16, jnp.float16):
-    raise ValueError(
-        f"implementation='cudnn' computes in bfloat16 or float16; got q.dtype={q.dtype}: use "
-        "dtype bfloat16 (a model's config.dtype), or implementation 'xla' or 'chunked'")
-  b, t, _, _ = q.shape
-  s = k.shape[1]
-  if return_weights:
-    raise ValueError("return_weights=True is not available with implementation='cudnn'")
-  if dropout_rate > 0.0 and dropout_rng is not None:
-    raise ValueError("attention dropout is not available with implementation='cudnn'")
-  if causal and (t != s or q_positions is not None):
-    raise ValueError(
-        f"implementation='cudnn' takes causal only with T == S and default positions; got T={t}, "
-        f"S={s}, q_positions={'given' if q_positions is not None else None}")
-  packed = dispatch.cudnn_packed_segments(
-      q, k, window=window, bias=bias is not None or bias_fn is not None,
-      mask=mask is not None, kv_valid=kv_valid is not None, q_positions=q_positions is not None,
-      kv_segment_ids=kv_segment_ids is not None) if q_segment_ids is not None else 0
-  key_lengths = None
-  if kv_valid is not None:
-    try:
-      valid = np.asarray(kv_valid).astype(bool)
-      lengths = valid.sum(axis=1)
-      if (valid == (np.arange(s)[None] < lengths[:, None])).all():
-        key_lengths = jnp.asarray(lengths, jnp.int32)
-    except jax.errors.TracerArrayConversionError:
-      pass  # traced: not known to be a prefix, so it goes in as a dense mask
-  # cuDNN's sliding window looks back only (with causal); a two-sided one is a dense mask.
-  dense_window = None if causal else window
-  parts = _parts_mask(q_pos_BT, s, causal=False, window=dense_window,
-                      kv_valid=kv_valid if key_lengths is None else None,
-                      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
-  mask = and_masks(mask, parts)
-  if bias_fn is not None:
-    fn_bias = bias_fn(bias_params, q_pos_BT, jnp.arange(s, dtype=jnp.int32))
-    bias = fn_bias if bias is None else bias + fn_bias
-  if mask is not None:   # [B, 1|N, T, S]: cuDNN broadcasts its bias over the heads
-    mask = jnp.broadcast_to(mask, (b, mask.shape[1] if mask.ndim == 4 else 1, t, s))
-  if bias is not None:
-    bias = bias.astype(q.dtype)
-  local = (window - 1, 0) if causal and window is not None else None
-  as_mask = functools.partial(
-      jax.nn.dot_product_attention, bias=bias, mask=mask, scale=scale, is_causal=causal,
-      key_value_seq_lengths=key_lengths, local_window_size=local, implementation="cudnn")
-  if not packed or not _cudnn_ragged_layout():
-    return as_mask(q, k, v)
-  # Rows of at most `packed` runs as packed sequences, the others through the mask above.
-  lengths_BM, starts_BM1, fits = segment_runs(q_segment_ids, packed)
-  as_runs = functools.partial(
-      _cudnn_packed, lengths_BM=lengths_BM, starts_BM1=starts_BM1, causal=causal,
-      scale=q.shape[-1] ** -0.5 if scale is None else scale)
-  return jax.lax.cond(fits, as_runs, as_mask, q, k, v)
-
-
-def _cudnn_ragged_layout() -> bool:
-  """cuDNN's ragged (packed-sequence) layout runs on Hopper and later GPUs."""
-  capability = getattr(jax.devices()[0], "compute_capability", None)
-  return capability is not None and tuple(map(int, capability.split("."))) >= (9, 0)
-
-
-def _cudnn_packed(q, k, v, *, lengths_BM, starts_BM1, causal: bool, scale: float):
-  """cuDNN's fused attention over the runs of ``ops.masks.segment_runs``: each run of each row
-  is a sequence of its own (``[B, T, N, H]`` in and out, MHA)."""
-  from jax._src.cudnn import fused_attention_stablehlo as cudnn   # noqa: PLC0415 - GPU only
-
-  mask_type = cudnn.MaskType.PADDING_CAUSAL if causal else cudnn.MaskType.PADDING
-  return cudnn.dot_product_attention(
-      q, k, v, q_seqlen=lengths_BM, kv_seqlen=lengths_BM, q_offsets=starts_BM1,
-      kv_offsets=starts_BM1, scale=scale, mask_type=mask_type, qkv_layout="BTNH")
+      raise ValueError(f"implementation={implementation!r} must be None, 'xla' or 'chunked'")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
@@ -420,12 +327,8 @@ def _dense_core_grads(scale, t, res, dout_BKMH):
 _dense_core.defvjp(_dense_core_fwd, _dense_core_bwd)
 
 
-def _dense_attention(q, k, v, *, bias, mask, scale):
-  """The dense core (``ops.dispatch.choose_dense_core``'s) on ``[B, T, N, H]`` inputs."""
-  if dispatch.choose_dense_core(q, k, v, platform=jax.default_backend()) == "rowmajor":
-    from transformer_jax.cpu import attention as cpu_attention  # noqa: PLC0415 - CPU only
-
-    return cpu_attention.rowmajor_attention(q, k, v, bias=bias, mask=mask, scale=scale)
+def dense_attention(q, k, v, *, bias, mask, scale):
+  """The heads-major dense core on ``[B, T, N, H]`` inputs (a ``DenseCore``)."""
   b, t, n, h = q.shape
   kh = k.shape[2]
   q_BKMH = q.reshape(b, t, kh, n // kh, h).transpose(0, 2, 3, 1, 4).reshape(b, kh, -1, h)
@@ -435,14 +338,16 @@ def _dense_attention(q, k, v, *, bias, mask, scale):
   return out_BKMH.reshape(b, kh, n // kh, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
-def _xla_attention(q, k, v, *, bias, mask, scale, dropout_rate, dropout_rng, return_weights):
+def _xla_attention(q, k, v, *, bias, mask, scale, dropout_rate, dropout_rng, return_weights,
+                   dense_core):
   """The dense kernel: the whole ``[B, N, T, S]`` score matrix at once."""
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
   g = n // kh
   scale = h**-0.5 if scale is None else scale
   if not return_weights and not (dropout_rate > 0.0 and dropout_rng is not None):
-    return _dense_attention(q, k, v, bias=bias, mask=mask, scale=scale)
+    core = dense_attention if dense_core is None else dense_core
+    return core(q, k, v, bias=bias, mask=mask, scale=scale)
 
   q_BTKGH = q.reshape(b, t, kh, g, h)
   logits_BKGTS = jnp.einsum(

@@ -29,20 +29,15 @@ import jax.numpy as jnp
 from transformer_jax.ops import precision
 from transformer_jax.ops.masks import MASK_VALUE, sum_to
 
-# Block sizes on GPUs and TPUs: each block's matmuls big enough to fill the chip.
+# Default block sizes: each block's matmuls big enough to fill a GPU or TPU. A backend passes its
+# own (the CPU backend's are smaller: ``backends.cpu.backend.CPU_BLOCK``).
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 512
-# On XLA:CPU, smaller blocks: a [B, N, 128, 128] float32 block of scores stays in the cores' own
-# caches, and causal attention skips more of the pairs (experiments/PERFORMANCE.md, "Chunked
-# attention on CPU").
-CPU_BLOCK = 128
 
 
 def default_block_sizes() -> tuple[int, int]:
-  """``(block_q, block_k)`` where the caller gives none: ``CPU_BLOCK`` on CPU, else
-  ``DEFAULT_BLOCK_Q`` / ``DEFAULT_BLOCK_K``."""
-  if jax.default_backend() == "cpu":
-    return CPU_BLOCK, CPU_BLOCK
+  """``(block_q, block_k)`` where the caller gives none: ``DEFAULT_BLOCK_Q`` and
+  ``DEFAULT_BLOCK_K``."""
   return DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K
 
 

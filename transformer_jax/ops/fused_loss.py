@@ -12,6 +12,7 @@ and nothing of size ``N x V`` is saved (only ``dx [N, D]`` and the float32 ``dW`
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -31,6 +32,9 @@ class _Config(NamedTuple):
   z_loss: float
   dtype: Any     # compute dtype of the products
   w_dtype: Any   # dtype of w's gradient
+  # Forms a chunk's x^T [D, C] for the weight gradient's product, or None: the product contracts
+  # x's rows itself (a backend's layout, e.g. the CPU backend's row-major copy).
+  x_transposed: Any = None
 
 
 def default_chunk_size(n: int, v: int) -> int:
@@ -83,10 +87,8 @@ def _chunk(cfg: _Config, x_CD, w_lo, labels_C, weights_C, *, grads: bool):
                                 preferred_element_type=jnp.float32)
   # x^T @ dlogits, [D, C] @ [C, V], for either layout; the "VD" layout's transpose of the sum is
   # done once, in the backward.
-  if jax.default_backend() == "cpu":
-    # A row-major copy of the small x chunk keeps a bfloat16 product in XLA:CPU's bf16 kernel.
-    from transformer_jax.cpu import matmul  # noqa: PLC0415 - the CPU profile, on CPU only
-    dw_DV = jax.lax.dot_general(matmul.transposed(x_CD), dlogits_CV, (((1,), (0,)), ((), ())),
+  if cfg.x_transposed is not None:
+    dw_DV = jax.lax.dot_general(cfg.x_transposed(x_CD), dlogits_CV, (((1,), (0,)), ((), ())),
                                 preferred_element_type=jnp.float32)
   else:
     dw_DV = jax.lax.dot_general(x_CD, dlogits_CV, (((0,), (0,)), ((), ())),
@@ -146,6 +148,7 @@ def linear_cross_entropy(
     z_loss: float = 0.0,
     chunk_size: int | None = None,
     dtype=None,
+    x_transposed: Callable[[jax.Array], jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Summed token cross-entropy of ``x`` projected to the vocabulary, chunk by chunk of rows.
 
@@ -175,6 +178,9 @@ def linear_cross_entropy(
       and multiplied with float32 accumulation; the softmax math is float32, and the backward's
       products take the logits' gradient cast to ``dtype``, as autodiff of
       ``(x @ W^T).astype(float32)`` would.
+    x_transposed: how a chunk's ``x^T`` ``[D, C]`` is formed for the weight gradient's product
+      (a hashable function, e.g. the CPU backend's row-major copy, which keeps a bfloat16 product
+      on XLA:CPU's bf16 kernel); None: the product contracts ``x``'s rows itself.
 
   Returns:
     ``(loss_sum, correct_sum)``, float32 scalars: ``sum_n weights[n] * loss[n]``, with
@@ -216,5 +222,5 @@ def linear_cross_entropy(
     x_ND = jnp.pad(x_ND, ((0, pad), (0, 0)))
     labels_N = jnp.pad(labels_N, (0, pad))
     weights_N = jnp.pad(weights_N, (0, pad))
-  cfg = _Config(w_layout, float(label_smoothing), float(z_loss), dtype, w.dtype)
+  cfg = _Config(w_layout, float(label_smoothing), float(z_loss), dtype, w.dtype, x_transposed)
   return _fused(cfg, x_ND.reshape(k, c, d), w, labels_N.reshape(k, c), weights_N.reshape(k, c))

@@ -4,8 +4,9 @@ plan -> state -> loop)."""
 from transformer_jax.runs import Checkpoints, load_model, save_model
 from transformer_jax.train.config import Experiment, load_experiment
 from transformer_jax.train.optim import learning_rate_schedule, make_optimizer
+from transformer_jax.parallel.mesh import make_mesh
 from transformer_jax.train.step import (
-    TrainState, create_state, make_eval_step, make_mesh, make_train_step, shard_batch)
+    TrainState, create_state, make_eval_step, make_train_step, shard_batch)
 from transformer_jax.train.divergence import TrainingDiverged
 from transformer_jax.train.evaluation import evaluate_run
 from transformer_jax.train.plan import Plan, make_plan

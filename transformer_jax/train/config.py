@@ -1,8 +1,9 @@
 """Experiment configs: YAML files in ``experiments/`` plus dotted ``key=value`` overrides.
 
-Sections: ``model`` (a preset plus any model-config field), ``data``, ``train``, ``mesh`` and the
-top-level ``run_dir``. Every key is checked: an unknown key or a wrong type raises ``ValueError``
-naming it (``train.stpes: unknown key; expected one of ...``).
+Sections: ``model`` (a preset plus any model-config field), ``data``, ``train``, ``mesh``,
+``kernels`` (the kernel table, ``backends.KernelTable``) and the top-level ``run_dir``. Every key
+is checked: an unknown key or a wrong type raises ``ValueError`` naming it (``train.stpes: unknown
+key; expected one of ...``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, Literal
 import yaml
 
 from transformer_jax import models, runs
+from transformer_jax.backends import KernelTable
 from transformer_jax.lora import LoRAConfig
 from transformer_jax.runs.schema import FieldError, build_section, parse_yaml, typed_fields
 
@@ -38,7 +40,7 @@ class TrainConfig:
   batch_size: int = 16                    # global batch (all processes, all devices)
   seq_len: int = 128                      # GPT/BERT window; ignored by seq2seq (bucketed)
   # Gradient accumulation inside the step. "auto": 1 unless the step's temporaries pass what the
-  # CPU allocator reuses, then the fewest that fit (cpu.microbatches.auto_microbatches).
+  # CPU allocator reuses, then the fewest that fit (backends.cpu.microbatches).
   microbatches: int | Literal["auto"] = "auto"
   seed: int = 0
   lr: float = 1e-3
@@ -85,6 +87,8 @@ class Experiment:
   bars: dict[str, Any] = dataclasses.field(default_factory=dict)  # learning bars to check at the end
   # The experiment whose run is model.init_from: trained first when that run directory is absent.
   pretrain: str | None = None
+  # The kernels' levers (backends.KernelTable): they change the compiled program, not the model.
+  kernels: KernelTable = dataclasses.field(default_factory=KernelTable)
 
   def model_config(self, **defaults) -> models.ModelConfig:
     """The model config: preset, then ``defaults`` (e.g. the dataset's vocab size), then the YAML."""
@@ -109,6 +113,7 @@ class Experiment:
     out["data"]["inputs"] = list(self.data.inputs)
     if out["train"]["lora"] is not None:
       out["train"]["lora"]["targets"] = list(self.train.lora.targets)
+    out["kernels"] = self.kernels.to_dict()
     return out
 
   def absolute(self) -> "Experiment":
@@ -168,8 +173,8 @@ BARS = ("val_loss_below_unigram", "mlm_accuracy_over_baseline", "exact_match",
 FIXED = ("model", "data", "train.batch_size", "train.seq_len", "train.seed", "train.dtype",
          "train.lora")
 
-_TOP = ("run_dir", "model", "data", "train", "mesh", "bars", "pretrain")
-# The sections every experiment file spells out; mesh, bars and pretrain may be left out.
+_TOP = ("run_dir", "model", "data", "train", "mesh", "bars", "pretrain", "kernels")
+# The sections every experiment file spells out; mesh, bars, pretrain and kernels may be left out.
 REQUIRED = ("run_dir", "model", "data", "train")
 
 
@@ -294,7 +299,8 @@ def _build(raw: dict, overrides: list[tuple[str, Any]], path: str | None) -> Exp
       data=build_section(DataConfig, "data", raw.get("data")),
       train=build_section(TrainConfig, "train", raw.get("train")),
       mesh=build_section(MeshConfig, "mesh", raw.get("mesh")),
-      bars=dict(bars or {}), pretrain=raw.get("pretrain"))
+      bars=dict(bars or {}), pretrain=raw.get("pretrain"),
+      kernels=KernelTable.from_dict(raw.get("kernels"), where="kernels"))
   if exp.pretrain is not None and not isinstance(exp.pretrain, str):
     raise FieldError("pretrain", f"pretrain={exp.pretrain!r}: expected the path of an "
                      "experiment YAML")

@@ -10,12 +10,11 @@ The CLI sets the number of simulated CPU devices before JAX starts (``simulate_d
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import jax
 
-from transformer_jax import models, parallel
+from transformer_jax import backends, models, parallel
 from transformer_jax.ops import ssm as ssm_ops
 from transformer_jax.ops import ssm_pallas
 from transformer_jax.train.config import Experiment
@@ -83,7 +82,7 @@ def dry_run(exp: Experiment) -> dict[str, Any]:
   b = report["per_device_bytes"]
   b["peak_estimate"] = b["arguments"] + b["outputs"] - b["aliased"] + b["temporaries"]
   report["attention"] = attention_kernels(config, dict(mesh.shape), t.batch_size, t.seq_len,
-                                          packed=task.packed)
+                                          packed=task.packed, kernels=exp.kernels)
   report["mixers"] = mixer_kernels(config, t.seq_len)
   return report
 
@@ -106,9 +105,10 @@ def mixer_kernels(config, seq_len: int) -> list[dict[str, Any]]:
     detail = (f"chunks of {q} over [B, {q}, E={config.d_inner}, S={config.d_state}] ({methods}), "
               f"state carried across {-(-seq_len // q)} chunks")
   else:
-    impl = (ssm_pallas.choose_ssd_implementation(jax.default_backend())
-            if config.ssm_impl == "auto" else config.ssm_impl)
-    op = "ops.ssd" if impl == "xla" else "ops.ssm_pallas.ssd (Pallas TPU kernel)"
+    impls = {p: (ssm_pallas.choose_ssd_implementation(p) if config.ssm_impl == "auto"
+                 else config.ssm_impl) for p in ("tpu", "gpu", "cpu")}
+    op = ", ".join(f"{p} " + ("ops.ssd" if impl == "xla" else "ops.ssm_pallas.ssd (Pallas)")
+                   for p, impl in impls.items())
     detail = (f"SSD four-term form in chunks of {q}, {config.ssm_heads} heads x "
               f"{config.ssm_head_dim}, {config.ssm_groups} groups, S={config.d_state}")
   return [{"layers": layers, "mixer": config.mixer, "op": op, "detail": detail,
@@ -116,15 +116,14 @@ def mixer_kernels(config, seq_len: int) -> list[dict[str, Any]]:
 
 
 def attention_kernels(config, mesh: dict[str, int], batch_size: int, seq_len: int, *,
-                      packed: bool) -> list[dict[str, Any]]:
-  """The kernel each attention of a training step runs on each backend, for one device's share
-  (linear attention's chunked form, the config's ``attention_impl``, else the kernel
-  ``ops.choose_implementation`` gives): ``[{"attention", "shape" [B, T, N, H], "dtype", "kernels":
-  {platform: kernel}}]``. The mask parts are the ones the task and model pass (GPT: causal, the
-  sliding window, and the segment ids of a task that packs documents (``packed``); BERT: key
-  padding; Seq2Seq: padding, causal decoder self-attention, cross-attention)."""
-  from transformer_jax import ops
-
+                      packed: bool, kernels=None) -> list[dict[str, Any]]:
+  """The kernel each attention of a training step runs on each backend (linear attention's chunked
+  form, the config's ``attention_impl``, else what the backend with the kernel table ``kernels``
+  chooses, ``Backend.choose_attention``), for one device's share: ``[{"attention", "shape"
+  [B, T, N, H], "dtype", "kernels": {platform: kernel}}]``. The mask parts are the ones the task
+  and model pass (GPT: causal, the sliding window, and the segment ids of a task that packs
+  documents (``packed``); BERT: key padding; Seq2Seq: padding, causal decoder self-attention,
+  cross-attention)."""
   rows_per_device = max(1, batch_size // (mesh.get("data", 1) * mesh.get("fsdp", 1)))
   heads = max(1, config.num_heads // mesh.get("tensor", 1))
   kv_heads = max(1, config.kv_heads // mesh.get("tensor", 1))
@@ -156,26 +155,24 @@ def attention_kernels(config, mesh: dict[str, int], batch_size: int, seq_len: in
   out = []
   for name, t, s, parts in calls:
     q, k = shapes(t, s)
-    kernels = {p: _kernel(config, q, k, p, mesh.get("sequence", 1), dict(parts, dropout=dropout))
-               for p in ("tpu", "gpu", "cpu")}
+    chosen = {p: _kernel(config, q, k, backends.for_platform(p, kernels), mesh.get("sequence", 1),
+                         dict(parts, dropout=dropout))
+              for p in ("tpu", "gpu", "cpu")}
     out.append({"attention": name, "shape": list(q.shape), "dtype": str(dtype),
-                "kernels": kernels})
+                "kernels": chosen})
   return out
 
 
-def _kernel(config, q, k, platform: str, sequence_shards: int, parts: dict) -> str:
-  """What one attention of ``config`` runs on ``platform``, as ``layers.Attention`` decides: linear
+def _kernel(config, q, k, backend: backends.Backend, sequence_shards: int, parts: dict) -> str:
+  """What one attention of ``config`` runs on ``backend``, as ``layers.Attention`` decides: linear
   attention's chunked form, ring attention over a sequence axis, the kernel the config forces
-  (``attention_impl``), else ``ops.choose_implementation``'s."""
-  from transformer_jax import ops
-
+  (``attention_impl``), else the backend's choice."""
   linear = config.linear_kind() if hasattr(config, "linear_kind") else None
   if linear is not None:
     decay = getattr(config, "linear_decay", None)
     return (f"linear (chunks of {linear.chunk_size}"
             + ("" if decay is None else f", decay {decay}") + ")")
-  choice = ops.choose_implementation(q, k, k, platform=platform, sequence_shards=sequence_shards,
-                                     **parts)
+  choice = backend.choose_attention(q, k, k, sequence_shards=sequence_shards, **parts)
   return choice if choice == "ring" else (config.attention_impl or choice)
 
 

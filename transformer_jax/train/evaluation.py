@@ -69,5 +69,6 @@ def evaluate_run(run_dir: str, overrides: list[str] = (), *,
   params, step = plan.method.restore_base(plan.run_dir, best)
   params = jax.device_put(params, parallel.param_shardings(params, plan.mesh))
   metrics, _ = evaluate(plan, params, step_lib.jit_eval_step(
-      step_lib.make_eval_step(plan.graphdef, plan.task), plan.mesh, params))
+      step_lib.make_eval_step(plan.graphdef, plan.task), plan.mesh, params,
+      backend=plan.backend))
   return {"step": step, **metrics}

@@ -14,10 +14,7 @@ import signal
 import threading
 from typing import Any
 
-import jax
-
 from transformer_jax import runs, runtime
-from transformer_jax.cpu import allocator
 from transformer_jax.train import step as step_lib
 from transformer_jax.train import tasks as tasks_lib
 from transformer_jax.train.console import log0
@@ -84,11 +81,10 @@ def loop(plan: Plan, ckpt: runs.Checkpoints, start: Start, *, progress: bool) ->
   state, start = start.state, start.step
   train_step = plan.step
   # XLA:CPU's temporaries past what the allocator reuses: said once the first step has run.
-  notice = (allocator.scratch_notice(runtime.temp_bytes(plan.compiled),
-                                     platform=jax.default_backend(), malloc=allocator.allocator())
+  notice = (plan.backend.scratch_notice(runtime.temp_bytes(plan.compiled))
             if start < t.steps else None)
   eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(plan.graphdef, plan.task),
-                                     plan.mesh, all_params(state))
+                                     plan.mesh, all_params(state), backend=plan.backend)
   guard = Guard(plan, ckpt, eval_step)
   log = TrainLog(plan, plan.run_dir.path, start, progress)
   stop = StopFlag()

@@ -45,9 +45,10 @@ class Full:
   seed: int
   init_from: str | None = None
 
-  def graphdef(self, mesh=None) -> nnx.GraphDef:
-    """The graph of the model the step trains, its layers pinned to ``mesh``."""
-    return models.graphdef(self.model_config, mesh)
+  def graphdef(self, mesh=None, backend=None) -> nnx.GraphDef:
+    """The graph of the model the step trains, its layers pinned to ``mesh`` and calling
+    ``backend``'s kernels (default: the platform JAX computes on's)."""
+    return models.graphdef(self.model_config, mesh, backend)
 
   def abstract_state(self, optimizer, mesh) -> step_lib.TrainState:
     """The train state as sharded shapes (nothing allocated)."""
@@ -92,9 +93,9 @@ class LoRA:
   init_from: str | None
   config: lora_lib.LoRAConfig
 
-  def graphdef(self, mesh=None) -> nnx.GraphDef:
-    """The adapted model's graph (its adapters are parameters too)."""
-    return nnx.split(lora_lib.abstract(self.model_config, self.config, mesh))[0]
+  def graphdef(self, mesh=None, backend=None) -> nnx.GraphDef:
+    """The adapted model's graph (its adapters are parameters too), as :meth:`Full.graphdef`."""
+    return nnx.split(lora_lib.abstract(self.model_config, self.config, mesh, backend))[0]
 
   def abstract_state(self, optimizer, mesh) -> step_lib.TrainState:
     """The train state as sharded shapes, ``frozen`` included."""

@@ -37,7 +37,7 @@ from typing import Any, Literal
 import jax
 
 from transformer_jax import data as data_lib
-from transformer_jax import hardware, models, parallel, runs, runtime
+from transformer_jax import backends, hardware, models, parallel, runs
 from transformer_jax.train import step as step_lib
 from transformer_jax.train import tasks as tasks_lib
 from transformer_jax.train.config import Experiment, fixed_changes, load_experiment, parse_overrides
@@ -89,6 +89,8 @@ class Plan:
     dataset: the loaded dataset (None for ``dry_run`` and ``export``).
     dataset_ref: what ``dataset.json`` records of it (content hash included).
     task, mesh, optimizer, method: the task, mesh, optimizer and method (full or LoRA).
+    backend: the kernels the model and its steps are built with: the mesh platform's backend
+      with the experiment's ``kernels:`` table.
     graphdef: the graph of the model the step trains (``eval``: the base architecture's).
     loader: the training loader (``train``).
     step: the jitted train step, compiled for the first batch (``train``, ``dry_run``).
@@ -110,6 +112,7 @@ class Plan:
   mesh: Any = None
   optimizer: Any = None
   method: Method | None = None
+  backend: backends.Backend | None = None
   graphdef: Any = None
   loader: Any = None
   step: Any = None
@@ -176,22 +179,23 @@ def make_plan(exp: Experiment, *, purpose: Purpose = "train", force_new: bool = 
       check_dataset_unchanged(ref, resume.dataset_ref, resuming=True)
     else:
       check_dataset_unchanged(ref, rd.read_dataset_ref(), resuming=False)
-  if purpose == "train":
-    runtime.bf16_notice(model_config.dtype)
   task = tasks_lib.for_experiment(exp, model_config)
   mesh = mesh if mesh is not None else parallel.make_mesh(
       {a: getattr(exp.mesh, a) for a in parallel.AXES})
+  backend = backends.for_platform(_platform(mesh), exp.kernels)
+  if purpose == "train":
+    backend.bf16_notice(model_config.dtype)
   parallel.check_config(model_config, mesh, batch_size=exp.train.batch_size,
                         seq_len=exp.train.seq_len if task.uses_seq_len else None,
                         microbatches=fixed_microbatches(exp.train))
   method = method_of(exp, model_config) if purpose != "eval" else stored_method(rd, model_config)
   # eval runs the base architecture (a LoRA run's adapters merged into it)
-  graphdef = (models.graphdef(model_config, mesh) if purpose == "eval"
-              else method.graphdef(mesh))
+  graphdef = (models.graphdef(model_config, mesh, backend) if purpose == "eval"
+              else method.graphdef(mesh, backend))
   plan = dataclasses.replace(plan, model_config=model_config, vocab_note=note, dataset=dataset,
                              dataset_ref=ref, task=task, mesh=mesh,
                              optimizer=make_optimizer(exp.train), method=method,
-                             graphdef=graphdef)
+                             backend=backend, graphdef=graphdef)
   if purpose == "train":
     plan = dataclasses.replace(plan, loader=make_train_loader(plan))
   if purpose in ("train", "dry_run"):
@@ -222,7 +226,10 @@ def model_changes(stored: models.ModelConfig, exp: Experiment) -> list[tuple[str
   """``(model.FIELD, stored, new)`` for each field where the experiment's model differs from the
   run's ``model.yaml``, both resolved: a field spelled out at its default is no change. The
   dataset's vocabulary and label count are the stored model's (they came from the dataset)."""
-  new = exp.model_config(vocab_size=stored.vocab_size, num_labels=stored.num_labels)
+  from_dataset = {"vocab_size": stored.vocab_size}
+  if hasattr(stored, "num_labels"):   # families without a classification head have none
+    from_dataset["num_labels"] = stored.num_labels
+  new = exp.model_config(**from_dataset)
   if type(new) is not type(stored):
     return [("model", type(stored).__name__, type(new).__name__)]
   return [(f"model.{f.name}", getattr(stored, f.name), getattr(new, f.name))
@@ -251,7 +258,7 @@ def check_resume(plan: Plan) -> None:
   if changes:
     listed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changes)
     advice = ("resume it without these changes, or start over with --force-new or another run_dir"
-              if plan.purpose == "train" else f"a run would refuse it: plan it with another "
+              if plan.purpose == "train" else "a run would refuse it: plan it with another "
               "run_dir")
     raise ValueError(f"run_dir {rd.path} holds a run with another model or data ({listed}); "
                      f"{advice}")
@@ -399,6 +406,14 @@ def make_train_loader(plan: Plan):
   return loader
 
 
+def _platform(mesh) -> str:
+  """The platform of ``mesh``'s devices (an abstract mesh: the one JAX computes on)."""
+  devices = getattr(mesh, "devices", None)
+  if devices is None or not hasattr(devices, "flat"):
+    return backends.platform()
+  return devices.flat[0].platform
+
+
 def fixed_microbatches(t) -> int:
   """``train.microbatches`` as given, 1 for "auto" (the plan compiles the step to choose)."""
   return 1 if t.microbatches == "auto" else t.microbatches
@@ -427,14 +442,14 @@ def _with_step(plan: Plan) -> Plan:
   built = {}
 
   def compile_for(m):
-    step = step_lib.jit_train_step(plan.train_step(m), mesh, state)
+    step = step_lib.jit_train_step(plan.train_step(m), mesh, state, backend=plan.backend)
     built[m] = step, step.lower(state, batch).compile()
     return built[m][1]
 
   began = time.perf_counter()
   m, _ = step_lib.pick_microbatches(t.microbatches, compile_for, t.batch_size,
                                     mesh.shape["data"] * mesh.shape["fsdp"],
-                                    platform=mesh.devices.flat[0].platform)
+                                    backend=plan.backend)
   seconds = time.perf_counter() - began
   if t.microbatches == "auto" and m > 1 and plan.purpose == "train":
     log0(f"train.microbatches=auto: {m} microbatches, which keep the step's temporaries within "

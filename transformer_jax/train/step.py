@@ -7,7 +7,6 @@ are plain functions of ``(state, batch)`` that ``nnx.merge`` inside. Gradient ac
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable
 
 import jax
@@ -17,11 +16,8 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh
 
-from transformer_jax import models, parallel, runtime
-from transformer_jax.cpu import allocator
-from transformer_jax.cpu import microbatches as cpu_microbatches
-from transformer_jax.cpu import onednn
-from transformer_jax.parallel.mesh import batch_sharding, make_mesh, replicated
+from transformer_jax import backends, models, parallel
+from transformer_jax.parallel.mesh import batch_sharding, replicated
 from transformer_jax.train import tasks as tasks_lib
 
 
@@ -161,48 +157,45 @@ def place_state(state: TrainState, mesh: Mesh, rules: parallel.Rules = parallel.
   return jax.device_put(state, state_shardings(state, mesh, rules))
 
 
+def mesh_backend(mesh: Mesh, backend: backends.Backend | None = None) -> backends.Backend:
+  """``backend``, or the default one of the platform ``mesh``'s devices are on."""
+  return backend or backends.for_platform(mesh.devices.flat[0].platform)
+
+
 def jit_train_step(train_step: Callable, mesh: Mesh, state: TrainState,
-                   rules: parallel.Rules = parallel.RULES):
+                   rules: parallel.Rules = parallel.RULES, *,
+                   backend: backends.Backend | None = None):
   """Compiles ``train_step`` for ``mesh``: state sharded by the rules (and donated), the batch split
-  over the data axes, metrics replicated. Build the step's model for the same mesh
-  (``models.graphdef(config, mesh)``): its layers then pin activations to it and may run ring
-  attention. On CPU the products go to oneDNN (``runtime.step_compiler_options``), and the step
-  comes back held (``cpu.onednn.hold``)."""
+  over the data axes, metrics replicated. Build the step's model for the same mesh and backend
+  (``models.graphdef(config, mesh, backend)``): its layers then pin activations to it and may run
+  ring attention. The step compiles with the backend's options
+  (``Backend.step_compiler_options``: on CPU the products go to oneDNN) and comes back held
+  (``Backend.jit_step``); ``backend`` defaults to the mesh platform's default one."""
   shardings = state_shardings(state, mesh, rules)
-  options = _compiler_options(mesh)
-  return onednn.hold(jax.jit(train_step, in_shardings=(shardings, batch_sharding(mesh)),
-                       out_shardings=(shardings, replicated(mesh)), donate_argnums=(0,),
-                       compiler_options=options), options)
+  return mesh_backend(mesh, backend).jit_step(
+      train_step, in_shardings=(shardings, batch_sharding(mesh)),
+      out_shardings=(shardings, replicated(mesh)), donate_argnums=(0,))
 
 
 def pick_microbatches(setting: int | str, compile_step: Callable[[int], Any], batch_size: int,
-                      n_batch: int = 1, *, platform: str) -> tuple[int, Any]:
+                      n_batch: int = 1, *, backend: backends.Backend) -> tuple[int, Any]:
   """``train.microbatches`` resolved, with the step compiled for it: ``(microbatches, compiled)``.
 
-  A number is taken as given; "auto" is ``cpu.microbatches.resolve_auto``: the fewest
-  microbatches that keep the step's temporaries within ``cpu.allocator.MIMALLOC_REUSE_LIMIT`` on
-  CPU over mimalloc (``cpu.allocator.allocator``), 1 elsewhere. On CPU the compilations run inside
-  ``cpu.onednn.quiet_uncacheable`` (a step with oneDNN products cannot be cached).
+  A number is taken as given; "auto" is the backend's rule (``Backend.microbatches``: on CPU over
+  mimalloc the fewest microbatches that keep the step's temporaries within what it reuses, 1
+  elsewhere).
   """
-  quiet = onednn.quiet_uncacheable() if platform == "cpu" else contextlib.nullcontext()
-  with quiet:
-    if setting != "auto":
-      return setting, compile_step(setting)
-    return cpu_microbatches.resolve_auto(compile_step, batch_size, n_batch, platform=platform,
-                                         malloc=allocator.allocator())
+  return backend.microbatches(setting, compile_step, batch_size, n_batch)
 
 
-def jit_eval_step(eval_step: Callable, mesh: Mesh, params, rules: parallel.Rules = parallel.RULES):
-  """Compiles ``eval_step(params, batch)`` for ``mesh`` (parameters sharded as in training)."""
-  options = _compiler_options(mesh)
-  return onednn.hold(jax.jit(eval_step,
-                       in_shardings=(parallel.param_shardings(params, mesh, rules),
-                                     batch_sharding(mesh)),
-                       out_shardings=replicated(mesh), compiler_options=options), options)
-
-
-def _compiler_options(mesh: Mesh) -> dict | None:
-  return runtime.step_compiler_options(mesh.devices.flat[0].platform) or None
+def jit_eval_step(eval_step: Callable, mesh: Mesh, params, rules: parallel.Rules = parallel.RULES,
+                  *, backend: backends.Backend | None = None):
+  """Compiles ``eval_step(params, batch)`` for ``mesh`` (parameters sharded as in training), with
+  the backend's options (as ``jit_train_step``)."""
+  return mesh_backend(mesh, backend).jit_step(
+      eval_step, in_shardings=(parallel.param_shardings(params, mesh, rules),
+                               batch_sharding(mesh)),
+      out_shardings=replicated(mesh))
 
 
 def shard_batch(batch: dict[str, np.ndarray], mesh: Mesh, keys=None) -> dict[str, jax.Array]:

@@ -3,10 +3,10 @@ into pieces that XLA:CPU's matrix-vector kernel shares evenly over its threads.
 
 Decoding multiplies a few rows by every weight matrix once per token, so its speed is the rate at
 which the weights stream from memory; XLA:CPU streams a weight stored ``[out, in]`` faster when
-the product is written weight-first (``W @ x^T``). ``layers.Projection.decode_layout`` stores a
-kernel so (``out_in_kernel``, on CPU only) and its call multiplies it with ``project``;
-``ops.dispatch.choose_product`` sends a few rows of the tied embedding table to ``weight_first``
-on CPU only. Nothing here runs on a GPU or TPU.
+the product is written weight-first (``W @ x^T``). The CPU backend's ``decode_layout`` stores a
+projection kernel so (``out_in_kernel``) and its ``project`` multiplies it with ``project``; its
+``vocab_head`` sends a few rows of the tied embedding table to ``weight_first``. Nothing here runs
+on a GPU or TPU.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from transformer_jax.cpu import matmul
+from transformer_jax.backends.cpu import matmul
 
 # At most this many rows multiply weight-first (experiments/PERFORMANCE.md, "Decoding").
 SKINNY_ROWS = 64

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from transformer_jax.cpu import allocator as allocator_lib
-from transformer_jax.runtime import temp_bytes
+from transformer_jax.backends.compile import temp_bytes
+from transformer_jax.backends.cpu import allocator as allocator_lib
 
 
 def auto_microbatches(compile_step: Callable[[int], Any], batch_size: int, n_batch: int = 1, *,

@@ -1,4 +1,4 @@
-"""``ops.splash``, the Pallas TPU splash-attention kernel, against a float64 NumPy reference.
+"""``backends.splash``, the Pallas TPU splash-attention kernel, against a float64 NumPy reference.
 
 Off TPU the kernel runs in Pallas interpret mode: the same kernel body, block structure and custom
 backward (separate dq and dkv kernels), executed by XLA. The cases cross several 128-row blocks, so
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax.ops import splash
+from transformer_jax.backends import splash
 
 # Float32 kernel against float64: max |error| / max |reference| per array.
 TOL = 1e-5
@@ -151,17 +151,24 @@ def test_default_blocks_divide_the_lengths():
   assert splash._default_block(768, "S") == 384
 
 
-def test_supports():
-  assert splash.splash_supports(1024, 1024, 128, jnp.bfloat16)
-  assert splash.splash_supports(256, 512, 64, np.float32, causal=True, window=8)
-  assert not splash.splash_supports(1000, 1024, 128, jnp.float32)
-  assert not splash.splash_supports(1024, 1000, 128, jnp.float32)
-  assert not splash.splash_supports(1024, 1024, 128, jnp.float16)
-  assert not splash.splash_supports(1024, 1024, 128, jnp.int32)
-  assert not splash.splash_supports(512, 256, 128, jnp.float32, causal=True)
-  assert splash.splash_supports(512, 256, 128, jnp.float32)
-  assert not splash.splash_supports(512, 256, 128, jnp.float32, window=256)
-  assert splash.splash_supports(512, 256, 128, jnp.float32, window=257)
+@pytest.mark.parametrize("part,words", [
+    (dict(bias=jnp.zeros((1, 2, 256, 256))), "bias"), (dict(kv_valid=jnp.ones((1, 256), bool)),
+                                                       "kv_valid"),
+    (dict(q_positions=jnp.arange(256)), "q_positions"),
+    (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "attention dropout"),
+    (dict(return_weights=True), "return_weights")])
+def test_the_attention_entry_names_the_parts_splash_does_not_take(part, words):
+  q, k, v, _ = inputs(10, n=2, kh=2)
+  with pytest.raises(ValueError, match=f"implementation='splash' does not take {words}"):
+    splash.attention(q, k, v, causal=True, **part)
+
+
+def test_the_attention_entry_is_the_kernel_on_the_parts_it_takes():
+  q, k, v, _ = inputs(11, n=2, kh=2)
+  ids = jnp.asarray(np.repeat(np.array([[0, 1]]), 128, axis=1), jnp.int32)
+  np.testing.assert_array_equal(
+      np.asarray(splash.attention(q, k, v, causal=True, q_segment_ids=ids)),
+      np.asarray(splash.splash_attention(q, k, v, causal=True, q_segment_ids=ids)))
 
 
 def test_clear_errors():

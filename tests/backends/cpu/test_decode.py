@@ -1,5 +1,6 @@
-"""The decoding layout: projection kernels stored ``[out, in]`` and multiplied weight-first, the
-tied output projection weight-first for a few rows, and the per-params reuse of the split layers."""
+"""The CPU backend's decoding layout (``backends.cpu.decode``): projection kernels stored
+``[out, in]`` and multiplied weight-first, the tied output projection weight-first for a few rows,
+and the per-params reuse of the split layers."""
 
 import gc
 import glob
@@ -12,16 +13,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from transformer_jax import generate
-from transformer_jax.cpu import decode as cpu_decode
-from transformer_jax.cpu import matmul
-from transformer_jax.cpu.decode import SKINNY_ROWS, OutInKernel, OutInPieces
+from transformer_jax import backends, generate
+from transformer_jax.backends import CpuBackend
+from transformer_jax.backends.cpu import decode as cpu_decode
+from transformer_jax.backends.cpu import matmul
+from transformer_jax.backends.cpu.decode import SKINNY_ROWS, OutInKernel, OutInPieces
 from transformer_jax.generate import decode
 from transformer_jax.generate.commands import stream_generate
 from transformer_jax.layers.dense import Embed, Projection
 from tests.backends import only_on
 from tests.generate.conftest import gpt_model, naive_greedy, random_prompts
-from tests.ops.test_linear import _dots, assert_bf16_dots_in_library_kernel
+from tests.backends.cpu.test_matmul import _dots, assert_bf16_dots_in_library_kernel
 
 # Every einsum form the models' projections use: (einsum, x shape, kernel shape, bias shape).
 FORMS = [
@@ -33,14 +35,21 @@ FORMS = [
 ]
 
 
-def projection(einsum, kernel_shape, bias_shape):
+def projection(einsum, kernel_shape, bias_shape, dtype=jnp.float32, backend=None):
   proj = Projection(einsum, kernel_shape, ("embed",) * len(kernel_shape),
                     bias_shape=bias_shape, bias_axes=None if bias_shape is None else
-                    ("embed",) * len(bias_shape), init_std=1.0, dtype=jnp.float32,
-                    param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+                    ("embed",) * len(bias_shape), init_std=1.0, dtype=dtype,
+                    param_dtype=jnp.float32, rngs=nnx.Rngs(0),
+                    backend=backend or CpuBackend())
   if bias_shape is not None:
     proj.bias[...] = jax.random.normal(jax.random.key(1), bias_shape)
   return proj
+
+
+def in_decode_layout(proj: Projection, threads: int | None = None) -> None:
+  """``proj``'s kernel replaced by its backend's decoding layout (as ``Stack.split_layers``)."""
+  proj.kernel = proj.backend.decode_layout(proj.kernel, n_in=proj.contracted_dims(),
+                                           dtype=proj.dtype, threads=threads)
 
 
 @only_on("cpu", "the decoding layout (XLA:CPU's matrix-vector products)")
@@ -53,24 +62,27 @@ def test_decode_layout_projection_equals_float64_reference(einsum, x_shape, kern
   want = np.einsum(einsum, x.astype(np.float64), kernel)
   if bias_shape is not None:
     want = want + np.asarray(proj.bias[...], np.float64)
-  proj.decode_layout()
-  assert isinstance(proj.kernel, OutInKernel)
+  in_decode_layout(proj)
+  assert isinstance(proj.kernel, OutInKernel) and proj.backend.in_decode_layout(proj.kernel)
   x_letters, k_letters = einsum.split("->")[0].split(",")
   n_in = sum(c in x_letters for c in k_letters)
   # [in..., out...] -> [out..., in...]
   chex.assert_shape(proj.kernel[...], (*kernel_shape[n_in:], *kernel_shape[:n_in]))
   got = jax.jit(lambda x: proj(x))(x)
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
-  proj.decode_layout()  # a second call leaves the layout as it is
+  kernel = proj.kernel
+  in_decode_layout(proj)  # a second call leaves the layout as it is
+  assert proj.kernel is kernel
   np.testing.assert_allclose(np.asarray(proj(x)), want, rtol=1e-5, atol=1e-5)
 
 
-def test_decode_layout_does_nothing_off_cpu(monkeypatch):
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
+def test_decode_layout_is_the_cpu_backends_alone(platform):
   einsum, _, kernel_shape, bias_shape = FORMS[0]
-  proj = projection(einsum, kernel_shape, bias_shape)
-  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  proj.decode_layout()
-  assert type(proj.kernel) is nnx.Param and not proj.in_decode_layout()
+  backend = backends.for_platform(platform)
+  proj = projection(einsum, kernel_shape, bias_shape, backend=backend)
+  in_decode_layout(proj)
+  assert type(proj.kernel) is nnx.Param and not backend.in_decode_layout(proj.kernel)
 
 
 @pytest.mark.parametrize("rows", [(1, 1), (8, 1), (2, 32), (4, 20)])  # the last is over SKINNY_ROWS
@@ -217,7 +229,7 @@ def test_decode_layout_in_pieces_equals_float64_reference(einsum, x_shape, kerne
   want = np.einsum(einsum, x.astype(np.float64), np.asarray(proj.kernel[...], np.float64))
   if bias_shape is not None:
     want = want + np.asarray(proj.bias[...], np.float64)
-  proj.decode_layout(threads=2)
+  in_decode_layout(proj, threads=2)
   assert isinstance(proj.kernel, OutInPieces)
   pieces = proj.kernel.get_value()
   assert len(pieces) == 3
@@ -229,13 +241,13 @@ def test_decode_layout_in_pieces_equals_float64_reference(einsum, x_shape, kerne
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
   # The pieces cut the outputs, not the sums: the same bits as the whole kernel.
   whole = projection(einsum, kernel_shape, bias_shape)
-  whole.decode_layout(threads=1)
+  in_decode_layout(whole, threads=1)
   assert type(whole.kernel) is OutInKernel
   np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(lambda x: whole(x))(x)))
   # bfloat16 compute keeps one kernel: the pieces are for XLA:CPU's float32 kernel
   proj16 = projection(einsum, kernel_shape, bias_shape)
   proj16.dtype = jnp.bfloat16
-  proj16.decode_layout(threads=2)
+  in_decode_layout(proj16, threads=2)
   assert type(proj16.kernel) is OutInKernel
 
 

@@ -1,15 +1,18 @@
-"""The "cudnn" attention kernel (cuDNN's fused attention through ``jax.nn.dot_product_attention``)
-against the float64 NumPy reference of ``test_chunked_attention.py``, and whole models with
-``attention_impl="cudnn"`` against ``"xla"``.
+"""The "cudnn" attention kernel (``backends.cudnn``: cuDNN's fused attention through
+``jax.nn.dot_product_attention``) against the float64 NumPy reference of
+``tests/ops/test_chunked_attention.py``, and whole models with ``attention_impl="cudnn"`` against
+``"xla"``.
 
-They need an NVIDIA GPU: elsewhere the kernel does not exist, and ``test_chunked_attention.py``
-checks the error that says so. What this file checks is the translation of our mask parts (causal,
-window, key lengths, segment ids, position biases) into cuDNN's arguments, forward and backward.
+The numbers need an NVIDIA GPU: elsewhere the kernel does not exist, and
+``test_off_a_gpu_the_kernel_is_refused_by_name`` checks the error that says so. What this file
+checks is the translation of our mask parts (causal, window, key lengths, segment ids, position
+biases) into cuDNN's arguments, forward and backward, and the kernel table's packed segments.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -18,12 +21,12 @@ import pytest
 from flax import nnx
 
 from transformer_jax import models, ops
-from transformer_jax.ops import attention, dispatch
+from transformer_jax.backends import cudnn
+from tests.backends import only_on
 from tests.models.conftest import VOCAB, forward, params_for, tiny
 from tests.ops.test_chunked_attention import assert_close, inputs, reference, valid_mask
 
-pytestmark = pytest.mark.skipif(
-    jax.default_backend() != "gpu", reason="cuDNN's fused attention runs on NVIDIA GPUs only")
+on_gpu = only_on("gpu", "cuDNN's fused attention")
 
 # bfloat16 inputs and output, bfloat16 probabilities inside cuDNN's second product: max |error| /
 # max |reference| per array, against float64 on the same (rounded) inputs.
@@ -34,7 +37,7 @@ B, T, N, H = 2, 64, 4, 32
 def _grads(q, k, v, do, bias=None, **kw):
   """``out`` and the gradients of ``sum(out * do)`` wrt q, k, v (and the dense bias)."""
   def loss(q, k, v, bias):
-    out = ops.dot_product_attention(q, k, v, bias=bias, implementation="cudnn", **kw)
+    out = cudnn.attention(q, k, v, bias=bias, **kw)
     return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32)), out
   argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
   grads, out = jax.grad(loss, argnums=argnums, has_aux=True)(q, k, v, bias)
@@ -51,6 +54,30 @@ CASES = {
 }
 
 
+def test_off_a_gpu_the_kernel_is_refused_by_name():
+  if jax.default_backend() == "gpu":
+    pytest.skip("the kernel exists here")
+  q, k, v, _ = inputs(16, t=9, s=9)
+  with pytest.raises(ValueError, match=f"needs an NVIDIA GPU.*{jax.default_backend()}"):
+    cudnn.attention(q, k, v)
+
+
+def test_packed_segments_only_where_the_table_asks():
+  q = kk = jax.ShapeDtypeStruct((4, 1024, 12, 64), jnp.bfloat16)
+  packed = functools.partial(cudnn.packed_segments, window=None, bias=False, mask=False,
+                             kv_valid=False, q_positions=False, kv_segment_ids=False)
+  assert packed(q, kk, table_segments=0) == 0   # off by default: the mask
+  assert packed(q, kk, table_segments=16) == 16
+  # Another mask part, separate key segment ids, cross-attention or GQA: the mask.
+  for part in ("bias", "mask", "kv_valid", "q_positions", "kv_segment_ids"):
+    assert packed(q, kk, table_segments=16, **{part: True}) == 0, part
+  assert packed(q, kk, table_segments=16, window=256) == 0
+  assert packed(q, jax.ShapeDtypeStruct((4, 512, 12, 64), jnp.bfloat16), table_segments=16) == 0
+  assert packed(q, jax.ShapeDtypeStruct((4, 1024, 4, 64), jnp.bfloat16), table_segments=16) == 0
+  assert packed(q, kk, table_segments=1) == 0   # one run per row is no packing
+
+
+@on_gpu
 @pytest.mark.parametrize("kh", [4, 2], ids=["mha", "gqa"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_float64_reference(case, kh):
@@ -70,17 +97,18 @@ def test_matches_float64_reference(case, kh):
     assert_close(a, e, TOL, f"{case} {name}")
 
 
+@on_gpu
 def test_traced_key_padding_goes_in_as_a_mask():
   # Under jit the padding is a tracer, not known to be a prefix: it becomes a dense mask.
   q, k, v, do = inputs(1, b=B, t=T, s=T, n=N, kh=N, h=H, dtype=jnp.bfloat16)
   kv_valid = np.ones((B, T), bool)
   kv_valid[1, ::3] = False   # not a prefix
-  out = jax.jit(lambda q, k, v, m: ops.dot_product_attention(
-      q, k, v, kv_valid=m, implementation="cudnn"))(q, k, v, kv_valid)
+  out = jax.jit(lambda q, k, v, m: cudnn.attention(q, k, v, kv_valid=m))(q, k, v, kv_valid)
   ref = reference(q, k, v, do, valid=valid_mask(B, T, T, kv_valid=kv_valid))
   assert_close(out, ref[0], TOL, "out")
 
 
+@on_gpu
 def test_dense_bias_and_its_gradient():
   q, k, v, do = inputs(2, b=B, t=T, s=T, n=N, kh=N, h=H, dtype=jnp.bfloat16)
   bias = jnp.asarray(np.random.default_rng(3).standard_normal((1, N, T, T)), jnp.bfloat16)
@@ -91,10 +119,11 @@ def test_dense_bias_and_its_gradient():
   assert_close(dbias, ref[4].sum(0, keepdims=True), TOL, "dbias")
 
 
+@on_gpu
 def test_float32_inputs_get_a_clear_error():
   q, k, v, _ = inputs(4, b=B, t=T, s=T, n=N, kh=N, h=H, dtype=jnp.float32)
   with pytest.raises(ValueError, match="implementation='cudnn'.*q.dtype=float32.*bfloat16"):
-    ops.dot_product_attention(q, k, v, implementation="cudnn")
+    cudnn.attention(q, k, v)
 
 
 # Packed documents, B=2 rows of T=64: runs that fit in 4 packed sequences per row (with a padding
@@ -106,22 +135,23 @@ PACKED = {
 }
 
 
+@on_gpu
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 @pytest.mark.parametrize("case", list(PACKED))
-def test_packed_segments_match_float64_reference(monkeypatch, case, causal):
-  # With CUDNN_PACKED_SEGMENTS the runs that fit go in as packed sequences, the others as the
-  # mask: both give segment-masked attention.
-  monkeypatch.setattr(dispatch, "CUDNN_PACKED_SEGMENTS", 4)
+def test_packed_segments_match_float64_reference(case, causal):
+  # With the table's cudnn_packed_segments the runs that fit go in as packed sequences, the
+  # others as the mask: both give segment-masked attention.
   ids = PACKED[case].astype(np.int32)
   q, k, v, do = inputs(5, b=B, t=T, s=T, n=N, kh=N, h=H, dtype=jnp.bfloat16)
-  out, grads = jax.jit(lambda q, k, v, do, ids: _grads(q, k, v, do, causal=causal,
-                                                       q_segment_ids=ids))(q, k, v, do, ids)
+  out, grads = jax.jit(lambda q, k, v, do, ids: _grads(
+      q, k, v, do, causal=causal, q_segment_ids=ids, table_segments=4))(q, k, v, do, ids)
   ref = reference(q, k, v, do, valid=valid_mask(B, T, T, causal=causal, q_seg=ids, kv_seg=ids))
   for name, a, e in zip(("out", "dq", "dk", "dv"), (out, *grads), ref):
     assert_close(a, e, TOL, f"{case} {name}")
 
 
-@pytest.mark.skipif(jax.default_backend() == "gpu" and not attention._cudnn_ragged_layout(),  # noqa: SLF001
+@on_gpu
+@pytest.mark.skipif(jax.default_backend() == "gpu" and not cudnn.ragged_layout(),
                     reason="cuDNN's packed-sequence layout needs a Hopper or later GPU")
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 def test_packed_kernel_itself_matches_float64_reference(causal):
@@ -133,8 +163,8 @@ def test_packed_kernel_itself_matches_float64_reference(causal):
   q, k, v, do = inputs(6, b=B, t=T, s=T, n=N, kh=N, h=H, dtype=jnp.bfloat16)
 
   def loss(q, k, v):
-    out = attention._cudnn_packed(q, k, v, lengths_BM=lengths, starts_BM1=starts,  # noqa: SLF001
-                                  causal=causal, scale=H ** -0.5)
+    out = cudnn.packed_attention(q, k, v, lengths_BM=lengths, starts_BM1=starts, causal=causal,
+                                 scale=H ** -0.5)
     return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32)), out
   grads, out = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
   ref = reference(q, k, v, do, valid=valid_mask(B, T, T, causal=causal, q_seg=ids, kv_seg=ids))
@@ -162,6 +192,7 @@ def _loss_and_grads(name, impl, dtype):
   return jax.jit(jax.value_and_grad(loss_fn))(params_for(tiny(name)), tokens)
 
 
+@on_gpu
 @pytest.mark.parametrize(
     "name", ["gpt2-tiny", "llama-tiny", "gpt-alibi-tiny", "bert-tiny", "transformer-tiny",
              "t5-tiny"])

@@ -5,9 +5,9 @@ XLA:CPU runs a bfloat16 dot on the CPU's bfloat16 units (AVX-512 BF16, AMX; thro
 when its result is float32, its left operand is row-major ``[m, k]`` and its right one ``[k, n]``
 or ``[n, k]``; any other dot is upcast to float32 first (XLA's ``operand_upcaster``). Autodiff of
 ``x @ W`` gives ``x^T @ dy``, whose left operand is transposed, so ``matmul`` writes its backward
-out, with ``x^T`` copied row-major in the forward (``transposed``). The core reaches these
-functions through ``ops.dispatch.choose_product``, which picks them where
-``bf16_products_native`` holds: they are never chosen on a GPU or TPU.
+out, with ``x^T`` copied row-major in the forward (``transposed``). The CPU backend
+(``backends.cpu.backend``) computes bfloat16 projections with ``matmul`` on a CPU with bf16 units;
+nothing else reaches them.
 """
 
 from __future__ import annotations

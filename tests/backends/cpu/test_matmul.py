@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax.cpu import matmul
+from transformer_jax.backends.cpu import matmul
 from tests.backends import only_on
 
 BF16_EPS = 2.0**-8   # bfloat16's unit roundoff

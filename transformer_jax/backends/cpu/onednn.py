@@ -1,8 +1,8 @@
 """oneDNN for the train and eval steps' matrix products on XLA:CPU, and what that costs.
 
 ``step_options(platform)`` gives the compile options (``ONEDNN_DOTS``) that hand each matrix
-product of a program, one at a time, to oneDNN; ``runtime.step_compiler_options`` takes them for
-"cpu". Two jaxlib limits come with them:
+product of a program, one at a time, to oneDNN; the CPU backend's ``step_compiler_options`` takes
+them. Two jaxlib limits come with them:
 
 * a program with oneDNN products cannot be serialized, so the persistent compilation cache cannot
   keep it and JAX warns at each failed write

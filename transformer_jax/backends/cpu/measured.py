@@ -52,13 +52,13 @@ EPYC_ZEN5 = CpuKind("AMD EPYC Zen 5", "AMD EPYC", 26, None, flags=("avx512f", "a
 
 # rule -> the CPU kinds whose measurements chose it.
 MEASURED_ON: dict[str, tuple[CpuKind, ...]] = {
-    # cpu.onednn.ONEDNN_DOTS in the train and eval steps (and cpu.onednn.hold, which they need).
+    # onednn.ONEDNN_DOTS in the train and eval steps (and onednn.hold, which they need).
     "onednn_step_products": (EPYC_ZEN4,),
-    # the tjax launcher's mimalloc (cpu.allocator), and its reuse limit behind scratch_notice.
+    # the tjax launcher's mimalloc (allocator), and its reuse limit behind scratch_notice.
     "mimalloc": (EPYC_AVX2, EPYC_ZEN4, EPYC_ZEN5),
-    # cpu.poll.cpu_poll around decoding.
+    # poll.cpu_poll around decoding.
     "cpu_poll": (EPYC_ZEN5,),
-    # cpu.microbatches.auto_microbatches (train.microbatches: auto).
+    # microbatches.auto_microbatches (train.microbatches: auto).
     "auto_microbatches": (EPYC_ZEN4,),
 }
 

@@ -1,6 +1,10 @@
 """Splash attention: JAX's Pallas TPU kernel (``jax.experimental.pallas.ops.tpu.splash_attention``)
 behind the project's ``[B, T, N, H]`` layout.
 
+``attention`` is the backends' entry (the mask parts of ``ops.dot_product_attention``, refusing the
+ones splash does not take); ``backends.per_device`` gives each device its rows and heads.
+``ops.dispatch.splash_supports`` says which sizes it takes.
+
 Shape letters as in ``ops.attention``: B batch, T query length, S key/value length, N query heads,
 K key/value heads, G = N // K query heads per key/value head, H head dim.
 
@@ -28,11 +32,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# The kernel's lane width (``NUM_LANES`` in splash_attention_kernel.py): key/value blocks must be
-# multiples of it (``bkv_compute % NUM_LANES`` in the forward, ``bkv % NUM_LANES`` in the dq
-# kernel), and so must query blocks where segment ids are transposed into lanes (the dkv kernel)
-# and the per-row log-sum-exp blocks ``[8, block_q]`` of the backward on a TPU.
-LANES = 128
+from transformer_jax.ops import attention as attention_ops
+from transformer_jax.ops.attention import check_qkv
+from transformer_jax.ops.dispatch import LANES, empty_rows, splash_supports
+
 # Largest block (query rows or keys) that the default block sizes use.
 DEFAULT_BLOCK = 512
 
@@ -50,41 +53,6 @@ def _splash_modules() -> tuple[Any, Any]:
         f"splash attention needs {_KERNEL_MODULE} and {_MASK_MODULE}, which failed to import with "
         f"jax {jax.__version__} ({type(e).__name__}: {e}); use implementation='chunked' or 'xla'"
     ) from e
-
-
-def _empty_rows(t: int, s: int, causal: bool, window: int | None) -> bool:
-  """Whether causal / window leave some query (at ``S - T + i``) without any key."""
-  if causal:
-    return t > s
-  return window is not None and t - s >= window
-
-
-def splash_supports(t: int, s: int, h: int, dtype, *, causal: bool = False,
-                    window: int | None = None) -> bool:
-  """Whether ``splash_attention`` takes these sizes with its default block sizes.
-
-  Args:
-    t: query length T.
-    s: key/value length S.
-    h: head dim H.
-    dtype: dtype of q, k and v.
-    causal: as ``splash_attention``'s ``causal``.
-    window: as ``splash_attention``'s ``window``.
-
-  Returns:
-    True when T and S are positive multiples of 128 (every block is; see ``LANES``), H is positive
-    (the kernel pads a head dim that is not a multiple of 128 to one), the dtype is float32 or
-    bfloat16, and causal / window leave every query at least one key (they do when ``T <= S``;
-    splash gives no defined output for a query without keys).
-  """
-  if t <= 0 or s <= 0 or t % LANES or s % LANES or h <= 0:
-    return False
-  try:
-    if np.dtype(dtype) not in _DTYPES:
-      return False
-  except TypeError:
-    return False
-  return not _empty_rows(t, s, causal, window)
 
 
 def _default_block(length: int, name: str) -> int:
@@ -209,8 +177,6 @@ def splash_attention(q, k, v, *, causal: bool = False, window: int | None = None
       TPU.
     ImportError: when the Pallas splash-attention modules do not import.
   """
-  from transformer_jax.ops.attention import check_qkv  # noqa: PLC0415 - it imports this lazily
-
   check_qkv(q, k, v)
   (b, t, n, h), s = q.shape, k.shape[1]
   if np.dtype(q.dtype) not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -219,7 +185,7 @@ def splash_attention(q, k, v, *, causal: bool = False, window: int | None = None
         f"q.dtype={q.dtype}, k.dtype={k.dtype}, v.dtype={v.dtype}")
   if window is not None and (not isinstance(window, (int, np.integer)) or window < 1):
     raise ValueError(f"window={window!r} must be an int >= 1")
-  if _empty_rows(t, s, causal, window):
+  if empty_rows(t, s, causal, window):
     raise ValueError(
         f"causal={causal}, window={window} with T={t} > S={s} leave queries without keys, which "
         "splash attention cannot give defined values for; use implementation='chunked' or 'xla'")
@@ -258,3 +224,32 @@ def splash_attention(q, k, v, *, causal: bool = False, window: int | None = None
   out_BNTH = jax.vmap(one_sequence, in_axes=(0, 0, 0, seg_axis, seg_axis))(
       q_BNTH, k_BKSH, v_BKSH, q_segment_ids, kv_segment_ids)
   return out_BNTH.transpose(0, 2, 1, 3)
+
+
+__all__ = ["LANES", "attention", "splash_attention", "splash_supports"]
+
+
+def attention(q, k, v, *, bias=None, mask=None, causal: bool = False, scale=None,
+              dropout_rate: float = 0.0, dropout_rng=None, return_weights: bool = False,
+              kv_valid=None, q_segment_ids=None, kv_segment_ids=None, window=None,
+              q_positions=None, bias_fn=None, **_) -> jax.Array:
+  """``ops.dot_product_attention``'s call through splash attention, which takes the causal,
+  window and segment-id parts only.
+
+  Raises:
+    ValueError: naming the parts splash does not take (a bias, a dense mask, key padding, query
+      positions, attention dropout, the weights), and for inputs ``ops.dot_product_attention``
+      refuses.
+  """
+  attention_ops.check_call(q, k, v, mask=mask, window=window, kv_valid=kv_valid,
+                           q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+  dropout = dropout_rate > 0.0 and dropout_rng is not None
+  unsupported = [name for name, given in (
+      ("bias", bias is not None or bias_fn is not None), ("mask", mask is not None),
+      ("kv_valid", kv_valid is not None), ("q_positions", q_positions is not None),
+      ("attention dropout", dropout), ("return_weights", return_weights)) if given]
+  if unsupported:
+    raise ValueError(f"implementation='splash' does not take {', '.join(unsupported)}: use "
+                     "'chunked' or 'xla'")
+  return splash_attention(q, k, v, causal=causal, window=window, q_segment_ids=q_segment_ids,
+                          kv_segment_ids=kv_segment_ids, scale=scale)

@@ -4,16 +4,17 @@ bfloat16 kernel.
 The math is ``ops.attention``'s heads-major core (the same forward, and its backward written out
 with FlashAttention's formulas on the dense weights); only the layouts differ. XLA:CPU's bfloat16
 kernel takes a batched product only with a row-major left operand contracted along its last dim
-and a float32 result (``cpu.matmul``). The heads-major operands are transposes of ``[B, T, N, H]``
+and a float32 result (``matmul``). The heads-major operands are transposes of ``[B, T, N, H]``
 that XLA makes free with a permuted layout, and two of the six products (``p^T dO``, ``dS^T q``)
 contract their left operand's rows: XLA upcasts those to float32. Here ``R = B * K`` is merged
-into one batch dim, every operand is a row-major copy (``cpu.matmul.transposed``, and the reshapes
+into one batch dim, every operand is a row-major copy (``matmul.transposed``, and the reshapes
 that merge ``B`` and ``K``), and the four products with a head-dim side (``p v``, ``dv``, ``dq``,
 ``dk``) are computed transposed (``v^T p^T`` and so on), the faster form of the kernel. The
 weights are kept in bfloat16, the dtype the products take.
 
-``ops.dispatch.choose_dense_core`` picks this core where ``rowmajor_core_takes`` the inputs: on
-CPU only. Letters as in ``ops/attention.py``; ``R = B * K`` and ``M = G * T`` query rows.
+The CPU backend (``CpuBackend.dense_core``) gives this core to the dense kernel where
+``rowmajor_core_takes`` the inputs. Letters as in ``ops/attention.py``; ``R = B * K`` and
+``M = G * T`` query rows.
 """
 
 from __future__ import annotations
@@ -25,20 +26,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax.cpu import matmul
+from transformer_jax.backends.cpu import matmul
 from transformer_jax.ops import residuals
 from transformer_jax.ops.chunked import output_delta
 from transformer_jax.ops.masks import MASK_VALUE, sum_to
 
 
-def rowmajor_core_takes(q, k, v) -> bool:
-  """Whether the row-major core takes these inputs: ``q``, ``k`` and ``v`` are bfloat16,
-  bfloat16 products run natively here (``matmul.bf16_products_native``), and the query rows
+def rowmajor_core_takes(q, k, v, *, bf16_units: bool) -> bool:
+  """Whether the row-major core takes these inputs: ``q``, ``k`` and ``v`` are bfloat16, the CPU
+  has bfloat16 units (``bf16_units``: its products run natively), and the query rows
   ``M = G * T`` and the key length ``S`` each have a ``matmul.small_factor`` (which the row-major
   copies split by). Reads shapes and dtypes only."""
   t, s = q.shape[1], k.shape[1]
   m = t * (q.shape[2] // k.shape[2])
-  return (q.dtype == k.dtype == v.dtype == jnp.bfloat16 and matmul.bf16_products_native(q.dtype)
+  return (q.dtype == k.dtype == v.dtype == jnp.bfloat16 and bf16_units
           and all(matmul.small_factor(d) is not None for d in (m, s)))
 
 
