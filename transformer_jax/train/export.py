@@ -89,7 +89,7 @@ def target(platform: str):
     if platform == "cuda":
       from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
-      from transformer_jax.ops import attention
+      from transformer_jax.backends import cudnn as cudnn_lib
       want = tuple(int(p) for p in CUDA_TARGET["compute_capability"].split("."))
       for obj, name, value in (
           (cudnn, "check_cudnn_version", lambda: CUDA_TARGET["cudnn"]),
@@ -97,7 +97,7 @@ def target(platform: str):
            lambda capability: tuple(map(int, str(capability).split("."))) <= want),
           (cudnn, "is_cuda_compute_capability_equal",
            lambda capability: tuple(map(int, str(capability).split("."))) == want),
-          (attention, "_cudnn_ragged_layout", lambda: True)):   # Hopper and later
+          (cudnn_lib, "ragged_layout", lambda: True)):   # Hopper and later
         saved.append((obj, name, getattr(obj, name)))
         setattr(obj, name, value)
     yield

@@ -182,7 +182,7 @@ def make_plan(exp: Experiment, *, purpose: Purpose = "train", force_new: bool = 
   task = tasks_lib.for_experiment(exp, model_config)
   mesh = mesh if mesh is not None else parallel.make_mesh(
       {a: getattr(exp.mesh, a) for a in parallel.AXES})
-  backend = backends.for_platform(_platform(mesh), exp.kernels)
+  backend = backends.for_platform(_platform(mesh, purpose), exp.kernels)
   if purpose == "train":
     backend.bf16_notice(model_config.dtype)
   parallel.check_config(model_config, mesh, batch_size=exp.train.batch_size,
@@ -406,12 +406,12 @@ def make_train_loader(plan: Plan):
   return loader
 
 
-def _platform(mesh) -> str:
-  """The platform of ``mesh``'s devices (an abstract mesh: the one JAX computes on)."""
-  devices = getattr(mesh, "devices", None)
-  if devices is None or not hasattr(devices, "flat"):
+def _platform(mesh, purpose: str) -> str:
+  """The platform the plan's kernels are chosen for: the one ``mesh``'s devices are on; an export's
+  is its target (what ``export.target`` makes JAX answer), whatever devices lower it."""
+  if purpose == "export":
     return backends.platform()
-  return devices.flat[0].platform
+  return mesh.devices.flat[0].platform
 
 
 def fixed_microbatches(t) -> int:
