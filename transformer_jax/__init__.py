@@ -8,8 +8,12 @@ __all__ = ["backends", "load_model", "load_run", "models", "ops", "parallel", "_
 
 
 def __getattr__(name: str):
-  """``load_run`` and ``load_model`` (``transformer_jax.runs``), imported on first use: the
-  checkpoint library loads only for a program that reads runs."""
+  """``load_run`` and ``load_model`` (``transformer_jax.runs``) and ``train`` (``tj.train.
+  make_step``), imported on first use: the checkpoint library loads only for a program that
+  reads runs or trains."""
+  if name == "train":
+    import importlib
+    return importlib.import_module("transformer_jax.train")
   if name in ("load_run", "load_model"):
     from transformer_jax import runs
     return getattr(runs, name)
