@@ -64,6 +64,18 @@ class Projection(nnx.Module):
     return y
 
 
+
+def to_decode_layout(module: nnx.Module, backend: backends.Backend) -> None:
+  """Puts every ``Projection`` kernel inside ``module`` in ``backend``'s decoding layout
+  (``Backend.decode_layout``; on CPU, XLA:CPU's matrix-vector products), in place: for a layer's
+  own copy of its parameters (``Stack.split_layers``)."""
+  for _, node in nnx.iter_graph(module):
+    if isinstance(node, Projection):
+      kernel = backend.decode_layout(node.kernel, n_in=node.contracted_dims(), dtype=node.dtype)
+      if kernel is not node.kernel:
+        node.kernel = kernel
+
+
 class Embed(nnx.Module):
   """A lookup table ``[V, D]``; ``attend`` reuses it as the (tied) output projection, the
   ``backend``'s vocabulary head (default ``backends.current()``)."""

@@ -27,7 +27,7 @@ from transformer_jax.ops import ssm as ssm_ops
 from transformer_jax.ops import ssm_pallas
 from transformer_jax.layers.cache import KVCache
 from transformer_jax.layers.common import ones, param, split_key, zeros
-from transformer_jax.layers.dense import Norm, Projection
+from transformer_jax.layers.dense import Norm, Projection, to_decode_layout
 from transformer_jax.layers.mlp import MLP
 from transformer_jax.parallel import axes as ax
 from transformer_jax.parallel.rules import ACTIVATION_BTD, constrain
@@ -525,11 +525,6 @@ class MixerStack(nnx.Module):
     for kind, j in self._order():
       graphdef, params = kinds[kind]
       block = nnx.merge(graphdef, jax.tree.map(functools.partial(lambda i, a: a[i], j), params))
-      for _, node in nnx.iter_graph(block):
-        if isinstance(node, Projection):
-          kernel = self.backend.decode_layout(node.kernel, n_in=node.contracted_dims(),
-                                              dtype=node.dtype)
-          if kernel is not node.kernel:
-            node.kernel = kernel
+      to_decode_layout(block, self.backend)
       out.append(nnx.state(block))
     return tuple(out)

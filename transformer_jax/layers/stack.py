@@ -18,7 +18,7 @@ from transformer_jax import backends
 from transformer_jax.layers.cache import KVCache
 from transformer_jax.layers.block import Block, BlockConfig
 from transformer_jax.layers import reversible as reversible_lib
-from transformer_jax.layers.dense import Projection
+from transformer_jax.layers.dense import to_decode_layout
 from transformer_jax.parallel import axes as ax
 from transformer_jax.parallel.rules import ACTIVATION_BTD, constrain
 
@@ -154,12 +154,7 @@ class Stack(nnx.Module):
     out = []
     for i in range(self.num_layers):
       block = nnx.merge(graphdef, jax.tree.map(lambda a: a[i], params))
-      for _, node in nnx.iter_graph(block):
-        if isinstance(node, Projection):
-          kernel = self.backend.decode_layout(node.kernel, n_in=node.contracted_dims(),
-                                              dtype=node.dtype)
-          if kernel is not node.kernel:
-            node.kernel = kernel
+      to_decode_layout(block, self.backend)
       out.append(nnx.state(block))
     return tuple(out)
 

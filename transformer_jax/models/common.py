@@ -38,6 +38,22 @@ def output_heads(config, *, dtype, param_dtype, rngs: nnx.Rngs, backend=None
   return lm_head, classifier
 
 
+def hidden_lm_loss(model, x_BTD: jax.Array, labels: jax.Array, weights: jax.Array, *,
+                   label_smoothing: float, z_loss: float) -> tuple[jax.Array, jax.Array]:
+  """The next-token loss of a decoder's final hidden states ``[B, T, D]`` through its output head
+  (``model.lm_head``, or the tied ``model.embed``) without the ``[B, T, V]`` logits: the model
+  backend's ``linear_cross_entropy``. ``(loss_sum, correct_sum)``, float32 scalars."""
+  b, t, d = x_BTD.shape
+  if model.lm_head is None:
+    w, layout = model.embed.embedding[...], "VD"
+  else:
+    w, layout = model.lm_head.kernel[...], "DV"
+  return model.backend.linear_cross_entropy(
+      x_BTD.reshape(b * t, d), w, labels.reshape(-1), weights.reshape(-1).astype(jnp.float32),
+      w_layout=layout, label_smoothing=label_smoothing, z_loss=z_loss,
+      dtype=jnp.dtype(model.config.dtype))
+
+
 def with_matmul_precision(method):
   """A model method whose dots, forward and backward, take the precision of the model's
   ``config.matmul_precision`` (``ops.precision.scope``) when it computes in float32 (the setting is

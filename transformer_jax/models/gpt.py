@@ -11,7 +11,7 @@ from jax.sharding import Mesh
 from transformer_jax import backends, ops
 from transformer_jax.layers import Embed, KVCache, LinearCache, Norm, Stack
 from transformer_jax.models.common import (
-    check_length, check_positions, check_same_shape, check_tokens, output_heads,
+    check_length, check_positions, check_same_shape, check_tokens, hidden_lm_loss, output_heads,
     with_matmul_precision)
 from transformer_jax.models.config import GPTConfig, unrolls_layers
 from transformer_jax.parallel import axes as ax
@@ -205,15 +205,8 @@ class GPT(nnx.Module):
       the tokens whose label has the largest logit.
     """
     x_BTD = self.hidden_states(tokens, positions, segment_ids, dropout_rng=dropout_rng)
-    b, t, d = x_BTD.shape
-    if self.lm_head is None:
-      w, layout = self.embed.embedding[...], "VD"
-    else:
-      w, layout = self.lm_head.kernel[...], "DV"
-    return self.backend.linear_cross_entropy(
-        x_BTD.reshape(b * t, d), w, labels.reshape(-1), weights.reshape(-1).astype(jnp.float32),
-        w_layout=layout, label_smoothing=label_smoothing, z_loss=z_loss,
-        dtype=jnp.dtype(self.config.dtype))
+    return hidden_lm_loss(self, x_BTD, labels, weights, label_smoothing=label_smoothing,
+                          z_loss=z_loss)
 
   @with_matmul_precision
   def logits(self, x_BTD: jax.Array) -> jax.Array:

@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 from transformer_jax import backends, ops
 from transformer_jax.layers import Embed, KVCache, MixerStack, Norm, Projection, SSMCache
 from transformer_jax.models.common import (
-    check_length, check_same_shape, check_tokens, with_matmul_precision)
+    check_length, check_same_shape, check_tokens, hidden_lm_loss, with_matmul_precision)
 from transformer_jax.models.config import MambaConfig, unrolls_layers
 from transformer_jax.parallel import axes as ax
 
@@ -114,15 +114,8 @@ class Mamba(nnx.Module):
     """The next-token loss without the ``[B, T, V]`` logits, as ``GPT.lm_loss``: ``(loss_sum,
     correct_sum)``, float32 scalars weighted by ``weights [B, T]``."""
     x_BTD = self.hidden_states(tokens, positions, segment_ids, dropout_rng=dropout_rng)
-    b, t, d = x_BTD.shape
-    if self.lm_head is None:
-      w, layout = self.embed.embedding[...], "VD"
-    else:
-      w, layout = self.lm_head.kernel[...], "DV"
-    return self.backend.linear_cross_entropy(
-        x_BTD.reshape(b * t, d), w, labels.reshape(-1), weights.reshape(-1).astype(jnp.float32),
-        w_layout=layout, label_smoothing=label_smoothing, z_loss=z_loss,
-        dtype=jnp.dtype(self.config.dtype))
+    return hidden_lm_loss(self, x_BTD, labels, weights, label_smoothing=label_smoothing,
+                          z_loss=z_loss)
 
   @staticmethod
   def init_cache(config: MambaConfig, batch_size: int, max_len: int,
