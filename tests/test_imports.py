@@ -70,3 +70,26 @@ def test_loading_a_run_is_a_library_call():
   assert tj.load_run is runs.load_run and tj.load_model is runs.load_model
   assert runs.load_run.__module__ == "transformer_jax.runs.load"
   assert commands.load_run is runs.load_run   # the older import path still works
+
+
+def test_the_library_does_not_import_the_benchmarks():
+  # The benchmarks sit on top of the library; only they and the command line import them.
+  found = []
+  for folder, _, files in os.walk(PACKAGE):
+    rel_folder = os.path.relpath(folder, PACKAGE).replace(os.sep, "/")
+    if rel_folder == "bench" or rel_folder.startswith("bench/"):
+      continue
+    for name in files:
+      rel = f"{rel_folder}/{name}".removeprefix("./")
+      if not name.endswith(".py") or rel == "cli.py":
+        continue
+      with open(os.path.join(folder, name)) as f:
+        tree = ast.parse(f.read())
+      for node in ast.walk(tree):
+        names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                 else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+        imported = [n for n in names if n.startswith("transformer_jax.bench")]
+        if isinstance(node, ast.ImportFrom) and node.module == "transformer_jax":
+          imported += [a.name for a in node.names if a.name == "bench"]
+        found += [f"transformer_jax/{rel}:{node.lineno}: {n}" for n in imported]
+  assert found == [], "the library imports the benchmarks:\n" + "\n".join(found)
