@@ -29,8 +29,8 @@ tour: $(STAMP)
 
 # tests/parallel run in their own process: they need 8 simulated devices from the start.
 test: $(STAMP)
-	$(PY) -m pytest tests -n 2 --ignore=tests/parallel
-	$(PY) -m pytest tests/parallel -n 2
+	$(PY) -m pytest tests -n 2 --dist worksteal --ignore=tests/parallel
+	$(PY) -m pytest tests/parallel -n 2 --dist worksteal
 
 clean:
 	rm -rf $(VENV) runs report

@@ -26,6 +26,7 @@ if "xla_gpu_deterministic_ops" not in os.environ["XLA_FLAGS"]:
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from transformer_jax.backends.cpu import onednn  # noqa: E402
 from transformer_jax.models import config as config_lib  # noqa: E402
 
 # Tests compare float32 results with float64 NumPy and with PyTorch. Left to JAX, NVIDIA GPUs compute
@@ -93,6 +94,36 @@ def reverse_dataset(tmp_path_factory):
   out = str(tmp_path_factory.mktemp("ds") / "reverse")
   data.prepare(["synthetic:reverse"], out, task="seq2seq", progress=False)
   return out
+
+
+def release_boundary(item, nextitem) -> bool:
+  """Whether the compiled programs are released after ``item``: the last test of its folder in
+  this process (``nextitem`` is in another folder, or there is none). The test modules of one
+  folder share their compiled functions (tests/models/conftest.py ``jit_forward``,
+  tests/conformance/harness.py): they keep them until the folder is done."""
+  return nextitem is None or nextitem.path.parent != item.path.parent
+
+
+def release_compiled_programs() -> None:
+  """Drops JAX's in-memory caches of traced and compiled programs (``jax.clear_caches``).
+
+  Why: an xdist worker runs half the suite in one process, and JAX keeps every program it compiled
+  (its compilation cache holds up to 2048 executables, the jit fast path 8192 call signatures, the
+  op-by-op cache one per primitive and shape): a folder of small tests leaves hundreds of MB
+  behind (tests/ops/test_chunked_attention.py alone about 200 MB), and over the whole suite both
+  workers grow by GiBs. First ``onednn.settle()``: a program with oneDNN products destroyed
+  just after a call aborts the process (``backends.cpu.onednn.hold``), and clearing destroys the
+  executables behind held ``jax.jit`` steps too (a held ``Compiled`` keeps its own).
+  """
+  onednn.settle()
+  jax.clear_caches()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+  """After the module fixtures of ``item`` are torn down: at a folder's end, the programs go."""
+  if release_boundary(item, nextitem):
+    release_compiled_programs()
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -198,7 +198,7 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(f"  layers {', '.join(map(str, m['layers']))}: {m['mixer']} mixer, {m['op']}: "
                  f"{m['detail']}; {m['conv']}")
   if report.get("attention"):
-    lines.append("  attention kernel per backend (ops.choose_implementation), one device's share:")
+    lines.append("  attention kernel per backend (Backend.choose_attention), one device's share:")
     for a in report["attention"]:
       kernels = ", ".join(f"{p} {k}" for p, k in a["kernels"].items())
       lines.append(f"    {a['attention']:<24s}[{', '.join(map(str, a['shape']))}] {a['dtype']}: "
