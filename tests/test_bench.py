@@ -189,6 +189,19 @@ def test_table_side_runs_the_lever_from_the_same_weights(tmp_path, capsys):
   assert "NO_SUCH is not one of" in capsys.readouterr().err
 
 
+@pytest.mark.slow   # about 20 s: the matmul limit and two compiled steps
+def test_library_side_is_the_readme_step_on_the_same_weights(tmp_path, capsys):
+  # train.make_step with Step.init(key(seed)): the weights ours draws from the same seed, the same
+  # optimizer and batch, so the same losses; its step time is set against ours.
+  r = _bench(tmp_path, "train", "--preset", "gpt2-tiny", "--batch-size", "2", "--seq-len", "16",
+             "--steps", "2", "--warmup", "0", "--against", "none", "--library")
+  assert r["library"]["losses"] == pytest.approx(r["ours"]["losses"], rel=1e-5)
+  assert r["library"]["microbatches"] == r["microbatches"]
+  assert r["library_vs_ours"] == pytest.approx(
+      r["library"]["step_s"]["median"] / r["ours"]["step_s"]["median"], rel=1e-9)
+  assert "library:" in capsys.readouterr().out
+
+
 def test_train_table_on_an_accelerator():
   from transformer_jax.bench.train import table
 

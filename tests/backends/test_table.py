@@ -80,16 +80,15 @@ def _tiny_experiment(path, run_dir, dataset, kernels=None):
 def _lowered_step(exp) -> str:
   """The text of the run's train step, lowered for its batch shapes (nothing compiled)."""
   from transformer_jax import parallel
-  from transformer_jax.train import plan as plan_lib
+  from transformer_jax.train import make_plan
   from transformer_jax.train import step as step_lib
 
-  run = plan_lib.Run.build(exp, prepare=False)
-  state = step_lib.abstract_state(run.model_config, run.optimizer, run.mesh)
-  sharding = parallel.batch_sharding(run.mesh)
+  plan = make_plan(exp, purpose="export")
+  state = plan.method.abstract_state(plan.optimizer, plan.mesh)
+  sharding = parallel.batch_sharding(plan.mesh)
   batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding)
-           for k, v in run.task.batch_shapes(exp.train.batch_size, exp.train.seq_len).items()}
-  step = step_lib.jit_train_step(plan_lib.make_step(exp, run.graphdef, run.task, run.optimizer),
-                                 run.mesh, state, backend=run.backend)
+           for k, v in plan.task.batch_shapes(exp.train.batch_size, exp.train.seq_len).items()}
+  step = step_lib.jit_train_step(plan.train_step(), plan.mesh, state, backend=plan.backend)
   return step.lower(state, batch).as_text()
 
 

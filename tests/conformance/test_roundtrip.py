@@ -15,7 +15,6 @@ from tests.conformance.kinds import ENCODER, KINDS, SEQ2SEQ
 from transformer_jax import models, runs
 from transformer_jax.train import load_experiment
 from transformer_jax.train.config import fixed_changes
-from transformer_jax.train.resume import stored_experiment
 
 HF = [k for k in KINDS if k.hf_class is not None]
 
@@ -67,5 +66,5 @@ def test_a_run_directory_gives_back_the_model_and_accepts_its_resume(kind, tmp_p
   raw = _experiment(kind, run_dir, tmp_path / "data")
   stored = yaml.safe_load(yaml.safe_dump(load_experiment(None, raw=raw).absolute().to_dict()))
   assert load_experiment(None, raw=raw).model_config() == config
-  assert fixed_changes(stored_experiment(stored, runs.RunDir(str(run_dir))).to_dict(),
+  assert fixed_changes(load_experiment(None, raw=stored).absolute().to_dict(),
                        load_experiment(None, raw=raw).absolute().to_dict()) == []

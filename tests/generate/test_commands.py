@@ -17,7 +17,7 @@ from flax import nnx
 from transformer_jax import cli, data, generate, models
 from transformer_jax.backends.cpu import poll
 from transformer_jax.generate import commands
-from transformer_jax.runs import save_model
+from transformer_jax.runs import load_run, save_model
 from tests.generate.conftest import gpt_model, last_logits, random_prompts
 from tests.backends.cpu.test_poll import _fds_on
 
@@ -69,7 +69,7 @@ def tjax(capsys, *argv):
 
 @functools.lru_cache(maxsize=None)
 def restored(run_dir):
-  config, params, tok = commands.load_run(run_dir)
+  config, params, tok = load_run(run_dir)
   return config, params, tok
 
 

@@ -13,6 +13,7 @@ import yaml
 from transformer_jax import models, parallel
 from transformer_jax.train import load_experiment
 from transformer_jax.train import dry_run as dry
+from transformer_jax.train import make_plan
 from transformer_jax.train import step as step_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -94,9 +95,10 @@ def test_dry_run_takes_the_vocabulary_of_a_prepared_dataset(tmp_path, text_datas
   """The README's dry run after the demo: data.path holds a prepared dataset."""
   from transformer_jax import data
   exp = load_experiment(_config(tmp_path, {"data": 8}), [f"data.path={text_dataset}"])
-  config, note = dry._model_config(exp)
+  plan = make_plan(exp, purpose="dry_run")
   vocab = data.load_dataset(text_dataset).vocab_size
-  assert config.vocab_size == vocab and f"vocabulary {vocab} from {text_dataset}" == note
+  assert plan.model_config.vocab_size == vocab
+  assert f"vocabulary {vocab} from {text_dataset}" == plan.vocab_note
 
 
 @pytest.mark.parametrize("devices", [0, -2, 2049, 100000])
@@ -124,27 +126,27 @@ def test_devices_without_dry_run_is_refused(tmp_path):
 def test_dry_run_names_linear_attention_for_a_linear_model():
   config = models.get_config("gpt2-tiny", attention_kind="linear", linear_decay=0.5,
                              linear_chunk=32)
-  (row,) = dry.attention_kernels(config, {"data": 1}, 8, 64, "gpt")
+  (row,) = dry.attention_kernels(config, {"data": 1}, 8, 64, packed=True)
   assert row["attention"] == "self-attention"
   assert set(row["kernels"].values()) == {"linear (chunks of 32, decay 0.5)"}
 
 
 def test_dry_run_names_the_kernel_a_config_forces():
   config = models.get_config("gpt2-tiny", attention_impl="chunked")
-  (row,) = dry.attention_kernels(config, {"data": 1}, 8, 64, "gpt")
+  (row,) = dry.attention_kernels(config, {"data": 1}, 8, 64, packed=True)
   assert set(row["kernels"].values()) == {"chunked"}
 
 
 def test_the_dry_run_plans_a_model_larger_than_this_machine(tmp_path, monkeypatch):
   """A pod's model need not fit the laptop that plans it: the host-memory check is a real run's."""
   from transformer_jax import hardware
-  from transformer_jax.train import plan
   monkeypatch.setattr(hardware, "host_memory_available", lambda: 2**10)
   exp = load_experiment(_config(tmp_path, {"fsdp": 8}))
-  task, mesh, _ = plan.plan(exp, exp.model_config())
-  assert dict(mesh.shape)["fsdp"] == 8 and task.name == "gpt"
+  plan = make_plan(exp, purpose="dry_run")
+  assert dict(plan.mesh.shape)["fsdp"] == 8 and plan.task.name == "gpt"
   with pytest.raises(ValueError, match="more than the 0.0 GiB of memory this machine has free"):
-    plan.preflight(exp)
+    make_plan(exp)
+  assert not os.path.exists(exp.run_dir)
 
 
 def test_a_dry_run_over_an_existing_run_refuses_another_model(tmp_path):
@@ -155,8 +157,8 @@ def test_a_dry_run_over_an_existing_run_refuses_another_model(tmp_path):
   runs.save_model(exp.run_dir, stored, models.init(stored, jax.random.key(0)))
   rd = runs.RunDir(exp.run_dir)
   runs.write_atomic(rd.file(runs.CONFIG), yaml.safe_dump(exp.to_dict()))
-  assert dry._model_config(exp)[0] == stored
+  assert make_plan(exp, purpose="dry_run").model_config == stored
   changed = load_experiment(_config(tmp_path, {"data": 8}), ["model.attention_kind=linear"])
-  with pytest.raises(ValueError, match=r"holds a run with another model \(model\.attention_kind: "
-                     r"'softmax' -> 'linear'\)"):
-    dry._model_config(changed)
+  with pytest.raises(ValueError, match=r"holds a run with another model or data \(model\."
+                     r"attention_kind: 'softmax' -> 'linear'\); a run would refuse it"):
+    make_plan(changed, purpose="dry_run")

@@ -23,7 +23,7 @@ from transformer_jax.parallel import distributed
 from transformer_jax.train import load_experiment
 from transformer_jax.train import step as step_lib
 from transformer_jax.train import tasks as tasks_lib
-from transformer_jax.train import trainer
+from transformer_jax.train import plan
 from transformer_jax.runs import Checkpoints
 from transformer_jax.train.optim import make_optimizer
 
@@ -194,7 +194,7 @@ def _check_restore_and_one_step_matches_the_continued_run(run_dir):
                                                    opt_state=opt_state), mesh)
   train_step = step_lib.jit_train_step(
       step_lib.make_train_step(models.graphdef(config), task, optimizer, seed=t.seed,
-                               microbatches=trainer.fixed_microbatches(t),
+                               microbatches=plan.fixed_microbatches(t),
                                label_smoothing=t.label_smoothing,
                                z_loss=t.z_loss), mesh, state)
   loader = data.GPTLoader(data.load_dataset(exp.data.path), batch_size=t.batch_size,

@@ -1,6 +1,6 @@
 """The trainer's own pieces on 8 devices: data parallelism equals one device.
 
-``trainer.Run`` (dataset, loader, the experiment's optimizer), dropout and gradient accumulation
+The run's plan (dataset, loader, the experiment's optimizer), dropout and gradient accumulation
 (``train.microbatches``), one device against all 8 on a ``data`` mesh, for each task.
 """
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from transformer_jax import models, parallel
-from transformer_jax.train import load_experiment, trainer
+from transformer_jax.train import load_experiment, make_plan
 from transformer_jax.train import step as step_lib
 
 MODELS = {
@@ -20,18 +20,18 @@ MODELS = {
 }
 
 
-def _train(exp, run, devices, steps=4):
+def _train(exp, plan, devices, steps=4):
   """Losses of ``steps`` steps and the sum of |params| after them, on a data mesh of ``devices``."""
   mesh = parallel.make_mesh({"data": -1}, devices)
-  loader = trainer.make_train_loader(exp, run.dataset)
-  params = models.init(run.model_config, jax.random.key(0))
-  state = jax.device_put(step_lib.create_state(params, run.optimizer), step_lib.replicated(mesh))
-  graphdef = models.graphdef(run.model_config, mesh)  # the layers run on this mesh
+  loader = plan.loader
+  params = models.init(plan.model_config, jax.random.key(0))
+  state = jax.device_put(step_lib.create_state(params, plan.optimizer), step_lib.replicated(mesh))
+  graphdef = models.graphdef(plan.model_config, mesh)  # the layers run on this mesh
   step = step_lib.jit_train_step(step_lib.make_train_step(
-      graphdef, run.task, run.optimizer, seed=0, microbatches=exp.train.microbatches), mesh, state)
+      graphdef, plan.task, plan.optimizer, seed=0, microbatches=exp.train.microbatches), mesh, state)
   losses = []
   for s in range(steps):
-    state, m = step(state, step_lib.shard_batch(loader.batch_at(s), mesh, run.task.keys))
+    state, m = step(state, step_lib.shard_batch(loader.batch_at(s), mesh, plan.task.keys))
     losses.append(float(m["loss"]))
   param_sum = float(sum(np.abs(np.asarray(x)).sum() for x in jax.tree.leaves(state.params)))
   return np.array(losses), param_sum
@@ -45,9 +45,9 @@ def test_data_parallel_on_8_devices_equals_one_device(tmp_path, text_dataset, re
       "run_dir": str(tmp_path / "r"), "model": MODELS[task], "data": {"path": dataset, "task": task},
       "train": {"batch_size": 16, "seq_len": 32, "lr": 3e-3, "warmup_steps": 1,
                 "microbatches": 2}})
-  run = trainer.Run.build(exp)
-  one_losses, one_sum = _train(exp, run, jax.devices()[:1])
-  eight_losses, eight_sum = _train(exp, run, jax.devices())
+  plan = make_plan(exp)
+  one_losses, one_sum = _train(exp, plan, jax.devices()[:1])
+  eight_losses, eight_sum = _train(exp, plan, jax.devices())
   assert len(jax.devices()) == 8
   np.testing.assert_allclose(eight_losses, one_losses, rtol=1e-5)
   np.testing.assert_allclose(eight_sum, one_sum, rtol=1e-5)

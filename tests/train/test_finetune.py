@@ -101,13 +101,13 @@ def test_pretrain_runs_first_only_when_init_from_is_absent(tmp_path, pretrained,
          "data": {"task": "classify", "inputs": ["stdlib:packages"]}}
   # The pretrained run exists: nothing to do.
   exp = load_experiment(None, raw={**raw, "model": {"init_from": pretrained[0]}}).absolute()
-  trainer._pretrain_if_absent(exp, progress=False)
+  trainer.pretrain_first(exp, progress=False)
   assert calls == []
   # It does not: the pretraining experiment is trained first.
   exp = load_experiment(None, raw={**raw, "model": {"init_from": str(missing)}}).absolute()
-  trainer._pretrain_if_absent(exp, progress=False)
+  trainer.pretrain_first(exp, progress=False)
   assert calls == [str(missing)]
   # A pretraining experiment that writes elsewhere is refused by name.
   exp = load_experiment(None, raw={**raw, "model": {"init_from": str(tmp_path / "other")}})
   with pytest.raises(ValueError, match="pretrain=.*writes .*not model.init_from"):
-    trainer._pretrain_if_absent(exp.absolute(), progress=False)
+    trainer.pretrain_first(exp.absolute(), progress=False)

@@ -196,7 +196,7 @@ def test_lora_run_exports_merged_weights_that_transformers_reproduces(tmp_path, 
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   from transformer_jax.hf import convert
-  from transformer_jax.train import finetune
+  from transformer_jax.train import method
   raw = {"run_dir": str(tmp_path / "run"),
          "model": {"preset": "gpt2-tiny", "d_model": 32, "num_layers": 2, "num_heads": 2,
                    "d_ff": 64, "max_len": 32},
@@ -213,7 +213,7 @@ def test_lora_run_exports_merged_weights_that_transformers_reproduces(tmp_path, 
   from transformer_jax import runs
   trainable, _ = runs.restore_params(str(tmp_path / "run" / "checkpoints"), config,
                                      target=trainable_abs)
-  _, frozen, _ = finetune.lora_start(config, exp.train.lora, exp.train.seed)
+  _, frozen, _ = method.LoRA(config, exp.train.seed, None, exp.train.lora).start()
   model = nnx.merge(graphdef, trainable, frozen)
   assert any(np.abs(np.asarray(x)).max() > 0 for x in jax.tree.leaves(
       nnx.state(model, nnx.LoRAParam)))

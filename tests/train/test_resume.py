@@ -4,7 +4,7 @@ import pytest
 
 from transformer_jax.train import learning_rate_schedule, train
 from transformer_jax.train.config import TrainConfig
-from transformer_jax.train.resume import schedule_notice
+from transformer_jax.train.state import schedule_notice
 from tests.train.test_reliability import _exp
 
 

@@ -86,21 +86,21 @@ def test_sigkill_and_resume_equals_uninterrupted_run(tmp_path, text_dataset):
 
 
 def test_gradient_accumulation_equals_full_batch(text_dataset, tmp_path):
-  from transformer_jax.train import step as S, trainer
+  """The plans' own steps: 4 microbatches give the whole batch's loss and update."""
+  from transformer_jax.train import make_plan
+  from transformer_jax.train import step as S
   raw = {"run_dir": str(tmp_path / "r"), "model": {**TINY_GPT, "dropout_rate": 0.0},
          "data": {"path": text_dataset, "task": "gpt"},
          "train": {"batch_size": 8, "seq_len": 32, "warmup_steps": 1}}
   results = {}
   for micro in (1, 4):
-    exp = load_experiment(None, [f"train.microbatches={micro}"], raw=raw)
-    run = trainer.Run.build(exp)
-    loader = trainer.make_train_loader(exp, run.dataset)
-    params = models.init(run.model_config, jax.random.key(0))
-    state = jax.device_put(S.create_state(params, run.optimizer), S.replicated(run.mesh))
-    step = S.jit_train_step(S.make_train_step(run.graphdef, run.task, run.optimizer, seed=0,
-                                              microbatches=micro), run.mesh, state)
+    plan = make_plan(load_experiment(None, [f"train.microbatches={micro}"], raw=raw))
+    assert plan.exp.train.microbatches == micro
+    params = models.init(plan.model_config, jax.random.key(0))
+    state = S.place_state(S.create_state(params, plan.optimizer), plan.mesh)
     for s in range(2):
-      state, m = step(state, S.shard_batch(loader.batch_at(s), run.mesh, run.task.keys))
+      state, m = plan.step(state, S.shard_batch(plan.loader.batch_at(s), plan.mesh,
+                                                plan.task.keys))
     results[micro] = (float(m["loss"]), state.params)
   np.testing.assert_allclose(results[1][0], results[4][0], rtol=1e-5)
   for x, y in zip(jax.tree.leaves(results[1][1]), jax.tree.leaves(results[4][1])):
@@ -139,34 +139,45 @@ def test_auto_microbatches_in_a_run_on_cpu_over_mimalloc(text_dataset, tmp_path,
   # A real case needs over 2 GiB of temporaries; the limit is lowered to the size of the step in
   # 2 microbatches instead, which the whole batch's step passes.
   from transformer_jax.backends.cpu import allocator
-  from transformer_jax.train import step as S, trainer
+  from transformer_jax.train import make_plan
+  from transformer_jax.train import step as S
   raw = {"run_dir": str(tmp_path / "r"), "model": {**TINY_GPT, "dropout_rate": 0.0},
          "data": {"path": text_dataset, "task": "gpt"},
          "train": {"batch_size": 8, "seq_len": 32, "warmup_steps": 1}}
   exp = load_experiment(None, [], raw=raw)
   assert exp.train.microbatches == "auto"  # the default
-  run = trainer.Run.build(exp)
-  loader = trainer.make_train_loader(exp, run.dataset)
-  params = models.init(run.model_config, jax.random.key(0))
-  state = jax.device_put(S.create_state(params, run.optimizer), S.replicated(run.mesh))
-  batch = S.shard_batch(loader.batch_at(0), run.mesh, run.task.keys)
-  args = (exp, run.graphdef, run.task, run.optimizer, run.mesh, state, batch)
   temp = lambda c: c.memory_analysis().temp_size_in_bytes  # noqa: E731
-  _, whole, m = trainer.compiled_step(*args)
-  assert m == 1  # under pytest the allocator is glibc: the rule does not run
-  explicit = load_experiment(None, ["train.microbatches=2"], raw=raw)
-  _, split, m = trainer.compiled_step(explicit, *args[1:])
-  assert m == 2 and temp(split) < temp(whole)
+  whole = make_plan(exp)
+  assert whole.exp.train.microbatches == 1  # under pytest the allocator is glibc: no rule
+  split = make_plan(load_experiment(None, ["train.microbatches=2"], raw=raw))
+  assert temp(split.compiled) < temp(whole.compiled)
   monkeypatch.setattr(allocator, "allocator", lambda: "mimalloc")
-  monkeypatch.setattr(allocator, "MIMALLOC_REUSE_LIMIT", temp(split))
-  step, compiled, m = trainer.compiled_step(*args)
-  assert m == 2 and temp(compiled) == temp(split)
-  # The step is the 2-microbatch one: the same loss and update as the explicit count's.
-  _, got = step(jax.tree.map(np.array, state), batch)  # a copy: the step donates its state
-  step2 = S.jit_train_step(S.make_train_step(run.graphdef, run.task, run.optimizer, seed=0,
-                                             microbatches=2), run.mesh, state)
-  _, want = step2(state, batch)
+  monkeypatch.setattr(allocator, "MIMALLOC_REUSE_LIMIT", temp(split.compiled))
+  auto = make_plan(exp)
+  assert auto.exp.train.microbatches == 2 and temp(auto.compiled) == temp(split.compiled)
+  # The step is the 2-microbatch one: the same loss as the explicit count's.
+  params = models.init(auto.model_config, jax.random.key(0))
+  state = S.place_state(S.create_state(params, auto.optimizer), auto.mesh)
+  batch = S.shard_batch(auto.loader.batch_at(0), auto.mesh, auto.task.keys)
+  _, got = auto.step(jax.tree.map(np.array, state), batch)  # a copy: the step donates its state
+  _, want = split.step(state, batch)
   assert float(got["loss"]) == float(want["loss"])
+
+
+def test_config_yaml_records_the_resolved_microbatches(text_dataset, tmp_path, monkeypatch):
+  """``train.microbatches: auto`` is resolved by the plan, before the snapshot is written."""
+  from transformer_jax.backends.cpu import allocator
+  from transformer_jax.train import make_plan, train
+  raw = {"run_dir": str(tmp_path / "r"), "model": {**TINY_GPT, "dropout_rate": 0.0},
+         "data": {"path": text_dataset, "task": "gpt"},
+         "train": {"steps": 1, "batch_size": 8, "seq_len": 32, "eval_batches": 1, "samples": 0}}
+  split = make_plan(load_experiment(None, ["train.microbatches=2"], raw=raw))
+  monkeypatch.setattr(allocator, "allocator", lambda: "mimalloc")
+  monkeypatch.setattr(allocator, "MIMALLOC_REUSE_LIMIT",
+                      split.compiled.memory_analysis().temp_size_in_bytes)
+  train(load_experiment(None, [], raw=raw), progress=False)
+  with open(tmp_path / "r" / "config.yaml") as f:
+    assert yaml.safe_load(f)["train"]["microbatches"] == 2
 
 
 def test_run_directory_contents_and_eval(tmp_path, text_dataset):

@@ -38,6 +38,11 @@ built with a kernel table (``backends.KernelTable``) whose entry ``NAME`` is ``N
 (``TABLE_ENTRIES``), and timed in the same interleaved loop: a lever against the default and the
 rivals in one run. Values are range-checked, and an entry that changes nothing on this backend is
 refused, before anything compiles.
+
+``--library`` adds a side ``library``: the step a library user writes from the README
+(``train.make_step(config, make_optimizer(...))``, a state from ``Step.init``, host batches
+passed to each call), timed in the same interleaved loop; ``library_vs_ours`` is its median step
+over ours (1.0: the library path is as fast as the command's).
 """
 
 from __future__ import annotations
@@ -109,6 +114,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--table", action="append", default=[], metavar="NAME=N",
                  help="also time our step traced with this kernel-table entry set (repeatable; "
                       f"side 'ours+table'): {', '.join(TABLE_ENTRIES)}")
+  p.add_argument("--library", action="store_true",
+                 help="also time the library's step (train.make_step, as the README writes it; "
+                      "side 'library')")
 
 
 # ``--seq-len`` without a value: GPT-2 small's CPU benchmark shape, cut to a shorter context.
@@ -318,6 +326,35 @@ class Ours:
     return time.perf_counter() - start
 
 
+class Library:
+  """The library user's step: ``train.make_step`` with the optimizer the bench gives ours, a
+  state from ``Step.init``, and the host batch handed to every call (as the README's loop does).
+  """
+
+  def __init__(self, config, host_batch, task_name: str, lr: float, seed: int):
+    from transformer_jax.train import TrainConfig, make_optimizer, make_step
+
+    b, t = host_batch["tokens"].shape if "tokens" in host_batch else host_batch["src"].shape
+    optimizer = make_optimizer(TrainConfig(steps=1000, batch_size=b, seq_len=t, seed=seed, lr=lr,
+                                           warmup_steps=0, schedule="constant"))
+    self.host_batch = host_batch
+    self.step_fn = make_step(config, optimizer, task=task_name, seed=seed)
+    self.state = self.step_fn.init(jax.random.key(seed))
+    start = time.perf_counter()
+    self.step_fn.compile(self.state, host_batch)
+    self.trace_s, self.compile_s = 0.0, time.perf_counter() - start   # tracing included
+    self.microbatches = self.step_fn.microbatches
+    self.temp_bytes = runtime.temp_bytes(self.step_fn.compiled)
+    self.losses: list[float] = []
+
+  def step(self) -> float:
+    """One training step on the host batch; returns its time."""
+    start = time.perf_counter()
+    self.state, metrics = self.step_fn(self.state, self.host_batch)
+    self.losses.append(float(metrics["loss"]))
+    return time.perf_counter() - start
+
+
 class Torch:
   """The preset's ``transformers`` causal LM (``hf.save``'s architecture: ``GPT2LMHeadModel``,
   ``LlamaForCausalLM``, ``MistralForCausalLM``) on the same weights: forward, token-mean
@@ -473,7 +510,7 @@ def _profiles(sides: dict, steps: int, keep_dir: str | None = None) -> dict:
     walls: list[float] = []
     record = lambda side=side, walls=walls: walls.append(side.step())  # noqa: E731
     keep = os.path.join(keep_dir, f"{name}.trace.json.gz") if keep_dir else None
-    out[name] = (profile.jax_kernels(record, steps, keep) if isinstance(side, Ours)
+    out[name] = (profile.jax_kernels(record, steps, keep) if isinstance(side, (Ours, Library))
                  else profile.torch_kernels(record, steps, keep))
     out[name]["wall_ms_per_step"] = 1e3 * statistics.median(walls)
     _progress(f"{name} profiled: {out[name].get('device_ms_per_step', 0):.1f} ms of kernels "
@@ -525,6 +562,10 @@ def run(args) -> dict:
     start = time.perf_counter()
     sides["ours+table"] = Ours(config, host_batch, task_name, lr, args.seed, table=table)
     _progress(f"our step with {table.changed()} compiled in {time.perf_counter() - start:.0f} s")
+  if getattr(args, "library", False):
+    start = time.perf_counter()
+    sides["library"] = Library(config, host_batch, task_name, lr, args.seed)
+    _progress(f"the library's step compiled in {time.perf_counter() - start:.0f} s")
   left_out = {}
   device, why_not = machine.torch_device() if rivals else (None, "")
   autocast = "bfloat16" if device == "cuda" and args.dtype == "bfloat16" else None
@@ -581,7 +622,7 @@ def run(args) -> dict:
   def vs_peak(name: str) -> dict:   # the same rate against the datasheet, where it is known
     return {"mfu_vs_peak": step_flops / med[name] / peak} if peak else {}
 
-  def our_row(name: str) -> dict:   # one of our sides ("ours", "ours+table")
+  def our_row(name: str) -> dict:   # one of our sides ("ours", "ours+table", "library")
     side = sides[name]
     return {"compile_s": side.compile_s, "trace_s": side.trace_s, "first_step_s": first[name],
             "step_s": _summary(times[name]), "tokens_per_sec": tokens_per_step / med[name],
@@ -629,6 +670,9 @@ def run(args) -> dict:
     result["first_loss_diff_of_table"] = abs(sides["ours+table"].losses[0] - ours.losses[0])
     if "torch.compile" in sides:
       result["ratio_vs_torch_compile_with_table"] = med["torch.compile"] / med["ours+table"]
+  if "library" in sides:
+    result["library"] = {**our_row("library"), "microbatches": sides["library"].microbatches}
+    result["library_vs_ours"] = med["library"] / med["ours"]
   if left_out:
     result["left_out"] = left_out
   if args.profile:
@@ -657,11 +701,11 @@ def table(result: dict) -> str:
         f"{k}={v}" for k, v in result["model_overrides"].items()))
   if result.get("table"):
     lines.append("  ours+table: " + ", ".join(f"{k}={v}" for k, v in result["table"].items()))
-  for name in ("ours", "ours+table", "torch", "torch.compile"):
+  for name in ("ours", "ours+table", "library", "torch", "torch.compile"):
     if name in result:
       r = result[name]
       extra = (f"  {result.get(f'speedup_vs_{name}', 1.0):.2f}x"
-               if name not in ("ours", "ours+table") else "")
+               if name not in ("ours", "ours+table", "library") else "")
       peak = f" ({100 * r['mfu_vs_peak']:.1f}% of peak)" if "mfu_vs_peak" in r else ""
       where = (f"  [{r['device']}" + (f", autocast {r['autocast']}" if r.get("autocast") else "")
                + "]" if r.get("device", "cpu") != "cpu" else "")
@@ -676,6 +720,8 @@ def table(result: dict) -> str:
     lines.append(f"  ours+table: {result['speedup_of_table']:.3f}x ours"
                  + (f", {result['ratio_vs_torch_compile_with_table']:.2f}x vs torch.compile"
                     if "ratio_vs_torch_compile_with_table" in result else ""))
+  if "library_vs_ours" in result:
+    lines.append(f"  library: {result['library_vs_ours']:.3f}x ours' step time")
   for name, why in result.get("left_out", {}).items():
     lines.append(f"  {name}: left out ({why})")
   if "loss_curves" in result:

@@ -212,8 +212,8 @@ class ClassifyLoader:
   def __init__(self, dataset, *, batch_size: int, seq_len: int, seed: int = 0,
                split: str = "train", cls_token: bool = True, process_index: int | None = None,
                process_count: int | None = None):
-    from transformer_jax.data.loaders import _process_info
-    self.process_index, self.process_count = _process_info(process_index, process_count)
+    from transformer_jax.data.loaders import process_info
+    self.process_index, self.process_count = process_info(process_index, process_count)
     if batch_size <= 0 or batch_size % self.process_count:
       raise ValueError(f"batch_size={batch_size} must be positive and divisible by the "
                        f"{self.process_count} processes")
@@ -270,8 +270,8 @@ def classify_eval_batches(dataset, *, batch_size: int, seq_len: int, split: str 
                           process_index: int | None = None, process_count: int | None = None):
   """Every example of ``split`` once, in a fixed shuffled order (so ``max_batches`` takes a
   sample of all classes, not the first files); the last batch padded with masked rows."""
-  from transformer_jax.data.loaders import _process_info
-  process_index, process_count = _process_info(process_index, process_count)
+  from transformer_jax.data.loaders import process_info
+  process_index, process_count = process_info(process_index, process_count)
   labels = labels_of(dataset, split)
   n = labels.size
   order = np.random.default_rng(0).permutation(n)
@@ -295,7 +295,7 @@ def classify_eval_batches(dataset, *, batch_size: int, seq_len: int, split: str 
 
 def collect_examples(inputs: Sequence[str]) -> list[Example]:
   """Examples of every input (``stdlib:packages``, ``.tsv``/``.jsonl`` files, globs, folders)."""
-  from transformer_jax.data.prepare import _files_under
+  from transformer_jax.data.prepare import files_under
   import glob
   out: list[Example] = []
   files = []
@@ -307,7 +307,7 @@ def collect_examples(inputs: Sequence[str]) -> list[Example]:
         [name] if os.path.exists(name) else [])
     found = []
     for m in matches:
-      found.extend(_files_under(m) if os.path.isdir(m) else [m])
+      found.extend(files_under(m) if os.path.isdir(m) else [m])
     if not found:
       raise FileNotFoundError(f"no files found for input {name!r}")
     files.extend(os.path.abspath(p) for p in found)

@@ -31,7 +31,7 @@ from transformer_jax.data.tokenizer import newline_token_table
 Batch = dict[str, np.ndarray]
 
 
-def _process_info(process_index: int | None, process_count: int | None) -> tuple[int, int]:
+def process_info(process_index: int | None, process_count: int | None) -> tuple[int, int]:
     if process_index is None or process_count is None:
         import jax  # pylint: disable=import-outside-toplevel; only needed for the multi-host defaults
         process_index = jax.process_index() if process_index is None else process_index
@@ -47,7 +47,7 @@ class _Loader:
     def __init__(self, batch_size: int, seed: int, process_index: int | None, process_count: int | None):
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
-        self.process_index, self.process_count = _process_info(process_index, process_count)
+        self.process_index, self.process_count = process_info(process_index, process_count)
         if batch_size % self.process_count:
             raise ValueError(f"global batch_size {batch_size} is not divisible by process_count "
                              f"{self.process_count}")

@@ -125,7 +125,7 @@ def _kind_of(path: str, task: str) -> str:
     return "text"
 
 
-def _files_under(directory: str) -> list[str]:
+def files_under(directory: str) -> list[str]:
     out = []
     for dirpath, dirnames, filenames in os.walk(directory):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
@@ -156,7 +156,7 @@ def _resolve_inputs(inputs: Sequence[str], task: str) -> tuple[list[_Source], li
             [name] if os.path.exists(name) else [])
         files = []
         for m in matches:
-            files.extend(_files_under(m) if os.path.isdir(m) else [m])
+            files.extend(files_under(m) if os.path.isdir(m) else [m])
         if not files:
             raise FileNotFoundError(f"no files found for input {name!r}")
         for path in files:

@@ -33,7 +33,7 @@ from flax import nnx
 
 from transformer_jax.generate.cache import KVCache, extend, init_cache, with_encoder
 from transformer_jax.generate.decode import (
-    _check_options, _padded_inputs, _split_model, decode_layers, suppress_mask)
+    check_options, padded_inputs, split_model, decode_layers, suppress_mask)
 from transformer_jax.models.config import Seq2SeqConfig
 
 # Score of an empty slot / a candidate that must not be chosen (transformers uses the same value,
@@ -100,15 +100,15 @@ def beam_search(model, inputs, *, num_beams: int, length_penalty: float = 1.0,
       outside the vocabulary, ``num_beams < 1`` and other bad options.
     TypeError: a model that is neither GPT nor Seq2Seq.
   """
-  config, graphdef, params = _split_model(model)
+  config, graphdef, params = split_model(model)
   seq2seq = isinstance(config, Seq2SeqConfig)
-  _check_options(config, max_new_tokens, 0.0, None, None, eos_id, 1.0)
+  check_options(config, max_new_tokens, 0.0, None, None, eos_id, 1.0)
   if not isinstance(num_beams, (int, np.integer)) or num_beams < 1:
     raise ValueError(f"num_beams={num_beams!r} must be a positive integer")
   if not np.isfinite(length_penalty):
     raise ValueError(f"length_penalty={length_penalty!r} must be a finite number")
   suppress_V = suppress_mask(suppress_ids, config.vocab_size)
-  padded, lengths, cache_len = _padded_inputs(config, inputs, prompt_lengths, "right",
+  padded, lengths, cache_len = padded_inputs(config, inputs, prompt_lengths, "right",
                                               max_new_tokens, decoder_start_id, "inputs")
   run = _compiled(graphdef, cache_len, int(num_beams), int(max_new_tokens), seq2seq)
   # Options that do not change shapes are traced arguments: one compilation serves them all.

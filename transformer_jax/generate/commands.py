@@ -13,9 +13,8 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-import os
 import sys
-from typing import Callable, Iterator, Sequence, TextIO
+from typing import Iterator, Sequence, TextIO
 
 import jax
 import jax.numpy as jnp
@@ -27,12 +26,13 @@ from transformer_jax.generate.beam import beam_search
 from transformer_jax.generate.cache import KVCache, extend, init_cache
 from transformer_jax.generate.cache import prefill as prefill_cache
 from transformer_jax.generate.decode import (
-    _check_options, _right_padded, _split_model, decode_layers, generate, prompt_bucket,
+    check_options, right_padded, split_model, decode_layers, generate, prompt_bucket,
     special_ids, suppress_mask)
 from transformer_jax.generate.fill_mask import fill_mask
 from transformer_jax.generate.sampling import next_token
 from transformer_jax.models.common import check_tokens
 from transformer_jax.models.config import BERTConfig, GPTConfig, MambaConfig, Seq2SeqConfig
+from transformer_jax.runs import load_run  # noqa: F401 - the old import path
 
 MASK_TEXT = "[MASK]"
 
@@ -71,13 +71,13 @@ def stream_generate(model, prompt_ids, *, max_new_tokens: int, chunk_size: int =
     ValueError: as ``generate`` (empty or too long prompts, bad options), or ``chunk_size < 1``.
     TypeError: a model that is not a GPT.
   """
-  config, graphdef, params = _split_model(model)
+  config, graphdef, params = split_model(model)
   if not isinstance(config, (GPTConfig, MambaConfig)):
     raise TypeError(f"stream_generate needs a GPT or Mamba model; got a {type(config).__name__}")
-  _check_options(config, max_new_tokens, temperature, top_k, top_p, eos_id, 1.0)
+  check_options(config, max_new_tokens, temperature, top_k, top_p, eos_id, 1.0)
   if not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
     raise ValueError(f"chunk_size={chunk_size!r} must be a positive integer")
-  tokens, lengths = _right_padded(prompt_ids, None, "right")
+  tokens, lengths = right_padded(prompt_ids, None, "right")
   longest = int(lengths.max())
   if longest + max_new_tokens > config.max_len:
     raise ValueError(f"prompt length {longest} + max_new_tokens={max_new_tokens} exceeds the "
@@ -152,56 +152,6 @@ def _stream_fns(graphdef, cache_len, chunk_size, temperature, top_k, top_p):
     return out_BC, tok_B, done_B, cache
 
   return jax.jit(prefill), jax.jit(steps, donate_argnums=(4,))
-
-
-# -------------------------------------------------------------------------------------------------
-# Run directories.
-
-
-def load_run(run_dir: str, *, best: bool = False, data: str | None = None,
-             check: Callable | None = None):
-  """``(config, params, tokenizer)`` of a run directory's latest (or best) checkpoint.
-
-  The tokenizer is the one of the dataset named by ``dataset.json`` (or ``data``).
-
-  Args:
-    run_dir: a directory written by ``tjax train`` (or ``save_model`` / ``tjax convert``).
-    best: the best checkpoint by validation loss instead of the latest.
-    data: a prepared dataset directory to take the tokenizer from.
-    check: called as ``check(config, tokenizer)`` before the parameters are read (to refuse a run
-      early); it raises ``ValueError``.
-
-  Raises:
-    ValueError: not a run directory, no checkpoint, no dataset to read the tokenizer from, or a
-      tokenizer whose vocabulary differs from the model's, or no intact checkpoint.
-  """
-  from transformer_jax import runs
-  from transformer_jax.data import load_dataset
-
-  rd = runs.RunDir(run_dir)
-  config = rd.require_model()
-  if not rd.checkpoint_steps(best=best):
-    look = os.path.join(rd.checkpoint_dir, "best") if best else rd.checkpoint_dir
-    raise ValueError(f"{run_dir} has no {'best ' if best else ''}checkpoint (nothing in "
-                     f"{look}); train it first")
-  if data is None:
-    ref = rd.read_dataset_ref()
-    if ref is not None:   # absolute: the run works from any folder
-      data = ref["path"]
-    else:                 # a run directory written before dataset.json existed
-      data = ((rd.read_config() or {}).get("data") or {}).get("path")
-    if data is None:
-      raise ValueError(f"{run_dir} names no dataset (no {runs.DATASET}) to read the tokenizer "
-                       "from; give one with --data DIR")
-  try:
-    tokenizer = load_dataset(data).tokenizer
-  except FileNotFoundError as e:
-    raise ValueError(f"cannot read the tokenizer: {e}") from None
-  runs.check_vocab(tokenizer.vocab_size, config, data)
-  if check is not None:
-    check(config, tokenizer)
-  params, _ = runs.restore_params(rd.checkpoint_dir, config, best=best)
-  return config, params, tokenizer
 
 
 def _family(config) -> str:

@@ -40,7 +40,7 @@ def prompt_bucket(length: int, max_len: int) -> int:
   return min(bucket, max_len)
 
 
-def _split_model(model, kinds=(GPTConfig, MambaConfig, Seq2SeqConfig), *, what: str = "a GPT",
+def split_model(model, kinds=(GPTConfig, MambaConfig, Seq2SeqConfig), *, what: str = "a GPT",
                  needs: str = "generate needs a GPT, Mamba or Seq2Seq model"
                  ) -> tuple[GPTConfig | MambaConfig | Seq2SeqConfig, nnx.GraphDef, nnx.State]:
   """``(config, graphdef, params)`` of a module or a ``(config, params)`` pair whose config is one
@@ -58,7 +58,7 @@ def _split_model(model, kinds=(GPTConfig, MambaConfig, Seq2SeqConfig), *, what: 
   return config, graphdef, params
 
 
-def _right_padded(prompt_ids, prompt_lengths, padding_side) -> tuple[np.ndarray, np.ndarray]:
+def right_padded(prompt_ids, prompt_lengths, padding_side) -> tuple[np.ndarray, np.ndarray]:
   """``[B, P]`` int32 right-padded prompts and their ``[B]`` lengths (validated)."""
   if isinstance(prompt_ids, (list, tuple)) and all(
       isinstance(p, (list, tuple, np.ndarray)) for p in prompt_ids):
@@ -99,7 +99,7 @@ def _right_padded(prompt_ids, prompt_lengths, padding_side) -> tuple[np.ndarray,
   return np.where(valid, tokens, 0), lengths
 
 
-def _check_options(config, max_new_tokens, temperature, top_k, top_p, eos_id, repetition_penalty):
+def check_options(config, max_new_tokens, temperature, top_k, top_p, eos_id, repetition_penalty):
   if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
   if isinstance(config, Seq2SeqConfig):
@@ -179,10 +179,10 @@ def generate(model, prompt_ids, *, prompt_lengths=None, max_new_tokens: int,
     ValueError: empty prompt, prompt longer than the context, ``max_new_tokens`` beyond it,
       top-p outside (0, 1], ids outside the vocabulary, and other bad options.
   """
-  config, graphdef, params = _split_model(model)
-  _check_options(config, max_new_tokens, temperature, top_k, top_p, eos_id, repetition_penalty)
+  config, graphdef, params = split_model(model)
+  check_options(config, max_new_tokens, temperature, top_k, top_p, eos_id, repetition_penalty)
   suppress_V = suppress_mask(suppress_ids, config.vocab_size)
-  padded, lengths, cache_len = _padded_inputs(config, prompt_ids, prompt_lengths, padding_side,
+  padded, lengths, cache_len = padded_inputs(config, prompt_ids, prompt_lengths, padding_side,
                                               max_new_tokens, decoder_start_id, "prompt_ids")
   backend = getattr(model, "backend", None) or backends.current()
   run = _compiled(graphdef, backend, cache_len, int(max_new_tokens), float(temperature),
@@ -247,7 +247,7 @@ def _forget(graphdef, refs) -> None:
     del _DECODE_LAYERS[graphdef]
 
 
-def _padded_inputs(config, inputs, prompt_lengths, padding_side, max_new_tokens,
+def padded_inputs(config, inputs, prompt_lengths, padding_side, max_new_tokens,
                    decoder_start_id, name: str) -> tuple[np.ndarray, np.ndarray, int]:
   """Validated inputs right-padded to their power-of-two bucket: ``(padded [B, bucket] int32,
   lengths [B], cache_len)``. Checks the decoder start id, the prompt lengths against the context
@@ -259,7 +259,7 @@ def _padded_inputs(config, inputs, prompt_lengths, padding_side, max_new_tokens,
                        f"[0, {config.vocab_size}) for a Seq2Seq model")
   elif decoder_start_id is not None:
     raise ValueError(f"decoder_start_id={decoder_start_id!r} is for Seq2Seq models only")
-  tokens, lengths = _right_padded(inputs, prompt_lengths, padding_side)
+  tokens, lengths = right_padded(inputs, prompt_lengths, padding_side)
   longest = int(lengths.max())
   if longest > config.max_len:
     raise ValueError(f"a prompt of length {longest} is longer than the model's context "

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from transformer_jax.generate.decode import _split_model
+from transformer_jax.generate.decode import split_model
 from transformer_jax.models.common import check_tokens
 from transformer_jax.models.config import BERTConfig
 
@@ -46,7 +46,7 @@ def fill_mask(model, tokens, *, top_k: int = 5, mask_id: int, attention_mask=Non
     ValueError: no ``mask_id`` in ``tokens``, ids outside the vocabulary, bad ``top_k`` or shapes.
     TypeError: a model that is not a BERT.
   """
-  config, graphdef, params = _split_model(
+  config, graphdef, params = split_model(
       model, BERTConfig, what="a BERT", needs="fill_mask needs a BERT (masked language) model")
   tokens = np.asarray(tokens)
   if tokens.ndim == 1:

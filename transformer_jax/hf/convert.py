@@ -16,7 +16,7 @@ from transformer_jax import models, runs
 from transformer_jax.data import Tokenizer
 from transformer_jax.hf import configs
 from transformer_jax.hf.api import load, save
-from transformer_jax.train import finetune
+from transformer_jax.train import method
 
 
 def from_hf(hf_dir: str | os.PathLike, out_run_dir: str | os.PathLike) -> str:
@@ -38,10 +38,7 @@ def to_hf(run_dir_path: str | os.PathLike, out_dir: str | os.PathLike, *,
 
   if not runs.RunDir(out_dir).is_empty():  # before reading the run
     raise ValueError(f"--out {out_dir} exists and is not empty; give a new directory")
-  if finetune.lora_run_config(os.fspath(run_dir_path)) is not None:
-    config, params = finetune.load_lora_merged(os.fspath(run_dir_path))
-  else:
-    config, params = runs.load_model(run_dir_path)
+  config, params = method.load_base(run_dir_path)   # a LoRA run: its adapters merged
   if not isinstance(params, nnx.State):
     # A plain nested dict of arrays: put it into the abstract model's state.
     _, state = nnx.split(models.abstract(config))

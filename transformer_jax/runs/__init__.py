@@ -18,7 +18,8 @@ synchronises them); process 0 alone writes the snapshot files.
 
 Modules: ``schema`` (the YAML loader and typed fields every reader uses), ``directory`` (the
 files, the snapshot and the lock), ``checkpoints`` (orbax steps, best
-parameters, models saved alone), ``trees`` (restore targets and tree verification),
+parameters, models saved alone), ``load`` (a trained run's model and tokenizer: ``load_run``),
+``trees`` (restore targets and tree verification),
 ``orbax_errors`` (orbax's failures as one named line).
 """
 
@@ -28,6 +29,7 @@ from transformer_jax.runs.directory import (
     CHECKPOINTS, CONFIG, DATASET, FINAL, LOCK, METRICS, MODEL, RunDir, RunLocked, check_vocab,
     dataset_fingerprint, dataset_ref, describe_oserror, load_yaml, model_from_spec, model_spec,
     read_json, warn, write_atomic)
+from transformer_jax.runs.load import load_run
 from transformer_jax.runs.schema import FieldError, parse_yaml
 from transformer_jax.runs.trees import (
     abstract_target, default_sharding, nonfinite_leaves, verify_tree)
@@ -36,6 +38,7 @@ __all__ = [
     "CHECKPOINTS", "CONFIG", "CheckpointDamaged", "Checkpoints", "DATASET", "FINAL", "LOCK",
     "METRICS", "MODEL", "RunDir", "RunLocked", "abstract_target", "check_vocab",
     "dataset_fingerprint", "dataset_ref", "default_sharding", "describe_oserror", "FieldError",
-    "load_model", "load_yaml", "model_from_spec", "model_spec", "nonfinite_leaves", "parse_yaml",
+    "load_model", "load_run", "load_yaml", "model_from_spec", "model_spec", "nonfinite_leaves",
+    "parse_yaml",
     "read_json", "restore_params", "save_model", "verify_tree", "warn", "write_atomic",
 ]

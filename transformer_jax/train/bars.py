@@ -11,14 +11,14 @@ import numpy as np
 
 from transformer_jax import data as data_lib
 from transformer_jax import runs
-from transformer_jax.train.plan import Run, eval_batches
+from transformer_jax.train.plan import Plan
 
 
-def check_bars(run: Run, params, last_eval: dict[str, float]) -> dict[str, Any]:
+def check_bars(run: Plan, params, last_eval: dict[str, float]) -> dict[str, Any]:
   """Checks the experiment's ``bars`` and prints one line each.
 
   Args:
-    run: The run.
+    run: The plan of the run.
     params: The model's parameters (a LoRA run's adapters merged).
     last_eval: The final evaluation (``val_*`` figures).
 
@@ -63,15 +63,15 @@ def _over_baseline(figure: str, value: float, baseline_name: str, baseline: floa
           "passed": value - baseline >= margin}
 
 
-def most_frequent_token_accuracy(run: Run) -> float:
+def most_frequent_token_accuracy(run: Plan) -> float:
   """Masked-token accuracy of always predicting the most frequent masked target (eval batches)."""
   counts = np.zeros(run.dataset.vocab_size, np.int64)
-  for batch in eval_batches(run.exp, run.dataset):
+  for batch in run.eval_batches():
     counts += np.bincount(batch["mlm_labels"][batch["mlm_mask"]], minlength=counts.size)
   return float(counts.max() / max(counts.sum(), 1))
 
 
-def seq2seq_exact_match(run: Run, params, max_examples: int = 512) -> float:
+def seq2seq_exact_match(run: Plan, params, max_examples: int = 512) -> float:
   """Greedy-decoding exact match on held-out (validation) examples (``generate``, cached)."""
   from transformer_jax.generate import generate
   specials = run.dataset.meta["special_tokens"]
@@ -94,7 +94,7 @@ def seq2seq_exact_match(run: Run, params, max_examples: int = 512) -> float:
   return right / max(total, 1)
 
 
-def print_samples(run: Run, params) -> list[str]:
+def print_samples(run: Plan, params) -> list[str]:
   """Samples a few continuations (``tjax generate``'s sampler: temperature 0.8, top-k 40; special
   tokens such as [UNK] are never drawn), prints them and writes them to ``samples.txt``."""
   from transformer_jax.generate.commands import stream_generate

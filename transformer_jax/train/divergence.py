@@ -18,8 +18,8 @@ import math
 from transformer_jax import runs
 from transformer_jax.train import step as step_lib
 from transformer_jax.train.evaluation import evaluate
-from transformer_jax.train.lora_run import all_params
-from transformer_jax.train.plan import Run
+from transformer_jax.train.method import all_params
+from transformer_jax.train.plan import Plan
 
 
 class TrainingDiverged(RuntimeError):
@@ -30,7 +30,7 @@ class TrainingDiverged(RuntimeError):
 class Guard:
   """Builds the error that stops a diverged run, once its checkpoints are left good."""
 
-  run: Run
+  plan: Plan
   ckpt: runs.Checkpoints
   eval_step: object     # step_lib.jit_eval_step of the run's eval step
 
@@ -93,7 +93,7 @@ class Guard:
       except Exception:  # noqa: BLE001 (damaged: orbax, tensorstore and our checks all raise)
         continue
       try:
-        metrics, _ = evaluate(self.run, all_params(state.replace(params=params)),
+        metrics, _ = evaluate(self.plan, all_params(state.replace(params=params)),
                               self.eval_step)
       except ValueError:  # no validation batch: the next step's loss vouches for it
         return step, None, set_aside

@@ -1,25 +1,24 @@
 """``tjax train CONFIG --dry-run``: plan a pod run on a laptop.
 
-Lowers and compiles the real train step for the configured mesh on simulated host devices, against
-``ShapeDtypeStruct`` parameters, optimizer state and batch (nothing is allocated, no data is read),
-and reports per-device memory from the sharding of the state and from the compiled executable.
+Plans the run as a real run does (``plan.make_plan``: the same checks, the same model, task, mesh,
+method and step, ``train.microbatches`` resolved), compiling the step for the configured mesh on
+simulated host devices against ``ShapeDtypeStruct`` parameters, optimizer state and batch (nothing
+is allocated, no data is read), and reports per-device memory from the sharding of the state and
+from the compiled executable.
 The CLI sets the number of simulated CPU devices before JAX starts (``simulate_devices``).
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import jax
 
-from transformer_jax import backends, models, parallel, runs
+from transformer_jax import backends, models, parallel
 from transformer_jax.ops import ssm as ssm_ops
 from transformer_jax.ops import ssm_pallas
-from transformer_jax.train import step as step_lib
 from transformer_jax.train.config import Experiment
-from transformer_jax.train.plan import model_config_before_data
-from transformer_jax.train.resume import model_changes
+from transformer_jax.train.plan import make_plan
 
 # XLA:CPU compiles a program for at most 2048 devices in one process ("Multiprocess computations
 # aren't implemented on the CPU backend" past it); each simulated device also costs about 1 MiB
@@ -55,50 +54,22 @@ def simulate_devices(exp: Experiment, num_devices: int | None) -> int:
   return int(num_devices)
 
 
-def _model_config(exp: Experiment) -> tuple[models.ModelConfig, str]:
-  """The model a real run would build: an existing run's own ``model.yaml``; else the experiment's
-  model with the prepared dataset's vocabulary when there is one (else the preset's)."""
-  rd = runs.RunDir(exp.run_dir)
-  if rd.checkpoint_steps() and rd.read_model() is not None:
-    config = rd.read_model()
-    changes = model_changes(config, exp) if rd.read_config() is not None else []
-    if changes:  # what a real run refuses (resume.resumed_model): never plan another model
-      listed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changes)
-      raise ValueError(f"run_dir {rd.path} holds a run with another model ({listed}); a run "
-                       "would refuse it: plan it with another run_dir")
-    return config, f"vocabulary {config.vocab_size} from {rd.file(runs.MODEL)}"
-  return model_config_before_data(exp)
-
-
 def dry_run(exp: Experiment) -> dict[str, Any]:
-  """Compiles one train step of ``exp`` on the available devices; returns the memory report.
-
-  Task, mesh, optimizer and step are built by the trainer's own functions (``trainer.plan`` and
-  ``trainer.make_step``); only the dataset is replaced by batch shapes.
-  """
-  from transformer_jax.train import trainer
-  config, vocab_note = _model_config(exp)
-  task, mesh, optimizer = trainer.plan(exp, config)
-  t = exp.train
-  state = step_lib.abstract_state(config, optimizer, mesh)
-  batch_sharding = parallel.batch_sharding(mesh)
-  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding)
-           for k, v in task.batch_shapes(t.batch_size, t.seq_len).items()}
-  start = time.perf_counter()
-  backend = backends.for_platform(mesh.devices.flat[0].platform, exp.kernels)
-  _, compiled, microbatches = trainer.compiled_step(exp, models.graphdef(config, mesh, backend),
-                                                    task, optimizer, mesh, state, batch, backend)
-  compile_s = time.perf_counter() - start
+  """Plans ``exp`` on the available devices (``make_plan(exp, purpose="dry_run")``: the train
+  step compiled against shapes); returns the memory report."""
+  plan = make_plan(exp, purpose="dry_run")
+  config, mesh, task, t = plan.model_config, plan.mesh, plan.task, plan.exp.train
+  state = plan.method.abstract_state(plan.optimizer, mesh)
 
   def per_device(tree):
     return parallel.bytes_per_device(tree, jax.tree.map(lambda a: a.sharding, tree))
 
-  mem = compiled.memory_analysis()
+  mem = plan.compiled.memory_analysis()
   report = {
       "model": type(config).__name__, "parameters": models.count_params(config),
-      "vocab": vocab_note, "devices": jax.device_count(), "mesh": dict(mesh.shape),
-      "batch_size": t.batch_size, "seq_len": t.seq_len, "microbatches": microbatches,
-      "dtype": config.dtype, "compile_seconds": round(compile_s, 1),
+      "vocab": plan.vocab_note, "devices": jax.device_count(), "mesh": dict(mesh.shape),
+      "batch_size": t.batch_size, "seq_len": t.seq_len, "microbatches": t.microbatches,
+      "dtype": config.dtype, "compile_seconds": round(plan.compile_seconds, 1),
       "per_device_bytes": {
           "parameters": per_device(state.params),
           "optimizer_state": per_device(state.opt_state),
@@ -111,7 +82,7 @@ def dry_run(exp: Experiment) -> dict[str, Any]:
   b = report["per_device_bytes"]
   b["peak_estimate"] = b["arguments"] + b["outputs"] - b["aliased"] + b["temporaries"]
   report["attention"] = attention_kernels(config, dict(mesh.shape), t.batch_size, t.seq_len,
-                                          task.name, exp.kernels)
+                                          packed=task.packed, kernels=exp.kernels)
   report["mixers"] = mixer_kernels(config, t.seq_len)
   return report
 
@@ -144,14 +115,15 @@ def mixer_kernels(config, seq_len: int) -> list[dict[str, Any]]:
            "conv": f"ops.causal_conv1d, width {config.d_conv}"}]
 
 
-def attention_kernels(config, mesh: dict[str, int], batch_size: int, seq_len: int,
-                      task_name: str, kernels=None) -> list[dict[str, Any]]:
+def attention_kernels(config, mesh: dict[str, int], batch_size: int, seq_len: int, *,
+                      packed: bool, kernels=None) -> list[dict[str, Any]]:
   """The kernel each attention of a training step runs on each backend (linear attention's chunked
   form, the config's ``attention_impl``, else what the backend with the kernel table ``kernels``
   chooses, ``Backend.choose_attention``), for one device's share: ``[{"attention", "shape"
   [B, T, N, H], "dtype", "kernels": {platform: kernel}}]``. The mask parts are the ones the task
-  and model pass (GPT: causal, the packed documents' segment ids, the sliding window; BERT: key
-  padding; Seq2Seq: padding, causal decoder self-attention, cross-attention)."""
+  and model pass (GPT: causal, the sliding window, and the segment ids of a task that packs
+  documents (``packed``); BERT: key padding; Seq2Seq: padding, causal decoder self-attention,
+  cross-attention)."""
   rows_per_device = max(1, batch_size // (mesh.get("data", 1) * mesh.get("fsdp", 1)))
   heads = max(1, config.num_heads // mesh.get("tensor", 1))
   kv_heads = max(1, config.kv_heads // mesh.get("tensor", 1))
@@ -168,10 +140,10 @@ def attention_kernels(config, mesh: dict[str, int], batch_size: int, seq_len: in
     case "MambaConfig":   # a hybrid's attention layers (causal, packed documents)
       if "attention" in config.layer_kinds:
         calls.append(("self-attention", seq_len, seq_len, dict(
-            causal=True, segment_ids=task_name == "gpt", bias=False)))
+            causal=True, segment_ids=packed, bias=False)))
     case "GPTConfig":
       calls.append(("self-attention", seq_len, seq_len, dict(
-          causal=True, window=config.sliding_window, segment_ids=task_name == "gpt",
+          causal=True, window=config.sliding_window, segment_ids=packed,
           bias=bias)))
     case "BERTConfig":
       calls.append(("self-attention", seq_len, seq_len, dict(kv_valid=True)))

@@ -35,12 +35,10 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh, PartitionSpec
 
-from transformer_jax import models, parallel
-from transformer_jax.train import plan as plan_lib
+from transformer_jax import parallel
 from transformer_jax.train import step as step_lib
-from transformer_jax.train import tasks as tasks_lib
 from transformer_jax.train.config import Experiment
-from transformer_jax.train.optim import make_optimizer
+from transformer_jax.train.plan import make_plan
 
 # jax.export's platform names -> the kernel table's (ops.dispatch.PLATFORMS).
 PLATFORMS = {"tpu": "tpu", "cuda": "gpu"}
@@ -91,7 +89,7 @@ def target(platform: str):
     if platform == "cuda":
       from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
-      from transformer_jax.ops import attention
+      from transformer_jax.backends import cudnn as cudnn_lib
       want = tuple(int(p) for p in CUDA_TARGET["compute_capability"].split("."))
       for obj, name, value in (
           (cudnn, "check_cudnn_version", lambda: CUDA_TARGET["cudnn"]),
@@ -99,7 +97,7 @@ def target(platform: str):
            lambda capability: tuple(map(int, str(capability).split("."))) <= want),
           (cudnn, "is_cuda_compute_capability_equal",
            lambda capability: tuple(map(int, str(capability).split("."))) == want),
-          (attention, "_cudnn_ragged_layout", lambda: True)):   # Hopper and later
+          (cudnn_lib, "ragged_layout", lambda: True)):   # Hopper and later
         saved.append((obj, name, getattr(obj, name)))
         setattr(obj, name, value)
     yield
@@ -140,18 +138,16 @@ def _named(tree) -> list[tuple[str, Any]]:
 def export_train_step(exp: Experiment, platform: str) -> ExportedStep:
   """``exp``'s train step exported for ``platform`` (``"tpu"``, ``"cuda"``) on its mesh.
 
-  The step is the trainer's (``plan.plan``, ``plan.make_step``; ``train.microbatches: auto`` as
-  1), jitted with the state's and the batch's shardings and the state donated, as
-  ``step.jit_train_step`` does; parameters, optimizer state and batch are shapes only.
+  The step is the one the run's plan makes (``make_plan(exp, purpose="export")``: the same
+  checks, model, task, method and step; ``train.microbatches: auto`` as 1), jitted with the
+  state's and the batch's shardings and the state donated, as ``step.jit_train_step`` does;
+  parameters, optimizer state and batch are shapes only.
 
   Raises:
     ValueError: an unknown platform, a model or batch that does not fit the mesh (named by
       ``parallel.check_config``), or a CUDA export without the mesh's devices.
   """
-  from transformer_jax.train.dry_run import _model_config   # the model a real run would build
-
   with target(platform):
-    config, _ = _model_config(exp)
     mesh = _mesh(exp)
     abstract = isinstance(mesh, AbstractMesh)
     if abstract and platform == "cuda":
@@ -159,18 +155,14 @@ def export_train_step(exp: Experiment, platform: str) -> ExportedStep:
           f"--export-for cuda needs the mesh's {mesh.size} devices (jax partitions cuDNN "
           f"attention against devices while lowering) and this process has "
           f"{jax.device_count()}: `tjax train CONFIG --export-for cuda` simulates them")
-    task = tasks_lib.for_experiment(exp, config)
-    t = exp.train
-    parallel.check_config(config, mesh, batch_size=t.batch_size,
-                          seq_len=t.seq_len if task.uses_seq_len else None,
-                          microbatches=plan_lib.fixed_microbatches(t))
-    optimizer = make_optimizer(t)
-    state = step_lib.abstract_state(config, optimizer, mesh)
+    plan = make_plan(exp, purpose="export", mesh=mesh)
+    t = plan.exp.train
+    state = plan.method.abstract_state(plan.optimizer, mesh)
     shardings = step_lib.state_shardings(state, mesh)
     batch_sharding = parallel.batch_sharding(mesh)
     batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding)
-             for k, v in task.batch_shapes(t.batch_size, t.seq_len).items()}
-    step = plan_lib.make_step(exp, models.graphdef(config, mesh), task, optimizer)
+             for k, v in plan.task.batch_shapes(t.batch_size, t.seq_len).items()}
+    step = plan.train_step()
     jitted = jax.jit(step, in_shardings=(shardings, batch_sharding),
                      out_shardings=(shardings, parallel.replicated(mesh)), donate_argnums=(0,))
     checks = [jax.export.DisabledSafetyCheck.custom_call(name)

@@ -1,5 +1,5 @@
-"""The training loop: steps from the start state to ``train.steps``, with logging, evaluation,
-checkpoints, the divergence guard and SIGINT/SIGTERM.
+"""The training loop: the plan's compiled step from the start state to ``train.steps``, with
+logging, evaluation, checkpoints, the divergence guard and SIGINT/SIGTERM.
 
 Its state is the loop's own locals (the train state, the steps dispatched since the last write,
 the newest evaluation), passed to and returned from plain functions; the objects it holds own
@@ -20,9 +20,10 @@ from transformer_jax.train import tasks as tasks_lib
 from transformer_jax.train.console import log0
 from transformer_jax.train.divergence import Guard
 from transformer_jax.train.evaluation import evaluate
-from transformer_jax.train.lora_run import all_params
+from transformer_jax.train.method import all_params
 from transformer_jax.train.metrics import StepMetrics, TrainLog
-from transformer_jax.train.plan import Run, compiled_step, make_step
+from transformer_jax.train.plan import Plan
+from transformer_jax.train.state import Start
 
 
 @dataclasses.dataclass
@@ -63,30 +64,9 @@ class StopFlag:
         signal.signal(s, h)
 
 
-def compile_train_step(run: Run, state: step_lib.TrainState, loader, start: int):
-  """``(train_step, notice)``: the jitted step of the run (compiled for the batch of ``start``,
-  its microbatch count chosen) and the allocator notice to print after its first step (or None).
-  """
-  exp, t = run.exp, run.exp.train
-  if start >= t.steps:  # nothing to train: the final report only
-    step = step_lib.jit_train_step(make_step(exp, run.graphdef, run.task, run.optimizer),
-                                   run.mesh, state, backend=run.backend)
-    return step, None
-  first = step_lib.shard_batch(loader.batch_at(start), run.mesh, run.task.keys)
-  step, compiled, microbatches = compiled_step(exp, run.graphdef, run.task, run.optimizer,
-                                               run.mesh, state, first, run.backend)
-  notice = step_lib.mesh_backend(run.mesh, run.backend).scratch_notice(
-      runtime.temp_bytes(compiled))
-  if t.microbatches == "auto" and microbatches > 1:
-    log0(f"train.microbatches=auto: {microbatches} microbatches, which keep the step's "
-         "temporaries within what the allocator reuses between steps")
-  return step, notice
-
-
-def train_loop(run: Run, rd: runs.RunDir, ckpt: runs.Checkpoints, loader,
-               state: step_lib.TrainState, start: int, *, progress: bool) -> Outcome:
-  """Trains from ``state`` (step ``start``) to ``train.steps``; ``progress``: a tqdm bar, else
-  one plain line per ``train.log_every`` steps.
+def loop(plan: Plan, ckpt: runs.Checkpoints, start: Start, *, progress: bool) -> Outcome:
+  """Trains from ``start`` to ``train.steps`` with the plan's step; ``progress``: a tqdm bar,
+  else one plain line per ``train.log_every`` steps.
 
   Every ``train.log_every`` steps (and before an evaluation or a checkpoint) the metrics of the
   steps since are fetched, checked finite and written; every ``train.eval_every`` steps and at the
@@ -97,12 +77,16 @@ def train_loop(run: Run, rd: runs.RunDir, ckpt: runs.Checkpoints, loader,
     TrainingDiverged: a non-finite loss, parameter or validation loss (the checkpoints left are
       good: see ``divergence``).
   """
-  t = run.exp.train
-  train_step, notice = compile_train_step(run, state, loader, start)
-  eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(run.graphdef, run.task), run.mesh,
-                                     all_params(state), backend=run.backend)
-  guard = Guard(run, ckpt, eval_step)
-  log = TrainLog(run, rd.path, start, progress)
+  t, loader = plan.exp.train, plan.loader
+  state, start = start.state, start.step
+  train_step = plan.step
+  # XLA:CPU's temporaries past what the allocator reuses: said once the first step has run.
+  notice = (plan.backend.scratch_notice(runtime.temp_bytes(plan.compiled))
+            if start < t.steps else None)
+  eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(plan.graphdef, plan.task),
+                                     plan.mesh, all_params(state), backend=plan.backend)
+  guard = Guard(plan, ckpt, eval_step)
+  log = TrainLog(plan, plan.run_dir.path, start, progress)
   stop = StopFlag()
   pending: list[StepMetrics] = []
   last_eval: dict[str, float] = {}
@@ -112,9 +96,9 @@ def train_loop(run: Run, rd: runs.RunDir, ckpt: runs.Checkpoints, loader,
     with stop.installed():
       for s in range(start, t.steps):
         host = loader.batch_at(s)
-        tasks_lib.check_token_ids(run.task, host, run.model_config.vocab_size)
+        tasks_lib.check_token_ids(plan.task, host, plan.model_config.vocab_size)
         loader.set_state({"step": s + 1})
-        state, metrics = train_step(state, step_lib.shard_batch(host, run.mesh, run.task.keys))
+        state, metrics = train_step(state, step_lib.shard_batch(host, plan.mesh, plan.task.keys))
         if s == start and notice:
           log0(notice)
         done = s + 1
@@ -126,7 +110,7 @@ def train_loop(run: Run, rd: runs.RunDir, ckpt: runs.Checkpoints, loader,
           write_steps(log, pending, guard, state)  # checks each loss before anything is saved
           pending = []
         if eval_due:
-          metrics, per_class = evaluate(run, all_params(state), eval_step)
+          metrics, per_class = evaluate(plan, all_params(state), eval_step)
           guard.check_eval(metrics, state, done)
           last_eval = {"step": done, **metrics}
           log.write_eval(last_eval)
@@ -143,7 +127,7 @@ def train_loop(run: Run, rd: runs.RunDir, ckpt: runs.Checkpoints, loader,
   if stop.signal and done < t.steps:
     return Outcome(state, done, last_eval, per_class, stop.signal)
   if not last_eval:  # resumed at the end (the previous run stopped before its final report)
-    metrics, per_class = evaluate(run, all_params(state), eval_step)
+    metrics, per_class = evaluate(plan, all_params(state), eval_step)
     last_eval = {"step": done, **metrics}
   return Outcome(state, done, last_eval, per_class, None)
 

@@ -1,26 +1,298 @@
-"""What a run is built from, checked before anything is written: the dataset (prepared on first
-use), the model's task, the mesh, the optimizer, and the compiled train step.
+"""The plan of a run: everything a training run, its dry run, its export and ``tjax eval`` are
+built from, checked and resolved by one function, :func:`make_plan`, before anything is written.
 
-A real run and ``tjax train --dry-run`` build on the same functions (:func:`plan`,
-:func:`make_step`, :func:`compiled_step`).
+``make_plan`` reads what the run directory holds (once), builds the model, the task, the mesh, the
+optimizer and the method (full or LoRA), loads (or prepares) the dataset, and compiles the train
+step with ``train.microbatches`` resolved; the plan it returns is frozen, and ``config.yaml``
+records its experiment (the resolved microbatch count included). The checks across the
+experiment's parts are all made here (the experiment's own fields are checked when it is parsed,
+:mod:`transformer_jax.train.config`); which purpose makes which:
+
+=========================================================  =====  =======  ======  ====
+check                                                      train  dry_run  export  eval
+=========================================================  =====  =======  ======  ====
+the run directory can hold this run and holds only a run's   x
+a resumed run's model and data unchanged                     x       x        x
+``train.steps`` not below the run's last checkpoint          x
+the task fits the model; its learning bars                   x       x        x      x
+the window fits the model's positions                        x       x        x      x
+the training state fits the host memory (on CPU)             x
+the model and the batch fit the mesh                         x       x        x      x
+the dataset: prepared for the task, its vocabulary the       x                       x
+model's, its content the one a resumed run trained on
+the training split holds one batch                           x
+=========================================================  =====  =======  ======  ====
+
+The only thing a plan may write is the dataset it prepares on first use (``data.path``, from
+``data.inputs``), once every check that does not need the data has passed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+import time
+from typing import Any, Literal
 
 import jax
-from flax import nnx
 
 from transformer_jax import data as data_lib
-from transformer_jax import lora as lora_lib
 from transformer_jax import backends, hardware, models, parallel, runs
 from transformer_jax.train import step as step_lib
 from transformer_jax.train import tasks as tasks_lib
-from transformer_jax.train.config import Experiment
+from transformer_jax.train.config import Experiment, fixed_changes, load_experiment, parse_overrides
+from transformer_jax.train.console import log0
+from transformer_jax.train.method import Method, method_of, stored_method
 from transformer_jax.train.optim import make_optimizer
+
+Purpose = Literal["train", "dry_run", "export", "eval"]
+PURPOSES = ("train", "dry_run", "export", "eval")
+
+# What ``tjax eval`` may set: where the data is, how much of it to read and in what windows, and
+# the mesh.
+EVAL_KEYS = ("data.path", "train.eval_batches", "train.batch_size", "train.seq_len", "mesh.data",
+             "mesh.fsdp", "mesh.tensor", "mesh.sequence")
+
+
+@dataclasses.dataclass(frozen=True)
+class Resume:
+  """What a run directory holds of an earlier run, read once (empty: a fresh start).
+
+  Read only where there are checkpoints to resume (and not with ``force_new``): the files a start
+  that failed before its first checkpoint left are replaced, never read.
+  """
+
+  steps: tuple[int, ...] = ()                 # committed checkpoint steps, ascending
+  stored: Experiment | None = None            # config.yaml, parsed (None: a converted model)
+  model: models.ModelConfig | None = None     # model.yaml
+  dataset_ref: dict | None = None             # dataset.json
+  final: dict | None = None                   # final.json
+
+  @property
+  def last(self) -> int | None:
+    return self.steps[-1] if self.steps else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Everything a run is built from, checked against each other (see the module's table).
+
+  Attributes:
+    purpose: what it was made for (``train``, ``dry_run``, ``export``, ``eval``).
+    exp: the experiment, absolute; ``train.microbatches`` resolved where a step was compiled.
+    run_dir: its run directory.
+    resume: what the directory holds of an earlier run.
+    force_new: the run starts over (the directory's earlier run is removed when it starts).
+    finished: the run in the directory is done (``train`` only: nothing else is built).
+    model_config: the model (a resumed run's own ``model.yaml``).
+    vocab_note: where the model's vocabulary came from.
+    dataset: the loaded dataset (None for ``dry_run`` and ``export``).
+    dataset_ref: what ``dataset.json`` records of it (content hash included).
+    task, mesh, optimizer, method: the task, mesh, optimizer and method (full or LoRA).
+    backend: the kernels the model and its steps are built with: the mesh platform's backend
+      with the experiment's ``kernels:`` table.
+    graphdef: the graph of the model the step trains (``eval``: the base architecture's).
+    loader: the training loader (``train``).
+    step: the jitted train step, compiled for the first batch (``train``, ``dry_run``).
+    compiled: its executable (memory analysis).
+    compile_seconds: how long choosing the microbatches and compiling took.
+  """
+
+  purpose: str
+  exp: Experiment
+  run_dir: runs.RunDir
+  resume: Resume
+  force_new: bool = False
+  finished: bool = False
+  model_config: models.ModelConfig | None = None
+  vocab_note: str = ""
+  dataset: Any = None
+  dataset_ref: dict | None = None
+  task: Any = None
+  mesh: Any = None
+  optimizer: Any = None
+  method: Method | None = None
+  backend: backends.Backend | None = None
+  graphdef: Any = None
+  loader: Any = None
+  step: Any = None
+  compiled: Any = None
+  compile_seconds: float | None = None
+
+  def train_step(self, microbatches: int | None = None):
+    """The (unjitted) train step of the plan (``microbatches`` overrides the experiment's)."""
+    t = self.exp.train
+    return step_lib.make_train_step(
+        self.graphdef, self.task, self.optimizer, seed=t.seed,
+        microbatches=fixed_microbatches(t) if microbatches is None else microbatches,
+        label_smoothing=t.label_smoothing, z_loss=t.z_loss)
+
+  def eval_batches(self):
+    """The task's validation batches (``train.eval_batches`` of them, or fewer)."""
+    return self.task.eval_batches(self.dataset, self.exp)
+
+
+def make_plan(exp: Experiment, *, purpose: Purpose = "train", force_new: bool = False,
+              mesh=None) -> Plan:
+  """The plan of ``exp`` for ``purpose``, every check of the module's table made.
+
+  Args:
+    exp: The experiment (made absolute here).
+    purpose: ``train`` (a real run: the dataset loaded or prepared, the step compiled for its
+      first batch), ``dry_run`` (no data: the step compiled against batch shapes on the devices
+      there are), ``export`` (no data, nothing compiled: the step is lowered by the caller) or
+      ``eval`` (the experiment :func:`eval_experiment` read from a run directory; no step).
+    force_new: Start over: the directory's earlier run is neither read nor checked against.
+    mesh: The mesh to plan for (``export``: possibly a ``jax.sharding.AbstractMesh``); default
+      the experiment's on this process's devices.
+
+  Raises:
+    ValueError: any check of the table, one line naming the file, field and value.
+  """
+  if purpose not in PURPOSES:
+    raise ValueError(f"purpose={purpose!r}: expected one of {', '.join(PURPOSES)}")
+  exp = exp.absolute()
+  rd = runs.RunDir(exp.run_dir)
+  if purpose == "train":
+    rd.check_usable()   # before a pretraining run or a dataset preparation that may take hours
+    rd.check_owned()
+  resume = Resume() if purpose == "eval" else read_resume(rd, force_new)
+  plan = Plan(purpose, exp, rd, resume, force_new)
+  if purpose != "eval":
+    check_resume(plan)
+  if purpose == "train" and _finished(exp, resume):
+    return dataclasses.replace(plan, finished=True)
+
+  # What can be checked before the data: a preparation may take hours.
+  model_config, note = _model_before_data(exp, resume, rd, purpose)
+  check_window(exp, model_config, tasks_lib.TASKS[exp.data.task])
+  if purpose == "train":
+    check_memory(exp, model_config)
+  dataset = ref = None
+  if purpose in ("train", "eval"):
+    dataset = ensure_dataset(exp, prepare=purpose == "train")
+    if resume.model is None and purpose == "train":  # the dataset decides its vocabulary
+      model_config = exp.model_config(**tasks_lib.TASKS[exp.data.task].model_defaults(dataset))
+    runs.check_vocab(dataset.vocab_size, model_config, dataset.path)
+    ref = runs.dataset_ref(dataset)
+    if purpose == "train":
+      check_dataset_unchanged(ref, resume.dataset_ref, resuming=True)
+    else:
+      check_dataset_unchanged(ref, rd.read_dataset_ref(), resuming=False)
+  task = tasks_lib.for_experiment(exp, model_config)
+  mesh = mesh if mesh is not None else parallel.make_mesh(
+      {a: getattr(exp.mesh, a) for a in parallel.AXES})
+  backend = backends.for_platform(_platform(mesh, purpose), exp.kernels)
+  if purpose == "train":
+    backend.bf16_notice(model_config.dtype)
+  parallel.check_config(model_config, mesh, batch_size=exp.train.batch_size,
+                        seq_len=exp.train.seq_len if task.uses_seq_len else None,
+                        microbatches=fixed_microbatches(exp.train))
+  method = method_of(exp, model_config) if purpose != "eval" else stored_method(rd, model_config)
+  # eval runs the base architecture (a LoRA run's adapters merged into it)
+  graphdef = (models.graphdef(model_config, mesh, backend) if purpose == "eval"
+              else method.graphdef(mesh, backend))
+  plan = dataclasses.replace(plan, model_config=model_config, vocab_note=note, dataset=dataset,
+                             dataset_ref=ref, task=task, mesh=mesh,
+                             optimizer=make_optimizer(exp.train), method=method,
+                             backend=backend, graphdef=graphdef)
+  if purpose == "train":
+    plan = dataclasses.replace(plan, loader=make_train_loader(plan))
+  if purpose in ("train", "dry_run"):
+    plan = _with_step(plan)
+  return plan
+
+
+def read_resume(rd: runs.RunDir, force_new: bool = False) -> Resume:
+  """What ``rd`` holds of an earlier run (nothing without checkpoints, or with ``force_new``).
+
+  Raises:
+    ValueError: checkpoints without a model config, or a damaged snapshot file (named).
+  """
+  steps = () if force_new else tuple(rd.checkpoint_steps())
+  if not steps:
+    return Resume()
+  model = rd.read_model()
+  if model is None:
+    raise ValueError(f"run_dir {rd.path} has checkpoints but no {runs.MODEL}; use --force-new "
+                     "to start over, or another run_dir")
+  raw = rd.read_config()
+  stored = (None if raw is None
+            else load_experiment(None, raw=raw, source=rd.file(runs.CONFIG)).absolute())
+  return Resume(steps, stored, model, rd.read_dataset_ref(), rd.read_final())
+
+
+def model_changes(stored: models.ModelConfig, exp: Experiment) -> list[tuple[str, Any, Any]]:
+  """``(model.FIELD, stored, new)`` for each field where the experiment's model differs from the
+  run's ``model.yaml``, both resolved: a field spelled out at its default is no change. The
+  dataset's vocabulary and label count are the stored model's (they came from the dataset)."""
+  from_dataset = {"vocab_size": stored.vocab_size}
+  if hasattr(stored, "num_labels"):   # families without a classification head have none
+    from_dataset["num_labels"] = stored.num_labels
+  new = exp.model_config(**from_dataset)
+  if type(new) is not type(stored):
+    return [("model", type(stored).__name__, type(new).__name__)]
+  return [(f"model.{f.name}", getattr(stored, f.name), getattr(new, f.name))
+          for f in dataclasses.fields(stored) if getattr(stored, f.name) != getattr(new, f.name)]
+
+
+def check_resume(plan: Plan) -> None:
+  """Refuses to resume (or to plan over) a run with another model or data, or a ``train.steps``
+  below its last checkpoint (``train`` only). A model converted into the directory (no
+  ``config.yaml``) is fine-tuned as its own ``model.yaml`` says.
+
+  Raises:
+    ValueError: each changed key named with its old and new value.
+  """
+  resume, exp, rd = plan.resume, plan.exp, plan.run_dir
+  if not resume.steps:
+    return
+  if resume.stored is None:
+    if plan.purpose == "train":
+      log0(f"fine-tuning the model in {rd.path} ({runs.MODEL}; the experiment's model section "
+           "is not used)")
+    return
+  changes = [c for c in fixed_changes(resume.stored.to_dict(), exp.to_dict())
+             if c[0] != "model" and not c[0].startswith("model.")]
+  changes = model_changes(resume.model, exp) + changes
+  if changes:
+    listed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changes)
+    advice = ("resume it without these changes, or start over with --force-new or another run_dir"
+              if plan.purpose == "train" else "a run would refuse it: plan it with another "
+              "run_dir")
+    raise ValueError(f"run_dir {rd.path} holds a run with another model or data ({listed}); "
+                     f"{advice}")
+  if plan.purpose == "train" and resume.last > exp.train.steps:
+    raise ValueError(f"train.steps={exp.train.steps} is below the run's last checkpoint (step "
+                     f"{resume.last}); give train.steps >= {resume.last}")
+
+
+def _finished(exp: Experiment, resume: Resume) -> bool:
+  """The run in the directory reached ``train.steps`` and wrote its final report."""
+  return (resume.last is not None and resume.last >= exp.train.steps
+          and resume.final is not None and resume.final.get("step") == resume.last)
+
+
+def _model_before_data(exp: Experiment, resume: Resume, rd: runs.RunDir,
+                       purpose: str) -> tuple[models.ModelConfig, str]:
+  """The model and where its vocabulary came from: a resumed (or evaluated) run's own
+  ``model.yaml``; else the experiment's, with the vocabulary of the prepared dataset in
+  ``data.path`` when there is one (a real run then takes the dataset's once it is loaded), else
+  the preset's.
+
+  Raises:
+    ValueError: a model config that does not validate, a damaged ``metadata.json``, or (eval) a
+      directory without a model.
+  """
+  stored = rd.require_model() if purpose == "eval" else resume.model
+  if stored is not None:
+    return stored, f"vocabulary {stored.vocab_size} from {rd.file(runs.MODEL)}"
+  path = exp.data.path
+  if path is not None and os.path.exists(os.path.join(path, data_lib.METADATA_FILE)):
+    vocab = data_lib.read_metadata(path)["vocab_size"]
+    return exp.model_config(vocab_size=vocab), f"vocabulary {vocab} from {path}"
+  config = exp.model_config()
+  return config, f"vocabulary {config.vocab_size} from the model config (no prepared dataset)"
 
 
 def ensure_dataset(exp: Experiment, *, prepare: bool = True) -> data_lib.Dataset:
@@ -55,58 +327,31 @@ def ensure_dataset(exp: Experiment, *, prepare: bool = True) -> data_lib.Dataset
   return dataset
 
 
-def preflight(exp: Experiment) -> None:
-  """What can be checked before the run directory is touched (the lock creates it): the
-  directory can hold this run, the model config builds (with the preset's vocabulary; the
-  dataset's is checked against it once the dataset is loaded), its windows fit its positions and
-  its training state the host memory.
+def check_dataset_unchanged(ref: dict, old: dict | None, *, resuming: bool) -> None:
+  """Refuses a dataset whose content changed since the run trained on it.
+
+  Args:
+    ref: the dataset's reference now (``runs.dataset_ref``).
+    old: the one the run recorded (its ``dataset.json``), or None.
+    resuming: a resumed run (its data path cannot change: any other hash is a change) rather than
+      an evaluation (whose ``data.path`` may name another dataset: only the recorded one is
+      compared, where its hash is known).
 
   Raises:
-    ValueError: a path that cannot hold a run, a folder holding files that are not a run's, or a
-      model config that does not validate.
+    ValueError: naming the dataset and both content hashes.
   """
-  rd = runs.RunDir(exp.run_dir)
-  rd.check_usable()
-  rd.check_owned()
-  config, _ = model_config_before_data(exp)  # the task is checked once the dataset is loaded
-  check_window(exp, config, tasks_lib.TASKS[exp.data.task])
-  check_memory(exp, config)
-
-
-def model_config_before_data(exp: Experiment) -> tuple[models.ModelConfig, str]:
-  """The experiment's model before its dataset is loaded, and where its vocabulary came from:
-  with the vocabulary of the prepared dataset when ``data.path`` holds one, else the preset's.
-
-  Raises:
-    ValueError: a model config that does not validate, or a damaged ``metadata.json``.
-  """
-  path = exp.data.path
-  if path is not None and os.path.exists(os.path.join(path, data_lib.METADATA_FILE)):
-    vocab = data_lib.read_metadata(path)["vocab_size"]
-    return exp.model_config(vocab_size=vocab), f"vocabulary {vocab} from {path}"
-  config = exp.model_config()
-  return config, f"vocabulary {config.vocab_size} from the model config (no prepared dataset)"
-
-
-def make_train_loader(exp: Experiment, dataset, task=None):
-  """The task's deterministic training loader over ``dataset`` (``batch_at(step)``).
-
-  Raises:
-    ValueError: the training split holds fewer distinct examples than one global batch (every
-      batch would repeat some: the run would train on duplicates without a word).
-  """
-  loader = (task or tasks_lib.TASKS[exp.data.task]).loader(dataset, exp)
-  count, unit = loader.examples_per_epoch
-  if count < exp.train.batch_size:
-    raise ValueError(f"the train split of {dataset.path} holds {count} {unit}, fewer than "
-                     f"train.batch_size={exp.train.batch_size}: every batch would repeat some; "
-                     f"prepare more data or give train.batch_size <= {count}")
-  return loader
-
-
-def eval_batches(exp: Experiment, dataset, task=None):
-  """The task's validation batches of ``dataset`` (``train.eval_batches`` of them, or fewer)."""
-  return (task or tasks_lib.TASKS[exp.data.task]).eval_batches(dataset, exp)
+  if old is None:
+    return
+  if resuming:
+    if old.get("hash") != ref["hash"]:
+      raise ValueError(f"the dataset {ref['path']} changed since this run started (content hash "
+                       f"{old.get('hash', '?')[:12]} -> {ref['hash'][:12]}); use the same data, "
+                       "or --force-new / another run_dir")
+    return
+  if ("hash" in old and os.path.abspath(old["path"]) == ref["path"]
+      and old["hash"] != ref["hash"]):
+    raise ValueError(f"the dataset {old['path']} changed since the run trained on it (content "
+                     f"hash {old['hash'][:12]} -> {ref['hash'][:12]})")
 
 
 def check_window(exp: Experiment, model_config: models.ModelConfig, task) -> None:
@@ -126,8 +371,8 @@ def check_window(exp: Experiment, model_config: models.ModelConfig, task) -> Non
 def check_memory(exp: Experiment, model_config: models.ModelConfig) -> None:
   """Refuses, when the model computes on CPU, a run whose parameters, gradients and AdamW moments
   (16 bytes a parameter) pass the host memory left: it would be killed by the kernel's
-  out-of-memory killer, which may take other processes with it. (Not for ``--dry-run``, which
-  plans a pod's run on a laptop and allocates nothing.)
+  out-of-memory killer, which may take other processes with it. (Not for a dry run, which plans a
+  pod's run on a laptop and allocates nothing.)
 
   Raises:
     ValueError: naming the bytes needed and available.
@@ -144,91 +389,98 @@ def check_memory(exp: Experiment, model_config: models.ModelConfig) -> None:
                      f"than the {free / 2**30:.1f} GiB of memory this machine has free")
 
 
-def plan(exp: Experiment, model_config: models.ModelConfig):
-  """``(task, mesh, optimizer)`` of ``exp`` for ``model_config``, checked against each other."""
-  task = tasks_lib.for_experiment(exp, model_config)
-  check_window(exp, model_config, task)
-  m = exp.mesh
-  mesh = parallel.make_mesh({"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor,
-                             "sequence": m.sequence})
-  parallel.check_config(model_config, mesh, batch_size=exp.train.batch_size,
-                        seq_len=exp.train.seq_len if task.uses_seq_len else None,
-                        microbatches=fixed_microbatches(exp.train))
-  return task, mesh, make_optimizer(exp.train)
+def make_train_loader(plan: Plan):
+  """The task's deterministic training loader over the plan's dataset (``batch_at(step)``).
+
+  Raises:
+    ValueError: the training split holds fewer distinct examples than one global batch (every
+      batch would repeat some: the run would train on duplicates without a word).
+  """
+  exp, dataset = plan.exp, plan.dataset
+  loader = plan.task.loader(dataset, exp)
+  count, unit = loader.examples_per_epoch
+  if count < exp.train.batch_size:
+    raise ValueError(f"the train split of {dataset.path} holds {count} {unit}, fewer than "
+                     f"train.batch_size={exp.train.batch_size}: every batch would repeat some; "
+                     f"prepare more data or give train.batch_size <= {count}")
+  return loader
+
+
+def _platform(mesh, purpose: str) -> str:
+  """The platform the plan's kernels are chosen for: the one ``mesh``'s devices are on; an export's
+  is its target (what ``export.target`` makes JAX answer), whatever devices lower it."""
+  if purpose == "export":
+    return backends.platform()
+  return mesh.devices.flat[0].platform
 
 
 def fixed_microbatches(t) -> int:
-  """``train.microbatches`` as given, 1 for "auto" (``compiled_step`` picks the count)."""
+  """``train.microbatches`` as given, 1 for "auto" (the plan compiles the step to choose)."""
   return 1 if t.microbatches == "auto" else t.microbatches
 
 
-def make_step(exp: Experiment, graphdef, task, optimizer, microbatches: int | None = None):
-  """The (unjitted) train step of ``exp`` (``microbatches`` overrides ``train.microbatches``)."""
-  t = exp.train
-  return step_lib.make_train_step(
-      graphdef, task, optimizer, seed=t.seed,
-      microbatches=fixed_microbatches(t) if microbatches is None else microbatches,
-      label_smoothing=t.label_smoothing, z_loss=t.z_loss)
+def _with_step(plan: Plan) -> Plan:
+  """``plan`` with its train step compiled and ``train.microbatches`` resolved (the count
+  ``step.pick_microbatches`` takes: "auto" on CPU over mimalloc is the fewest microbatches that
+  keep the step's temporaries within what the allocator reuses, else 1).
 
-
-def compiled_step(exp: Experiment, graphdef, task, optimizer, mesh, state, batch,
-                  backend: backends.Backend | None = None):
-  """The jitted train step of ``exp`` and its microbatch count, compiled for ``(state, batch)``
-  (arrays or shapes) with ``backend``'s options (default: the mesh platform's, with the
-  experiment's kernel table): ``(step, compiled, microbatches)``.
-
-  The count is ``step_lib.pick_microbatches``' (``train.microbatches: auto`` on CPU over mimalloc:
-  ``backends.cpu.microbatches.auto_microbatches``).
+  A real run compiles for the batch it starts at (placed on the mesh), so the loop's first call
+  finds the step compiled; a dry run for the task's batch shapes, with nothing allocated.
   """
-  backend = backend or backends.for_platform(mesh.devices.flat[0].platform, exp.kernels)
+  exp, mesh = plan.exp, plan.mesh
+  t = exp.train
+  state = plan.method.abstract_state(plan.optimizer, mesh)
+  if plan.loader is not None:
+    start = min(plan.resume.last or 0, t.steps - 1)
+    host = plan.loader.batch_at(start)
+    tasks_lib.check_token_ids(plan.task, host, plan.model_config.vocab_size)
+    batch = step_lib.shard_batch(host, mesh, plan.task.keys)
+  else:
+    sharding = parallel.batch_sharding(mesh)
+    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding)
+             for k, v in plan.task.batch_shapes(t.batch_size, t.seq_len).items()}
   built = {}
 
   def compile_for(m):
-    step = step_lib.jit_train_step(make_step(exp, graphdef, task, optimizer, m), mesh, state,
-                                   backend=backend)
+    step = step_lib.jit_train_step(plan.train_step(m), mesh, state, backend=plan.backend)
     built[m] = step, step.lower(state, batch).compile()
     return built[m][1]
 
-  m, _ = step_lib.pick_microbatches(exp.train.microbatches, compile_for, exp.train.batch_size,
-                                    mesh.shape["data"] * mesh.shape["fsdp"], backend=backend)
-  return (*built[m], m)
+  began = time.perf_counter()
+  m, _ = step_lib.pick_microbatches(t.microbatches, compile_for, t.batch_size,
+                                    mesh.shape["data"] * mesh.shape["fsdp"],
+                                    backend=plan.backend)
+  seconds = time.perf_counter() - began
+  if t.microbatches == "auto" and m > 1 and plan.purpose == "train":
+    log0(f"train.microbatches=auto: {m} microbatches, which keep the step's temporaries within "
+         "what the allocator reuses between steps")
+  resolved = dataclasses.replace(exp, train=dataclasses.replace(t, microbatches=m))
+  step, compiled = built[m]
+  return dataclasses.replace(plan, exp=resolved, step=step, compiled=compiled,
+                             compile_seconds=seconds)
 
 
-@dataclasses.dataclass
-class Run:
-  """Everything a run needs, built once from the experiment."""
+def eval_experiment(run_dir: str, overrides: list[str] = ()) -> Experiment:
+  """The experiment ``tjax eval RUN_DIR [key=value ...]`` evaluates: the run's own, on the
+  dataset it trained on (wherever the command runs from), with the data, batch and mesh
+  settings of ``overrides``. A directory made by ``tjax convert`` has no experiment yet: give it
+  data with ``data.path=DIR`` (the task follows the model's family).
 
-  exp: Experiment
-  dataset: Any
-  model_config: models.ModelConfig
-  task: Any
-  mesh: Any
-  graphdef: Any
-  optimizer: Any
-  # The kernels the model and its steps are built with (the experiment's ``kernels:`` table).
-  backend: Any = None
-
-  @classmethod
-  def build(cls, exp: Experiment, model_config: models.ModelConfig | None = None, *,
-            prepare: bool = True) -> "Run":
-    """Loads (or prepares) the dataset and checks the model against it.
-
-    Args:
-      exp: The experiment.
-      model_config: The model (default: the experiment's, with the dataset's vocabulary).
-      prepare: Prepare a missing dataset from ``data.inputs`` (else refuse).
-    """
-    dataset = ensure_dataset(exp, prepare=prepare)
-    if model_config is None:
-      defaults = {"vocab_size": dataset.vocab_size}
-      if dataset.task == "classify":
-        defaults["num_labels"] = len(dataset.meta["labels"])
-      model_config = exp.model_config(**defaults)
-    runs.check_vocab(dataset.vocab_size, model_config, dataset.path)
-    task, mesh, optimizer = plan(exp, model_config)
-    backend = backends.for_platform(mesh.devices.flat[0].platform, exp.kernels)
-    if exp.train.lora is not None:  # the adapted model's graph (its adapters are parameters too)
-      graphdef = nnx.split(lora_lib.abstract(model_config, exp.train.lora, mesh, backend))[0]
-    else:
-      graphdef = models.graphdef(model_config, mesh, backend)
-    return cls(exp, dataset, model_config, task, mesh, graphdef, optimizer, backend)
+  Raises:
+    ValueError: not a run directory, or an override other than data, batch and mesh settings.
+  """
+  rd = runs.RunDir(run_dir)
+  model_config = rd.require_model()
+  for key, _ in parse_overrides(list(overrides)):
+    if key not in EVAL_KEYS:
+      raise ValueError(f"{key}: tjax eval takes only {', '.join(EVAL_KEYS)} (the model and the "
+                       "rest of the run are its own)")
+  raw = rd.read_config()
+  if raw is None:
+    family = tasks_lib.family_task(model_config)
+    raw = {"model": runs.model_spec(model_config), "data": {"task": family}}
+  raw = {**raw, "run_dir": rd.path}
+  ref = rd.read_dataset_ref()
+  if ref is not None and isinstance(raw.get("data") or {}, dict):
+    raw["data"] = {**(raw.get("data") or {}), "path": ref["path"]}
+  return load_experiment(None, list(overrides), raw=raw, source=rd.file(runs.CONFIG))

@@ -50,13 +50,13 @@ def make_train_step(graphdef: nnx.GraphDef, task, optimizer: optax.GradientTrans
   """``train_step(state, batch) -> (state, metrics)``; jit it (``jit_train_step`` adds shardings).
 
   Raises:
-    ValueError: ``microbatches`` is not a count (``train.microbatches: auto`` is resolved by
-      ``trainer.compiled_step``, which compiles the step to see its memory).
+    ValueError: ``microbatches`` is not a count (``train.microbatches: auto`` is resolved by the
+      run's plan, which compiles the step to see its memory).
   """
   if (isinstance(microbatches, bool) or not isinstance(microbatches, (int, np.integer))
       or microbatches < 1):
     raise ValueError(f"microbatches={microbatches!r} must be a count >= 1 (train.microbatches="
-                     "'auto' is resolved by trainer.compiled_step)")
+                     "'auto' is resolved by the run's plan)")
 
   def train_step(state: TrainState, batch):
     counts = task.counts(batch)                        # denominators over the whole batch

@@ -4,11 +4,18 @@ microbatches gives exactly the full-batch gradient.
 Each task gives ``counts(batch)`` (the denominators, computed on the whole batch) and
 ``sums(model, batch, rng, ...)`` (numerators: loss sums and metric sums over one microbatch). The
 loss is ``sum_c sums[c] / counts[c]`` over the loss components ``c``.
+
+Every task is built by ``from_experiment(exp, model_config)`` (checked against the model by
+:func:`for_experiment`) and answers for itself what differs between tasks: the model's defaults
+from the dataset (``model_defaults``), what an evaluation adds to the mean losses
+(``eval_summary``) and what ``final.json`` adds (``final_summary``). Nothing outside this module
+asks a task its name.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +54,30 @@ def _correct(logits, labels, mask):
   return jnp.sum((picked >= top) * mask.astype(jnp.float32))
 
 
-class GPTTask:
+class _Task:
+  """What the tasks share: the defaults and summaries of a language-modelling task."""
+
+  samples = False        # the run ends with generated text samples (train.samples)
+  packed = False         # batches pack several documents per row, kept apart by segment ids
+
+  @staticmethod
+  def model_defaults(dataset) -> dict[str, Any]:
+    """Model-config fields the dataset decides (its vocabulary)."""
+    return {"vocab_size": dataset.vocab_size}
+
+  def eval_summary(self, sums, means: dict[str, float]) -> tuple[dict[str, float], Any]:
+    """What an evaluation reports beyond the mean losses and accuracies (``means``: the summed
+    metrics' :func:`summarize`): the first term's perplexity; and its per-class report (None)."""
+    first = self.loss_terms[0]
+    return {"val_perplexity": math.exp(min(means[f"{first}_loss"], 50.0))}, None
+
+  @staticmethod
+  def final_summary(dataset, per_class) -> dict[str, Any]:
+    """What ``final.json`` records beyond the last evaluation (nothing here)."""
+    return {}
+
+
+class GPTTask(_Task):
   """Next-token prediction on packed windows (segment ids keep documents apart).
 
   ``loss_head``: ``train.loss_head``: "logits" (the model's ``[B, T, V]`` logits, then
@@ -60,12 +90,14 @@ class GPTTask:
   token_keys = ("tokens", "labels")     # ids checked against the vocabulary on the host
   uses_seq_len = True
   bars = ("val_loss_below_unigram",)   # learning bars this task can check
+  samples = True
+  packed = True
 
   def __init__(self, loss_head: str = "logits"):
     self.loss_head = loss_head
 
   @classmethod
-  def from_experiment(cls, exp) -> "GPTTask":
+  def from_experiment(cls, exp, model_config=None) -> "GPTTask":
     return cls(loss_head=exp.train.loss_head)
 
   @staticmethod
@@ -102,7 +134,7 @@ class GPTTask:
     return loss, metrics
 
 
-class BERTTask:
+class BERTTask(_Task):
   """Masked-LM plus next-sentence prediction (the two losses added, as in the BERT paper).
 
   Only the masked positions go through the MLM head: each row's (at most ``max_predictions``)
@@ -122,7 +154,7 @@ class BERTTask:
     self.max_predictions = max_predictions
 
   @classmethod
-  def from_experiment(cls, exp) -> "BERTTask":
+  def from_experiment(cls, exp, model_config=None) -> "BERTTask":
     # The loader masks max(1, round(mask_prob * n)) of n <= seq_len tokens per row.
     return cls(max_predictions=int(math.ceil(exp.data.mask_prob * exp.train.seq_len)) + 1)
 
@@ -171,7 +203,7 @@ class BERTTask:
     return loss, metrics
 
 
-class Seq2SeqTask:
+class Seq2SeqTask(_Task):
   """Teacher-forced target prediction."""
 
   name = "seq2seq"
@@ -183,7 +215,7 @@ class Seq2SeqTask:
   bars = ("exact_match",)
 
   @classmethod
-  def from_experiment(cls, exp) -> "Seq2SeqTask":
+  def from_experiment(cls, exp, model_config=None) -> "Seq2SeqTask":
     return cls()
 
   @staticmethod
@@ -215,7 +247,7 @@ class Seq2SeqTask:
     return loss, metrics
 
 
-class ClassifyTask:
+class ClassifyTask(_Task):
   """Sequence classification: cross-entropy over labels, one prediction per example.
 
   The same task serves every family, each pooling in its own way: BERT the [CLS] position (its
@@ -239,8 +271,34 @@ class ClassifyTask:
 
   @classmethod
   def from_experiment(cls, exp, model_config=None) -> "ClassifyTask":
-    family = "bert" if model_config is None else family_task(model_config)
-    return cls(family, getattr(model_config, "num_labels", None))
+    """The task for ``model_config``'s family and labels.
+
+    Raises:
+      ValueError: a model without labels (``num_labels`` comes from the dataset's labels).
+    """
+    if model_config is None:
+      return cls("bert")
+    if not getattr(model_config, "num_labels", 0):
+      raise ValueError("data.task='classify' needs a model with num_labels > 0 (taken from the "
+                       "dataset's labels)")
+    return cls(family_task(model_config), model_config.num_labels)
+
+  @staticmethod
+  def model_defaults(dataset) -> dict[str, Any]:
+    """The dataset's vocabulary and its number of labels."""
+    return {"vocab_size": dataset.vocab_size, "num_labels": len(dataset.meta["labels"])}
+
+  def eval_summary(self, sums, means: dict[str, float]) -> tuple[dict[str, float], Any]:
+    """Accuracy and macro-F1 (:meth:`report`), and the per-class report."""
+    report = self.report(sums)
+    extra = {"val_accuracy": report["accuracy"], "val_macro_f1": report["macro_f1"]}
+    return extra, report["per_class"]
+
+  @staticmethod
+  def final_summary(dataset, per_class) -> dict[str, Any]:
+    """The majority-class baseline, the labels and the last per-class report."""
+    return {"majority_baseline": dataset.meta["majority_baseline"]["val_accuracy"],
+            "labels": dataset.meta["labels"], "per_class": per_class}
 
   def loader(self, dataset, exp):
     t = exp.train
@@ -331,12 +389,7 @@ def for_experiment(exp, model_config: models.ModelConfig):
     if bar not in cls.bars:
       raise ValueError(f"bars.{bar}: not a learning bar of data.task={cls.name!r} (it has "
                        f"{', '.join(cls.bars)})")
-  if cls is ClassifyTask:
-    if not getattr(model_config, "num_labels", 0):
-      raise ValueError("data.task='classify' needs a model with num_labels > 0 (taken from the "
-                       "dataset's labels)")
-    return cls.from_experiment(exp, model_config)
-  return cls.from_experiment(exp)
+  return cls.from_experiment(exp, model_config)
 
 
 def family_task(config: models.ModelConfig) -> str:
