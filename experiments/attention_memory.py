@@ -46,11 +46,11 @@ def worker(impl: str, t: int, reps: int, block_q: int | None, block_k: int | Non
   q, k, v = (jax.random.normal(key, (1, t, HEADS, HEAD_DIM), jnp.float32) for key in keys)
   jax.block_until_ready((q, k, v))
   rss_inputs = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-  block = backends.current().chunk_block   # the backend's blocks where none are given
+  block = backends.current().chunk_block  # the backend's blocks where none are given
   extra = {} if impl == "xla" else {"block_q": block_q or block, "block_k": block_k or block}
 
   def loss(q, k, v):
-    if impl == "default":   # the backend's choice, in its blocks
+    if impl == "default":  # the backend's choice, in its blocks
       return jnp.sum(backends.current().attention(q, k, v, causal=True))
     return jnp.sum(ops.dot_product_attention(q, k, v, causal=True, implementation=impl, **extra))
 
@@ -63,19 +63,32 @@ def worker(impl: str, t: int, reps: int, block_q: int | None, block_k: int | Non
     start = time.perf_counter()
     jax.block_until_ready(step(q, k, v))
     times.append(time.perf_counter() - start)
-  return {"first_call_s": first, "seconds": statistics.median(times), "all_seconds": times,
-          "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-          "rss_after_inputs_bytes": rss_inputs}
+  return {
+    "first_call_s": first,
+    "seconds": statistics.median(times),
+    "all_seconds": times,
+    "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    "rss_after_inputs_bytes": rss_inputs,
+  }
 
 
 def measure(impl: str, t: int, reps: int, args: argparse.Namespace) -> dict:
   """Runs ``worker`` in a fresh process under the address-space limit."""
-  cmd = [sys.executable, os.path.abspath(__file__), "--worker", impl, str(t), str(reps),
-         str(args.block_q or 0), str(args.block_k or 0)]
+  cmd = [
+    sys.executable,
+    os.path.abspath(__file__),
+    "--worker",
+    impl,
+    str(t),
+    str(reps),
+    str(args.block_q or 0),
+    str(args.block_k or 0),
+  ]
   limit = int(args.memory_limit_gib * 2**30)
 
   def limit_memory():
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
   env = dict(os.environ, PYTHONPATH=ROOT)
   proc = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=limit_memory, env=env)
   row = {"implementation": impl, "T": t}
@@ -112,40 +125,57 @@ def main(argv=None) -> dict:
   p.add_argument("--memory-limit-gib", type=float, default=16.0)
   p.add_argument("--out", default=os.path.join(ROOT, "experiments/results/attention_memory.json"))
   args = p.parse_args(argv)
+
   def ints(s):
     return [int(x) for x in s.split(",") if x]
 
   load_before = os.getloadavg()
-  sweep = [measure(impl, t, args.sweep_reps, args)
-           for t in ints(args.sweep_lengths) for impl in ("chunked", "xla")]
-  rows = [measure(impl, t, args.reps, args) for t in ints(args.lengths)
-          for impl in args.implementations.split(",")]
+  sweep = [
+    measure(impl, t, args.sweep_reps, args)
+    for t in ints(args.sweep_lengths)
+    for impl in ("chunked", "xla")
+  ]
+  rows = [
+    measure(impl, t, args.reps, args)
+    for t in ints(args.lengths)
+    for impl in args.implementations.split(",")
+  ]
   sys.path.insert(0, ROOT)
   import jax
 
   from transformer_jax import backends
   from transformer_jax.ops import dispatch
+
   result = {
-      "what": "jax.grad of sum(ops.dot_product_attention(q, k, v, causal=True, implementation=X))"
-              f", q/k/v float32 [1, T, {HEADS}, {HEAD_DIM}], each in a fresh process",
-      "command": " ".join(["python", "experiments/attention_memory.py"] +
-                          (sys.argv[1:] if argv is None else list(argv))),
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-      "machine": {"cpu": _cpu_name(), "cpu_count": os.cpu_count(), "platform": platform.platform(),
-                  "jax_backend": jax.default_backend(),
-                  "xla_flags": os.environ.get("XLA_FLAGS", ""),
-                  "load_average_before": load_before, "load_average_after": os.getloadavg(),
-                  "note": "shared machine: other processes ran at the same time, so seconds are "
-                          "noisy (the load averages bracket the run); peak RSS is not affected"},
-      "settings": {"reps": args.reps, "sweep_reps": args.sweep_reps,
-                   "memory_limit_gib": args.memory_limit_gib,
-                   "block_q": args.block_q or backends.current().chunk_block,
-                   "block_k": args.block_k or backends.current().chunk_block,
-                   "auto_chunked_min_ts": dispatch.AUTO_CHUNKED_MIN_TS},
-      "versions": {d: importlib.metadata.version(d) for d in ("jax", "jaxlib", "numpy")}
-                  | {"python": platform.python_version()},
-      "rows": rows,
-      "auto_threshold_sweep": sweep,
+    "what": "jax.grad of sum(ops.dot_product_attention(q, k, v, causal=True, implementation=X))"
+    f", q/k/v float32 [1, T, {HEADS}, {HEAD_DIM}], each in a fresh process",
+    "command": " ".join(
+      ["python", "experiments/attention_memory.py"] + (sys.argv[1:] if argv is None else list(argv))
+    ),
+    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    "machine": {
+      "cpu": _cpu_name(),
+      "cpu_count": os.cpu_count(),
+      "platform": platform.platform(),
+      "jax_backend": jax.default_backend(),
+      "xla_flags": os.environ.get("XLA_FLAGS", ""),
+      "load_average_before": load_before,
+      "load_average_after": os.getloadavg(),
+      "note": "shared machine: other processes ran at the same time, so seconds are "
+      "noisy (the load averages bracket the run); peak RSS is not affected",
+    },
+    "settings": {
+      "reps": args.reps,
+      "sweep_reps": args.sweep_reps,
+      "memory_limit_gib": args.memory_limit_gib,
+      "block_q": args.block_q or backends.current().chunk_block,
+      "block_k": args.block_k or backends.current().chunk_block,
+      "auto_chunked_min_ts": dispatch.AUTO_CHUNKED_MIN_TS,
+    },
+    "versions": {d: importlib.metadata.version(d) for d in ("jax", "jaxlib", "numpy")}
+    | {"python": platform.python_version()},
+    "rows": rows,
+    "auto_threshold_sweep": sweep,
   }
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, "w") as f:

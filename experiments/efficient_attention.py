@@ -50,7 +50,7 @@ from flax import nnx
 
 import transformer_jax as tj
 from transformer_jax import data, generate, hardware, ops, runtime, viz
-from pe_extrapolation import train_steps   # experiments/: this script's own folder
+from pe_extrapolation import train_steps  # experiments/: this script's own folder
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
@@ -62,10 +62,14 @@ def variants(windows: list[int]) -> dict[str, dict]:
   out.update({f"window-{w}": {"sliding_window": w} for w in windows})
   out["linear"] = {"attention_kind": "linear"}
   out["linear-decay"] = {"attention_kind": "linear", "linear_decay": "retnet"}
-  out["sparse-fixed"] = {"attention_kind": "sparse",
-                         "sparse_pattern": ops.SparsePattern.fixed(block=64, summary=8)}
-  out["sparse-strided"] = {"attention_kind": "sparse",
-                           "sparse_pattern": ops.SparsePattern.strided_pattern(block=64)}
+  out["sparse-fixed"] = {
+    "attention_kind": "sparse",
+    "sparse_pattern": ops.SparsePattern.fixed(block=64, summary=8),
+  }
+  out["sparse-strided"] = {
+    "attention_kind": "sparse",
+    "sparse_pattern": ops.SparsePattern.strided_pattern(block=64),
+  }
   return out
 
 
@@ -74,23 +78,36 @@ def ssm_configs(args, vocab: int) -> dict[str, tj.models.MambaConfig]:
   GPTs' parameters within 4% (at the defaults: 1.29M to 1.34M non-embedding, output projection
   included, against the GPTs' 1.31M)."""
   d = args.d_model
-  common = dict(vocab_size=vocab, d_model=d, d_state=16, ssm_chunk=64, tie_embeddings=False,
-                max_len=1 << 16)
+  common = dict(
+    vocab_size=vocab, d_model=d, d_state=16, ssm_chunk=64, tie_embeddings=False, max_len=1 << 16
+  )
   gpt = tj.models.param_count(config_for(args, vocab)).non_embedding
   rows = {
-      "mamba1": tj.models.MambaConfig(mixer="mamba1", **common),
-      "mamba2": tj.models.MambaConfig(mixer="mamba2", ssm_head_dim=d // 4, d_state=32,
-                                      **{k: v for k, v in common.items() if k != "d_state"}),
-      "hybrid": tj.models.MambaConfig(mixer="mamba1", layer_types=("mamba", "attention", "mamba"),
-                                      num_layers=3, num_heads=args.heads, position="rope",
-                                      d_ff=7 * d // 2, **common),
+    "mamba1": tj.models.MambaConfig(mixer="mamba1", **common),
+    "mamba2": tj.models.MambaConfig(
+      mixer="mamba2",
+      ssm_head_dim=d // 4,
+      d_state=32,
+      **{k: v for k, v in common.items() if k != "d_state"},
+    ),
+    "hybrid": tj.models.MambaConfig(
+      mixer="mamba1",
+      layer_types=("mamba", "attention", "mamba"),
+      num_layers=3,
+      num_heads=args.heads,
+      position="rope",
+      d_ff=7 * d // 2,
+      **common,
+    ),
   }
   out = {}
   for name, config in rows.items():
-    if name != "hybrid":   # as many Mamba blocks as the GPTs' parameters pay for
-      one, two = (tj.models.param_count(dataclasses.replace(config, num_layers=n)).non_embedding
-                  for n in (1, 2))
-      head = one - (two - one)    # the output projection and the final norm
+    if name != "hybrid":  # as many Mamba blocks as the GPTs' parameters pay for
+      one, two = (
+        tj.models.param_count(dataclasses.replace(config, num_layers=n)).non_embedding
+        for n in (1, 2)
+      )
+      head = one - (two - one)  # the output projection and the final norm
       config = dataclasses.replace(config, num_layers=max(1, round((gpt - head) / (two - one))))
     out[name] = config
   return out
@@ -98,14 +115,23 @@ def ssm_configs(args, vocab: int) -> dict[str, tj.models.MambaConfig]:
 
 def config_for(args, vocab: int, **overrides) -> tj.models.GPTConfig:
   return tj.models.get_config(
-      "llama-tiny", vocab_size=vocab, d_model=args.d_model, num_layers=args.layers,
-      num_heads=args.heads, num_kv_heads=args.heads, d_ff=4 * args.d_model, max_len=1 << 16,
-      dropout_rate=0.0, **overrides)
+    "llama-tiny",
+    vocab_size=vocab,
+    d_model=args.d_model,
+    num_layers=args.layers,
+    num_heads=args.heads,
+    num_kv_heads=args.heads,
+    d_ff=4 * args.d_model,
+    max_len=1 << 16,
+    dropout_rate=0.0,
+    **overrides,
+  )
 
 
 def _lm_loss(config, params, batch):
-  logits = tj.models.apply(config, params, batch["tokens"], batch["positions"],
-                           batch["segment_ids"])
+  logits = tj.models.apply(
+    config, params, batch["tokens"], batch["positions"], batch["segment_ids"]
+  )
   return ops.cross_entropy(logits, batch["labels"], mask=batch["loss_mask"])
 
 
@@ -117,15 +143,24 @@ def train_and_evaluate(name: str, config, dataset, args) -> dict:
   seconds = time.perf_counter() - start
   evaluate = jax.jit(lambda p, b: _lm_loss(config, p, b))
   total = count = 0.0
-  for batch in data.gpt_eval_batches(dataset, batch_size=args.batch_size, seq_len=args.train_len,
-                                     max_batches=args.eval_batches):
+  for batch in data.gpt_eval_batches(
+    dataset, batch_size=args.batch_size, seq_len=args.train_len, max_batches=args.eval_batches
+  ):
     loss, n = evaluate(params, batch)
     total, count = total + float(loss) * float(n), count + float(n)
   val = total / max(count, 1.0)
-  print(f"{name:14s} train loss {losses[0]:.3f} -> {losses[-1]:.3f}   val loss {val:.4f}  "
-        f"({seconds:.0f} s)", flush=True)
-  return {"val_loss": val, "first_loss": losses[0], "last_loss": losses[-1],
-          "train_seconds": seconds, "params": tj.models.count_params(config)}
+  print(
+    f"{name:14s} train loss {losses[0]:.3f} -> {losses[-1]:.3f}   val loss {val:.4f}  "
+    f"({seconds:.0f} s)",
+    flush=True,
+  )
+  return {
+    "val_loss": val,
+    "first_loss": losses[0],
+    "last_loss": losses[-1],
+    "train_seconds": seconds,
+    "params": tj.models.count_params(config),
+  }
 
 
 def _median_times(fns: dict, args_of: dict, reps: int) -> dict[str, float]:
@@ -150,16 +185,33 @@ def kernel_speed(lengths: list[int], window: int, heads: int, head_dim: int, rep
 
     def grad_fn(win):
       def loss(q, k, v):
-        return jnp.sum(tj.backends.current().attention(
-                q, k, v, causal=True, window=win, implementation="chunked"))
+        return jnp.sum(
+          tj.backends.current().attention(
+            q, k, v, causal=True, window=win, implementation="chunked"
+          )
+        )
+
       return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
-    med = _median_times({"full": grad_fn(None), "window": grad_fn(window)},
-                        {"full": (q, k, v), "window": (q, k, v)}, reps)
-    rows.append({"T": t, "window": window, "full_s": med["full"], "window_s": med["window"],
-                 "speedup": med["full"] / med["window"]})
-    print(f"attention fwd+bwd T={t}: full {med['full']:.3f} s, window {window} "
-          f"{med['window']:.3f} s, {med['full'] / med['window']:.1f}x", flush=True)
+    med = _median_times(
+      {"full": grad_fn(None), "window": grad_fn(window)},
+      {"full": (q, k, v), "window": (q, k, v)},
+      reps,
+    )
+    rows.append(
+      {
+        "T": t,
+        "window": window,
+        "full_s": med["full"],
+        "window_s": med["window"],
+        "speedup": med["full"] / med["window"],
+      }
+    )
+    print(
+      f"attention fwd+bwd T={t}: full {med['full']:.3f} s, window {window} "
+      f"{med['window']:.3f} s, {med['full'] / med['window']:.1f}x",
+      flush=True,
+    )
   return rows
 
 
@@ -171,9 +223,13 @@ def train_step_cost(name: str, config, lengths: list[int], reps: int) -> dict:
     params = tj.models.init(config, jax.random.key(0))
     opt_state = optimizer.init(params)
     ids = jax.random.randint(jax.random.key(t), (1, t + 1), 0, config.vocab_size)
-    batch = {"tokens": ids[:, :-1], "labels": ids[:, 1:],
-             "positions": jnp.arange(t)[None], "segment_ids": jnp.ones((1, t), jnp.int32),
-             "loss_mask": jnp.ones((1, t), bool)}
+    batch = {
+      "tokens": ids[:, :-1],
+      "labels": ids[:, 1:],
+      "positions": jnp.arange(t)[None],
+      "segment_ids": jnp.ones((1, t), jnp.int32),
+      "loss_mask": jnp.ones((1, t), bool),
+    }
 
     def step(params, opt_state, batch):
       loss, grads = jax.value_and_grad(lambda p: _lm_loss(config, p, batch)[0])(params)
@@ -184,8 +240,11 @@ def train_step_cost(name: str, config, lengths: list[int], reps: int) -> dict:
     temp = runtime.temp_bytes(compiled)
     seconds = _median_times({"s": compiled}, {"s": (params, opt_state, batch)}, reps)["s"]
     out[str(t)] = {"step_s": seconds, "temp_bytes": temp}
-    print(f"train step {name:14s} T={t:6d}: {seconds:.3f} s, temporaries "
-          f"{temp / 2**20 if temp is not None else float('nan'):.0f} MiB", flush=True)
+    print(
+      f"train step {name:14s} T={t:6d}: {seconds:.3f} s, temporaries "
+      f"{temp / 2**20 if temp is not None else float('nan'):.0f} MiB",
+      flush=True,
+    )
   return out
 
 
@@ -203,8 +262,10 @@ def decode_cost(name: str, config, lengths: list[int], reps: int) -> dict:
     nbytes = sum(x.nbytes for x in jax.tree.leaves(cache))
     seconds = _median_times({"s": step}, {"s": (cache, tok)}, reps)["s"]
     out[str(n)] = {"step_ms": 1e3 * seconds, "cache_bytes": int(nbytes)}
-    print(f"decode {name:14s} L={n:6d}: {1e3 * seconds:.2f} ms/token, cache "
-          f"{nbytes / 2**20:.2f} MiB", flush=True)
+    print(
+      f"decode {name:14s} L={n:6d}: {1e3 * seconds:.2f} ms/token, cache {nbytes / 2**20:.2f} MiB",
+      flush=True,
+    )
   return out
 
 
@@ -241,26 +302,48 @@ def main(argv=None) -> dict:
   kinds = variants(windows)
   configs = {name: config_for(args, dataset.vocab_size, **kw) for name, kw in kinds.items()}
   configs.update(ssm_configs(args, dataset.vocab_size))
-  result = {"command": " ".join(["python", os.path.relpath(os.path.abspath(sys.argv[0]), _ROOT),
-                                 *(argv if argv is not None else sys.argv[1:])]),
-            "machine": {"cpu": hardware.cpu_name(), "cpu_flags": hardware.cpu_flags(),
-                        "cores": os.cpu_count(), "device": hardware.device_kind(),
-                        "jax": jax.__version__},
-            "setup": {"d_model": args.d_model, "layers": args.layers, "heads": args.heads,
-                      "train_len": args.train_len, "steps": args.steps,
-                      "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
-                      "vocab_size": dataset.vocab_size, "windows": windows},
-            "learning": {}}
+  result = {
+    "command": " ".join(
+      [
+        "python",
+        os.path.relpath(os.path.abspath(sys.argv[0]), _ROOT),
+        *(argv if argv is not None else sys.argv[1:]),
+      ]
+    ),
+    "machine": {
+      "cpu": hardware.cpu_name(),
+      "cpu_flags": hardware.cpu_flags(),
+      "cores": os.cpu_count(),
+      "device": hardware.device_kind(),
+      "jax": jax.__version__,
+    },
+    "setup": {
+      "d_model": args.d_model,
+      "layers": args.layers,
+      "heads": args.heads,
+      "train_len": args.train_len,
+      "steps": args.steps,
+      "batch_size": args.batch_size,
+      "lr": args.lr,
+      "seed": args.seed,
+      "vocab_size": dataset.vocab_size,
+      "windows": windows,
+    },
+    "learning": {},
+  }
   for name, config in configs.items():
     result["learning"][name] = train_and_evaluate(name, config, dataset, args)
   head_dim = args.d_model // args.heads
-  result["attention_kernel"] = kernel_speed(ints(args.kernel_lengths), args.kernel_window,
-                                            args.heads, head_dim, args.reps)
+  result["attention_kernel"] = kernel_speed(
+    ints(args.kernel_lengths), args.kernel_window, args.heads, head_dim, args.reps
+  )
   costed = {n: c for n, c in configs.items() if n != f"window-{windows[0]}"}
-  result["train_step"] = {n: train_step_cost(n, c, ints(args.lengths), args.reps)
-                          for n, c in costed.items()}
-  result["decode"] = {n: decode_cost(n, c, ints(args.decode_lengths), 5 * args.reps)
-                      for n, c in costed.items()}
+  result["train_step"] = {
+    n: train_step_cost(n, c, ints(args.lengths), args.reps) for n, c in costed.items()
+  }
+  result["decode"] = {
+    n: decode_cost(n, c, ints(args.decode_lengths), 5 * args.reps) for n, c in costed.items()
+  }
   os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
   with open(args.json, "w") as f:
     json.dump(result, f, indent=1)

@@ -53,12 +53,17 @@ print("RESULT " + json.dumps(out))
 
 def _run(mode: str, overrides: list[str]) -> dict:
   env = {**os.environ, "PYTHONPATH": REPO}
-  proc = subprocess.run([sys.executable, "-c", _CHILD, mode, CONFIG, *overrides], cwd=REPO,
-                        env=env, capture_output=True, text=True)
+  proc = subprocess.run(
+    [sys.executable, "-c", _CHILD, mode, CONFIG, *overrides],
+    cwd=REPO,
+    env=env,
+    capture_output=True,
+    text=True,
+  )
   if proc.returncode:
     raise SystemExit(f"{mode}: failed\n{proc.stderr[-3000:]}")
   line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
-  return json.loads(line[len("RESULT "):])
+  return json.loads(line[len("RESULT ") :])
 
 
 def main() -> None:
@@ -67,15 +72,20 @@ def main() -> None:
   args = parser.parse_args()
   common = [] if args.steps is None else [f"train.steps={args.steps}"]
   results = {}
-  for mode, extra in (("lora", []),  # first: prepares the new corpus
-                      ("full", ["train.lora=null", "run_dir=runs/gpt_full_ft_tiny"]),
-                      ("frozen", [])):
+  for mode, extra in (
+    ("lora", []),  # first: prepares the new corpus
+    ("full", ["train.lora=null", "run_dir=runs/gpt_full_ft_tiny"]),
+    ("frozen", []),
+  ):
     print(f"{mode} ...", flush=True)
     results[mode] = _run(mode, common + extra)
     print(f"  {results[mode]}", flush=True)
-  out = {"config": os.path.relpath(CONFIG, REPO), "overrides": common,
-         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores (shared)",
-         "results": results}
+  out = {
+    "config": os.path.relpath(CONFIG, REPO),
+    "overrides": common,
+    "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores (shared)",
+    "results": results,
+  }
   path = os.path.join(HERE, "results", "finetune.json")
   with open(path, "w") as f:
     json.dump(out, f, indent=1)

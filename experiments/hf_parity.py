@@ -38,8 +38,16 @@ def main() -> None:
       entry["greedy_equal"] = bool(np.array_equal(ours, theirs))
     cases[name] = entry
     per_arch[arch] = max(per_arch.get(arch, 0.0), max(diffs.values()))
-  print(json.dumps({"transformers": transformers.__version__, "cases": cases,
-                    "max_abs_diff_per_architecture": per_arch}, indent=2))
+  print(
+    json.dumps(
+      {
+        "transformers": transformers.__version__,
+        "cases": cases,
+        "max_abs_diff_per_architecture": per_arch,
+      },
+      indent=2,
+    )
+  )
 
 
 if __name__ == "__main__":

@@ -59,9 +59,16 @@ def _worker(args) -> None:
     raise SystemExit(f"the dataset at {args.data} has fewer than {args.seq_len + 1} tokens")
   inputs, targets = jnp.asarray(tokens[None, :-1]), jnp.asarray(tokens[None, 1:])
   config = tj.models.get_config(
-      "gpt2-tiny", vocab_size=dataset.vocab_size, d_model=args.d_model, num_layers=args.layers,
-      num_heads=args.heads, d_ff=4 * args.d_model, max_len=args.seq_len, position="rope",
-      attention_impl=args.impl)
+    "gpt2-tiny",
+    vocab_size=dataset.vocab_size,
+    d_model=args.d_model,
+    num_layers=args.layers,
+    num_heads=args.heads,
+    d_ff=4 * args.d_model,
+    max_len=args.seq_len,
+    position="rope",
+    attention_impl=args.impl,
+  )
   params = tj.models.init(config, jax.random.key(0))
   optimizer = optax.adamw(1e-3)
   opt_state = optimizer.init(params)
@@ -87,11 +94,20 @@ def _worker(args) -> None:
     params, opt_state, loss = step(params, opt_state)
     losses.append(float(loss))
     times.append(time.perf_counter() - t0)
-  print(json.dumps({
-      "first_step_s": compile_s, "step_s": float(np.median(times)), "step_times_s": times,
-      "losses": losses, "finite": bool(np.isfinite(losses).all()),
-      "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-      "params": int(sum(x.size for x in jax.tree.leaves(params)))}), flush=True)
+  print(
+    json.dumps(
+      {
+        "first_step_s": compile_s,
+        "step_s": float(np.median(times)),
+        "step_times_s": times,
+        "losses": losses,
+        "finite": bool(np.isfinite(losses).all()),
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "params": int(sum(x.size for x in jax.tree.leaves(params))),
+      }
+    ),
+    flush=True,
+  )
 
 
 def _rss_gib(pid: int) -> float:
@@ -106,9 +122,25 @@ def _rss_gib(pid: int) -> float:
 
 
 def _run_child(args, impl: str, seq_len: int) -> dict:
-  cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--impl", impl,
-         "--seq-len", str(seq_len), "--steps", str(args.steps), "--data", args.data,
-         "--d-model", str(args.d_model), "--layers", str(args.layers), "--heads", str(args.heads)]
+  cmd = [
+    sys.executable,
+    os.path.abspath(__file__),
+    "--worker",
+    "--impl",
+    impl,
+    "--seq-len",
+    str(seq_len),
+    "--steps",
+    str(args.steps),
+    "--data",
+    args.data,
+    "--d-model",
+    str(args.d_model),
+    "--layers",
+    str(args.layers),
+    "--heads",
+    str(args.heads),
+  ]
   proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   peak, killed = 0.0, False
   while proc.poll() is None:
@@ -120,11 +152,13 @@ def _run_child(args, impl: str, seq_len: int) -> dict:
     time.sleep(0.05)
   out, err = proc.communicate()
   if killed:
-    return {"ok": False, "error": f"stopped: resident memory above the {args.cap_gib} GiB cap",
-            "peak_rss_gib": peak}
+    return {
+      "ok": False,
+      "error": f"stopped: resident memory above the {args.cap_gib} GiB cap",
+      "peak_rss_gib": peak,
+    }
   if proc.returncode != 0:
-    return {"ok": False, "error": (err.strip().splitlines() or ["?"])[-1],
-            "peak_rss_gib": peak}
+    return {"ok": False, "error": (err.strip().splitlines() or ["?"])[-1], "peak_rss_gib": peak}
   result = json.loads(out.strip().splitlines()[-1])
   result["ok"] = True
   return result
@@ -152,6 +186,7 @@ def main() -> None:
   import jax
 
   from transformer_jax import data
+
   if not os.path.exists(os.path.join(args.data, "metadata.json")):
     data.prepare(["stdlib"], args.data, compact_vocab=4096)
   results = {}
@@ -159,14 +194,28 @@ def main() -> None:
     for impl in args.impls:
       r = _run_child(args, impl, seq_len)
       results.setdefault(str(seq_len), {})[impl] = r
-      shown = (f"{r['step_s']:.2f} s/step, peak {r['peak_rss_gib']:.2f} GiB, loss "
-               f"{r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}" if r["ok"] else r["error"])
+      shown = (
+        f"{r['step_s']:.2f} s/step, peak {r['peak_rss_gib']:.2f} GiB, loss "
+        f"{r['losses'][0]:.3f} -> {r['losses'][-1]:.3f}"
+        if r["ok"]
+        else r["error"]
+      )
       print(f"T={seq_len:6d} {impl:8s} {shown}", flush=True)
-  out = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-         "cpu": _cpu(), "jax": jax.__version__, "platform": jax.default_backend(),
-         "model": {"d_model": args.d_model, "num_layers": args.layers, "num_heads": args.heads,
-                   "position": "rope", "batch": 1, "optimizer": "adamw"},
-         "results": results}
+  out = {
+    "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+    "cpu": _cpu(),
+    "jax": jax.__version__,
+    "platform": jax.default_backend(),
+    "model": {
+      "d_model": args.d_model,
+      "num_layers": args.layers,
+      "num_heads": args.heads,
+      "position": "rope",
+      "batch": 1,
+      "optimizer": "adamw",
+    },
+    "results": results,
+  }
   os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
   with open(args.json, "w") as f:
     json.dump(out, f, indent=1)

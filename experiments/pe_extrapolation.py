@@ -39,8 +39,15 @@ SCHEMES = ("learned", "sinusoidal", "rope", "alibi")
 
 def _config(scheme: str, vocab_size: int, max_len: int, args) -> tj.models.GPTConfig:
   return tj.models.get_config(
-      "gpt2-tiny", vocab_size=vocab_size, d_model=args.d_model, num_layers=args.layers,
-      num_heads=args.heads, d_ff=4 * args.d_model, max_len=max_len, position=scheme)
+    "gpt2-tiny",
+    vocab_size=vocab_size,
+    d_model=args.d_model,
+    num_layers=args.layers,
+    num_heads=args.heads,
+    d_ff=4 * args.d_model,
+    max_len=max_len,
+    position=scheme,
+  )
 
 
 def train(scheme: str, dataset, args) -> tuple[tj.models.GPTConfig, object, list[float]]:
@@ -54,19 +61,21 @@ def train_steps(config, dataset, args) -> tuple[object, list[float]]:
   eighth, cosine to a tenth, clipping at 1) on ``dataset``'s rows of ``args.train_len`` tokens,
   ``args.batch_size`` a step: ``(params, losses)``."""
   params = tj.models.init(config, jax.random.key(args.seed))
-  schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.steps // 8, args.steps,
-                                                end_value=args.lr / 10)
+  schedule = optax.warmup_cosine_decay_schedule(
+    0.0, args.lr, args.steps // 8, args.steps, end_value=args.lr / 10
+  )
   optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1))
   opt_state = optimizer.init(params)
-  loader = data.GPTLoader(dataset, batch_size=args.batch_size, seq_len=args.train_len,
-                          seed=args.seed)
+  loader = data.GPTLoader(
+    dataset, batch_size=args.batch_size, seq_len=args.train_len, seed=args.seed
+  )
 
   @jax.jit
   def step(params, opt_state, batch):
     def loss_fn(p):
-      logits = tj.models.apply(config, p, batch["tokens"], batch["positions"],
-                               batch["segment_ids"])
+      logits = tj.models.apply(config, p, batch["tokens"], batch["positions"], batch["segment_ids"])
       return ops.cross_entropy(logits, batch["labels"], mask=batch["loss_mask"])[0]
+
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
@@ -108,15 +117,15 @@ def evaluate(scheme: str, config, params, docs_DN: np.ndarray, length: int, args
   """Mean loss over the same ``1024`` target tokens per document, context at most ``length``."""
   n = docs_DN.shape[1] - 1
   if scheme != "learned" or length <= args.train_len:
-    windows = np.concatenate([docs_DN[:, i:i + length + 1] for i in range(0, n, length)])
+    windows = np.concatenate([docs_DN[:, i : i + length + 1] for i in range(0, n, length)])
     cfg = dataclasses.replace(config, max_len=max(length, config.max_len))
     s, c = _loss_sums(cfg, params, windows, 0)
     context = f"non-overlapping windows of {length}"
   else:
     ctx, stride = args.train_len, args.train_len // 2
-    s, c = _loss_sums(config, params, docs_DN[:, :ctx + 1], 0)   # the first window: every token
+    s, c = _loss_sums(config, params, docs_DN[:, : ctx + 1], 0)  # the first window: every token
     starts = range(stride, n - ctx + 1, stride)
-    windows = np.concatenate([docs_DN[:, i:i + ctx + 1] for i in starts])
+    windows = np.concatenate([docs_DN[:, i : i + ctx + 1] for i in starts])
     s2, c2 = _loss_sums(config, params, windows, ctx - stride)  # then the last `stride` of each
     s, c = s + s2, c + c2
     context = f"sliding windows of {ctx}, stride {stride} (a learned table has {ctx} rows)"
@@ -125,6 +134,7 @@ def evaluate(scheme: str, config, params, docs_DN: np.ndarray, length: int, args
 
 def plot(results: dict, lengths, train_len: int, path: str) -> None:
   from matplotlib.figure import Figure
+
   fig = Figure(figsize=(7, 4.5), layout="constrained")
   ax = fig.subplots()
   for scheme, by_len in results.items():
@@ -137,8 +147,11 @@ def plot(results: dict, lengths, train_len: int, path: str) -> None:
   ax.text(train_len, ax.get_ylim()[1], " trained at 128", va="top", fontsize=8, color="grey")
   ax.set_xscale("log", base=2)
   ax.set_xticks(list(lengths), [str(x) for x in lengths])
-  ax.set(xlabel="evaluation length (tokens)", ylabel="validation loss (nats/token)",
-         title="Position schemes: train at 128, evaluate longer")
+  ax.set(
+    xlabel="evaluation length (tokens)",
+    ylabel="validation loss (nats/token)",
+    title="Position schemes: train at 128, evaluate longer",
+  )
   ax.grid(alpha=0.3)
   ax.legend()
   fig.savefig(path, dpi=110)
@@ -171,22 +184,35 @@ def main() -> None:
   for scheme in args.schemes:
     t0 = time.perf_counter()
     config, params, losses = train(scheme, dataset, args)
-    train_info[scheme] = {"first_loss": losses[0], "last_loss": losses[-1],
-                          "seconds": round(time.perf_counter() - t0, 1)}
-    results[scheme] = {str(n): evaluate(scheme, config, params, docs, n, args)
-                       for n in args.lengths}
+    train_info[scheme] = {
+      "first_loss": losses[0],
+      "last_loss": losses[-1],
+      "seconds": round(time.perf_counter() - t0, 1),
+    }
+    results[scheme] = {
+      str(n): evaluate(scheme, config, params, docs, n, args) for n in args.lengths
+    }
     shown = "  ".join(f"{n}: {results[scheme][str(n)]['loss']:.3f}" for n in args.lengths)
-    print(f"{scheme:10s} train loss {losses[0]:.2f} -> {losses[-1]:.2f}   val loss {shown}",
-          flush=True)
+    print(
+      f"{scheme:10s} train loss {losses[0]:.2f} -> {losses[-1]:.2f}   val loss {shown}", flush=True
+    )
 
-  out = {"results": results,
-         "command": " ".join(["python"] + [os.path.relpath(sys.argv[0], _ROOT)] + sys.argv[1:]),
-         "setup": {"model": {"d_model": args.d_model, "num_layers": args.layers,
-                             "num_heads": args.heads},
-                   "train_len": args.train_len, "steps": args.steps, "batch_size": args.batch_size,
-                   "lr": args.lr, "seed": args.seed, "eval_docs": int(docs.shape[0]),
-                   "vocab_size": dataset.vocab_size, "jax": jax.__version__},
-         "training": train_info}
+  out = {
+    "results": results,
+    "command": " ".join(["python"] + [os.path.relpath(sys.argv[0], _ROOT)] + sys.argv[1:]),
+    "setup": {
+      "model": {"d_model": args.d_model, "num_layers": args.layers, "num_heads": args.heads},
+      "train_len": args.train_len,
+      "steps": args.steps,
+      "batch_size": args.batch_size,
+      "lr": args.lr,
+      "seed": args.seed,
+      "eval_docs": int(docs.shape[0]),
+      "vocab_size": dataset.vocab_size,
+      "jax": jax.__version__,
+    },
+    "training": train_info,
+  }
   os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
   with open(args.json, "w") as f:
     json.dump(out, f, indent=1)

@@ -65,14 +65,19 @@ def train_step_text(preset: str, dtype: str, batch: int, seq: int, layers: int) 
   mesh = _mesh()
   task = tasks_lib.get_task("gpt")
   optimizer = optax.adamw(1e-4)
-  graphdef = tj.models.graphdef(config, mesh) if "mesh" in inspect.signature(
-      tj.models.graphdef).parameters else tj.models.graphdef(config)
+  graphdef = (
+    tj.models.graphdef(config, mesh)
+    if "mesh" in inspect.signature(tj.models.graphdef).parameters
+    else tj.models.graphdef(config)
+  )
   fn = step_lib.make_train_step(graphdef, task, optimizer, seed=0)
   state = step_lib.abstract_state(config, optimizer, mesh)
   step = step_lib.jit_train_step(fn, mesh, state)
   sharding = parallel.batch_sharding(mesh)
-  shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding)
-            for k, v in task.batch_shapes(batch, seq).items()}
+  shapes = {
+    k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding)
+    for k, v in task.batch_shapes(batch, seq).items()
+  }
   return step.lower(state, shapes).compile().as_text()
 
 
@@ -81,7 +86,9 @@ def logits_text(preset: str, dtype: str, seq: int, layers: int) -> str:
   config = tj.models.get_config(preset, dtype=dtype, num_layers=layers)
   params = tj.models.init_abstract(config)
   tokens = jax.ShapeDtypeStruct((1, seq), jnp.int32)
-  return jax.jit(lambda p, t: tj.models.apply(config, p, t)).lower(params, tokens).compile().as_text()
+  return (
+    jax.jit(lambda p, t: tj.models.apply(config, p, t)).lower(params, tokens).compile().as_text()
+  )
 
 
 def main(argv=None) -> dict:
@@ -96,9 +103,12 @@ def main(argv=None) -> dict:
   p.add_argument("--cases", default="train_step,forward")
   args = p.parse_args(argv)
   cases = {}
-  build = {"train_step": lambda dtype: train_step_text(args.preset, dtype, args.batch_size,
-                                                       args.seq_len, args.layers),
-           "forward": lambda dtype: logits_text(args.preset, dtype, args.seq_len, args.layers)}
+  build = {
+    "train_step": lambda dtype: train_step_text(
+      args.preset, dtype, args.batch_size, args.seq_len, args.layers
+    ),
+    "forward": lambda dtype: logits_text(args.preset, dtype, args.seq_len, args.layers),
+  }
   for dtype in ("float32", "bfloat16"):
     for kind in args.cases.split(","):
       text = build[kind](dtype)
@@ -108,11 +118,17 @@ def main(argv=None) -> dict:
         with open(os.path.join(args.dump, f"{kind}_{dtype}.hlo"), "w") as f:
           f.write(stripped(text))
     print(f"{dtype}: done", file=sys.stderr, flush=True)
-  out = {"command": " ".join(["python", *sys.argv]), "tree": os.environ.get("PYTHONPATH", ""),
-         "machine": {"cpu": hardware.cpu_name(), "cpu_flags": hardware.cpu_flags(),
-                     "jax": jax.__version__},
-         "setup": vars(args),
-         "fingerprints": cases}
+  out = {
+    "command": " ".join(["python", *sys.argv]),
+    "tree": os.environ.get("PYTHONPATH", ""),
+    "machine": {
+      "cpu": hardware.cpu_name(),
+      "cpu_flags": hardware.cpu_flags(),
+      "jax": jax.__version__,
+    },
+    "setup": vars(args),
+    "fingerprints": cases,
+  }
   if args.against:
     with open(args.against) as f:
       old = json.load(f)["fingerprints"]

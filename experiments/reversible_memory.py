@@ -41,9 +41,11 @@ def step_memory(config, batch: int, length: int) -> dict:
 
   compiled = jax.jit(jax.grad(loss)).lower(params, tokens).compile()
   mem = compiled.memory_analysis()
-  row = {"argument_bytes": int(mem.argument_size_in_bytes),
-         "output_bytes": int(mem.output_size_in_bytes),
-         "temp_bytes": int(mem.temp_size_in_bytes)}
+  row = {
+    "argument_bytes": int(mem.argument_size_in_bytes),
+    "output_bytes": int(mem.output_size_in_bytes),
+    "temp_bytes": int(mem.temp_size_in_bytes),
+  }
   row["peak_bytes"] = sum(row.values())
   row["param_count"] = int(models.count_params(config))
   return row
@@ -60,19 +62,34 @@ def main(argv=None) -> dict:
   for reversible in (False, True):
     for layers in (3, 12):
       config = models.get_config(
-          "llama-tiny", vocab_size=256, d_model=args.d_model, num_heads=4, num_kv_heads=4,
-          d_ff=4 * args.d_model, num_layers=layers, max_len=args.length, scan_layers=True,
-          reversible=reversible)
+        "llama-tiny",
+        vocab_size=256,
+        d_model=args.d_model,
+        num_heads=4,
+        num_kv_heads=4,
+        d_ff=4 * args.d_model,
+        num_layers=layers,
+        max_len=args.length,
+        scan_layers=True,
+        reversible=reversible,
+      )
       name = f"{'reversible' if reversible else 'plain'}_{layers}"
       rows[name] = step_memory(config, args.batch, args.length)
       print(name, json.dumps(rows[name]), flush=True)
   result = {
-      "what": "compiled memory of one gradient step (XLA memory analysis), llama-tiny shape",
-      "batch": args.batch, "length": args.length, "d_model": args.d_model, "rows": rows,
-      "reversible_12_below_plain_3":
-          rows["reversible_12"]["peak_bytes"] < rows["plain_3"]["peak_bytes"],
-      "machine": {"cpu": hardware.cpu_name(), "platform": platform.platform(),
-                  "jax": jax.__version__, "backend": jax.default_backend()},
+    "what": "compiled memory of one gradient step (XLA memory analysis), llama-tiny shape",
+    "batch": args.batch,
+    "length": args.length,
+    "d_model": args.d_model,
+    "rows": rows,
+    "reversible_12_below_plain_3": rows["reversible_12"]["peak_bytes"]
+    < rows["plain_3"]["peak_bytes"],
+    "machine": {
+      "cpu": hardware.cpu_name(),
+      "platform": platform.platform(),
+      "jax": jax.__version__,
+      "backend": jax.default_backend(),
+    },
   }
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:

@@ -33,14 +33,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def kernels(pattern: SparsePattern):
   """Name -> jitted ``(q, k, v, do) -> (dq, dk, dv)`` of ``sum(out * do)``."""
+
   def grad_of(attend):
     def loss(q, k, v, do):
       return jnp.sum(attend(q, k, v) * do)
+
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
   return {
-      "full_causal": grad_of(lambda q, k, v: ops.dot_product_attention(
-          q, k, v, causal=True, implementation="chunked")),
-      "sparse_fixed": grad_of(lambda q, k, v: sparse_attention(q, k, v, pattern, causal=True)),
+    "full_causal": grad_of(
+      lambda q, k, v: ops.dot_product_attention(q, k, v, causal=True, implementation="chunked")
+    ),
+    "sparse_fixed": grad_of(lambda q, k, v: sparse_attention(q, k, v, pattern, causal=True)),
   }
 
 
@@ -62,28 +66,35 @@ def main(argv=None) -> dict:
   compile_s = {}
   for name, fn in fns.items():
     start = time.perf_counter()
-    jax.block_until_ready(fn(q, k, v, do))   # compiles, and warms up
+    jax.block_until_ready(fn(q, k, v, do))  # compiles, and warms up
     compile_s[name] = time.perf_counter() - start
   seconds = {name: [] for name in fns}
-  for _ in range(args.reps):   # interleaved: a busy moment slows both
+  for _ in range(args.reps):  # interleaved: a busy moment slows both
     for name, fn in fns.items():
       start = time.perf_counter()
       jax.block_until_ready(fn(q, k, v, do))
       seconds[name].append(time.perf_counter() - start)
   median = {name: statistics.median(s) for name, s in seconds.items()}
   result = {
-      "what": "causal attention forward + backward (gradients of q, k, v), B=1, float32",
-      "shape_BTNH": list(shape),
-      "pattern": {"kind": "fixed", "block": args.block, "summary": args.summary},
-      "keys_per_query": {
-          "full_causal": (args.length + 1) / 2,
-          "sparse_fixed": pattern.keys_per_query(args.length, causal=True)},
-      "seconds": seconds, "median_seconds": median, "first_call_seconds": compile_s,
-      "speedup": median["full_causal"] / median["sparse_fixed"],
-      "machine": {"cpu": hardware.cpu_name(), "cpu_count": os.cpu_count(),
-                  "platform": platform.platform(), "jax": jax.__version__,
-                  "backend": jax.default_backend(),
-                  "note": "shared machine: other processes ran at the same time"},
+    "what": "causal attention forward + backward (gradients of q, k, v), B=1, float32",
+    "shape_BTNH": list(shape),
+    "pattern": {"kind": "fixed", "block": args.block, "summary": args.summary},
+    "keys_per_query": {
+      "full_causal": (args.length + 1) / 2,
+      "sparse_fixed": pattern.keys_per_query(args.length, causal=True),
+    },
+    "seconds": seconds,
+    "median_seconds": median,
+    "first_call_seconds": compile_s,
+    "speedup": median["full_causal"] / median["sparse_fixed"],
+    "machine": {
+      "cpu": hardware.cpu_name(),
+      "cpu_count": os.cpu_count(),
+      "platform": platform.platform(),
+      "jax": jax.__version__,
+      "backend": jax.default_backend(),
+      "note": "shared machine: other processes ran at the same time",
+    },
   }
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:

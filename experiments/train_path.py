@@ -20,8 +20,10 @@ import os
 import sys
 import tempfile
 
-PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                       "transformer_jax") + os.sep
+PACKAGE = (
+  os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "transformer_jax")
+  + os.sep
+)
 
 
 def _module(code) -> str | None:
@@ -29,7 +31,7 @@ def _module(code) -> str | None:
   path = code.co_filename
   if not path.startswith(PACKAGE):
     return None
-  rel = path[len(PACKAGE):-len(".py")].replace(os.sep, ".")
+  rel = path[len(PACKAGE) : -len(".py")].replace(os.sep, ".")
   return "transformer_jax." + rel.removesuffix(".__init__")
 
 
@@ -37,8 +39,9 @@ def trace_train(exp) -> list[tuple[int, str, str]]:
   """``(depth, module, function)`` of every package call under ``train(exp)`` (depth 1: the calls
   ``train`` itself makes)."""
   from transformer_jax.train import train
+
   calls: list[tuple[int, str, str]] = []
-  stack: list[int] = []      # per frame on the stack below train(): its package depth (0: other)
+  stack: list[int] = []  # per frame on the stack below train(): its package depth (0: other)
   inside = [False]
 
   def profile(frame, event, _arg):
@@ -89,6 +92,7 @@ def tiny_experiment(root: str):
   import random
 
   from transformer_jax.train import load_experiment
+
   corpus = os.path.join(root, "corpus")
   os.makedirs(corpus)
   rng = random.Random(0)
@@ -96,13 +100,34 @@ def tiny_experiment(root: str):
   for d in range(40):
     with open(os.path.join(corpus, f"doc{d:02d}.txt"), "w") as f:
       f.write("\n".join(" ".join(rng.choice(words) for _ in range(8)) for _ in range(30)))
-  raw = {"run_dir": os.path.join(root, "run"),
-         "model": {"preset": "gpt2-tiny", "d_model": 32, "num_layers": 2, "num_heads": 2,
-                   "d_ff": 64, "max_len": 32},
-         "data": {"inputs": [corpus], "path": os.path.join(root, "data"), "task": "gpt",
-                  "compact_vocab": True, "val_fraction": 4},
-         "train": {"steps": 2, "batch_size": 4, "seq_len": 32, "log_every": 1, "eval_every": 2,
-                   "eval_batches": 1, "checkpoint_every": 2, "samples": 0}}
+  raw = {
+    "run_dir": os.path.join(root, "run"),
+    "model": {
+      "preset": "gpt2-tiny",
+      "d_model": 32,
+      "num_layers": 2,
+      "num_heads": 2,
+      "d_ff": 64,
+      "max_len": 32,
+    },
+    "data": {
+      "inputs": [corpus],
+      "path": os.path.join(root, "data"),
+      "task": "gpt",
+      "compact_vocab": True,
+      "val_fraction": 4,
+    },
+    "train": {
+      "steps": 2,
+      "batch_size": 4,
+      "seq_len": 32,
+      "log_every": 1,
+      "eval_every": 2,
+      "eval_batches": 1,
+      "checkpoint_every": 2,
+      "samples": 0,
+    },
+  }
   return load_experiment(None, raw=raw)
 
 
@@ -117,8 +142,10 @@ def main() -> None:
     s = stretches(calls, depth)
     modules = {m for m, _ in s}
     n = sum(c for _, c in s)
-    print(f"depth {depth}: {n} calls in {len(s)} stretches over {len(modules)} modules: "
-          f"{len(s) - len(modules)} returns to a module left before")
+    print(
+      f"depth {depth}: {n} calls in {len(s)} stretches over {len(modules)} modules: "
+      f"{len(s) - len(modules)} returns to a module left before"
+    )
     if args.list:
       for m, c in s:
         print(f"  {m.removeprefix('transformer_jax.')} x{c}")

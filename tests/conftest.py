@@ -15,19 +15,20 @@ import random
 # more than they save (about half of every compilation). Set before JAX starts its backend; commands
 # run in subprocesses inherit it. Numerics are unchanged (no fast-math either way).
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_backend_optimization_level=0").strip()
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+  ).strip()
 # On a GPU, XLA may pick kernels that differ in the last bits between runs and processes (atomic
 # scatter-adds, autotuned gemms): tests that expect a resumed run to equal an uninterrupted one to
 # the last bit ask for deterministic ones. No effect on CPU.
 if "xla_gpu_deterministic_ops" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_gpu_deterministic_ops=true"
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import pytest
 
-from transformer_jax.backends.cpu import onednn  # noqa: E402
-from transformer_jax.models import config as config_lib  # noqa: E402
+from transformer_jax.backends.cpu import onednn
+from transformer_jax.models import config as config_lib
 
 # Tests compare float32 results with float64 NumPy and with PyTorch. Left to JAX, NVIDIA GPUs compute
 # float32 dots in TensorFloat-32 and TPUs in one bfloat16 pass, so ops and layers called directly
@@ -41,7 +42,7 @@ FORCED_IMPL = os.environ.get("TJAX_ATTENTION_IMPL") or None
 # the persistent compilation cache itself, tests/test_hardware.py the matmul limits, in temporary
 # folders).
 os.environ.setdefault("TJAX_COMPILATION_CACHE", "0")
-os.environ.setdefault("TJAX_MATMUL_LIMIT_CACHE", "0")   # matmul limits: tests/test_hardware.py
+os.environ.setdefault("TJAX_MATMUL_LIMIT_CACHE", "0")  # matmul limits: tests/test_hardware.py
 
 
 def pytest_report_header(config):
@@ -53,8 +54,10 @@ def pytest_configure(config):
   if FORCED_IMPL is None:
     return
   if FORCED_IMPL not in config_lib._ATTENTION_IMPLS:
-    raise pytest.UsageError(f"TJAX_ATTENTION_IMPL={FORCED_IMPL!r} must be one of "
-                            f"{', '.join(map(repr, config_lib._ATTENTION_IMPLS[1:]))}")
+    raise pytest.UsageError(
+      f"TJAX_ATTENTION_IMPL={FORCED_IMPL!r} must be one of "
+      f"{', '.join(map(repr, config_lib._ATTENTION_IMPLS[1:]))}"
+    )
   patch = pytest.MonkeyPatch()
   for cls in (config_lib.GPTConfig, config_lib.BERTConfig, config_lib.Seq2SeqConfig):
     patch.setattr(cls, "__post_init__", _forcing(cls.__post_init__))
@@ -66,6 +69,7 @@ def _forcing(post_init):
     if self.attention_impl is None:
       object.__setattr__(self, "attention_impl", FORCED_IMPL)  # frozen dataclass
     post_init(self)
+
   return wrapped
 
 
@@ -76,8 +80,28 @@ def text_dataset(tmp_path_factory):
 
   root = tmp_path_factory.mktemp("corpus")
   rng = random.Random(0)
-  words = ["alpha", "beta", "gamma", "delta", "value", "return", "self", "def", "class", "for",
-           "in", "range", "print", "if", "else", "x", "y", "z", "the", "of"]
+  words = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "value",
+    "return",
+    "self",
+    "def",
+    "class",
+    "for",
+    "in",
+    "range",
+    "print",
+    "if",
+    "else",
+    "x",
+    "y",
+    "z",
+    "the",
+    "of",
+  ]
   for d in range(40):
     lines = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))) for _ in range(30)]
     (root / f"doc{d:02d}.txt").write_text("\n".join(lines) + "\n")
@@ -130,6 +154,8 @@ def pytest_terminal_summary(terminalreporter):
   """Names the machine at the very end: CI shows only the tail of the output, and a failure that
   only one machine sees (a crash in a compute library) is the CPU's as often as the code's."""
   from transformer_jax.bench import machine
+
   terminalreporter.write_line(
-      f"machine: {machine.cpu_name()} ({machine.cpu_family()}), {os.cpu_count()} CPUs, "
-      f"flags: {' '.join(machine.cpu_flags())}; jax {jax.__version__}")
+    f"machine: {machine.cpu_name()} ({machine.cpu_family()}), {os.cpu_count()} CPUs, "
+    f"flags: {' '.join(machine.cpu_flags())}; jax {jax.__version__}"
+  )

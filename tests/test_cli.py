@@ -17,7 +17,7 @@ def test_bench_json_never_writes_over_a_file_it_did_not_write(tmp_path, monkeypa
   assert code == 2 and err.count("\n") == 1 and ran == []
   assert f"--json {mine} exists and is not a tjax bench result" in err
   assert mine.read_text() == '{"mine": true}\n'
-  earlier = tmp_path / "bench.json"   # an earlier result of the same command: written again
+  earlier = tmp_path / "bench.json"  # an earlier result of the same command: written again
   earlier.write_text(json.dumps({"command": "tjax bench attention", "rows": []}))
   code, _, err = run_cli("bench", "attention", "--json", str(earlier))
   assert code == 0 and len(ran) == 1, err

@@ -9,20 +9,23 @@ import pytest
 from transformer_jax import hardware
 
 
-@pytest.mark.parametrize("kind,dtype,want", [
+@pytest.mark.parametrize(
+  "kind,dtype,want",
+  [
     ("NVIDIA H100 80GB HBM3", "bfloat16", 989.4e12),
     ("NVIDIA H100 80GB HBM3", "float32", 66.9e12),
-    ("NVIDIA H100 PCIe", "bfloat16", 756e12),      # not the SXM part: "h100 pcie" is tried first
+    ("NVIDIA H100 PCIe", "bfloat16", 756e12),  # not the SXM part: "h100 pcie" is tried first
     ("nvidia h100 pcie", "float32", 51.2e12),
     ("NVIDIA H200", "bfloat16", 989.4e12),
     ("NVIDIA A100-SXM4-80GB", "bfloat16", 312e12),
     ("NVIDIA A100-SXM4-40GB", "float32", 19.5e12),
     ("TPU v4", "bfloat16", 275e12),
-    ("TPU v5 lite", "bfloat16", 197e12),           # v5e, not v5p
+    ("TPU v5 lite", "bfloat16", 197e12),  # v5e, not v5p
     ("TPU v5", "bfloat16", 459e12),
     ("TPU v5p", "bfloat16", 459e12),
     ("TPU v6 lite", "bfloat16", 918e12),
-])
+  ],
+)
 def test_peak_flops_by_kind_and_dtype(kind, dtype, want):
   assert hardware.peak_flops(kind, dtype) == want
 
@@ -30,7 +33,7 @@ def test_peak_flops_by_kind_and_dtype(kind, dtype, want):
 def test_unknown_kinds_and_dtypes_have_no_peak():
   assert hardware.peak_flops("cpu", "float32") is None
   assert hardware.peak_flops("Some Future Accelerator", "bfloat16") is None
-  assert hardware.peak_flops("TPU v4", "float32") is None      # TPUs list bfloat16 only
+  assert hardware.peak_flops("TPU v4", "float32") is None  # TPUs list bfloat16 only
   assert hardware.peak_flops("NVIDIA H100 80GB HBM3", "float8") is None
   assert hardware.peak_flops("TPU v4 lite", "bfloat16") is None  # not taken for a v4
 
@@ -100,7 +103,7 @@ def test_a_damaged_cache_is_measured_again_and_a_limit_only_rises(measured, tmp_
   path.parent.mkdir(parents=True)
   path.write_text("{not json")
   assert hardware.matmul_peak("float32") == (2e11, "measured")
-  assert not hardware.store_limit("float32", 1e11)      # lower: kept as it was
+  assert not hardware.store_limit("float32", 1e11)  # lower: kept as it was
   assert hardware.store_limit("float32", 3e11)
   assert hardware.matmul_peak("float32") == (3e11, "cached")
 
@@ -109,15 +112,17 @@ def test_mfu_never_passes_100_percent_the_limit_rises_instead(measured, tmp_path
   """A limit measured on a busy machine (here 2e11 FLOP/s) is below what a step reaches: the
   MFU is 1 and the machine's limit becomes the step's rate."""
   from transformer_jax.train import metrics
+
   peak, source = hardware.matmul_peak("float32")
   mfu = metrics.MFU(flops_per_token=1e6, peak=peak, source=source, devices=2, dtype="float32")
-  assert mfu(2e5) == pytest.approx(0.5)                   # 1e11 per device: half the limit
-  assert mfu(1e6) == 1.0                                  # 5e11 per device: above it
+  assert mfu(2e5) == pytest.approx(0.5)  # 1e11 per device: half the limit
+  assert mfu(1e6) == 1.0  # 5e11 per device: above it
   assert hardware.matmul_peak("float32") == (5e11, "cached")
-  assert mfu(5e5) == pytest.approx(0.5)                   # counted against the raised limit
-  sheet = metrics.MFU(flops_per_token=1e6, peak=1e11, source="datasheet", devices=1,
-                      dtype="float32")
-  assert sheet(2e5) == pytest.approx(2.0)                 # a datasheet is never rewritten
+  assert mfu(5e5) == pytest.approx(0.5)  # counted against the raised limit
+  sheet = metrics.MFU(
+    flops_per_token=1e6, peak=1e11, source="datasheet", devices=1, dtype="float32"
+  )
+  assert sheet(2e5) == pytest.approx(2.0)  # a datasheet is never rewritten
   assert hardware.matmul_peak("float32") == (5e11, "cached")
 
 

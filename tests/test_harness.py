@@ -24,14 +24,14 @@ def test_compiled_programs_are_released_at_the_end_of_each_folder(request):
 
   double = jax.jit(lambda x: 2 * x)
   np.testing.assert_allclose(double(np.ones(3)), 2.0)
-  assert double._cache_size() == 1   # noqa: SLF001 - the jit function's executables
+  assert double._cache_size() == 1
   conftest.release_compiled_programs()
-  assert double._cache_size() == 0   # noqa: SLF001
-  np.testing.assert_allclose(double(np.ones(3)), 2.0)   # compiled again when called
+  assert double._cache_size() == 0
+  np.testing.assert_allclose(double(np.ones(3)), 2.0)  # compiled again when called
 
 
 @only_on("cpu", "XLA:CPU's oneDNN products")
-def test_releasing_after_a_held_onednn_step_ran_does_not_abort():   # about 9 s: a new process
+def test_releasing_after_a_held_onednn_step_ran_does_not_abort():  # about 9 s: a new process
   """Clearing JAX's caches destroys the executables behind held ``jax.jit`` steps; one with oneDNN
   products destroyed just after a call aborts the process (``backends.cpu.onednn``). A step big
   enough to be still running (or just done) when the release starts, ten times, in a fresh
@@ -52,7 +52,12 @@ def test_releasing_after_a_held_onednn_step_ran_does_not_abort():   # about 9 s:
         conftest.release_compiled_programs()
       print("released", float(y[0, 0, 0]))
   """)
-  out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                       cwd=pathlib.Path(__file__).parent.parent, timeout=600)
+  out = subprocess.run(
+    [sys.executable, "-c", script],
+    capture_output=True,
+    text=True,
+    cwd=pathlib.Path(__file__).parent.parent,
+    timeout=600,
+  )
   assert out.returncode == 0, out.stderr[-2000:]
   assert out.stdout.split() == ["released", "393.0"]

@@ -10,9 +10,12 @@ PACKAGE = os.path.dirname(os.path.abspath(tj.__file__))
 
 # (module file, private name): a kernel's second form sharing the first form's argument checks.
 ALLOWED = {
-    ("ops/ssm_pallas.py", "_check_chunk"), ("ops/ssm_pallas.py", "_check_mask"),
-    ("ops/ssm_pallas.py", "_masked_dt"), ("ops/ssm_pallas.py", "_clamped_dt"),
-    ("hf/reformer.py", "_ACTIVATIONS_BACK"), ("hf/reformer.py", "_activation"),
+  ("ops/ssm_pallas.py", "_check_chunk"),
+  ("ops/ssm_pallas.py", "_check_mask"),
+  ("ops/ssm_pallas.py", "_masked_dt"),
+  ("ops/ssm_pallas.py", "_clamped_dt"),
+  ("hf/reformer.py", "_ACTIVATIONS_BACK"),
+  ("hf/reformer.py", "_activation"),
 }
 
 
@@ -37,15 +40,21 @@ def private_uses(source: str) -> list[tuple[int, str]]:
         if alias.name.startswith("transformer_jax"):
           imported.add(alias.asname or alias.name.split(".")[0])
   for node in ast.walk(tree):
-    if (isinstance(node, ast.Attribute) and _private(node.attr)
-        and isinstance(node.value, ast.Name) and node.value.id in imported):
+    if (
+      isinstance(node, ast.Attribute)
+      and _private(node.attr)
+      and isinstance(node.value, ast.Name)
+      and node.value.id in imported
+    ):
       out.append((node.lineno, f"{node.value.id}.{node.attr}"))
   return out
 
 
 def test_the_scan_finds_both_spellings():
-  src = ("from transformer_jax.ops import ssm as s\nfrom transformer_jax.x import _y\n"
-         "import transformer_jax\ns._z(1)\ntransformer_jax.__version__\nlocal._w\n")
+  src = (
+    "from transformer_jax.ops import ssm as s\nfrom transformer_jax.x import _y\n"
+    "import transformer_jax\ns._z(1)\ntransformer_jax.__version__\nlocal._w\n"
+  )
   assert private_uses(src) == [(2, "from transformer_jax.x import _y"), (4, "s._z")]
 
 
@@ -67,9 +76,10 @@ def test_no_module_imports_another_modules_private_names():
 def test_loading_a_run_is_a_library_call():
   from transformer_jax import runs
   from transformer_jax.generate import commands
+
   assert tj.load_run is runs.load_run and tj.load_model is runs.load_model
   assert runs.load_run.__module__ == "transformer_jax.runs.load"
-  assert commands.load_run is runs.load_run   # the older import path still works
+  assert commands.load_run is runs.load_run  # the older import path still works
 
 
 def test_the_library_does_not_import_the_benchmarks():
@@ -86,8 +96,13 @@ def test_the_library_does_not_import_the_benchmarks():
       with open(os.path.join(folder, name)) as f:
         tree = ast.parse(f.read())
       for node in ast.walk(tree):
-        names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
-                 else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+        names = (
+          [node.module or ""]
+          if isinstance(node, ast.ImportFrom)
+          else [a.name for a in node.names]
+          if isinstance(node, ast.Import)
+          else []
+        )
         imported = [n for n in names if n.startswith("transformer_jax.bench")]
         if isinstance(node, ast.ImportFrom) and node.module == "transformer_jax":
           imported += [a.name for a in node.names if a.name == "bench"]

@@ -21,15 +21,25 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(REPO, "README.md")
-TJAX_SUBCOMMANDS = {"info", "prepare", "train", "eval", "generate", "fill-mask", "convert", "bench",
-                    "report"}
+TJAX_SUBCOMMANDS = {
+  "info",
+  "prepare",
+  "train",
+  "eval",
+  "generate",
+  "fill-mask",
+  "convert",
+  "bench",
+  "report",
+}
 
 # Python blocks that do not run everywhere, by the README section they sit in: the reason, and a
 # path (relative to the repository) whose presence lets the block run from the repository root.
 PYTHON_NEEDS = {
-    "Loading a trained run in Python": (
-        "needs the demo run runs/gpt_tiny (`make demo`, ~4 min on 2 cores)",
-        "runs/gpt_tiny/final.json"),
+  "Loading a trained run in Python": (
+    "needs the demo run runs/gpt_tiny (`make demo`, ~4 min on 2 cores)",
+    "runs/gpt_tiny/final.json",
+  ),
 }
 
 
@@ -72,10 +82,17 @@ def _commands(text, transcript=False):
 
 
 BLOCKS = _blocks()
-PYTHON = [(f"{section}:{line}", text, section) for info, text, line, section in BLOCKS
-          if info.split()[:1] == ["python"]]
-QUICK = [(f"{section}:{line}", cmd) for info, text, line, section in BLOCKS
-         if info.split() == ["bash", "quick"] for cmd in _commands(text)]
+PYTHON = [
+  (f"{section}:{line}", text, section)
+  for info, text, line, section in BLOCKS
+  if info.split()[:1] == ["python"]
+]
+QUICK = [
+  (f"{section}:{line}", cmd)
+  for info, text, line, section in BLOCKS
+  if info.split() == ["bash", "quick"]
+  for cmd in _commands(text)
+]
 
 
 def test_the_readme_has_what_this_test_runs():
@@ -108,8 +125,9 @@ def test_python_block_runs(name, text, section, tmp_path):
     cwd = REPO
   script = tmp_path / "block.py"
   script.write_text(text)
-  res = subprocess.run([sys.executable, str(script)], cwd=cwd, env=_env(), capture_output=True,
-                       text=True, timeout=300)
+  res = subprocess.run(
+    [sys.executable, str(script)], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=300
+  )
   assert res.returncode == 0, f"README {name}:\n{res.stderr[-3000:]}"
   # Text a block prints is text: no special tokens a model should not write ([UNK], [PAD]).
   assert not re.search(r"\[(UNK|PAD|MASK|CLS|SEP)\]", res.stdout), f"README {name}:\n{res.stdout}"
@@ -119,8 +137,9 @@ def test_python_block_runs(name, text, section, tmp_path):
 def test_quick_command_runs(name, command):
   argv = shlex.split(command)
   assert argv[0] == ".venv/bin/tjax", f"README {name}: a quick line runs .venv/bin/tjax: {command}"
-  res = subprocess.run(_tjax() + argv[1:], cwd=REPO, env=_env(), capture_output=True, text=True,
-                       timeout=300)
+  res = subprocess.run(
+    _tjax() + argv[1:], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300
+  )
   assert res.returncode == 0, f"README {name}: {command}\n{res.stderr[-3000:]}"
   assert res.stdout.strip(), f"README {name}: {command} printed nothing"
 
@@ -133,8 +152,9 @@ def test_every_command_line_has_the_one_form():
       words = shlex.split(cmd)
       for i, word in enumerate(words):
         if word in ("tjax", "python", "python3") and (i == 0 or "=" in words[i - 1]):
-          pytest.fail(f"README line {line} ({section}): {cmd!r} calls a bare {word}; write "
-                      f".venv/bin/{word}")
+          pytest.fail(
+            f"README line {line} ({section}): {cmd!r} calls a bare {word}; write .venv/bin/{word}"
+          )
         if word == ".venv/bin/tjax":
           assert words[i + 1] in TJAX_SUBCOMMANDS, f"README line {line}: {cmd!r}"
         if re.fullmatch(r"experiments/[\w./-]+\.(yaml|py|sh|sbatch)", word):

@@ -10,14 +10,18 @@ from transformer_jax import runtime
 from transformer_jax.bench import machine
 from tests.backends import only_on
 
+
 def test_the_core_never_imports_the_bench():
   """runtime and the CPU profile load without any of transformer_jax.bench."""
-  script = ("import sys; from transformer_jax import runtime; "
-            "from transformer_jax.backends.cpu import allocator, measured, microbatches, onednn; "
-            "from transformer_jax.backends.cpu import poll; "
-            "print(sorted(m for m in sys.modules if m.startswith('transformer_jax.bench')))")
-  out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True,
-                       text=True).stdout
+  script = (
+    "import sys; from transformer_jax import runtime; "
+    "from transformer_jax.backends.cpu import allocator, measured, microbatches, onednn; "
+    "from transformer_jax.backends.cpu import poll; "
+    "print(sorted(m for m in sys.modules if m.startswith('transformer_jax.bench')))"
+  )
+  out = subprocess.run(
+    [sys.executable, "-c", script], check=True, capture_output=True, text=True
+  ).stdout
   assert out.strip() == "[]"
 
 
@@ -39,14 +43,19 @@ def test_second_process_loads_the_compiled_step_from_the_cache(tmp_path):
   cache = tmp_path / "xla"
   seen = []
   for _ in range(2):
-    out = subprocess.run([sys.executable, "-c", script, str(cache)], env=env, check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+      [sys.executable, "-c", script, str(cache)],
+      env=env,
+      check=True,
+      capture_output=True,
+      text=True,
+    ).stdout
     folder, hits = out.split()
     assert folder == str(cache)
     seen.append((int(hits), sorted(p for p in os.listdir(cache) if p.endswith("-cache"))))
   (hits0, files0), (hits1, files1) = seen
   assert hits0 == 0 and any(p.startswith("jit__lambda-") for p in files0), files0
-  assert hits1 >= 1 and files1 == files0   # loaded from the folder, nothing compiled anew
+  assert hits1 >= 1 and files1 == files0  # loaded from the folder, nothing compiled anew
 
 
 def test_cache_can_be_turned_off(monkeypatch):
@@ -59,8 +68,10 @@ def test_machine_description_names_cpu_and_flags():
   assert d["cpu"] and isinstance(d["cpu_flags"], list)
   assert d["bf16_hardware"] == any(f in d["cpu_flags"] for f in machine.BF16_FLAGS)
   # How idle CPUs wait, as /sys says (nothing where it says nothing).
-  for key, path in (("driver", "/sys/devices/system/cpu/cpuidle/current_driver"),
-                    ("guest_halt_poll_ns", "/sys/module/haltpoll/parameters/guest_halt_poll_ns")):
+  for key, path in (
+    ("driver", "/sys/devices/system/cpu/cpuidle/current_driver"),
+    ("guest_halt_poll_ns", "/sys/module/haltpoll/parameters/guest_halt_poll_ns"),
+  ):
     if os.path.exists(path):
       with open(path) as f:
         assert str(d["cpu_idle"][key]) == f.read().strip()
@@ -78,5 +89,3 @@ def test_matmul_limit_counts_flops_of_each_layout_and_library():
   dnn = r["per_library"]["onednn"]["64x32x48"]
   assert set(dnn) == {"x@W", "dy@W^T", "x^T@dy"}
   assert r["flops_per_sec"] == max(*rates.values(), *dnn.values()) > 0
-
-

@@ -26,6 +26,7 @@ def test_pyproject_writes_no_version_of_its_own():
 
 def test_the_build_reads_the_package_version():
   from setuptools.config.pyprojecttoml import read_configuration
+
   config = read_configuration(ROOT / "pyproject.toml", expand=True)
   assert config["project"]["version"] == transformer_jax.__version__
 

@@ -33,7 +33,7 @@ def test_attention_maps_draws_the_ops_weights_with_the_mask_visible():
   assert len(axes) == 2
   for ax, head in zip(axes, [0, 3]):
     drawn = _image(ax)
-    np.testing.assert_array_equal(drawn.mask, ~mask)          # future keys greyed out
+    np.testing.assert_array_equal(drawn.mask, ~mask)  # future keys greyed out
     np.testing.assert_allclose(drawn.filled(0.0), weights[head] * mask)
     assert [t.get_text() for t in ax.get_xticklabels()] == tokens
     assert ax.get_title() == f"layer 0, head {head}"
@@ -77,8 +77,8 @@ def test_alibi_biases_per_head_with_the_causal_mask():
 
 def test_loss_curves_plot_every_run_train_and_val():
   runs = {
-      "a": [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0}, {"step": 2, "val_loss": 4.5}],
-      "b": [{"step": 1, "loss": 6.0}, {"step": 3, "loss": 3.0}],
+    "a": [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0}, {"step": 2, "val_loss": 4.5}],
+    "b": [{"step": 1, "loss": 6.0}, {"step": 3, "loss": 3.0}],
   }
   fig = viz.loss_curves(runs, perplexity=True)
   lines = {line.get_label(): line for line in fig.axes[0].lines}
@@ -103,4 +103,3 @@ def test_parameter_breakdown_sums_to_the_models_count():
   assert isinstance(fig, Figure)
   widths = sorted(bar.get_width() for bar in fig.axes[0].patches)
   assert widths == sorted(counts.values())
-

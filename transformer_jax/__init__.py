@@ -15,8 +15,10 @@ def __getattr__(name: str):
   reads runs or trains."""
   if name == "train":
     import importlib
+
     return importlib.import_module("transformer_jax.train")
   if name in ("load_run", "load_model"):
     from transformer_jax import runs
+
     return getattr(runs, name)
   raise AttributeError(f"module 'transformer_jax' has no attribute {name!r}")

@@ -22,8 +22,9 @@ def _bytes(n: float) -> str:
   return f"{n:.0f} B"
 
 
-def info_text(preset: str, *, vocab_size: int | None = None, batch_size: int = 8,
-              seq_len: int | None = None) -> str:
+def info_text(
+  preset: str, *, vocab_size: int | None = None, batch_size: int = 8, seq_len: int | None = None
+) -> str:
   """What ``tjax info PRESET`` prints: parameters, training FLOPs per token, memory estimate."""
   from transformer_jax import models
 
@@ -34,12 +35,12 @@ def info_text(preset: str, *, vocab_size: int | None = None, batch_size: int = 8
   flops = models.train_flops_per_token(cfg, seq_len)
   mem = models.train_memory_bytes(cfg, batch_size, seq_len)
   lines = [
-      f"{preset}: {type(cfg).__name__}",
-      f"  parameters        {pc.total:>16,d}  ({_human(pc.total)})",
-      f"  embedding         {pc.embedding:>16,d}",
-      f"  non-embedding     {pc.non_embedding:>16,d}  ({_human(pc.non_embedding)})",
-      f"  train FLOPs/token {flops:>16,.0f}  ({_human(flops)}; 6N + attention at T={seq_len})",
-      f"  memory estimate   batch={batch_size} seq_len={seq_len}, AdamW fp32, dtype={cfg.dtype}:",
+    f"{preset}: {type(cfg).__name__}",
+    f"  parameters        {pc.total:>16,d}  ({_human(pc.total)})",
+    f"  embedding         {pc.embedding:>16,d}",
+    f"  non-embedding     {pc.non_embedding:>16,d}  ({_human(pc.non_embedding)})",
+    f"  train FLOPs/token {flops:>16,.0f}  ({_human(flops)}; 6N + attention at T={seq_len})",
+    f"  memory estimate   batch={batch_size} seq_len={seq_len}, AdamW fp32, dtype={cfg.dtype}:",
   ]
   lines += [f"    {k:<12s}{_bytes(v):>14s}" for k, v in mem.items()]
   return "\n".join(lines)
@@ -56,20 +57,27 @@ def presets_table() -> str:
 
 
 def _cmd_info(args) -> int:
-  for flag, value in (("--batch-size", args.batch_size), ("--seq-len", args.seq_len),
-                      ("--vocab-size", args.vocab_size)):
+  for flag, value in (
+    ("--batch-size", args.batch_size),
+    ("--seq-len", args.seq_len),
+    ("--vocab-size", args.vocab_size),
+  ):
     if value is not None and value < 1:
       raise ValueError(f"{flag} {value}: expected an integer >= 1")
   if args.preset is None:
     print(presets_table())
     return 0
-  print(info_text(args.preset, vocab_size=args.vocab_size, batch_size=args.batch_size,
-                  seq_len=args.seq_len))
+  print(
+    info_text(
+      args.preset, vocab_size=args.vocab_size, batch_size=args.batch_size, seq_len=args.seq_len
+    )
+  )
   return 0
 
 
 def _cmd_prepare(args) -> int:
   from transformer_jax.data import run_prepare
+
   return run_prepare(args)
 
 
@@ -77,19 +85,25 @@ def _cmd_train(args) -> int:
   if args.dry_run or args.export_for:
     return _dry_run(args)
   if args.devices is not None:
-    raise ValueError(f"--devices {args.devices}: --devices is for --dry-run (a real run uses the "
-                     "devices the machine has)")
+    raise ValueError(
+      f"--devices {args.devices}: --devices is for --dry-run (a real run uses the "
+      "devices the machine has)"
+    )
   from transformer_jax.parallel import distributed
+
   # Before anything touches JAX: a multi-process job must be joined before its backend starts.
-  if distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
-                            auto=args.distributed):
+  if distributed.initialize(
+    args.coordinator_address, args.num_processes, args.process_id, auto=args.distributed
+  ):
     distributed.log_topology()
   from transformer_jax.train import TrainingDiverged, load_experiment, train
+
   exp = load_experiment(args.config, args.overrides)
   hint = " ".join(["tjax train", args.config, *args.overrides])
   try:
-    final = train(exp, progress=False if args.no_progress else None, force_new=args.force_new,
-                  resume_hint=hint)
+    final = train(
+      exp, progress=False if args.no_progress else None, force_new=args.force_new, resume_hint=hint
+    )
   except TrainingDiverged as e:
     print(f"tjax train: {e}", file=sys.stderr)
     return 1
@@ -103,10 +117,12 @@ def _cmd_train(args) -> int:
 def _dry_run(args) -> int:
   from transformer_jax.train import load_experiment
   from transformer_jax.train import dry_run as dry
+
   exp = load_experiment(args.config, args.overrides)
-  dry.simulate_devices(exp, args.devices)   # before JAX starts its backend
+  dry.simulate_devices(exp, args.devices)  # before JAX starts its backend
   if args.export_for:
     from transformer_jax.train import export
+
     stem = os.path.splitext(os.path.basename(args.config))[0]
     if export.run(exp, args.export_for, args.export_dir, stem):
       return 1
@@ -118,22 +134,26 @@ def _dry_run(args) -> int:
 def _cmd_eval(args) -> int:
   import json
   from transformer_jax.train import evaluate_run
+
   print(json.dumps(evaluate_run(args.run_dir, args.overrides, best=args.best), indent=2))
   return 0
 
 
 def _cmd_generate(args) -> int:
   from transformer_jax.generate.commands import run_generate
+
   return run_generate(args)
 
 
 def _cmd_fill_mask(args) -> int:
   from transformer_jax.generate.commands import run_fill_mask
+
   return run_fill_mask(args)
 
 
 def _cmd_convert(args) -> int:
   from transformer_jax.hf import convert
+
   if (args.from_hf is None) == (args.to_hf is None):
     raise ValueError("give exactly one of --from-hf HF_DIR or --to-hf RUN_DIR")
   if args.from_hf is not None:
@@ -150,6 +170,7 @@ def _check_bench_out(path: str) -> None:
   the benchmark runs."""
   import json
   import os
+
   if not path or not os.path.lexists(path):
     return
   if not os.path.isfile(path):
@@ -165,12 +186,14 @@ def _check_bench_out(path: str) -> None:
 
 def _cmd_bench(args) -> int:
   from transformer_jax import bench
+
   _check_bench_out(args.json if args.json is not None else bench.default_json(args.kind))
   if args.kind == "generate":
     from transformer_jax.bench import generate
+
     generate.check_args(args.parser, args)
   raw = args.raw_argv
-  rest = raw[raw.index(args.kind) + 1:] if args.kind in raw else raw
+  rest = raw[raw.index(args.kind) + 1 :] if args.kind in raw else raw
   bench.run(args.kind, args, rest)
   return 0
 
@@ -187,8 +210,10 @@ def _bench_args(kind: str, p: argparse.ArgumentParser) -> None:
 
 def _cmd_report(args) -> int:
   from transformer_jax.report import write_report
-  index = write_report(args.run_dirs, args.out, text=args.text, best=args.best,
-                       experiments=args.experiment)
+
+  index = write_report(
+    args.run_dirs, args.out, text=args.text, best=args.best, experiments=args.experiment
+  )
   print(f"wrote {index}")
   return 0
 
@@ -197,8 +222,13 @@ def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="tjax", description=__doc__)
   parser.add_argument("-v", "--verbose", action="store_true", help="show the traceback of an error")
   common = argparse.ArgumentParser(add_help=False)  # -v also after the command
-  common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                      help="show the traceback of an error")
+  common.add_argument(
+    "-v",
+    "--verbose",
+    action="store_true",
+    default=argparse.SUPPRESS,
+    help="show the traceback of an error",
+  )
   sub = parser.add_subparsers(dest="command", required=True)
   add = sub.add_parser
 
@@ -215,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
   info.set_defaults(func=_cmd_info)
 
   from transformer_jax.data import add_prepare_args
+
   prep = sub.add_parser("prepare", help="tokenize text/jsonl/TSV/stdlib/synthetic into a dataset")
   add_prepare_args(prep)
   prep.set_defaults(func=_cmd_prepare)
@@ -222,33 +253,72 @@ def build_parser() -> argparse.ArgumentParser:
   train = sub.add_parser("train", help="train (or resume) an experiment: CONFIG.yaml key=value ...")
   train.add_argument("config")
   train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=200")
-  train.add_argument("--no-progress", action="store_true",
-                     help="plain log lines instead of the tqdm bar (the default without a "
-                     "terminal)")
-  train.add_argument("--check-bars", action="store_true",
-                     help="exit 3 when a learning bar of the experiment is not reached (they are "
-                     "always reported)")
-  train.add_argument("--force-new", action="store_true",
-                     help="start over in an existing run_dir (what the old run wrote is removed)")
-  train.add_argument("--distributed", action="store_true",
-                     help="multi-process: jax.distributed.initialize() detects the cluster (TPU "
-                     "pod, SLURM, Open MPI)")
-  train.add_argument("--coordinator-address", metavar="HOST:PORT", default=None,
-                     help="multi-process: process 0's address (else $JAX_COORDINATOR_ADDRESS)")
-  train.add_argument("--num-processes", metavar="N", type=int, default=None,
-                     help="multi-process: number of processes (else $JAX_NUM_PROCESSES)")
-  train.add_argument("--process-id", metavar="I", type=int, default=None,
-                     help="multi-process: this process's id in [0, N) (else $JAX_PROCESS_ID)")
-  train.add_argument("--dry-run", action="store_true",
-                     help="compile the train step for the configured mesh on simulated CPU devices "
-                     "and print per-device memory; trains nothing, reads no data")
-  train.add_argument("--devices", metavar="N", type=int, default=None,
-                     help="--dry-run: devices to simulate (default: the product of the mesh sizes)")
-  train.add_argument("--export-for", choices=("tpu", "cuda"), default=None,
-                     help="export the train step for this platform from this host (jax.export, "
-                     "on simulated devices) and check its kernels, shardings and host transfers")
-  train.add_argument("--export-dir", default=os.path.join("runs", "export"),
-                     help="--export-for: where the module and its report go")
+  train.add_argument(
+    "--no-progress",
+    action="store_true",
+    help="plain log lines instead of the tqdm bar (the default without a terminal)",
+  )
+  train.add_argument(
+    "--check-bars",
+    action="store_true",
+    help="exit 3 when a learning bar of the experiment is not reached (they are always reported)",
+  )
+  train.add_argument(
+    "--force-new",
+    action="store_true",
+    help="start over in an existing run_dir (what the old run wrote is removed)",
+  )
+  train.add_argument(
+    "--distributed",
+    action="store_true",
+    help="multi-process: jax.distributed.initialize() detects the cluster (TPU "
+    "pod, SLURM, Open MPI)",
+  )
+  train.add_argument(
+    "--coordinator-address",
+    metavar="HOST:PORT",
+    default=None,
+    help="multi-process: process 0's address (else $JAX_COORDINATOR_ADDRESS)",
+  )
+  train.add_argument(
+    "--num-processes",
+    metavar="N",
+    type=int,
+    default=None,
+    help="multi-process: number of processes (else $JAX_NUM_PROCESSES)",
+  )
+  train.add_argument(
+    "--process-id",
+    metavar="I",
+    type=int,
+    default=None,
+    help="multi-process: this process's id in [0, N) (else $JAX_PROCESS_ID)",
+  )
+  train.add_argument(
+    "--dry-run",
+    action="store_true",
+    help="compile the train step for the configured mesh on simulated CPU devices "
+    "and print per-device memory; trains nothing, reads no data",
+  )
+  train.add_argument(
+    "--devices",
+    metavar="N",
+    type=int,
+    default=None,
+    help="--dry-run: devices to simulate (default: the product of the mesh sizes)",
+  )
+  train.add_argument(
+    "--export-for",
+    choices=("tpu", "cuda"),
+    default=None,
+    help="export the train step for this platform from this host (jax.export, "
+    "on simulated devices) and check its kernels, shardings and host transfers",
+  )
+  train.add_argument(
+    "--export-dir",
+    default=os.path.join("runs", "export"),
+    help="--export-for: where the module and its report go",
+  )
   train.set_defaults(func=_cmd_train)
 
   ev = sub.add_parser("eval", help="evaluate a run directory's latest (or best) checkpoint")
@@ -258,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
   ev.set_defaults(func=_cmd_eval)
 
   from transformer_jax.generate.commands import add_fill_mask_args, add_generate_args
+
   gen = sub.add_parser("generate", help="continue a prompt with a run's model (sampling or beams)")
   add_generate_args(gen)
   gen.set_defaults(func=_cmd_generate)
@@ -275,22 +346,37 @@ def build_parser() -> argparse.ArgumentParser:
   bench = sub.add_parser("bench", help="benchmarks against PyTorch and the machine's limits")
   kinds = bench.add_subparsers(dest="kind", required=True)
   from transformer_jax.bench import KINDS
-  helps = {"train": "the training step vs PyTorch eager (interleaved), MFU",
-           "generate": "greedy generation vs transformers, share of the bandwidth floor",
-           "attention": "attention forward+backward per implementation"}
+
+  helps = {
+    "train": "the training step vs PyTorch eager (interleaved), MFU",
+    "generate": "greedy generation vs transformers, share of the bandwidth floor",
+    "attention": "attention forward+backward per implementation",
+  }
   for kind in KINDS:
-    kp = kinds.add_parser(kind, help=helps[kind], parents=[common],
-                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    kp = kinds.add_parser(
+      kind,
+      help=helps[kind],
+      parents=[common],
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     _bench_args(kind, kp)
-    kp.add_argument("--json", default=None,
-                    help="where to write the JSON (default runs/bench/bench_KIND.json under the "
-                         "current folder; '' writes none)")
+    kp.add_argument(
+      "--json",
+      default=None,
+      help="where to write the JSON (default runs/bench/bench_KIND.json under the "
+      "current folder; '' writes none)",
+    )
     kp.set_defaults(func=_cmd_bench, parser=kp)
 
   report = sub.add_parser("report", help="one self-contained HTML page (and PNGs) of runs")
   report.add_argument("run_dirs", nargs="*", metavar="RUN_DIR")
-  report.add_argument("--experiment", action="append", default=[], metavar="JSON",
-                      help="also show an experiment's result (experiments/efficient_attention.py)")
+  report.add_argument(
+    "--experiment",
+    action="append",
+    default=[],
+    metavar="JSON",
+    help="also show an experiment's result (experiments/efficient_attention.py)",
+  )
   report.add_argument("--text", default=None, help="draw the attention maps for this text")
   report.add_argument("--out", required=True, metavar="DIR", help="writes DIR/index.html")
   report.add_argument("--best", action="store_true", help="the best checkpoint, not the latest")
@@ -306,6 +392,7 @@ _error_reported = False  # main caught an exception and reported it in one line 
 def _one_line(e: BaseException) -> str:
   """A one-line description of an error, naming the file for I/O errors."""
   from transformer_jax.runs import describe_oserror
+
   seen = source = e
   while seen is not None and not isinstance(seen, ValueError):  # an OSError wrapped by a library
     if isinstance(seen, OSError):
@@ -315,11 +402,14 @@ def _one_line(e: BaseException) -> str:
       break
     seen = seen.__cause__ or (None if seen.__suppress_context__ else seen.__context__)
   import re
+
   text = " ".join(str(source).split()) or type(source).__name__
   # Checkpoint writes go through tensorstore, whose errors carry an absl status and the file.
   file = re.search(r'(?:local )?file "([^"]+)"', text)
-  for marks, reason in ((("RESOURCE_EXHAUSTED", "No space left"), "no space left on the device"),
-                        (("PERMISSION_DENIED", "Permission denied"), "permission denied")):
+  for marks, reason in (
+    (("RESOURCE_EXHAUSTED", "No space left"), "no space left on the device"),
+    (("PERMISSION_DENIED", "Permission denied"), "permission denied"),
+  ):
     if any(m in text for m in marks):
       return f"{file.group(1) if file else text}: {reason}"
   text = text.split(" See full TensorStore details")[0]
@@ -330,7 +420,8 @@ def _drop_closed_loop_reports(unraisable, _default=sys.unraisablehook) -> None:
   # When a checkpoint write fails, tensorstore's pending callbacks reach orbax's closed asyncio
   # loop and each reports "Event loop is closed": echoes of the failure reported in one line.
   if isinstance(unraisable.exc_value, RuntimeError) and "Event loop is closed" in str(
-      unraisable.exc_value):
+    unraisable.exc_value
+  ):
     return
   _default(unraisable)
 
@@ -353,10 +444,12 @@ def main(argv: list[str] | None = None) -> int:
     # orbax logs the tracebacks of its background threads through absl; the one line below
     # reports the failure (-v keeps them).
     import logging
+
     logging.getLogger("absl").setLevel(logging.CRITICAL)
     logging.getLogger("tensorboardX").setLevel(logging.ERROR)  # the guard reports a NaN itself
     sys.unraisablehook = _drop_closed_loop_reports
   from transformer_jax import runtime
+
   runtime.enable_compilation_cache()
   try:
     return args.func(args)
@@ -365,11 +458,12 @@ def main(argv: list[str] | None = None) -> int:
       raise
     print(f"tjax {args.command}: interrupted", file=sys.stderr)
     return 130
-  except Exception as e:  # noqa: BLE001 (every failure becomes one line; -v shows the traceback)
+  except Exception as e:
     if args.verbose:
       raise
     bad_input = isinstance(e, (ValueError, OSError)) or type(e).__module__.startswith(
-        ("yaml", "orbax", "tensorstore"))
+      ("yaml", "orbax", "tensorstore")
+    )
     hint = "" if bad_input else " (-v for the traceback)"
     print(f"tjax {args.command}: error: {_one_line(e)}{hint}", file=sys.stderr)
     _error_reported = True
@@ -384,6 +478,7 @@ def launch() -> None:
   import os
 
   from transformer_jax.backends.cpu import allocator
+
   try:
     env = allocator.allocator_env()
   except ValueError as e:  # a bad TJAX_MALLOC: one line, before anything runs
@@ -411,9 +506,10 @@ def _quiet_after_the_error() -> None:
   long) only echoes it. Only after a caught exception: ``-v`` re-raises before this point and
   keeps everything, and other non-zero exits (a diverged run, an unmet learning bar) too."""
   import os
+
   sys.stderr.flush()
   devnull = os.open(os.devnull, os.O_WRONLY)
-  os.dup2(devnull, sys.stderr.fileno())   # C++ logging writes to fd 2 directly
+  os.dup2(devnull, sys.stderr.fileno())  # C++ logging writes to fd 2 directly
   os.close(devnull)
 
 

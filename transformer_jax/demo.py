@@ -13,8 +13,14 @@ from transformer_jax import cli, models
 def main() -> None:
   key = jax.random.key(0)
   tokens = jax.random.randint(key, (2, 32), 0, 512)
-  for name in ("gpt2-tiny", "llama-tiny", "gpt-alibi-tiny", "bert-tiny", "transformer-tiny",
-               "t5-tiny"):
+  for name in (
+    "gpt2-tiny",
+    "llama-tiny",
+    "gpt-alibi-tiny",
+    "bert-tiny",
+    "transformer-tiny",
+    "t5-tiny",
+  ):
     cfg = models.get_config(name, vocab_size=512)
     model = models.create(cfg)
     start = time.perf_counter()
@@ -26,8 +32,10 @@ def main() -> None:
       case _:
         out = model(tokens)
     out.block_until_ready()
-    print(f"{name:<18s} {models.count_params(cfg):>9,d} params  forward {tuple(out.shape)} "
-          f"in {time.perf_counter() - start:.2f}s")
+    print(
+      f"{name:<18s} {models.count_params(cfg):>9,d} params  forward {tuple(out.shape)} "
+      f"in {time.perf_counter() - start:.2f}s"
+    )
   print()
   for preset in ("gpt2-small", "bert-base", "t5-small", "llama3-8b"):
     print(cli.info_text(preset))

@@ -26,8 +26,20 @@ import jax
 import jax.numpy as jnp
 
 # cpuinfo flags that decide which kernels are fast: vector width, FMA, bfloat16 and AMX units.
-_FLAGS_OF_INTEREST = ("avx", "avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16",
-                      "amx_tile", "amx_int8", "asimd", "sve", "bf16")
+_FLAGS_OF_INTEREST = (
+  "avx",
+  "avx2",
+  "fma",
+  "avx512f",
+  "avx512_bf16",
+  "avx512_vnni",
+  "amx_bf16",
+  "amx_tile",
+  "amx_int8",
+  "asimd",
+  "sve",
+  "bf16",
+)
 # The flags of CPUs with bfloat16 matrix instructions (AVX-512 BF16, AMX).
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
@@ -72,24 +84,25 @@ def has_bf16_units() -> bool:
   emulates bfloat16 products through float32 conversions."""
   return any(f in _cpuinfo()[1] for f in BF16_FLAGS)
 
+
 # (normalized device-kind substring, {dtype: dense peak FLOP/s}), matched in this order: a more
 # specific kind comes before the kinds whose names it contains ("h100 pcie" before "h100",
 # "tpu v5 lite" before "tpu v5"). An empty table marks a kind known to have no figure here.
 PEAK_FLOPS: tuple[tuple[str, dict[str, float]], ...] = (
-    ("h100 pcie", {"bfloat16": 756e12, "float32": 51.2e12}),
-    ("h100 nvl", {"bfloat16": 835.5e12, "float32": 60e12}),
-    ("h100", {"bfloat16": 989.4e12, "float32": 66.9e12}),
-    ("h200 nvl", {"bfloat16": 835.5e12, "float32": 60e12}),
-    ("h200", {"bfloat16": 989.4e12, "float32": 66.9e12}),
-    ("a100", {"bfloat16": 312e12, "float32": 19.5e12}),
-    ("tpu v4 lite", {}),
-    ("tpu v4", {"bfloat16": 275e12}),
-    ("tpu v5 lite", {"bfloat16": 197e12}),
-    ("tpu v5e", {"bfloat16": 197e12}),
-    ("tpu v5p", {"bfloat16": 459e12}),
-    ("tpu v5", {"bfloat16": 459e12}),
-    ("tpu v6 lite", {"bfloat16": 918e12}),
-    ("tpu v6e", {"bfloat16": 918e12}),
+  ("h100 pcie", {"bfloat16": 756e12, "float32": 51.2e12}),
+  ("h100 nvl", {"bfloat16": 835.5e12, "float32": 60e12}),
+  ("h100", {"bfloat16": 989.4e12, "float32": 66.9e12}),
+  ("h200 nvl", {"bfloat16": 835.5e12, "float32": 60e12}),
+  ("h200", {"bfloat16": 989.4e12, "float32": 66.9e12}),
+  ("a100", {"bfloat16": 312e12, "float32": 19.5e12}),
+  ("tpu v4 lite", {}),
+  ("tpu v4", {"bfloat16": 275e12}),
+  ("tpu v5 lite", {"bfloat16": 197e12}),
+  ("tpu v5e", {"bfloat16": 197e12}),
+  ("tpu v5p", {"bfloat16": 459e12}),
+  ("tpu v5", {"bfloat16": 459e12}),
+  ("tpu v6 lite", {"bfloat16": 918e12}),
+  ("tpu v6e", {"bfloat16": 918e12}),
 )
 
 
@@ -138,6 +151,7 @@ def share_gpu_memory() -> bool:
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   try:
     from jax._src import xla_bridge  # noqa: PLC0415 - private jax module: may move or go
+
     return not xla_bridge.backends_are_initialized()
   except (ImportError, AttributeError):
     return False
@@ -167,8 +181,10 @@ def limit_key(dtype: str) -> str:
   CPUs this process may use, the JAX version and the products' dtype."""
 
   cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-  return (f"{cpu_name()} ({cpu_family()}); flags {' '.join(cpu_flags()) or '-'}; {cpus} CPUs; "
-          f"jax {jax.__version__}; {dtype}")
+  return (
+    f"{cpu_name()} ({cpu_family()}); flags {' '.join(cpu_flags()) or '-'}; {cpus} CPUs; "
+    f"jax {jax.__version__}; {dtype}"
+  )
 
 
 def _read_limits(path: str) -> dict:
@@ -223,7 +239,6 @@ def store_limit(dtype: str, flops: float) -> bool:
 def measure_matmul(dtype: str) -> float:
   """The best of five ``PEAK_PROBE``-square products in ``dtype`` (float32 accumulation) on the
   default device, in FLOP/s."""
-
 
   n = PEAK_PROBE
   a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)

@@ -33,16 +33,36 @@ from transformer_jax import models
 from transformer_jax.layers.dense import Projection, einsum_dims
 from transformer_jax.parallel import axes as ax
 
-TARGETS = ("query", "key", "value", "out", "mlp_in", "mlp_out", "ssm_in", "ssm_x", "ssm_dt",
-           "ssm_out")
+TARGETS = (
+  "query",
+  "key",
+  "value",
+  "out",
+  "mlp_in",
+  "mlp_out",
+  "ssm_in",
+  "ssm_x",
+  "ssm_dt",
+  "ssm_out",
+)
 # Attribute name of a projection in its parent -> target name.
-_ATTR_TARGET = {("attn", "query"): "query", ("attn", "key"): "key", ("attn", "value"): "value",
-                ("attn", "out"): "out", ("cross_attn", "query"): "query",
-                ("cross_attn", "key"): "key", ("cross_attn", "value"): "value",
-                ("cross_attn", "out"): "out", ("mlp", "up"): "mlp_in", ("mlp", "gate"): "mlp_in",
-                ("mlp", "down"): "mlp_out", ("mixer", "in_proj"): "ssm_in",
-                ("mixer", "x_proj"): "ssm_x", ("mixer", "dt_proj"): "ssm_dt",
-                ("mixer", "out_proj"): "ssm_out"}
+_ATTR_TARGET = {
+  ("attn", "query"): "query",
+  ("attn", "key"): "key",
+  ("attn", "value"): "value",
+  ("attn", "out"): "out",
+  ("cross_attn", "query"): "query",
+  ("cross_attn", "key"): "key",
+  ("cross_attn", "value"): "value",
+  ("cross_attn", "out"): "out",
+  ("mlp", "up"): "mlp_in",
+  ("mlp", "gate"): "mlp_in",
+  ("mlp", "down"): "mlp_out",
+  ("mixer", "in_proj"): "ssm_in",
+  ("mixer", "x_proj"): "ssm_x",
+  ("mixer", "dt_proj"): "ssm_dt",
+  ("mixer", "out_proj"): "ssm_out",
+}
 # What a LoRA run trains: the adapters and a classification head (new for the task).
 TRAINABLE = nnx.Any(nnx.LoRAParam, nnx.PathContains("classifier"))
 
@@ -77,15 +97,14 @@ class Adapter(nnx.Module):
     _, k_letters, _ = einsum_dims(proj.einsum)
     n_in = proj.contracted_dims()
     kernel = proj.kernel
-    lead = kernel.ndim - len(k_letters)         # stacked layers in front
+    lead = kernel.ndim - len(k_letters)  # stacked layers in front
     shape = tuple(kernel.shape)
     axes = tuple(nnx.get_partition_spec(nnx.state(proj))["kernel"])
-    in_dims, out_dims = shape[lead:lead + n_in], shape[lead + n_in:]
+    in_dims, out_dims = shape[lead : lead + n_in], shape[lead + n_in :]
     self.in_shape, self.out_shape = in_dims, out_dims
     self.scale = alpha / rank
     d_in, d_out = math.prod(in_dims), math.prod(out_dims)
-    self.lora = nnx.LoRA(d_in, rank, d_out, dtype=proj.dtype, param_dtype=kernel.dtype,
-                         rngs=rngs)
+    self.lora = nnx.LoRA(d_in, rank, d_out, dtype=proj.dtype, param_dtype=kernel.dtype, rngs=rngs)
     # The flattened dims keep the name of their leading (major) axis: a split of it over the mesh
     # is the same split as the kernel's.
     lead_axes = axes[:lead]
@@ -104,7 +123,7 @@ class Adapter(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     n = len(self.in_shape)
-    x_flat = x.reshape(*x.shape[:x.ndim - n], -1)
+    x_flat = x.reshape(*x.shape[: x.ndim - n], -1)
     y = self.lora(x_flat) * jnp.asarray(self.scale, x_flat.dtype)
     return y.reshape(*y.shape[:-1], *self.out_shape)
 
@@ -135,8 +154,9 @@ def add_adapters(model: nnx.Module, config: LoRAConfig, *, rngs: nnx.Rngs) -> nn
   """
   found = _targeted(model, config.targets)
   if not found:
-    raise ValueError(f"lora.targets={list(config.targets)}: no such projection in this "
-                     f"{type(model).__name__}")
+    raise ValueError(
+      f"lora.targets={list(config.targets)}: no such projection in this {type(model).__name__}"
+    )
   for path, proj in found:
     if proj.lora is not None:
       raise ValueError(f"{'/'.join(map(str, path))} already has a LoRA adapter")
@@ -154,8 +174,9 @@ def merge(model: nnx.Module) -> nnx.Module:
   for _, proj in list(nnx.iter_modules(model)):
     if isinstance(proj, Projection) and proj.lora is not None:
       kernel = proj.kernel[...]
-      proj.kernel[...] = (kernel.astype(jnp.float32)
-                          + proj.lora.delta().astype(jnp.float32)).astype(kernel.dtype)
+      proj.kernel[...] = (
+        kernel.astype(jnp.float32) + proj.lora.delta().astype(jnp.float32)
+      ).astype(kernel.dtype)
       proj.lora = None
   return model
 
@@ -175,13 +196,13 @@ def split(model: nnx.Module):
 # Pure-function forms for the trainer (configs in, states out).
 
 
-def create(model_config, config: LoRAConfig, key: jax.Array, mesh=None,
-           backend=None) -> nnx.Module:
+def create(model_config, config: LoRAConfig, key: jax.Array, mesh=None, backend=None) -> nnx.Module:
   """The model of ``model_config`` with adapters, built for ``mesh`` and ``backend`` (see
   ``models.create``); the base parameters come from ``key`` exactly as
   ``models.init(model_config, key)`` makes them, the adapters from a key folded from it."""
-  model = models.model_class(model_config)(model_config, rngs=nnx.Rngs(params=key), mesh=mesh,
-                                           backend=backend)
+  model = models.model_class(model_config)(
+    model_config, rngs=nnx.Rngs(params=key), mesh=mesh, backend=backend
+  )
   return add_adapters(model, config, rngs=nnx.Rngs(params=jax.random.fold_in(key, 0x10A)))
 
 

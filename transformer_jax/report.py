@@ -32,7 +32,7 @@ MAX_TEXT_TOKENS = 48  # attention maps past this many tokens are unreadable
 
 @dataclasses.dataclass
 class _Picture:
-  file: str           # PNG name inside the output directory
+  file: str  # PNG name inside the output directory
   caption: str
   png: bytes
 
@@ -96,19 +96,28 @@ def _position_picture(config: models.ModelConfig, model) -> tuple[Figure, str] |
   match position:
     case "learned":
       table = np.asarray(model.pos_embed.embedding[...], np.float32)[:length]
-      return (viz.positional_encoding(table, title="Learned position embeddings"),
-              "Learned position table (rows of the trained embedding).")
+      return (
+        viz.positional_encoding(table, title="Learned position embeddings"),
+        "Learned position table (rows of the trained embedding).",
+      )
     case "sinusoidal":
       table = np.asarray(ops.sinusoidal_positions(length, config.d_model))
-      return (viz.positional_encoding(table, title="Sinusoidal positional encoding"),
-              "The fixed sinusoidal table added to the token embeddings.")
+      return (
+        viz.positional_encoding(table, title="Sinusoidal positional encoding"),
+        "The fixed sinusoidal table added to the token embeddings.",
+      )
     case "rope":
-      return (viz.rope_angles(config.head_size, length, theta=config.rope_theta,
-                              scaling=config.rope_scaling),
-              "RoPE rotation angle of each feature pair at each position.")
+      return (
+        viz.rope_angles(
+          config.head_size, length, theta=config.rope_theta, scaling=config.rope_scaling
+        ),
+        "RoPE rotation angle of each feature pair at each position.",
+      )
     case "alibi":
-      return (viz.alibi_biases(config.num_heads, min(config.max_len, 24)),
-              "ALiBi: the linear distance penalty each head adds to its logits.")
+      return (
+        viz.alibi_biases(config.num_heads, min(config.max_len, 24)),
+        "ALiBi: the linear distance penalty each head adds to its logits.",
+      )
   return None
 
 
@@ -124,16 +133,18 @@ def _attention_picture(config, model, tokenizer, text: str) -> tuple[Figure, str
     ids = ids[:limit]
   tokens = np.asarray(ids, np.int32)[None]
   labels = [tokenizer.decode([i]) for i in ids]
-  weights = np.asarray(model.attention_weights(tokens))[:, 0]      # [L, N, T, S]
+  weights = np.asarray(model.attention_weights(tokens))[:, 0]  # [L, N, T, S]
   t = len(ids)
   causal = isinstance(config, models.GPTConfig)
   mask = np.tril(np.ones((t, t), bool)) if causal else None
   kind = "causal self-attention" if causal else "bidirectional self-attention"
-  fig = viz.attention_maps(weights, query_tokens=labels, mask=mask,
-                           title=f"Attention weights for {text!r}{note}")
-  caption = (f"Attention weights of every layer (rows) and head (columns), {kind}; each row of a "
-             f"map is one query and sums to 1." + (" Grey: keys the causal mask hides." if causal
-                                                   else ""))
+  fig = viz.attention_maps(
+    weights, query_tokens=labels, mask=mask, title=f"Attention weights for {text!r}{note}"
+  )
+  caption = (
+    f"Attention weights of every layer (rows) and head (columns), {kind}; each row of a "
+    f"map is one query and sums to 1." + (" Grey: keys the causal mask hides." if causal else "")
+  )
   return fig, caption
 
 
@@ -144,8 +155,11 @@ def _lr_picture(raw_config: dict | None) -> Figure | None:
     train = load_experiment(None, raw={**raw_config, "run_dir": "-"}).train
   except ValueError:
     return None
-  return viz.lr_schedule(learning_rate_schedule(train), train.steps,
-                         title=f"Learning rate ({train.schedule}, warmup {train.warmup_steps})")
+  return viz.lr_schedule(
+    learning_rate_schedule(train),
+    train.steps,
+    title=f"Learning rate ({train.schedule}, warmup {train.warmup_steps})",
+  )
 
 
 def _safe_name(name: str) -> str:
@@ -160,8 +174,7 @@ def _collect(path: str, name: str, text: str | None, best: bool) -> _Run:
   if not samples and os.path.isfile(rd.file("samples.txt")):
     with open(rd.file("samples.txt")) as f:
       samples = [s for s in f.read().split("\n\n") if s.strip()]
-  run = _Run(name, path, config, rd.read_config(), rd.read_metrics(), final,
-             samples)
+  run = _Run(name, path, config, rd.read_config(), rd.read_metrics(), final, samples)
 
   def add(kind: str, fig: Figure, caption: str) -> None:
     run.pictures.append(_Picture(f"{name}-{kind}.png", caption, _png(fig)))
@@ -179,11 +192,17 @@ def _collect(path: str, name: str, text: str | None, best: bool) -> _Run:
     add("params", viz.parameter_breakdown(params, title=None), "Parameters per component.")
   else:
     run.notes.append("no checkpoint: the pictures that need trained weights are left out")
-    add("params", viz.parameter_breakdown(models.init_abstract(config)),
-        "Parameters per component (from the configuration).")
+    add(
+      "params",
+      viz.parameter_breakdown(models.init_abstract(config)),
+      "Parameters per component (from the configuration).",
+    )
 
-  position = _position_picture(config, model) if (
-      model is not None or getattr(config, "position", None) != "learned") else None
+  position = (
+    _position_picture(config, model)
+    if (model is not None or getattr(config, "position", None) != "learned")
+    else None
+  )
   if position is not None:
     add("positions", *position)
 
@@ -207,15 +226,15 @@ def _last(records: list[dict], key: str) -> float | None:
 def _summary(run: _Run) -> dict[str, Any]:
   bars = run.final.get("bars") or {}
   return {
-      "family": type(run.config).__name__.removesuffix("Config"),
-      "position": getattr(run.config, "position", "-"),
-      "parameters": f"{models.count_params(run.config):,}",
-      "steps": run.final.get("step", _last(run.records, "step")),
-      "train loss": _last(run.records, "loss"),
-      "val loss": run.final.get("val_loss", _last(run.records, "val_loss")),
-      "tokens/s": _last(run.records, "tokens_per_sec"),
-      "bars": ", ".join(f"{k}: {'passed' if v.get('passed') else 'FAILED'}"
-                        for k, v in bars.items()) or "-",
+    "family": type(run.config).__name__.removesuffix("Config"),
+    "position": getattr(run.config, "position", "-"),
+    "parameters": f"{models.count_params(run.config):,}",
+    "steps": run.final.get("step", _last(run.records, "step")),
+    "train loss": _last(run.records, "loss"),
+    "val loss": run.final.get("val_loss", _last(run.records, "val_loss")),
+    "tokens/s": _last(run.records, "tokens_per_sec"),
+    "bars": ", ".join(f"{k}: {'passed' if v.get('passed') else 'FAILED'}" for k, v in bars.items())
+    or "-",
   }
 
 
@@ -231,17 +250,23 @@ def _table(rows: list[dict[str, Any]], first: str) -> str:
   keys = list(rows[0][1].keys()) if rows else []
   head = "".join(f"<th>{html.escape(k)}</th>" for k in [first, *keys])
   body = "".join(
-      "<tr><td>" + html.escape(name) + "</td>" +
-      "".join(f"<td>{html.escape(_fmt(row[k]))}</td>" for k in keys) + "</tr>"
-      for name, row in rows)
+    "<tr><td>"
+    + html.escape(name)
+    + "</td>"
+    + "".join(f"<td>{html.escape(_fmt(row[k]))}</td>" for k in keys)
+    + "</tr>"
+    for name, row in rows
+  )
   return f"<table><tr>{head}</tr>{body}</table>"
 
 
 def _img(p: _Picture) -> str:
   data = base64.b64encode(p.png).decode("ascii")
-  return (f'<figure><img alt="{html.escape(p.file)}" src="data:image/png;base64,{data}">'
-          f"<figcaption>{html.escape(p.caption)} <code>{html.escape(p.file)}</code>"
-          f"</figcaption></figure>")
+  return (
+    f'<figure><img alt="{html.escape(p.file)}" src="data:image/png;base64,{data}">'
+    f"<figcaption>{html.escape(p.caption)} <code>{html.escape(p.file)}</code>"
+    f"</figcaption></figure>"
+  )
 
 
 _STYLE = """body{font-family:sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222}
@@ -252,8 +277,10 @@ color:#555}.note{color:#a40}"""
 
 
 def _run_html(run: _Run) -> str:
-  parts = [f"<h2>{html.escape(run.name)}</h2>",
-           f"<p><code>{html.escape(os.path.abspath(run.path))}</code></p>"]
+  parts = [
+    f"<h2>{html.escape(run.name)}</h2>",
+    f"<p><code>{html.escape(os.path.abspath(run.path))}</code></p>",
+  ]
   parts += [f'<p class="note">{html.escape(n)}</p>' for n in run.notes]
   parts.append("<h3>Configuration</h3>")
   spec = yaml.safe_dump(runs.model_spec(run.config), sort_keys=False)
@@ -263,16 +290,24 @@ def _run_html(run: _Run) -> str:
     parts.append(f"<pre>{html.escape(yaml.safe_dump(rest, sort_keys=False))}</pre>")
   final = {k: v for k, v in run.final.items() if k not in ("samples", "bars")}
   if final:
-    parts.append("<h3>Final metrics</h3>" + _table([(k, {"value": v}) for k, v in final.items()],
-                                                   "metric"))
+    parts.append(
+      "<h3>Final metrics</h3>" + _table([(k, {"value": v}) for k, v in final.items()], "metric")
+    )
   bars = run.final.get("bars") or {}
   if bars:
-    rows = [(k, {"passed": v.get("passed"), "figures": ", ".join(
-        f"{a}={_fmt(b)}" for a, b in v.items() if a != "passed")}) for k, v in bars.items()]
+    rows = [
+      (
+        k,
+        {
+          "passed": v.get("passed"),
+          "figures": ", ".join(f"{a}={_fmt(b)}" for a, b in v.items() if a != "passed"),
+        },
+      )
+      for k, v in bars.items()
+    ]
     parts.append("<h3>Learning bars</h3>" + _table(rows, "bar"))
   if run.samples:
-    parts.append("<h3>Samples</h3>" + "".join(f"<pre>{html.escape(s)}</pre>"
-                                              for s in run.samples))
+    parts.append("<h3>Samples</h3>" + "".join(f"<pre>{html.escape(s)}</pre>" for s in run.samples))
   parts.append("<h3>Pictures</h3>" + "".join(_img(p) for p in run.pictures))
   return "\n".join(parts)
 
@@ -302,8 +337,10 @@ def read_attention_result(path: str) -> dict:
   """
   result = runs.read_json(path)
   if not any(k in result for k in ("learning", "train_step", "decode")):
-    raise ValueError(f"{path} is not a result of experiments/efficient_attention.py (it has no "
-                     "learning, train_step and decode)")
+    raise ValueError(
+      f"{path} is not a result of experiments/efficient_attention.py (it has no "
+      "learning, train_step and decode)"
+    )
   setup = _field(path, "", result, "setup", "object")
   for key in ("steps", "train_len"):
     _field(path, "setup", setup, key, "number")
@@ -316,13 +353,13 @@ def read_attention_result(path: str) -> dict:
     rows = _field(path, "", result, section, "object")
     for kind in rows:
       if kind not in learning:
-        raise ValueError(f"{path}: {section}.{kind}: not a kind of learning "
-                         f"({', '.join(learning)})")
+        raise ValueError(
+          f"{path}: {section}.{kind}: not a kind of learning ({', '.join(learning)})"
+        )
       by_length = _field(path, section, rows, kind, "object")
       for length in by_length:
         if not length.isdigit():
-          raise ValueError(f"{path}: {section}.{kind}.{length}: expected a whole number of "
-                           "tokens")
+          raise ValueError(f"{path}: {section}.{kind}.{length}: expected a whole number of tokens")
         row = _field(path, f"{section}.{kind}", by_length, length, "object")
         for key in values:
           _field(path, f"{section}.{kind}.{length}", row, key, "number")
@@ -334,16 +371,23 @@ def _experiment_picture(path: str) -> tuple[dict, _Picture]:
   validation loss, train step and decoding costs per attention kind)."""
   result = read_attention_result(path)
   name = _safe_name(os.path.splitext(os.path.basename(path))[0])
-  return result, _Picture(f"{name}.png", "Attention kinds: validation loss, train step time "
-                          "against the context, decoding time and memory against the generated "
-                          "length.", _png(viz.efficient_attention(result)))
+  return result, _Picture(
+    f"{name}.png",
+    "Attention kinds: validation loss, train step time "
+    "against the context, decoding time and memory against the generated "
+    "length.",
+    _png(viz.efficient_attention(result)),
+  )
 
 
 def _experiment_html(path: str, result: dict, picture: _Picture) -> str:
-  rows = [(kind, {"val_loss": r["val_loss"], "params": r["params"]})
-          for kind, r in result["learning"].items()]
-  return (f"<h2>{html.escape(os.path.basename(path))}</h2>" + _table(rows, "attention")
-          + _img(picture))
+  rows = [
+    (kind, {"val_loss": r["val_loss"], "params": r["params"]})
+    for kind, r in result["learning"].items()
+  ]
+  return (
+    f"<h2>{html.escape(os.path.basename(path))}</h2>" + _table(rows, "attention") + _img(picture)
+  )
 
 
 def _unique_files(pictures: list[_Picture]) -> None:
@@ -382,12 +426,20 @@ def _check_out(out_dir: str) -> None:
     if _GENERATOR.encode() in head or b"<title>tjax report: " in head:
       return
   listed = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
-  raise ValueError(f"--out {out_dir} holds files that are not a tjax report's ({listed}); give a "
-                   "new or empty directory")
+  raise ValueError(
+    f"--out {out_dir} holds files that are not a tjax report's ({listed}); give a "
+    "new or empty directory"
+  )
 
 
-def write_report(run_dirs: list[str], out_dir: str, *, text: str | None = None,
-                 best: bool = False, experiments: list[str] = ()) -> str:
+def write_report(
+  run_dirs: list[str],
+  out_dir: str,
+  *,
+  text: str | None = None,
+  best: bool = False,
+  experiments: list[str] = (),
+) -> str:
   """Writes ``out_dir/index.html`` and one PNG per picture for ``run_dirs`` (and experiment
   result files); returns the page's path.
 
@@ -419,28 +471,42 @@ def write_report(run_dirs: list[str], out_dir: str, *, text: str | None = None,
   extra = [(path, *_experiment_picture(path)) for path in experiments]
   compare = None
   if len(collected) > 1:
-    compare = _Picture("compare-loss.png", "All runs' losses on one axis.",
-                       _png(viz.loss_curves({r.name: r.records for r in collected})))
-  pictures = ([compare] if compare else []) + [p for r in collected for p in r.pictures] + [
-      p for _, _, p in extra]
+    compare = _Picture(
+      "compare-loss.png",
+      "All runs' losses on one axis.",
+      _png(viz.loss_curves({r.name: r.records for r in collected})),
+    )
+  pictures = (
+    ([compare] if compare else [])
+    + [p for r in collected for p in r.pictures]
+    + [p for _, _, p in extra]
+  )
   _unique_files(pictures)
 
   sections = []
   if compare is not None:
-    sections.append("<h2>Comparison</h2>" + _table([(r.name, _summary(r)) for r in collected],
-                                                   "run") + _img(compare))
+    sections.append(
+      "<h2>Comparison</h2>"
+      + _table([(r.name, _summary(r)) for r in collected], "run")
+      + _img(compare)
+    )
   elif collected:
-    sections.append("<h2>Summary</h2>" + _table([(collected[0].name, _summary(collected[0]))],
-                                                 "run"))
+    sections.append(
+      "<h2>Summary</h2>" + _table([(collected[0].name, _summary(collected[0]))], "run")
+    )
   sections += [_run_html(r) for r in collected]
   sections += [_experiment_html(path, result, p) for path, result, p in extra]
-  title = "tjax report: " + ", ".join([r.name for r in collected]
-                                      + [os.path.basename(p) for p in experiments])
+  title = "tjax report: " + ", ".join(
+    [r.name for r in collected] + [os.path.basename(p) for p in experiments]
+  )
   text_line = "" if text is None else f"<p>Attention text: <code>{html.escape(text)}</code></p>"
-  page = (f"<!DOCTYPE html>\n<html><head><meta charset='utf-8'>{_GENERATOR}<title>"
-          f"{html.escape(title)}"
-          f"</title><style>{_STYLE}</style></head><body><h1>{html.escape(title)}</h1>{text_line}"
-          + "\n".join(sections) + "</body></html>\n")
+  page = (
+    f"<!DOCTYPE html>\n<html><head><meta charset='utf-8'>{_GENERATOR}<title>"
+    f"{html.escape(title)}"
+    f"</title><style>{_STYLE}</style></head><body><h1>{html.escape(title)}</h1>{text_line}"
+    + "\n".join(sections)
+    + "</body></html>\n"
+  )
 
   os.makedirs(out_dir, exist_ok=True)
   for p in pictures:  # through a temporary file: never into what a link of that name points to

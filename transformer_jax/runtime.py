@@ -21,10 +21,15 @@ import jax
 from transformer_jax import backends
 from transformer_jax.backends.compile import temp_bytes
 
-__all__ = ["CACHE_ENV", "bf16_notice", "default_cache_dir", "enable_compilation_cache",
-           "temp_bytes"]
+__all__ = [
+  "CACHE_ENV",
+  "bf16_notice",
+  "default_cache_dir",
+  "enable_compilation_cache",
+  "temp_bytes",
+]
 
-CACHE_ENV = "TJAX_COMPILATION_CACHE"   # a folder, or "0" to turn the cache off
+CACHE_ENV = "TJAX_COMPILATION_CACHE"  # a folder, or "0" to turn the cache off
 
 
 def default_cache_dir() -> str:

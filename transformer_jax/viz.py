@@ -23,7 +23,9 @@ from transformer_jax import ops
 _MASKED_COLOUR = "#d9d9d9"  # cells a mask removes: light grey, distinct from weight 0 (white)
 
 
-def _grid(rows: int, cols: int, *, cell: float = 2.6, extra_w: float = 0.8) -> tuple[Figure, np.ndarray]:
+def _grid(
+  rows: int, cols: int, *, cell: float = 2.6, extra_w: float = 0.8
+) -> tuple[Figure, np.ndarray]:
   fig = Figure(figsize=(cols * cell + extra_w, rows * cell + 0.6), layout="constrained")
   axes = np.asarray(fig.subplots(rows, cols, squeeze=False))
   return fig, axes
@@ -44,10 +46,16 @@ def _token_ticks(ax, labels: Sequence[str] | None, axis: str, limit: int = 48) -
     ax.set_yticks(idx, names, fontsize=7)
 
 
-def attention_maps(weights: np.ndarray, *, query_tokens: Sequence[str] | None = None,
-                   key_tokens: Sequence[str] | None = None, mask: np.ndarray | None = None,
-                   layers: Sequence[int] | None = None, heads: Sequence[int] | None = None,
-                   title: str | None = None) -> Figure:
+def attention_maps(
+  weights: np.ndarray,
+  *,
+  query_tokens: Sequence[str] | None = None,
+  key_tokens: Sequence[str] | None = None,
+  mask: np.ndarray | None = None,
+  layers: Sequence[int] | None = None,
+  heads: Sequence[int] | None = None,
+  title: str | None = None,
+) -> Figure:
   """Attention weights as heatmaps: one row per layer, one column per head.
 
   Args:
@@ -90,8 +98,7 @@ def attention_maps(weights: np.ndarray, *, query_tokens: Sequence[str] | None = 
       data = w[layer, head]
       if full_mask is not None:
         data = np.ma.masked_where(~full_mask[layer, head], data)
-      image = ax.imshow(data, cmap=cmap, vmin=0.0, vmax=1.0, interpolation="nearest",
-                        aspect="auto")
+      image = ax.imshow(data, cmap=cmap, vmin=0.0, vmax=1.0, interpolation="nearest", aspect="auto")
       ax.set_title(f"layer {layer}, head {head}", fontsize=9)
       _token_ticks(ax, key_tokens, "x")
       _token_ticks(ax, query_tokens, "y")
@@ -107,16 +114,31 @@ def attention_maps(weights: np.ndarray, *, query_tokens: Sequence[str] | None = 
 
 def _cmap_with_bad(name: str):
   import matplotlib  # noqa: PLC0415 - matplotlib loads only to draw
+
   return matplotlib.colormaps[name].with_extremes(bad=_MASKED_COLOUR)
 
 
-def _heatmap(data: np.ndarray, *, title: str, xlabel: str, ylabel: str, colorbar: str,
-             cmap: str = "RdBu_r", symmetric: bool = True) -> Figure:
+def _heatmap(
+  data: np.ndarray,
+  *,
+  title: str,
+  xlabel: str,
+  ylabel: str,
+  colorbar: str,
+  cmap: str = "RdBu_r",
+  symmetric: bool = True,
+) -> Figure:
   fig = Figure(figsize=(7.5, 4.8), layout="constrained")
   ax = fig.subplots()
   limit = float(np.abs(data).max()) if symmetric and data.size else None
-  image = ax.imshow(data, cmap=cmap, aspect="auto", interpolation="nearest",
-                    vmin=-limit if limit else None, vmax=limit)
+  image = ax.imshow(
+    data,
+    cmap=cmap,
+    aspect="auto",
+    interpolation="nearest",
+    vmin=-limit if limit else None,
+    vmax=limit,
+  )
   ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
   fig.colorbar(image, ax=ax, label=colorbar)
   return fig
@@ -131,14 +153,25 @@ def positional_encoding(table_PD: np.ndarray, *, title: str = "Positional encodi
   return _heatmap(table, title=title, xlabel="feature", ylabel="position", colorbar="value")
 
 
-def rope_angles(head_dim: int, num_positions: int, *, theta: float = 10000.0,
-                scaling: ops.RopeScaling | None = None) -> Figure:
+def rope_angles(
+  head_dim: int,
+  num_positions: int,
+  *,
+  theta: float = 10000.0,
+  scaling: ops.RopeScaling | None = None,
+) -> Figure:
   """RoPE's rotation angle ``p * inv_freq[i]`` (mod 2 pi) for each position and feature pair."""
   inv_freq = ops.rope_frequencies(head_dim, theta=theta, scaling=scaling)
   angles = np.mod(np.arange(num_positions)[:, None] * inv_freq[None, :], 2 * np.pi)
-  return _heatmap(angles, title=f"RoPE rotation angles (theta={theta:g}, mod 2pi)",
-                  xlabel="feature pair i (frequency falls left to right)", ylabel="position",
-                  colorbar="angle (rad)", cmap="twilight", symmetric=False)
+  return _heatmap(
+    angles,
+    title=f"RoPE rotation angles (theta={theta:g}, mod 2pi)",
+    xlabel="feature pair i (frequency falls left to right)",
+    ylabel="position",
+    colorbar="angle (rad)",
+    cmap="twilight",
+    symmetric=False,
+  )
 
 
 def alibi_biases(num_heads: int, length: int, *, causal: bool = True) -> Figure:
@@ -168,8 +201,9 @@ def alibi_biases(num_heads: int, length: int, *, causal: bool = True) -> Figure:
   return fig
 
 
-def loss_curves(runs: Mapping[str, Sequence[Mapping[str, Any]]], *,
-                perplexity: bool = False) -> Figure:
+def loss_curves(
+  runs: Mapping[str, Sequence[Mapping[str, Any]]], *, perplexity: bool = False
+) -> Figure:
   """Training and validation loss (or perplexity) of several runs on one axis.
 
   Args:
@@ -188,10 +222,20 @@ def loss_curves(runs: Mapping[str, Sequence[Mapping[str, Any]]], *,
       steps, values = np.asarray(points, np.float64).T
       if perplexity:
         values = np.exp(values)
-      ax.plot(steps, values, style, color=colour, label=f"{name} {label}",
-              alpha=0.8 if key == "loss" else 1.0, markersize=4)
-  ax.set(xlabel="step", ylabel="perplexity" if perplexity else "loss (nats/token)",
-         title="Perplexity" if perplexity else "Loss")
+      ax.plot(
+        steps,
+        values,
+        style,
+        color=colour,
+        label=f"{name} {label}",
+        alpha=0.8 if key == "loss" else 1.0,
+        markersize=4,
+      )
+  ax.set(
+    xlabel="step",
+    ylabel="perplexity" if perplexity else "loss (nats/token)",
+    title="Perplexity" if perplexity else "Loss",
+  )
   if perplexity:
     ax.set_yscale("log")
   ax.grid(alpha=0.3)
@@ -200,8 +244,9 @@ def loss_curves(runs: Mapping[str, Sequence[Mapping[str, Any]]], *,
   return fig
 
 
-def lr_schedule(schedule: Callable[[int], float], steps: int, *,
-                title: str = "Learning rate") -> Figure:
+def lr_schedule(
+  schedule: Callable[[int], float], steps: int, *, title: str = "Learning rate"
+) -> Figure:
   """``schedule(step)`` for ``step`` in ``0 .. steps`` (an optax schedule, say)."""
   xs = np.arange(steps + 1)
   ys = np.asarray([float(schedule(int(x))) for x in xs])
@@ -240,8 +285,13 @@ def parameter_breakdown(params: Any, *, depth: int = 2, title: str | None = None
   values = np.asarray([v for _, v in counts], np.float64)
   bars = ax.barh(names, values)
   for bar, v in zip(bars, values):
-    ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,
-            f" {int(v):,} ({v / max(total, 1):.1%})", va="center", fontsize=8)
+    ax.text(
+      bar.get_width(),
+      bar.get_y() + bar.get_height() / 2,
+      f" {int(v):,} ({v / max(total, 1):.1%})",
+      va="center",
+      fontsize=8,
+    )
   ax.set(xlabel="parameters", title=title or f"Parameters: {total:,}")
   ax.set_xlim(0, values.max() * 1.35 if values.size else 1)
   return fig
@@ -259,22 +309,53 @@ def efficient_attention(result: Mapping[str, Any]) -> Figure:
   ax.bar(names, vals, color=[f"C{i}" for i in range(len(names))])
   ax.set_ylim(min(vals) * 0.95, max(vals) * 1.03)
   ax.set_ylabel("validation loss (nats/token)")
-  ax.set_title(f"learning: {result['setup']['steps']} steps at {result['setup']['train_len']} "
-               "tokens")
+  ax.set_title(
+    f"learning: {result['setup']['steps']} steps at {result['setup']['train_len']} tokens"
+  )
   ax.tick_params(axis="x", rotation=20)
   panels = (  # (axes, section, value, scale, loglog, x label, y label, title)
-      (axes[0][1], "train_step", "step_s", 1.0, True, "context length (tokens)",
-       "train step (s, one row)", "train step time against context length"),
-      (axes[1][0], "decode", "step_ms", 1.0, False, "generated length (tokens)",
-       "decoding step (ms/token)", "decoding time per token"),
-      (axes[1][1], "decode", "cache_bytes", 2.0**-20, True, "generated length (tokens)",
-       "decoding cache (MiB)", "decoding memory"))
+    (
+      axes[0][1],
+      "train_step",
+      "step_s",
+      1.0,
+      True,
+      "context length (tokens)",
+      "train step (s, one row)",
+      "train step time against context length",
+    ),
+    (
+      axes[1][0],
+      "decode",
+      "step_ms",
+      1.0,
+      False,
+      "generated length (tokens)",
+      "decoding step (ms/token)",
+      "decoding time per token",
+    ),
+    (
+      axes[1][1],
+      "decode",
+      "cache_bytes",
+      2.0**-20,
+      True,
+      "generated length (tokens)",
+      "decoding cache (MiB)",
+      "decoding memory",
+    ),
+  )
   for ax, section, value, scale, loglog, xlabel, ylabel, title in panels:
     plot = ax.loglog if loglog else ax.semilogx
     for name, rows in result[section].items():
       xs = [int(x) for x in rows]
-      plot(xs, [rows[str(x)][value] * scale for x in xs], "o-", color=f"C{names.index(name)}",
-           label=name)
+      plot(
+        xs,
+        [rows[str(x)][value] * scale for x in xs],
+        "o-",
+        color=f"C{names.index(name)}",
+        label=name,
+      )
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     ax.legend(fontsize=8)
   fig.tight_layout()

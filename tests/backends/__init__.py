@@ -9,5 +9,6 @@ BACKEND = jax.default_backend()
 
 def only_on(platform: str, what: str):
   """Skips the test unless JAX's default backend is ``platform``; ``what`` names what it checks."""
-  return pytest.mark.skipif(BACKEND != platform,
-                            reason=f"{what} exists on {platform} only; this backend is {BACKEND}")
+  return pytest.mark.skipif(
+    BACKEND != platform, reason=f"{what} exists on {platform} only; this backend is {BACKEND}"
+  )

@@ -30,6 +30,7 @@ def test_the_platform_is_asked_here_and_named():
 def test_accelerator_backends_do_not_read_the_cpus_flags(monkeypatch):
   def cpuinfo():
     raise AssertionError("read /proc/cpuinfo for an accelerator")
+
   monkeypatch.setattr(hardware, "has_bf16_units", cpuinfo)
   assert backends.for_platform("gpu") == GPU and backends.for_platform("tpu") == TPU
 
@@ -45,6 +46,7 @@ def _calls(monkeypatch, module, *names, counts=None):
     def counted(*args, _fn=fn, _name=name, **kwargs):
       counts[_name] += 1
       return _fn(*args, **kwargs)
+
     monkeypatch.setattr(module, name, counted)
   return counts
 
@@ -53,9 +55,16 @@ def _einsum_projection(x, w, b, einsum):
   return jnp.einsum(einsum, x, w) + b
 
 
-@pytest.mark.parametrize("backend,dtype,piece", [
-    (CPU_UNITS, jnp.bfloat16, "matmul"), (CPU_UNITS, jnp.float32, None),
-    (CPU_PLAIN, jnp.bfloat16, None), (GPU, jnp.bfloat16, None), (TPU, jnp.bfloat16, None)])
+@pytest.mark.parametrize(
+  "backend,dtype,piece",
+  [
+    (CPU_UNITS, jnp.bfloat16, "matmul"),
+    (CPU_UNITS, jnp.float32, None),
+    (CPU_PLAIN, jnp.bfloat16, None),
+    (GPU, jnp.bfloat16, None),
+    (TPU, jnp.bfloat16, None),
+  ],
+)
 @pytest.mark.parametrize("merged", [False, True])
 def test_projection_products(monkeypatch, backend, dtype, piece, merged):
   # bfloat16 on a CPU with bf16 units goes through matmul.matmul; everything else is the einsum
@@ -63,25 +72,34 @@ def test_projection_products(monkeypatch, backend, dtype, piece, merged):
   calls = _calls(monkeypatch, matmul, "matmul")
   rng = np.random.default_rng(0)
   x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((2, 3, 4, 5), (4, 5, 6), (6,)))
-  y = jax.eval_shape(lambda x, w, b: backend.project(x, w, b, einsum="BTNH,NHD->BTD", n_in=2,
-                                                     dtype=dtype, merged=merged), x, w, b)
+  y = jax.eval_shape(
+    lambda x, w, b: backend.project(
+      x, w, b, einsum="BTNH,NHD->BTD", n_in=2, dtype=dtype, merged=merged
+    ),
+    x,
+    w,
+    b,
+  )
   assert y.shape == (2, 3, 6) and y.dtype == dtype
   assert calls["matmul"] == (piece == "matmul")
-  got = backend.project(x, w, b, einsum="BTNH,NHD->BTD", n_in=2, dtype=jnp.float32,
-                        merged=merged)
+  got = backend.project(x, w, b, einsum="BTNH,NHD->BTD", n_in=2, dtype=jnp.float32, merged=merged)
   want = np.einsum("btnh,nhd->btd", x.astype(np.float64), w.astype(np.float64)) + b
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend,dtype,rows,piece", [
-    (CPU_UNITS, jnp.bfloat16, decode.SKINNY_ROWS, "weight_first"),   # a few rows: weight-first
-    (CPU_PLAIN, jnp.float32, decode.SKINNY_ROWS, "weight_first"),    # in any dtype
+@pytest.mark.parametrize(
+  "backend,dtype,rows,piece",
+  [
+    (CPU_UNITS, jnp.bfloat16, decode.SKINNY_ROWS, "weight_first"),  # a few rows: weight-first
+    (CPU_PLAIN, jnp.float32, decode.SKINNY_ROWS, "weight_first"),  # in any dtype
     (CPU_UNITS, jnp.bfloat16, decode.SKINNY_ROWS + 1, "matmul"),
     (CPU_UNITS, jnp.float32, decode.SKINNY_ROWS + 1, None),
-    (GPU, jnp.bfloat16, 1, None), (TPU, jnp.bfloat16, 1, None)])
+    (GPU, jnp.bfloat16, 1, None),
+    (TPU, jnp.bfloat16, 1, None),
+  ],
+)
 def test_vocabulary_head_pieces(monkeypatch, backend, dtype, rows, piece):
-  calls = _calls(monkeypatch, matmul, "matmul",
-                 counts=_calls(monkeypatch, decode, "weight_first"))
+  calls = _calls(monkeypatch, matmul, "matmul", counts=_calls(monkeypatch, decode, "weight_first"))
   x = jax.ShapeDtypeStruct((1, rows, 8), jnp.float32)
   table = jax.ShapeDtypeStruct((50, 8), jnp.float32)
   logits = jax.eval_shape(functools.partial(backend.vocab_head, dtype=dtype), x, table)
@@ -94,21 +112,24 @@ def test_padded_attend_matches_float64(v, multiple):
   rng = np.random.default_rng(0)
   x = rng.standard_normal((2, 5, 12))
   table = rng.standard_normal((v, 12))
-  g = rng.standard_normal((2, 5, v))   # the cotangent of the logits
+  g = rng.standard_normal((2, 5, v))  # the cotangent of the logits
 
   def f(x, table):
     return jnp.sum(backends.padded_attend(x, table, multiple) * g)
 
-  out = backends.padded_attend(jnp.asarray(x, jnp.float32), jnp.asarray(table, jnp.float32),
-                               multiple)
+  out = backends.padded_attend(
+    jnp.asarray(x, jnp.float32), jnp.asarray(table, jnp.float32), multiple
+  )
   assert out.shape == (2, 5, v)
   np.testing.assert_allclose(np.asarray(out), x @ table.T, rtol=1e-5, atol=1e-5)
-  dx, dtable = jax.grad(f, argnums=(0, 1))(jnp.asarray(x, jnp.float32),
-                                           jnp.asarray(table, jnp.float32))
+  dx, dtable = jax.grad(f, argnums=(0, 1))(
+    jnp.asarray(x, jnp.float32), jnp.asarray(table, jnp.float32)
+  )
   assert dtable.shape == (v, 12)
   np.testing.assert_allclose(np.asarray(dx), g @ table, rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(np.asarray(dtable), np.einsum("btv,btd->vd", g, x), rtol=1e-5,
-                             atol=1e-5)
+  np.testing.assert_allclose(
+    np.asarray(dtable), np.einsum("btv,btd->vd", g, x), rtol=1e-5, atol=1e-5
+  )
 
 
 @pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])
@@ -119,7 +140,8 @@ def test_the_table_pads_the_vocabulary_head_on_every_platform(platform):
   for v, pad, padded in ((97, 32, True), (96, 32, False), (97, 0, False)):
     backend = backends.for_platform(platform, KernelTable(pad_cols=pad))
     jaxpr = jax.make_jaxpr(functools.partial(backend.vocab_head, dtype=jnp.float32))(
-        x, jax.ShapeDtypeStruct((v, 8), jnp.float32))
+      x, jax.ShapeDtypeStruct((v, 8), jnp.float32)
+    )
     assert ("f32[128,8] = pad" in str(jaxpr)) == padded, (v, pad, jaxpr)
 
 
@@ -134,12 +156,19 @@ def test_model_logits_are_unchanged_when_the_table_pads():
   np.testing.assert_allclose(np.asarray(padded), np.asarray(plain), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend,dtype,packed", [
-    (CPU_UNITS, jnp.bfloat16, True), (CPU_UNITS, jnp.float32, False),
-    (CPU_PLAIN, jnp.bfloat16, False), (GPU, jnp.bfloat16, False)])
+@pytest.mark.parametrize(
+  "backend,dtype,packed",
+  [
+    (CPU_UNITS, jnp.bfloat16, True),
+    (CPU_UNITS, jnp.float32, False),
+    (CPU_PLAIN, jnp.bfloat16, False),
+    (GPU, jnp.bfloat16, False),
+  ],
+)
 @pytest.mark.parametrize("gated", [False, True])
-def test_activation_saves_its_inputs_as_bits_where_products_do(monkeypatch, backend, dtype,
-                                                               packed, gated):
+def test_activation_saves_its_inputs_as_bits_where_products_do(
+  monkeypatch, backend, dtype, packed, gated
+):
   calls = _calls(monkeypatch, ops, "packed_activation")
   x = jnp.linspace(-3.0, 3.0, 12).reshape(2, 6)
   args = (x, x[::-1]) if gated else (x,)
@@ -153,9 +182,12 @@ def test_fused_loss_copies_x_row_major_on_cpu_only(monkeypatch):
   calls = _calls(monkeypatch, matmul, "transposed")
   x, w = jnp.ones((6, 4)), jnp.ones((10, 4))
   labels = jnp.arange(6) % 10
+
   def loss(backend):
-    return jax.grad(lambda x, w: backend.linear_cross_entropy(
-        x, w, labels, chunk_size=3)[0], argnums=(0, 1))(x, w)
+    return jax.grad(
+      lambda x, w: backend.linear_cross_entropy(x, w, labels, chunk_size=3)[0], argnums=(0, 1)
+    )(x, w)
+
   got_gpu = loss(GPU)
   assert calls["transposed"] == 0
   got_cpu = loss(CPU_PLAIN)
@@ -178,11 +210,16 @@ def test_attention_without_an_implementation_is_the_tables_choice():
 
 @pytest.mark.parametrize("backend,block", [(CPU_PLAIN, 128), (GPU, 512), (TPU, 512)])
 def test_the_chunked_kernel_runs_in_the_backends_blocks(backend, block):
-  q, kk, v = (jax.random.normal(k_, (1, 600, 2, 8), jnp.float32)
-              for k_ in jax.random.split(jax.random.key(1), 3))
+  q, kk, v = (
+    jax.random.normal(k_, (1, 600, 2, 8), jnp.float32)
+    for k_ in jax.random.split(jax.random.key(1), 3)
+  )
   attend = jax.jit(functools.partial(backend.attention, causal=True, implementation="chunked"))
-  by_block = jax.jit(functools.partial(ops.dot_product_attention, causal=True,
-                                       implementation="chunked", block_q=block, block_k=block))
+  by_block = jax.jit(
+    functools.partial(
+      ops.dot_product_attention, causal=True, implementation="chunked", block_q=block, block_k=block
+    )
+  )
   np.testing.assert_array_equal(np.asarray(attend(q, kk, v)), np.asarray(by_block(q, kk, v)))
 
 

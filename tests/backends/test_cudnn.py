@@ -36,21 +36,23 @@ B, T, N, H = 2, 64, 4, 32
 
 def _grads(q, k, v, do, bias=None, **kw):
   """``out`` and the gradients of ``sum(out * do)`` wrt q, k, v (and the dense bias)."""
+
   def loss(q, k, v, bias):
     out = cudnn.attention(q, k, v, bias=bias, **kw)
     return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32)), out
+
   argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
   grads, out = jax.grad(loss, argnums=argnums, has_aux=True)(q, k, v, bias)
   return out, grads
 
 
 CASES = {
-    "causal": dict(causal=True),
-    "full": dict(),
-    "causal-window": dict(causal=True, window=16),
-    "window": dict(window=16),
-    "key-lengths": dict(kv_valid=np.arange(T)[None] < np.array([[T], [40]])),
-    "segments": dict(q_seg=np.repeat(np.array([[0, 1], [0, 0]]), T // 2, axis=1)),
+  "causal": dict(causal=True),
+  "full": dict(),
+  "causal-window": dict(causal=True, window=16),
+  "window": dict(window=16),
+  "key-lengths": dict(kv_valid=np.arange(T)[None] < np.array([[T], [40]])),
+  "segments": dict(q_seg=np.repeat(np.array([[0, 1], [0, 0]]), T // 2, axis=1)),
 }
 
 
@@ -64,9 +66,16 @@ def test_off_a_gpu_the_kernel_is_refused_by_name():
 
 def test_packed_segments_only_where_the_table_asks():
   q = kk = jax.ShapeDtypeStruct((4, 1024, 12, 64), jnp.bfloat16)
-  packed = functools.partial(cudnn.packed_segments, window=None, bias=False, mask=False,
-                             kv_valid=False, q_positions=False, kv_segment_ids=False)
-  assert packed(q, kk, table_segments=0) == 0   # off by default: the mask
+  packed = functools.partial(
+    cudnn.packed_segments,
+    window=None,
+    bias=False,
+    mask=False,
+    kv_valid=False,
+    q_positions=False,
+    kv_segment_ids=False,
+  )
+  assert packed(q, kk, table_segments=0) == 0  # off by default: the mask
   assert packed(q, kk, table_segments=16) == 16
   # Another mask part, separate key segment ids, cross-attention or GQA: the mask.
   for part in ("bias", "mask", "kv_valid", "q_positions", "kv_segment_ids"):
@@ -74,7 +83,7 @@ def test_packed_segments_only_where_the_table_asks():
   assert packed(q, kk, table_segments=16, window=256) == 0
   assert packed(q, jax.ShapeDtypeStruct((4, 512, 12, 64), jnp.bfloat16), table_segments=16) == 0
   assert packed(q, jax.ShapeDtypeStruct((4, 1024, 4, 64), jnp.bfloat16), table_segments=16) == 0
-  assert packed(q, kk, table_segments=1) == 0   # one run per row is no packing
+  assert packed(q, kk, table_segments=1) == 0  # one run per row is no packing
 
 
 @on_gpu
@@ -83,15 +92,28 @@ def test_packed_segments_only_where_the_table_asks():
 def test_matches_float64_reference(case, kh):
   parts = CASES[case]
   q, k, v, do = inputs(0, b=B, t=T, s=T, n=N, kh=kh, h=H, dtype=jnp.bfloat16)
-  kw = {key: value for key, value in dict(
-      causal=parts.get("causal", False), window=parts.get("window"),
-      kv_valid=parts.get("kv_valid"), q_segment_ids=parts.get("q_seg")).items()
-      if value is not None}
+  kw = {
+    key: value
+    for key, value in dict(
+      causal=parts.get("causal", False),
+      window=parts.get("window"),
+      kv_valid=parts.get("kv_valid"),
+      q_segment_ids=parts.get("q_seg"),
+    ).items()
+    if value is not None
+  }
   out, (dq, dk, dv) = _grads(q, k, v, do, **kw)
   assert out.dtype == jnp.bfloat16
-  valid = valid_mask(B, T, T, causal=parts.get("causal", False), window=parts.get("window"),
-                     kv_valid=parts.get("kv_valid"), q_seg=parts.get("q_seg"),
-                     kv_seg=parts.get("q_seg"))
+  valid = valid_mask(
+    B,
+    T,
+    T,
+    causal=parts.get("causal", False),
+    window=parts.get("window"),
+    kv_valid=parts.get("kv_valid"),
+    q_seg=parts.get("q_seg"),
+    kv_seg=parts.get("q_seg"),
+  )
   ref = reference(q, k, v, do, valid=valid)
   for name, a, e in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), ref):
     assert_close(a, e, TOL, f"{case} {name}")
@@ -102,7 +124,7 @@ def test_traced_key_padding_goes_in_as_a_mask():
   # Under jit the padding is a tracer, not known to be a prefix: it becomes a dense mask.
   q, k, v, do = inputs(1, b=B, t=T, s=T, n=N, kh=N, h=H, dtype=jnp.bfloat16)
   kv_valid = np.ones((B, T), bool)
-  kv_valid[1, ::3] = False   # not a prefix
+  kv_valid[1, ::3] = False  # not a prefix
   out = jax.jit(lambda q, k, v, m: cudnn.attention(q, k, v, kv_valid=m))(q, k, v, kv_valid)
   ref = reference(q, k, v, do, valid=valid_mask(B, T, T, kv_valid=kv_valid))
   assert_close(out, ref[0], TOL, "out")
@@ -129,9 +151,9 @@ def test_float32_inputs_get_a_clear_error():
 # Packed documents, B=2 rows of T=64: runs that fit in 4 packed sequences per row (with a padding
 # tail of id 0), rows of 6 runs (more than 4), and an id that comes back after its run ended.
 PACKED = {
-    "fits": np.array([[1] * 20 + [2] * 30 + [0] * 14, [1] * 7 + [2] * 9 + [3] * 48]),
-    "more-runs": np.array([[1, 2, 3, 4, 5] * 4 + [6] * 44, [1] * 64]),
-    "id-comes-back": np.array([[1] * 16 + [2] * 16 + [1] * 32, [1] * 64]),
+  "fits": np.array([[1] * 20 + [2] * 30 + [0] * 14, [1] * 7 + [2] * 9 + [3] * 48]),
+  "more-runs": np.array([[1, 2, 3, 4, 5] * 4 + [6] * 44, [1] * 64]),
+  "id-comes-back": np.array([[1] * 16 + [2] * 16 + [1] * 32, [1] * 64]),
 }
 
 
@@ -143,16 +165,19 @@ def test_packed_segments_match_float64_reference(case, causal):
   # others as the mask: both give segment-masked attention.
   ids = PACKED[case].astype(np.int32)
   q, k, v, do = inputs(5, b=B, t=T, s=T, n=N, kh=N, h=H, dtype=jnp.bfloat16)
-  out, grads = jax.jit(lambda q, k, v, do, ids: _grads(
-      q, k, v, do, causal=causal, q_segment_ids=ids, table_segments=4))(q, k, v, do, ids)
+  out, grads = jax.jit(
+    lambda q, k, v, do, ids: _grads(q, k, v, do, causal=causal, q_segment_ids=ids, table_segments=4)
+  )(q, k, v, do, ids)
   ref = reference(q, k, v, do, valid=valid_mask(B, T, T, causal=causal, q_seg=ids, kv_seg=ids))
   for name, a, e in zip(("out", "dq", "dk", "dv"), (out, *grads), ref):
     assert_close(a, e, TOL, f"{case} {name}")
 
 
 @on_gpu
-@pytest.mark.skipif(jax.default_backend() == "gpu" and not cudnn.ragged_layout(),
-                    reason="cuDNN's packed-sequence layout needs a Hopper or later GPU")
+@pytest.mark.skipif(
+  jax.default_backend() == "gpu" and not cudnn.ragged_layout(),
+  reason="cuDNN's packed-sequence layout needs a Hopper or later GPU",
+)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 def test_packed_kernel_itself_matches_float64_reference(causal):
   # The packed call alone (not behind the choice on the device), so that a broken packed kernel
@@ -163,9 +188,11 @@ def test_packed_kernel_itself_matches_float64_reference(causal):
   q, k, v, do = inputs(6, b=B, t=T, s=T, n=N, kh=N, h=H, dtype=jnp.bfloat16)
 
   def loss(q, k, v):
-    out = cudnn.packed_attention(q, k, v, lengths_BM=lengths, starts_BM1=starts, causal=causal,
-                                 scale=H ** -0.5)
+    out = cudnn.packed_attention(
+      q, k, v, lengths_BM=lengths, starts_BM1=starts, causal=causal, scale=H**-0.5
+    )
     return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32)), out
+
   grads, out = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
   ref = reference(q, k, v, do, valid=valid_mask(B, T, T, causal=causal, q_seg=ids, kv_seg=ids))
   for name, a, e in zip(("out", "dq", "dk", "dv"), (out, *grads), ref):
@@ -189,13 +216,14 @@ def _loss_and_grads(name, impl, dtype):
     else:
       logits = forward(model, config, tokens)
     return jnp.mean(jax.nn.log_softmax(logits.astype(jnp.float32))[..., 1])
+
   return jax.jit(jax.value_and_grad(loss_fn))(params_for(tiny(name)), tokens)
 
 
 @on_gpu
 @pytest.mark.parametrize(
-    "name", ["gpt2-tiny", "llama-tiny", "gpt-alibi-tiny", "bert-tiny", "transformer-tiny",
-             "t5-tiny"])
+  "name", ["gpt2-tiny", "llama-tiny", "gpt-alibi-tiny", "bert-tiny", "transformer-tiny", "t5-tiny"]
+)
 def test_models_with_cudnn_train_as_accurately_as_with_xla(name):
   # A bfloat16 model with attention_impl="cudnn" and the same model with "xla", each against the
   # float32 model: loss and every gradient (T5's learned relative bias included, through cuDNN's
@@ -205,11 +233,16 @@ def test_models_with_cudnn_train_as_accurately_as_with_xla(name):
   loss_xla, grads_xla = _loss_and_grads(name, "xla", "bfloat16")
   loss, grads = _loss_and_grads(name, "cudnn", "bfloat16")
   assert abs(float(loss) - float(loss_f32)) <= 2 * abs(float(loss_xla) - float(loss_f32)) + 1e-3
+
   def as64(g):
     return np.asarray(g, np.float64)
+
   top = max(float(np.linalg.norm(as64(g))) for g in jax.tree.leaves(grads_f32))
-  for (path, g32), g_xla, g in zip(jax.tree_util.tree_leaves_with_path(grads_f32),
-                                   jax.tree.leaves(grads_xla), jax.tree.leaves(grads)):
+  for (path, g32), g_xla, g in zip(
+    jax.tree_util.tree_leaves_with_path(grads_f32),
+    jax.tree.leaves(grads_xla),
+    jax.tree.leaves(grads),
+  ):
     scale = float(np.linalg.norm(as64(g32)))
     # The key projection's bias has a zero gradient up to rounding (softmax ignores a constant
     # added to a row's logits): no relative error to speak of.

@@ -34,10 +34,13 @@ def hopper(monkeypatch):
 def _lowered(causal: bool, kv_heads: int = N, table_segments: int = 0) -> str:
   def grads(q, k, v, ids):
     def loss(q, k, v):
-      out = cudnn_adapter.attention(q, k, v, causal=causal, q_segment_ids=ids,
-                                    table_segments=table_segments)
+      out = cudnn_adapter.attention(
+        q, k, v, causal=causal, q_segment_ids=ids, table_segments=table_segments
+      )
       return jnp.sum(out.astype(jnp.float32))
+
     return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
   q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((B, T, kv_heads, H), jnp.bfloat16)
   ids = jax.ShapeDtypeStruct((B, T), jnp.int32)
@@ -64,10 +67,14 @@ def test_packed_segments_lower_to_both_cudnn_calls_behind_a_choice(hopper, causa
   packed = "PADDING_CAUSAL" if causal else "PADDING"
   # Forward and backward, each as the mask (a bias) and as 4 packed sequences per row, and a
   # choice between the two on the device for each.
-  assert calls == sorted([
-      ("__cudnn$fmhaScaleBiasSoftmax", mask, "1"), ("__cudnn$fmhaSoftmax", packed, "4"),
+  assert calls == sorted(
+    [
+      ("__cudnn$fmhaScaleBiasSoftmax", mask, "1"),
+      ("__cudnn$fmhaSoftmax", packed, "4"),
       ("__cudnn$fmhaScaleBiasSoftmaxBackward", mask, "1"),
-      ("__cudnn$fmhaSoftmaxBackward", packed, "4")]), calls
+      ("__cudnn$fmhaSoftmaxBackward", packed, "4"),
+    ]
+  ), calls
   assert text.count("stablehlo.case") == 2
 
 
@@ -80,8 +87,9 @@ def test_without_the_table_or_with_gqa_segments_are_the_mask(hopper):
 
 def test_segment_runs_of_a_lowered_program_are_static_shapes():
   # The packed call's arguments: [B, M] lengths and [B, M + 1] starts, whatever the data.
-  lengths, starts, fits = jax.eval_shape(lambda ids: ops.segment_runs(ids, 4),
-                                         jax.ShapeDtypeStruct((B, T), jnp.int32))
+  lengths, starts, fits = jax.eval_shape(
+    lambda ids: ops.segment_runs(ids, 4), jax.ShapeDtypeStruct((B, T), jnp.int32)
+  )
   assert (lengths.shape, starts.shape, fits.shape) == ((B, 4), (B, 5), ())
   assert np.dtype(lengths.dtype) == np.int32 and np.dtype(starts.dtype) == np.int32
 
@@ -100,17 +108,30 @@ def test_the_gpt_train_step_packs_every_layer(hopper):
   backend = backends.for_platform("gpu", backends.KernelTable(cudnn_packed_segments=16))
   config = models.get_config("gpt2-tiny", dtype="bfloat16", dropout_rate=0.0, scan_layers=False)
   batch, _ = random_batch(config, 2, 64, 0)
-  optimizer = make_optimizer(TrainConfig(steps=10, batch_size=2, seq_len=64, warmup_steps=0,
-                                         schedule="constant"))
+  optimizer = make_optimizer(
+    TrainConfig(steps=10, batch_size=2, seq_len=64, warmup_steps=0, schedule="constant")
+  )
   state = step_lib.create_state(models.init(config, jax.random.key(0)), optimizer)
-  step = jax.jit(step_lib.make_train_step(models.graphdef(config, None, backend),
-                                          tasks_lib.GPTTask(), optimizer, seed=0))
-  text = step.trace(state, {k: jnp.asarray(v) for k, v in batch.items()}).lower(
-      lowering_platforms=("cuda",)).as_text()
+  step = jax.jit(
+    step_lib.make_train_step(
+      models.graphdef(config, None, backend), tasks_lib.GPTTask(), optimizer, seed=0
+    )
+  )
+  text = (
+    step.trace(state, {k: jnp.asarray(v) for k, v in batch.items()})
+    .lower(lowering_platforms=("cuda",))
+    .as_text()
+  )
   calls = _calls(text)
   layers = config.num_layers
   assert sorted(c[0] for c in calls) == sorted(
-      ["__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaSoftmax",
-       "__cudnn$fmhaScaleBiasSoftmaxBackward", "__cudnn$fmhaSoftmaxBackward"] * layers)
+    [
+      "__cudnn$fmhaScaleBiasSoftmax",
+      "__cudnn$fmhaSoftmax",
+      "__cudnn$fmhaScaleBiasSoftmaxBackward",
+      "__cudnn$fmhaSoftmaxBackward",
+    ]
+    * layers
+  )
   assert {c[2] for c in calls if not c[0].startswith("__cudnn$fmhaScaleBias")} == {"16"}
   assert text.count("stablehlo.case") == 2 * layers

@@ -35,7 +35,7 @@ def _resolve(module: str, node: ast.ImportFrom) -> str:
   base = module.split(".")
   if not MODULES[module].name == "__init__.py":
     base = base[:-1]
-  base = base[:len(base) - node.level + 1]
+  base = base[: len(base) - node.level + 1]
   return ".".join(base + ([node.module] if node.module else []))
 
 
@@ -104,9 +104,13 @@ def _under(module: str, *prefixes: str) -> bool:
 # Import cycles of the package outside the kernels' layers, listed exactly: a new cycle fails the
 # test, and so does a listed one that no longer exists (drop it here).
 LISTED_CYCLES = [
-    ["transformer_jax.data.classify", "transformer_jax.data.dataset",
-     "transformer_jax.data.loaders", "transformer_jax.data.prepare"],
-    ["transformer_jax.train.config", "transformer_jax.train.finetune"],
+  [
+    "transformer_jax.data.classify",
+    "transformer_jax.data.dataset",
+    "transformer_jax.data.loaders",
+    "transformer_jax.data.prepare",
+  ],
+  ["transformer_jax.train.config", "transformer_jax.train.finetune"],
 ]
 
 
@@ -127,14 +131,19 @@ def test_ops_imports_no_backend_and_layers_only_the_backends_interface():
     if _under(module, f"{PACKAGE}.layers", f"{PACKAGE}.models"):
       inner = [t for t in targets if _under(t, backends_pkg) and t != backends_pkg]
       assert inner == [], (module, inner)
-  assert f"{PACKAGE}.cpu" not in MODULES   # the CPU machinery lives in backends.cpu
+  assert f"{PACKAGE}.cpu" not in MODULES  # the CPU machinery lives in backends.cpu
 
 
 def test_default_backend_is_asked_only_by_the_backends_and_the_cli():
   askers = sorted(
-      module for module, tree in TREES.items() for node in ast.walk(tree)
-      if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-      and node.func.attr == "default_backend" and not _under(module, *PLATFORM_ASKED_IN))
+    module
+    for module, tree in TREES.items()
+    for node in ast.walk(tree)
+    if isinstance(node, ast.Call)
+    and isinstance(node.func, ast.Attribute)
+    and node.func.attr == "default_backend"
+    and not _under(module, *PLATFORM_ASKED_IN)
+  )
   assert askers == []
 
 

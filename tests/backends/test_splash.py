@@ -60,16 +60,22 @@ def reference(q, k, v, do, valid, scale=None):
 
 def inputs(seed, *, b=1, t=256, s=256, n=4, kh=2, h=64, dtype=jnp.float32):
   r = np.random.default_rng(seed)
-  arrs = (r.standard_normal((b, t, n, h)), r.standard_normal((b, s, kh, h)),
-          r.standard_normal((b, s, kh, h)), r.standard_normal((b, t, n, h)))
+  arrs = (
+    r.standard_normal((b, t, n, h)),
+    r.standard_normal((b, s, kh, h)),
+    r.standard_normal((b, s, kh, h)),
+    r.standard_normal((b, t, n, h)),
+  )
   return tuple(jnp.asarray(a, dtype) for a in arrs)
 
 
 def splash_value_and_grads(q, k, v, do, **kw):
   """``out`` and the gradients of ``sum(out * do)`` wrt q, k and v (jitted, like a model step)."""
+
   def loss(q, k, v):
     out = splash.splash_attention(q, k, v, **kw)
     return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32)), out
+
   grads, out = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
   return out, grads
 
@@ -82,13 +88,23 @@ def assert_close(actual, expected, tol=TOL, name=""):
   assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.0e}"
 
 
-def check(q, k, v, do, *, causal=False, window=None, q_seg=None, kv_seg=None, scale=None,
-          tol=TOL, **kw):
+def check(
+  q, k, v, do, *, causal=False, window=None, q_seg=None, kv_seg=None, scale=None, tol=TOL, **kw
+):
   b, t, _, _ = q.shape
   s = k.shape[1]
   out, (dq, dk, dv) = splash_value_and_grads(
-      q, k, v, do, causal=causal, window=window, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-      scale=scale, **kw)
+    q,
+    k,
+    v,
+    do,
+    causal=causal,
+    window=window,
+    q_segment_ids=q_seg,
+    kv_segment_ids=kv_seg,
+    scale=scale,
+    **kw,
+  )
   assert out.dtype == q.dtype
   valid = valid_mask(b, t, s, causal=causal, window=window, q_seg=q_seg, kv_seg=kv_seg)
   ref = reference(q, k, v, do, valid, scale=scale)
@@ -127,12 +143,16 @@ def test_queries_aligned_to_the_end_of_longer_keys():
   # T=128 queries at key positions 128..255, as when attending to a cache: causal and window.
   check(*inputs(5, t=128, s=256, n=2, kh=1), causal=True, window=160)
   kv_seg = np.repeat(np.array([[0, 1]], np.int32), 128, axis=1)
-  check(*inputs(6, t=128, s=256, n=2, kh=1), q_seg=jnp.ones((1, 128), jnp.int32),
-        kv_seg=jnp.asarray(kv_seg))
+  check(
+    *inputs(6, t=128, s=256, n=2, kh=1),
+    q_seg=jnp.ones((1, 128), jnp.int32),
+    kv_seg=jnp.asarray(kv_seg),
+  )
 
 
 def test_scale_and_explicit_block_sizes():
   from jax.experimental.pallas.ops.tpu.splash_attention import BlockSizes
+
   data = inputs(7, n=2, kh=2)
   check(*data, causal=True, scale=0.3, block_sizes=(128, 256))
   # splash's own BlockSizes without backward blocks: they are filled from the forward ones.
@@ -151,12 +171,16 @@ def test_default_blocks_divide_the_lengths():
   assert splash._default_block(768, "S") == 384
 
 
-@pytest.mark.parametrize("part,words", [
-    (dict(bias=jnp.zeros((1, 2, 256, 256))), "bias"), (dict(kv_valid=jnp.ones((1, 256), bool)),
-                                                       "kv_valid"),
+@pytest.mark.parametrize(
+  "part,words",
+  [
+    (dict(bias=jnp.zeros((1, 2, 256, 256))), "bias"),
+    (dict(kv_valid=jnp.ones((1, 256), bool)), "kv_valid"),
     (dict(q_positions=jnp.arange(256)), "q_positions"),
     (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "attention dropout"),
-    (dict(return_weights=True), "return_weights")])
+    (dict(return_weights=True), "return_weights"),
+  ],
+)
 def test_the_attention_entry_names_the_parts_splash_does_not_take(part, words):
   q, k, v, _ = inputs(10, n=2, kh=2)
   with pytest.raises(ValueError, match=f"implementation='splash' does not take {words}"):
@@ -167,8 +191,9 @@ def test_the_attention_entry_is_the_kernel_on_the_parts_it_takes():
   q, k, v, _ = inputs(11, n=2, kh=2)
   ids = jnp.asarray(np.repeat(np.array([[0, 1]]), 128, axis=1), jnp.int32)
   np.testing.assert_array_equal(
-      np.asarray(splash.attention(q, k, v, causal=True, q_segment_ids=ids)),
-      np.asarray(splash.splash_attention(q, k, v, causal=True, q_segment_ids=ids)))
+    np.asarray(splash.attention(q, k, v, causal=True, q_segment_ids=ids)),
+    np.asarray(splash.splash_attention(q, k, v, causal=True, q_segment_ids=ids)),
+  )
 
 
 def test_clear_errors():
@@ -177,8 +202,9 @@ def test_clear_errors():
     splash.splash_attention(q[:, :200], k[:, :200], v[:, :200])
   with pytest.raises(ValueError, match="S to be a multiple of 128; got S=200"):
     splash.splash_attention(q, k[:, :200], v[:, :200])
-  with pytest.raises(ValueError, match="block_q=96 must be a positive multiple of 128 that divides "
-                                       "T=256"):
+  with pytest.raises(
+    ValueError, match="block_q=96 must be a positive multiple of 128 that divides T=256"
+  ):
     splash.splash_attention(q, k, v, block_sizes=96)
   with pytest.raises(ValueError, match="block_kv=384 .* divides S=256"):
     splash.splash_attention(q, k, v, block_sizes=(128, 384))

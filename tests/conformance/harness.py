@@ -19,9 +19,9 @@ from flax import nnx
 from transformer_jax import generate, models
 from tests.conformance.kinds import DECODER, ENCODER, SEQ2SEQ, VOCAB, Kind
 
-WIDTH = 16          # columns of every padded batch the suite builds
-ROWS = 3            # rows of every batch
-ATOL = 2e-5         # float32 logits of the same function on differently shaped inputs
+WIDTH = 16  # columns of every padded batch the suite builds
+ROWS = 3  # rows of every batch
+ATOL = 2e-5  # float32 logits of the same function on differently shaped inputs
 
 
 @functools.lru_cache(maxsize=None)
@@ -44,8 +44,7 @@ def model(config: models.ModelConfig, seed: int = 0) -> nnx.Module:
   return nnx.merge(models.graphdef(config), params(config, seed))
 
 
-def call(kind: Kind, m, tokens, mask=None, positions=None, segments=None, src=None,
-         src_mask=None):
+def call(kind: Kind, m, tokens, mask=None, positions=None, segments=None, src=None, src_mask=None):
   """The kind's main logits ``[B, T, V]`` for ``tokens`` by its calling convention (see
   ``kinds``). Seq2Seq: ``tokens`` are the decoder inputs; the source is ``src`` (default the same
   ids and mask)."""
@@ -72,8 +71,9 @@ def forward_fn(kind: Kind, config: models.ModelConfig):
   return jax.jit(run)
 
 
-def forward(kind, config, tokens, mask=None, *, positions=None, src=None,
-            src_mask=None) -> np.ndarray:
+def forward(
+  kind, config, tokens, mask=None, *, positions=None, src=None, src_mask=None
+) -> np.ndarray:
   """The kind's logits as NumPy, through ``forward_fn`` with one argument pattern per kind (so
   that calls of one shape share a program): a decoder always gets positions (default: counting
   each row's real tokens), a Seq2Seq model always a source (default: ``tokens`` and ``mask``)."""
@@ -86,8 +86,11 @@ def forward(kind, config, tokens, mask=None, *, positions=None, src=None,
   if kind.has(SEQ2SEQ):
     src, src_mask = (tokens, mask) if src is None else (src, src_mask)
     kw.update(src=jnp.asarray(src), src_mask=None if src_mask is None else jnp.asarray(src_mask))
-  return np.asarray(forward_fn(kind, config)(params(config), jnp.asarray(tokens),
-                                             None if mask is None else jnp.asarray(mask), **kw))
+  return np.asarray(
+    forward_fn(kind, config)(
+      params(config), jnp.asarray(tokens), None if mask is None else jnp.asarray(mask), **kw
+    )
+  )
 
 
 @functools.lru_cache(maxsize=None)
@@ -125,8 +128,8 @@ def ragged(rng: np.random.Generator, lengths, width: int = WIDTH, left=None):
   mask = np.zeros((b, width), bool)
   for i, n in enumerate(lengths):
     start = 0 if left is None else left[i]
-    tokens[i, start:start + n] = rng.integers(0, VOCAB, n)
-    mask[i, start:start + n] = True
+    tokens[i, start : start + n] = rng.integers(0, VOCAB, n)
+    mask[i, start : start + n] = True
   positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
   return tokens, mask, positions
 
@@ -141,7 +144,7 @@ def greedy_by_forward(kind, config, prompts, new: int, src=None, src_mask=None) 
   tokens = np.zeros((b, width), np.int32)
   lengths = np.array([len(p) for p in prompts])
   for i, p in enumerate(prompts):
-    tokens[i, :len(p)] = p
+    tokens[i, : len(p)] = p
   out = np.zeros((b, new), np.int32)
   for s in range(new):
     mask = np.arange(width)[None, :] < (lengths + s)[:, None]
@@ -154,5 +157,8 @@ def greedy_by_forward(kind, config, prompts, new: int, src=None, src_mask=None) 
 
 def finite(tree) -> bool:
   """Every float leaf of ``tree`` is free of NaN and Inf."""
-  return all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(tree)
-             if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating))
+  return all(
+    np.all(np.isfinite(np.asarray(x)))
+    for x in jax.tree.leaves(tree)
+    if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
+  )

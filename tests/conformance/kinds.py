@@ -50,15 +50,16 @@ LEFT_PADDING = "left_padding"
 PACKING = "packing"
 TABLE_POSITIONS = "table_positions"
 
-VOCAB = 61          # a prime: no accidental alignment with widths or chunk sizes
-WINDOW = 3          # sliding windows: shorter than every prompt the suite decodes
-CHUNK = 4           # linear attention: prompts and decoding cross several chunk boundaries
+VOCAB = 61  # a prime: no accidental alignment with widths or chunk sizes
+WINDOW = 3  # sliding windows: shorter than every prompt the suite decodes
+CHUNK = 4  # linear attention: prompts and decoding cross several chunk boundaries
 SMALL = dict(vocab_size=VOCAB, d_model=16, num_heads=2, d_ff=32, max_len=64)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)   # hashed by identity: a cache key
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: a cache key
 class Kind:
   """One registered model kind (see the module docstring)."""
+
   name: str
   make_config: Callable[[], models.ModelConfig]
   capabilities: frozenset[str]
@@ -79,48 +80,101 @@ def _gpt(preset, **kw):
 
 _DECODER = frozenset({DECODER, DECODES, MASK, LEFT_PADDING, PACKING})
 _LINEAR = dict(attention_kind="linear", linear_chunk=CHUNK)
-LONG = dict(linear_chunk=64, max_len=320)   # 4 chunks of 64 and a position fit
+LONG = dict(linear_chunk=64, max_len=320)  # 4 chunks of 64 and a position fit
 _LINEAR_EXTREMES = ({"linear_decay": 1e-3}, {"linear_decay": 0.2, **LONG})
 
 KINDS: list[Kind] = [
-    Kind("gpt-softmax", _gpt("gpt2-tiny"), _DECODER | {TABLE_POSITIONS}, "GPT2LMHeadModel",
-         extremes=({"init_std": 1.0, "norm_eps": 1e-12},)),
-    Kind("gpt-window", _gpt("gpt2-tiny", sliding_window=WINDOW), _DECODER | {TABLE_POSITIONS}),
-    Kind("gpt-alibi", _gpt("gpt-alibi-tiny"), _DECODER),
-    Kind("gpt-linear", _gpt("gpt2-tiny", **_LINEAR), _DECODER | {TABLE_POSITIONS},
-         extremes=({"linear_chunk": 1},)),
-    Kind("gpt-linear-decay", _gpt("gpt2-tiny", **_LINEAR, linear_decay=0.5),
-         _DECODER | {TABLE_POSITIONS}, extremes=_LINEAR_EXTREMES),
-    Kind("gpt-linear-decay-per-head", _gpt("llama-tiny", **_LINEAR, linear_decay=(0.95, 0.2)),
-         _DECODER, extremes=({"linear_decay": (1e-3, 1.0)},)),
-    Kind("gpt-linear-retnet", _gpt("llama-tiny", **_LINEAR, linear_decay="retnet"), _DECODER),
-    Kind("llama", _gpt("llama-tiny"), _DECODER, "LlamaForCausalLM"),
-    Kind("mistral", _gpt("mistral-tiny", sliding_window=WINDOW), _DECODER, "MistralForCausalLM",
-         extremes=({"sliding_window": 1, "rope_theta": 1e6, "norm_eps": 1e-12},)),
-    Kind("bert", lambda: models.get_config("bert-tiny", **SMALL, num_layers=2, dropout_rate=0.0,
-                                           attention_dropout_rate=0.0),
-         frozenset({ENCODER, MASK}), "BertForPreTraining"),
-    Kind("seq2seq", lambda: models.get_config(
-        "transformer-tiny", **SMALL, num_encoder_layers=1, num_decoder_layers=2,
-        dropout_rate=0.0, norm_eps=1e-5),
-         frozenset({SEQ2SEQ, DECODES, MASK}), "MarianMTModel"),
-    # T5's max_len stays its preset's: relative positions need no table, and T5's HF config
-    # has no field for it.
-    Kind("t5", lambda: models.get_config(
-        "t5-tiny", **{**SMALL, "max_len": 512}, num_encoder_layers=1, num_decoder_layers=2,
-        dropout_rate=0.0),
-         frozenset({SEQ2SEQ, DECODES, MASK, LEFT_PADDING}), "T5ForConditionalGeneration"),
+  Kind(
+    "gpt-softmax",
+    _gpt("gpt2-tiny"),
+    _DECODER | {TABLE_POSITIONS},
+    "GPT2LMHeadModel",
+    extremes=({"init_std": 1.0, "norm_eps": 1e-12},),
+  ),
+  Kind("gpt-window", _gpt("gpt2-tiny", sliding_window=WINDOW), _DECODER | {TABLE_POSITIONS}),
+  Kind("gpt-alibi", _gpt("gpt-alibi-tiny"), _DECODER),
+  Kind(
+    "gpt-linear",
+    _gpt("gpt2-tiny", **_LINEAR),
+    _DECODER | {TABLE_POSITIONS},
+    extremes=({"linear_chunk": 1},),
+  ),
+  Kind(
+    "gpt-linear-decay",
+    _gpt("gpt2-tiny", **_LINEAR, linear_decay=0.5),
+    _DECODER | {TABLE_POSITIONS},
+    extremes=_LINEAR_EXTREMES,
+  ),
+  Kind(
+    "gpt-linear-decay-per-head",
+    _gpt("llama-tiny", **_LINEAR, linear_decay=(0.95, 0.2)),
+    _DECODER,
+    extremes=({"linear_decay": (1e-3, 1.0)},),
+  ),
+  Kind("gpt-linear-retnet", _gpt("llama-tiny", **_LINEAR, linear_decay="retnet"), _DECODER),
+  Kind("llama", _gpt("llama-tiny"), _DECODER, "LlamaForCausalLM"),
+  Kind(
+    "mistral",
+    _gpt("mistral-tiny", sliding_window=WINDOW),
+    _DECODER,
+    "MistralForCausalLM",
+    extremes=({"sliding_window": 1, "rope_theta": 1e6, "norm_eps": 1e-12},),
+  ),
+  Kind(
+    "bert",
+    lambda: models.get_config(
+      "bert-tiny", **SMALL, num_layers=2, dropout_rate=0.0, attention_dropout_rate=0.0
+    ),
+    frozenset({ENCODER, MASK}),
+    "BertForPreTraining",
+  ),
+  Kind(
+    "seq2seq",
+    lambda: models.get_config(
+      "transformer-tiny",
+      **SMALL,
+      num_encoder_layers=1,
+      num_decoder_layers=2,
+      dropout_rate=0.0,
+      norm_eps=1e-5,
+    ),
+    frozenset({SEQ2SEQ, DECODES, MASK}),
+    "MarianMTModel",
+  ),
+  # T5's max_len stays its preset's: relative positions need no table, and T5's HF config
+  # has no field for it.
+  Kind(
+    "t5",
+    lambda: models.get_config(
+      "t5-tiny",
+      **{**SMALL, "max_len": 512},
+      num_encoder_layers=1,
+      num_decoder_layers=2,
+      dropout_rate=0.0,
+    ),
+    frozenset({SEQ2SEQ, DECODES, MASK, LEFT_PADDING}),
+    "T5ForConditionalGeneration",
+  ),
 ]
 
 # State-space models (Mamba-1, Mamba-2) and a hybrid stack of Mamba and attention layers: the scan
 # chunk is CHUNK, so prompts and decoding cross chunk boundaries as linear attention's do.
 _SSM = dict(vocab_size=VOCAB, d_model=16, num_layers=2, d_state=4, ssm_chunk=CHUNK, max_len=64)
 KINDS += [
-    Kind("mamba1", lambda: models.get_config("mamba-tiny", **_SSM), _DECODER, "MambaForCausalLM"),
-    Kind("mamba2", lambda: models.get_config("mamba2-tiny", **_SSM, ssm_head_dim=8, ssm_groups=2),
-         _DECODER, "Mamba2ForCausalLM"),
-    Kind("hybrid", lambda: models.get_config("hybrid-tiny", **{**_SSM, "num_layers": 3},
-                                             num_heads=2, num_kv_heads=1, d_ff=32), _DECODER),
+  Kind("mamba1", lambda: models.get_config("mamba-tiny", **_SSM), _DECODER, "MambaForCausalLM"),
+  Kind(
+    "mamba2",
+    lambda: models.get_config("mamba2-tiny", **_SSM, ssm_head_dim=8, ssm_groups=2),
+    _DECODER,
+    "Mamba2ForCausalLM",
+  ),
+  Kind(
+    "hybrid",
+    lambda: models.get_config(
+      "hybrid-tiny", **{**_SSM, "num_layers": 3}, num_heads=2, num_kv_heads=1, d_ff=32
+    ),
+    _DECODER,
+  ),
 ]
 
 # Approximations of softmax attention (docs/approximations.md). A block-sparse pattern is laid out
@@ -133,20 +187,41 @@ KINDS += [
 _SPARSE = frozenset({DECODER, DECODES, MASK, TABLE_POSITIONS})
 _BERT = dict(**SMALL, num_layers=2, dropout_rate=0.0, attention_dropout_rate=0.0)
 KINDS += [
-    Kind("gpt-sparse-fixed", _gpt("gpt2-tiny", attention_kind="sparse",
-                                  sparse_pattern=ops.SparsePattern.fixed(block=4, summary=1)),
-         _SPARSE, extremes=({"sparse_pattern": ops.SparsePattern(block=1)},)),
-    Kind("gpt-sparse-strided", _gpt("gpt2-tiny", attention_kind="sparse",
-                                    sparse_pattern=ops.SparsePattern.strided_pattern(block=3)),
-         _SPARSE),
-    Kind("gpt-reversible", _gpt("llama-tiny", reversible=True), _DECODER),
-    Kind("bert-linformer", lambda: models.get_config("bert-tiny", **_BERT,
-                                                     attention_kind="linformer", linformer_rows=8),
-         frozenset({ENCODER, MASK})),
-    Kind("bert-sparse-fixed", lambda: models.get_config(
-        "bert-tiny", **_BERT, attention_kind="sparse",
-        sparse_pattern=ops.SparsePattern.fixed(block=4, summary=1)),
-         frozenset({ENCODER, MASK})),
+  Kind(
+    "gpt-sparse-fixed",
+    _gpt(
+      "gpt2-tiny",
+      attention_kind="sparse",
+      sparse_pattern=ops.SparsePattern.fixed(block=4, summary=1),
+    ),
+    _SPARSE,
+    extremes=({"sparse_pattern": ops.SparsePattern(block=1)},),
+  ),
+  Kind(
+    "gpt-sparse-strided",
+    _gpt(
+      "gpt2-tiny",
+      attention_kind="sparse",
+      sparse_pattern=ops.SparsePattern.strided_pattern(block=3),
+    ),
+    _SPARSE,
+  ),
+  Kind("gpt-reversible", _gpt("llama-tiny", reversible=True), _DECODER),
+  Kind(
+    "bert-linformer",
+    lambda: models.get_config("bert-tiny", **_BERT, attention_kind="linformer", linformer_rows=8),
+    frozenset({ENCODER, MASK}),
+  ),
+  Kind(
+    "bert-sparse-fixed",
+    lambda: models.get_config(
+      "bert-tiny",
+      **_BERT,
+      attention_kind="sparse",
+      sparse_pattern=ops.SparsePattern.fixed(block=4, summary=1),
+    ),
+    frozenset({ENCODER, MASK}),
+  ),
 ]
 
 BY_NAME = {k.name: k for k in KINDS}

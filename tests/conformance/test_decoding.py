@@ -15,8 +15,8 @@ from transformer_jax import generate
 
 DECODING = [k for k in KINDS if k.has(DECODES)]
 IDS = [k.name for k in DECODING]
-PROMPT, STEPS = 10, 6          # PROMPT + STEPS = WIDTH: the references share one forward program
-START = 1                      # Seq2Seq decoder start id
+PROMPT, STEPS = 10, 6  # PROMPT + STEPS = WIDTH: the references share one forward program
+START = 1  # Seq2Seq decoder start id
 
 
 def _pair(kind):
@@ -30,28 +30,44 @@ def _start(kind):
 
 @pytest.mark.parametrize("kind", DECODING, ids=IDS)
 @settings(max_examples=3, deadline=None, derandomize=True)
-@given(lengths=st.lists(st.integers(1, PROMPT), min_size=h.ROWS, max_size=h.ROWS),
-       seed=st.integers(0, 2**16))
+@given(
+  lengths=st.lists(st.integers(1, PROMPT), min_size=h.ROWS, max_size=h.ROWS),
+  seed=st.integers(0, 2**16),
+)
 def test_ragged_prefill_and_steps_equal_the_full_forward(kind, lengths, seed):
   config = kind.config()
   rng = np.random.default_rng(seed)
   full, mask, _ = h.ragged(rng, [n + STEPS for n in lengths])
   lengths = np.array(lengths)
   prompt = np.where(np.arange(PROMPT)[None, :] < lengths[:, None], full[:, :PROMPT], 0)
-  steps = np.stack([full[b, n:n + STEPS] for b, n in enumerate(lengths)])
+  steps = np.stack([full[b, n : n + STEPS] for b, n in enumerate(lengths)])
   # Seq2Seq: the source is the whole row, the decoder inputs as a decoder's.
-  extra = (dict(src=jnp.asarray(full), src_mask=jnp.asarray(mask)) if kind.has(SEQ2SEQ) else {})
+  extra = dict(src=jnp.asarray(full), src_mask=jnp.asarray(mask)) if kind.has(SEQ2SEQ) else {}
   fn = h.decode_fn(kind, config, PROMPT + STEPS)
-  prefill, stepped, cache = fn(h.params(config), jnp.asarray(prompt, jnp.int32),
-                               jnp.asarray(lengths, jnp.int32), jnp.asarray(steps, jnp.int32),
-                               **extra)
+  prefill, stepped, cache = fn(
+    h.params(config),
+    jnp.asarray(prompt, jnp.int32),
+    jnp.asarray(lengths, jnp.int32),
+    jnp.asarray(steps, jnp.int32),
+    **extra,
+  )
   want = h.forward(kind, config, full, mask)
   assert h.finite(cache) and h.finite(prefill) and h.finite(stepped), "non-finite decoding"
   for b, n in enumerate(lengths):
-    np.testing.assert_allclose(np.asarray(prefill)[b, :n], want[b, :n], atol=h.ATOL, rtol=0,
-                               err_msg=f"prefill of row {b}, lengths {list(lengths)}")
-    np.testing.assert_allclose(np.asarray(stepped)[b], want[b, n:n + STEPS], atol=h.ATOL, rtol=0,
-                               err_msg=f"steps of row {b}, lengths {list(lengths)}")
+    np.testing.assert_allclose(
+      np.asarray(prefill)[b, :n],
+      want[b, :n],
+      atol=h.ATOL,
+      rtol=0,
+      err_msg=f"prefill of row {b}, lengths {list(lengths)}",
+    )
+    np.testing.assert_allclose(
+      np.asarray(stepped)[b],
+      want[b, n : n + STEPS],
+      atol=h.ATOL,
+      rtol=0,
+      err_msg=f"steps of row {b}, lengths {list(lengths)}",
+    )
 
 
 @pytest.mark.parametrize("kind", DECODING, ids=IDS)
@@ -63,7 +79,7 @@ def test_greedy_generate_equals_the_full_forward_row_by_row(kind):
   if kind.has(SEQ2SEQ):
     src, src_mask, _ = h.ragged(rng, [len(p) for p in prompts])
     for b, p in enumerate(prompts):
-      src[b, :len(p)] = p
+      src[b, : len(p)] = p
     want = h.greedy_by_forward(kind, config, [[START]] * h.ROWS, STEPS, src, src_mask)
   else:
     want = h.greedy_by_forward(kind, config, prompts, STEPS)
@@ -82,13 +98,14 @@ def test_sampling_gives_each_row_what_it_gives_alone(kind):
   key's draws are per batch position)."""
   _, pair = _pair(kind)
   prompts = _ragged_prompts(2)
-  kw = dict(max_new_tokens=STEPS, temperature=0.9, top_p=0.95, key=jax.random.key(5),
-            **_start(kind))
+  kw = dict(
+    max_new_tokens=STEPS, temperature=0.9, top_p=0.95, key=jax.random.key(5), **_start(kind)
+  )
   batched = np.asarray(generate.generate(pair, prompts, **kw))
   for b, p in enumerate(prompts):
     alone = np.asarray(generate.generate(pair, [p] * h.ROWS, **kw))
     np.testing.assert_array_equal(batched[b], alone[b], err_msg=f"row {b}")
-  assert len({tuple(r) for r in batched}) > 1   # the rows did sample different tokens
+  assert len({tuple(r) for r in batched}) > 1  # the rows did sample different tokens
 
 
 @pytest.mark.parametrize("kind", DECODING, ids=IDS)
@@ -100,6 +117,7 @@ def test_beam_search_gives_each_row_what_it_gives_alone(kind):
   assert h.finite(batched.all_scores)
   for b, p in enumerate(prompts):
     alone = generate.beam_search(pair, [p] * h.ROWS, **kw)
-    np.testing.assert_array_equal(batched.all_sequences[b], alone.all_sequences[b],
-                                  err_msg=f"row {b}")
+    np.testing.assert_array_equal(
+      batched.all_sequences[b], alone.all_sequences[b], err_msg=f"row {b}"
+    )
     np.testing.assert_allclose(batched.all_scores[b], alone.all_scores[b], rtol=1e-5)

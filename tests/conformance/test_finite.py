@@ -34,9 +34,13 @@ def test_logits_and_caches_are_finite(case):
   if not kind.has(DECODES):
     return
   # The same rows prefilled into a cache (Seq2Seq: the decoder's), then two steps.
-  extra = (dict(src=jnp.asarray(tokens), src_mask=jnp.asarray(mask)) if kind.has(SEQ2SEQ) else {})
+  extra = dict(src=jnp.asarray(tokens), src_mask=jnp.asarray(mask)) if kind.has(SEQ2SEQ) else {}
   prefill, stepped, cache = h.decode_fn(kind, config, width + 2)(
-      h.params(config), jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32),
-      jnp.asarray(tokens[:, :2]), **extra)
+    h.params(config),
+    jnp.asarray(tokens),
+    jnp.asarray(lengths, jnp.int32),
+    jnp.asarray(tokens[:, :2]),
+    **extra,
+  )
   assert h.finite(cache), f"non-finite cache after a prefill of {lengths} tokens"
   assert h.finite(prefill) and h.finite(stepped), f"non-finite decoding logits at {lengths}"

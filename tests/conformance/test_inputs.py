@@ -30,7 +30,7 @@ def _bad_values(dtype):
   if info.min < 0:
     values.append(-1)
   if info.bits == 64:
-    values.append(2**32 + 3)     # int32(2**32 + 3) == 3
+    values.append(2**32 + 3)  # int32(2**32 + 3) == 3
   return values
 
 
@@ -51,12 +51,14 @@ def checked_calls():
       config = kind.config()
       graphdef = models.graphdef(config)
       if with_positions:
+
         def fn(p, ids, positions):
-          return h.call(kind, nnx.merge(graphdef, p), ids,
-                                                      positions=positions)
+          return h.call(kind, nnx.merge(graphdef, p), ids, positions=positions)
       else:
+
         def fn(p, ids):
           return h.call(kind, nnx.merge(graphdef, p), ids)
+
       cache[key] = (models.checked(fn), h.params(config))
     return cache[key]
 
@@ -75,7 +77,7 @@ def test_ids_outside_the_vocabulary_are_refused_eagerly(kind, dtype):
 @pytest.mark.parametrize("kind", KINDS, ids=IDS)
 def test_ids_outside_the_vocabulary_are_refused_under_checked(kind, checked_calls):
   fn, params = checked_calls(kind)
-  assert h.finite(fn(params, _ids(np.int32)))   # (tests/models/test_checked_ids.py: the values)
+  assert h.finite(fn(params, _ids(np.int32)))  # (tests/models/test_checked_ids.py: the values)
   for bad in (VOCAB, -1, 2**31 - 1):
     with pytest.raises(ValueError, match=rf"outside the vocabulary \[0, {VOCAB}\)"):
       fn(params, _ids(np.int32, bad))
@@ -95,19 +97,20 @@ def test_every_integer_dtype_is_checked_by_value_under_checked(dtype):
   params = h.params(config)
   good = np.random.default_rng(0).integers(0, 127, (2, 6))
   want = h.forward(kind, config, good.astype(np.int32))
-  np.testing.assert_allclose(np.asarray(fn(params, good.astype(dtype))), want, atol=1e-5,
-                             rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(fn(params, good.astype(dtype))), want, atol=1e-5, rtol=1e-5)
   info = np.iinfo(dtype)
-  for bad in [v for v in (300, int(info.max), -1, 2**32 + 3) if info.min <= v <= info.max
-              and not 0 <= v < 300]:
+  for bad in [
+    v for v in (300, int(info.max), -1, 2**32 + 3) if info.min <= v <= info.max and not 0 <= v < 300
+  ]:
     ids = good.astype(dtype)
     ids[1, 4] = bad
     with pytest.raises(ValueError, match="outside the vocabulary|does not fit in int32"):
       fn(params, ids)
 
 
-@pytest.mark.parametrize("kind", [k for k in KINDS if k.has(DECODER)],
-                         ids=[k.name for k in KINDS if k.has(DECODER)])
+@pytest.mark.parametrize(
+  "kind", [k for k in KINDS if k.has(DECODER)], ids=[k.name for k in KINDS if k.has(DECODER)]
+)
 def test_positions_outside_the_table_are_refused(kind, checked_calls):
   if not kind.has(TABLE_POSITIONS):
     pytest.skip(f"{kind.name}: positions are values (RoPE, ALiBi, none), not table rows")

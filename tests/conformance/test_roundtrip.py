@@ -35,18 +35,26 @@ def test_saved_for_hugging_face_gives_the_same_logits_and_loads_back(kind, tmp_p
   diffs = hf_cases.compare(theirs, model, kind.hf_class, paddings=(True,))
   assert max(diffs.values()) <= 1e-4, diffs
   _, again = hf.load(tmp_path)
-  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(h.params(config)),
-                          jax.tree.leaves(nnx.state(again, nnx.Param))):
+  for (path, a), b in zip(
+    jax.tree_util.tree_leaves_with_path(h.params(config)),
+    jax.tree.leaves(nnx.state(again, nnx.Param)),
+  ):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
 
 
 def _experiment(kind, run_dir, dataset) -> dict:
   """An experiment training the kind, as a user writes it: YAML with the full model."""
   task = "seq2seq" if kind.has(SEQ2SEQ) else "bert" if kind.has(ENCODER) else "gpt"
-  return yaml.safe_load(yaml.safe_dump({
-      "run_dir": str(run_dir), "model": models.config_to_dict(kind.config()),
-      "data": {"path": str(dataset), "task": task},
-      "train": {"steps": 2, "batch_size": 2, "seq_len": 16}}))
+  return yaml.safe_load(
+    yaml.safe_dump(
+      {
+        "run_dir": str(run_dir),
+        "model": models.config_to_dict(kind.config()),
+        "data": {"path": str(dataset), "task": task},
+        "train": {"steps": 2, "batch_size": 2, "seq_len": 16},
+      }
+    )
+  )
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=[k.name for k in KINDS])
@@ -60,11 +68,17 @@ def test_a_run_directory_gives_back_the_model_and_accepts_its_resume(kind, tmp_p
   runs.save_model(str(run_dir), config, h.params(config))
   got_config, got = runs.load_model(str(run_dir))
   assert got_config == config
-  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(h.params(config)),
-                          jax.tree.leaves(got)):
+  for (path, a), b in zip(
+    jax.tree_util.tree_leaves_with_path(h.params(config)), jax.tree.leaves(got)
+  ):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
   raw = _experiment(kind, run_dir, tmp_path / "data")
   stored = yaml.safe_load(yaml.safe_dump(load_experiment(None, raw=raw).absolute().to_dict()))
   assert load_experiment(None, raw=raw).model_config() == config
-  assert fixed_changes(load_experiment(None, raw=stored).absolute().to_dict(),
-                       load_experiment(None, raw=raw).absolute().to_dict()) == []
+  assert (
+    fixed_changes(
+      load_experiment(None, raw=stored).absolute().to_dict(),
+      load_experiment(None, raw=raw).absolute().to_dict(),
+    )
+    == []
+  )

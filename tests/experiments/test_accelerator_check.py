@@ -48,13 +48,16 @@ def check(tmp_path):
 
   def run(*parts, backend="gpu", **env):
     environ = {k: v for k, v in os.environ.items() if k != "PYTHON"}
-    environ.update(PATH=f"{stubs}:{os.environ['PATH']}", STUB_LOG=str(log),
-                   STUB_BACKEND=backend, **env)
+    environ.update(
+      PATH=f"{stubs}:{os.environ['PATH']}", STUB_LOG=str(log), STUB_BACKEND=backend, **env
+    )
     out = tmp_path / "out"
-    done = subprocess.run(["bash", SCRIPT, str(out), *parts], env=environ, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+      ["bash", SCRIPT, str(out), *parts], env=environ, capture_output=True, text=True, timeout=120
+    )
     calls = log.read_text().splitlines() if log.exists() else []
     return done, out, calls
+
   return run
 
 
@@ -62,8 +65,9 @@ def test_refuses_a_host_without_an_accelerator(check):
   done, out, calls = check(backend="cpu")
   assert done.returncode == 3
   assert done.stderr.strip().splitlines() == [
-      "accelerator_check: no accelerator here (jax's backend: cpu); set "
-      "ACCELERATOR_CHECK_ON_CPU=1 to run it anyway"]
+    "accelerator_check: no accelerator here (jax's backend: cpu); set "
+    "ACCELERATOR_CHECK_ON_CPU=1 to run it anyway"
+  ]
   assert calls == [] and not out.exists()
 
 
@@ -77,8 +81,10 @@ def test_runs_without_an_accelerator_only_when_told(check):
 def test_a_misspelled_part_is_refused_before_anything_runs(check):
   done, out, calls = check("train", "tarin")
   assert done.returncode == 2
-  assert done.stderr.strip() == ("accelerator_check: unknown part 'tarin' (parts: train levers "
-                                 "llama tests attention generate); nothing was run")
+  assert done.stderr.strip() == (
+    "accelerator_check: unknown part 'tarin' (parts: train levers "
+    "llama tests attention generate); nothing was run"
+  )
   assert calls == [] and not out.exists()
 
 
@@ -86,9 +92,10 @@ def test_a_failing_part_fails_the_check_and_is_named_the_others_run(check):
   done, out, calls = check("train", "llama", "levers", STUB_FAIL="tinyllama")
   assert done.returncode == 1
   assert done.stderr.strip().splitlines()[-1] == (
-      f"accelerator_check: failed: llama (logs in {out})")
+    f"accelerator_check: failed: llama (logs in {out})"
+  )
   assert re.search(r"^llama: exit 1 after \d+ s \(limit 150 s\)$", done.stdout, re.M)
-  assert len(calls) == 3   # the parts after the failing one still ran
+  assert len(calls) == 3  # the parts after the failing one still ran
   assert (out / "bench_train.json").exists() and (out / "levers.json").exists()
   assert "stub: failing" in (out / "llama.log").read_text()
 
@@ -111,8 +118,9 @@ def test_a_json_without_its_measurement_fails(check):
 def test_a_part_past_its_limit_is_stopped_and_named(check):
   done, out, _ = check("levers", "train", STUB_SLEEP="gpu_levers", LEVERS_LIMIT="1")
   assert done.returncode == 1
-  assert re.search(r"^levers: exit 124 after \d+ s \(limit 1 s\), stopped at its time limit$",
-                   done.stdout, re.M)
+  assert re.search(
+    r"^levers: exit 124 after \d+ s \(limit 1 s\), stopped at its time limit$", done.stdout, re.M
+  )
   assert (out / "bench_train.json").exists()
 
 
@@ -120,10 +128,11 @@ def test_the_default_parts_fit_one_ten_minute_call(check):
   done, out, calls = check()
   assert done.returncode == 0, done.stderr
   assert done.stdout.strip().splitlines()[-1] == (
-      "accelerator_check: every part passed (train levers llama tests)")
+    "accelerator_check: every part passed (train levers llama tests)"
+  )
   limits = [int(s) for s in re.findall(r"\(limit (\d+) s\)", done.stdout)]
-  assert len(limits) == 5                    # tests runs the suite, then tests/parallel
-  assert sum(limits) <= 540 - 20             # 9 minutes, less the probe's
+  assert len(limits) == 5  # tests runs the suite, then tests/parallel
+  assert sum(limits) <= 540 - 20  # 9 minutes, less the probe's
   # The whole suite: everything but tests/parallel on the accelerator, then those on 8 CPU devices.
   suite = [c for c in calls if "-m pytest" in c]
   assert suite[0].startswith("|-m pytest tests --ignore=tests/parallel ")

@@ -12,13 +12,13 @@ VOCAB = 97
 # Wider initialisation than the presets' 0.02, so logits differ by O(1) between tokens and a wrong
 # position, mask or cache slot shows up far above the 1e-4 tolerance.
 GPT_CASES = {
-    "gpt2-learned": ("gpt2-tiny", {}),
-    "gpt2-sinusoidal": ("gpt2-tiny", {"position": "sinusoidal"}),
-    "gpt2-unrolled": ("gpt2-tiny", {"scan_layers": False}),
-    "llama-rope-gqa": ("llama-tiny", {}),
-    "llama-rope-mqa": ("llama-tiny", {"num_kv_heads": 1}),
-    "alibi": ("gpt-alibi-tiny", {}),
-    "sliding-window": ("llama-tiny", {"sliding_window": 3}),
+  "gpt2-learned": ("gpt2-tiny", {}),
+  "gpt2-sinusoidal": ("gpt2-tiny", {"position": "sinusoidal"}),
+  "gpt2-unrolled": ("gpt2-tiny", {"scan_layers": False}),
+  "llama-rope-gqa": ("llama-tiny", {}),
+  "llama-rope-mqa": ("llama-tiny", {"num_kv_heads": 1}),
+  "alibi": ("gpt-alibi-tiny", {}),
+  "sliding-window": ("llama-tiny", {"sliding_window": 3}),
 }
 
 
@@ -50,7 +50,7 @@ def last_logits(params, config, seq):
   keys are masked out with ``attention_mask``; under the causal mask they are invisible anyway.
   """
   buf = np.zeros((1, BUFFER), np.int32)
-  buf[0, :len(seq)] = seq
+  buf[0, : len(seq)] = seq
   valid = np.arange(BUFFER)[None, :] < len(seq)
   logits = full_forward_masked(config)(params, jnp.asarray(buf), jnp.asarray(valid))
   return np.asarray(logits[0, len(seq) - 1])
@@ -59,8 +59,9 @@ def last_logits(params, config, seq):
 @functools.lru_cache(maxsize=None)
 def full_forward_masked(config):
   graphdef = models.graphdef(config)
-  return jax.jit(lambda params, tokens, valid: nnx.merge(graphdef, params)(
-      tokens, attention_mask=valid))
+  return jax.jit(
+    lambda params, tokens, valid: nnx.merge(graphdef, params)(tokens, attention_mask=valid)
+  )
 
 
 def naive_greedy(model, prompt, max_new_tokens, eos_id=None):

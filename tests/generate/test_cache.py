@@ -9,7 +9,13 @@ from flax import nnx
 
 from transformer_jax import generate
 from tests.generate.conftest import (
-    GPT_CASES, full_forward, gpt_config, gpt_model, last_logits, random_prompts)
+  GPT_CASES,
+  full_forward,
+  gpt_config,
+  gpt_model,
+  last_logits,
+  random_prompts,
+)
 
 TOL = 1e-4
 
@@ -28,14 +34,14 @@ def test_cached_logits_match_full_forward_every_step(case):
   width = 8
   padded = np.full((2, width), 5, np.int32)
   for i, p in enumerate(prompts):
-    padded[i, :len(p)] = p
+    padded[i, : len(p)] = p
   lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
   cache = generate.init_cache(config, 2, 24)
   logits, cache = extend(params, jnp.asarray(padded), cache, lengths)
   np.testing.assert_array_equal(np.asarray(cache.lengths), [6, 3])
   for i, p in enumerate(prompts):
-    want = np.stack([last_logits(params, config, p[:j + 1]) for j in range(len(p))])
-    got = np.asarray(logits[i, :len(p)])
+    want = np.stack([last_logits(params, config, p[: j + 1]) for j in range(len(p))])
+    got = np.asarray(logits[i, : len(p)])
     assert np.abs(got - want).max() <= TOL, (case, "prefill", i)
 
   # One-token steps with arbitrary next tokens (past the sliding window and past the padding).

@@ -27,8 +27,9 @@ MAX_LEN = 32
 def random_params(config, seed=0):
   """N(0, 0.3^2) parameters drawn with NumPy: no compiled initialisation to wait for."""
   rng = np.random.default_rng(seed)
-  return jax.tree.map(lambda s: jnp.asarray(rng.normal(0.0, 0.3, s.shape), s.dtype),
-                      models.init_abstract(config))
+  return jax.tree.map(
+    lambda s: jnp.asarray(rng.normal(0.0, 0.3, s.shape), s.dtype), models.init_abstract(config)
+  )
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +80,11 @@ def naive_sample(config, params, prompt, n, key, *, temperature, top_k, eos_id, 
   for i in range(n):
     logits = np.array(last_logits(params, config, seq))
     logits[list(suppress)] = -np.inf
-    tok = int(generate.next_token(jnp.asarray(logits)[None], jax.random.fold_in(key, i),
-                                  temperature=temperature, top_k=top_k)[0])
+    tok = int(
+      generate.next_token(
+        jnp.asarray(logits)[None], jax.random.fold_in(key, i), temperature=temperature, top_k=top_k
+      )[0]
+    )
     if tok == eos_id:
       break
     out.append(tok)
@@ -101,6 +105,7 @@ def _watch_poll(tmp_path, monkeypatch):
   def stream(*a, **kw):
     held.append(_fds_on(device))
     yield from commands_stream(*a, **kw)
+
   monkeypatch.setattr(commands, "stream_generate", stream)
   return device, held
 
@@ -109,14 +114,35 @@ def test_generate_prints_prompt_and_sampled_continuation(runs, capsys, tmp_path,
   # With --cpu-poll it decodes holding the polling request (a stand-in file here), and only while
   # decoding.
   device, held = _watch_poll(tmp_path, monkeypatch)
-  code, out, err = tjax(capsys, "generate", runs["gpt"], "--prompt", "def alpha",
-                        "--max-new-tokens", "20", "--seed", "3", "--chunk", "6", "--cpu-poll")
+  code, out, err = tjax(
+    capsys,
+    "generate",
+    runs["gpt"],
+    "--prompt",
+    "def alpha",
+    "--max-new-tokens",
+    "20",
+    "--seed",
+    "3",
+    "--chunk",
+    "6",
+    "--cpu-poll",
+  )
   assert code == 0, err
   assert held == [1] and _fds_on(device) == 0 and device.read_bytes() == struct.pack("i", 0)
   config, params, tok = restored(runs["gpt"])
   suppress = sorted(set(tok.special_ids.values()) - {tok.eot_id})
-  want = naive_sample(config, params, tok.encode("def alpha"), 20, jax.random.key(3),
-                      temperature=0.8, top_k=40, eos_id=tok.eot_id, suppress=suppress)
+  want = naive_sample(
+    config,
+    params,
+    tok.encode("def alpha"),
+    20,
+    jax.random.key(3),
+    temperature=0.8,
+    top_k=40,
+    eos_id=tok.eot_id,
+    suppress=suppress,
+  )
   assert out == "def alpha" + tok.decode(want) + "\n"
   assert len(want) > 0 and not set(want) & set(suppress)
 
@@ -129,7 +155,7 @@ def test_generate_asks_for_polling_cpus_only_when_told(runs, capsys, tmp_path, m
   monkeypatch.setenv(poll.POLL_ENV, "1")
   code, _, err = tjax(capsys, *argv)
   assert code == 0 and held == [0, 1]
-  code, _, err = tjax(capsys, *argv, "--no-cpu-poll")   # the flag over the environment
+  code, _, err = tjax(capsys, *argv, "--no-cpu-poll")  # the flag over the environment
   assert code == 0 and held == [0, 1, 0]
   # Asked for but not allowed: one line says so, and it decodes all the same.
   monkeypatch.setattr(poll, "CPU_DMA_LATENCY", str(tmp_path / "absent"))
@@ -138,7 +164,9 @@ def test_generate_asks_for_polling_cpus_only_when_told(runs, capsys, tmp_path, m
   assert err.startswith("tjax generate: --cpu-poll has no effect: cannot open")
 
 
-@pytest.mark.parametrize("option, value, message", [
+@pytest.mark.parametrize(
+  "option, value, message",
+  [
     ("--temperature", "-1", "--temperature -1.0 must be a number >= 0"),
     ("--temperature", "nan", "--temperature nan must be a number >= 0"),
     ("--top-k", "0", "--top-k 0 must be >= 1"),
@@ -146,9 +174,11 @@ def test_generate_asks_for_polling_cpus_only_when_told(runs, capsys, tmp_path, m
     ("--length-penalty", "inf", "--length-penalty inf must be a finite number"),
     ("--seed", str(2**63), f"--seed {2**63} must be in [-2**63, 2**63)"),
     ("--max-new-tokens", "-3", "--max-new-tokens -3 must be >= 1"),
-])
-def test_a_bad_option_is_one_line_before_any_output(runs, capsys, monkeypatch, option, value,
-                                                    message):
+  ],
+)
+def test_a_bad_option_is_one_line_before_any_output(
+  runs, capsys, monkeypatch, option, value, message
+):
   """Every option is checked before the prompt is printed: nothing on stdout, one line naming the
   option and its value on stderr."""
   code, out, err = tjax(capsys, "generate", runs["gpt"], "--prompt", "the fox", option, value)
@@ -164,45 +194,62 @@ def test_a_bad_cpu_poll_setting_is_one_line_before_any_output(runs, capsys, monk
 
 
 def test_generate_with_beams_prints_best_hypothesis(runs, capsys):
-  code, out, err = tjax(capsys, "generate", runs["gpt"], "--prompt", "class", "--num-beams", "3",
-                        "--max-new-tokens", "8")
+  code, out, err = tjax(
+    capsys,
+    "generate",
+    runs["gpt"],
+    "--prompt",
+    "class",
+    "--num-beams",
+    "3",
+    "--max-new-tokens",
+    "8",
+  )
   assert code == 0, err
   config, params, tok = restored(runs["gpt"])
   suppress = sorted(set(tok.special_ids.values()) - {tok.eot_id})
-  best = generate.beam_search((config, params), [tok.encode("class")], num_beams=3,
-                              max_new_tokens=8, eos_id=tok.eot_id, suppress_ids=suppress)
+  best = generate.beam_search(
+    (config, params),
+    [tok.encode("class")],
+    num_beams=3,
+    max_new_tokens=8,
+    eos_id=tok.eot_id,
+    suppress_ids=suppress,
+  )
   new = np.asarray(best.sequences[0]).tolist()
-  new = new[:new.index(tok.eot_id)] if tok.eot_id in new else new
+  new = new[: new.index(tok.eot_id)] if tok.eot_id in new else new
   assert out == "class" + tok.decode(new) + "\n"
 
 
 def test_stream_equals_generate_and_compiles_once_per_chunk_size():
   model = gpt_model("gpt2-learned")
-  prompts = random_prompts(7, [4, 8])   # as test_generate's sampling test: its compilation
+  prompts = random_prompts(7, [4, 8])  # as test_generate's sampling test: its compilation
   kw = dict(max_new_tokens=16, temperature=1.0, top_p=0.9, key=jax.random.key(11))
   whole = np.asarray(generate.generate(model, prompts, **kw))
   before = commands.trace_count
   chunks = list(commands.stream_generate(model, prompts, chunk_size=6, **kw))
   assert [c.shape[1] for c in chunks] == [1, 6, 6, 3]
   np.testing.assert_array_equal(np.concatenate(chunks, axis=1), whole)
-  assert commands.trace_count - before <= 1   # one trace for every chunk, the short last too
+  assert commands.trace_count - before <= 1  # one trace for every chunk, the short last too
   eos = int(whole[0, next(j for j in range(2, 7) if whole[0, j] not in whole[0, :j])])
   # With EOS: the same tokens up to each row's EOS (same keys), then EOS; the stream stops after
   # the chunk where the last row ends.
   want = whole.copy()
   for row in want:
     if eos in row.tolist():
-      row[row.tolist().index(eos):] = eos
-  streamed = np.concatenate(list(commands.stream_generate(
-      model, prompts, chunk_size=6, eos_id=eos, **kw)), axis=1)
-  np.testing.assert_array_equal(streamed, want[:, :streamed.shape[1]])
-  assert (want[:, streamed.shape[1]:] == eos).all()
+      row[row.tolist().index(eos) :] = eos
+  streamed = np.concatenate(
+    list(commands.stream_generate(model, prompts, chunk_size=6, eos_id=eos, **kw)), axis=1
+  )
+  np.testing.assert_array_equal(streamed, want[:, : streamed.shape[1]])
+  assert (want[:, streamed.shape[1] :] == eos).all()
   assert (eos in want[1]) == (streamed.shape[1] < 16)
   # Suppressed ids: the same rule in both (traced: no new compilation).
   banned = sorted(set(whole.reshape(-1).tolist()))[:4]
   suppressed = np.asarray(generate.generate(model, prompts, suppress_ids=banned, **kw))
-  streamed = np.concatenate(list(commands.stream_generate(
-      model, prompts, chunk_size=6, suppress_ids=banned, **kw)), axis=1)
+  streamed = np.concatenate(
+    list(commands.stream_generate(model, prompts, chunk_size=6, suppress_ids=banned, **kw)), axis=1
+  )
   np.testing.assert_array_equal(streamed, suppressed)
   assert not np.isin(suppressed, banned).any()
   assert commands.trace_count - before <= 1
@@ -213,11 +260,18 @@ def test_fill_mask_prints_top_k_per_mask(runs, capsys):
   code, out, err = tjax(capsys, "fill-mask", runs["bert"], text, "--top-k", "3")
   assert code == 0, err
   config, params, tok = restored(runs["bert"])
-  ids = ([tok.cls_id] + tok.encode("def") + [tok.mask_id] + tok.encode(" in x") + [tok.mask_id]
-         + [tok.sep_id])
+  ids = (
+    [tok.cls_id]
+    + tok.encode("def")
+    + [tok.mask_id]
+    + tok.encode(" in x")
+    + [tok.mask_id]
+    + [tok.sep_id]
+  )
   assert commands.encode_masked(tok, text) == ids
-  logits = np.asarray(nnx.merge(models.graphdef(config), params)(np.asarray([ids])).mlm_logits,
-                      np.float64)[0]
+  logits = np.asarray(
+    nnx.merge(models.graphdef(config), params)(np.asarray([ids])).mlm_logits, np.float64
+  )[0]
   lines = out.splitlines()
   assert len(lines) == 2 * 4 + 1
   words = []
@@ -233,23 +287,33 @@ def test_fill_mask_prints_top_k_per_mask(runs, capsys):
   assert lines[-1] == f"best: def{words[0]} in x{words[1]}"
 
 
-@pytest.mark.parametrize("argv, message", [
+@pytest.mark.parametrize(
+  "argv, message",
+  [
     (["generate", "{gpt}", "--prompt", ""], "the prompt is empty"),
-    (["generate", "{gpt}", "--prompt", " alpha" * 40], "too long for the model's context max_len=32"),
-    (["generate", "{gpt}", "--prompt", "x", "--max-new-tokens", "40"],
-     "--max-new-tokens 40 must be in [1, 31]"),
+    (
+      ["generate", "{gpt}", "--prompt", " alpha" * 40],
+      "too long for the model's context max_len=32",
+    ),
+    (
+      ["generate", "{gpt}", "--prompt", "x", "--max-new-tokens", "40"],
+      "--max-new-tokens 40 must be in [1, 31]",
+    ),
     (["generate", "{gpt}", "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens 0"),
     (["generate", "{gpt}", "--prompt", "x", "--top-p", "0"], "--top-p 0.0 must be in (0, 1]"),
     (["generate", "{gpt}", "--prompt", "x", "--top-p", "1.5"], "--top-p 1.5 must be in (0, 1]"),
-    (["generate", "{gpt}", "--prompt", "x", "--num-beams", "2", "--temperature", "1"],
-     "--num-beams > 1 searches deterministically"),
+    (
+      ["generate", "{gpt}", "--prompt", "x", "--num-beams", "2", "--temperature", "1"],
+      "--num-beams > 1 searches deterministically",
+    ),
     (["generate", "{empty}", "--prompt", "x"], "has no checkpoint"),
     (["generate", "{data}", "--prompt", "x"], "is not a run directory (no model.yaml)"),
     (["generate", "{bert}", "--prompt", "x"], "is a BERT run"),
     (["fill-mask", "{bert}", "no mask here"], "the text has no [MASK] to fill"),
     (["fill-mask", "{gpt}", "a [MASK]"], "is a GPT run: fill-mask needs a BERT"),
     (["fill-mask", "{bert}", "x [MASK]" + " alpha" * 40], "longer than the model's context"),
-])
+  ],
+)
 def test_bad_input_exits_2_with_one_line(runs, capsys, argv, message):
   code, out, err = tjax(capsys, *[a.format(**runs) for a in argv])
   assert code == 2 and out == ""

@@ -30,13 +30,15 @@ def test_batch_of_different_lengths_equals_each_alone_left_and_right_padding():
   right = np.zeros((3, width), np.int32)
   left = np.zeros((3, width), np.int32)
   for i, p in enumerate(prompts):
-    right[i, :len(p)] = p
-    left[i, width - len(p):] = p
+    right[i, : len(p)] = p
+    left[i, width - len(p) :] = p
   lengths = [len(p) for p in prompts]
-  got_right = np.asarray(generate.generate(model, right, prompt_lengths=lengths,
-                                           max_new_tokens=NEW))
-  got_left = np.asarray(generate.generate(model, left, prompt_lengths=lengths,
-                                          max_new_tokens=NEW, padding_side="left"))
+  got_right = np.asarray(
+    generate.generate(model, right, prompt_lengths=lengths, max_new_tokens=NEW)
+  )
+  got_left = np.asarray(
+    generate.generate(model, left, prompt_lengths=lengths, max_new_tokens=NEW, padding_side="left")
+  )
   np.testing.assert_array_equal(got_right, np.stack(alone))
   np.testing.assert_array_equal(got_left, np.stack(alone))
 
@@ -48,6 +50,7 @@ def test_config_params_pair_equals_module():
   prompts = random_prompts(5, [4, 7])
   got = np.asarray(generate.generate((config, params), prompts, max_new_tokens=NEW))
   from flax import nnx
+
   same = nnx.merge(models.graphdef(config), params)
   np.testing.assert_array_equal(got, generate.generate(same, prompts, max_new_tokens=NEW))
   assert not np.array_equal(got, generate.generate(model, prompts, max_new_tokens=NEW))
@@ -57,8 +60,9 @@ def test_top_k_one_equals_greedy():
   model = gpt_model("llama-rope-gqa")
   prompts = random_prompts(6, [4, 8])
   greedy = generate.generate(model, prompts, max_new_tokens=NEW)
-  top1 = generate.generate(model, prompts, max_new_tokens=NEW, temperature=1.5, top_k=1,
-                           key=jax.random.key(3))
+  top1 = generate.generate(
+    model, prompts, max_new_tokens=NEW, temperature=1.5, top_k=1, key=jax.random.key(3)
+  )
   np.testing.assert_array_equal(greedy, top1)
 
 
@@ -81,11 +85,11 @@ def test_eos_stops_row_and_pads_with_eos():
   out = np.asarray(generate.generate(model, prompts, max_new_tokens=NEW, eos_id=eos))
   row0 = out[0].tolist()
   first = row0.index(eos)
-  assert row0[:first + 1] == free[:first + 1]
+  assert row0[: first + 1] == free[: first + 1]
   assert all(t == eos for t in row0[first:])
   want1 = naive_greedy(model, prompts[1], NEW, eos_id=eos)
-  assert out[1, :len(want1)].tolist() == want1
-  assert all(t == eos for t in out[1, len(want1):])
+  assert out[1, : len(want1)].tolist() == want1
+  assert all(t == eos for t in out[1, len(want1) :])
 
 
 def test_prompt_lengths_in_one_bucket_compile_once():
@@ -103,7 +107,7 @@ def test_truncate_logits_top_k_and_top_p():
   logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
   top2 = generate.truncate_logits(logits, top_k=2)
   assert np.isfinite(np.asarray(top2)).tolist() == [[True, True, False, False]]
-  nucleus = generate.truncate_logits(logits, top_p=0.8)   # 0.5 + 0.3 reaches 0.8
+  nucleus = generate.truncate_logits(logits, top_p=0.8)  # 0.5 + 0.3 reaches 0.8
   assert np.isfinite(np.asarray(nucleus)).tolist() == [[True, True, False, False]]
   nucleus = generate.truncate_logits(logits, top_p=0.81)
   assert np.isfinite(np.asarray(nucleus)).tolist() == [[True, True, True, False]]
@@ -116,17 +120,20 @@ def test_sampled_frequencies_match_truncated_distribution():
   logits = jnp.log(jnp.asarray(probs, jnp.float32))[None]
   n = 20000
   keys = jax.random.split(jax.random.key(0), n)
-  draws = jax.vmap(lambda k: generate.next_token(logits, k, temperature=1.0, top_k=4,
-                                                 top_p=0.85))(keys)[:, 0]
+  draws = jax.vmap(lambda k: generate.next_token(logits, k, temperature=1.0, top_k=4, top_p=0.85))(
+    keys
+  )[:, 0]
   counts = np.bincount(np.asarray(draws), minlength=len(probs))
-  kept = probs[:3] / probs[:3].sum()          # top-k 4, then the 0.85 nucleus keeps 3 tokens
+  kept = probs[:3] / probs[:3].sum()  # top-k 4, then the 0.85 nucleus keeps 3 tokens
   assert counts[3:].sum() == 0
   expected = kept * n
   chi2 = float((((counts[:3] - expected) ** 2) / expected).sum())
   assert chi2 < 13.8  # chi-square, 2 degrees of freedom, p = 0.001
 
 
-@pytest.mark.parametrize("kwargs, match", [
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
     (dict(prompt_ids=[[1, 2], []]), "prompt 1 is empty"),
     (dict(prompt_ids=np.zeros((1, 65), np.int32)), "length 65 is longer than the model's context"),
     (dict(prompt_ids=[[1, 2]], max_new_tokens=64), "max_new_tokens=64"),
@@ -138,7 +145,8 @@ def test_sampled_frequencies_match_truncated_distribution():
     (dict(temperature=-1.0), "temperature=-1.0"),
     (dict(prompt_ids=[[1, VOCAB]]), f"= {VOCAB} is outside the vocabulary"),
     (dict(prompt_ids=np.zeros((2, 3), np.int32), prompt_lengths=[3, 0]), "prompt 1 is empty"),
-])
+  ],
+)
 def test_bad_input_raises_value_error_naming_value(kwargs, match):
   kwargs = {"prompt_ids": [[1, 2, 3]], "max_new_tokens": 4, **kwargs}
   with pytest.raises(ValueError, match=match):
@@ -159,12 +167,14 @@ def test_decoder_start_id_is_rejected_for_gpt():
 def test_repetition_penalty_greedy_equals_naive_penalised_loop():
   from flax import nnx
   from tests.generate.conftest import last_logits
+
   model = gpt_model("gpt2-learned")
   _, params = nnx.split(model)
   prompts = random_prompts(12, [6, 3])
   penalty = 3.0
-  out = np.asarray(generate.generate(model, prompts, max_new_tokens=NEW,
-                                     repetition_penalty=penalty))
+  out = np.asarray(
+    generate.generate(model, prompts, max_new_tokens=NEW, repetition_penalty=penalty)
+  )
   for i, p in enumerate(prompts):
     seq = list(p)
     for _ in range(NEW):
@@ -172,7 +182,7 @@ def test_repetition_penalty_greedy_equals_naive_penalised_loop():
       seen = np.isin(np.arange(VOCAB), seq)
       logits = np.where(seen, np.where(logits > 0, logits / penalty, logits * penalty), logits)
       seq.append(int(np.argmax(logits)))
-    assert out[i].tolist() == seq[len(p):], i
+    assert out[i].tolist() == seq[len(p) :], i
   plain = np.asarray(generate.generate(model, prompts, max_new_tokens=NEW))
   assert not np.array_equal(out, plain)  # the penalty changes something here
   same = generate.generate(model, prompts, max_new_tokens=NEW, repetition_penalty=1.0)
@@ -184,13 +194,17 @@ def test_repetition_penalty_greedy_equals_naive_penalised_loop():
 def test_suppressed_ids_never_appear_and_greedy_is_the_naive_loop_without_them():
   from flax import nnx
   from tests.generate.conftest import last_logits
+
   model = gpt_model("gpt2-learned")
   _, params = nnx.split(model)
   prompts = random_prompts(13, [6, 3])
   plain = np.asarray(generate.generate(model, prompts, max_new_tokens=NEW))
   banned = sorted(set(plain.reshape(-1).tolist()))[:3]
-  out = np.asarray(generate.generate(model, prompts, max_new_tokens=NEW, suppress_ids=banned,
-                                     repetition_penalty=2.0))
+  out = np.asarray(
+    generate.generate(
+      model, prompts, max_new_tokens=NEW, suppress_ids=banned, repetition_penalty=2.0
+    )
+  )
   for i, p in enumerate(prompts):
     seq = list(p)
     for _ in range(NEW):
@@ -199,17 +213,26 @@ def test_suppressed_ids_never_appear_and_greedy_is_the_naive_loop_without_them()
       logits = np.where(seen, np.where(logits > 0, logits / 2.0, logits * 2.0), logits)
       logits[banned] = -np.inf
       seq.append(int(np.argmax(logits)))
-    assert out[i].tolist() == seq[len(p):], i
-  sampled = generate.generate(model, prompts * 8, max_new_tokens=NEW, temperature=2.0,
-                              suppress_ids=banned, key=jax.random.key(3))
+    assert out[i].tolist() == seq[len(p) :], i
+  sampled = generate.generate(
+    model,
+    prompts * 8,
+    max_new_tokens=NEW,
+    temperature=2.0,
+    suppress_ids=banned,
+    key=jax.random.key(3),
+  )
   assert not np.isin(np.asarray(sampled), banned).any()
 
 
-@pytest.mark.parametrize("suppress, match", [
+@pytest.mark.parametrize(
+  "suppress, match",
+  [
     ([VOCAB], rf"suppress_ids \[{VOCAB}\] must lie in the vocabulary \[0, {VOCAB}\)"),
     ([-1, 2], r"suppress_ids \[-1, 2\] must lie in the vocabulary"),
     (list(range(VOCAB)), rf"suppress_ids hold all {VOCAB} ids of the vocabulary"),
-])
+  ],
+)
 def test_bad_suppress_ids_are_refused_by_name(suppress, match):
   model = gpt_model("gpt2-learned")
   with pytest.raises(ValueError, match=match):
@@ -220,6 +243,7 @@ def test_bad_suppress_ids_are_refused_by_name(suppress, match):
 
 def test_special_ids_are_every_special_token_but_the_kept_ones(text_dataset):
   from transformer_jax import data
+
   tok = data.load_dataset(text_dataset).tokenizer
   got = generate.special_ids(tok, keep=[tok.eot_id])
   assert got == sorted(set(tok.special_ids.values()) - {tok.eot_id})

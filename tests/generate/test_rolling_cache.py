@@ -25,13 +25,13 @@ def test_the_cache_holds_the_window_whatever_the_length():
   for max_len in (100, 10_000, 1_000_000):
     cache = generate.init_cache(config, 2, max_len)
     assert cache.window == W and cache.shape == (2, 2, W, 2, 16)
-  short = generate.init_cache(config, 2, W - 1)           # shorter than the window: plain slots
+  short = generate.init_cache(config, 2, W - 1)  # shorter than the window: plain slots
   assert short.window is None and short.max_len == W - 1
   llama = generate.init_cache(models.get_config("llama-tiny"), 2, 100)
   assert llama.window is None and llama.max_len == 100
 
 
-@pytest.mark.parametrize("prompt_len", [3, 13])           # shorter and longer than the window
+@pytest.mark.parametrize("prompt_len", [3, 13])  # shorter and longer than the window
 def test_greedy_past_the_window_equals_the_full_forward(model, prompt_len):
   prompt = np.random.default_rng(prompt_len).integers(0, 512, (2, prompt_len))
   ours = np.asarray(generate.generate(model, prompt, max_new_tokens=3 * W))
@@ -51,19 +51,24 @@ def test_rows_of_different_lengths_keep_their_own_window(model):
 def _plain_cache(monkeypatch):
   """Caches of max_len slots even for a windowed model (the window applied by masking only)."""
   zeros = gpt_module.KVCache.zeros
-  monkeypatch.setattr(gpt_module.KVCache, "zeros",
-                      classmethod(lambda cls, *a, window=None: zeros(*a, window=None)))
+  monkeypatch.setattr(
+    gpt_module.KVCache, "zeros", classmethod(lambda cls, *a, window=None: zeros(*a, window=None))
+  )
 
 
 def test_sampling_and_beam_search_give_what_a_plain_cache_gives(model, monkeypatch):
   prompt = np.random.default_rng(9).integers(0, 512, (2, 11))
   sample = dict(max_new_tokens=2 * W, temperature=0.8, top_k=20, key=jax.random.key(3))
-  rolling = (np.asarray(generate.generate(model, prompt, **sample)),
-             generate.beam_search(model, prompt, num_beams=3, max_new_tokens=2 * W))
+  rolling = (
+    np.asarray(generate.generate(model, prompt, **sample)),
+    generate.beam_search(model, prompt, num_beams=3, max_new_tokens=2 * W),
+  )
   _plain_cache(monkeypatch)
   assert generate.init_cache(model.config, 2, 100).window is None
-  plain = (np.asarray(generate.generate(model, prompt, **sample)),
-           generate.beam_search(model, prompt, num_beams=3, max_new_tokens=2 * W))
+  plain = (
+    np.asarray(generate.generate(model, prompt, **sample)),
+    generate.beam_search(model, prompt, num_beams=3, max_new_tokens=2 * W),
+  )
   np.testing.assert_array_equal(rolling[0], plain[0])
   for a, b in zip(jax.tree.leaves(rolling[1]), jax.tree.leaves(plain[1])):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)

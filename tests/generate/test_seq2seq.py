@@ -28,13 +28,16 @@ SRC_BUFFER = 12
 @functools.lru_cache(maxsize=None)
 def full(config):
   graphdef = models.graphdef(config)
-  return jax.jit(lambda params, src, tgt, src_mask, tgt_mask: nnx.merge(graphdef, params)(
-      src, tgt, src_mask, tgt_mask))
+  return jax.jit(
+    lambda params, src, tgt, src_mask, tgt_mask: nnx.merge(graphdef, params)(
+      src, tgt, src_mask, tgt_mask
+    )
+  )
 
 
 def _padded(ids, width):
   buf = np.zeros((1, width), np.int32)
-  buf[0, :len(ids)] = ids
+  buf[0, : len(ids)] = ids
   return jnp.asarray(buf), jnp.asarray(np.arange(width)[None, :] < len(ids))
 
 
@@ -70,18 +73,18 @@ def test_cached_decoder_logits_match_full_model_every_step(name):
   srcs = random_prompts(20, [7, 4])
   src = np.zeros((2, 8), np.int32)
   for i, s in enumerate(srcs):
-    src[i, :len(s)] = s
+    src[i, : len(s)] = s
   src_mask = np.arange(8)[None, :] < np.asarray([len(s) for s in srcs])[:, None]
   cache = start(params, jnp.asarray(src), jnp.asarray(src_mask))
 
   tgts = random_prompts(21, [3, 1])
   tgt = np.full((2, 4), 7, np.int32)
   for i, t in enumerate(tgts):
-    tgt[i, :len(t)] = t
+    tgt[i, : len(t)] = t
   logits, cache = extend(params, jnp.asarray(tgt), cache, jnp.asarray([3, 1], jnp.int32))
   for i in range(2):
     for j in range(len(tgts[i])):
-      want = reference_last_logits(model, srcs[i], tgts[i][:j + 1])
+      want = reference_last_logits(model, srcs[i], tgts[i][: j + 1])
       assert np.abs(np.asarray(logits[i, j]) - want).max() <= TOL, (name, "prefill", i, j)
 
   # Steps past T5's exact-distance buckets (8) into its logarithmic ones.
@@ -120,10 +123,9 @@ def test_seq2seq_eos_and_start_id_checks():
   srcs = random_prompts(24, [6, 3])
   free = naive_greedy_seq2seq(model, srcs[0], 0, 6)
   eos = free[1]
-  out = np.asarray(generate.generate(model, srcs, max_new_tokens=6, decoder_start_id=0,
-                                     eos_id=eos))
+  out = np.asarray(generate.generate(model, srcs, max_new_tokens=6, decoder_start_id=0, eos_id=eos))
   first = out[0].tolist().index(eos)
-  assert out[0, :first + 1].tolist() == free[:first + 1]
+  assert out[0, : first + 1].tolist() == free[: first + 1]
   assert (out[0, first:] == eos).all()
   with pytest.raises(ValueError, match="decoder_start_id=None"):
     generate.generate(model, srcs, max_new_tokens=4)

@@ -48,12 +48,13 @@ def test_batch_of_different_lengths_equals_each_alone_left_and_right_padding(cas
   right = np.zeros((3, width), np.int32)
   left = np.zeros((3, width), np.int32)
   for i, p in enumerate(prompts):
-    right[i, :len(p)] = p
-    left[i, width - len(p):] = p
+    right[i, : len(p)] = p
+    left[i, width - len(p) :] = p
   lengths = [len(p) for p in prompts]
   got_right = generate.generate(model, right, prompt_lengths=lengths, max_new_tokens=NEW)
-  got_left = generate.generate(model, left, prompt_lengths=lengths, max_new_tokens=NEW,
-                               padding_side="left")
+  got_left = generate.generate(
+    model, left, prompt_lengths=lengths, max_new_tokens=NEW, padding_side="left"
+  )
   np.testing.assert_array_equal(got_right, np.stack(alone))
   np.testing.assert_array_equal(got_left, np.stack(alone))
 
@@ -62,15 +63,13 @@ def test_sampling_top_k_one_equals_greedy_and_samples_follow_the_key():
   model = ssm_model("mamba1")
   prompts = random_prompts(5, [4, 8])
   greedy = generate.generate(model, prompts, max_new_tokens=NEW)
-  top1 = generate.generate(model, prompts, max_new_tokens=NEW, temperature=1.5, top_k=1,
-                           key=jax.random.key(3))
+  top1 = generate.generate(
+    model, prompts, max_new_tokens=NEW, temperature=1.5, top_k=1, key=jax.random.key(3)
+  )
   np.testing.assert_array_equal(top1, greedy)
-  a = generate.generate(model, prompts, max_new_tokens=NEW, temperature=1.0,
-                        key=jax.random.key(4))
-  b = generate.generate(model, prompts, max_new_tokens=NEW, temperature=1.0,
-                        key=jax.random.key(4))
-  c = generate.generate(model, prompts, max_new_tokens=NEW, temperature=1.0,
-                        key=jax.random.key(5))
+  a = generate.generate(model, prompts, max_new_tokens=NEW, temperature=1.0, key=jax.random.key(4))
+  b = generate.generate(model, prompts, max_new_tokens=NEW, temperature=1.0, key=jax.random.key(4))
+  c = generate.generate(model, prompts, max_new_tokens=NEW, temperature=1.0, key=jax.random.key(5))
   np.testing.assert_array_equal(a, b)
   assert not np.array_equal(a, c)
 
@@ -79,11 +78,11 @@ def test_sampling_top_k_one_equals_greedy_and_samples_follow_the_key():
 def test_beam_search_equals_naive_beam_search(case):
   model, num_beams = ssm_model(case), 3
   prompts = random_prompts(32, [4, 10])
-  out = beam.beam_search(model, prompts, num_beams=num_beams, max_new_tokens=5,
-                         length_penalty=0.5)
+  out = beam.beam_search(model, prompts, num_beams=num_beams, max_new_tokens=5, length_penalty=0.5)
   for row, prompt in enumerate(prompts):
-    finished, _ = naive_beam_search(gpt_next_logp(model, prompt), num_beams=num_beams,
-                                    max_new_tokens=5, length_penalty=0.5)
+    finished, _ = naive_beam_search(
+      gpt_next_logp(model, prompt), num_beams=num_beams, max_new_tokens=5, length_penalty=0.5
+    )
     assert_matches_naive(out, row, finished, num_beams, 0)
 
 
@@ -98,7 +97,7 @@ def test_cached_steps_equal_the_uncached_forward(case):
   logits, cache = step(toks[:, :6], generate.init_cache(model.config, 1, 16))
   got = [logits]
   for i in range(6, 13):
-    logits, cache = step(toks[:, i:i + 1], cache)
+    logits, cache = step(toks[:, i : i + 1], cache)
     got.append(logits)
   np.testing.assert_allclose(jnp.concatenate(got, 1), full, rtol=1e-4, atol=1e-4)
   assert int(cache.lengths[0]) == 13
@@ -107,8 +106,9 @@ def test_cached_steps_equal_the_uncached_forward(case):
 @pytest.mark.parametrize("case", ["mamba1", "mamba2"])
 def test_the_decoding_state_does_not_grow_with_the_length(case):
   config = models.get_config(CASES[case], vocab_size=VOCAB, max_len=1 << 16)
-  sizes = {n: [x.shape for x in jax.tree.leaves(generate.init_cache(config, 2, n))]
-           for n in (1024, 32768)}
+  sizes = {
+    n: [x.shape for x in jax.tree.leaves(generate.init_cache(config, 2, n))] for n in (1024, 32768)
+  }
   assert sizes[1024] == sizes[32768]
   # One compiled step serves every position: its state has the same shapes after any number of
   # tokens, so time and memory per token do not depend on how many came before.

@@ -14,61 +14,196 @@ import transformers
 # name -> (architecture, config kwargs). Tiny, with odd shapes: 3 heads, GQA 8:2, untied heads,
 # intermediate sizes that are not 4 D, head_dim != D / N.
 CASES: dict[str, tuple[str, dict]] = {
-    "gpt2-base": ("GPT2LMHeadModel", dict(vocab_size=211, n_embd=48, n_layer=2, n_head=4,
-                                          n_positions=40)),
-    "gpt2-3heads-untied": ("GPT2LMHeadModel", dict(
-        vocab_size=150, n_embd=48, n_layer=2, n_head=3, n_inner=80, n_positions=32,
-        tie_word_embeddings=False, activation_function="gelu", layer_norm_epsilon=1e-6)),
-    "llama-gqa": ("LlamaForCausalLM", dict(
-        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64)),
-    "llama-tied-linear": ("LlamaForCausalLM", dict(
-        vocab_size=120, hidden_size=48, intermediate_size=72, num_hidden_layers=2,
-        num_attention_heads=3, num_key_value_heads=1, tie_word_embeddings=True, rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0})),
-    "llama-llama3-headdim": ("LlamaForCausalLM", dict(
-        vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=64, attention_bias=True, mlp_bias=True,
-        rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
-                         "rope_theta": 10000.0})),
-    # Mistral: a 5-token window, shorter than the test prompts (12 tokens).
-    "mistral-window": ("MistralForCausalLM", dict(
-        vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        sliding_window=5)),
-    "bert-pretraining": ("BertForPreTraining", dict(
-        vocab_size=130, hidden_size=48, num_hidden_layers=2, num_attention_heads=3,
-        intermediate_size=80, max_position_embeddings=40, type_vocab_size=3)),
-    "bert-maskedlm": ("BertForMaskedLM", dict(
-        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, max_position_embeddings=32, hidden_act="gelu_new")),
-    "bert-classifier": ("BertForSequenceClassification", dict(
-        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=48, max_position_embeddings=32, num_labels=3)),
-    "bert-model": ("BertModel", dict(
-        vocab_size=90, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-        intermediate_size=40, max_position_embeddings=32)),
-    "t5-v1.0": ("T5ForConditionalGeneration", dict(
-        vocab_size=150, d_model=48, d_kv=16, d_ff=96, num_layers=2, num_decoder_layers=2,
-        num_heads=3, relative_attention_num_buckets=8, relative_attention_max_distance=20)),
-    "t5-v1.1-untied": ("T5ForConditionalGeneration", dict(
-        vocab_size=128, d_model=32, d_kv=8, d_ff=72, num_layers=2, num_decoder_layers=3,
-        num_heads=4, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
-        relative_attention_num_buckets=16, relative_attention_max_distance=32)),
-    "marian": ("MarianMTModel", dict(
-        vocab_size=120, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=56, decoder_ffn_dim=56,
-        max_position_embeddings=40, activation_function="swish", scale_embedding=True,
-        pad_token_id=119, decoder_start_token_id=119, eos_token_id=0)),
+  "gpt2-base": (
+    "GPT2LMHeadModel",
+    dict(vocab_size=211, n_embd=48, n_layer=2, n_head=4, n_positions=40),
+  ),
+  "gpt2-3heads-untied": (
+    "GPT2LMHeadModel",
+    dict(
+      vocab_size=150,
+      n_embd=48,
+      n_layer=2,
+      n_head=3,
+      n_inner=80,
+      n_positions=32,
+      tie_word_embeddings=False,
+      activation_function="gelu",
+      layer_norm_epsilon=1e-6,
+    ),
+  ),
+  "llama-gqa": (
+    "LlamaForCausalLM",
+    dict(
+      vocab_size=256,
+      hidden_size=64,
+      intermediate_size=96,
+      num_hidden_layers=2,
+      num_attention_heads=8,
+      num_key_value_heads=2,
+      max_position_embeddings=64,
+    ),
+  ),
+  "llama-tied-linear": (
+    "LlamaForCausalLM",
+    dict(
+      vocab_size=120,
+      hidden_size=48,
+      intermediate_size=72,
+      num_hidden_layers=2,
+      num_attention_heads=3,
+      num_key_value_heads=1,
+      tie_word_embeddings=True,
+      rms_norm_eps=1e-5,
+      rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0},
+    ),
+  ),
+  "llama-llama3-headdim": (
+    "LlamaForCausalLM",
+    dict(
+      vocab_size=200,
+      hidden_size=32,
+      intermediate_size=64,
+      num_hidden_layers=2,
+      num_attention_heads=4,
+      num_key_value_heads=2,
+      head_dim=16,
+      max_position_embeddings=64,
+      attention_bias=True,
+      mlp_bias=True,
+      rope_parameters={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+        "rope_theta": 10000.0,
+      },
+    ),
+  ),
+  # Mistral: a 5-token window, shorter than the test prompts (12 tokens).
+  "mistral-window": (
+    "MistralForCausalLM",
+    dict(
+      vocab_size=160,
+      hidden_size=64,
+      intermediate_size=96,
+      num_hidden_layers=2,
+      num_attention_heads=4,
+      num_key_value_heads=2,
+      max_position_embeddings=64,
+      sliding_window=5,
+    ),
+  ),
+  "bert-pretraining": (
+    "BertForPreTraining",
+    dict(
+      vocab_size=130,
+      hidden_size=48,
+      num_hidden_layers=2,
+      num_attention_heads=3,
+      intermediate_size=80,
+      max_position_embeddings=40,
+      type_vocab_size=3,
+    ),
+  ),
+  "bert-maskedlm": (
+    "BertForMaskedLM",
+    dict(
+      vocab_size=100,
+      hidden_size=32,
+      num_hidden_layers=2,
+      num_attention_heads=4,
+      intermediate_size=64,
+      max_position_embeddings=32,
+      hidden_act="gelu_new",
+    ),
+  ),
+  "bert-classifier": (
+    "BertForSequenceClassification",
+    dict(
+      vocab_size=100,
+      hidden_size=32,
+      num_hidden_layers=2,
+      num_attention_heads=2,
+      intermediate_size=48,
+      max_position_embeddings=32,
+      num_labels=3,
+    ),
+  ),
+  "bert-model": (
+    "BertModel",
+    dict(
+      vocab_size=90,
+      hidden_size=32,
+      num_hidden_layers=1,
+      num_attention_heads=4,
+      intermediate_size=40,
+      max_position_embeddings=32,
+    ),
+  ),
+  "t5-v1.0": (
+    "T5ForConditionalGeneration",
+    dict(
+      vocab_size=150,
+      d_model=48,
+      d_kv=16,
+      d_ff=96,
+      num_layers=2,
+      num_decoder_layers=2,
+      num_heads=3,
+      relative_attention_num_buckets=8,
+      relative_attention_max_distance=20,
+    ),
+  ),
+  "t5-v1.1-untied": (
+    "T5ForConditionalGeneration",
+    dict(
+      vocab_size=128,
+      d_model=32,
+      d_kv=8,
+      d_ff=72,
+      num_layers=2,
+      num_decoder_layers=3,
+      num_heads=4,
+      feed_forward_proj="gated-gelu",
+      tie_word_embeddings=False,
+      relative_attention_num_buckets=16,
+      relative_attention_max_distance=32,
+    ),
+  ),
+  "marian": (
+    "MarianMTModel",
+    dict(
+      vocab_size=120,
+      d_model=32,
+      encoder_layers=2,
+      decoder_layers=2,
+      encoder_attention_heads=4,
+      decoder_attention_heads=4,
+      encoder_ffn_dim=56,
+      decoder_ffn_dim=56,
+      max_position_embeddings=40,
+      activation_function="swish",
+      scale_embedding=True,
+      pad_token_id=119,
+      decoder_start_token_id=119,
+      eos_token_id=0,
+    ),
+  ),
 }
 
-_CONFIGS = {"GPT2LMHeadModel": "GPT2Config", "LlamaForCausalLM": "LlamaConfig",
-            "MistralForCausalLM": "MistralConfig",
-            "BertForPreTraining": "BertConfig", "BertForMaskedLM": "BertConfig",
-            "BertForSequenceClassification": "BertConfig", "BertModel": "BertConfig",
-            "T5ForConditionalGeneration": "T5Config", "MarianMTModel": "MarianConfig"}
+_CONFIGS = {
+  "GPT2LMHeadModel": "GPT2Config",
+  "LlamaForCausalLM": "LlamaConfig",
+  "MistralForCausalLM": "MistralConfig",
+  "BertForPreTraining": "BertConfig",
+  "BertForMaskedLM": "BertConfig",
+  "BertForSequenceClassification": "BertConfig",
+  "BertModel": "BertConfig",
+  "T5ForConditionalGeneration": "T5Config",
+  "MarianMTModel": "MarianConfig",
+}
 
 
 def build(name: str, seed: int = 0):
@@ -94,10 +229,15 @@ def build(name: str, seed: int = 0):
 
 
 def family(arch: str) -> str:
-  return {"GPT2LMHeadModel": "causal", "LlamaForCausalLM": "causal",
-          "MistralForCausalLM": "causal", "MambaForCausalLM": "causal",
-          "Mamba2ForCausalLM": "causal", "MarianMTModel": "seq2seq",
-          "T5ForConditionalGeneration": "seq2seq"}.get(arch, "bert")
+  return {
+    "GPT2LMHeadModel": "causal",
+    "LlamaForCausalLM": "causal",
+    "MistralForCausalLM": "causal",
+    "MambaForCausalLM": "causal",
+    "Mamba2ForCausalLM": "causal",
+    "MarianMTModel": "seq2seq",
+    "T5ForConditionalGeneration": "seq2seq",
+  }.get(arch, "bert")
 
 
 def batch(vocab: int, *, b: int = 3, t: int = 12, seed: int = 0, left: bool = False) -> dict:
@@ -111,7 +251,7 @@ def batch(vocab: int, *, b: int = 3, t: int = 12, seed: int = 0, left: bool = Fa
     if left:
       mask[r, :n] = 0
     else:
-      mask[r, t - n:] = 0
+      mask[r, t - n :] = 0
   # Left padding: positions count real tokens (as generate() does for both libraries).
   pos = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
   return dict(ids=ids, mask=mask, positions=pos, types=rng.integers(0, 2, (b, t)))
@@ -119,35 +259,46 @@ def batch(vocab: int, *, b: int = 3, t: int = 12, seed: int = 0, left: bool = Fa
 
 def hf_outputs(model, arch: str, x: dict, tgt: dict | None = None) -> dict[str, np.ndarray]:
   """Named float32 outputs of the transformers model."""
+
   def tt(a):
     return torch.as_tensor(a)
+
   with torch.no_grad():
     match arch:
       case "GPT2LMHeadModel" | "LlamaForCausalLM" | "MistralForCausalLM":
-        out = model(input_ids=tt(x["ids"]), attention_mask=tt(x["mask"]),
-                    position_ids=tt(x["positions"]))
+        out = model(
+          input_ids=tt(x["ids"]), attention_mask=tt(x["mask"]), position_ids=tt(x["positions"])
+        )
         res = {"logits": out.logits}
-      case "MambaForCausalLM" | "Mamba2ForCausalLM":   # no positions: order is the sequence's
+      case "MambaForCausalLM" | "Mamba2ForCausalLM":  # no positions: order is the sequence's
         res = {"logits": model(input_ids=tt(x["ids"]), attention_mask=tt(x["mask"])).logits}
       case "BertForPreTraining":
-        out = model(input_ids=tt(x["ids"]), attention_mask=tt(x["mask"]),
-                    token_type_ids=tt(x["types"]))
+        out = model(
+          input_ids=tt(x["ids"]), attention_mask=tt(x["mask"]), token_type_ids=tt(x["types"])
+        )
         res = {"mlm": out.prediction_logits, "nsp": out.seq_relationship_logits}
       case "BertForMaskedLM":
-        out = model(input_ids=tt(x["ids"]), attention_mask=tt(x["mask"]),
-                    token_type_ids=tt(x["types"]))
+        out = model(
+          input_ids=tt(x["ids"]), attention_mask=tt(x["mask"]), token_type_ids=tt(x["types"])
+        )
         res = {"mlm": out.logits}
       case "BertForSequenceClassification":
-        out = model(input_ids=tt(x["ids"]), attention_mask=tt(x["mask"]),
-                    token_type_ids=tt(x["types"]))
+        out = model(
+          input_ids=tt(x["ids"]), attention_mask=tt(x["mask"]), token_type_ids=tt(x["types"])
+        )
         res = {"classes": out.logits}
       case "BertModel":
-        out = model(input_ids=tt(x["ids"]), attention_mask=tt(x["mask"]),
-                    token_type_ids=tt(x["types"]))
+        out = model(
+          input_ids=tt(x["ids"]), attention_mask=tt(x["mask"]), token_type_ids=tt(x["types"])
+        )
         res = {"hidden": out.last_hidden_state, "pooled": out.pooler_output}
       case _:
-        out = model(input_ids=tt(x["ids"]), attention_mask=tt(x["mask"]),
-                    decoder_input_ids=tt(tgt["ids"]), decoder_attention_mask=tt(tgt["mask"]))
+        out = model(
+          input_ids=tt(x["ids"]),
+          attention_mask=tt(x["mask"]),
+          decoder_input_ids=tt(tgt["ids"]),
+          decoder_attention_mask=tt(tgt["mask"]),
+        )
         res = {"logits": out.logits}
   return {k: v.float().numpy() for k, v in res.items()}
 
@@ -171,8 +322,9 @@ def our_outputs(model, arch: str, x: dict, tgt: dict | None = None) -> dict[str,
       hidden, pooled = model.encode(ids, np.asarray(x["types"]), mask)
       res = {"hidden": hidden, "pooled": pooled}
     case _:
-      res = {"logits": model(ids, np.asarray(tgt["ids"]), mask,
-                             np.asarray(tgt["mask"]).astype(bool))}
+      res = {
+        "logits": model(ids, np.asarray(tgt["ids"]), mask, np.asarray(tgt["mask"]).astype(bool))
+      }
   return {k: np.asarray(v, np.float32) for k, v in res.items()}
 
 
@@ -188,8 +340,9 @@ def max_diff(a: dict, b: dict, valid: np.ndarray | None) -> dict[str, float]:
   return out
 
 
-def compare(hf_model, our_model, arch: str, *, seed: int = 0,
-            paddings: tuple[bool, ...] = (False, True)) -> dict[str, float]:
+def compare(
+  hf_model, our_model, arch: str, *, seed: int = 0, paddings: tuple[bool, ...] = (False, True)
+) -> dict[str, float]:
   """Max abs difference per output on a padded random batch (causal models: right and/or left
   padding, ``paddings`` being the ``left`` flags)."""
   vocab = hf_model.config.vocab_size
@@ -201,8 +354,9 @@ def compare(hf_model, our_model, arch: str, *, seed: int = 0,
       diffs.update({f"{k}{'-left' if left else ''}": v for k, v in d.items()})
   elif family(arch) == "seq2seq":
     src, tgt = batch(vocab, seed=seed), batch(vocab, t=9, seed=seed + 1)
-    diffs = max_diff(hf_outputs(hf_model, arch, src, tgt), our_outputs(our_model, arch, src, tgt),
-                     tgt["mask"])
+    diffs = max_diff(
+      hf_outputs(hf_model, arch, src, tgt), our_outputs(our_model, arch, src, tgt), tgt["mask"]
+    )
   else:
     x = batch(vocab, seed=seed)
     diffs = max_diff(hf_outputs(hf_model, arch, x), our_outputs(our_model, arch, x), x["mask"])

@@ -13,10 +13,22 @@ import transformer_jax.hf
 
 
 def hf_model(cls=BigBirdForMaskedLM, **kw):
-  base = dict(vocab_size=50, hidden_size=16, num_attention_heads=2, intermediate_size=32,
-              num_hidden_layers=2, max_position_embeddings=1024, block_size=64,
-              num_random_blocks=3, sep_token_id=3, pad_token_id=0, bos_token_id=1,
-              eos_token_id=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+  base = dict(
+    vocab_size=50,
+    hidden_size=16,
+    num_attention_heads=2,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    max_position_embeddings=1024,
+    block_size=64,
+    num_random_blocks=3,
+    sep_token_id=3,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+  )
   torch.manual_seed(0)
   model = cls(BigBirdConfig(**{**base, **kw})).eval()
   with torch.no_grad():
@@ -64,8 +76,15 @@ def test_base_model_and_save_round_trip(tmp_path):
 
 
 def test_linformer_bert_is_refused_by_bert_architectures(tmp_path):
-  config = tj.models.BERTConfig(vocab_size=50, d_model=16, num_heads=2, d_ff=32, num_layers=1,
-                                attention_kind="linformer", attention_dropout_rate=0.0)
+  config = tj.models.BERTConfig(
+    vocab_size=50,
+    d_model=16,
+    num_heads=2,
+    d_ff=32,
+    num_layers=1,
+    attention_kind="linformer",
+    attention_dropout_rate=0.0,
+  )
   model = tj.models.create(config)
   with pytest.raises(tj.hf.UnsupportedError, match="attention_kind='linformer'"):
     tj.hf.save(model, config, tmp_path / "x")

@@ -20,7 +20,9 @@ def test_logits_match_transformers_loaded_from_directory(name, tmp_path):
   assert max(diffs.values()) <= TOL, diffs
 
 
-@pytest.mark.parametrize("name", ["gpt2-3heads-untied", "llama-gqa", "bert-pretraining", "t5-v1.1-untied"])
+@pytest.mark.parametrize(
+  "name", ["gpt2-3heads-untied", "llama-gqa", "bert-pretraining", "t5-v1.1-untied"]
+)
 def test_load_in_memory_model_matches(name):
   arch = hc.CASES[name][0]
   hf_model = hc.build(name, seed=1)
@@ -29,8 +31,17 @@ def test_load_in_memory_model_matches(name):
   assert max(diffs.values()) <= TOL, diffs
 
 
-@pytest.mark.parametrize("name", ["gpt2-base", "gpt2-3heads-untied", "llama-gqa", "llama-tied-linear",
-                                  "llama-llama3-headdim", "mistral-window"])
+@pytest.mark.parametrize(
+  "name",
+  [
+    "gpt2-base",
+    "gpt2-3heads-untied",
+    "llama-gqa",
+    "llama-tied-linear",
+    "llama-llama3-headdim",
+    "mistral-window",
+  ],
+)
 def test_greedy_continuation_matches(name):
   hf_model = hc.build(name)
   _, model = tjhf.load(hf_model)

@@ -14,14 +14,24 @@ import transformer_jax as tj
 import transformer_jax.hf as tjhf
 
 OURS = {
-    "gpt2-tiny": ({}, "GPT2LMHeadModel"),
-    "llama-tiny": ({}, "LlamaForCausalLM"),
-    "mistral-tiny": (dict(sliding_window=5), "MistralForCausalLM"),
-    "bert-tiny": (dict(vocab_size=300), "BertForPreTraining"),
-    "t5-tiny": ({}, "T5ForConditionalGeneration"),
-    "t5-v1.1-small": (dict(vocab_size=200, d_model=32, num_heads=2, head_dim=8, d_ff=48,
-                           num_encoder_layers=1, num_decoder_layers=2), "T5ForConditionalGeneration"),
-    "transformer-tiny": (dict(norm_eps=1e-5), "MarianMTModel"),
+  "gpt2-tiny": ({}, "GPT2LMHeadModel"),
+  "llama-tiny": ({}, "LlamaForCausalLM"),
+  "mistral-tiny": (dict(sliding_window=5), "MistralForCausalLM"),
+  "bert-tiny": (dict(vocab_size=300), "BertForPreTraining"),
+  "t5-tiny": ({}, "T5ForConditionalGeneration"),
+  "t5-v1.1-small": (
+    dict(
+      vocab_size=200,
+      d_model=32,
+      num_heads=2,
+      head_dim=8,
+      d_ff=48,
+      num_encoder_layers=1,
+      num_decoder_layers=2,
+    ),
+    "T5ForConditionalGeneration",
+  ),
+  "transformer-tiny": (dict(norm_eps=1e-5), "MarianMTModel"),
 }
 
 
@@ -66,8 +76,9 @@ def test_sharded_safetensors_and_pytorch_bin_load(tmp_path):
   binary = tmp_path / "bin"
   binary.mkdir()
   torch.save(hf_model.state_dict(), binary / "pytorch_model.bin")
-  (binary / "config.json").write_text(json.dumps(
-      {**hf_model.config.to_dict(), "architectures": ["LlamaForCausalLM"]}))
+  (binary / "config.json").write_text(
+    json.dumps({**hf_model.config.to_dict(), "architectures": ["LlamaForCausalLM"]})
+  )
   _, model = tjhf.load(binary)
   assert max(hc.compare(hf_model, model, "LlamaForCausalLM").values()) <= 1e-4
 
@@ -80,12 +91,16 @@ def test_bert_heads_missing_from_architecture_are_filled(tmp_path):
   # Saved as the same architecture, the filled heads are not written.
   tjhf.save(model, config, tmp_path, architecture="BertForMaskedLM")
   from transformer_jax.hf import io
-  assert not any(k.startswith(("bert.pooler", "cls.seq_relationship"))
-                 for k in io.read_safetensors(tmp_path / "model.safetensors"))
+
+  assert not any(
+    k.startswith(("bert.pooler", "cls.seq_relationship"))
+    for k in io.read_safetensors(tmp_path / "model.safetensors")
+  )
 
 
 def test_convert_run_directory_round_trip(tmp_path):
   from transformer_jax.hf import convert
+
   hf_model = hc.build("gpt2-base")
   hf_model.save_pretrained(tmp_path / "hf")
   convert.from_hf(tmp_path / "hf", tmp_path / "run")

@@ -13,15 +13,29 @@ from transformer_jax.hf.errors import UnsupportedError
 
 
 def hf_model(**kw):
-  base = dict(vocab_size=61, hidden_size=16, num_attention_heads=2, attention_head_size=4,
-              feed_forward_size=24, attn_layers=["local", "lsh", "local", "lsh"],
-              axial_pos_shape=(8, 8), axial_pos_embds_dim=(6, 10), max_position_embeddings=64,
-              is_decoder=True, num_buckets=4, num_hashes=2, lsh_attn_chunk_length=8,
-              local_attn_chunk_length=4, hash_seed=5, hidden_dropout_prob=0.0,
-              lsh_attention_probs_dropout_prob=0.0, local_attention_probs_dropout_prob=0.0)
+  base = dict(
+    vocab_size=61,
+    hidden_size=16,
+    num_attention_heads=2,
+    attention_head_size=4,
+    feed_forward_size=24,
+    attn_layers=["local", "lsh", "local", "lsh"],
+    axial_pos_shape=(8, 8),
+    axial_pos_embds_dim=(6, 10),
+    max_position_embeddings=64,
+    is_decoder=True,
+    num_buckets=4,
+    num_hashes=2,
+    lsh_attn_chunk_length=8,
+    local_attn_chunk_length=4,
+    hash_seed=5,
+    hidden_dropout_prob=0.0,
+    lsh_attention_probs_dropout_prob=0.0,
+    local_attention_probs_dropout_prob=0.0,
+  )
   torch.manual_seed(0)
   model = ReformerModelWithLMHead(ReformerConfig(**{**base, **kw})).eval()
-  with torch.no_grad():   # transformers initialises the LM head's bias and norms trivially
+  with torch.no_grad():  # transformers initialises the LM head's bias and norms trivially
     for p in model.parameters():
       p.add_(0.1 * torch.randn_like(p))
   return model
@@ -29,13 +43,22 @@ def hf_model(**kw):
 
 def logits_of(model, ids, mask=None):
   with torch.no_grad():
-    return model(torch.from_numpy(ids), attention_mask=None if mask is None else
-                 torch.from_numpy(mask.astype(np.int64))).logits.numpy()
+    return model(
+      torch.from_numpy(ids),
+      attention_mask=None if mask is None else torch.from_numpy(mask.astype(np.int64)),
+    ).logits.numpy()
 
 
-@pytest.mark.parametrize("kw", [{}, dict(num_buckets=[2, 4], axial_pos_embds=False,
-                                         chunk_size_feed_forward=8, attn_layers=["lsh"] * 2)],
-                         ids=["local+lsh", "lsh-factored-buckets"])
+@pytest.mark.parametrize(
+  "kw",
+  [
+    {},
+    dict(
+      num_buckets=[2, 4], axial_pos_embds=False, chunk_size_feed_forward=8, attn_layers=["lsh"] * 2
+    ),
+  ],
+  ids=["local+lsh", "lsh-factored-buckets"],
+)
 def test_logits_match_transformers(kw):
   theirs = hf_model(**kw)
   config, ours = tj.hf.load(theirs)
@@ -48,8 +71,9 @@ def test_logits_match_transformers(kw):
     np.testing.assert_allclose(got[rows], want[rows], atol=1e-4, rtol=1e-4)
   # A length that is not a whole number of chunks: both pad it (transformers in eval mode).
   ids = ids[:, :37]
-  np.testing.assert_allclose(np.asarray(ours(jnp.asarray(ids))), logits_of(theirs, ids),
-                             atol=1e-4, rtol=1e-4)
+  np.testing.assert_allclose(
+    np.asarray(ours(jnp.asarray(ids))), logits_of(theirs, ids), atol=1e-4, rtol=1e-4
+  )
 
 
 def test_save_then_transformers_loads_the_same_model(tmp_path):

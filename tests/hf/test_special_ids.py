@@ -27,8 +27,7 @@ def dataset(tmp_path_factory):
   rng = np.random.default_rng(0)
   words = ["alpha", "beta", "gamma", "return", "value", "self"]
   for d in range(6):
-    (corpus / f"d{d}.txt").write_text(
-        "\n".join(" ".join(rng.choice(words, 6)) for _ in range(10)))
+    (corpus / f"d{d}.txt").write_text("\n".join(" ".join(rng.choice(words, 6)) for _ in range(10)))
   path = str(root / "ds")
   data.prepare([str(corpus)], path, compact_vocab=True, progress=False, val_fraction=2)
   return data.load_dataset(path)
@@ -42,8 +41,9 @@ def _written(path):
   return json.loads((path / "config.json").read_text())
 
 
-@pytest.mark.parametrize("preset, cls", [("gpt2-tiny", "GPT2LMHeadModel"),
-                                         ("llama-tiny", "LlamaForCausalLM")])
+@pytest.mark.parametrize(
+  "preset, cls", [("gpt2-tiny", "GPT2LMHeadModel"), ("llama-tiny", "LlamaForCausalLM")]
+)
 def test_gpt_save_writes_the_tokenizers_end_of_text(tmp_path, dataset, preset, cls):
   tok = dataset.tokenizer
   config = _config(preset, tok.vocab_size)
@@ -56,7 +56,7 @@ def test_gpt_save_writes_the_tokenizers_end_of_text(tmp_path, dataset, preset, c
 
 
 def test_gpt_save_without_a_tokenizer_writes_unknown_ids(tmp_path):
-  config = tj.models.get_config("gpt2-tiny")   # V=512: GPT-2's 50256 would lie outside it
+  config = tj.models.get_config("gpt2-tiny")  # V=512: GPT-2's 50256 would lie outside it
   hf.save(tj.models.create(config), config, tmp_path / "out")
   written = _written(tmp_path / "out")
   assert written["bos_token_id"] is None and written["eos_token_id"] is None
@@ -73,11 +73,14 @@ def test_bert_and_seq2seq_ids(tmp_path, dataset):
   hf.save(tj.models.create(t5), t5, tmp_path / "t5", tokenizer=tok)
   written = _written(tmp_path / "t5")
   ids = (tok.bos_id, tok.eos_id, tok.pad_id)
-  assert (written["decoder_start_token_id"], written["eos_token_id"],
-          written["pad_token_id"]) == ids
+  assert (
+    written["decoder_start_token_id"],
+    written["eos_token_id"],
+    written["pad_token_id"],
+  ) == ids
   marian = hf.configs.token_ids("MarianMTModel", tok)
   assert (marian["decoder_start_token_id"], marian["eos_token_id"], marian["pad_token_id"]) == ids
-  assert hf.configs.token_ids("MarianMTModel") == {}   # without a tokenizer: the writer's own
+  assert hf.configs.token_ids("MarianMTModel") == {}  # without a tokenizer: the writer's own
 
 
 def test_ids_outside_the_vocabulary_are_refused(tmp_path, dataset):
@@ -94,7 +97,7 @@ def test_convert_to_hf_takes_the_runs_tokenizer(tmp_path, dataset):
   config = _config("gpt2-tiny", tok.vocab_size)
   run_dir = tmp_path / "run"
   runs.save_model(str(run_dir), config, tj.models.init(config, jax.random.key(0)))
-  assert convert.run_tokenizer(run_dir) is None   # a converted run names no dataset
+  assert convert.run_tokenizer(run_dir) is None  # a converted run names no dataset
   runs.RunDir(run_dir).write_snapshot(None, config, runs.dataset_ref(dataset))
   convert.to_hf(run_dir, tmp_path / "out")
   written = _written(tmp_path / "out")

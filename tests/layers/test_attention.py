@@ -16,15 +16,28 @@ D, N, K, H = 16, 4, 2, 8
 
 
 def _attention(num_kv_heads=K, **kw):
-  return Attention(D, N, num_kv_heads, H, use_bias=True, init_std=0.3, out_init_std=0.3,
-                   dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0),
-                   implementation=FORCED_IMPL, **kw)
+  return Attention(
+    D,
+    N,
+    num_kv_heads,
+    H,
+    use_bias=True,
+    init_std=0.3,
+    out_init_std=0.3,
+    dtype=jnp.float32,
+    param_dtype=jnp.float32,
+    rngs=nnx.Rngs(0),
+    implementation=FORCED_IMPL,
+    **kw,
+  )
 
 
 def _reference(attn, x, kv, allowed_BTS, bias_BNTS=None):
   """float64 NumPy: projections, softmax over allowed keys (zeros for a row with none), output."""
+
   def f(a):
     return np.asarray(a, np.float64)
+
   q = np.einsum("btd,dnh->btnh", f(x), f(attn.query.kernel[...])) + f(attn.query.bias[...])
   k = np.einsum("bsd,dkh->bskh", f(kv), f(attn.key.kernel[...])) + f(attn.key.bias[...])
   v = np.einsum("bsd,dkh->bskh", f(kv), f(attn.value.kernel[...])) + f(attn.value.bias[...])
@@ -50,13 +63,22 @@ def test_mask_parts_and_alibi_match_float64_reference():
   segments = np.array([[0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0]], np.int32)
   window = 3
   slopes = np.asarray(ops.alibi_slopes(N), np.float64)
-  out, cache = attn(x, causal=True, kv_valid=jnp.asarray(valid),
-                    segment_ids=jnp.asarray(segments), window=window, bias_fn=ops.AlibiBias(),
-                    bias_params=jnp.asarray(slopes, jnp.float32))
+  out, cache = attn(
+    x,
+    causal=True,
+    kv_valid=jnp.asarray(valid),
+    segment_ids=jnp.asarray(segments),
+    window=window,
+    bias_fn=ops.AlibiBias(),
+    bias_params=jnp.asarray(slopes, jnp.float32),
+  )
   assert cache is None
   i, j = np.arange(t)[:, None], np.arange(t)[None, :]
-  allowed = ((j <= i) & (np.abs(i - j) < window))[None] & valid[:, None, :] & (
-      segments[:, :, None] == segments[:, None, :])
+  allowed = (
+    ((j <= i) & (np.abs(i - j) < window))[None]
+    & valid[:, None, :]
+    & (segments[:, :, None] == segments[:, None, :])
+  )
   bias = -slopes[None, :, None, None] * np.abs(i - j)[None, None]
   np.testing.assert_allclose(out, _reference(attn, x, x, allowed, bias), rtol=1e-5, atol=1e-5)
 
@@ -71,12 +93,16 @@ def test_relative_bias_table_gets_gradient_through_bias_params():
     return jnp.sum(attn(x, bias_fn=fn, bias_params=table)[0] ** 2)
 
   rel = np.arange(5)[None, :] - np.arange(5)[:, None]
-  buckets = np.asarray(ops.relative_position_bucket(jnp.asarray(rel), bidirectional=True,
-                                                    num_buckets=8, max_distance=16))
+  buckets = np.asarray(
+    ops.relative_position_bucket(
+      jnp.asarray(rel), bidirectional=True, num_buckets=8, max_distance=16
+    )
+  )
   bias = np.transpose(np.asarray(table, np.float64)[buckets], (2, 0, 1))[None]
   allowed = np.ones((1, 5, 5), bool)
-  np.testing.assert_allclose(loss(table), np.sum(_reference(attn, x, x, allowed, bias) ** 2),
-                             rtol=1e-5)
+  np.testing.assert_allclose(
+    loss(table), np.sum(_reference(attn, x, x, allowed, bias) ** 2), rtol=1e-5
+  )
   grad = jax.grad(loss)(table)
   # The directional derivative along a random direction, by central differences.
   u = jax.random.normal(jax.random.key(4), table.shape)
@@ -138,7 +164,7 @@ def test_kv_cache_write_read_and_take_rows(batch):
   k, v = cache.read()
   want = np.zeros((batch, s, kv, H), np.float32)
   for row, n in enumerate(lengths):
-    want[row, n:n + 3] = new_k[row]
+    want[row, n : n + 3] = new_k[row]
   np.testing.assert_array_equal(k, want)
   np.testing.assert_array_equal(v, -want)
   rows = np.array([batch - 1, 0, 0])

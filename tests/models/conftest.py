@@ -36,8 +36,10 @@ def jit_forward(config):
   @jax.jit
   def fn(params, tokens, dropout_rng=None):
     from flax import nnx
-    return forward(nnx.merge(models.graphdef(config), params), config, tokens,
-                   dropout_rng=dropout_rng)
+
+    return forward(
+      nnx.merge(models.graphdef(config), params), config, tokens, dropout_rng=dropout_rng
+    )
 
   return fn
 

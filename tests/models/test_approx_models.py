@@ -15,8 +15,16 @@ from tests.models.conftest import full_forward_greedy
 
 
 def bert(**kw):
-  base = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, d_ff=64, max_len=48,
-              dropout_rate=0.0, attention_dropout_rate=0.0)
+  base = dict(
+    vocab_size=64,
+    d_model=32,
+    num_layers=2,
+    num_heads=4,
+    d_ff=64,
+    max_len=48,
+    dropout_rate=0.0,
+    attention_dropout_rate=0.0,
+  )
   return models.BERTConfig(**{**base, **kw})
 
 
@@ -63,8 +71,11 @@ def _train(config, batches, steps=30):
 @pytest.mark.parametrize("kind", ["linformer", "sparse"])
 def test_bert_with_the_kind_trains(kind):
   # Reconstructing the (unmasked) tokens: the loss falls from log(64) = 4.2 well below it.
-  extra = (dict(linformer_rows=16) if kind == "linformer"
-           else dict(sparse_pattern=ops.SparsePattern.bigbird(block=8, random_blocks=1)))
+  extra = (
+    dict(linformer_rows=16)
+    if kind == "linformer"
+    else dict(sparse_pattern=ops.SparsePattern.bigbird(block=8, random_blocks=1))
+  )
   config = bert(attention_kind=kind, **extra)
   rng = np.random.default_rng(1)
   batches = [jnp.asarray(rng.integers(0, 64, (4, 48))) for _ in range(4)]
@@ -73,28 +84,36 @@ def test_bert_with_the_kind_trains(kind):
 
 
 def test_sparse_kind_with_a_covering_pattern_equals_softmax():
-  pattern = ops.SparsePattern(block=8, local_blocks=8)   # 8 blocks of 8 see all of T <= 64
+  pattern = ops.SparsePattern(block=8, local_blocks=8)  # 8 blocks of 8 see all of T <= 64
   tokens = jnp.asarray(np.random.default_rng(2).integers(0, 64, (2, 40)))
   mask = jnp.asarray(np.arange(40)[None] < np.array([[40], [29]]))
   for family in ("bert", "gpt"):
     if family == "bert":
       base = bert()
+
       def run(c, p):
         return models.apply(c, p, tokens, None, mask).mlm_logits
     else:
       base = models.get_config("llama-tiny", vocab_size=64, max_len=64)
+
       def run(c, p):
         return models.apply(c, p, tokens, attention_mask=mask)
+
     sparse = dataclasses.replace(base, attention_kind="sparse", sparse_pattern=pattern)
     params = models.init(base, jax.random.key(3))
-    np.testing.assert_allclose(np.asarray(run(sparse, params)), np.asarray(run(base, params)),
-                               atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+      np.asarray(run(sparse, params)), np.asarray(run(base, params)), atol=2e-5, rtol=1e-5
+    )
 
 
 def test_gpt_sparse_decoding_from_a_cache_equals_the_full_forward():
-  config = models.get_config("llama-tiny", vocab_size=64, max_len=64, attention_kind="sparse",
-                             sparse_pattern=ops.SparsePattern(block=4, local_blocks=1, summary=1,
-                                                              strided=True))
+  config = models.get_config(
+    "llama-tiny",
+    vocab_size=64,
+    max_len=64,
+    attention_kind="sparse",
+    sparse_pattern=ops.SparsePattern(block=4, local_blocks=1, summary=1, strided=True),
+  )
   model = nnx.merge(models.graphdef(config), models.init(config, jax.random.key(4)))
   rows = [np.random.default_rng(5).integers(0, 64, 9), np.random.default_rng(6).integers(0, 64, 4)]
   ours = np.asarray(generate.generate(model, [list(r) for r in rows], max_new_tokens=14))
@@ -108,15 +127,19 @@ def test_bad_kind_options_are_named():
   with pytest.raises(ValueError, match="sparse_pattern needs attention_kind='sparse'"):
     bert(sparse_pattern=ops.SparsePattern())
   with pytest.raises(ValueError, match="count from the start"):
-    models.get_config("llama-tiny", attention_kind="sparse",
-                      sparse_pattern=ops.SparsePattern.bigbird())
+    models.get_config(
+      "llama-tiny", attention_kind="sparse", sparse_pattern=ops.SparsePattern.bigbird()
+    )
 
 
 def test_bigbird_bert_fine_tunes_for_classification():
   # Label: does token 5 occur anywhere in the 48 tokens? Only the global [CLS] block sees them
   # all (blocks of 8: a window of 3 blocks, 1 random block per row).
-  config = bert(attention_kind="sparse", num_labels=2,
-                sparse_pattern=ops.SparsePattern.bigbird(block=8, random_blocks=1))
+  config = bert(
+    attention_kind="sparse",
+    num_labels=2,
+    sparse_pattern=ops.SparsePattern.bigbird(block=8, random_blocks=1),
+  )
   rng = np.random.default_rng(7)
   tokens = rng.integers(6, 64, (64, 48))
   labels = rng.integers(0, 2, 64)

@@ -11,18 +11,39 @@ import pytest
 
 from transformer_jax import models, ops
 
-BERT = models.BERTConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, d_ff=64,
-                         max_len=48, dropout_rate=0.0, attention_dropout_rate=0.0)
+BERT = models.BERTConfig(
+  vocab_size=64,
+  d_model=32,
+  num_layers=2,
+  num_heads=4,
+  d_ff=64,
+  max_len=48,
+  dropout_rate=0.0,
+  attention_dropout_rate=0.0,
+)
 LENGTH_DEPENDENT = {
-    "bert-bigbird": dataclasses.replace(BERT, attention_kind="sparse",
-                                        sparse_pattern=ops.SparsePattern.bigbird(block=8)),
-    "bert-bigbird-eval": dataclasses.replace(
-        BERT, attention_kind="sparse",
-        sparse_pattern=ops.SparsePattern.bigbird(block=4, random_blocks=1, eval_mode=True)),
-    "reformer": models.ReformerConfig(vocab_size=64, d_model=16, num_heads=2, head_dim=8,
-                                      d_ff=32, attn_layers=("local", "lsh"), max_len=64,
-                                      axial_pos_shape=(8, 8), axial_pos_dims=(8, 8),
-                                      n_buckets=4, lsh_chunk_length=8, local_chunk_length=8),
+  "bert-bigbird": dataclasses.replace(
+    BERT, attention_kind="sparse", sparse_pattern=ops.SparsePattern.bigbird(block=8)
+  ),
+  "bert-bigbird-eval": dataclasses.replace(
+    BERT,
+    attention_kind="sparse",
+    sparse_pattern=ops.SparsePattern.bigbird(block=4, random_blocks=1, eval_mode=True),
+  ),
+  "reformer": models.ReformerConfig(
+    vocab_size=64,
+    d_model=16,
+    num_heads=2,
+    head_dim=8,
+    d_ff=32,
+    attn_layers=("local", "lsh"),
+    max_len=64,
+    axial_pos_shape=(8, 8),
+    axial_pos_dims=(8, 8),
+    n_buckets=4,
+    lsh_chunk_length=8,
+    local_chunk_length=8,
+  ),
 }
 
 

@@ -60,23 +60,39 @@ def _reference_weights(model, tokens_BT, valid_BS, alibi: bool):
 @pytest.mark.parametrize("position", ["learned", "alibi"])
 def test_gpt_attention_weights_match_a_float64_forward_pass(position):
   # A large init so that the weights are far from uniform and every layer's input matters.
-  config = tiny("gpt2-tiny", d_model=16, num_layers=3, num_heads=2, d_ff=32, max_len=16,
-                position=position, init_std=0.4)
-  model = models.create(config)   # one compiled initialisation, not op by op
+  config = tiny(
+    "gpt2-tiny",
+    d_model=16,
+    num_layers=3,
+    num_heads=2,
+    d_ff=32,
+    max_len=16,
+    position=position,
+    init_std=0.4,
+  )
+  model = models.create(config)  # one compiled initialisation, not op by op
   tokens = np.asarray(jax.random.randint(jax.random.key(1), (2, 9), 0, VOCAB))
   valid = np.ones((2, 9), bool)
-  valid[1, 6:] = False                                     # row 1: three padding keys
+  valid[1, 6:] = False  # row 1: three padding keys
   weights = np.asarray(model.attention_weights(tokens, attention_mask=valid))
   assert weights.shape == (3, 2, 2, 9, 9)
   ref = _reference_weights(model, tokens, valid, alibi=position == "alibi")
   np.testing.assert_allclose(weights, ref, rtol=2e-4, atol=2e-6)
-  assert weights[1:].std() > 0.05                          # not near-uniform: the check has teeth
+  assert weights[1:].std() > 0.05  # not near-uniform: the check has teeth
   np.testing.assert_array_equal(weights[:, 1, :, :, 6:], 0.0)
 
 
 def test_gpt_attention_weights_agree_with_the_ops_return_weights_in_layer_zero():
-  config = tiny("gpt2-tiny", d_model=16, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=32,
-                max_len=16, position="rope")
+  config = tiny(
+    "gpt2-tiny",
+    d_model=16,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    d_ff=32,
+    max_len=16,
+    position="rope",
+  )
   model = models.create(config)
   tokens = jax.random.randint(jax.random.key(2), (1, 7), 0, VOCAB)
   weights = model.attention_weights(tokens)
@@ -86,8 +102,9 @@ def test_gpt_attention_weights_agree_with_the_ops_return_weights_in_layer_zero()
   pos = np.arange(7)
   q = ops.apply_rope(block.attn.query(h), pos)
   k = ops.apply_rope(block.attn.key(h), pos)
-  _, expected = ops.dot_product_attention(q, k, block.attn.value(h), causal=True,
-                                          return_weights=True)
+  _, expected = ops.dot_product_attention(
+    q, k, block.attn.value(h), causal=True, return_weights=True
+  )
   np.testing.assert_allclose(weights[0], expected, rtol=1e-5, atol=1e-7)
 
 
@@ -100,4 +117,4 @@ def test_bert_attention_weights_mask_padding_and_see_both_ways():
   assert weights.shape == (config.num_layers, 1, config.num_heads, 8, 8)
   np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-5)
   np.testing.assert_array_equal(weights[..., 6:], 0.0)
-  assert (weights[..., :6] > 0).all()                      # bidirectional: future keys too
+  assert (weights[..., :6] > 0).all()  # bidirectional: future keys too

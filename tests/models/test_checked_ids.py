@@ -49,22 +49,32 @@ def test_positions_past_the_table_are_refused_not_clamped(position):
   params = models.init(config, jax.random.key(0))
   ids = jnp.zeros((1, 4), jnp.int32)
   past = np.array([[0, 1, 2, 16]])
-  with pytest.raises(ValueError, match=r"positions\[0, 3\] = 16 is outside the position table "
-                                       r"\[0, max_len=16\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"positions\[0, 3\] = 16 is outside the position table "
+    r"\[0, max_len=16\)",
+  ):
     models.apply(config, params, ids, past)
   fn = models.checked(lambda p, t, pos: models.apply(config, p, t, pos))
-  with pytest.raises(ValueError, match=r"positions holds positions outside the table "
-                                       r"\[0, max_len=16\): min 0, max 16"):
+  with pytest.raises(
+    ValueError,
+    match=r"positions holds positions outside the table "
+    r"\[0, max_len=16\): min 0, max 16",
+  ):
     fn(params, ids, jnp.asarray(past))
   last = np.array([[0, 1, 2, 15]])
-  np.testing.assert_allclose(np.asarray(fn(params, ids, jnp.asarray(last))),
-                             np.asarray(models.apply(config, params, ids, last)), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(
+    np.asarray(fn(params, ids, jnp.asarray(last))),
+    np.asarray(models.apply(config, params, ids, last)),
+    rtol=1e-5,
+    atol=1e-5,
+  )
 
 
 def test_ids_wider_than_int32_are_refused_not_wrapped():
   config = tiny("gpt2-tiny")
   params = models.init(config, jax.random.key(0))
   fn = models.checked(lambda p, tokens: models.apply(config, p, tokens))
-  ids = np.array([[1, 2, 2**32 + 3]], np.int64)       # int32 would read 3
+  ids = np.array([[1, 2, 2**32 + 3]], np.int64)  # int32 would read 3
   with pytest.raises(ValueError, match=r"tokens\[0, 2\] = 4294967299 does not fit in int32"):
     fn(params, ids)

@@ -32,8 +32,10 @@ def test_tiny_preset_jits_forward_and_backward(name, tokens):
   assert all(np.isfinite(np.asarray(g)).all() for g in leaves)
   # Every parameter gets a gradient signal (no dead branches), except pieces the forward
   # never touches: NSP/pooler heads for BERT's MLM output.
-  norms = {jax.tree_util.keystr(p): float(np.abs(np.asarray(g)).sum())
-           for p, g in jax.tree_util.tree_leaves_with_path(grads)}
+  norms = {
+    jax.tree_util.keystr(p): float(np.abs(np.asarray(g)).sum())
+    for p, g in jax.tree_util.tree_leaves_with_path(grads)
+  }
   unused = ("pooler", "nsp")
   dead = [k for k, v in norms.items() if v == 0.0 and not any(u in k for u in unused)]
   assert not dead, dead
@@ -48,8 +50,9 @@ def test_pure_function_form_equals_module(name, tokens):
   expected = forward(module, config, tokens)
   match config:
     case models.BERTConfig():
-      got = jax.jit(lambda p, t: models.apply(config, p, t, jnp.zeros_like(t),
-                                              jnp.ones_like(t)).mlm_logits)(params, tokens)
+      got = jax.jit(
+        lambda p, t: models.apply(config, p, t, jnp.zeros_like(t), jnp.ones_like(t)).mlm_logits
+      )(params, tokens)
     case models.Seq2SeqConfig():
       got = jax.jit(lambda p, t: models.apply(config, p, t, t[:, ::-1]))(params, tokens)
     case _:
@@ -98,13 +101,13 @@ def test_auto_unrolls_only_bfloat16_cpu_products_of_a_few_layers():
       bf16 = tiny(name, dtype="bfloat16")
       assert bf16.scan_layers == "auto"
       assert stacks(bf16) == [native] * len(stacks(bf16)) and stacks(bf16)
-      assert stacks(tiny(name)) == [False] * len(stacks(bf16))          # float32: scanned
+      assert stacks(tiny(name)) == [False] * len(stacks(bf16))  # float32: scanned
       assert stacks(dataclasses.replace(bf16, scan_layers=True)) == [False] * len(stacks(bf16))
       assert stacks(dataclasses.replace(bf16, scan_layers=False)) == [True] * len(stacks(bf16))
     deep = tiny("gpt2-tiny", dtype="bfloat16", num_layers=models.config.UNROLL_MAX_LAYERS + 1)
     assert not models.unrolls_layers(deep, backend)
     t5 = tiny("t5-tiny", dtype="bfloat16", num_encoder_layers=6, num_decoder_layers=7)
-    assert not models.unrolls_layers(t5, backend)   # encoder and decoder count together
+    assert not models.unrolls_layers(t5, backend)  # encoder and decoder count together
     assert models.unrolls_layers(dataclasses.replace(t5, num_decoder_layers=6), backend) == native
 
 
@@ -237,19 +240,20 @@ def test_bf16_cpu_matmuls_compute_what_xla_einsums_do(name, tokens, monkeypatch)
     fn = jax.jit(jax.value_and_grad(loss_fn))
     return fn(params, tokens), fn.lower(params, tokens).compile().as_text()
 
-  with jax.default_matmul_precision(None):   # JAX's own default (tests/conftest.py sets float32)
+  with jax.default_matmul_precision(None):  # JAX's own default (tests/conftest.py sets float32)
     (loss_xla, grads_xla), _ = loss_and_grads(False)
     (loss, grads), hlo = loss_and_grads(True)
-  if jax.default_backend() == "cpu":   # (a GPU runs its gemms as library calls, not HLO dots)
+  if jax.default_backend() == "cpu":  # (a GPU runs its gemms as library calls, not HLO dots)
     bf16_dots = [d for d in _dots(hlo) if all(t.startswith("bf16[") for t in d[1])]
     assert len(bf16_dots) >= 6, "the projections did not run as bfloat16 dots"
   assert abs(float(loss) - float(loss_xla)) < 1e-3 * abs(float(loss_xla))
-  chex.assert_trees_all_equal_shapes_and_dtypes(grads, grads_xla)   # float32 master gradients
+  chex.assert_trees_all_equal_shapes_and_dtypes(grads, grads_xla)  # float32 master gradients
   top = max(float(np.linalg.norm(g)) for g in jax.tree.leaves(grads_xla))
-  for (path, g_xla), g in zip(jax.tree_util.tree_leaves_with_path(grads_xla),
-                              jax.tree.leaves(grads)):
+  for (path, g_xla), g in zip(
+    jax.tree_util.tree_leaves_with_path(grads_xla), jax.tree.leaves(grads)
+  ):
     scale = float(np.linalg.norm(g_xla))
-    if scale > 1e-6 * top:   # (a key bias's gradient is 0 up to rounding: no relative error)
+    if scale > 1e-6 * top:  # (a key bias's gradient is 0 up to rounding: no relative error)
       rel = float(np.linalg.norm(np.asarray(g) - np.asarray(g_xla))) / scale
       assert rel < 2e-2, (jax.tree_util.keystr(path), rel)
 
@@ -257,6 +261,7 @@ def test_bf16_cpu_matmuls_compute_what_xla_einsums_do(name, tokens, monkeypatch)
 def _dot_precisions(jaxpr, out):
   """The ``precision`` of every dot_general in ``jaxpr`` and the jaxprs nested in it."""
   from jax.extend import core as jcore
+
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "dot_general":
       out.append(eqn.params["precision"])
@@ -271,21 +276,27 @@ def _dot_precisions(jaxpr, out):
 
 @pytest.mark.parametrize("impl,fast", [("xla", False), ("chunked", False), ("xla", True)])
 @pytest.mark.parametrize("name", FAMILIES)
-def test_matmul_precision_reaches_every_dot_forward_and_backward(name, impl, fast, tokens,
-                                                                 monkeypatch):
+def test_matmul_precision_reaches_every_dot_forward_and_backward(
+  name, impl, fast, tokens, monkeypatch
+):
   # A GPU computes float32 dots in TensorFloat-32 unless told otherwise (errors ~1e-3 against
   # PyTorch); config.matmul_precision must reach every dot of the loss's gradient, the hand-written
   # backward passes (attention cores, backends.cpu.matmul.matmul) included, which JAX traces after
   # the forward has returned. Checked on the traced program, so it holds on any backend.
   from transformer_jax.backends import CpuBackend
   from transformer_jax.backends.cpu import matmul
+
   monkeypatch.setattr(matmul, "bf16_products_native", lambda dtype: fast)
   backend = CpuBackend(bf16_units=fast)
-  base = dataclasses.replace(tiny(name), attention_impl=impl,
-                             dtype="bfloat16" if fast else "float32")
+  base = dataclasses.replace(
+    tiny(name), attention_impl=impl, dtype="bfloat16" if fast else "float32"
+  )
   params = params_for(tiny(name))
-  expected = {"float32": (jax.lax.Precision.HIGHEST,) * 2,
-              "tensorfloat32": (jax.lax.Precision.HIGH,) * 2, "default": None}
+  expected = {
+    "float32": (jax.lax.Precision.HIGHEST,) * 2,
+    "tensorfloat32": (jax.lax.Precision.HIGH,) * 2,
+    "default": None,
+  }
   # The other kernels differ from "xla" in their hand-written backward passes: "float32" shows them.
   values = list(expected) if (impl, fast) == ("xla", False) else ["float32"]
   for value in values:
@@ -297,7 +308,7 @@ def test_matmul_precision_reaches_every_dot_forward_and_backward(name, impl, fas
       logits = forward(nnx.merge(graphdef, params), config, tokens)
       return jnp.mean(jax.nn.log_softmax(logits.astype(jnp.float32))[..., 1])
 
-    with jax.default_matmul_precision(None):   # JAX's default (tests/conftest.py sets float32)
+    with jax.default_matmul_precision(None):  # JAX's default (tests/conftest.py sets float32)
       got = _dot_precisions(jax.make_jaxpr(jax.grad(loss_fn))(params, tokens).jaxpr, [])
     assert len(got) >= 12, len(got)
     # bfloat16 compute keeps JAX's own setting (the config's is about float32 products).

@@ -10,8 +10,16 @@ from transformer_jax import models, ops
 
 
 def _sinusoidal_gpt(**overrides):
-  config = tiny("gpt2-tiny", d_model=32, num_layers=2, num_heads=2, d_ff=64, max_len=32,
-                position="sinusoidal", **overrides)
+  config = tiny(
+    "gpt2-tiny",
+    d_model=32,
+    num_layers=2,
+    num_heads=2,
+    d_ff=64,
+    max_len=32,
+    position="sinusoidal",
+    **overrides,
+  )
   return models.GPT(config, rngs=nnx.Rngs(0))
 
 
@@ -35,4 +43,3 @@ def test_sinusoidal_gpt_tokens_and_positions_start_at_one_scale():
   tokens_rms = float(jnp.sqrt(jnp.mean(model.embed.embedding[...] ** 2))) * np.sqrt(32)
   table_rms = float(jnp.sqrt(jnp.mean(ops.sinusoidal_positions(32, 32) ** 2)))
   assert 0.5 < tokens_rms / table_rms < 2.0, (tokens_rms, table_rms)
-

@@ -21,7 +21,7 @@ def test_recurrent_decoding_equals_the_parallel_forward(decay):
   config = tiny(linear_decay=decay)
   model = nnx.merge(models.graphdef(config), models.init(config, jax.random.key(1)))
   rng = np.random.default_rng(2)
-  rows = [rng.integers(0, 512, 13), rng.integers(0, 512, 5)]   # rows padded to one length
+  rows = [rng.integers(0, 512, 13), rng.integers(0, 512, 5)]  # rows padded to one length
   ours = np.asarray(generate.generate(model, [list(r) for r in rows], max_new_tokens=20))
   for i, row in enumerate(rows):
     np.testing.assert_array_equal(ours[i], full_forward_greedy(model, row[None], 20)[0])
@@ -29,8 +29,10 @@ def test_recurrent_decoding_equals_the_parallel_forward(decay):
 
 def test_the_decoding_state_is_the_same_size_for_any_length():
   config = tiny()
-  sizes = {jax.tree.map(lambda x: x.shape, generate.init_cache(config, 2, n).s)
-           for n in (16, 4096, 1 << 20)}
+  sizes = {
+    jax.tree.map(lambda x: x.shape, generate.init_cache(config, 2, n).s)
+    for n in (16, 4096, 1 << 20)
+  }
   assert sizes == {((2, 4, 16, 16),) * 2}
   model = nnx.merge(models.graphdef(config), models.init(config, jax.random.key(0)))
   step = jax.jit(lambda c, t: generate.extend(model, t, c))
@@ -56,8 +58,17 @@ def test_a_small_model_learns_from_the_ids_its_row_has_used():
   # Each row draws its tokens from 4 ids of 64, its own: a model that reads its context gets
   # near log(4) = 1.39 nats; one that does not stays at log(64) = 4.16 at best. The bar is their
   # midpoint.
-  config = models.get_config("llama-tiny", vocab_size=64, d_model=64, num_layers=2, num_heads=4,
-                             num_kv_heads=4, d_ff=128, attention_kind="linear", linear_chunk=16)
+  config = models.get_config(
+    "llama-tiny",
+    vocab_size=64,
+    d_model=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=4,
+    d_ff=128,
+    attention_kind="linear",
+    linear_chunk=16,
+  )
   rng = np.random.default_rng(0)
 
   def batch(n):
@@ -72,7 +83,7 @@ def test_a_small_model_learns_from_the_ids_its_row_has_used():
   def loss_fn(p, ids):
     logits = nnx.merge(graphdef, p)(ids[:, :-1])
     nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), ids[:, 1:, None], -1)[..., 0]
-    return jnp.mean(nll[:, 16:])            # once the row has shown its ids
+    return jnp.mean(nll[:, 16:])  # once the row has shown its ids
 
   @jax.jit
   def step(p, o, ids):
@@ -91,9 +102,18 @@ def test_a_short_row_beside_a_long_one_decodes_as_it_does_alone(decay, lengths):
   """The short row's prefill is padded to the long row's bucket; padding must neither add to nor
   decay its state (decayed and multiplied back, 0.5 over 254 positions overflows to a NaN
   state, which decodes as id 0 forever)."""
-  config = models.get_config("gpt2-tiny", vocab_size=97, d_model=16, num_layers=1, num_heads=2,
-                             d_ff=32, max_len=4096, attention_kind="linear", linear_decay=decay,
-                             init_std=0.3)
+  config = models.get_config(
+    "gpt2-tiny",
+    vocab_size=97,
+    d_model=16,
+    num_layers=1,
+    num_heads=2,
+    d_ff=32,
+    max_len=4096,
+    attention_kind="linear",
+    linear_decay=decay,
+    init_std=0.3,
+  )
   params = models.init(config, jax.random.key(0))
   rng = np.random.default_rng(0)
   rows = [list(rng.integers(0, 97, n)) for n in lengths]
@@ -109,16 +129,28 @@ def test_linear_attention_weights_are_the_ones_its_output_uses(decay):
   weights times the values give ``ops.linear_attention``'s output at every real position."""
   from transformer_jax import ops
   from transformer_jax.layers import Attention, LinearKind
-  layer = Attention(16, 2, 2, 8, use_bias=False, init_std=0.3, out_init_std=0.3,
-                    dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0),
-                    linear=LinearKind(chunk_size=4, decay=decay))
+
+  layer = Attention(
+    16,
+    2,
+    2,
+    8,
+    use_bias=False,
+    init_std=0.3,
+    out_init_std=0.3,
+    dtype=jnp.float32,
+    param_dtype=jnp.float32,
+    rngs=nnx.Rngs(0),
+    linear=LinearKind(chunk_size=4, decay=decay),
+  )
   x = jax.random.normal(jax.random.key(1), (2, 11, 16))
   valid = np.ones((2, 11), bool)
   valid[0, :3] = valid[1, 9:] = False
   segments = np.where(np.arange(11) < 6, 1, 2)[None].repeat(2, 0)
   w_BNTS = layer.weights(x, causal=True, kv_valid=valid, segment_ids=segments)
   q, k, v = layer.query(x), layer.key(x), layer.value(x)
-  want = ops.linear_attention(q, k, v, chunk_size=4, decay=decay, kv_valid=valid,
-                              segment_ids=segments)
+  want = ops.linear_attention(
+    q, k, v, chunk_size=4, decay=decay, kv_valid=valid, segment_ids=segments
+  )
   got = jnp.einsum("bnij,bjne->bine", w_BNTS, v)
   np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], atol=2e-5)

@@ -19,13 +19,16 @@ def test_count_params_equals_instantiated_model(name):
   assert models.count_params(config) == _instantiated_params(config)
 
 
-@pytest.mark.parametrize("name,overrides", [
+@pytest.mark.parametrize(
+  "name,overrides",
+  [
     ("gpt2-tiny", dict(tie_embeddings=False, position="rope")),
     ("llama-tiny", dict(num_kv_heads=1, head_dim=8)),
     ("bert-tiny", dict(num_labels=3, vocab_size=100)),
     ("t5-tiny", dict(gated=True, tie_embeddings=False, num_kv_heads=2)),
     ("transformer-tiny", dict(pre_norm=True, norm="rmsnorm", use_bias=False)),
-])
+  ],
+)
 def test_count_params_equals_instantiated_model_with_overrides(name, overrides):
   config = models.get_config(name, **overrides)
   assert models.count_params(config) == _instantiated_params(config)
@@ -34,9 +37,15 @@ def test_count_params_equals_instantiated_model_with_overrides(name, overrides):
 # Sizes reported by the papers (GPT-2 Table 2 as re-counted by OpenAI's release, BERT section 3,
 # T5 section 3.1, the Transformer Table 3), within the tolerance below.
 PAPER_COUNTS = [
-    ("gpt2-small", 124e6, 0.02), ("gpt2-medium", 355e6, 0.02), ("gpt2-large", 774e6, 0.02),
-    ("gpt2-xl", 1558e6, 0.02), ("bert-base", 110e6, 0.02), ("bert-large", 340e6, 0.02),
-    ("t5-small", 60e6, 0.02), ("transformer-base", 65e6, 0.04), ("transformer-big", 213e6, 0.04),
+  ("gpt2-small", 124e6, 0.02),
+  ("gpt2-medium", 355e6, 0.02),
+  ("gpt2-large", 774e6, 0.02),
+  ("gpt2-xl", 1558e6, 0.02),
+  ("bert-base", 110e6, 0.02),
+  ("bert-large", 340e6, 0.02),
+  ("t5-small", 60e6, 0.02),
+  ("transformer-base", 65e6, 0.04),
+  ("transformer-big", 213e6, 0.04),
 ]
 
 
@@ -68,7 +77,9 @@ def test_get_config_applies_and_validates_overrides():
     models.get_config("gpt2-smal")
 
 
-@pytest.mark.parametrize("field,value,message", [
+@pytest.mark.parametrize(
+  "field,value,message",
+  [
     ("num_kv_heads", 5, "num_kv_heads=5 does not divide num_heads=4"),
     ("position", "spiral", "position='spiral' must be one of"),
     ("dropout_rate", 1.5, "dropout_rate=1.5 must be in"),
@@ -78,7 +89,8 @@ def test_get_config_applies_and_validates_overrides():
     ("remat", "some", "remat='some' must be one of"),
     ("scan_layers", "yes", "scan_layers='yes' must be true, false or 'auto'"),
     ("scan_layers", 1, "scan_layers=1 must be true, false or 'auto'"),
-])
+  ],
+)
 def test_config_errors_name_field_and_value(field, value, message):
   with pytest.raises(ValueError, match=message):
     models.get_config("llama-tiny", **{field: value})
@@ -101,6 +113,7 @@ def test_train_flops_per_token_is_6n_plus_attention():
 
 def test_cli_info_prints_counts(capsys):
   from transformer_jax import cli
+
   assert cli.main(["info", "gpt2-small", "--vocab-size", "50257"]) == 0
   out = capsys.readouterr().out
   assert "124,439,808" in out and "non-embedding" in out and "FLOPs" in out

@@ -14,8 +14,9 @@ from transformer_jax.layers import Attention
 from tests.models.conftest import VOCAB, jit_forward, params_for, tiny
 
 
-@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "gpt-alibi-tiny", "t5-tiny",
-                                  "transformer-tiny"])
+@pytest.mark.parametrize(
+  "name", ["gpt2-tiny", "llama-tiny", "gpt-alibi-tiny", "t5-tiny", "transformer-tiny"]
+)
 def test_changing_future_token_leaves_earlier_logits_unchanged(name):
   config = tiny(name)
   fn, params = jit_forward(config), params_for(config)
@@ -85,8 +86,7 @@ def test_source_padding_does_not_change_decoder_logits(name):
   tgt = jax.random.randint(jax.random.key(5), (2, 5), 0, VOCAB)
   src_padded = jnp.concatenate([src, jnp.zeros((2, 4), src.dtype)], axis=1)
   src_mask = jnp.broadcast_to(jnp.arange(10)[None] < 6, (2, 10))
-  np.testing.assert_allclose(model(src, tgt), model(src_padded, tgt, src_mask=src_mask),
-                             atol=1e-5)
+  np.testing.assert_allclose(model(src, tgt), model(src_padded, tgt, src_mask=src_mask), atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "gpt-alibi-tiny"])
@@ -113,8 +113,9 @@ def test_rope_model_logits_invariant_to_position_shift():
   np.testing.assert_allclose(base, shifted, atol=2e-4)
   learned = tiny("gpt2-tiny")
   m2 = nnx.merge(models.graphdef(learned), params_for(learned))
-  assert not np.allclose(m2(tokens, positions=jnp.arange(9)),
-                         m2(tokens, positions=jnp.arange(9) + 37), atol=1e-3)
+  assert not np.allclose(
+    m2(tokens, positions=jnp.arange(9)), m2(tokens, positions=jnp.arange(9) + 37), atol=1e-3
+  )
 
 
 def test_sliding_window_limits_receptive_field():
@@ -130,10 +131,32 @@ def test_sliding_window_limits_receptive_field():
 
 def test_gqa_attention_equals_mha_with_repeated_kv_heads():
   d, n, k, h = 16, 4, 2, 8
-  gqa = Attention(d, n, k, h, use_bias=True, init_std=0.3, out_init_std=0.3, dtype=jnp.float32,
-                  param_dtype=jnp.float32, rngs=nnx.Rngs(0), rope_theta=10000.0)
-  mha = Attention(d, n, n, h, use_bias=True, init_std=0.3, out_init_std=0.3, dtype=jnp.float32,
-                  param_dtype=jnp.float32, rngs=nnx.Rngs(1), rope_theta=10000.0)
+  gqa = Attention(
+    d,
+    n,
+    k,
+    h,
+    use_bias=True,
+    init_std=0.3,
+    out_init_std=0.3,
+    dtype=jnp.float32,
+    param_dtype=jnp.float32,
+    rngs=nnx.Rngs(0),
+    rope_theta=10000.0,
+  )
+  mha = Attention(
+    d,
+    n,
+    n,
+    h,
+    use_bias=True,
+    init_std=0.3,
+    out_init_std=0.3,
+    dtype=jnp.float32,
+    param_dtype=jnp.float32,
+    rngs=nnx.Rngs(1),
+    rope_theta=10000.0,
+  )
   mha.query.kernel[...] = gqa.query.kernel[...]
   mha.query.bias[...] = gqa.query.bias[...]
   mha.out.kernel[...] = gqa.out.kernel[...]
@@ -163,20 +186,29 @@ def _np_gelu_tanh(x):
 def _np_gpt2(p, tokens, c):
   def f64(a):
     return np.asarray(a, np.float64)
-  x = f64(p["embed"]["embedding"])[tokens] + f64(p["pos_embed"]["embedding"])[:tokens.shape[1]]
+
+  x = f64(p["embed"]["embedding"])[tokens] + f64(p["pos_embed"]["embedding"])[: tokens.shape[1]]
   t = tokens.shape[1]
   causal = np.tril(np.ones((t, t), bool))
   blocks = p["blocks"]["layers"]
   for i in range(c.num_layers):
+
     def get(*path):
       return f64(_dig(blocks, path)[i])
+
     h = _np_layer_norm(x, get("attn_norm", "scale"), get("attn_norm", "bias"), c.norm_eps)
-    q = np.einsum("btd,dnh->bnth", h, get("attn", "query", "kernel")) + get(
-        "attn", "query", "bias")[None, :, None, :]
-    k = np.einsum("btd,dnh->bnth", h, get("attn", "key", "kernel")) + get(
-        "attn", "key", "bias")[None, :, None, :]
-    v = np.einsum("btd,dnh->bnth", h, get("attn", "value", "kernel")) + get(
-        "attn", "value", "bias")[None, :, None, :]
+    q = (
+      np.einsum("btd,dnh->bnth", h, get("attn", "query", "kernel"))
+      + get("attn", "query", "bias")[None, :, None, :]
+    )
+    k = (
+      np.einsum("btd,dnh->bnth", h, get("attn", "key", "kernel"))
+      + get("attn", "key", "bias")[None, :, None, :]
+    )
+    v = (
+      np.einsum("btd,dnh->bnth", h, get("attn", "value", "kernel"))
+      + get("attn", "value", "bias")[None, :, None, :]
+    )
     s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(q.shape[-1])
     s = np.where(causal, s, -np.inf)
     w = np.exp(s - s.max(-1, keepdims=True))
@@ -210,6 +242,7 @@ def test_attention_impl_reaches_the_kernel_of_every_attention(name, tokens, monk
   """The config's ``attention_impl`` is what every attention call passes to its backend."""
   from transformer_jax import backends
   from tests.models.conftest import forward
+
   seen = []
   real = backends.Backend.attention
 
@@ -221,8 +254,11 @@ def test_attention_impl_reaches_the_kernel_of_every_attention(name, tokens, monk
   config = tiny(name, attention_impl="cudnn", dtype="bfloat16", scan_layers=False)
   model = models.create(config, rngs=nnx.Rngs(0))
   forward(model, config, tokens)
-  layers = config.num_layers if hasattr(config, "num_layers") else (
-      config.num_encoder_layers + 2 * config.num_decoder_layers)  # decoder: self + cross
+  layers = (
+    config.num_layers
+    if hasattr(config, "num_layers")
+    else (config.num_encoder_layers + 2 * config.num_decoder_layers)
+  )  # decoder: self + cross
   assert seen == ["cudnn"] * layers
 
 
@@ -230,8 +266,9 @@ def test_attention_impl_is_validated_and_set_from_the_command_line():
   with pytest.raises(ValueError, match=r"attention_impl='flash' must be one of None, 'xla'"):
     tiny("gpt2-tiny", attention_impl="flash")
   with pytest.raises(ValueError, match=r"attention_impl='cudnn' computes in bfloat16.*'float32'"):
-    tiny("gpt2-tiny", attention_impl="cudnn")   # cuDNN's fused attention has no float32 kernel
+    tiny("gpt2-tiny", attention_impl="cudnn")  # cuDNN's fused attention has no float32 kernel
   from transformer_jax.train.config import load_experiment
+
   path = pathlib.Path(__file__).parents[2] / "experiments" / "gpt_tiny.yaml"
   exp = load_experiment(str(path), ["model.attention_impl=chunked"])
   assert exp.model_config().attention_impl == "chunked"

@@ -13,9 +13,20 @@ from flax import nnx
 from transformer_jax import models, ops
 
 CONFIG = models.ReformerConfig(
-    vocab_size=32, d_model=16, num_heads=2, head_dim=8, d_ff=32,
-    attn_layers=("local", "lsh"), axial_pos_shape=(4, 16), axial_pos_dims=(6, 10),
-    max_len=64, n_buckets=4, n_hashes=2, lsh_chunk_length=8, local_chunk_length=8)
+  vocab_size=32,
+  d_model=16,
+  num_heads=2,
+  head_dim=8,
+  d_ff=32,
+  attn_layers=("local", "lsh"),
+  axial_pos_shape=(4, 16),
+  axial_pos_dims=(6, 10),
+  max_len=64,
+  n_buckets=4,
+  n_hashes=2,
+  lsh_chunk_length=8,
+  local_chunk_length=8,
+)
 
 
 def test_recomputed_gradients_equal_autodiff_and_chunked_ff_changes_nothing():
@@ -25,8 +36,9 @@ def test_recomputed_gradients_equal_autodiff_and_chunked_ff_changes_nothing():
   mask = jnp.asarray(np.arange(64)[None] < np.array([[64], [45]]))
 
   def loss(params, recompute, config=config):
-    logits = models.apply(config, params, tokens, mask, dropout_rng=jax.random.key(3),
-                          recompute=recompute)
+    logits = models.apply(
+      config, params, tokens, mask, dropout_rng=jax.random.key(3), recompute=recompute
+    )
     return ops.cross_entropy(logits[:, :-1], tokens[:, 1:], mask=mask[:, 1:])[0]
 
   grad = jax.jit(jax.grad(loss), static_argnums=1)
@@ -38,18 +50,23 @@ def test_recomputed_gradients_equal_autodiff_and_chunked_ff_changes_nothing():
   np.testing.assert_array_equal(np.asarray(got["lsh_rotations"].get_value()), 0.0)
   # The feed-forward 16 positions at a time (no dropout: its masks are drawn per chunk).
   chunked = dataclasses.replace(CONFIG, ff_chunk=16)
-  np.testing.assert_allclose(np.asarray(models.apply(chunked, params, tokens, mask)),
-                             np.asarray(models.apply(CONFIG, params, tokens, mask)),
-                             atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(
+    np.asarray(models.apply(chunked, params, tokens, mask)),
+    np.asarray(models.apply(CONFIG, params, tokens, mask)),
+    atol=1e-5,
+    rtol=1e-5,
+  )
 
 
 def test_causal_and_it_learns():
   params = models.init(CONFIG, jax.random.key(1))
   tokens = jnp.asarray(np.random.default_rng(1).integers(0, 32, (1, 64)))
   # Position 40's logits do not depend on later tokens' embeddings.
-  jac = jax.grad(lambda e: models.apply(
-      CONFIG, nnx.merge_state(params, nnx.State({"embed": {"embedding": nnx.Param(e)}})),
-      tokens)[0, 40].sum())(params["embed"]["embedding"].get_value())
+  jac = jax.grad(
+    lambda e: models.apply(
+      CONFIG, nnx.merge_state(params, nnx.State({"embed": {"embedding": nnx.Param(e)}})), tokens
+    )[0, 40].sum()
+  )(params["embed"]["embedding"].get_value())
   later = np.unique(np.asarray(tokens[0, 41:]))
   earlier = np.unique(np.asarray(tokens[0, :41]))
   only_later = np.setdiff1d(later, earlier)
@@ -65,6 +82,7 @@ def test_causal_and_it_learns():
     def loss(p):
       logits = models.apply(CONFIG, p, batch)
       return ops.cross_entropy(logits[:, 32:-1], batch[:, 33:])[0]
+
     value, g = jax.value_and_grad(loss)(p)
     u, s = opt.update(g, s, p)
     return optax.apply_updates(p, u), s, value

@@ -13,7 +13,17 @@ from jax.ad_checkpoint import print_saved_residuals
 
 from transformer_jax.backends.cpu import matmul
 from transformer_jax.ops import (
-    dropout, gated, geglu, gelu, gelu_tanh, get_activation, packed_activation, relu, silu, swiglu)
+  dropout,
+  gated,
+  geglu,
+  gelu,
+  gelu_tanh,
+  get_activation,
+  packed_activation,
+  relu,
+  silu,
+  swiglu,
+)
 from tests.backends import only_on
 
 X = np.linspace(-6.0, 6.0, 241)
@@ -31,7 +41,7 @@ def gelu_ref(x):
 
 def gelu_tanh_ref(x):
   x = np.asarray(x, np.float64)
-  return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
+  return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
 
 
 def silu_ref(x):
@@ -63,8 +73,9 @@ def test_activation_keeps_bf16_dtype(name):
   x = jnp.asarray(X, jnp.bfloat16)
   got = FUNCS[name](x)
   assert got.dtype == jnp.bfloat16
-  np.testing.assert_allclose(np.asarray(got, np.float32), REFS[name](np.asarray(x, np.float32)),
-                             atol=2e-2, rtol=2e-2)
+  np.testing.assert_allclose(
+    np.asarray(got, np.float32), REFS[name](np.asarray(x, np.float32)), atol=2e-2, rtol=2e-2
+  )
 
 
 @pytest.mark.parametrize("name", sorted(REFS))
@@ -84,28 +95,36 @@ def test_get_activation_unknown_name_lists_names():
 
 def gate_up(seed):
   rng = np.random.default_rng(seed)
-  return (jnp.asarray(3 * rng.standard_normal((2, 3, 8)), jnp.float32),
-          jnp.asarray(rng.standard_normal((2, 3, 8)), jnp.float32))
+  return (
+    jnp.asarray(3 * rng.standard_normal((2, 3, 8)), jnp.float32),
+    jnp.asarray(rng.standard_normal((2, 3, 8)), jnp.float32),
+  )
 
 
 def test_swiglu_is_silu_gate_times_up():
   gate, up = gate_up(0)
-  np.testing.assert_allclose(swiglu(gate, up), silu_ref(gate) * np.asarray(up, np.float64),
-                             atol=1e-6, rtol=1e-5)
+  np.testing.assert_allclose(
+    swiglu(gate, up), silu_ref(gate) * np.asarray(up, np.float64), atol=1e-6, rtol=1e-5
+  )
 
 
 @pytest.mark.parametrize("approximate", [False, True])
 def test_geglu_is_gelu_gate_times_up(approximate):
   gate, up = gate_up(1)
   act = gelu_tanh_ref if approximate else gelu_ref
-  np.testing.assert_allclose(geglu(gate, up, approximate=approximate),
-                             act(gate) * np.asarray(up, np.float64), atol=1e-6, rtol=1e-5)
+  np.testing.assert_allclose(
+    geglu(gate, up, approximate=approximate),
+    act(gate) * np.asarray(up, np.float64),
+    atol=1e-6,
+    rtol=1e-5,
+  )
 
 
 def test_gated_relu_is_reglu():
   gate, up = gate_up(2)
-  np.testing.assert_allclose(gated("relu", gate, up), relu_ref(gate) * np.asarray(up, np.float64),
-                             atol=1e-6, rtol=1e-6)
+  np.testing.assert_allclose(
+    gated("relu", gate, up), relu_ref(gate) * np.asarray(up, np.float64), atol=1e-6, rtol=1e-6
+  )
 
 
 def test_gated_unknown_activation_raises():
@@ -182,9 +201,10 @@ def test_packed_activation_has_the_rules_values_and_gradients(name, dtype):
   against float64 NumPy (finite differences) through it too."""
   rng = np.random.default_rng(3)
   x, up, dy = (jnp.asarray(rng.standard_normal((4, 61)) * 3, dtype) for _ in range(3))
-  for f, g, args in ((FUNCS[name], lambda x: packed_activation(name, x), (x,)),
-                     (lambda x, u: gated(name, x, u), lambda x, u: packed_activation(name, x, u),
-                      (x, up))):
+  for f, g, args in (
+    (FUNCS[name], lambda x: packed_activation(name, x), (x,)),
+    (lambda x, u: gated(name, x, u), lambda x, u: packed_activation(name, x, u), (x, up)),
+  ):
     want, want_vjp = jax.vjp(f, *args)
     got, got_vjp = jax.vjp(g, *args)
     assert got.dtype == dtype
@@ -194,7 +214,8 @@ def test_packed_activation_has_the_rules_values_and_gradients(name, dtype):
       np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
   if name in SMOOTH:
     grad = jax.jit(jax.vmap(jax.grad(lambda x: packed_activation(name, x))))(
-        jnp.asarray(X, jnp.float32))
+      jnp.asarray(X, jnp.float32)
+    )
     np.testing.assert_allclose(grad, central_difference(REFS[name], X), atol=1e-5, rtol=1e-5)
   with pytest.raises(ValueError, match="unknown activation 'tanh'"):
     packed_activation("tanh", x)
@@ -208,14 +229,15 @@ def test_packed_activation_stacks_its_bf16_residual_in_place_in_a_scan():
   x = jnp.asarray(np.random.default_rng(1).standard_normal((16, 24)), jnp.bfloat16)
 
   def loss(act):
-    def layer(h, w):   # cpu.matmul.matmul saves its own input as bits ([3, 24, 16] stacked)
+    def layer(h, w):  # cpu.matmul.matmul saves its own input as bits ([3, 24, 16] stacked)
       return act(matmul.matmul(h, w, dtype=jnp.bfloat16)), None
+
     return lambda ws, x: jnp.sum(jax.lax.scan(layer, x, ws)[0].astype(jnp.float32) ** 2)
 
   packed = jax.jit(jax.grad(loss(lambda h: packed_activation("gelu_tanh", h)))).lower(ws, x)
   rule = jax.jit(jax.grad(loss(gelu_tanh))).lower(ws, x)
   hlo, rule_hlo = packed.compile().as_text(), rule.compile().as_text()
-  if jax.default_backend() == "cpu":   # the float32 update this avoids is XLA:CPU's
+  if jax.default_backend() == "cpu":  # the float32 update this avoids is XLA:CPU's
     assert re.search(r"f32\[3,16,24\]\{[^}]*\} dynamic-update-slice\(", rule_hlo)
   assert not re.search(r"f32\[3,16,24\]\{[^}]*\} dynamic-update-slice\(", hlo)
   assert re.search(r"u16\[3,16,24\]\{[^}]*\} dynamic-update-slice\(", hlo)

@@ -56,15 +56,17 @@ def make_qkv(seed, *, b=B, t=T, s=S, n=4, k=4, h=H, dtype=jnp.float32):
 # Tests call the jitted op (one compilation per test instead of one per primitive);
 # test_jit_matches_eager_with_all_options checks the eager path against it.
 attn = jax.jit(
-    dot_product_attention, static_argnames=("causal", "scale", "dropout_rate", "return_weights"))
+  dot_product_attention, static_argnames=("causal", "scale", "dropout_rate", "return_weights")
+)
 
 
 # --------------------------------------------------------------------------------------------------
 # Values against the reference.
 
 
-@pytest.mark.parametrize("n,k", [(4, 4), (4, 1), (6, 2), (8, 2)],
-                         ids=["mha", "mqa", "gqa6_2", "gqa8_2"])
+@pytest.mark.parametrize(
+  "n,k", [(4, 4), (4, 1), (6, 2), (8, 2)], ids=["mha", "mqa", "gqa6_2", "gqa8_2"]
+)
 def test_output_matches_reference_for_head_layout(n, k):
   q, kk, v = make_qkv(0, n=n, k=k)
   out = attn(q, kk, v)
@@ -78,13 +80,13 @@ def test_output_matches_reference_for_head_layout(n, k):
 def test_gqa_matches_repeated_kv(n, k):
   q, kk, v = make_qkv(1, n=n, k=k)
   got = attn(q, kk, v, causal=True)
-  want = attn(
-      q, jnp.repeat(kk, n // k, axis=2), jnp.repeat(v, n // k, axis=2), causal=True)
+  want = attn(q, jnp.repeat(kk, n // k, axis=2), jnp.repeat(v, n // k, axis=2), causal=True)
   np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("mask_shape", [(B, 1, T, S), (1, 1, T, S), (B, 6, T, S), (B, 1, 1, S),
-                                        (1, 6, 1, 1)])
+@pytest.mark.parametrize(
+  "mask_shape", [(B, 1, T, S), (1, 1, T, S), (B, 6, T, S), (B, 1, 1, S), (1, 6, 1, 1)]
+)
 def test_boolean_mask_matches_reference_for_broadcast_shape(mask_shape):
   q, kk, v = make_qkv(2, n=6, k=2)
   mask = np.random.default_rng(3).random(mask_shape) < 0.6
@@ -123,14 +125,13 @@ def test_causal_aligns_queries_to_end_of_keys(t, s):
   np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
   w = np.asarray(w)
   for i in range(t):
-    assert np.all(w[..., i, s - t + i + 1:] == 0.0), f"query {i} sees a future key"
+    assert np.all(w[..., i, s - t + i + 1 :] == 0.0), f"query {i} sees a future key"
     assert np.all(w[..., i, : s - t + i + 1] > 0.0), f"query {i} misses a past key"
 
 
 def test_causal_single_query_equals_unmasked_attention():
   q, kk, v = make_qkv(9, t=1, s=S)
-  np.testing.assert_allclose(
-      attn(q, kk, v, causal=True), attn(q, kk, v), atol=1e-6)
+  np.testing.assert_allclose(attn(q, kk, v, causal=True), attn(q, kk, v), atol=1e-6)
 
 
 def test_causal_output_independent_of_future_keys_via_gradient():
@@ -140,8 +141,8 @@ def test_causal_output_independent_of_future_keys_via_gradient():
   vjp = jax.jit(vjp)
   for i in range(6):
     gk, gv = vjp(jnp.zeros_like(out).at[:, i].set(1.0))
-    assert np.all(np.asarray(gk)[:, i + 1:] == 0.0)
-    assert np.all(np.asarray(gv)[:, i + 1:] == 0.0)
+    assert np.all(np.asarray(gk)[:, i + 1 :] == 0.0)
+    assert np.all(np.asarray(gv)[:, i + 1 :] == 0.0)
     assert np.all(np.any(np.asarray(gv)[:, : i + 1] != 0.0, axis=(2, 3)))
 
 
@@ -262,10 +263,13 @@ def _grads_f64(q, kk, v, bias, mask, w, causal):
   """Output and gradients of ``sum(out * w)`` in float64, by differentiating the forward formulas
   (the ``return_weights`` path)."""
   with jax.enable_x64(True):
+
     def loss(q_, k_, v_, b_):
-      out = dot_product_attention(q_, k_, v_, bias=b_, mask=mask, causal=causal,
-                                  implementation="xla", return_weights=True)[0]
+      out = dot_product_attention(
+        q_, k_, v_, bias=b_, mask=mask, causal=causal, implementation="xla", return_weights=True
+      )[0]
       return jnp.sum(out * jnp.asarray(w, jnp.float64)), out
+
     args = [jnp.asarray(np.asarray(a, np.float64)) for a in (q, kk, v, bias)]
     (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(*args)
     return np.asarray(out), [np.asarray(g) for g in grads]
@@ -350,17 +354,17 @@ def test_attention_dropout_rate_zero_equals_no_dropout():
   q, kk, v = make_qkv(29, n=4, k=2)
   plain = attn(q, kk, v, causal=True)
   np.testing.assert_array_equal(
-      attn(q, kk, v, causal=True, dropout_rate=0.0, dropout_rng=jax.random.key(3)),
-      plain)
+    attn(q, kk, v, causal=True, dropout_rate=0.0, dropout_rng=jax.random.key(3)), plain
+  )
   np.testing.assert_array_equal(  # no key: dropout disabled
-      attn(q, kk, v, causal=True, dropout_rate=0.5, dropout_rng=None), plain)
+    attn(q, kk, v, causal=True, dropout_rate=0.5, dropout_rng=None), plain
+  )
 
 
 def test_attention_dropout_preserves_mean_output():
   q, kk, v = make_qkv(30, b=1, t=2, s=4, n=2, k=2, h=4)
   keys = jax.random.split(jax.random.key(4), 4000)
-  outs = jax.vmap(
-      lambda key: attn(q, kk, v, dropout_rate=0.3, dropout_rng=key))(keys)
+  outs = jax.vmap(lambda key: attn(q, kk, v, dropout_rate=0.3, dropout_rng=key))(keys)
   ref, _ = attention_ref(q, kk, v)
   np.testing.assert_allclose(np.asarray(outs).mean(0), ref, atol=0.06)
 
@@ -370,8 +374,7 @@ def test_attention_dropout_zeroes_about_rate_of_weights():
   t = s = 16
   q, kk, _ = make_qkv(31, b=2, t=t, s=s, n=4, k=4, h=s)
   v = jnp.broadcast_to(jnp.eye(s)[None, :, None, :], (2, s, 4, s))
-  out, w = attn(
-      q, kk, v, dropout_rate=0.25, dropout_rng=jax.random.key(5), return_weights=True)
+  out, w = attn(q, kk, v, dropout_rate=0.25, dropout_rng=jax.random.key(5), return_weights=True)
   dropped = np.transpose(np.asarray(out), (0, 2, 1, 3))  # [B, N, T, S]
   w = np.asarray(w)
   zero_frac = np.mean(dropped == 0.0)
@@ -391,8 +394,9 @@ def test_jit_matches_eager_with_all_options():
   kwargs = dict(mask=mask, bias=bias, causal=True, scale=0.4, return_weights=True)
   eager = dot_product_attention(q, kk, v, **kwargs)
   jitted = attn(q, kk, v, **kwargs)
-  ref = attention_ref(q, kk, v, mask=np.asarray(mask), bias=np.asarray(bias), causal=True,
-                      scale=0.4)
+  ref = attention_ref(
+    q, kk, v, mask=np.asarray(mask), bias=np.asarray(bias), causal=True, scale=0.4
+  )
   for e, j, r in zip(eager, jitted, ref):
     np.testing.assert_allclose(e, j, atol=1e-6, rtol=1e-6)
     np.testing.assert_allclose(e, r, atol=1e-5, rtol=1e-5)
@@ -405,8 +409,10 @@ def test_vmap_over_extra_axis_equals_loop():
   kk = jnp.asarray(rng.standard_normal((e, B, S, 2, H)), jnp.float32)
   v = jnp.asarray(rng.standard_normal((e, B, S, 2, H)), jnp.float32)
   mask = jnp.asarray(rng.random((e, B, 1, T, S)) < 0.7)
+
   def f(q_, k_, v_, m_):
     return attn(q_, k_, v_, mask=m_, causal=True)
+
   batched = jax.jit(jax.vmap(f))(q, kk, v, mask)
   for i in range(e):
     np.testing.assert_allclose(batched[i], f(q[i], kk[i], v[i], mask[i]), atol=1e-6, rtol=1e-6)
@@ -430,15 +436,23 @@ def test_gradients_with_mask_bias_and_gqa_match_numerical():
     bias = jnp.asarray(np.random.default_rng(41).standard_normal((1, 4, 3, 5)))
     mask = np.random.default_rng(42).random((2, 1, 3, 5)) > 0.3
     mask[:, :, :, 0] = True
-    mask[1, 0, 2] = False                     # row (1, 2) sees no key
-    f = jax.jit(lambda q_, k_, v_, b_: dot_product_attention(q_, k_, v_, bias=b_,
-                                                             mask=jnp.asarray(mask)))
+    mask[1, 0, 2] = False  # row (1, 2) sees no key
+    f = jax.jit(
+      lambda q_, k_, v_, b_: dot_product_attention(q_, k_, v_, bias=b_, mask=jnp.asarray(mask))
+    )
     check_grads(f, (q, kk, v, bias), order=1, modes=["rev"], atol=1e-5, rtol=1e-5, eps=1e-5)
     # And against differentiating the forward formulas (the path that returns the weights).
     g = jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), argnums=(0, 1, 2, 3))(q, kk, v, bias)
-    ref = jax.grad(lambda q_, k_, v_, b_: jnp.sum(jnp.sin(dot_product_attention(
-        q_, k_, v_, bias=b_, mask=jnp.asarray(mask), implementation="xla",
-        return_weights=True)[0])), argnums=(0, 1, 2, 3))(q, kk, v, bias)
+    ref = jax.grad(
+      lambda q_, k_, v_, b_: jnp.sum(
+        jnp.sin(
+          dot_product_attention(
+            q_, k_, v_, bias=b_, mask=jnp.asarray(mask), implementation="xla", return_weights=True
+          )[0]
+        )
+      ),
+      argnums=(0, 1, 2, 3),
+    )(q, kk, v, bias)
     for a, b in zip(g, ref):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
@@ -447,10 +461,13 @@ def test_gradients_match_reference_gradients():
   # Analytic gradient of the op vs finite differences of the float64 NumPy reference.
   q, kk, v = make_qkv(37, b=1, t=3, s=4, n=2, k=1, h=4)
   w = np.random.default_rng(38).standard_normal((1, 3, 2, 4))
-  gq = np.asarray(jax.jit(jax.grad(
-      lambda q_: jnp.sum(dot_product_attention(q_, kk, v, causal=True) * w)))(q))
+  gq = np.asarray(
+    jax.jit(jax.grad(lambda q_: jnp.sum(dot_product_attention(q_, kk, v, causal=True) * w)))(q)
+  )
+
   def ref_loss(q_):
     return np.sum(attention_ref(q_, kk, v, causal=True)[0] * w)
+
   q64 = np.asarray(q, np.float64)
   num = np.zeros_like(q64)
   eps = 1e-6
@@ -467,7 +484,16 @@ def test_attention_works_under_strict_rank_promotion():
   q, kk, v = make_qkv(39, n=4, k=2)
   mask = padding_mask(jnp.ones((B, S), bool))
   with jax.numpy_rank_promotion("raise"):
-    out = jax.eval_shape(lambda: dot_product_attention(
-        q, kk, v, mask=mask, bias=alibi_bias(4, T, S), causal=True, dropout_rate=0.1,
-        dropout_rng=jax.random.key(0)))
+    out = jax.eval_shape(
+      lambda: dot_product_attention(
+        q,
+        kk,
+        v,
+        mask=mask,
+        bias=alibi_bias(4, T, S),
+        causal=True,
+        dropout_rate=0.1,
+        dropout_rng=jax.random.key(0),
+      )
+    )
   assert out.shape == q.shape

@@ -54,8 +54,9 @@ def reference(q, k, v, do, *, valid, bias=None, keep=None, rate=0.0, scale=None)
   return out, dq, dk, dv, ds
 
 
-def valid_mask(b, t, s, *, causal=False, window=None, kv_valid=None, q_seg=None, kv_seg=None,
-               q_pos=None):
+def valid_mask(
+  b, t, s, *, causal=False, window=None, kv_valid=None, q_seg=None, kv_seg=None, q_pos=None
+):
   """``[B, 1, T, S]`` bool from the parts, by loops over positions."""
   q_pos = np.broadcast_to(np.arange(t) + s - t if q_pos is None else np.asarray(q_pos), (b, t))
   valid = np.ones((b, 1, t, s), bool)
@@ -72,20 +73,38 @@ def valid_mask(b, t, s, *, causal=False, window=None, kv_valid=None, q_seg=None,
 
 def inputs(seed, *, b=2, t=37, s=37, n=4, kh=2, h=8, dtype=jnp.float32):
   r = np.random.default_rng(seed)
-  arrs = (r.standard_normal((b, t, n, h)), r.standard_normal((b, s, kh, h)),
-          r.standard_normal((b, s, kh, h)), r.standard_normal((b, t, n, h)))
+  arrs = (
+    r.standard_normal((b, t, n, h)),
+    r.standard_normal((b, s, kh, h)),
+    r.standard_normal((b, s, kh, h)),
+    r.standard_normal((b, t, n, h)),
+  )
   return tuple(jnp.asarray(a, dtype) for a in arrs)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "window", "bias_fn", "rate"))
-def chunked_value_and_grads(q, k, v, do, params, kw, *, causal=False, window=None, bias_fn=None,
-                            rate=0.0):
+def chunked_value_and_grads(
+  q, k, v, do, params, kw, *, causal=False, window=None, bias_fn=None, rate=0.0
+):
   """``out`` and the gradients of ``sum(out * do)`` wrt q, k, v and the bias parameters."""
+
   def loss(q, k, v, params):
     out = ops.dot_product_attention(
-        q, k, v, causal=causal, window=window, bias_fn=bias_fn, bias_params=params,
-        implementation="chunked", block_q=BQ, block_k=BK, dropout_rate=rate, **kw)
+      q,
+      k,
+      v,
+      causal=causal,
+      window=window,
+      bias_fn=bias_fn,
+      bias_params=params,
+      implementation="chunked",
+      block_q=BQ,
+      block_k=BK,
+      dropout_rate=rate,
+      **kw,
+    )
     return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32)), out
+
   grads, out = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, params)
   return out, grads
 
@@ -97,16 +116,43 @@ def assert_close(actual, expected, tol=TOL, name=""):
   assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.0e}"
 
 
-def check(q, k, v, do, *, causal=False, window=None, kv_valid=None, q_seg=None, kv_seg=None,
-          q_pos=None, tol=TOL):
+def check(
+  q,
+  k,
+  v,
+  do,
+  *,
+  causal=False,
+  window=None,
+  kv_valid=None,
+  q_seg=None,
+  kv_seg=None,
+  q_pos=None,
+  tol=TOL,
+):
   b, t, _, _ = q.shape
   s = k.shape[1]
-  kw = {k_: x for k_, x in dict(kv_valid=kv_valid, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-                                q_positions=q_pos).items() if x is not None}
-  out, (dq, dk, dv, _) = chunked_value_and_grads(q, k, v, do, None, kw, causal=causal,
-                                                 window=window)
-  valid = valid_mask(b, t, s, causal=causal, window=window, kv_valid=kv_valid, q_seg=q_seg,
-                     kv_seg=kv_seg, q_pos=q_pos)
+  kw = {
+    k_: x
+    for k_, x in dict(
+      kv_valid=kv_valid, q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_positions=q_pos
+    ).items()
+    if x is not None
+  }
+  out, (dq, dk, dv, _) = chunked_value_and_grads(
+    q, k, v, do, None, kw, causal=causal, window=window
+  )
+  valid = valid_mask(
+    b,
+    t,
+    s,
+    causal=causal,
+    window=window,
+    kv_valid=kv_valid,
+    q_seg=q_seg,
+    kv_seg=kv_seg,
+    q_pos=q_pos,
+  )
   ref = reference(q, k, v, do, valid=valid)
   for name, a, e in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), ref):
     assert_close(a, e, tol, name)
@@ -172,15 +218,19 @@ def test_biases_and_their_parameter_gradients(bias_kind, causal):
   elif bias_kind == "t5":
     bias_fn = ops.RelativeBias(num_buckets=8, max_distance=20, bidirectional=not causal)
     params = jnp.asarray(np.random.default_rng(9).standard_normal((8, n)), jnp.float32)
-    buckets = np.asarray(ops.relative_position_bucket(
-        jnp.asarray(rel), bidirectional=not causal, num_buckets=8, max_distance=20))
+    buckets = np.asarray(
+      ops.relative_position_bucket(
+        jnp.asarray(rel), bidirectional=not causal, num_buckets=8, max_distance=20
+      )
+    )
     bias = np.asarray(params, np.float64)[buckets].transpose(2, 0, 1)  # [N, T, S]
   else:
     bias_fn, params = None, None
     bias = np.random.default_rng(10).standard_normal((n, t, s))
     kw = {"bias": jnp.asarray(bias[None], jnp.float32)}
   out, (dq, dk, dv, dparams) = chunked_value_and_grads(
-      q, k, v, do, params, kw, causal=causal, bias_fn=bias_fn)
+    q, k, v, do, params, kw, causal=causal, bias_fn=bias_fn
+  )
   valid = valid_mask(b, t, s, causal=causal)
   ref = reference(q, k, v, do, valid=valid, bias=bias[None])
   for name, a, e in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), ref):
@@ -193,9 +243,16 @@ def test_biases_and_their_parameter_gradients(bias_kind, causal):
     np.add.at(dtable, buckets, ds.transpose(1, 2, 0))
     assert_close(dparams, dtable, name="dtable")
   else:
-    dbias = jax.jit(jax.grad(lambda bias: jnp.sum(ops.dot_product_attention(
-        q, k, v, bias=bias, causal=causal, implementation="chunked", block_q=BQ,
-        block_k=BK) * do)))(kw["bias"])
+    dbias = jax.jit(
+      jax.grad(
+        lambda bias: jnp.sum(
+          ops.dot_product_attention(
+            q, k, v, bias=bias, causal=causal, implementation="chunked", block_q=BQ, block_k=BK
+          )
+          * do
+        )
+      )
+    )(kw["bias"])
     assert_close(dbias[0], ds, name="dbias")
 
 
@@ -209,8 +266,7 @@ def test_bfloat16_inputs_accumulate_in_float32():
 def test_dense_mask_and_parts_are_anded():
   q, k, v, do = inputs(12)
   mask = np.random.default_rng(12).random((2, 1, 37, 37)) > 0.3
-  out, grads = chunked_value_and_grads(q, k, v, do, None, {"mask": jnp.asarray(mask)},
-                                       causal=True)
+  out, grads = chunked_value_and_grads(q, k, v, do, None, {"mask": jnp.asarray(mask)}, causal=True)
   ref = reference(q, k, v, do, valid=mask & valid_mask(2, 37, 37, causal=True))
   for name, a, e in zip(("out", "dq", "dk", "dv"), (out, *grads[:3]), ref):
     assert_close(a, e, name=name)
@@ -220,9 +276,12 @@ def dropout_keep(rng, rate, b, n, t, s):
   """The kernel's dropout mask, assembled from its per-block draws (fold_in(rng, qi), ki). The
   block sizes are BQ and BK: the lengths used (37) split into blocks of exactly those sizes."""
   nq, nk = -(-t // BQ), -(-s // BK)
+
   def draw(qi, ki):
     return jax.random.bernoulli(
-        jax.random.fold_in(jax.random.fold_in(rng, qi), ki), 1.0 - rate, (b, n, BQ, BK))
+      jax.random.fold_in(jax.random.fold_in(rng, qi), ki), 1.0 - rate, (b, n, BQ, BK)
+    )
+
   blocks = jax.jit(jax.vmap(jax.vmap(draw, (None, 0)), (0, None)))(jnp.arange(nq), jnp.arange(nk))
   keep = np.asarray(blocks).transpose(2, 3, 0, 4, 1, 5).reshape(b, n, nq * BQ, nk * BK)
   return keep[:, :, :t, :s]
@@ -231,13 +290,16 @@ def dropout_keep(rng, rate, b, n, t, s):
 def test_dropout_is_deterministic_and_matches_its_mask():
   q, k, v, do = inputs(13)
   rng, rate = jax.random.key(0), 0.3
-  out, grads = chunked_value_and_grads(q, k, v, do, None, {"dropout_rng": rng}, causal=True,
-                                       rate=rate)
-  again, _ = chunked_value_and_grads(q, k, v, do, None, {"dropout_rng": rng}, causal=True,
-                                     rate=rate)
+  out, grads = chunked_value_and_grads(
+    q, k, v, do, None, {"dropout_rng": rng}, causal=True, rate=rate
+  )
+  again, _ = chunked_value_and_grads(
+    q, k, v, do, None, {"dropout_rng": rng}, causal=True, rate=rate
+  )
   np.testing.assert_array_equal(np.asarray(out), np.asarray(again))
-  other, _ = chunked_value_and_grads(q, k, v, do, None, {"dropout_rng": jax.random.key(1)},
-                                     causal=True, rate=rate)
+  other, _ = chunked_value_and_grads(
+    q, k, v, do, None, {"dropout_rng": jax.random.key(1)}, causal=True, rate=rate
+  )
   assert not np.allclose(np.asarray(out), np.asarray(other))
   keep = dropout_keep(rng, rate, 2, 4, 37, 37)
   ref = reference(q, k, v, do, valid=valid_mask(2, 37, 37, causal=True), keep=keep, rate=rate)
@@ -247,9 +309,21 @@ def test_dropout_is_deterministic_and_matches_its_mask():
 
 def test_dropout_mean_is_the_output_without_dropout():
   q, k, v, _ = inputs(14, b=1, t=9, s=9, n=2, kh=1)
-  attend = jax.jit(jax.vmap(lambda key: ops.dot_product_attention(
-      q, k, v, causal=True, dropout_rate=0.5, dropout_rng=key, implementation="chunked",
-      block_q=4, block_k=4)))
+  attend = jax.jit(
+    jax.vmap(
+      lambda key: ops.dot_product_attention(
+        q,
+        k,
+        v,
+        causal=True,
+        dropout_rate=0.5,
+        dropout_rng=key,
+        implementation="chunked",
+        block_q=4,
+        block_k=4,
+      )
+    )
+  )
   outs = attend(jax.random.split(jax.random.key(2), 4000))
   plain = ops.dot_product_attention(q, k, v, causal=True, implementation="xla")
   # Inverted dropout is unbiased: each entry's mean over the draws is within a few of its standard
@@ -268,12 +342,19 @@ def test_default_blocks_are_the_large_ones():
   expected = (chunked.DEFAULT_BLOCK_Q, chunked.DEFAULT_BLOCK_K)
   assert chunked.default_block_sizes() == expected
   q, k, v, _ = inputs(17, b=1, t=600, s=600, n=2, kh=2, h=8)
-  attend = jax.jit(lambda q, k, v, **kw: ops.dot_product_attention(
-      q, k, v, causal=True, implementation="chunked", **kw), static_argnames=("block_q", "block_k"))
-  np.testing.assert_array_equal(np.asarray(attend(q, k, v)),
-                                np.asarray(attend(q, k, v, block_q=expected[0], block_k=expected[1])))
-  assert not np.array_equal(np.asarray(attend(q, k, v)),
-                            np.asarray(attend(q, k, v, block_q=128, block_k=128)))
+  attend = jax.jit(
+    lambda q, k, v, **kw: ops.dot_product_attention(
+      q, k, v, causal=True, implementation="chunked", **kw
+    ),
+    static_argnames=("block_q", "block_k"),
+  )
+  np.testing.assert_array_equal(
+    np.asarray(attend(q, k, v)),
+    np.asarray(attend(q, k, v, block_q=expected[0], block_k=expected[1])),
+  )
+  assert not np.array_equal(
+    np.asarray(attend(q, k, v)), np.asarray(attend(q, k, v, block_q=128, block_k=128))
+  )
 
 
 def test_clear_errors():

@@ -27,11 +27,12 @@ def reference(x_ND, w_VD, labels_N, weights_N, eps=0.0, z=0.0):
   probs = np.exp(logits - lse[:, None])
   onehot = np.eye(v)[labels]
   label_logit = logits[np.arange(len(labels)), labels]
-  nll = (1 - eps) * (lse - label_logit) + eps * (lse - logits.mean(-1)) + z * lse ** 2
+  nll = (1 - eps) * (lse - label_logit) + eps * (lse - logits.mean(-1)) + z * lse**2
   loss = (weights * nll).sum()
   correct = (weights * (label_logit >= m)).sum()
-  dlogits = weights[:, None] * ((1 - eps) * (probs - onehot) + eps * (probs - 1.0 / v)
-                                + 2 * z * lse[:, None] * probs)
+  dlogits = weights[:, None] * (
+    (1 - eps) * (probs - onehot) + eps * (probs - 1.0 / v) + 2 * z * lse[:, None] * probs
+  )
   return loss, correct, dlogits @ w, dlogits.T @ x
 
 
@@ -47,18 +48,20 @@ def data(seed, n=N, d=D, v=V):
 
 def loss_and_grads(x, w, labels, weights, **kw):
   """``((loss_sum, correct_sum), (dx, dw))`` of ``linear_cross_entropy``, jitted."""
+
   def run(x, w):
     (loss, correct), vjp = jax.vjp(
-        lambda x, w: linear_cross_entropy(x, w, labels, weights, **kw), x, w)
+      lambda x, w: linear_cross_entropy(x, w, labels, weights, **kw), x, w
+    )
     return (loss, correct), vjp((jnp.ones((), jnp.float32), jnp.zeros((), jnp.float32)))
+
   return jax.jit(run)(x, w)
 
 
 def assert_close(actual, expected, rtol=1e-5):
   expected = np.asarray(expected, np.float64)
   scale = max(float(np.max(np.abs(expected))), 1e-30)
-  np.testing.assert_allclose(np.asarray(actual, np.float64), expected, rtol=rtol,
-                             atol=rtol * scale)
+  np.testing.assert_allclose(np.asarray(actual, np.float64), expected, rtol=rtol, atol=rtol * scale)
 
 
 @pytest.mark.parametrize("w_layout", ["VD", "DV"])
@@ -69,8 +72,8 @@ def test_matches_float64_reference(w_layout, chunk_size, eps, z):
   x, w_VD, labels, weights = data(0)
   w = w_VD if w_layout == "VD" else w_VD.T
   (loss, correct), (dx, dw) = loss_and_grads(
-      x, w, labels, weights, w_layout=w_layout, label_smoothing=eps, z_loss=z,
-      chunk_size=chunk_size)
+    x, w, labels, weights, w_layout=w_layout, label_smoothing=eps, z_loss=z, chunk_size=chunk_size
+  )
   ref_loss, ref_correct, ref_dx, ref_dw_VD = reference(x, w_VD, labels, weights, eps, z)
   assert loss.dtype == jnp.float32 and loss.shape == () and correct.dtype == jnp.float32
   assert dx.dtype == x.dtype and dx.shape == x.shape and dw.dtype == w.dtype and dw.shape == w.shape
@@ -84,8 +87,10 @@ def test_default_weights_and_cotangent_scaling():
   """No weights means all ones; the backward scales the saved gradients by the cotangent."""
   x, w, labels, _ = data(1)
   ref_loss, _, ref_dx, ref_dw = reference(x, w, labels, np.ones(N))
+
   def fn(x, w):
     return 0.25 * linear_cross_entropy(x, w, labels, chunk_size=5)[0]
+
   loss, (dx, dw) = jax.value_and_grad(fn, argnums=(0, 1))(x, w)
   assert_close(loss, 0.25 * ref_loss)
   assert_close(dx, 0.25 * ref_dx)
@@ -104,8 +109,8 @@ def test_equals_cross_entropy_on_explicit_logits(w_layout):
     return loss * count
 
   def fused(x, w):
-    return linear_cross_entropy(x, w, labels, weights, w_layout=w_layout,
-                                              chunk_size=6, **kw)[0]
+    return linear_cross_entropy(x, w, labels, weights, w_layout=w_layout, chunk_size=6, **kw)[0]
+
   want, want_grads = jax.value_and_grad(explicit, argnums=(0, 1))(x, w)
   got, got_grads = jax.value_and_grad(fused, argnums=(0, 1))(x, w)
   assert_close(got, want)
@@ -115,11 +120,15 @@ def test_equals_cross_entropy_on_explicit_logits(w_layout):
 
 def test_jit_matches_eager():
   x, w, labels, weights = data(3)
+
   def fn(x, w):
-    return linear_cross_entropy(x, w, labels, weights, label_smoothing=0.1, z_loss=1e-3,
-                                           chunk_size=4)
+    return linear_cross_entropy(
+      x, w, labels, weights, label_smoothing=0.1, z_loss=1e-3, chunk_size=4
+    )
+
   def loss_fn(x, w):
     return fn(x, w)[0]
+
   eager, jitted = fn(x, w), jax.jit(fn)(x, w)
   for a, b in zip(eager, jitted):
     np.testing.assert_allclose(a, b, rtol=1e-6)
@@ -151,7 +160,7 @@ def test_bfloat16_compute_dtype(w_layout):
 
 def test_out_of_range_labels_on_zero_weight_rows():
   x, w, labels, weights = data(5)
-  bad = labels.at[0].set(-1).at[1].set(V + 3).at[2].set(2 ** 30)
+  bad = labels.at[0].set(-1).at[1].set(V + 3).at[2].set(2**30)
   zero = weights.at[:3].set(0.0)
   (loss, correct), (dx, dw) = loss_and_grads(x, w, bad, zero, chunk_size=4)
   ref_loss, ref_correct, ref_dx, ref_dw = reference(x, w, labels, zero)
@@ -172,8 +181,10 @@ def test_labels_and_weights_get_no_gradient():
 def test_empty_batch():
   x, w, _, _ = data(7, n=0)
   labels = jnp.zeros((0,), jnp.int32)
+
   def fn(x, w):
     return linear_cross_entropy(x, w, labels)[0]
+
   loss, (dx, dw) = jax.value_and_grad(fn, argnums=(0, 1))(x, w)
   assert float(loss) == 0.0 and dx.shape == (0, D)
   np.testing.assert_array_equal(dw, 0.0)
@@ -197,8 +208,10 @@ def test_plain_forward_computes_no_gradients():
   """A non-differentiated call runs the primal alone: one product per chunk (the logits); the
   differentiated one three (logits, dx, dW)."""
   x, w, labels, weights = data(8)
+
   def fn(x, w):
     return linear_cross_entropy(x, w, labels, weights, chunk_size=4)[0]
+
   assert _count_dots(jax.make_jaxpr(fn)(x, w).jaxpr) == 1
   grad_jaxpr = jax.make_jaxpr(jax.grad(fn, argnums=(0, 1)))(x, w).jaxpr
   assert _count_dots(grad_jaxpr) == 3
@@ -209,8 +222,10 @@ def test_no_full_logits_buffer():
   the 512 MiB of float32 [N, V] logits."""
   n, d, v, chunk = 4096, 64, 32768, 512
   labels = jnp.zeros((n,), jnp.int32)
+
   def fn(x, w):
     return linear_cross_entropy(x, w, labels, chunk_size=chunk)[0]
+
   shapes = jax.ShapeDtypeStruct((n, d), jnp.float32), jax.ShapeDtypeStruct((v, d), jnp.float32)
   compiled = jax.jit(jax.grad(fn, argnums=(0, 1))).lower(*shapes).compile()
   stats = compiled.memory_analysis()
@@ -229,7 +244,9 @@ def test_default_chunk_size():
   assert default_chunk_size(0, 10) == 1
 
 
-@pytest.mark.parametrize("kwargs,match", [
+@pytest.mark.parametrize(
+  "kwargs,match",
+  [
     (dict(x_ND=jnp.zeros((2, 3, D))), "x_ND"),
     (dict(labels_N=jnp.zeros((N + 1,), jnp.int32)), "labels_N"),
     (dict(labels_N=jnp.zeros((N,), jnp.float32)), "labels_N"),
@@ -242,7 +259,8 @@ def test_default_chunk_size():
     (dict(label_smoothing=-0.1), "label_smoothing"),
     (dict(chunk_size=0), "chunk_size"),
     (dict(chunk_size=2.5), "chunk_size"),
-])
+  ],
+)
 def test_errors(kwargs, match):
   x, w, labels, weights = data(9)
   args = dict(x_ND=x, w=w, labels_N=labels, weights_N=weights)

@@ -16,7 +16,7 @@ def reference(q, k, v, *, causal=True, decay=None):
   ``j <= i`` (all ``j`` when not causal). Runs in whatever precision its inputs have."""
   b, t, n, h = q.shape
   g = n // k.shape[2]
-  phi = lambda x: jax.nn.elu(x) + 1.0   # noqa: E731
+  phi = lambda x: jax.nn.elu(x) + 1.0  # noqa: E731
   kk, vv = jnp.repeat(phi(k), g, axis=2), jnp.repeat(v, g, axis=2)
   w = jnp.einsum("bins,bjns->bnij", phi(q), kk)
   if causal:
@@ -40,6 +40,7 @@ def inputs(seed, b=2, t=37, n=4, kh=2, h=8, e=6):
 def value_and_grads(fn, q, k, v, w):
   def loss(q, k, v):
     return jnp.sum(fn(q, k, v) * w)
+
   return fn(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
 
@@ -48,10 +49,13 @@ def rel_err(got, want):
   return np.abs(got - want).max() / np.abs(want).max()
 
 
-CASES = [dict(causal=True, chunk_size=8), dict(causal=True, chunk_size=64),
-         dict(causal=True, chunk_size=5, decay=0.9),
-         dict(causal=True, chunk_size=8, decay=[0.99, 0.9, 0.8, 0.5]),
-         dict(causal=False, chunk_size=8)]
+CASES = [
+  dict(causal=True, chunk_size=8),
+  dict(causal=True, chunk_size=64),
+  dict(causal=True, chunk_size=5, decay=0.9),
+  dict(causal=True, chunk_size=8, decay=[0.99, 0.9, 0.8, 0.5]),
+  dict(causal=False, chunk_size=8),
+]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
@@ -78,25 +82,30 @@ def test_recurrence_equals_the_parallel_form_token_for_token(decay):
   state = la.zero_state(2, 4, 8, 6)
   step = jax.jit(lambda s, q, k, v: la.linear_attention_step(s, q, k, v, decay=decay))
   for i in range(20):
-    out, state = step(state, q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1])
-    np.testing.assert_allclose(np.asarray(out[:, 0]), np.asarray(parallel[:, i]), rtol=1e-5,
-                               atol=1e-6)
+    out, state = step(state, q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1])
+    np.testing.assert_allclose(
+      np.asarray(out[:, 0]), np.asarray(parallel[:, i]), rtol=1e-5, atol=1e-6
+    )
   np.testing.assert_allclose(np.asarray(state.s), np.asarray(final.s), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.asarray(state.z), np.asarray(final.z), rtol=1e-5, atol=1e-5)
   # A prefix's state carries the rest: two calls equal one.
-  head, mid = la.linear_attention(q[:, :13], k[:, :13], v[:, :13], chunk_size=4, decay=decay,
-                                  return_state=True)
-  tail = la.linear_attention(q[:, 13:], k[:, 13:], v[:, 13:], chunk_size=4, decay=decay,
-                             initial_state=mid)
-  np.testing.assert_allclose(np.asarray(jnp.concatenate([head, tail], 1)), np.asarray(parallel),
-                             rtol=1e-5, atol=1e-6)
+  head, mid = la.linear_attention(
+    q[:, :13], k[:, :13], v[:, :13], chunk_size=4, decay=decay, return_state=True
+  )
+  tail = la.linear_attention(
+    q[:, 13:], k[:, 13:], v[:, 13:], chunk_size=4, decay=decay, initial_state=mid
+  )
+  np.testing.assert_allclose(
+    np.asarray(jnp.concatenate([head, tail], 1)), np.asarray(parallel), rtol=1e-5, atol=1e-6
+  )
 
 
 def test_no_position_sees_a_later_one():
   q, k, v, _ = inputs(2, b=1, t=16)
-  jac = jax.jacrev(lambda k, v: la.linear_attention(q, k, v, chunk_size=4, decay=0.9),
-                   argnums=(0, 1))(k, v)
-  for d in jac:                       # [B, T, N, E, B, S, K, *]: output t against input s
+  jac = jax.jacrev(
+    lambda k, v: la.linear_attention(q, k, v, chunk_size=4, decay=0.9), argnums=(0, 1)
+  )(k, v)
+  for d in jac:  # [B, T, N, E, B, S, K, *]: output t against input s
     d = np.abs(np.asarray(d)).sum(axis=(0, 2, 3, 4, 6, 7))
     assert np.all(np.triu(d, 1) == 0) and np.all(np.diag(d) > 0)
 
@@ -131,13 +140,14 @@ def masked_reference(q, k, v, *, decay=None, valid=None, segments=None):
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   b, t, n, _ = q.shape
   g = n // k.shape[2]
-  phi = lambda x: np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))   # noqa: E731
+  phi = lambda x: np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))  # noqa: E731
   kk, vv = np.repeat(phi(k), g, axis=2), np.repeat(v, g, axis=2)
   valid = np.ones((b, t), bool) if valid is None else np.asarray(valid, bool)
   segments = np.zeros((b, t), np.int64) if segments is None else np.asarray(segments)
-  starts = np.concatenate([np.zeros((b, 1), int), np.cumsum(segments[:, 1:] != segments[:, :-1],
-                                                            axis=1)], axis=1)
-  count = np.cumsum(valid, axis=1)                                        # valid up to i
+  starts = np.concatenate(
+    [np.zeros((b, 1), int), np.cumsum(segments[:, 1:] != segments[:, :-1], axis=1)], axis=1
+  )
+  count = np.cumsum(valid, axis=1)  # valid up to i
   log_g = np.zeros(n) if decay is None else np.log(np.broadcast_to(np.asarray(decay, float), (n,)))
   # Query "T" is one past the end: the state.
   i = np.arange(t + 1)[:, None]
@@ -145,7 +155,7 @@ def masked_reference(q, k, v, *, decay=None, valid=None, segments=None):
   count_i = np.concatenate([count, count[:, -1:]], axis=1)
   starts_i = np.concatenate([starts, starts[:, -1:]], axis=1)
   same = (starts_i[:, :, None] == starts[:, None, :]) & (j <= i)[None] & valid[:, None, :]
-  gap = np.where(same, count_i[:, :, None] - count[:, None, :], 0)       # [B, T + 1, T]
+  gap = np.where(same, count_i[:, :, None] - count[:, None, :], 0)  # [B, T + 1, T]
   mask = same[:, None] * np.exp(log_g[None, :, None, None] * gap[:, None])  # [B, N, T + 1, T]
   w = np.einsum("bins,bjns->bnij", phi(q), kk) * mask[:, :, :t]
   out = np.einsum("bnij,bjne->bine", w, vv) / (w.sum(-1).transpose(0, 2, 1)[..., None] + la.EPS)
@@ -171,22 +181,25 @@ def test_the_padded_last_chunk_never_decays_the_state(decay):
   _close(state.z, z)
 
 
-@pytest.mark.parametrize("decay,t,lengths", [(0.5, 200, (2, 200)),
-                                             ([1 - 2.0**-5] * 4, 3000, (3, 40))])
+@pytest.mark.parametrize(
+  "decay,t,lengths", [(0.5, 200, (2, 200)), ([1 - 2.0**-5] * 4, 3000, (3, 40))]
+)
 def test_padding_positions_neither_add_nor_decay(decay, t, lengths):
   """Ragged rows (right padding) and a left-padded row in ``t`` columns: each row's outputs at
   its real positions and its state are those of its real tokens alone (RetNet's slowest decay
   over 2997 padding positions is exp(95): the state must never be decayed and multiplied back)."""
   q, k, v, _ = inputs(6, b=3, t=t)
   valid = np.zeros((3, t), bool)
-  valid[0, :lengths[0]] = valid[1, :lengths[1]] = True
-  valid[2, t - lengths[0]:] = True
-  out, state = la.linear_attention(q, k, v, chunk_size=64, decay=decay, return_state=True,
-                                   kv_valid=valid)
+  valid[0, : lengths[0]] = valid[1, : lengths[1]] = True
+  valid[2, t - lengths[0] :] = True
+  out, state = la.linear_attention(
+    q, k, v, chunk_size=64, decay=decay, return_state=True, kv_valid=valid
+  )
   for b in range(3):
     keep = valid[b]
-    want, s, z = masked_reference(q[b:b + 1, keep], k[b:b + 1, keep], v[b:b + 1, keep],
-                                  decay=decay)
+    want, s, z = masked_reference(
+      q[b : b + 1, keep], k[b : b + 1, keep], v[b : b + 1, keep], decay=decay
+    )
     _close(np.asarray(out)[b, keep], want[0])
     _close(state.s[b], s[0])
     _close(state.z[b], z[0])
@@ -207,10 +220,11 @@ def test_packed_documents_reset_the_state(decay):
   """``segment_ids``: each document sees only itself, as if alone, across chunk boundaries."""
   q, k, v, _ = inputs(8, b=2, t=30)
   segments = np.zeros((2, 30), np.int32)
-  segments[0, 7:], segments[0, 19:] = 1, 2       # documents of 7, 12 and 11 positions
-  segments[1, 29:] = 5                           # one of 29, then one of 1
-  out, state = la.linear_attention(q, k, v, chunk_size=8, decay=decay, return_state=True,
-                                   segment_ids=segments)
+  segments[0, 7:], segments[0, 19:] = 1, 2  # documents of 7, 12 and 11 positions
+  segments[1, 29:] = 5  # one of 29, then one of 1
+  out, state = la.linear_attention(
+    q, k, v, chunk_size=8, decay=decay, return_state=True, segment_ids=segments
+  )
   want, s, z = masked_reference(q, k, v, decay=decay, segments=segments)
   _close(out, want)
   _close(state.s, s)
@@ -222,12 +236,21 @@ def test_packed_documents_reset_the_state(decay):
 def test_padding_and_documents_together_match_the_reference():
   q, k, v, _ = inputs(9, b=2, t=21)
   valid = np.ones((2, 21), bool)
-  valid[0, :4] = valid[1, 15:] = False           # left padding; right padding
+  valid[0, :4] = valid[1, 15:] = False  # left padding; right padding
   segments = np.where(np.arange(21) < 10, 1, 2)[None].repeat(2, 0)
-  out, state = la.linear_attention(q, k, v, chunk_size=4, decay=[0.9, 0.5, 0.99, 0.7],
-                                   return_state=True, kv_valid=valid, segment_ids=segments)
-  want, s, z = masked_reference(q, k, v, decay=[0.9, 0.5, 0.99, 0.7], valid=valid,
-                                segments=segments)
+  out, state = la.linear_attention(
+    q,
+    k,
+    v,
+    chunk_size=4,
+    decay=[0.9, 0.5, 0.99, 0.7],
+    return_state=True,
+    kv_valid=valid,
+    segment_ids=segments,
+  )
+  want, s, z = masked_reference(
+    q, k, v, decay=[0.9, 0.5, 0.99, 0.7], valid=valid, segments=segments
+  )
   _close(np.asarray(out)[valid], want[valid])
   _close(state.s, s)
   _close(state.z, z)

@@ -38,8 +38,14 @@ def test_projections_padding_and_a_longer_table_match_numpy():
   r = np.random.default_rng(1)
   e, f = r.standard_normal((6, 32)) * 0.2, r.standard_normal((6, 32)) * 0.2
   kv_valid = np.arange(20)[None] < np.array([[20], [13]])
-  got = linformer_attention(q, k, v, jnp.asarray(e, jnp.float32), jnp.asarray(f, jnp.float32),
-                            kv_valid=jnp.asarray(kv_valid))
+  got = linformer_attention(
+    q,
+    k,
+    v,
+    jnp.asarray(e, jnp.float32),
+    jnp.asarray(f, jnp.float32),
+    kv_valid=jnp.asarray(kv_valid),
+  )
   assert_close(got, reference(q, k, v, e, f, kv_valid))
 
 

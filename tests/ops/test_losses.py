@@ -23,7 +23,7 @@ def cross_entropy_ref(logits, labels, mask=None, label_smoothing=0.0, z_loss=0.0
   log_probs = logits - lse[..., None]
   onehot = np.eye(v)[labels]
   target = (1.0 - label_smoothing) * onehot + label_smoothing / v
-  per_token = -(target * log_probs).sum(-1) + z_loss * lse ** 2
+  per_token = -(target * log_probs).sum(-1) + z_loss * lse**2
   w = np.ones(labels.shape) if mask is None else np.asarray(mask, np.float64)
   count = w.sum()
   loss = (per_token * w).sum() / count if count > 0 else 0.0
@@ -97,11 +97,13 @@ def test_cross_entropy_smoothing_and_z_loss_combine():
 
 def test_cross_entropy_all_masked_gives_zero_loss_and_count():
   logits, labels, _ = data(6)
-  loss, count = ce(logits, labels, mask=jnp.zeros(labels.shape, bool), label_smoothing=0.1,
-                   z_loss=1e-3)
+  loss, count = ce(
+    logits, labels, mask=jnp.zeros(labels.shape, bool), label_smoothing=0.1, z_loss=1e-3
+  )
   assert float(loss) == 0.0 and float(count) == 0.0
-  g = jax.jit(jax.grad(
-      lambda l_: cross_entropy(l_, labels, mask=jnp.zeros(labels.shape, bool))[0]))(logits)
+  g = jax.jit(
+    jax.grad(lambda l_: cross_entropy(l_, labels, mask=jnp.zeros(labels.shape, bool))[0])
+  )(logits)
   assert np.all(np.asarray(g) == 0.0)
 
 
@@ -136,11 +138,12 @@ def _grad_ref(logits, labels, mask, label_smoothing, z_loss):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_cross_entropy_gradient_matches_float64_with_every_term(dtype):
   logits, labels, mask = data(13, dtype=dtype)
-  g = jax.jit(jax.grad(lambda l_: cross_entropy(l_, labels, mask=mask, label_smoothing=0.1,
-                                                z_loss=1e-3)[0]))(logits)
-  assert g.dtype == dtype   # the gradient comes back in the logits' dtype
+  g = jax.jit(
+    jax.grad(lambda l_: cross_entropy(l_, labels, mask=mask, label_smoothing=0.1, z_loss=1e-3)[0])
+  )(logits)
+  assert g.dtype == dtype  # the gradient comes back in the logits' dtype
   want = _grad_ref(logits, labels, mask, 0.1, 1e-3)
-  tol = 1e-6 if dtype == jnp.float32 else 2e-3   # bfloat16: the gradient itself is rounded
+  tol = 1e-6 if dtype == jnp.float32 else 2e-3  # bfloat16: the gradient itself is rounded
   np.testing.assert_allclose(np.asarray(g, np.float64), want, atol=tol)
 
 
@@ -148,8 +151,9 @@ def test_cross_entropy_gradient_has_no_scatter():
   # d logits is one elementwise expression of the logits (softmax minus a one-hot built from an
   # iota): nothing is scattered into a zero [..., V] array.
   logits, labels, mask = data(14)
-  text = jax.jit(jax.grad(lambda l_: cross_entropy(l_, labels, mask=mask)[0])).lower(
-      logits).as_text()
+  text = (
+    jax.jit(jax.grad(lambda l_: cross_entropy(l_, labels, mask=mask)[0])).lower(logits).as_text()
+  )
   assert "scatter" not in text
 
 
@@ -214,14 +218,16 @@ def test_cross_entropy_vmap_over_extra_axis_equals_loop():
 def test_cross_entropy_works_under_strict_rank_promotion():
   logits, labels, mask = data(16)
   with jax.numpy_rank_promotion("raise"):  # tracing (eval_shape) hits the check
-    loss, _ = jax.eval_shape(lambda: cross_entropy(
-        logits, labels, mask=mask, label_smoothing=0.1, z_loss=1e-3))
+    loss, _ = jax.eval_shape(
+      lambda: cross_entropy(logits, labels, mask=mask, label_smoothing=0.1, z_loss=1e-3)
+    )
   assert loss.shape == ()
 
 
 def test_cross_entropy_gradients_match_numerical():
   with jax.enable_x64(True):
     logits, labels, mask = data(17, shape=(2, 3), dtype=jnp.float64)
-    f = jax.jit(lambda l_: cross_entropy(l_, labels, mask=mask, label_smoothing=0.1,
-                                         z_loss=1e-2)[0])
+    f = jax.jit(
+      lambda l_: cross_entropy(l_, labels, mask=mask, label_smoothing=0.1, z_loss=1e-2)[0]
+    )
     check_grads(f, (logits,), order=1, modes=["rev"], atol=1e-2, rtol=1e-2, eps=1e-3)

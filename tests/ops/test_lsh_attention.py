@@ -16,17 +16,27 @@ B, T, D, N, H = 2, 32, 24, 2, 8
 
 
 def hf_config(**kw):
-  base = dict(hidden_size=D, num_attention_heads=N, attention_head_size=H, num_hashes=2,
-              num_buckets=4, lsh_attn_chunk_length=8, local_attn_chunk_length=8, hash_seed=7,
-              attn_layers=["lsh"], lsh_attention_probs_dropout_prob=0.0,
-              local_attention_probs_dropout_prob=0.0)
+  base = dict(
+    hidden_size=D,
+    num_attention_heads=N,
+    attention_head_size=H,
+    num_hashes=2,
+    num_buckets=4,
+    lsh_attn_chunk_length=8,
+    local_attn_chunk_length=8,
+    hash_seed=7,
+    attn_layers=["lsh"],
+    lsh_attention_probs_dropout_prob=0.0,
+    local_attention_probs_dropout_prob=0.0,
+  )
   return ReformerConfig(**{**base, **kw})
 
 
 def hf_rotations(config):
   torch.manual_seed(config.hash_seed)
-  r = lsh.rotation_size(config.num_buckets if isinstance(config.num_buckets, int)
-                        else tuple(config.num_buckets))
+  r = lsh.rotation_size(
+    config.num_buckets if isinstance(config.num_buckets, int) else tuple(config.num_buckets)
+  )
   return torch.randn((N, H, config.num_hashes, r // 2)).numpy()
 
 
@@ -43,21 +53,34 @@ def mask(b, t, lengths):
 @pytest.mark.parametrize("buckets", [4, (2, 4)], ids=["4", "2x4"])
 @pytest.mark.parametrize("padded", [False, True])
 def test_lsh_matches_transformers(causal, buckets, padded):
-  config = hf_config(is_decoder=causal, num_buckets=list(buckets) if isinstance(
-      buckets, tuple) else buckets)
+  config = hf_config(
+    is_decoder=causal, num_buckets=list(buckets) if isinstance(buckets, tuple) else buckets
+  )
   torch.manual_seed(0)
   layer = reformer.LSHSelfAttention(config, layer_idx=0).eval()
   x = np.random.default_rng(1).standard_normal((B, T, D)).astype(np.float32)
   valid = mask(B, T, [T, 21]) if padded else None
   with torch.no_grad():
-    want = layer(torch.from_numpy(x), attention_mask=None if valid is None else
-                 torch.from_numpy(valid.astype(np.int64))).hidden_states.numpy()
-  qk, v = heads(x, layer.query_key.weight.detach().numpy()), heads(x, layer.value.weight.detach().numpy())
-  got = lsh.lsh_attention(qk, v, n_buckets=buckets, n_hashes=2, chunk_length=8, causal=causal,
-                          kv_valid=None if valid is None else jnp.asarray(valid),
-                          rotations=jnp.asarray(hf_rotations(config)))
+    want = layer(
+      torch.from_numpy(x),
+      attention_mask=None if valid is None else torch.from_numpy(valid.astype(np.int64)),
+    ).hidden_states.numpy()
+  qk, v = (
+    heads(x, layer.query_key.weight.detach().numpy()),
+    heads(x, layer.value.weight.detach().numpy()),
+  )
+  got = lsh.lsh_attention(
+    qk,
+    v,
+    n_buckets=buckets,
+    n_hashes=2,
+    chunk_length=8,
+    causal=causal,
+    kv_valid=None if valid is None else jnp.asarray(valid),
+    rotations=jnp.asarray(hf_rotations(config)),
+  )
   got = np.asarray(got).reshape(B, T, N * H)
-  rows = slice(None) if valid is None else valid   # padded queries: any value
+  rows = slice(None) if valid is None else valid  # padded queries: any value
   np.testing.assert_allclose(got[rows], want[rows], atol=1e-5, rtol=1e-4)
 
 
@@ -70,9 +93,12 @@ def test_local_matches_transformers(causal, t):
   x = np.random.default_rng(3).standard_normal((B, t, D)).astype(np.float32)
   valid = mask(B, t, [t, t - 3])
   with torch.no_grad():
-    want = layer(torch.from_numpy(x),
-                 attention_mask=torch.from_numpy(valid.astype(np.int64))).hidden_states.numpy()
-  q, k, v = (heads(x, getattr(layer, name).weight.detach().numpy()) for name in ("query", "key", "value"))
+    want = layer(
+      torch.from_numpy(x), attention_mask=torch.from_numpy(valid.astype(np.int64))
+    ).hidden_states.numpy()
+  q, k, v = (
+    heads(x, getattr(layer, name).weight.detach().numpy()) for name in ("query", "key", "value")
+  )
   got = lsh.local_attention(q, k, v, chunk_length=8, causal=causal, kv_valid=jnp.asarray(valid))
   got = np.asarray(got).reshape(B, t, N * H)
   np.testing.assert_allclose(got[valid], want[valid], atol=1e-5, rtol=1e-4)
@@ -83,8 +109,11 @@ def test_lsh_short_sequence_and_causality_by_gradients():
   qk, v = (jnp.asarray(r.standard_normal((1, T, N, H)), jnp.float32) for _ in range(2))
   # Position 20's output does not depend on later values, and not on its own value while it
   # sees any other key.
-  grad = jax.grad(lambda v: lsh.lsh_attention(qk, v, n_buckets=4, n_hashes=3, chunk_length=8,
-                                              causal=True)[0, 20].sum())(v)
+  grad = jax.grad(
+    lambda v: lsh.lsh_attention(qk, v, n_buckets=4, n_hashes=3, chunk_length=8, causal=True)[
+      0, 20
+    ].sum()
+  )(v)
   assert np.all(np.asarray(grad[0, 21:]) == 0.0)
   assert np.abs(np.asarray(grad[0, 20])).max() < 1e-30 + np.abs(np.asarray(grad[0, :20])).max()
   # One chunk (T <= chunk_length): plain attention, self masked unless alone.

@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 
 from transformer_jax.ops import (
-    and_masks, causal_mask, padding_mask, segment_mask, segment_runs, sliding_window_mask)
+  and_masks,
+  causal_mask,
+  padding_mask,
+  segment_mask,
+  segment_runs,
+  sliding_window_mask,
+)
 
 
 def causal_ref(t, s):
@@ -69,7 +75,7 @@ def test_causal_sliding_window_sees_last_w_keys(t, s, w):
   for i in range(t):
     p = s - t + i  # key position of query i
     want = np.zeros(s, bool)
-    want[max(0, p - w + 1): p + 1] = True  # keys i-w+1 .. i
+    want[max(0, p - w + 1) : p + 1] = True  # keys i-w+1 .. i
     np.testing.assert_array_equal(m[i], want, err_msg=f"query {i}")
 
 
@@ -99,7 +105,8 @@ def test_padding_mask_with_query_valid_blocks_padding_queries():
 def test_padding_mask_accepts_bool_and_int():
   valid = np.array([[True, False, True]])
   np.testing.assert_array_equal(
-      padding_mask(jnp.asarray(valid)), padding_mask(jnp.asarray(valid.astype(np.int32))))
+    padding_mask(jnp.asarray(valid)), padding_mask(jnp.asarray(valid.astype(np.int32)))
+  )
 
 
 def test_segment_mask_matches_loop():
@@ -132,8 +139,11 @@ def test_and_masks_broadcasts_and_matches_loop():
   t = s = 5
   key_valid = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], bool)
   seg = np.array([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]])
-  m = np.asarray(and_masks(
-      causal_mask(t, s), padding_mask(jnp.asarray(key_valid)), segment_mask(jnp.asarray(seg))))
+  m = np.asarray(
+    and_masks(
+      causal_mask(t, s), padding_mask(jnp.asarray(key_valid)), segment_mask(jnp.asarray(seg))
+    )
+  )
   assert m.shape == (2, 1, t, s)
   for b in range(2):
     for i in range(t):
@@ -144,8 +154,12 @@ def test_and_masks_broadcasts_and_matches_loop():
 def test_masks_work_under_jit():
   @jax.jit
   def build(key_valid, seg):
-    return and_masks(causal_mask(4, 6), sliding_window_mask(4, 6, 2),
-                     padding_mask(key_valid), segment_mask(seg[:, 2:], seg))
+    return and_masks(
+      causal_mask(4, 6),
+      sliding_window_mask(4, 6, 2),
+      padding_mask(key_valid),
+      segment_mask(seg[:, 2:], seg),
+    )
 
   key_valid = jnp.asarray([[1, 1, 1, 1, 1, 0]])
   seg = jnp.asarray([[0, 1, 1, 1, 1, 1]])
@@ -159,8 +173,10 @@ def test_segment_and_padding_masks_vmap_over_extra_axis_equals_loop():
   rng = np.random.default_rng(1)
   seg = jnp.asarray(rng.integers(0, 3, (3, 2, 5)))
   valid = jnp.asarray(rng.random((3, 2, 5)) < 0.7)
+
   def f(s_, v_):
     return and_masks(segment_mask(s_), padding_mask(v_, v_))
+
   batched = jax.vmap(f)(seg, valid)
   assert batched.shape == (3, 2, 1, 5, 5)
   for e in range(3):
@@ -169,9 +185,14 @@ def test_segment_and_padding_masks_vmap_over_extra_axis_equals_loop():
 
 def test_masks_work_under_strict_rank_promotion():
   with jax.numpy_rank_promotion("raise"):
-    m = jax.jit(lambda: and_masks(causal_mask(4, 6), sliding_window_mask(4, 6, 3),
-                  padding_mask(jnp.ones((2, 6)), jnp.ones((2, 4))),
-                  segment_mask(jnp.zeros((2, 4), jnp.int32), jnp.zeros((2, 6), jnp.int32))))()
+    m = jax.jit(
+      lambda: and_masks(
+        causal_mask(4, 6),
+        sliding_window_mask(4, 6, 3),
+        padding_mask(jnp.ones((2, 6)), jnp.ones((2, 4))),
+        segment_mask(jnp.zeros((2, 4), jnp.int32), jnp.zeros((2, 6), jnp.int32)),
+      )
+    )()
   np.testing.assert_array_equal(np.asarray(m)[1, 0], causal_ref(4, 6) & window_ref(4, 6, 3))
 
 
@@ -191,11 +212,11 @@ def _runs_by_loop(ids, max_runs):
 
 
 RUN_CASES = {
-    "one-document": [[1] * 12, [1] * 12],
-    "packed-then-padding": [[1, 1, 1, 2, 2, 3, 3, 3, 3, 0, 0, 0], [1] * 5 + [2] * 7],
-    "one-token-runs": [[1, 2, 3, 4, 4, 4, 4, 4, 4, 4, 4, 4], [7] * 11 + [8]],
-    "too-many-runs": [[1, 2, 3, 4, 5, 6, 6, 6, 6, 6, 6, 6], [1] * 12],
-    "id-comes-back": [[1, 1, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1], [1] * 12],
+  "one-document": [[1] * 12, [1] * 12],
+  "packed-then-padding": [[1, 1, 1, 2, 2, 3, 3, 3, 3, 0, 0, 0], [1] * 5 + [2] * 7],
+  "one-token-runs": [[1, 2, 3, 4, 4, 4, 4, 4, 4, 4, 4, 4], [7] * 11 + [8]],
+  "too-many-runs": [[1, 2, 3, 4, 5, 6, 6, 6, 6, 6, 6, 6], [1] * 12],
+  "id-comes-back": [[1, 1, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1], [1] * 12],
 }
 
 

@@ -28,7 +28,7 @@ def layer_norm_ref(x, scale, bias, eps=1e-5):
 
 def rms_norm_ref(x, scale, eps=1e-6):
   x = np.asarray(x, np.float64)
-  y = x / np.sqrt((x ** 2).mean(-1, keepdims=True) + eps)
+  y = x / np.sqrt((x**2).mean(-1, keepdims=True) + eps)
   if scale is not None:
     y = y * np.asarray(scale, np.float64)
   return y
@@ -42,8 +42,9 @@ ln = jax.jit(layer_norm, static_argnames="eps")
 rms = jax.jit(rms_norm, static_argnames="eps")
 
 
-@pytest.mark.parametrize("with_scale,with_bias", [(True, True), (True, False), (False, True),
-                                                  (False, False)])
+@pytest.mark.parametrize(
+  "with_scale,with_bias", [(True, True), (True, False), (False, True), (False, False)]
+)
 def test_layer_norm_matches_reference(with_scale, with_bias):
   x = rand((2, 5, D), 0, loc=3.0, std=2.0)
   scale = rand((D,), 1) if with_scale else None
@@ -123,8 +124,9 @@ def test_rms_norm_low_precision_keeps_dtype_and_is_accurate(dtype):
   scale = rand((64,), 13, dtype)
   got = rms(x, scale)
   assert got.dtype == dtype
-  np.testing.assert_allclose(np.asarray(got, np.float32), rms_norm_ref(x, scale),
-                             atol=3e-2, rtol=2e-2)
+  np.testing.assert_allclose(
+    np.asarray(got, np.float32), rms_norm_ref(x, scale), atol=3e-2, rtol=2e-2
+  )
 
 
 def test_norms_eager_match_jit():
@@ -145,17 +147,28 @@ def test_norms_vmap_over_extra_axis_equal_loop():
 
 def test_layer_norm_gradients_match_numerical():
   with jax.enable_x64(True):
-    x, scale, bias = rand((2, 6), 20, jnp.float64), rand((6,), 21, jnp.float64), rand(
-        (6,), 22, jnp.float64)
-    check_grads(jax.jit(layer_norm), (x, scale, bias), order=2, modes=["fwd", "rev"],
-                atol=1e-2, rtol=1e-2, eps=1e-3)
+    x, scale, bias = (
+      rand((2, 6), 20, jnp.float64),
+      rand((6,), 21, jnp.float64),
+      rand((6,), 22, jnp.float64),
+    )
+    check_grads(
+      jax.jit(layer_norm),
+      (x, scale, bias),
+      order=2,
+      modes=["fwd", "rev"],
+      atol=1e-2,
+      rtol=1e-2,
+      eps=1e-3,
+    )
 
 
 def test_rms_norm_gradients_match_numerical():
   with jax.enable_x64(True):
     x, scale = rand((2, 6), 23, jnp.float64), rand((6,), 24, jnp.float64)
-    check_grads(jax.jit(rms_norm), (x, scale), order=2, modes=["fwd", "rev"],
-                atol=1e-2, rtol=1e-2, eps=1e-3)
+    check_grads(
+      jax.jit(rms_norm), (x, scale), order=2, modes=["fwd", "rev"], atol=1e-2, rtol=1e-2, eps=1e-3
+    )
 
 
 def test_layer_norm_works_under_strict_rank_promotion():
@@ -184,8 +197,8 @@ def _central_differences(f, args, eps=1e-6):
       up, down = a.copy(), a.copy()
       up[idx] += eps
       down[idx] -= eps
-      hi = f(*args[:i], up, *args[i + 1:])
-      lo = f(*args[:i], down, *args[i + 1:])
+      hi = f(*args[:i], up, *args[i + 1 :])
+      lo = f(*args[:i], down, *args[i + 1 :])
       g[idx] = (hi - lo) / (2 * eps)
     grads.append(g)
   return grads

@@ -13,8 +13,15 @@ from hypothesis import given, settings, strategies as st
 from jax.test_util import check_grads
 
 from transformer_jax.ops import (
-    RopeScaling, alibi_bias, alibi_slopes, apply_rope, relative_position_bucket,
-    relative_positions, rope_frequencies, sinusoidal_positions)
+  RopeScaling,
+  alibi_bias,
+  alibi_slopes,
+  apply_rope,
+  relative_position_bucket,
+  relative_positions,
+  rope_frequencies,
+  sinusoidal_positions,
+)
 
 # --------------------------------------------------------------------------------------------------
 # Sinusoidal.
@@ -23,8 +30,10 @@ from transformer_jax.ops import (
 def test_sinusoidal_positions_reference_values():
   # Required reference values: PE[1, :5] for a 64-wide table.
   np.testing.assert_allclose(
-      np.asarray(sinusoidal_positions(16, 64))[1, :5],
-      [0.841471, 0.540302, 0.681561, 0.731761, 0.533168], atol=5e-7)
+    np.asarray(sinusoidal_positions(16, 64))[1, :5],
+    [0.841471, 0.540302, 0.681561, 0.731761, 0.533168],
+    atol=5e-7,
+  )
 
 
 @pytest.mark.parametrize("num_positions,dim", [(50, 64), (7, 10), (1, 2)])
@@ -91,21 +100,26 @@ def test_rope_frequencies_linear_divides_by_factor():
 def test_rope_frequencies_ntk_raises_base(dim, factor):
   got = rope_frequencies(dim, theta=10000.0, scaling=RopeScaling("ntk", factor=factor))
   np.testing.assert_allclose(
-      got, inv_freq_ref(dim, 10000.0 * factor ** (dim / (dim - 2))), rtol=1e-12)
+    got, inv_freq_ref(dim, 10000.0 * factor ** (dim / (dim - 2))), rtol=1e-12
+  )
   # NTK-aware: the highest frequency is kept, the lowest is divided by exactly ``factor``.
   plain = inv_freq_ref(dim, 10000.0)
   assert got[0] == pytest.approx(plain[0])
   assert got[-1] == pytest.approx(plain[-1] / factor, rel=1e-12)
 
 
-@pytest.mark.parametrize("dim,theta,factor,low,high,orig", [
-    (128, 500000.0, 8.0, 1.0, 4.0, 8192),   # LLaMA 3.1
+@pytest.mark.parametrize(
+  "dim,theta,factor,low,high,orig",
+  [
+    (128, 500000.0, 8.0, 1.0, 4.0, 8192),  # LLaMA 3.1
     (128, 500000.0, 32.0, 1.0, 4.0, 8192),  # LLaMA 3.2
     (64, 10000.0, 4.0, 2.0, 8.0, 256),
-])
+  ],
+)
 def test_rope_frequencies_llama3_match_reference(dim, theta, factor, low, high, orig):
-  scaling = RopeScaling("llama3", factor=factor, low_freq_factor=low, high_freq_factor=high,
-                        original_max_len=orig)
+  scaling = RopeScaling(
+    "llama3", factor=factor, low_freq_factor=low, high_freq_factor=high, original_max_len=orig
+  )
   got = rope_frequencies(dim, theta=theta, scaling=scaling)
   plain = inv_freq_ref(dim, theta)
   want = llama3_ref(plain, factor, low, high, orig)
@@ -122,14 +136,17 @@ def test_rope_frequencies_llama3_match_reference(dim, theta, factor, low, high, 
   assert np.all((got[medium] < plain[medium]) & (got[medium] > plain[medium] / factor))
 
 
-@pytest.mark.parametrize("kwargs,match", [
+@pytest.mark.parametrize(
+  "kwargs,match",
+  [
     (dict(kind="yarn"), "kind"),
     (dict(kind="linear", factor=0.0), "factor"),
     (dict(kind="ntk", factor=-2.0), "factor"),
     (dict(kind="llama3", factor=8.0, low_freq_factor=4.0, high_freq_factor=4.0), "high_freq"),
     (dict(kind="llama3", factor=8.0, low_freq_factor=4.0, high_freq_factor=1.0), "high_freq"),
     (dict(kind="linear", factor=float("nan")), "factor"),
-])
+  ],
+)
 def test_rope_scaling_validation_raises(kwargs, match):
   with pytest.raises(ValueError, match=match):
     RopeScaling(**kwargs)
@@ -193,8 +210,8 @@ def test_apply_rope_interleaved_equals_rotate_half_after_permutation():
   pos = jnp.arange(5) * 3
   perm = np.concatenate([np.arange(0, 8, 2), np.arange(1, 8, 2)])
   np.testing.assert_allclose(
-      rope(x, pos, interleaved=True)[..., perm], rope(x[..., perm], pos, interleaved=False),
-      atol=1e-6)
+    rope(x, pos, interleaved=True)[..., perm], rope(x[..., perm], pos, interleaved=False), atol=1e-6
+  )
 
 
 def test_apply_rope_custom_theta_matches_reference():
@@ -214,14 +231,16 @@ def test_apply_rope_preserves_pair_norms():
   x = rand((2, 6, 2, 8), 5)
   y = np.asarray(rope(x, jnp.arange(6) * 7))
   x = np.asarray(x)
-  np.testing.assert_allclose(x[..., :4] ** 2 + x[..., 4:] ** 2, y[..., :4] ** 2 + y[..., 4:] ** 2,
-                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+    x[..., :4] ** 2 + x[..., 4:] ** 2, y[..., :4] ** 2 + y[..., 4:] ** 2, rtol=1e-5, atol=1e-6
+  )
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_apply_rope_llama3_scaling_matches_reference(interleaved):
-  scaling = RopeScaling("llama3", factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                        original_max_len=64)
+  scaling = RopeScaling(
+    "llama3", factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_len=64
+  )
   x = rand((1, 5, 2, 16), 6)
   pos = np.array([0, 3, 17, 60, 200])
   got = rope(x, jnp.asarray(pos), interleaved=interleaved, scaling=scaling)
@@ -234,15 +253,18 @@ def test_apply_rope_linear_scaling_equals_scaled_positions():
   x = rand((2, 4, 2, 8), 7)
   pos = jnp.asarray([0, 5, 12, 31])
   np.testing.assert_allclose(
-      rope(x, 2 * pos, scaling=RopeScaling("linear", factor=2.0)), rope(x, pos), atol=1e-5)
+    rope(x, 2 * pos, scaling=RopeScaling("linear", factor=2.0)), rope(x, pos), atol=1e-5
+  )
 
 
 def test_apply_rope_ntk_scaling_equals_raised_theta():
   x = rand((2, 4, 2, 8), 8)
   pos = jnp.asarray([0, 5, 12, 31])
   np.testing.assert_allclose(
-      rope(x, pos, scaling=RopeScaling("ntk", factor=4.0)),
-      rope(x, pos, theta=10000.0 * 4.0 ** (8 / 6)), atol=1e-5)
+    rope(x, pos, scaling=RopeScaling("ntk", factor=4.0)),
+    rope(x, pos, theta=10000.0 * 4.0 ** (8 / 6)),
+    atol=1e-5,
+  )
 
 
 def test_apply_rope_bf16_keeps_dtype_and_is_accurate():
@@ -260,15 +282,22 @@ def test_apply_rope_raises_when_head_dim_odd():
 
 
 _scores = jax.jit(
-    lambda q, k, pq, pk, interleaved: jnp.einsum(
-        "bth,bth->bt", rope(q, pq, interleaved=interleaved)[:, :, 0],
-        rope(k, pk, interleaved=interleaved)[:, :, 0]),
-    static_argnums=4)
+  lambda q, k, pq, pk, interleaved: jnp.einsum(
+    "bth,bth->bt",
+    rope(q, pq, interleaved=interleaved)[:, :, 0],
+    rope(k, pk, interleaved=interleaved)[:, :, 0],
+  ),
+  static_argnums=4,
+)
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)
-@given(p=st.integers(0, 2000), r=st.integers(0, 2000), c=st.integers(-2000, 2000),
-       interleaved=st.booleans())
+@given(
+  p=st.integers(0, 2000),
+  r=st.integers(0, 2000),
+  c=st.integers(-2000, 2000),
+  interleaved=st.booleans(),
+)
 def test_rope_scores_depend_only_on_relative_offset(p, r, c, interleaved):
   c = max(c, -min(p, r))  # keep positions non-negative
   q = rand((1, 1, 1, 16), 11)
@@ -280,8 +309,10 @@ def test_rope_scores_depend_only_on_relative_offset(p, r, c, interleaved):
   assert s[0, 0] == pytest.approx(s[1, 0], abs=2e-3)
   # And the reference agrees on the value.
   inv = inv_freq_ref(16, 10000.0)
-  want = np.sum(rope_ref(q, [[p]], inv_freq=inv, interleaved=interleaved)
-                * rope_ref(k, [[r]], inv_freq=inv, interleaved=interleaved))
+  want = np.sum(
+    rope_ref(q, [[p]], inv_freq=inv, interleaved=interleaved)
+    * rope_ref(k, [[r]], inv_freq=inv, interleaved=interleaved)
+  )
   assert s[0, 0] == pytest.approx(want, abs=2e-3)
 
 
@@ -330,11 +361,11 @@ def alibi_slopes_ref(n):
 
 
 def test_alibi_slopes_eight_heads():
-  np.testing.assert_allclose(alibi_slopes(8), [2.0 ** -i for i in range(1, 9)], rtol=1e-12)
+  np.testing.assert_allclose(alibi_slopes(8), [2.0**-i for i in range(1, 9)], rtol=1e-12)
 
 
 def test_alibi_slopes_twelve_heads_hand_values():
-  want = [2.0 ** -i for i in range(1, 9)] + [2.0 ** -0.5, 2.0 ** -1.5, 2.0 ** -2.5, 2.0 ** -3.5]
+  want = [2.0**-i for i in range(1, 9)] + [2.0**-0.5, 2.0**-1.5, 2.0**-2.5, 2.0**-3.5]
   np.testing.assert_allclose(alibi_slopes(12), want, rtol=1e-12)
 
 
@@ -386,33 +417,57 @@ def t5_bucket_ref(relative_position, bidirectional, num_buckets, max_distance):
   if n < max_exact:
     return ret + n
   val_if_large = max_exact + int(
-      math.log(n / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact))
+    math.log(n / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact)
+  )
   return ret + min(val_if_large, num_buckets - 1)
 
 
-bucket = jax.jit(relative_position_bucket,
-                 static_argnames=("bidirectional", "num_buckets", "max_distance"))
+bucket = jax.jit(
+  relative_position_bucket, static_argnames=("bidirectional", "num_buckets", "max_distance")
+)
 
 
 @pytest.mark.parametrize("bidirectional", [True, False], ids=["bidirectional", "causal"])
 @pytest.mark.parametrize("num_buckets,max_distance", [(32, 128), (16, 64), (64, 256)])
 def test_relative_position_bucket_matches_t5(bidirectional, num_buckets, max_distance):
   rp = np.arange(-300, 301)
-  got = np.asarray(bucket(jnp.asarray(rp), bidirectional=bidirectional, num_buckets=num_buckets,
-                          max_distance=max_distance))
+  got = np.asarray(
+    bucket(
+      jnp.asarray(rp),
+      bidirectional=bidirectional,
+      num_buckets=num_buckets,
+      max_distance=max_distance,
+    )
+  )
   want = np.array([t5_bucket_ref(int(r), bidirectional, num_buckets, max_distance) for r in rp])
   np.testing.assert_array_equal(got, want)
   assert got.min() >= 0 and got.max() < num_buckets
 
 
-@pytest.mark.parametrize("rp,want", [(0, 0), (1, 17), (-1, 1), (7, 23), (-7, 7), (-8, 8),
-                                     (-127, 15), (-128, 15), (-300, 15), (300, 31), (16, 26)])
+@pytest.mark.parametrize(
+  "rp,want",
+  [
+    (0, 0),
+    (1, 17),
+    (-1, 1),
+    (7, 23),
+    (-7, 7),
+    (-8, 8),
+    (-127, 15),
+    (-128, 15),
+    (-300, 15),
+    (300, 31),
+    (16, 26),
+  ],
+)
 def test_relative_position_bucket_bidirectional_hand_values(rp, want):
   assert int(relative_position_bucket(jnp.asarray(rp))) == want
 
 
-@pytest.mark.parametrize("rp,want", [(0, 0), (1, 0), (5, 0), (300, 0), (-1, 1), (-15, 15),
-                                     (-16, 16), (-127, 31), (-300, 31)])
+@pytest.mark.parametrize(
+  "rp,want",
+  [(0, 0), (1, 0), (5, 0), (300, 0), (-1, 1), (-15, 15), (-16, 16), (-127, 31), (-300, 31)],
+)
 def test_relative_position_bucket_causal_hand_values(rp, want):
   assert int(relative_position_bucket(jnp.asarray(rp), bidirectional=False)) == want
 

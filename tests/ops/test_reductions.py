@@ -22,14 +22,20 @@ def test_argmax_matches_numpy_on_random_rows(shape, axis):
 
 def test_argmax_ties_infinities_and_nans_follow_numpy():
   nan, inf = np.nan, np.inf
-  x = np.array([[1.0, 3.0, 3.0, 2.0],        # tie: the first one
-                [-inf, -inf, -inf, -inf],    # all -inf: index 0
-                [inf, 2.0, inf, 0.0],        # +inf wins, first one
-                [1.0, nan, 5.0, nan],        # a NaN wins, the first one
-                [nan, nan, nan, nan]], np.float32)
+  x = np.array(
+    [
+      [1.0, 3.0, 3.0, 2.0],  # tie: the first one
+      [-inf, -inf, -inf, -inf],  # all -inf: index 0
+      [inf, 2.0, inf, 0.0],  # +inf wins, first one
+      [1.0, nan, 5.0, nan],  # a NaN wins, the first one
+      [nan, nan, nan, nan],
+    ],
+    np.float32,
+  )
   np.testing.assert_array_equal(np.asarray(ops.argmax(jnp.asarray(x))), np.argmax(x, axis=-1))
-  np.testing.assert_array_equal(np.asarray(ops.argmax(jnp.asarray(x))),
-                                np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+  np.testing.assert_array_equal(
+    np.asarray(ops.argmax(jnp.asarray(x))), np.asarray(jnp.argmax(jnp.asarray(x), axis=-1))
+  )
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int32])
@@ -50,9 +56,11 @@ def test_argmax_in_chunks_of_rows_matches_numpy(monkeypatch, chunk, shape):
   """Large inputs go through a few rows at a time (with a remainder, or one row per step when a
   row alone fills a chunk): the same indices."""
   from transformer_jax.ops import reductions
+
   monkeypatch.setattr(reductions, "_CHUNK", chunk)
-  x = np.random.default_rng(3).integers(0, 4, shape).astype(np.float32)   # many ties
+  x = np.random.default_rng(3).integers(0, 4, shape).astype(np.float32)  # many ties
   x[0, 1] = np.nan
   for axis in (-1, 0):
-    np.testing.assert_array_equal(np.asarray(jax.jit(ops.argmax, static_argnums=1)(x, axis)),
-                                  np.argmax(x, axis=axis))
+    np.testing.assert_array_equal(
+      np.asarray(jax.jit(ops.argmax, static_argnums=1)(x, axis)), np.argmax(x, axis=axis)
+    )

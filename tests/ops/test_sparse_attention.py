@@ -24,8 +24,9 @@ def test_fixed_mask_is_child_et_al_definition():
   # A(1) = {j : floor(j / l) == floor(i / l)}, A(2) = {j : j mod l in {l - c, ..., l - 1}}.
   l, c, t = 4, 1, 14
   got = SparsePattern.fixed(block=l, summary=c).mask(t, causal=True)
-  want = np.array([[(j // l == i // l or j % l >= l - c) and j <= i for j in range(t)]
-                   for i in range(t)])
+  want = np.array(
+    [[(j // l == i // l or j % l >= l - c) and j <= i for j in range(t)] for i in range(t)]
+  )
   np.testing.assert_array_equal(got, want)
 
 
@@ -34,8 +35,9 @@ def test_strided_mask_is_child_et_al_definition():
   # mod l == 0}; bidirectional: the same on both sides.
   l, t = 4, 13
   got = SparsePattern.strided_pattern(block=l).mask(t, causal=False)
-  want = np.array([[abs(i // l - j // l) < 2 or (i - j) % l == 0 for j in range(t)]
-                   for i in range(t)])
+  want = np.array(
+    [[abs(i // l - j // l) < 2 or (i - j) % l == 0 for j in range(t)] for i in range(t)]
+  )
   np.testing.assert_array_equal(got, want)
 
 
@@ -47,7 +49,7 @@ def test_bigbird_layout_globals_window_and_random_blocks():
     assert lay[a, a - 1] and lay[a, a] and lay[a, a + 1]
   # Rows 2..5 have 5 fixed blocks (first, last, window of 3) and draw 2 of the remaining 3.
   np.testing.assert_array_equal(lay[2:6].sum(1), 7)
-  np.testing.assert_array_equal(lay, pat.layout(8, causal=False))     # the seed fixes them
+  np.testing.assert_array_equal(lay, pat.layout(8, causal=False))  # the seed fixes them
   assert not np.array_equal(lay, SparsePattern.bigbird(2, 2, seed=4).layout(8, causal=False))
   causal = pat.layout(8, causal=True)
   assert not np.triu(causal, 1).any()
@@ -56,17 +58,25 @@ def test_bigbird_layout_globals_window_and_random_blocks():
 @functools.partial(jax.jit, static_argnames=("pattern", "causal", "implementation"))
 def value_and_grads(q, k, v, do, kv_valid, seg, *, pattern, causal, implementation="chunked"):
   def loss(q, k, v):
-    out = sparse_attention(q, k, v, pattern, causal=causal, kv_valid=kv_valid,
-                           segment_ids=seg, implementation=implementation)
+    out = sparse_attention(
+      q,
+      k,
+      v,
+      pattern,
+      causal=causal,
+      kv_valid=kv_valid,
+      segment_ids=seg,
+      implementation=implementation,
+    )
     return jnp.sum(out * do), out
+
   grads, out = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
   return out, grads
 
 
 def check(pattern, *, causal, t=37, kh=2, kv_valid=None, seg=None, seed=0):
   q, k, v, do = inputs(seed, t=t, s=t, kh=kh)
-  out, (dq, dk, dv) = value_and_grads(q, k, v, do, kv_valid, seg, pattern=pattern,
-                                      causal=causal)
+  out, (dq, dk, dv) = value_and_grads(q, k, v, do, kv_valid, seg, pattern=pattern, causal=causal)
   valid = pattern.mask(t, causal=causal)[None, None]
   if kv_valid is not None:
     valid = valid & np.asarray(kv_valid)[:, None, None, :]
@@ -81,14 +91,16 @@ def check(pattern, *, causal, t=37, kh=2, kv_valid=None, seg=None, seed=0):
 
 
 PATTERNS = {
-    "fixed": SparsePattern.fixed(block=8, summary=3),
-    "strided": SparsePattern.strided_pattern(block=6),
-    "bigbird": SparsePattern.bigbird(block=5, random_blocks=2, seed=1),
-    # transformers' BigBird in eval mode: the random blocks are block 0, counted again each.
-    "bigbird-eval": SparsePattern(block=5, local_blocks=2, global_blocks=(0, -1),
-                                  random_blocks=2, random_first=True),
-    "everything": SparsePattern(block=7, local_blocks=1, summary=2, strided=True,
-                                global_blocks=(1,), random_blocks=1, seed=2),
+  "fixed": SparsePattern.fixed(block=8, summary=3),
+  "strided": SparsePattern.strided_pattern(block=6),
+  "bigbird": SparsePattern.bigbird(block=5, random_blocks=2, seed=1),
+  # transformers' BigBird in eval mode: the random blocks are block 0, counted again each.
+  "bigbird-eval": SparsePattern(
+    block=5, local_blocks=2, global_blocks=(0, -1), random_blocks=2, random_first=True
+  ),
+  "everything": SparsePattern(
+    block=7, local_blocks=1, summary=2, strided=True, global_blocks=(1,), random_blocks=1, seed=2
+  ),
 }
 
 
@@ -109,13 +121,14 @@ def test_segments_padding_and_heads(causal):
 
 
 def test_query_without_keys_gives_zeros_and_xla_path_agrees():
-  pat = SparsePattern(block=8, local_blocks=0, summary=2)   # summary positions alone
+  pat = SparsePattern(block=8, local_blocks=0, summary=2)  # summary positions alone
   q, k, v, do = inputs(11, t=21, s=21)
-  kv_valid = jnp.asarray(np.arange(21)[None] < np.array([[21], [0]]))   # row 1: no key at all
+  kv_valid = jnp.asarray(np.arange(21)[None] < np.array([[21], [0]]))  # row 1: no key at all
   out, grads = value_and_grads(q, k, v, do, kv_valid, None, pattern=pat, causal=True)
   np.testing.assert_array_equal(np.asarray(out[1]), 0.0)
-  out_x, grads_x = value_and_grads(q, k, v, do, kv_valid, None, pattern=pat, causal=True,
-                                   implementation="xla")
+  out_x, grads_x = value_and_grads(
+    q, k, v, do, kv_valid, None, pattern=pat, causal=True, implementation="xla"
+  )
   for a, e in zip((out, *grads), (out_x, *grads_x)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(e), atol=2e-5, rtol=1e-4)
 
@@ -135,6 +148,7 @@ def test_work_follows_the_pattern():
   # Child et al.'s fixed pattern at T = 16k: one layout block per query block and 8 chunks of
   # summary keys in all, against 128 blocks per query block for full attention.
   from transformer_jax.ops.sparse import _tables
+
   _, _, cnt, _, _, ns, s_hi = _tables(SparsePattern.fixed(block=128, summary=8), 16384, True)
   np.testing.assert_array_equal(cnt, 1)
   assert ns == 8 and s_hi.max() == 8 and s_hi.min() == 1

@@ -58,9 +58,11 @@ def ref_ssd(x, dt, A, B, C, D, h0=None, valid=None, seg=None, limit=(0.0, np.inf
 
   def update(h, x_t, dt_t, B_t, C_t):
     dt_t = jnp.clip(dt_t, *limit)
-    B_t = jnp.repeat(B_t, n // g, axis=1)                        # [B, N, S]
-    return (jnp.exp(dt_t * A)[..., None, None] * h
-            + (dt_t[..., None] * x_t)[..., None] * B_t[:, :, None, :])
+    B_t = jnp.repeat(B_t, n // g, axis=1)  # [B, N, S]
+    return (
+      jnp.exp(dt_t * A)[..., None, None] * h
+      + (dt_t[..., None] * x_t)[..., None] * B_t[:, :, None, :]
+    )
 
   def readout(h, x_t, dt_t, B_t, C_t):
     return jnp.einsum("bnhs,bns->bnh", h, jnp.repeat(C_t, n // g, axis=1)) + D[:, None] * x_t
@@ -73,8 +75,7 @@ def ref_conv(x, w, bias, state=None, seg=None):
   width = w.shape[0]
   prev = jnp.zeros((b, width - 1, c), x.dtype) if state is None else state
   full = jnp.concatenate([prev, x], 1)
-  segf = None if seg is None else jnp.concatenate(
-      [jnp.repeat(seg[:, :1], width - 1, 1), seg], 1)
+  segf = None if seg is None else jnp.concatenate([jnp.repeat(seg[:, :1], width - 1, 1), seg], 1)
   ys = []
   for i in range(t):
     acc = bias
@@ -92,9 +93,9 @@ def ref_conv(x, w, bias, state=None, seg=None):
 
 def m1_inputs(seed, b=2, t=37, e=6, s=5):
   rng = np.random.default_rng(seed)
-  f = lambda *shape: rng.standard_normal(shape).astype(np.float32)   # noqa: E731
+  f = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
   x, B, C = f(b, t, e), f(b, t, s), f(b, t, s)
-  dt = np.log1p(np.exp(f(b, t, e) - 1.0)).astype(np.float32)        # softplus: ~0.1 .. 2
+  dt = np.log1p(np.exp(f(b, t, e) - 1.0)).astype(np.float32)  # softplus: ~0.1 .. 2
   A = -np.exp(0.5 * f(e, s)).astype(np.float32)
   D = f(e)
   return [x, dt, A, B, C, D]
@@ -102,7 +103,7 @@ def m1_inputs(seed, b=2, t=37, e=6, s=5):
 
 def m2_inputs(seed, b=2, t=37, n=4, hd=3, g=2, s=5):
   rng = np.random.default_rng(seed)
-  f = lambda *shape: rng.standard_normal(shape).astype(np.float32)   # noqa: E731
+  f = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
   x, B, C = f(b, t, n, hd), f(b, t, g, s), f(b, t, g, s)
   dt = np.log1p(np.exp(f(b, t, n) - 1.0)).astype(np.float32)
   A = -np.exp(0.5 * f(n)).astype(np.float32)
@@ -119,6 +120,7 @@ def value_and_grads(fn, args, w):
   def loss(*a):
     y, h = fn(*a)
     return jnp.sum(y * w) + jnp.sum(h)
+
   return fn(*args), jax.grad(loss, argnums=tuple(range(len(args))))(*args)
 
 
@@ -126,13 +128,14 @@ def check_against_reference(op, ref, args, names, **extra):
   """``op`` (float32) and ``ref`` (float64) agree within 1e-5 in outputs, final states and the
   gradients of a weighted sum of both with respect to every argument."""
   rng = np.random.default_rng(99)
-  w = rng.standard_normal(np.shape(args[0])).astype(np.float32)   # outputs have x's shape
+  w = rng.standard_normal(np.shape(args[0])).astype(np.float32)  # outputs have x's shape
   (y, h), grads = jax.jit(lambda *a: value_and_grads(op, a, w))(*args)
   with jax.enable_x64(True):
     args64 = [jnp.asarray(a, jnp.float64) for a in args]
     extra64 = {k: (jnp.asarray(v, jnp.float64) if k == "h0" else v) for k, v in extra.items()}
-    (ry, rh), rgrads = value_and_grads(lambda *a: ref(*a, **extra64), args64,
-                                       jnp.asarray(w, jnp.float64))
+    (ry, rh), rgrads = value_and_grads(
+      lambda *a: ref(*a, **extra64), args64, jnp.asarray(w, jnp.float64)
+    )
     ry, rh, rgrads = np.asarray(ry), np.asarray(rh), [np.asarray(g) for g in rgrads]
   assert y.dtype == jnp.float32
   assert rel_err(y, ry) < 1e-5
@@ -144,14 +147,17 @@ def check_against_reference(op, ref, args, names, **extra):
 # --- Mamba-1 -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("chunk,method", [(8, "associative"), (5, "associative"),
-                                          (64, "associative"), (5, "sequential")],
-                         ids=["chunk8", "chunk5-ragged-tail", "one-chunk", "sequential"])
+@pytest.mark.parametrize(
+  "chunk,method",
+  [(8, "associative"), (5, "associative"), (64, "associative"), (5, "sequential")],
+  ids=["chunk8", "chunk5-ragged-tail", "one-chunk", "sequential"],
+)
 def test_selective_scan_matches_the_float64_recurrence(chunk, method):
   args = m1_inputs(0)
+
   def op(*a):
-    return ops.selective_scan(*a, chunk_size=chunk, return_state=True,
-                                       method=method)
+    return ops.selective_scan(*a, chunk_size=chunk, return_state=True, method=method)
+
   check_against_reference(op, ref_selective, args, ("x", "dt", "A", "B", "C", "D"))
 
 
@@ -165,11 +171,19 @@ def test_selective_scan_with_initial_state_padding_and_segments_matches_the_recu
   seg[0, 9:] = 1
   seg[1, 4:17] = 3
   seg[1, 17:] = 4
+
   def op(*a):
-    return ops.selective_scan(*a[:6], chunk_size=6, initial_state=a[6],
-                                       return_state=True, valid=valid, segment_ids=seg,
-                                       method="sequential")
-  ref = lambda *a: ref_selective(*a[:6], h0=a[6], valid=valid, seg=seg)   # noqa: E731
+    return ops.selective_scan(
+      *a[:6],
+      chunk_size=6,
+      initial_state=a[6],
+      return_state=True,
+      valid=valid,
+      segment_ids=seg,
+      method="sequential",
+    )
+
+  ref = lambda *a: ref_selective(*a[:6], h0=a[6], valid=valid, seg=seg)  # noqa: E731
   check_against_reference(op, ref, [x, dt, A, B, C, D, h0], ("x", "dt", "A", "B", "C", "D", "h0"))
 
 
@@ -183,10 +197,12 @@ def test_selective_scan_step_equals_the_chunked_form():
     np.testing.assert_allclose(y, full[:, i], rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(h, final, rtol=1e-5, atol=1e-6)
   # A prefix's state carries the rest: two calls equal one.
-  head, mid = ops.selective_scan(x[:, :11], dt[:, :11], A, B[:, :11], C[:, :11], D,
-                                 chunk_size=3, return_state=True)
-  tail = ops.selective_scan(x[:, 11:], dt[:, 11:], A, B[:, 11:], C[:, 11:], D, chunk_size=3,
-                            initial_state=mid)
+  head, mid = ops.selective_scan(
+    x[:, :11], dt[:, :11], A, B[:, :11], C[:, :11], D, chunk_size=3, return_state=True
+  )
+  tail = ops.selective_scan(
+    x[:, 11:], dt[:, 11:], A, B[:, 11:], C[:, 11:], D, chunk_size=3, initial_state=mid
+  )
   np.testing.assert_allclose(jnp.concatenate([head, tail], 1), full, rtol=1e-5, atol=1e-5)
 
 
@@ -196,16 +212,17 @@ def test_selective_scan_step_equals_the_chunked_form():
 @pytest.mark.parametrize("chunk", [8, 5, 64], ids=["chunk8", "chunk5-ragged-tail", "one-chunk"])
 def test_ssd_matches_the_float64_recurrence(chunk):
   args = m2_inputs(3)
-  op = lambda *a: ops.ssd(*a, chunk_size=chunk, return_state=True)   # noqa: E731
+  op = lambda *a: ops.ssd(*a, chunk_size=chunk, return_state=True)  # noqa: E731
   check_against_reference(op, ref_ssd, args, ("x", "dt", "A", "B", "C", "D"))
 
 
 def test_ssd_clamps_dt_to_the_time_step_limit():
   args = m2_inputs(4, t=21)
   limit = (0.2, 0.9)
+
   def op(*a):
-    return ops.ssd(*a, chunk_size=8, time_step_limit=limit,
-                            return_state=True)
+    return ops.ssd(*a, chunk_size=8, time_step_limit=limit, return_state=True)
+
   check_against_reference(op, ref_ssd, args, ("x", "dt", "A", "B", "C", "D"), limit=limit)
   # The clamp matters: without it the outputs differ.
   assert rel_err(ops.ssd(*args, chunk_size=8), op(*args)[0]) > 1e-2
@@ -219,38 +236,58 @@ def test_ssd_with_initial_state_padding_and_segments_matches_the_recurrence():
   valid[1, :5] = False
   seg = np.zeros((2, 29), np.int32)
   seg[0, 7:] = 2
-  seg[0, 8:] = 5          # a one-position segment
+  seg[0, 8:] = 5  # a one-position segment
   seg[1, 12:] = 1
+
   def op(*a):
-    return ops.ssd(*a[:6], chunk_size=6, initial_state=a[6],
-                            return_state=True, valid=valid, segment_ids=seg)
-  ref = lambda *a: ref_ssd(*a[:6], h0=a[6], valid=valid, seg=seg)   # noqa: E731
+    return ops.ssd(
+      *a[:6], chunk_size=6, initial_state=a[6], return_state=True, valid=valid, segment_ids=seg
+    )
+
+  ref = lambda *a: ref_ssd(*a[:6], h0=a[6], valid=valid, seg=seg)  # noqa: E731
   check_against_reference(op, ref, [x, dt, A, B, C, D, h0], ("x", "dt", "A", "B", "C", "D", "h0"))
 
 
 def test_ssd_step_equals_the_chunked_form():
   x, dt, A, B, C, D = m2_inputs(6, t=19)
   limit = (0.0, 1.5)
-  full, final = ops.ssd(x, dt, A, B, C, D, chunk_size=4, return_state=True,
-                        time_step_limit=limit)
+  full, final = ops.ssd(x, dt, A, B, C, D, chunk_size=4, return_state=True, time_step_limit=limit)
   step = jax.jit(lambda *a: ops.ssd_step(*a, time_step_limit=limit))
   h = jnp.zeros((2, 4, 3, 5), jnp.float32)
   for i in range(19):
     y, h = step(h, x[:, i], dt[:, i], A, B[:, i], C[:, i], D)
     np.testing.assert_allclose(y, full[:, i], rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(h, final, rtol=1e-5, atol=1e-6)
-  head, mid = ops.ssd(x[:, :11], dt[:, :11], A, B[:, :11], C[:, :11], D, chunk_size=3,
-                      return_state=True, time_step_limit=limit)
-  tail = ops.ssd(x[:, 11:], dt[:, 11:], A, B[:, 11:], C[:, 11:], D, chunk_size=3,
-                 initial_state=mid, time_step_limit=limit)
+  head, mid = ops.ssd(
+    x[:, :11],
+    dt[:, :11],
+    A,
+    B[:, :11],
+    C[:, :11],
+    D,
+    chunk_size=3,
+    return_state=True,
+    time_step_limit=limit,
+  )
+  tail = ops.ssd(
+    x[:, 11:],
+    dt[:, 11:],
+    A,
+    B[:, 11:],
+    C[:, 11:],
+    D,
+    chunk_size=3,
+    initial_state=mid,
+    time_step_limit=limit,
+  )
   np.testing.assert_allclose(jnp.concatenate([head, tail], 1), full, rtol=1e-5, atol=1e-5)
 
 
 # --- both scans: causality, ragged rows, memory --------------------------------------------------
 
 SCANS = {
-    "selective_scan": (m1_inputs, lambda *a, **k: ops.selective_scan(*a, chunk_size=4, **k)),
-    "ssd": (m2_inputs, lambda *a, **k: ops.ssd(*a, chunk_size=4, **k)),
+  "selective_scan": (m1_inputs, lambda *a, **k: ops.selective_scan(*a, chunk_size=4, **k)),
+  "ssd": (m2_inputs, lambda *a, **k: ops.ssd(*a, chunk_size=4, **k)),
 }
 
 
@@ -259,8 +296,8 @@ def test_no_output_depends_on_a_later_position(name):
   make, op = SCANS[name]
   x, dt, A, B, C, D = make(7, b=1, t=12)
   jac = jax.jacrev(lambda x, dt, B, C: op(x, dt, A, B, C, D), argnums=(0, 1, 2, 3))(x, dt, B, C)
-  out_nd = x.ndim   # the output has x's shape
-  for d in jac:   # [1, T, ..., 1, T', ...]: output position t against input position t'
+  out_nd = x.ndim  # the output has x's shape
+  for d in jac:  # [1, T, ..., 1, T', ...]: output position t against input position t'
     d = np.abs(np.asarray(d))
     m = d.sum(axis=tuple(i for i in range(d.ndim) if i not in (1, out_nd + 1)))
     assert np.all(np.triu(m, 1) == 0)
@@ -281,16 +318,28 @@ def test_padding_never_changes_a_rows_result(name, side):
     if side == "right":
       valid[r, :n] = True
     else:
-      valid[r, 13 - n:] = True
+      valid[r, 13 - n :] = True
+
   def garbage(a):
-    return np.where(valid.reshape(valid.shape + (1,) * (a.ndim - 2)), a,
-                                 100 * rng.standard_normal(a.shape).astype(np.float32))
+    return np.where(
+      valid.reshape(valid.shape + (1,) * (a.ndim - 2)),
+      a,
+      100 * rng.standard_normal(a.shape).astype(np.float32),
+    )
+
   px, pdt, pB, pC = (garbage(a) for a in (x, dt, B, C))
   y, h = op(px, np.abs(pdt), A, pB, pC, D, valid=valid, return_state=True)
   for r in range(3):
     sel = valid[r]
-    alone, h_alone = op(x[r:r + 1, sel], dt[r:r + 1, sel], A, B[r:r + 1, sel], C[r:r + 1, sel],
-                        D, return_state=True)
+    alone, h_alone = op(
+      x[r : r + 1, sel],
+      dt[r : r + 1, sel],
+      A,
+      B[r : r + 1, sel],
+      C[r : r + 1, sel],
+      D,
+      return_state=True,
+    )
     np.testing.assert_allclose(y[r, sel], alone[0], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(h[r], h_alone[0], rtol=1e-5, atol=1e-5)
 
@@ -320,12 +369,12 @@ def test_the_whole_sequences_states_are_never_materialised():
     sizes = []
     for t in (512, 1024):
       x, dt, A, B, C, D = make(10, b=1, t=t, **shape)
-      loss = lambda x, dt, B, C: jnp.sum(op(x, dt, A, B, C, D))   # noqa: E731
+      loss = lambda x, dt, B, C: jnp.sum(op(x, dt, A, B, C, D))  # noqa: E731
       # The gradient's program holds the forward pass too.
       sizes.append(_temp_bytes(jax.grad(loss, argnums=(0, 1, 2, 3)), x, dt, B, C))
     return np.subtract(sizes[1], sizes[0])
 
-  states_growth = 512 * e * s * 4      # what 512 more positions of [1, T, E, S] would add
+  states_growth = 512 * e * s * 4  # what 512 more positions of [1, T, E, S] would add
   m1 = growth(m1_inputs, lambda *a: ops.selective_scan(*a, chunk_size=32), e=e, s=s)
   m2 = growth(m2_inputs, lambda *a: ops.ssd(*a, chunk_size=32), n=8, hd=e // 8, g=1, s=s)
   assert np.all(m1 < states_growth / 4) and np.all(m2 < states_growth / 4), (m1, m2)
@@ -336,26 +385,38 @@ def test_the_whole_sequences_states_are_never_materialised():
 
 def conv_inputs(seed, b=2, t=11, c=5, w=4):
   rng = np.random.default_rng(seed)
-  f = lambda *shape: rng.standard_normal(shape).astype(np.float32)   # noqa: E731
+  f = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
   return f(b, t, c), f(w, c), f(c), f(b, w - 1, c)
 
 
 def test_causal_conv1d_matches_the_reference_and_torch_layout():
   x, w, bias, state = conv_inputs(11)
   seg = np.array([[0] * 4 + [1] * 7, [2] * 11])
-  for kw, ref_kw in ((dict(), dict()), (dict(state_BWC=state), dict(state=state)),
-                     (dict(segment_ids=seg), dict(seg=seg))):
+  for kw, ref_kw in (
+    (dict(), dict()),
+    (dict(state_BWC=state), dict(state=state)),
+    (dict(segment_ids=seg), dict(seg=seg)),
+  ):
     got = ops.causal_conv1d(x, w, bias, **kw)
     with jax.enable_x64(True):
-      want = np.asarray(ref_conv(*(jnp.asarray(a, jnp.float64) for a in (x, w, bias)),
-                                 **{k: jnp.asarray(v, jnp.float64 if k == "state" else v.dtype)
-                                    for k, v in ref_kw.items()}))
+      want = np.asarray(
+        ref_conv(
+          *(jnp.asarray(a, jnp.float64) for a in (x, w, bias)),
+          **{
+            k: jnp.asarray(v, jnp.float64 if k == "state" else v.dtype) for k, v in ref_kw.items()
+          },
+        )
+      )
     assert rel_err(got, want) < 1e-6
   # PyTorch's Conv1d(C, C, W, groups=C, padding=W - 1) cropped to T, weight [C, 1, W].
   torch = pytest.importorskip("torch")
-  conv = torch.nn.functional.conv1d(torch.tensor(x).transpose(1, 2),
-                                    torch.tensor(w.T[:, None, :]), torch.tensor(bias),
-                                    padding=3, groups=5)[..., :11].transpose(1, 2)
+  conv = torch.nn.functional.conv1d(
+    torch.tensor(x).transpose(1, 2),
+    torch.tensor(w.T[:, None, :]),
+    torch.tensor(bias),
+    padding=3,
+    groups=5,
+  )[..., :11].transpose(1, 2)
   np.testing.assert_allclose(ops.causal_conv1d(x, w, bias), conv.numpy(), rtol=1e-5, atol=1e-6)
 
 
@@ -366,9 +427,9 @@ def test_conv_state_rolls_to_each_rows_last_real_input():
   y, new = ops.causal_conv1d(x, w, bias, state_BWC=state, valid=valid, return_state=True)
   step = jax.jit(ops.causal_conv1d_step)
   for r, n in enumerate(lengths):
-    s = state[r:r + 1]
+    s = state[r : r + 1]
     for i in range(n):
-      out, s = step(s, x[r:r + 1, i], w, bias)
+      out, s = step(s, x[r : r + 1, i], w, bias)
       np.testing.assert_allclose(out[0], y[r, i], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(s[0], new[r], rtol=0, atol=0)
   # A row with fewer real inputs than W - 1 keeps the older state entries.

@@ -22,36 +22,49 @@ def test_the_kernel_equals_the_pure_form_with_every_mask_and_a_ragged_tail():
   valid = np.ones((2, 13), bool)
   valid[1, 11:] = False
   h0 = np.random.default_rng(0).standard_normal((2, 4, 3, 5)).astype(np.float32)
-  kw = dict(chunk_size=4, return_state=True, time_step_limit=(0.05, 1.5), initial_state=h0,
-            valid=valid, segment_ids=seg)
+  kw = dict(
+    chunk_size=4,
+    return_state=True,
+    time_step_limit=(0.05, 1.5),
+    initial_state=h0,
+    valid=valid,
+    segment_ids=seg,
+  )
   w = np.random.default_rng(1).standard_normal(x.shape).astype(np.float32)
 
   def loss(fn):
     def f(x, dt, B, C):
       y, h = fn(x, dt, A, B, C, D, **kw)
       return jnp.sum(y * w) + jnp.sum(h)
+
     return f
 
-  (y1, h1), (y2, h2) = ssm_pallas.ssd(x, dt, A, B, C, D, interpret=True, **kw), ops.ssd(
-      x, dt, A, B, C, D, **kw)
+  (y1, h1), (y2, h2) = (
+    ssm_pallas.ssd(x, dt, A, B, C, D, interpret=True, **kw),
+    ops.ssd(x, dt, A, B, C, D, **kw),
+  )
   np.testing.assert_allclose(y1, y2, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(h1, h2, rtol=1e-5, atol=1e-5)
-  g1 = jax.grad(loss(lambda *a, **k: ssm_pallas.ssd(*a, interpret=True, **k)),
-                argnums=(0, 1, 2, 3))(x, dt, B, C)
+  g1 = jax.grad(
+    loss(lambda *a, **k: ssm_pallas.ssd(*a, interpret=True, **k)), argnums=(0, 1, 2, 3)
+  )(x, dt, B, C)
   g2 = jax.grad(loss(ops.ssd), argnums=(0, 1, 2, 3))(x, dt, B, C)
   for a, b in zip(g1, g2):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_a_mamba2_model_with_the_kernel_computes_what_xla_does():
-  config = models.get_config("mamba2-tiny", vocab_size=61, num_layers=1, ssm_chunk=8,
-                             init_std=0.3)
+  config = models.get_config("mamba2-tiny", vocab_size=61, num_layers=1, ssm_chunk=8, init_std=0.3)
   params = models.init(config, jax.random.key(0))
   toks = np.random.default_rng(2).integers(0, 61, (1, 19))
   xla = models.apply(config, params, toks)
-  pallas = models.apply(models.get_config("mamba2-tiny", vocab_size=61, num_layers=1,
-                                          ssm_chunk=8, init_std=0.3, ssm_impl="pallas"),
-                        params, toks)
+  pallas = models.apply(
+    models.get_config(
+      "mamba2-tiny", vocab_size=61, num_layers=1, ssm_chunk=8, init_std=0.3, ssm_impl="pallas"
+    ),
+    params,
+    toks,
+  )
   np.testing.assert_allclose(pallas, xla, rtol=1e-5, atol=1e-5)
   assert ssm_pallas.choose_ssd_implementation("tpu") in ssm_pallas.SSD_IMPLEMENTATIONS
 

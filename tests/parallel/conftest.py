@@ -19,5 +19,6 @@ except RuntimeError:  # the backend was started already (tests collected with ot
 def _eight_devices():
   if jax.device_count() != NUM_DEVICES:
     raise RuntimeError(
-        f"tests/parallel need {NUM_DEVICES} devices but JAX has {jax.device_count()}: run them in "
-        f"their own process (`pytest tests/parallel`, as `make test` does)")
+      f"tests/parallel need {NUM_DEVICES} devices but JAX has {jax.device_count()}: run them in "
+      f"their own process (`pytest tests/parallel`, as `make test` does)"
+    )

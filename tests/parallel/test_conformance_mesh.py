@@ -35,11 +35,13 @@ def test_eight_devices_give_one_devices_logits(kind):
 
   @jax.jit
   def run(p, tokens, mask, positions):
-    return h.call(kind, nnx.merge(graphdef, p), tokens, mask,
-                  positions=positions if kind.has(DECODER) else None)
+    return h.call(
+      kind, nnx.merge(graphdef, p), tokens, mask, positions=positions if kind.has(DECODER) else None
+    )
 
   def put(x):
     return None if x is None else jax.device_put(jnp.asarray(x), batch)
+
   eight = run(jax.device_put(params, shardings), put(tokens), put(mask), put(positions))
   assert len(eight.sharding.device_set) == 8
   real = np.ones_like(tokens, bool) if mask is None else mask

@@ -21,17 +21,30 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _config(tmp_path, mesh, model=None, **train):
   path = tmp_path / "exp.yaml"
-  path.write_text(yaml.safe_dump({
-      "run_dir": str(tmp_path / "run"), "model": {"preset": "gpt2-tiny", **(model or {})},
-      "data": {"path": str(tmp_path / "no-data"), "task": "gpt"},
-      "train": {"batch_size": 16, "seq_len": 64, **train}, "mesh": mesh}))
+  path.write_text(
+    yaml.safe_dump(
+      {
+        "run_dir": str(tmp_path / "run"),
+        "model": {"preset": "gpt2-tiny", **(model or {})},
+        "data": {"path": str(tmp_path / "no-data"), "task": "gpt"},
+        "train": {"batch_size": 16, "seq_len": 64, **train},
+        "mesh": mesh,
+      }
+    )
+  )
   return str(path)
 
 
 def _tjax(*args):
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-  return subprocess.run([sys.executable, "-m", "transformer_jax.cli", *args], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=300)
+  return subprocess.run(
+    [sys.executable, "-m", "transformer_jax.cli", *args],
+    cwd=REPO,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
 
 
 def test_dry_run_prints_per_device_memory_for_a_16_device_mesh(tmp_path):
@@ -49,11 +62,14 @@ def test_dry_run_prints_per_device_memory_for_a_16_device_mesh(tmp_path):
 
 
 def test_dry_run_names_splash_and_cudnn_for_a_bfloat16_pod_recipe(tmp_path):
-  config = _config(tmp_path, {"data": 2, "fsdp": 4}, {"max_len": 512}, seq_len=512,
-                   dtype="bfloat16")
+  config = _config(
+    tmp_path, {"data": 2, "fsdp": 4}, {"max_len": 512}, seq_len=512, dtype="bfloat16"
+  )
   out = _tjax("train", config, "--dry-run")
   assert out.returncode == 0, out.stderr
-  assert "self-attention          [2, 512, 4, 16] bfloat16: tpu splash, gpu cudnn, cpu" in out.stdout
+  assert (
+    "self-attention          [2, 512, 4, 16] bfloat16: tpu splash, gpu cudnn, cpu" in out.stdout
+  )
 
 
 def test_dry_run_needs_a_device_count_for_a_free_axis(tmp_path):
@@ -78,12 +94,19 @@ def test_report_bytes_match_the_sharded_state(tmp_path):
   exp = load_experiment(_config(tmp_path, {"fsdp": 8}))
   report = dry.dry_run(exp)
   config = exp.model_config()
-  state = step_lib.init_state(config, optax.adamw(1e-3), parallel.make_mesh({"fsdp": 8}),
-                              jax.random.key(0))
+  state = step_lib.init_state(
+    config, optax.adamw(1e-3), parallel.make_mesh({"fsdp": 8}), jax.random.key(0)
+  )
   device = jax.devices()[3]
+
   def held(tree):
-    return sum(s.data.nbytes for x in jax.tree.leaves(tree)
-                            for s in x.addressable_shards if s.device == device)
+    return sum(
+      s.data.nbytes
+      for x in jax.tree.leaves(tree)
+      for s in x.addressable_shards
+      if s.device == device
+    )
+
   assert report["per_device_bytes"]["parameters"] == held(state.params)
   # make_optimizer's chain may hold extra scalars; the moments dominate.
   assert abs(report["per_device_bytes"]["optimizer_state"] - held(state.opt_state)) < 1024
@@ -94,6 +117,7 @@ def test_report_bytes_match_the_sharded_state(tmp_path):
 def test_dry_run_takes_the_vocabulary_of_a_prepared_dataset(tmp_path, text_dataset):
   """The README's dry run after the demo: data.path holds a prepared dataset."""
   from transformer_jax import data
+
   exp = load_experiment(_config(tmp_path, {"data": 8}), [f"data.path={text_dataset}"])
   plan = make_plan(exp, purpose="dry_run")
   vocab = data.load_dataset(text_dataset).vocab_size
@@ -107,7 +131,7 @@ def test_device_counts_past_what_xla_cpu_simulates_are_refused_first(tmp_path, d
   before = jax.config.jax_num_cpu_devices
   with pytest.raises(ValueError, match=rf"--devices {devices}: .*1 to {dry.MAX_SIMULATED_DEVICES}"):
     dry.simulate_devices(exp, devices)
-  assert jax.config.jax_num_cpu_devices == before   # refused before anything was set
+  assert jax.config.jax_num_cpu_devices == before  # refused before anything was set
 
 
 def test_a_mesh_too_large_to_simulate_is_refused_by_its_sizes(tmp_path):
@@ -118,14 +142,16 @@ def test_a_mesh_too_large_to_simulate_is_refused_by_its_sizes(tmp_path):
 
 def test_devices_without_dry_run_is_refused(tmp_path):
   from tests.train.conftest import run_cli
+
   code, _, err = run_cli("train", _config(tmp_path, {"data": 1}), "--devices", "4")
   assert code == 2 and "--devices is for --dry-run" in err and "Traceback" not in err
   assert not os.path.exists(tmp_path / "run")
 
 
 def test_dry_run_names_linear_attention_for_a_linear_model():
-  config = models.get_config("gpt2-tiny", attention_kind="linear", linear_decay=0.5,
-                             linear_chunk=32)
+  config = models.get_config(
+    "gpt2-tiny", attention_kind="linear", linear_decay=0.5, linear_chunk=32
+  )
   (row,) = dry.attention_kernels(config, {"data": 1}, 8, 64, packed=True)
   assert row["attention"] == "self-attention"
   assert set(row["kernels"].values()) == {"linear (chunks of 32, decay 0.5)"}
@@ -140,6 +166,7 @@ def test_dry_run_names_the_kernel_a_config_forces():
 def test_the_dry_run_plans_a_model_larger_than_this_machine(tmp_path, monkeypatch):
   """A pod's model need not fit the laptop that plans it: the host-memory check is a real run's."""
   from transformer_jax import hardware
+
   monkeypatch.setattr(hardware, "host_memory_available", lambda: 2**10)
   exp = load_experiment(_config(tmp_path, {"fsdp": 8}))
   plan = make_plan(exp, purpose="dry_run")
@@ -152,6 +179,7 @@ def test_the_dry_run_plans_a_model_larger_than_this_machine(tmp_path, monkeypatc
 def test_a_dry_run_over_an_existing_run_refuses_another_model(tmp_path):
   """A real run would refuse the change; the dry run must not plan the stored model instead."""
   from transformer_jax import runs
+
   exp = load_experiment(_config(tmp_path, {"data": 8}))
   stored = exp.model_config()
   runs.save_model(exp.run_dir, stored, models.init(stored, jax.random.key(0)))
@@ -159,6 +187,9 @@ def test_a_dry_run_over_an_existing_run_refuses_another_model(tmp_path):
   runs.write_atomic(rd.file(runs.CONFIG), yaml.safe_dump(exp.to_dict()))
   assert make_plan(exp, purpose="dry_run").model_config == stored
   changed = load_experiment(_config(tmp_path, {"data": 8}), ["model.attention_kind=linear"])
-  with pytest.raises(ValueError, match=r"holds a run with another model or data \(model\."
-                     r"attention_kind: 'softmax' -> 'linear'\); a run would refuse it"):
+  with pytest.raises(
+    ValueError,
+    match=r"holds a run with another model or data \(model\."
+    r"attention_kind: 'softmax' -> 'linear'\); a run would refuse it",
+  ):
     make_plan(changed, purpose="dry_run")

@@ -29,12 +29,18 @@ from transformer_jax.train.optim import make_optimizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MESH = "mesh.data=2 mesh.fsdp=4"  # the two-process run: FSDP spanning both processes
-STEPS = 3                 # checkpoints at STEPS - 1 and STEPS
+STEPS = 3  # checkpoints at STEPS - 1 and STEPS
 TIMEOUT_S = 300
-TINY_GPT = {"preset": "gpt2-tiny", "d_model": 32, "num_layers": 2, "num_heads": 2, "d_ff": 64,
-            "max_len": 32, "dropout_rate": 0.1}
-_DIST_ENV = (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES,
-             distributed.ENV_PROCESS_ID)
+TINY_GPT = {
+  "preset": "gpt2-tiny",
+  "d_model": 32,
+  "num_layers": 2,
+  "num_heads": 2,
+  "d_ff": 64,
+  "max_len": 32,
+  "dropout_rate": 0.1,
+}
+_DIST_ENV = (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID)
 
 
 def _free_port() -> int:
@@ -45,10 +51,18 @@ def _free_port() -> int:
 
 def _child_env(**extra) -> dict[str, str]:
   env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
-  flags = [f for f in env.get("XLA_FLAGS", "").split()
-           if not f.startswith("--xla_force_host_platform_device_count")]
-  env.update(XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="4",
-             JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo", **extra)
+  flags = [
+    f
+    for f in env.get("XLA_FLAGS", "").split()
+    if not f.startswith("--xla_force_host_platform_device_count")
+  ]
+  env.update(
+    XLA_FLAGS=" ".join(flags),
+    JAX_PLATFORMS="cpu",
+    JAX_NUM_CPU_DEVICES="4",
+    JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
+    **extra,
+  )
   return env
 
 
@@ -68,24 +82,52 @@ def two_process_run(tmp_path_factory):
   data.prepare([str(corpus)], dataset, compact_vocab=True, progress=False, val_fraction=4)
   run_dir = root / "run"
   config = root / "exp.yaml"
-  config.write_text(yaml.safe_dump({
-      "run_dir": str(run_dir), "model": TINY_GPT, "data": {"path": dataset, "task": "gpt"},
-      "train": {"batch_size": 8, "seq_len": 32, "lr": 3e-3, "warmup_steps": 2, "steps": STEPS,
-                "checkpoint_every": STEPS - 1, "log_every": 1, "eval_every": 1000,
-                "eval_batches": 1, "samples": 0}}))
+  config.write_text(
+    yaml.safe_dump(
+      {
+        "run_dir": str(run_dir),
+        "model": TINY_GPT,
+        "data": {"path": dataset, "task": "gpt"},
+        "train": {
+          "batch_size": 8,
+          "seq_len": 32,
+          "lr": 3e-3,
+          "warmup_steps": 2,
+          "steps": STEPS,
+          "checkpoint_every": STEPS - 1,
+          "log_every": 1,
+          "eval_every": 1000,
+          "eval_batches": 1,
+          "samples": 0,
+        },
+      }
+    )
+  )
 
   address = f"127.0.0.1:{_free_port()}"
-  base = [sys.executable, "-m", "transformer_jax.cli", "train", str(config), *MESH.split(),
-          "--no-progress"]
+  base = [
+    sys.executable,
+    "-m",
+    "transformer_jax.cli",
+    "train",
+    str(config),
+    *MESH.split(),
+    "--no-progress",
+  ]
   # Process 0 is told by flags, process 1 by the environment: both ways must work.
   commands = [
-      (base + ["--coordinator-address", address, "--num-processes", "2", "--process-id", "0"],
-       _child_env()),
-      (base, _child_env(JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES="2",
-                        JAX_PROCESS_ID="1")),
+    (
+      base + ["--coordinator-address", address, "--num-processes", "2", "--process-id", "0"],
+      _child_env(),
+    ),
+    (base, _child_env(JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="1")),
   ]
-  procs = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True) for cmd, env in commands]
+  procs = [
+    subprocess.Popen(
+      cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    for cmd, env in commands
+  ]
   outputs = []
   try:
     for p in procs:
@@ -101,8 +143,10 @@ def two_process_run(tmp_path_factory):
 
 
 def _report(procs, outputs) -> str:
-  return "\n".join(f"--- process {i} (exit {p.returncode}) stderr:\n{err[-4000:]}\nstdout:\n"
-                   f"{out[-2000:]}" for i, (p, (out, err)) in enumerate(zip(procs, outputs)))
+  return "\n".join(
+    f"--- process {i} (exit {p.returncode}) stderr:\n{err[-4000:]}\nstdout:\n{out[-2000:]}"
+    for i, (p, (out, err)) in enumerate(zip(procs, outputs))
+  )
 
 
 def _targets(run_dir, mesh, spec_of):
@@ -113,9 +157,10 @@ def _targets(run_dir, mesh, spec_of):
   optimizer = make_optimizer(exp.train)
   params = models.init_abstract(config)
   opt_state = jax.eval_shape(optimizer.init, params)
+
   def place(a):
-    return jax.ShapeDtypeStruct(a.shape, a.dtype,
-                                           sharding=NamedSharding(mesh, spec_of(a.shape)))
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec_of(a.shape)))
+
   return config, exp, optimizer, jax.tree.map(place, params), jax.tree.map(place, opt_state)
 
 
@@ -190,17 +235,33 @@ def _check_restore_and_one_step_matches_the_continued_run(run_dir):
 
   t = exp.train
   task = tasks_lib.get_task("gpt")
-  state = step_lib.place_state(step_lib.TrainState(step=np.int32(STEPS - 1), params=params,
-                                                   opt_state=opt_state), mesh)
+  state = step_lib.place_state(
+    step_lib.TrainState(step=np.int32(STEPS - 1), params=params, opt_state=opt_state), mesh
+  )
   train_step = step_lib.jit_train_step(
-      step_lib.make_train_step(models.graphdef(config), task, optimizer, seed=t.seed,
-                               microbatches=plan.fixed_microbatches(t),
-                               label_smoothing=t.label_smoothing,
-                               z_loss=t.z_loss), mesh, state)
-  loader = data.GPTLoader(data.load_dataset(exp.data.path), batch_size=t.batch_size,
-                          seq_len=t.seq_len, seed=t.seed, process_index=0, process_count=1)
-  new_state, metrics = train_step(state, step_lib.shard_batch(loader.batch_at(STEPS - 1), mesh,
-                                                              task.keys))
+    step_lib.make_train_step(
+      models.graphdef(config),
+      task,
+      optimizer,
+      seed=t.seed,
+      microbatches=plan.fixed_microbatches(t),
+      label_smoothing=t.label_smoothing,
+      z_loss=t.z_loss,
+    ),
+    mesh,
+    state,
+  )
+  loader = data.GPTLoader(
+    data.load_dataset(exp.data.path),
+    batch_size=t.batch_size,
+    seq_len=t.seq_len,
+    seed=t.seed,
+    process_index=0,
+    process_count=1,
+  )
+  new_state, metrics = train_step(
+    state, step_lib.shard_batch(loader.batch_at(STEPS - 1), mesh, task.keys)
+  )
 
   logged = next(r for r in _metrics(run_dir) if r["step"] == STEPS and "loss" in r)
   assert abs(float(metrics["loss"]) - logged["loss"]) < 1e-5
@@ -225,16 +286,22 @@ def test_initialize_without_arguments_or_environment_does_nothing(clean_env):
   assert not jax.distributed.is_initialized()
 
 
-@pytest.mark.parametrize("kwargs, env, message", [
+@pytest.mark.parametrize(
+  "kwargs, env, message",
+  [
     ({"num_processes": 2, "process_id": 0}, {}, "--coordinator-address / JAX_COORDINATOR_ADDRESS"),
     ({"coordinator_address": "h:1"}, {}, "--num-processes / JAX_NUM_PROCESSES"),
     ({}, {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2"}, "JAX_PROCESS_ID"),
     ({"coordinator_address": "h:1", "num_processes": 2, "process_id": 2}, {}, "out of range"),
     ({"coordinator_address": "h:1", "num_processes": 0, "process_id": 0}, {}, "at least 1"),
     ({"coordinator_address": "h", "num_processes": 2, "process_id": 0}, {}, "HOST:PORT"),
-    ({}, {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "two", "JAX_PROCESS_ID": "0"},
-     "JAX_NUM_PROCESSES='two' is not an integer"),
-])
+    (
+      {},
+      {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "two", "JAX_PROCESS_ID": "0"},
+      "JAX_NUM_PROCESSES='two' is not an integer",
+    ),
+  ],
+)
 def test_initialize_rejects_incomplete_or_bad_settings(clean_env, kwargs, env, message):
   for name, value in env.items():
     clean_env.setenv(name, value)

@@ -34,6 +34,7 @@ def make_qkv(seed: int, *, b: int, t: int, n: int, k: int, h: int, dtype=jnp.flo
 
 def out_and_grads(attn, q, k, v, cotangent):
   """``attn(q, k, v)`` and the gradients of ``sum(out * cotangent)`` wrt q, k and v, jitted."""
+
   def loss(q, k, v):
     out = attn(q, k, v)
     return jnp.sum(out.astype(jnp.float32) * cotangent), out
@@ -59,9 +60,17 @@ def ring(mesh, **kw):
 def assert_matches_full(mesh, q, k, v, cotangent, **kw):
   """Ring and full attention agree on the output and on the gradients wrt q, k and v."""
   out, grads = out_and_grads(ring(mesh, **kw), q, k, v, cotangent)
-  ref_out, ref_grads = out_and_grads(full_attention(
-      causal=kw.get("causal", False), kv_mask=kw.get("kv_mask_BS"),
-      segment_ids=kw.get("segment_ids_BT")), q, k, v, cotangent)
+  ref_out, ref_grads = out_and_grads(
+    full_attention(
+      causal=kw.get("causal", False),
+      kv_mask=kw.get("kv_mask_BS"),
+      segment_ids=kw.get("segment_ids_BT"),
+    ),
+    q,
+    k,
+    v,
+    cotangent,
+  )
   np.testing.assert_allclose(out, ref_out, **TOL)
   for name, g, ref_g in zip("qkv", grads, ref_grads):
     np.testing.assert_allclose(g, ref_g, **TOL, err_msg=f"gradient wrt {name}")
@@ -121,8 +130,9 @@ def test_padding_mask_and_fully_padded_rows_give_zeros(causal):
   kv_mask[0, :40] = False  # causal: queries 0..39 of row 0 see no real key (past one block)
   kv_mask[1, 100:] = False  # right padding
   kv_mask[2] = False  # every key padded
-  out, grads = assert_matches_full(mesh, q, k, v, cot, causal=causal,
-                                   kv_mask_BS=jnp.asarray(kv_mask))
+  out, grads = assert_matches_full(
+    mesh, q, k, v, cot, causal=causal, kv_mask_BS=jnp.asarray(kv_mask)
+  )
   np.testing.assert_array_equal(out[2], 0.0)
   for g in grads:
     assert np.all(np.isfinite(g))
@@ -183,17 +193,27 @@ def test_length_not_divisible_by_sequence_axis_raises():
     ring_attention(q, k, v, mesh=mesh)
 
 
-@pytest.mark.parametrize("shapes,kw,message", [
+@pytest.mark.parametrize(
+  "shapes,kw,message",
+  [
     (((1, 16, 2, 8), (1, 16, 2, 8), (1, 16, 1, 8)), {}, "must be equal"),
     (((1, 16, 2, 8), (1, 32, 2, 8), (1, 32, 2, 8)), {}, "T=16 must equal key length S=32"),
     (((1, 16, 3, 8), (1, 16, 2, 8), (1, 16, 2, 8)), {}, "multiple of key/value heads"),
     (((2, 16, 2, 8), (1, 16, 2, 8), (1, 16, 2, 8)), {}, "share batch B and head dim H"),
     (((1, 16, 2, 8), (1, 16, 2), (1, 16, 2)), {}, "must be 4-D"),
-    (((1, 16, 2, 8), (1, 16, 2, 8), (1, 16, 2, 8)), {"kv_mask_BS": np.ones((1, 8), bool)},
-     r"kv_mask_BS.shape=\(1, 8\)"),
-    (((1, 16, 2, 8), (1, 16, 2, 8), (1, 16, 2, 8)), {"segment_ids_BT": np.zeros((16,), int)},
-     r"segment_ids_BT.shape=\(16,\)"),
-], ids=["k-v", "t-s", "heads", "batch", "ndim", "kv-mask", "segments"])
+    (
+      ((1, 16, 2, 8), (1, 16, 2, 8), (1, 16, 2, 8)),
+      {"kv_mask_BS": np.ones((1, 8), bool)},
+      r"kv_mask_BS.shape=\(1, 8\)",
+    ),
+    (
+      ((1, 16, 2, 8), (1, 16, 2, 8), (1, 16, 2, 8)),
+      {"segment_ids_BT": np.zeros((16,), int)},
+      r"segment_ids_BT.shape=\(16,\)",
+    ),
+  ],
+  ids=["k-v", "t-s", "heads", "batch", "ndim", "kv-mask", "segments"],
+)
 def test_mismatched_shapes_raise(shapes, kw, message):
   q, k, v = (jnp.zeros(s) for s in shapes)
   with pytest.raises(ValueError, match=message):

@@ -13,10 +13,17 @@ from transformer_jax.train import load_experiment, make_plan
 from transformer_jax.train import step as step_lib
 
 MODELS = {
-    "gpt": {"preset": "gpt2-tiny", "d_model": 32, "num_layers": 2, "num_heads": 2, "d_ff": 64,
-            "max_len": 32, "dropout_rate": 0.1},
-    "bert": {"preset": "bert-tiny", "d_model": 32, "num_heads": 2, "d_ff": 64, "max_len": 32},
-    "seq2seq": {"preset": "t5-tiny", "d_model": 32, "d_ff": 64},
+  "gpt": {
+    "preset": "gpt2-tiny",
+    "d_model": 32,
+    "num_layers": 2,
+    "num_heads": 2,
+    "d_ff": 64,
+    "max_len": 32,
+    "dropout_rate": 0.1,
+  },
+  "bert": {"preset": "bert-tiny", "d_model": 32, "num_heads": 2, "d_ff": 64, "max_len": 32},
+  "seq2seq": {"preset": "t5-tiny", "d_model": 32, "d_ff": 64},
 }
 
 
@@ -27,8 +34,13 @@ def _train(exp, plan, devices, steps=4):
   params = models.init(plan.model_config, jax.random.key(0))
   state = jax.device_put(step_lib.create_state(params, plan.optimizer), step_lib.replicated(mesh))
   graphdef = models.graphdef(plan.model_config, mesh)  # the layers run on this mesh
-  step = step_lib.jit_train_step(step_lib.make_train_step(
-      graphdef, plan.task, plan.optimizer, seed=0, microbatches=exp.train.microbatches), mesh, state)
+  step = step_lib.jit_train_step(
+    step_lib.make_train_step(
+      graphdef, plan.task, plan.optimizer, seed=0, microbatches=exp.train.microbatches
+    ),
+    mesh,
+    state,
+  )
   losses = []
   for s in range(steps):
     state, m = step(state, step_lib.shard_batch(loader.batch_at(s), mesh, plan.task.keys))
@@ -38,13 +50,19 @@ def _train(exp, plan, devices, steps=4):
 
 
 @pytest.mark.parametrize("task", list(MODELS))
-def test_data_parallel_on_8_devices_equals_one_device(tmp_path, text_dataset, reverse_dataset,
-                                                      task):
+def test_data_parallel_on_8_devices_equals_one_device(
+  tmp_path, text_dataset, reverse_dataset, task
+):
   dataset = reverse_dataset if task == "seq2seq" else text_dataset
-  exp = load_experiment(None, raw={
-      "run_dir": str(tmp_path / "r"), "model": MODELS[task], "data": {"path": dataset, "task": task},
-      "train": {"batch_size": 16, "seq_len": 32, "lr": 3e-3, "warmup_steps": 1,
-                "microbatches": 2}})
+  exp = load_experiment(
+    None,
+    raw={
+      "run_dir": str(tmp_path / "r"),
+      "model": MODELS[task],
+      "data": {"path": dataset, "task": task},
+      "train": {"batch_size": 16, "seq_len": 32, "lr": 3e-3, "warmup_steps": 1, "microbatches": 2},
+    },
+  )
   plan = make_plan(exp)
   one_losses, one_sum = _train(exp, plan, jax.devices()[:1])
   eight_losses, eight_sum = _train(exp, plan, jax.devices())

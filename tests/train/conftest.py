@@ -11,8 +11,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def run_tjax(*args, env=None, **kw):
   """Runs the CLI in a fresh interpreter (its own JAX device setup)."""
   full_env = {**os.environ, **(env or {})}
-  return subprocess.run([sys.executable, "-m", "transformer_jax.cli", *args], cwd=REPO,
-                        env=full_env, capture_output=True, text=True, **kw)
+  return subprocess.run(
+    [sys.executable, "-m", "transformer_jax.cli", *args],
+    cwd=REPO,
+    env=full_env,
+    capture_output=True,
+    text=True,
+    **kw,
+  )
 
 
 def run_cli(*argv):
@@ -20,6 +26,7 @@ def run_cli(*argv):
   shared); returns ``(exit code, stdout, stderr)``. The CLI wiring itself (a fresh process, the
   launcher) is what the few ``run_tjax`` tests check."""
   from transformer_jax import cli
+
   out, err = io.StringIO(), io.StringIO()
   with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
     code = cli.main(list(argv))

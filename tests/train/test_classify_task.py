@@ -11,14 +11,40 @@ from transformer_jax.train import tasks
 
 C = 5
 CONFIGS = {
-    "bert": models.get_config("bert-tiny", vocab_size=50, d_model=32, num_layers=1, num_heads=2,
-                              d_ff=64, max_len=16, num_labels=C, dropout_rate=0.0,
-                              attention_dropout_rate=0.0),
-    "gpt": models.get_config("gpt2-tiny", vocab_size=50, d_model=32, num_layers=1, num_heads=2,
-                             d_ff=64, max_len=16, num_labels=C),
-    "seq2seq": models.get_config("transformer-tiny", vocab_size=50, d_model=32,
-                                 num_encoder_layers=1, num_decoder_layers=1, num_heads=2, d_ff=64,
-                                 max_len=16, num_labels=C, dropout_rate=0.0),
+  "bert": models.get_config(
+    "bert-tiny",
+    vocab_size=50,
+    d_model=32,
+    num_layers=1,
+    num_heads=2,
+    d_ff=64,
+    max_len=16,
+    num_labels=C,
+    dropout_rate=0.0,
+    attention_dropout_rate=0.0,
+  ),
+  "gpt": models.get_config(
+    "gpt2-tiny",
+    vocab_size=50,
+    d_model=32,
+    num_layers=1,
+    num_heads=2,
+    d_ff=64,
+    max_len=16,
+    num_labels=C,
+  ),
+  "seq2seq": models.get_config(
+    "transformer-tiny",
+    vocab_size=50,
+    d_model=32,
+    num_encoder_layers=1,
+    num_decoder_layers=1,
+    num_heads=2,
+    d_ff=64,
+    max_len=16,
+    num_labels=C,
+    dropout_rate=0.0,
+  ),
 }
 
 
@@ -26,10 +52,13 @@ def _batch(seed=0, b=6, t=12):
   rng = np.random.default_rng(seed)
   lengths = rng.integers(2, t + 1, b)
   mask = np.arange(t)[None] < lengths[:, None]
-  return {"tokens": np.where(mask, rng.integers(0, 50, (b, t)), 0).astype(np.int32),
-          "token_types": np.zeros((b, t), np.int32), "attention_mask": mask,
-          "labels": rng.integers(0, C, b).astype(np.int32),
-          "label_mask": np.array([True] * (b - 1) + [False])}
+  return {
+    "tokens": np.where(mask, rng.integers(0, 50, (b, t)), 0).astype(np.int32),
+    "token_types": np.zeros((b, t), np.int32),
+    "attention_mask": mask,
+    "labels": rng.integers(0, C, b).astype(np.int32),
+    "label_mask": np.array([True] * (b - 1) + [False]),
+  }
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -99,8 +128,11 @@ def test_macro_f1_against_numpy():
   true, pred = rng.integers(0, 4, 200), rng.integers(0, 4, 200)
   pred[:50] = true[:50]
   onehot = lambda y: np.eye(5)[y]  # class 4 never occurs: left out of the mean
-  sums = {"cls_true": onehot(true).sum(0), "cls_pred": onehot(pred).sum(0),
-          "cls_hit": (onehot(true) * onehot(pred)).sum(0)}
+  sums = {
+    "cls_true": onehot(true).sum(0),
+    "cls_pred": onehot(pred).sum(0),
+    "cls_hit": (onehot(true) * onehot(pred)).sum(0),
+  }
   report = tasks.ClassifyTask.report(sums)
   f1s = []
   for c in range(4):
@@ -113,8 +145,9 @@ def test_macro_f1_against_numpy():
 
 
 def test_classify_needs_a_head():
-  cfg = CONFIGS["gpt"].__class__(vocab_size=50, d_model=32, num_layers=1, num_heads=2, d_ff=64,
-                                 max_len=16)
+  cfg = CONFIGS["gpt"].__class__(
+    vocab_size=50, d_model=32, num_layers=1, num_heads=2, d_ff=64, max_len=16
+  )
   model = models.create(cfg)
   with pytest.raises(ValueError, match="num_labels > 0"):
     model.classify(jnp.zeros((1, 4), jnp.int32))

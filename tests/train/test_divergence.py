@@ -16,8 +16,17 @@ from tests.train.test_reliability import _exp
 
 
 def _diverge(run_dir, dataset, **overrides):
-  exp = _exp(run_dir, dataset, steps=20, lr=1e9, schedule="constant", checkpoint_every=1,
-             log_every=1, eval_every=1000, **overrides)
+  exp = _exp(
+    run_dir,
+    dataset,
+    steps=20,
+    lr=1e9,
+    schedule="constant",
+    checkpoint_every=1,
+    log_every=1,
+    eval_every=1000,
+    **overrides,
+  )
   with pytest.raises(TrainingDiverged) as info:
     train(exp, progress=False)
   return str(info.value)
@@ -27,8 +36,10 @@ def test_the_checkpoint_whose_parameters_gave_the_nan_is_set_aside(tmp_path, tex
   run_dir = tmp_path / "r"
   message = _diverge(run_dir, text_dataset, warmup_steps=0)
   # Step 1's parameters (finite, of order 1e9) gave the NaN loss of step 2: not a good checkpoint.
-  assert message.startswith("loss became nan at step 2; stopping. Checkpoint step 1 gives "
-                            "non-finite losses: set aside as diverged-1 in "), message
+  assert message.startswith(
+    "loss became nan at step 2; stopping. Checkpoint step 1 gives "
+    "non-finite losses: set aside as diverged-1 in "
+  ), message
   assert message.endswith("No good checkpoint remains."), message
   assert runs.RunDir(run_dir).checkpoint_steps() == []
   assert os.path.isdir(run_dir / "checkpoints" / "diverged-1")
@@ -40,8 +51,9 @@ def test_the_last_good_checkpoint_named_evaluates_to_a_finite_loss(tmp_path, tex
   # Two warmup steps: step 1 moves nothing (learning rate 0), step 2 by about 5e8.
   run_dir = tmp_path / "r"
   message = _diverge(run_dir, text_dataset, warmup_steps=2)
-  match = re.search(r"at step (\d+).*\(step (\d+)\) is intact \(validation loss (\S+)\)\.$",
-                    message)
+  match = re.search(
+    r"at step (\d+).*\(step (\d+)\) is intact \(validation loss (\S+)\)\.$", message
+  )
   assert match, message
   bad, good, val_loss = int(match[1]), int(match[2]), float(match[3])
   assert good < bad and runs.RunDir(run_dir).checkpoint_steps()[-1] == good

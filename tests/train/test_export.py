@@ -17,8 +17,11 @@ from transformer_jax.train import export, load_experiment
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 XL = os.path.join(REPO, "experiments", "gpt2_xl_pod.yaml")
 LLAMA = os.path.join(REPO, "experiments", "llama3_8b_fsdp.yaml")
-SPLASH = {"splash_mha_fwd_segmented_residuals", "splash_mha_dq_segmented_no_residuals",
-          "splash_mha_dkv_segmented_no_residuals"}
+SPLASH = {
+  "splash_mha_fwd_segmented_residuals",
+  "splash_mha_dq_segmented_no_residuals",
+  "splash_mha_dkv_segmented_no_residuals",
+}
 
 
 def _args(text: str) -> dict[str, str]:
@@ -55,29 +58,33 @@ def test_tpu_step_holds_splash_the_planned_shardings_and_no_host_transfer(tpu_st
   tokens = args["batch['tokens']"]
   assert tokens == '[{"data", "fsdp"}, {}]'
   embed = "state.params['embed']['embedding'].value"
-  assert args[embed] == '[{}, {"fsdp"}]'                        # [V, D]: D split
+  assert args[embed] == '[{}, {"fsdp"}]'  # [V, D]: D split
   moment = "state.opt_state[1][0].mu['embed']['embedding'].value"
   assert args[moment] == args[embed]
   kernel = {"gpt2_xl": "attn']['query']['kernel']", "llama3_8b": "attn']['query']['kernel']"}[name]
   query = next(v for k, v in args.items() if k.startswith("state.params") and kernel in k)
-  assert query == '[{}, {"fsdp"}, {}, {}]'                       # [L, D, N, H]: D split
+  assert query == '[{}, {"fsdp"}, {}, {}]'  # [L, D, N, H]: D split
 
 
 def test_a_step_that_leaves_the_plan_is_reported(tpu_step):
   # The report can fail: a plan that asks for another sharding, and a module holding a callback.
   _, step = tpu_step
   wrong = tuple((n, P("tensor") if "embedding" in n else s) for n, s in step.planned)
-  bad = export.inspect(export.ExportedStep(step.exported, "tpu", step.mesh, True, wrong,
-                                           step.planned_outputs))
+  bad = export.inspect(
+    export.ExportedStep(step.exported, "tpu", step.mesh, True, wrong, step.planned_outputs)
+  )
   assert bad["sharding_mismatches"] and not export.holds(bad)
   assert all("embedding" in m for m in bad["sharding_mismatches"])
 
   class WithCallback:
     nr_devices = 1
-    mlir_module = staticmethod(lambda: step.text.replace(
-        "@tpu_custom_call", "@xla_ffi_python_cpu_callback", 1))
-  host = export.inspect(export.ExportedStep(WithCallback(), "tpu", step.mesh, True, step.planned,
-                                            step.planned_outputs))
+    mlir_module = staticmethod(
+      lambda: step.text.replace("@tpu_custom_call", "@xla_ffi_python_cpu_callback", 1)
+    )
+
+  host = export.inspect(
+    export.ExportedStep(WithCallback(), "tpu", step.mesh, True, step.planned, step.planned_outputs)
+  )
   assert host["host_transfers"] == ["xla_ffi_python_cpu_callback"] and not export.holds(host)
 
 

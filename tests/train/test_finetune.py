@@ -12,19 +12,22 @@ from flax import nnx
 from transformer_jax import data, models, runs
 from transformer_jax.train import finetune, load_experiment
 
-BASE = models.get_config("bert-tiny", vocab_size=40, d_model=16, num_layers=1, num_heads=2,
-                         d_ff=32, max_len=16)
+BASE = models.get_config(
+  "bert-tiny", vocab_size=40, d_model=16, num_layers=1, num_heads=2, d_ff=32, max_len=16
+)
 
 
 def _flat(state):
-  return {"/".join(map(str, k)): np.asarray(v) for k, v in
-          nnx.traversals.flatten_mapping(nnx.to_pure_dict(state)).items()}
+  return {
+    "/".join(map(str, k)): np.asarray(v)
+    for k, v in nnx.traversals.flatten_mapping(nnx.to_pure_dict(state)).items()
+  }
 
 
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):
   path = str(tmp_path_factory.mktemp("pre") / "run")
-  config = dataclasses.replace(BASE, num_labels=5)   # an old head for other labels
+  config = dataclasses.replace(BASE, num_labels=5)  # an old head for other labels
   runs.save_model(path, config, models.init(config, jax.random.key(1)))
   return path, config
 
@@ -58,10 +61,13 @@ def test_a_changed_shape_is_refused_by_name(pretrained):
 
 def test_init_from_takes_the_architecture_and_refuses_a_preset(pretrained):
   path, _ = pretrained
-  raw = {"run_dir": "r", "model": {"init_from": path, "num_labels": 2},
-         "data": {"path": "d", "task": "classify"}}
+  raw = {
+    "run_dir": "r",
+    "model": {"init_from": path, "num_labels": 2},
+    "data": {"path": "d", "task": "classify"},
+  }
   exp = load_experiment(None, raw=raw)
-  assert exp.model_config(vocab_size=999).vocab_size == 40   # the source's, not the data's
+  assert exp.model_config(vocab_size=999).vocab_size == 40  # the source's, not the data's
   with pytest.raises(ValueError, match="drop model.preset"):
     load_experiment(None, ["model.preset=bert-tiny"], raw=raw)
   with pytest.raises(ValueError, match="model.init_from=.*no such run directory"):
@@ -76,16 +82,18 @@ def test_vocab_from_reuses_the_pretraining_ids(tmp_path):
   (a / "x.py").write_text("def alpha(beta):\n    return beta + gamma\n" * 20)
   (b / "y.py").write_text("def gamma(alpha):\n    return alpha * delta_unseen\n" * 20)
   data.prepare([str(a)], str(tmp_path / "da"), compact_vocab=True, progress=False, val_fraction=0)
-  data.prepare([str(b)], str(tmp_path / "db"), vocab_from=str(tmp_path / "da"), progress=False,
-               val_fraction=0)
+  data.prepare(
+    [str(b)], str(tmp_path / "db"), vocab_from=str(tmp_path / "da"), progress=False, val_fraction=0
+  )
   da, db = data.load_dataset(str(tmp_path / "da")), data.load_dataset(str(tmp_path / "db"))
   assert da.vocab_size == db.vocab_size
   assert json.load(open(tmp_path / "da" / "vocab.json")) == json.load(
-      open(tmp_path / "db" / "vocab.json"))
+    open(tmp_path / "db" / "vocab.json")
+  )
   tok = da.tokenizer
   ids = db.stream("train").doc(0)
   assert ids.tolist() == tok.encode((b / "y.py").read_text())
-  assert tok.unk_id in ids.tolist()   # a word the pretraining corpus never had
+  assert tok.unk_id in ids.tolist()  # a word the pretraining corpus never had
 
 
 def test_pretrain_runs_first_only_when_init_from_is_absent(tmp_path, pretrained, monkeypatch):
@@ -95,10 +103,15 @@ def test_pretrain_runs_first_only_when_init_from_is_absent(tmp_path, pretrained,
   monkeypatch.setattr(trainer, "train", lambda exp, **kw: calls.append(exp.run_dir) or {})
   pre_yaml = tmp_path / "pre.yaml"
   missing = tmp_path / "runs" / "pre"
-  pre_yaml.write_text(f"run_dir: {missing}\nmodel: {{preset: bert-tiny}}\n"
-                      "data: {inputs: [stdlib]}\ntrain: {steps: 2}\n")
-  raw = {"run_dir": str(tmp_path / "ft"), "pretrain": str(pre_yaml),
-         "data": {"task": "classify", "inputs": ["stdlib:packages"]}}
+  pre_yaml.write_text(
+    f"run_dir: {missing}\nmodel: {{preset: bert-tiny}}\n"
+    "data: {inputs: [stdlib]}\ntrain: {steps: 2}\n"
+  )
+  raw = {
+    "run_dir": str(tmp_path / "ft"),
+    "pretrain": str(pre_yaml),
+    "data": {"task": "classify", "inputs": ["stdlib:packages"]},
+  }
   # The pretrained run exists: nothing to do.
   exp = load_experiment(None, raw={**raw, "model": {"init_from": pretrained[0]}}).absolute()
   trainer.pretrain_first(exp, progress=False)

@@ -17,15 +17,41 @@ from transformer_jax.train import load_experiment, tasks, train
 from transformer_jax.train import step as step_lib
 
 CONFIGS = {
-    "gpt": models.get_config("gpt2-tiny", vocab_size=64, d_model=32, num_layers=2, num_heads=4,
-                             d_ff=64, max_len=16),
-    "llama": models.get_config("llama-tiny", vocab_size=64, d_model=32, num_layers=2,
-                               num_heads=4, num_kv_heads=2, d_ff=64, max_len=16),
-    "bert": models.get_config("bert-tiny", vocab_size=64, d_model=32, num_layers=2, num_heads=2,
-                              d_ff=64, max_len=16, dropout_rate=0.0, attention_dropout_rate=0.0,
-                              num_labels=3),
-    "seq2seq": models.get_config("t5-tiny", vocab_size=64, d_model=32, num_encoder_layers=1,
-                                 num_decoder_layers=1, num_heads=2, d_ff=64, max_len=16),
+  "gpt": models.get_config(
+    "gpt2-tiny", vocab_size=64, d_model=32, num_layers=2, num_heads=4, d_ff=64, max_len=16
+  ),
+  "llama": models.get_config(
+    "llama-tiny",
+    vocab_size=64,
+    d_model=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    d_ff=64,
+    max_len=16,
+  ),
+  "bert": models.get_config(
+    "bert-tiny",
+    vocab_size=64,
+    d_model=32,
+    num_layers=2,
+    num_heads=2,
+    d_ff=64,
+    max_len=16,
+    dropout_rate=0.0,
+    attention_dropout_rate=0.0,
+    num_labels=3,
+  ),
+  "seq2seq": models.get_config(
+    "t5-tiny",
+    vocab_size=64,
+    d_model=32,
+    num_encoder_layers=1,
+    num_decoder_layers=1,
+    num_heads=2,
+    d_ff=64,
+    max_len=16,
+  ),
 }
 ALL = lora.LoRAConfig(rank=4, alpha=8.0, targets=lora.TARGETS)
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 8)), jnp.int32)
@@ -68,16 +94,18 @@ def test_zero_b_equals_the_base_model_exactly(name):
   _, _, weights = nnx.split(adapted, nnx.LoRAParam, nnx.Param)
   base = nnx.merge(models.graphdef(CONFIGS[name]), weights)
   assert lora.has_adapters(adapted) and not lora.has_adapters(base)
-  np.testing.assert_array_equal(np.asarray(_forward(base, name)),
-                                np.asarray(_forward(adapted, name)))
+  np.testing.assert_array_equal(
+    np.asarray(_forward(base, name)), np.asarray(_forward(adapted, name))
+  )
 
 
 def test_zero_b_bert_out_projection_to_float_rounding():
   adapted = _adapted("bert")
   _, _, weights = nnx.split(adapted, nnx.LoRAParam, nnx.Param)
   base = nnx.merge(models.graphdef(CONFIGS["bert"]), weights)
-  np.testing.assert_allclose(np.asarray(_forward(base, "bert")),
-                             np.asarray(_forward(adapted, "bert")), rtol=0, atol=2e-7)
+  np.testing.assert_allclose(
+    np.asarray(_forward(base, "bert")), np.asarray(_forward(adapted, "bert")), rtol=0, atol=2e-7
+  )
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama", "seq2seq"])
@@ -103,33 +131,42 @@ def test_merge_equals_the_unmerged_forward(name):
 def test_kernels_keep_their_shapes_and_adapters_flatten_heads():
   model = _adapted("gpt")
   q = model.blocks.layers.attn.query
-  assert q.kernel.shape == (2, 32, 4, 8)                      # [L, D, N, H]
-  assert q.lora.lora.lora_a.shape == (2, 32, 4)              # [L, D, r]
-  assert q.lora.lora.lora_b.shape == (2, 4, 32)              # [L, r, N*H]
+  assert q.kernel.shape == (2, 32, 4, 8)  # [L, D, N, H]
+  assert q.lora.lora.lora_a.shape == (2, 32, 4)  # [L, D, r]
+  assert q.lora.lora.lora_b.shape == (2, 4, 32)  # [L, r, N*H]
   out = model.blocks.layers.attn.out
-  assert out.lora.lora.lora_a.shape == (2, 32, 4)            # [L, N*H, r]
+  assert out.lora.lora.lora_a.shape == (2, 32, 4)  # [L, N*H, r]
 
 
 def test_only_adapters_and_head_train():
   model = _adapted("bert", lora.LoRAConfig(rank=2, targets=("query", "value")))
   graphdef, trainable, frozen = lora.split(model)
-  paths = ["/".join(map(str, p)) for p in nnx.traversals.flatten_mapping(
-      nnx.to_pure_dict(trainable))]
+  paths = [
+    "/".join(map(str, p)) for p in nnx.traversals.flatten_mapping(nnx.to_pure_dict(trainable))
+  ]
   assert paths and all(("lora" in p.split("/")) or p.startswith("classifier/") for p in paths)
   assert any(p.startswith("classifier/") for p in paths)
   assert {p.split("/")[3] for p in paths if "lora" in p.split("/")} == {"query", "value"}
 
   task = tasks.ClassifyTask("bert", 3)
   optimizer = optax.adam(1e-2)
-  state = step_lib.TrainState(step=jnp.zeros((), jnp.int32), params=trainable,
-                              opt_state=optimizer.init(trainable), frozen=frozen)
+  state = step_lib.TrainState(
+    step=jnp.zeros((), jnp.int32),
+    params=trainable,
+    opt_state=optimizer.init(trainable),
+    frozen=frozen,
+  )
   # The optimizer holds moments of the trainable parameters only.
   n_train = sum(x.size for x in jax.tree.leaves(trainable))
   assert sum(x.size for x in jax.tree.leaves(state.opt_state)) == 2 * n_train + 1
   rng = np.random.default_rng(0)
-  batch = {"tokens": rng.integers(0, 64, (4, 8)).astype(np.int32),
-           "token_types": np.zeros((4, 8), np.int32), "attention_mask": np.ones((4, 8), bool),
-           "labels": np.array([0, 1, 2, 1], np.int32), "label_mask": np.ones(4, bool)}
+  batch = {
+    "tokens": rng.integers(0, 64, (4, 8)).astype(np.int32),
+    "token_types": np.zeros((4, 8), np.int32),
+    "attention_mask": np.ones((4, 8), bool),
+    "labels": np.array([0, 1, 2, 1], np.int32),
+    "label_mask": np.ones(4, bool),
+  }
   step = jax.jit(step_lib.make_train_step(graphdef, task, optimizer, seed=0))
   frozen_before = jax.tree.map(np.asarray, frozen)
   trainable_before = jax.tree.map(np.asarray, trainable)
@@ -137,8 +174,9 @@ def test_only_adapters_and_head_train():
     state, metrics = step(state, batch)
   assert float(metrics["grad_norm"]) > 0
   jax.tree.map(np.testing.assert_array_equal, frozen_before, jax.tree.map(np.asarray, state.frozen))
-  changed = jax.tree.map(lambda a, b: bool(np.any(a != np.asarray(b))), trainable_before,
-                         state.params)
+  changed = jax.tree.map(
+    lambda a, b: bool(np.any(a != np.asarray(b))), trainable_before, state.params
+  )
   assert all(jax.tree.leaves(changed))  # A, B and the head all moved
 
 
@@ -148,9 +186,11 @@ def test_adapter_axes_in_the_rules_table():
   specs = nnx.get_partition_spec(q)["lora"]
   rules = parallel.RULES
   assert parallel.mesh_axes(tuple(specs["lora_a"]), rules) == jax.sharding.PartitionSpec(
-      None, "fsdp")
+    None, "fsdp"
+  )
   assert parallel.mesh_axes(tuple(specs["lora_b"]), rules) == jax.sharding.PartitionSpec(
-      None, None, "tensor")
+    None, None, "tensor"
+  )
 
 
 def test_bad_lora_config_is_named():
@@ -159,22 +199,43 @@ def test_bad_lora_config_is_named():
   with pytest.raises(ValueError, match="lora.rank=0"):
     lora.LoRAConfig(rank=0)
   with pytest.raises(ValueError, match="train.lora.rnak: unknown key"):
-    load_experiment(None, ["train.lora.rnak=3"],
-                    raw={"run_dir": "r", "model": {"preset": "gpt2-tiny"},
-                         "data": {"path": "d"}})
+    load_experiment(
+      None,
+      ["train.lora.rnak=3"],
+      raw={"run_dir": "r", "model": {"preset": "gpt2-tiny"}, "data": {"path": "d"}},
+    )
 
 
 @pytest.mark.slow
 def test_resumed_lora_run_equals_an_uninterrupted_one(tmp_path, text_dataset):
   def experiment(run_dir, steps):
-    raw = {"run_dir": str(run_dir),
-           "model": {"preset": "gpt2-tiny", "d_model": 32, "num_layers": 2, "num_heads": 2,
-                     "d_ff": 64, "max_len": 32, "dropout_rate": 0.1},
-           "data": {"path": text_dataset, "task": "gpt"},
-           "train": {"steps": steps, "batch_size": 4, "seq_len": 32, "lr": 3e-3,
-                     "warmup_steps": 2, "log_every": 1, "eval_every": 1000, "eval_batches": 2,
-                     "checkpoint_every": 2, "samples": 0, "async_checkpoints": False,
-                     "lora": {"rank": 2, "alpha": 4, "targets": ["query", "value", "mlp_in"]}}}
+    raw = {
+      "run_dir": str(run_dir),
+      "model": {
+        "preset": "gpt2-tiny",
+        "d_model": 32,
+        "num_layers": 2,
+        "num_heads": 2,
+        "d_ff": 64,
+        "max_len": 32,
+        "dropout_rate": 0.1,
+      },
+      "data": {"path": text_dataset, "task": "gpt"},
+      "train": {
+        "steps": steps,
+        "batch_size": 4,
+        "seq_len": 32,
+        "lr": 3e-3,
+        "warmup_steps": 2,
+        "log_every": 1,
+        "eval_every": 1000,
+        "eval_batches": 2,
+        "checkpoint_every": 2,
+        "samples": 0,
+        "async_checkpoints": False,
+        "lora": {"rank": 2, "alpha": 4, "targets": ["query", "value", "mlp_in"]},
+      },
+    }
     return load_experiment(None, raw=raw)
 
   straight = train(experiment(tmp_path / "a", 6), progress=False)
@@ -186,6 +247,7 @@ def test_resumed_lora_run_equals_an_uninterrupted_one(tmp_path, text_dataset):
   def losses(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
       return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+
   assert losses(tmp_path / "a") == losses(tmp_path / "b")
   with open(tmp_path / "b" / "config.yaml") as f:
     assert yaml.safe_load(f)["train"]["lora"]["rank"] == 2
@@ -197,26 +259,46 @@ def test_lora_run_exports_merged_weights_that_transformers_reproduces(tmp_path, 
   transformers = pytest.importorskip("transformers")
   from transformer_jax.hf import convert
   from transformer_jax.train import method
-  raw = {"run_dir": str(tmp_path / "run"),
-         "model": {"preset": "gpt2-tiny", "d_model": 32, "num_layers": 2, "num_heads": 2,
-                   "d_ff": 64, "max_len": 32},
-         "data": {"path": text_dataset, "task": "gpt"},
-         "train": {"steps": 3, "batch_size": 4, "seq_len": 32, "lr": 1e-2, "warmup_steps": 1,
-                   "eval_every": 1000, "eval_batches": 1, "samples": 0,
-                   "async_checkpoints": False,
-                   "lora": {"rank": 4, "alpha": 8, "targets": list(lora.TARGETS)}}}
+
+  raw = {
+    "run_dir": str(tmp_path / "run"),
+    "model": {
+      "preset": "gpt2-tiny",
+      "d_model": 32,
+      "num_layers": 2,
+      "num_heads": 2,
+      "d_ff": 64,
+      "max_len": 32,
+    },
+    "data": {"path": text_dataset, "task": "gpt"},
+    "train": {
+      "steps": 3,
+      "batch_size": 4,
+      "seq_len": 32,
+      "lr": 1e-2,
+      "warmup_steps": 1,
+      "eval_every": 1000,
+      "eval_batches": 1,
+      "samples": 0,
+      "async_checkpoints": False,
+      "lora": {"rank": 4, "alpha": 8, "targets": list(lora.TARGETS)},
+    },
+  }
   exp = load_experiment(None, raw=raw)
   train(exp, progress=False)
   # The run's own (unmerged) forward: base rebuilt from the seed, adapters from the checkpoint.
   config = models.config_from_dict(yaml.safe_load(open(tmp_path / "run" / "model.yaml")))
   graphdef, trainable_abs, _ = lora.split(lora.abstract(config, exp.train.lora))
   from transformer_jax import runs
-  trainable, _ = runs.restore_params(str(tmp_path / "run" / "checkpoints"), config,
-                                     target=trainable_abs)
+
+  trainable, _ = runs.restore_params(
+    str(tmp_path / "run" / "checkpoints"), config, target=trainable_abs
+  )
   _, frozen, _ = method.LoRA(config, exp.train.seed, None, exp.train.lora).start()
   model = nnx.merge(graphdef, trainable, frozen)
-  assert any(np.abs(np.asarray(x)).max() > 0 for x in jax.tree.leaves(
-      nnx.state(model, nnx.LoRAParam)))
+  assert any(
+    np.abs(np.asarray(x)).max() > 0 for x in jax.tree.leaves(nnx.state(model, nnx.LoRAParam))
+  )
   tokens = np.random.default_rng(0).integers(0, config.vocab_size, (2, 16))
   ours = np.asarray(model(jnp.asarray(tokens, jnp.int32)))
   out = tmp_path / "hf"

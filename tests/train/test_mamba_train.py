@@ -17,8 +17,16 @@ from transformer_jax.train import load_experiment, train
 from tests.train.test_reliability import _raw
 
 MODELS = {
-    "hybrid": {"preset": "hybrid-tiny", "d_model": 32, "num_heads": 2, "num_kv_heads": 1,
-               "d_ff": 48, "ssm_chunk": 8, "num_layers": 2, "layer_types": ["mamba", "attention"]},
+  "hybrid": {
+    "preset": "hybrid-tiny",
+    "d_model": 32,
+    "num_heads": 2,
+    "num_kv_heads": 1,
+    "d_ff": 48,
+    "ssm_chunk": 8,
+    "num_layers": 2,
+    "layer_types": ["mamba", "attention"],
+  },
 }
 
 

@@ -13,8 +13,10 @@ from transformer_jax.train import optim
 
 def _grads(scale: float):
   rng = np.random.default_rng(0)
-  return {"w": jnp.asarray(rng.standard_normal((5, 3)) * scale, jnp.float32),
-          "b": {"x": jnp.asarray(rng.standard_normal((7,)) * scale, jnp.float32)}}
+  return {
+    "w": jnp.asarray(rng.standard_normal((5, 3)) * scale, jnp.float32),
+    "b": {"x": jnp.asarray(rng.standard_normal((7,)) * scale, jnp.float32)},
+  }
 
 
 @pytest.mark.parametrize("scale", [0.01, 10.0])
@@ -29,13 +31,15 @@ def test_clip_by_global_norm_matches_float64(scale):
   np.testing.assert_allclose(out["w"], ref[0], rtol=1e-6)
   np.testing.assert_allclose(out["b"]["x"], ref[1], rtol=1e-6)
   # And optax's own, which selects instead of multiplying.
-  chex.assert_trees_all_close(out, optax.clip_by_global_norm(max_norm).update(g, state)[0],
-                              rtol=1e-6)
-  if norm < max_norm:       # below the limit the updates are the same bits
+  chex.assert_trees_all_close(
+    out, optax.clip_by_global_norm(max_norm).update(g, state)[0], rtol=1e-6
+  )
+  if norm < max_norm:  # below the limit the updates are the same bits
     chex.assert_trees_all_equal(out, g)
   else:
-    assert np.sqrt(sum(float(jnp.sum(x**2)) for x in (out["w"], out["b"]["x"]))) == \
-        pytest.approx(max_norm, rel=1e-6)
+    assert np.sqrt(sum(float(jnp.sum(x**2)) for x in (out["w"], out["b"]["x"]))) == pytest.approx(
+      max_norm, rel=1e-6
+    )
 
 
 def test_clip_of_zero_gradients_is_zero():
@@ -46,9 +50,11 @@ def test_clip_of_zero_gradients_is_zero():
 
 def test_optimizer_clips_before_adamw():
   from transformer_jax.train.config import TrainConfig
+
   params = {"kernel": jnp.ones((2, 3)), "bias": jnp.ones((2,))}
-  cfg = TrainConfig(clip_norm=1.0, lr=0.5, eps=1.0, weight_decay=0.0, warmup_steps=0,
-                    schedule="constant")
+  cfg = TrainConfig(
+    clip_norm=1.0, lr=0.5, eps=1.0, weight_decay=0.0, warmup_steps=0, schedule="constant"
+  )
   tx = optim.make_optimizer(cfg)
   g = {"kernel": jnp.full((2, 3), 100.0), "bias": jnp.full((2,), -100.0)}
   updates, _ = tx.update(g, tx.init(params), params)

@@ -29,17 +29,39 @@ from transformer_jax.train import TrainingDiverged, evaluate_run, load_experimen
 from transformer_jax.train import tasks as tasks_lib
 from tests.train.conftest import REPO, run_cli, run_tjax
 
-MODEL = {"preset": "gpt2-tiny", "d_model": 32, "num_layers": 2, "num_heads": 2, "d_ff": 64,
-         "max_len": 32, "dropout_rate": 0.0}
-TRAIN = {"steps": 6, "batch_size": 4, "seq_len": 32, "lr": 3e-3, "warmup_steps": 2,
-         "schedule": "constant",   # the same learning rates whatever train.steps a resume gives
-         "log_every": 2, "eval_every": 6, "eval_batches": 2, "checkpoint_every": 2,
-         "keep_checkpoints": 3, "samples": 0}
+MODEL = {
+  "preset": "gpt2-tiny",
+  "d_model": 32,
+  "num_layers": 2,
+  "num_heads": 2,
+  "d_ff": 64,
+  "max_len": 32,
+  "dropout_rate": 0.0,
+}
+TRAIN = {
+  "steps": 6,
+  "batch_size": 4,
+  "seq_len": 32,
+  "lr": 3e-3,
+  "warmup_steps": 2,
+  "schedule": "constant",  # the same learning rates whatever train.steps a resume gives
+  "log_every": 2,
+  "eval_every": 6,
+  "eval_batches": 2,
+  "checkpoint_every": 2,
+  "keep_checkpoints": 3,
+  "samples": 0,
+}
 
 
 def _raw(run_dir, dataset, **train_overrides):
-  return {"run_dir": str(run_dir), "model": dict(MODEL), "data": {"path": dataset, "task": "gpt"},
-          "train": {**TRAIN, **train_overrides}, "bars": {"val_loss_below_unigram": 100.0}}
+  return {
+    "run_dir": str(run_dir),
+    "model": dict(MODEL),
+    "data": {"path": dataset, "task": "gpt"},
+    "train": {**TRAIN, **train_overrides},
+    "bars": {"val_loss_below_unigram": 100.0},
+  }
 
 
 def _write(path, raw):
@@ -58,7 +80,7 @@ def finished(tmp_path_factory, text_dataset):
   root = tmp_path_factory.mktemp("finished")
   cfg = _write(root / "e.yaml", _raw(root / "run", text_dataset))
   res = run_tjax("train", cfg, timeout=600)
-  assert res.returncode == 0, res.stderr[-3000:]   # a bar that is not reached is reported only
+  assert res.returncode == 0, res.stderr[-3000:]  # a bar that is not reached is reported only
   return {"config": cfg, "run": str(root / "run"), "stdout": res.stdout, "stderr": res.stderr}
 
 
@@ -94,21 +116,26 @@ def test_bars_are_reported_and_enforced_only_with_check_bars(finished):
 
 
 def test_a_finished_run_says_so_and_changes_nothing(finished):
-  before = {n: os.path.getmtime(os.path.join(finished["run"], n))
-            for n in ("config.yaml", "model.yaml", "metrics.jsonl", "final.json")}
+  before = {
+    n: os.path.getmtime(os.path.join(finished["run"], n))
+    for n in ("config.yaml", "model.yaml", "metrics.jsonl", "final.json")
+  }
   code, out, err = run_cli("train", finished["config"], "--no-progress", "mesh.data=1")
   assert code == 0, err
   assert "is finished (step 6 of train.steps=6); nothing to do" in out
   assert before == {n: os.path.getmtime(os.path.join(finished["run"], n)) for n in before}
 
 
-def test_model_and_data_overrides_are_refused_and_nothing_is_rewritten(finished, tmp_path,
-                                                                         text_dataset):
+def test_model_and_data_overrides_are_refused_and_nothing_is_rewritten(
+  finished, tmp_path, text_dataset
+):
   run_dir = _copy(finished, tmp_path)
   snapshot = {n: open(os.path.join(run_dir, n)).read() for n in ("config.yaml", "model.yaml")}
-  for overrides, named in ((["model.d_model=64"], "model.d_model: 32 -> 64"),
-                           (["train.seq_len=16", "train.steps=10"], "train.seq_len: 32 -> 16"),
-                           (["data.path=/elsewhere"], "data.path")):
+  for overrides, named in (
+    (["model.d_model=64"], "model.d_model: 32 -> 64"),
+    (["train.seq_len=16", "train.steps=10"], "train.seq_len: 32 -> 16"),
+    (["data.path=/elsewhere"], "data.path"),
+  ):
     with pytest.raises(ValueError, match="holds a run with another model or data") as e:
       train(_exp(run_dir, text_dataset, overrides), progress=False)
     assert named in str(e.value)
@@ -122,8 +149,11 @@ def test_model_and_data_overrides_are_refused_and_nothing_is_rewritten(finished,
 
 def test_force_new_starts_over(finished, tmp_path, text_dataset):
   run_dir = _copy(finished, tmp_path)
-  final = train(_exp(run_dir, text_dataset, ["model.d_model=16", "model.num_heads=1"], steps=2),
-                progress=False, force_new=True)
+  final = train(
+    _exp(run_dir, text_dataset, ["model.d_model=16", "model.num_heads=1"], steps=2),
+    progress=False,
+    force_new=True,
+  )
   assert final["step"] == 2
   assert runs.RunDir(run_dir).read_model().d_model == 16
   assert runs.RunDir(run_dir).checkpoint_steps() == [2]
@@ -133,11 +163,11 @@ def test_a_failed_start_leaves_no_run_folder_behind(tmp_path, text_dataset):
   run_dir = tmp_path / "r"
   with pytest.raises(ValueError, match="does not fit a GPTConfig"):
     train(_exp(run_dir, text_dataset, ["data.task=bert"]), progress=False)
-  assert not run_dir.exists()   # not even a .lock
+  assert not run_dir.exists()  # not even a .lock
   with pytest.raises(ValueError, match="num_heads=3 does not divide d_model=32"):
     train(_exp(run_dir, text_dataset, ["model.num_heads=3"]), progress=False)
   assert not run_dir.exists()
-  run_dir.mkdir()   # an empty folder given: left as it was
+  run_dir.mkdir()  # an empty folder given: left as it was
   with pytest.raises(ValueError, match="num_heads=3 does not divide d_model=32"):
     train(_exp(run_dir, text_dataset, ["model.num_heads=3"]), progress=False)
   assert os.listdir(run_dir) == []
@@ -146,8 +176,14 @@ def test_a_failed_start_leaves_no_run_folder_behind(tmp_path, text_dataset):
 def test_spelled_out_defaults_resume_the_same_run(finished, tmp_path, text_dataset):
   """A config that spells a default explicitly is the same config."""
   run_dir = _copy(finished, tmp_path)
-  same = ["model.attention_kind=softmax", "model.position=learned", "model.norm_eps=1e-5",
-          "model.sliding_window=null", "data.mask_prob=0.15", "train.dtype=null"]
+  same = [
+    "model.attention_kind=softmax",
+    "model.position=learned",
+    "model.norm_eps=1e-5",
+    "model.sliding_window=null",
+    "data.mask_prob=0.15",
+    "train.dtype=null",
+  ]
   assert train(_exp(run_dir, text_dataset, same), progress=False)["finished_before"]
   with pytest.raises(ValueError, match=r"model\.attention_kind: 'softmax' -> 'linear'"):
     train(_exp(run_dir, text_dataset, ["model.attention_kind=linear"]), progress=False)
@@ -159,8 +195,11 @@ def test_a_folder_that_is_not_a_run_is_not_written_into(tmp_path, text_dataset):
   (folder / "config.yaml").write_text("mine: true\n")
   (folder / "notes.txt").write_text("mine\n")
   for force_new in (False, True):
-    with pytest.raises(ValueError, match=rf"run_dir {folder} holds files that are not a run's "
-                       r"\(config\.yaml, notes\.txt\)"):
+    with pytest.raises(
+      ValueError,
+      match=rf"run_dir {folder} holds files that are not a run's "
+      r"\(config\.yaml, notes\.txt\)",
+    ):
       train(_exp(folder, text_dataset), progress=False, force_new=force_new)
   assert sorted(os.listdir(folder)) == ["config.yaml", "notes.txt"]
   assert (folder / "config.yaml").read_text() == "mine: true\n"
@@ -168,10 +207,14 @@ def test_a_folder_that_is_not_a_run_is_not_written_into(tmp_path, text_dataset):
 
 def test_a_dataset_smaller_than_one_batch_is_refused(tmp_path, text_dataset):
   from transformer_jax.data import GPTLoader, load_dataset
+
   windows = GPTLoader(load_dataset(text_dataset), batch_size=1, seq_len=32).num_windows
   run_dir = tmp_path / "r"
-  with pytest.raises(ValueError, match=rf"the train split of {text_dataset} holds {windows} "
-                     rf"windows of 33 tokens, fewer than train\.batch_size={windows + 1}"):
+  with pytest.raises(
+    ValueError,
+    match=rf"the train split of {text_dataset} holds {windows} "
+    rf"windows of 33 tokens, fewer than train\.batch_size={windows + 1}",
+  ):
     train(_exp(run_dir, text_dataset, batch_size=windows + 1), progress=False)
   assert not run_dir.exists()
 
@@ -181,27 +224,33 @@ def test_a_dataset_smaller_than_one_batch_is_refused(tmp_path, text_dataset):
 
 
 def _truncate_largest_shard(step_dir):
-  shards = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(step_dir, "params"))
-            for f in fs if os.sep + "d" + os.sep in os.path.join(d, f) + os.sep]
+  shards = [
+    os.path.join(d, f)
+    for d, _, fs in os.walk(os.path.join(step_dir, "params"))
+    for f in fs
+    if os.sep + "d" + os.sep in os.path.join(d, f) + os.sep
+  ]
   largest = max(shards, key=os.path.getsize)
   with open(largest, "r+b") as f:
     f.truncate(8)
 
 
 DAMAGE = {
-    "truncated shard": _truncate_largest_shard,
-    "missing _METADATA": lambda d: os.remove(os.path.join(d, "params", "_METADATA")),
-    "missing meta": lambda d: shutil.rmtree(os.path.join(d, "meta")),
-    "missing opt_state": lambda d: shutil.rmtree(os.path.join(d, "opt_state")),
+  "truncated shard": _truncate_largest_shard,
+  "missing _METADATA": lambda d: os.remove(os.path.join(d, "params", "_METADATA")),
+  "missing meta": lambda d: shutil.rmtree(os.path.join(d, "meta")),
+  "missing opt_state": lambda d: shutil.rmtree(os.path.join(d, "opt_state")),
 }
 
 
 # Each resume meets two kinds of damage, at steps 6 and 4 (every kind is met once), so that one
 # training run checks both fall-backs.
-@pytest.mark.parametrize("at_6, at_4", [("truncated shard", "missing opt_state"),
-                                        ("missing meta", "missing _METADATA")])
-def test_damaged_latest_steps_fall_back_to_the_newest_intact_one(finished, tmp_path, capfd,
-                                                                 text_dataset, at_6, at_4):
+@pytest.mark.parametrize(
+  "at_6, at_4", [("truncated shard", "missing opt_state"), ("missing meta", "missing _METADATA")]
+)
+def test_damaged_latest_steps_fall_back_to_the_newest_intact_one(
+  finished, tmp_path, capfd, text_dataset, at_6, at_4
+):
   run_dir = _copy(finished, tmp_path)
   DAMAGE[at_6](os.path.join(run_dir, "checkpoints", "6"))
   DAMAGE[at_4](os.path.join(run_dir, "checkpoints", "4"))
@@ -227,17 +276,25 @@ def test_every_step_damaged_is_one_error_naming_each(finished, tmp_path, text_da
     train(_exp(run_dir, text_dataset, steps=8), progress=False)
   res = run_tjax("eval", run_dir, timeout=600)
   assert res.returncode == 2
-  assert res.stderr.strip().splitlines()[-1].startswith("tjax eval: error: no intact checkpoint"), res.stderr
+  assert res.stderr.strip().splitlines()[-1].startswith("tjax eval: error: no intact checkpoint"), (
+    res.stderr
+  )
   assert "Traceback" not in res.stderr and "Event loop is closed" not in res.stderr
 
 
 @pytest.mark.slow
 def test_sigkill_during_a_save_leaves_a_resumable_run(tmp_path, text_dataset):
   run_dir = tmp_path / "killed"
-  cfg = _write(tmp_path / "e.yaml", _raw(run_dir, text_dataset, steps=400, checkpoint_every=1,
-                                         log_every=1, eval_every=1000))
-  proc = subprocess.Popen([sys.executable, "-m", "transformer_jax.cli", "train", cfg],
-                          cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  cfg = _write(
+    tmp_path / "e.yaml",
+    _raw(run_dir, text_dataset, steps=400, checkpoint_every=1, log_every=1, eval_every=1000),
+  )
+  proc = subprocess.Popen(
+    [sys.executable, "-m", "transformer_jax.cli", "train", cfg],
+    cwd=REPO,
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.DEVNULL,
+  )
   ckpt = run_dir / "checkpoints"
   deadline = time.time() + 300
   try:
@@ -251,8 +308,10 @@ def test_sigkill_during_a_save_leaves_a_resumable_run(tmp_path, text_dataset):
     proc.send_signal(signal.SIGKILL)
   assert proc.wait() == -signal.SIGKILL, "the run finished before it could be killed"
   last = max(runs.RunDir(run_dir).checkpoint_steps())
-  final = train(_exp(run_dir, text_dataset, steps=last + 2, checkpoint_every=1, log_every=1,
-                     eval_every=1000), progress=False)
+  final = train(
+    _exp(run_dir, text_dataset, steps=last + 2, checkpoint_every=1, log_every=1, eval_every=1000),
+    progress=False,
+  )
   assert final["step"] == last + 2 and np.isfinite(final["val_loss"])
 
 
@@ -261,8 +320,17 @@ def test_sigkill_during_a_save_leaves_a_resumable_run(tmp_path, text_dataset):
 
 
 def test_divergence_before_the_first_checkpoint_says_none_was_saved(tmp_path, text_dataset):
-  exp = _exp(tmp_path / "r", text_dataset, lr=1e30, warmup_steps=0, clip_norm=None,
-             schedule="constant", weight_decay=0.0, checkpoint_every=100, log_every=1)
+  exp = _exp(
+    tmp_path / "r",
+    text_dataset,
+    lr=1e30,
+    warmup_steps=0,
+    clip_norm=None,
+    schedule="constant",
+    weight_decay=0.0,
+    checkpoint_every=100,
+    log_every=1,
+  )
   with pytest.raises(TrainingDiverged, match="No checkpoint was saved before it"):
     train(exp, progress=False)
 
@@ -273,8 +341,18 @@ def test_divergence_guard_never_saves_non_finite_parameters(tmp_path, text_datas
   warmup steps: the first update is 0, so step 1 is good; tests/train/test_divergence.py has the
   run whose every checkpoint is bad.)"""
   run_dir = tmp_path / "r"
-  cfg = _write(tmp_path / "e.yaml", _raw(run_dir, text_dataset, steps=20, checkpoint_every=1,
-                                         log_every=1, warmup_steps=2, schedule="constant"))
+  cfg = _write(
+    tmp_path / "e.yaml",
+    _raw(
+      run_dir,
+      text_dataset,
+      steps=20,
+      checkpoint_every=1,
+      log_every=1,
+      warmup_steps=2,
+      schedule="constant",
+    ),
+  )
   code, _, err = run_cli("train", cfg, "--no-progress", "train.lr=1e9")
   assert code == 1, err
   match = re.search(r"became .* at step (\d+).*\(step (\d+)\) is intact", err)
@@ -288,9 +366,11 @@ def test_divergence_guard_never_saves_non_finite_parameters(tmp_path, text_datas
     try:
       from transformer_jax.train import step as step_lib
       from transformer_jax.train.optim import make_optimizer
-      target = step_lib.abstract_state(rd.read_model(), make_optimizer(exp.train),
-                                       parallel.make_mesh({"data": 1}))
-      params, _, _ = ckpt.restore(step, target.params, target.opt_state)   # verifies finiteness
+
+      target = step_lib.abstract_state(
+        rd.read_model(), make_optimizer(exp.train), parallel.make_mesh({"data": 1})
+      )
+      params, _, _ = ckpt.restore(step, target.params, target.opt_state)  # verifies finiteness
     finally:
       ckpt.close()
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
@@ -303,10 +383,17 @@ def test_divergence_guard_never_saves_non_finite_parameters(tmp_path, text_datas
 @pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_exits_0(tmp_path, text_dataset):
   run_dir = tmp_path / "term"
-  cfg = _write(tmp_path / "e.yaml", _raw(run_dir, text_dataset, steps=2000, log_every=1,
-                                         checkpoint_every=1000, eval_every=1000))
-  proc = subprocess.Popen([sys.executable, "-m", "transformer_jax.cli", "train", cfg],
-                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  cfg = _write(
+    tmp_path / "e.yaml",
+    _raw(run_dir, text_dataset, steps=2000, log_every=1, checkpoint_every=1000, eval_every=1000),
+  )
+  proc = subprocess.Popen(
+    [sys.executable, "-m", "transformer_jax.cli", "train", cfg],
+    cwd=REPO,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
   metrics = run_dir / "metrics.jsonl"
   deadline = time.time() + 300
   while time.time() < deadline and proc.poll() is None:
@@ -322,7 +409,9 @@ def test_sigterm_saves_a_checkpoint_and_exits_0(tmp_path, text_dataset):
   assert stopped < 2000 and _metrics(run_dir)[-1]["step"] == stopped
 
 
-def test_a_second_trainer_is_refused_and_more_steps_continue_the_run(finished, tmp_path, text_dataset):
+def test_a_second_trainer_is_refused_and_more_steps_continue_the_run(
+  finished, tmp_path, text_dataset
+):
   run_dir = _copy(finished, tmp_path)
   with runs.RunDir(run_dir).lock():
     with pytest.raises(runs.RunLocked, match="is in use by pid"):
@@ -384,16 +473,19 @@ def test_out_of_range_token_ids_are_refused_on_the_host():
 # One-line errors from the command line.
 
 
-@pytest.mark.parametrize("override, message", [
+@pytest.mark.parametrize(
+  "override, message",
+  [
     ("train.clip_norm=-1", "train.clip_norm=-1.0 must lie in (0.0, inf)"),
     ("train.lr=nan", "train.lr='nan': expected a finite number"),
     ("train.lr=0", "train.lr=0.0 must lie in (0.0, inf)"),
     ("bars.val_loss_below_unigarm=1", "bars.val_loss_below_unigarm: unknown key (did you mean"),
     ("train.b2=1.5", "train.b2=1.5 must lie in [0.0, 1.0)"),
-])
+  ],
+)
 def test_config_ranges_after_options_are_one_line(tmp_path, text_dataset, override, message):
   cfg = _write(tmp_path / "e.yaml", _raw(tmp_path / "r", text_dataset))
-  code, _, err = run_cli("train", cfg, "--no-progress", override)   # options first
+  code, _, err = run_cli("train", cfg, "--no-progress", override)  # options first
   assert code == 2, err
   assert err.count("\n") == 1 and message in err, err
   assert not (tmp_path / "r").exists()
@@ -406,15 +498,14 @@ def test_broken_yaml_names_the_file_and_line(tmp_path):
   res = run_tjax("train", str(cfg), timeout=600)
   assert res.returncode == 2 and res.stderr.count("\n") == 1
   assert f"{cfg}:" in res.stderr and "broken YAML" in res.stderr
-  with pytest.raises(ValueError, match="broken YAML"):   # -v: the error itself, with its traceback
+  with pytest.raises(ValueError, match="broken YAML"):  # -v: the error itself, with its traceback
     run_cli("train", str(cfg), "-v")
 
 
 def test_bad_run_dirs_are_one_line(tmp_path, text_dataset):
   afile = tmp_path / "afile"
   afile.write_text("x")
-  for run_dir, message in ((afile, "is not a directory"),
-                           (afile / "sub", "is not writable")):
+  for run_dir, message in ((afile, "is not a directory"), (afile / "sub", "is not writable")):
     cfg = _write(tmp_path / "e.yaml", _raw(run_dir, text_dataset))
     code, _, err = run_cli("train", cfg)
     assert code == 2 and err.count("\n") == 1, err
@@ -438,8 +529,9 @@ def _small_filesystem(path):
   path.mkdir()
   if sys.platform != "linux" or os.geteuid() != 0:
     return False
-  res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=700k", "tmpfs", str(path)],
-                       capture_output=True)
+  res = subprocess.run(
+    ["mount", "-t", "tmpfs", "-o", "size=700k", "tmpfs", str(path)], capture_output=True
+  )
   return res.returncode == 0
 
 
@@ -469,8 +561,10 @@ def test_a_full_disk_is_one_line_and_earlier_checkpoints_survive(tmp_path, text_
   if not _small_filesystem(small):
     pytest.skip("mounting a small filesystem needs root on Linux")
   try:
-    cfg = _write(tmp_path / "e.yaml", _raw(small / "r", text_dataset, steps=40, checkpoint_every=1,
-                                           keep_checkpoints=5))
+    cfg = _write(
+      tmp_path / "e.yaml",
+      _raw(small / "r", text_dataset, steps=40, checkpoint_every=1, keep_checkpoints=5),
+    )
     res = run_tjax("train", cfg, timeout=600)
     assert res.returncode == 2, res.stderr[-2000:]
     assert res.stderr.count("\n") == 1 and "no space left on the device" in res.stderr
@@ -478,8 +572,10 @@ def test_a_full_disk_is_one_line_and_earlier_checkpoints_survive(tmp_path, text_
     steps = runs.RunDir(small / "r").checkpoint_steps()
     assert steps
     subprocess.run(["mount", "-o", "remount,size=16m", str(small)], check=True)
-    final = train(_exp(small / "r", text_dataset, steps=steps[-1] + 1, checkpoint_every=1,
-                       keep_checkpoints=2), progress=False)
+    final = train(
+      _exp(small / "r", text_dataset, steps=steps[-1] + 1, checkpoint_every=1, keep_checkpoints=2),
+      progress=False,
+    )
     assert final["step"] == steps[-1] + 1
   finally:
     subprocess.run(["umount", str(small)], capture_output=True)
@@ -509,8 +605,10 @@ def test_asyncio_reports_of_abandoned_reads_are_dropped_and_others_kept():
     log.error("Task exception was never retrieved", exc_info=chained)
     log.error("future: <Task finished coro=<_read_array_index_and_device_put() done>>")
     log.error("Exception in callback", exc_info=chained)
-    log.error("Future exception was never retrieved\nfuture: <Future finished exception=ValueError("
-              "'OUT_OF_RANGE: Error reading \"embed.embedding.value/0.0\" in OCDBT database')>")
+    log.error(
+      "Future exception was never retrieved\nfuture: <Future finished exception=ValueError("
+      "'OUT_OF_RANGE: Error reading \"embed.embedding.value/0.0\" in OCDBT database')>"
+    )
     assert out.getvalue() == ""
     log.error("an unrelated asyncio error")
     assert out.getvalue() == "an unrelated asyncio error\n"
@@ -522,8 +620,11 @@ def test_a_library_oserror_without_errno_is_one_line_naming_file_and_reason():
   """TensorStore's write errors reach the CLI as an ``OSError`` with no errno and a multi-line
   text; a full disk must still read as one line with the file."""
   from transformer_jax import cli
-  text = ('Error writing local file "/runs/r/checkpoints/2.orbax-checkpoint-tmp/d/ab12":\\n'
-          "  Failed to write 31841 bytes to file 11:\\n  No space left on device [os_error_code='28']")
+
+  text = (
+    'Error writing local file "/runs/r/checkpoints/2.orbax-checkpoint-tmp/d/ab12":\\n'
+    "  Failed to write 31841 bytes to file 11:\\n  No space left on device [os_error_code='28']"
+  )
   try:
     try:
       raise OSError(text)
@@ -533,7 +634,8 @@ def test_a_library_oserror_without_errno_is_one_line_naming_file_and_reason():
     line = cli._one_line(outer)
   assert line == "/runs/r/checkpoints/2.orbax-checkpoint-tmp/d/ab12: no space left on the device"
   assert cli._one_line(OSError(28, "No space left on device", "/x")) == (
-      "/x: no space left on the device")
+    "/x: no space left on the device"
+  )
 
 
 _LAUNCH_WITH_LATE_NOISE = """
@@ -557,20 +659,28 @@ def test_after_the_one_line_error_the_launcher_keeps_stderr_quiet(code):
   """A failed checkpoint write leaves orbax/tensorstore work that prints tracebacks at exit (one
   CI run saw 256 lines after the error); once the error is reported, the launcher drops them.
   A run that succeeds keeps everything."""
-  res = subprocess.run([sys.executable, "-c", _LAUNCH_WITH_LATE_NOISE, str(code)], cwd=REPO,
-                       env={**os.environ, "TJAX_MALLOC": "0"}, capture_output=True, text=True,
-                       timeout=120)
+  res = subprocess.run(
+    [sys.executable, "-c", _LAUNCH_WITH_LATE_NOISE, str(code)],
+    cwd=REPO,
+    env={**os.environ, "TJAX_MALLOC": "0"},
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert res.returncode == code
   lines = res.stderr.splitlines()
   assert lines[0] == "tjax train: error: /r/checkpoints/2: no space left on the device"
   if code:
     assert lines == lines[:1]
   else:
-    assert "E tensorstore: Failed to write" in lines and "Traceback (most recent call last):" in lines
+    assert (
+      "E tensorstore: Failed to write" in lines and "Traceback (most recent call last):" in lines
+    )
 
 
 def test_main_marks_only_a_caught_error_for_the_launcher(tmp_path, monkeypatch):
   from transformer_jax import cli
+
   monkeypatch.setattr(cli, "_error_reported", False)
   code, _, err = run_cli("train", str(tmp_path / "missing.yaml"))
   assert code == 2 and err.startswith("tjax train: error:") and cli._error_reported
@@ -579,13 +689,16 @@ def test_main_marks_only_a_caught_error_for_the_launcher(tmp_path, monkeypatch):
   assert code == 0 and not cli._error_reported
 
 
-def test_a_step_too_large_for_the_allocator_to_reuse_is_named_once(tmp_path, text_dataset,
-                                                                   monkeypatch, capfd):
+def test_a_step_too_large_for_the_allocator_to_reuse_is_named_once(
+  tmp_path, text_dataset, monkeypatch, capfd
+):
   # A real case needs a step with over 2 GiB of temporaries; here the limit is lowered instead.
   monkeypatch.setattr(allocator, "MIMALLOC_REUSE_LIMIT", 0)
   monkeypatch.setattr(allocator, "allocator", lambda: "mimalloc")
-  train(_exp(tmp_path / "r", text_dataset, ["model.d_model=16", "model.num_heads=1"], steps=3),
-        progress=False)
+  train(
+    _exp(tmp_path / "r", text_dataset, ["model.d_model=16", "model.num_heads=1"], steps=3),
+    progress=False,
+  )
   out = capfd.readouterr().out
   assert out.count("notice: one training step needs") == 1, out
   assert "train.microbatches" in out
@@ -597,25 +710,34 @@ def test_no_allocator_notice_for_a_small_step(finished):
 
 def test_a_window_past_the_models_positions_is_refused_before_the_run(tmp_path, text_dataset):
   run_dir = tmp_path / "r"
-  with pytest.raises(ValueError, match=r"train\.seq_len=64 is longer than the model's "
-                     r"max_len=32 positions"):
+  with pytest.raises(
+    ValueError,
+    match=r"train\.seq_len=64 is longer than the model's "
+    r"max_len=32 positions",
+  ):
     train(_exp(run_dir, text_dataset, seq_len=64), progress=False)
   assert not run_dir.exists()
 
 
 def test_a_model_larger_than_the_free_memory_is_refused_before_anything_is_allocated(
-    tmp_path, text_dataset, monkeypatch):
+  tmp_path, text_dataset, monkeypatch
+):
   from transformer_jax import hardware
+
   monkeypatch.setattr(hardware, "host_memory_available", lambda: 2**10)
   run_dir = tmp_path / "r"
-  with pytest.raises(ValueError, match=r"parameters need .* GiB for parameters, gradients and "
-                     r"AdamW moments, more than the 0\.0 GiB of memory this machine has free"):
+  with pytest.raises(
+    ValueError,
+    match=r"parameters need .* GiB for parameters, gradients and "
+    r"AdamW moments, more than the 0\.0 GiB of memory this machine has free",
+  ):
     train(_exp(run_dir, text_dataset), progress=False)
   assert not run_dir.exists()
 
 
-def test_a_lock_that_is_a_symbolic_link_is_refused_and_its_target_kept(finished, tmp_path,
-                                                                        text_dataset):
+def test_a_lock_that_is_a_symbolic_link_is_refused_and_its_target_kept(
+  finished, tmp_path, text_dataset
+):
   run_dir = _copy(finished, tmp_path)
   precious = tmp_path / "precious.txt"
   precious.write_text("mine\n")
@@ -637,12 +759,18 @@ def test_a_torn_metrics_line_is_dropped_when_the_run_resumes(finished, tmp_path,
   assert steps == list(range(1, 9))
 
 
-@pytest.mark.parametrize("content, named", [
+@pytest.mark.parametrize(
+  "content, named",
+  [
     ('{"step": 6, "loader": "x"}', "loader='x': expected null or an object"),
     ('{"step": 6, "loader": {"step": -1}}', "loader={'step': -1}"),
-    ("[6]", "expected an object"), ('{"step": 6, "lo', "broken JSON")])
-def test_a_damaged_checkpoint_meta_is_a_damaged_step_naming_the_file(finished, tmp_path, content,
-                                                                     named):
+    ("[6]", "expected an object"),
+    ('{"step": 6, "lo', "broken JSON"),
+  ],
+)
+def test_a_damaged_checkpoint_meta_is_a_damaged_step_naming_the_file(
+  finished, tmp_path, content, named
+):
   run_dir = _copy(finished, tmp_path)
   path = os.path.join(run_dir, "checkpoints", "6", "meta", "metadata")
   with open(path, "w") as f:

@@ -19,15 +19,33 @@ from transformer_jax.train import load_experiment
 from transformer_jax.runs import restore_params
 from tests.train.conftest import REPO, CompiledStandIn, run_cli, run_tjax
 
-TINY_GPT = {"preset": "gpt2-tiny", "d_model": 32, "num_layers": 2, "num_heads": 2, "d_ff": 64,
-            "max_len": 32, "dropout_rate": 0.1}
+TINY_GPT = {
+  "preset": "gpt2-tiny",
+  "d_model": 32,
+  "num_layers": 2,
+  "num_heads": 2,
+  "d_ff": 64,
+  "max_len": 32,
+  "dropout_rate": 0.1,
+}
 
 
 def _write_experiment(path, run_dir, dataset, **train):
   exp = {
-      "run_dir": str(run_dir), "model": TINY_GPT, "data": {"path": dataset, "task": "gpt"},
-      "train": {"batch_size": 4, "seq_len": 32, "lr": 3e-3, "warmup_steps": 5, "log_every": 1,
-                "eval_every": 1000, "eval_batches": 2, "samples": 0, **train},
+    "run_dir": str(run_dir),
+    "model": TINY_GPT,
+    "data": {"path": dataset, "task": "gpt"},
+    "train": {
+      "batch_size": 4,
+      "seq_len": 32,
+      "lr": 3e-3,
+      "warmup_steps": 5,
+      "log_every": 1,
+      "eval_every": 1000,
+      "eval_batches": 2,
+      "samples": 0,
+      **train,
+    },
   }
   path.write_text(yaml.safe_dump(exp))
   return str(path)
@@ -55,9 +73,12 @@ def test_sigkill_and_resume_equals_uninterrupted_run(tmp_path, text_dataset):
 
   killed = tmp_path / "killed"
   cfg_b = _write_experiment(tmp_path / "b.yaml", killed, text_dataset, **common)
-  proc = subprocess.Popen([sys.executable, "-m", "transformer_jax.cli", "train", cfg_b,
-                           "--no-progress"], cwd=REPO, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL)
+  proc = subprocess.Popen(
+    [sys.executable, "-m", "transformer_jax.cli", "train", cfg_b, "--no-progress"],
+    cwd=REPO,
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.DEVNULL,
+  )
   metrics_path = killed / "metrics.jsonl"
   deadline = time.time() + 300
   while time.time() < deadline:  # kill mid-way: after step 35, well before step 120
@@ -89,9 +110,13 @@ def test_gradient_accumulation_equals_full_batch(text_dataset, tmp_path):
   """The plans' own steps: 4 microbatches give the whole batch's loss and update."""
   from transformer_jax.train import make_plan
   from transformer_jax.train import step as S
-  raw = {"run_dir": str(tmp_path / "r"), "model": {**TINY_GPT, "dropout_rate": 0.0},
-         "data": {"path": text_dataset, "task": "gpt"},
-         "train": {"batch_size": 8, "seq_len": 32, "warmup_steps": 1}}
+
+  raw = {
+    "run_dir": str(tmp_path / "r"),
+    "model": {**TINY_GPT, "dropout_rate": 0.0},
+    "data": {"path": text_dataset, "task": "gpt"},
+    "train": {"batch_size": 8, "seq_len": 32, "warmup_steps": 1},
+  }
   results = {}
   for micro in (1, 4):
     plan = make_plan(load_experiment(None, [f"train.microbatches={micro}"], raw=raw))
@@ -99,24 +124,27 @@ def test_gradient_accumulation_equals_full_batch(text_dataset, tmp_path):
     params = models.init(plan.model_config, jax.random.key(0))
     state = S.place_state(S.create_state(params, plan.optimizer), plan.mesh)
     for s in range(2):
-      state, m = plan.step(state, S.shard_batch(plan.loader.batch_at(s), plan.mesh,
-                                                plan.task.keys))
+      state, m = plan.step(state, S.shard_batch(plan.loader.batch_at(s), plan.mesh, plan.task.keys))
     results[micro] = (float(m["loss"]), state.params)
   np.testing.assert_allclose(results[1][0], results[4][0], rtol=1e-5)
   for x, y in zip(jax.tree.leaves(results[1][1]), jax.tree.leaves(results[4][1])):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)
 
 
-@pytest.mark.parametrize("temps,batch,n_batch,want,compiled", [
-    ({1: 1500}, 8, 1, 1, [1]),                                    # fits whole: one compile
-    ({1: 5000, 4: 1900}, 8, 1, 4, [1, 4]),                        # >= 5000 / 2000: 3 -> 4
+@pytest.mark.parametrize(
+  "temps,batch,n_batch,want,compiled",
+  [
+    ({1: 1500}, 8, 1, 1, [1]),  # fits whole: one compile
+    ({1: 5000, 4: 1900}, 8, 1, 4, [1, 4]),  # >= 5000 / 2000: 3 -> 4
     ({1: 5000, 4: 2100, 8: 1200}, 8, 1, 8, [1, 4, 8]),
-    ({1: 5000, 4: 2100, 8: 2050}, 8, 1, 1, [1, 4, 8]),            # nothing fits: stays whole
-    ({1: 3000, 2: 1900}, 8, 4, 2, [1, 2]),                        # 2 rows per device
-    ({1: 9000}, 8, 4, 1, [1]),                                    # would need 5: none divides 2
-])
+    ({1: 5000, 4: 2100, 8: 2050}, 8, 1, 1, [1, 4, 8]),  # nothing fits: stays whole
+    ({1: 3000, 2: 1900}, 8, 4, 2, [1, 2]),  # 2 rows per device
+    ({1: 9000}, 8, 4, 1, [1]),  # would need 5: none divides 2
+  ],
+)
 def test_auto_microbatches_takes_the_fewest_that_fit(temps, batch, n_batch, want, compiled):
   from transformer_jax.backends.cpu import microbatches
+
   calls = []
 
   def compile_step(m):
@@ -131,6 +159,7 @@ def test_auto_microbatches_takes_the_fewest_that_fit(temps, batch, n_batch, want
 @pytest.mark.parametrize("bad", ["auto", 0, 1.5, True])
 def test_make_train_step_takes_only_a_count_of_microbatches(bad):
   from transformer_jax.train import step as S
+
   with pytest.raises(ValueError, match=r"microbatches=.* must be a count >= 1"):
     S.make_train_step(None, None, None, seed=0, microbatches=bad)
 
@@ -141,9 +170,13 @@ def test_auto_microbatches_in_a_run_on_cpu_over_mimalloc(text_dataset, tmp_path,
   from transformer_jax.backends.cpu import allocator
   from transformer_jax.train import make_plan
   from transformer_jax.train import step as S
-  raw = {"run_dir": str(tmp_path / "r"), "model": {**TINY_GPT, "dropout_rate": 0.0},
-         "data": {"path": text_dataset, "task": "gpt"},
-         "train": {"batch_size": 8, "seq_len": 32, "warmup_steps": 1}}
+
+  raw = {
+    "run_dir": str(tmp_path / "r"),
+    "model": {**TINY_GPT, "dropout_rate": 0.0},
+    "data": {"path": text_dataset, "task": "gpt"},
+    "train": {"batch_size": 8, "seq_len": 32, "warmup_steps": 1},
+  }
   exp = load_experiment(None, [], raw=raw)
   assert exp.train.microbatches == "auto"  # the default
   temp = lambda c: c.memory_analysis().temp_size_in_bytes  # noqa: E731
@@ -168,13 +201,18 @@ def test_config_yaml_records_the_resolved_microbatches(text_dataset, tmp_path, m
   """``train.microbatches: auto`` is resolved by the plan, before the snapshot is written."""
   from transformer_jax.backends.cpu import allocator
   from transformer_jax.train import make_plan, train
-  raw = {"run_dir": str(tmp_path / "r"), "model": {**TINY_GPT, "dropout_rate": 0.0},
-         "data": {"path": text_dataset, "task": "gpt"},
-         "train": {"steps": 1, "batch_size": 8, "seq_len": 32, "eval_batches": 1, "samples": 0}}
+
+  raw = {
+    "run_dir": str(tmp_path / "r"),
+    "model": {**TINY_GPT, "dropout_rate": 0.0},
+    "data": {"path": text_dataset, "task": "gpt"},
+    "train": {"steps": 1, "batch_size": 8, "seq_len": 32, "eval_batches": 1, "samples": 0},
+  }
   split = make_plan(load_experiment(None, ["train.microbatches=2"], raw=raw))
   monkeypatch.setattr(allocator, "allocator", lambda: "mimalloc")
-  monkeypatch.setattr(allocator, "MIMALLOC_REUSE_LIMIT",
-                      split.compiled.memory_analysis().temp_size_in_bytes)
+  monkeypatch.setattr(
+    allocator, "MIMALLOC_REUSE_LIMIT", split.compiled.memory_analysis().temp_size_in_bytes
+  )
   train(load_experiment(None, [], raw=raw), progress=False)
   with open(tmp_path / "r" / "config.yaml") as f:
     assert yaml.safe_load(f)["train"]["microbatches"] == 2
@@ -182,12 +220,26 @@ def test_config_yaml_records_the_resolved_microbatches(text_dataset, tmp_path, m
 
 def test_run_directory_contents_and_eval(tmp_path, text_dataset):
   run_dir = tmp_path / "run"
-  cfg = _write_experiment(tmp_path / "e.yaml", run_dir, text_dataset, steps=12, eval_every=6,
-                          checkpoint_every=6, samples=1, sample_tokens=4)
+  cfg = _write_experiment(
+    tmp_path / "e.yaml",
+    run_dir,
+    text_dataset,
+    steps=12,
+    eval_every=6,
+    checkpoint_every=6,
+    samples=1,
+    sample_tokens=4,
+  )
   res = run_tjax("train", cfg, timeout=600)
   assert res.returncode == 0, res.stderr[-3000:]
-  for name in ("config.yaml", "model.yaml", "metrics.jsonl", "loss.png", "final.json",
-               "samples.txt"):
+  for name in (
+    "config.yaml",
+    "model.yaml",
+    "metrics.jsonl",
+    "loss.png",
+    "final.json",
+    "samples.txt",
+  ):
     assert (run_dir / name).exists(), name
   assert any(f.startswith("events.out.tfevents") for f in os.listdir(run_dir / "tensorboard"))
   records = _metrics(run_dir)
@@ -200,7 +252,7 @@ def test_run_directory_contents_and_eval(tmp_path, text_dataset):
   assert os.path.isdir(run_dir / "checkpoints" / "best")
   ev = run_tjax("eval", str(run_dir), timeout=600)
   assert ev.returncode == 0, ev.stderr[-3000:]
-  result = json.loads(ev.stdout[ev.stdout.index("{"):])
+  result = json.loads(ev.stdout[ev.stdout.index("{") :])
   assert result["step"] == 12
   np.testing.assert_allclose(result["val_loss"], eval_lines[-1]["val_loss"], rtol=1e-5)
 

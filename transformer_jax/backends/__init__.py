@@ -40,8 +40,20 @@ from transformer_jax.backends.table import KernelTable
 from transformer_jax.backends.tpu import TpuBackend
 from transformer_jax.ops.dispatch import PLATFORMS
 
-__all__ = ["PLATFORMS", "Backend", "CpuBackend", "GpuBackend", "KernelTable", "TpuBackend",
-           "current", "einsum_dims", "for_platform", "padded_attend", "platform", "temp_bytes"]
+__all__ = [
+  "PLATFORMS",
+  "Backend",
+  "CpuBackend",
+  "GpuBackend",
+  "KernelTable",
+  "TpuBackend",
+  "current",
+  "einsum_dims",
+  "for_platform",
+  "padded_attend",
+  "platform",
+  "temp_bytes",
+]
 
 
 def platform() -> str:
@@ -62,7 +74,6 @@ def for_platform(name: str, table: KernelTable | None = None) -> Backend:
   table = KernelTable() if table is None else table
   match name:
     case "cpu":
-
       return CpuBackend(table, bf16_units=hardware.has_bf16_units())
     case "gpu":
       return GpuBackend(table)

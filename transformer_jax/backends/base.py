@@ -67,6 +67,7 @@ class Backend:
   Attributes:
     table: the run's kernel levers.
   """
+
   table: KernelTable = KernelTable()
 
   platform: ClassVar[str] = ""
@@ -83,17 +84,31 @@ class Backend:
   def choose_attention(self, q, k, v, **parts) -> Choice:
     """``ops.choose_implementation`` for these inputs on this platform (``parts``: its keyword
     arguments but ``platform``), with what only the platform knows."""
-    return ops.choose_implementation(q, k, v, platform=self.platform, **parts,
-                                     rowmajor_core=self.dense_core(q, k, v) is not None)
+    return ops.choose_implementation(
+      q, k, v, platform=self.platform, **parts, rowmajor_core=self.dense_core(q, k, v) is not None
+    )
 
-  def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
-                window: int | None = None, kv_valid: jax.Array | None = None,
-                q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
-                q_positions: jax.Array | None = None, bias_fn=None, bias_params: Any = None,
-                scale: float | None = None, dropout_rate: float = 0.0,
-                dropout_rng: jax.Array | None = None,
-                implementation: ops.Implementation | None = None, mesh: Mesh | None = None,
-                self_attention: bool = False) -> jax.Array:
+  def attention(
+    self,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = False,
+    window: int | None = None,
+    kv_valid: jax.Array | None = None,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    q_positions: jax.Array | None = None,
+    bias_fn=None,
+    bias_params: Any = None,
+    scale: float | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+    implementation: ops.Implementation | None = None,
+    mesh: Mesh | None = None,
+    self_attention: bool = False,
+  ) -> jax.Array:
     """``softmax(scale * q k^T + bias, masked) v`` by the kernel the table chooses for these
     inputs here (or ``implementation``): chosen and called in one place.
 
@@ -117,50 +132,104 @@ class Backend:
     dropout = dropout_rate > 0.0 and dropout_rng is not None
     shards = sequence_shards(mesh, q.shape[0], q.shape[1]) if self_attention else 1
     choice = self.choose_attention(
-        q, k, v, causal=causal, window=window, segment_ids=q_segment_ids is not None,
-        bias=bias_fn is not None, dropout=dropout, kv_valid=kv_valid is not None,
-        q_positions=q_positions is not None, sequence_shards=shards)
+      q,
+      k,
+      v,
+      causal=causal,
+      window=window,
+      segment_ids=q_segment_ids is not None,
+      bias=bias_fn is not None,
+      dropout=dropout,
+      kv_valid=kv_valid is not None,
+      q_positions=q_positions is not None,
+      sequence_shards=shards,
+    )
     kernel = implementation or choice
-    parts = dict(causal=causal, window=window, kv_valid=kv_valid, q_segment_ids=q_segment_ids,
-                 kv_segment_ids=kv_segment_ids, q_positions=q_positions, bias_fn=bias_fn,
-                 bias_params=bias_params, scale=scale, dropout_rate=dropout_rate,
-                 dropout_rng=dropout_rng)
+    parts = dict(
+      causal=causal,
+      window=window,
+      kv_valid=kv_valid,
+      q_segment_ids=q_segment_ids,
+      kv_segment_ids=kv_segment_ids,
+      q_positions=q_positions,
+      bias_fn=bias_fn,
+      bias_params=bias_params,
+      scale=scale,
+      dropout_rate=dropout_rate,
+      dropout_rng=dropout_rng,
+    )
     if choice == "ring":
-      return ring_attention(q, k, v, mesh=mesh, causal=causal, kv_mask_BS=kv_valid,
-                            segment_ids_BT=q_segment_ids, scale=scale)
+      return ring_attention(
+        q,
+        k,
+        v,
+        mesh=mesh,
+        causal=causal,
+        kv_mask_BS=kv_valid,
+        segment_ids_BT=q_segment_ids,
+        scale=scale,
+      )
     match kernel:
       case "xla" | "chunked":
         block = self.chunk_block
-        return ops.dot_product_attention(q, k, v, **parts, implementation=kernel,
-                                         dense_core=self.dense_core(q, k, v), block_q=block,
-                                         block_k=block)
+        return ops.dot_product_attention(
+          q,
+          k,
+          v,
+          **parts,
+          implementation=kernel,
+          dense_core=self.dense_core(q, k, v),
+          block_q=block,
+          block_k=block,
+        )
       case "splash":
         if per_device.mesh_splits(mesh, q):
           return per_device.attention(
-              mesh, lambda q, k, v, seg: splash.attention(
-                  q, k, v, causal=causal, window=window, q_segment_ids=seg, scale=scale),
-              q, k, v, q_segment_ids)
+            mesh,
+            lambda q, k, v, seg: splash.attention(
+              q, k, v, causal=causal, window=window, q_segment_ids=seg, scale=scale
+            ),
+            q,
+            k,
+            v,
+            q_segment_ids,
+          )
         return splash.attention(q, k, v, **parts)
       case "cudnn":
         from transformer_jax.backends import cudnn  # noqa: PLC0415 - cuDNN's module, on GPUs
 
         segments = self.table.cudnn_packed_segments
-        if per_device.mesh_splits(mesh, q) and (kv_valid is None and bias_fn is None
-                                                and not dropout and q_positions is None):
+        if per_device.mesh_splits(mesh, q) and (
+          kv_valid is None and bias_fn is None and not dropout and q_positions is None
+        ):
           return per_device.attention(
-              mesh, lambda q, k, v, seg: cudnn.attention(
-                  q, k, v, causal=causal, window=window, q_segment_ids=seg, scale=scale,
-                  table_segments=segments),
-              q, k, v, q_segment_ids)
+            mesh,
+            lambda q, k, v, seg: cudnn.attention(
+              q,
+              k,
+              v,
+              causal=causal,
+              window=window,
+              q_segment_ids=seg,
+              scale=scale,
+              table_segments=segments,
+            ),
+            q,
+            k,
+            v,
+            q_segment_ids,
+          )
         return cudnn.attention(q, k, v, **parts, table_segments=segments)
       case _:
-        raise ValueError(f"implementation={kernel!r} must be None, 'xla', 'chunked', 'cudnn' or "
-                         "'splash'")
+        raise ValueError(
+          f"implementation={kernel!r} must be None, 'xla', 'chunked', 'cudnn' or 'splash'"
+        )
 
   # -- products ----------------------------------------------------------------------------------
 
-  def project(self, x: jax.Array, kernel, bias, *, einsum: str, n_in: int, dtype,
-              merged: bool = False) -> jax.Array:
+  def project(
+    self, x: jax.Array, kernel, bias, *, einsum: str, n_in: int, dtype, merged: bool = False
+  ) -> jax.Array:
     """A projection's product ``einsum(x, kernel) + bias`` in ``dtype``.
 
     Args:
@@ -176,11 +245,11 @@ class Backend:
     w = value(kernel)
     if merged:
       x_letters, _, out_letters = einsum_dims(einsum)
-      lead = x_letters[:len(x_letters) - n_in]
-      outs = out_letters[len(lead):]
+      lead = x_letters[: len(x_letters) - n_in]
+      outs = out_letters[len(lead) :]
       k_in = math.prod(w.shape[:n_in])
-      w_EO = w.reshape(k_in, *w.shape[n_in:]).astype(dtype)   # E: the contracted dims as one
-      x_E = x.reshape(*x.shape[:x.ndim - n_in], k_in).astype(dtype)
+      w_EO = w.reshape(k_in, *w.shape[n_in:]).astype(dtype)  # E: the contracted dims as one
+      x_E = x.reshape(*x.shape[: x.ndim - n_in], k_in).astype(dtype)
       y = jnp.einsum(f"{lead}E,E{outs}->{lead}{outs}", x_E, w_EO)
     else:
       y = jnp.einsum(einsum, x.astype(dtype), w.astype(dtype))
@@ -203,8 +272,9 @@ class Backend:
     """``ops.linear_cross_entropy`` in this platform's layout (``kwargs``: its options)."""
     return ops.linear_cross_entropy(x_ND, w, labels_N, weights_N, **kwargs)
 
-  def activate(self, activation: ops.Activation, x: jax.Array, up: jax.Array | None = None, *,
-               dtype) -> jax.Array:
+  def activate(
+    self, activation: ops.Activation, x: jax.Array, up: jax.Array | None = None, *, dtype
+  ) -> jax.Array:
     """The feed-forward activation ``act(x)``, or ``gated(act, x, up)``, between products
     computed in ``dtype``."""
     del dtype
@@ -262,8 +332,9 @@ class Backend:
     options = self.step_compiler_options()
     return self.hold(jax.jit(fn, compiler_options=options or None, **jit_kwargs), options)
 
-  def microbatches(self, setting: int | str, compile_step: Callable[[int], Any],
-                   batch_size: int, n_batch: int = 1) -> tuple[int, Any]:
+  def microbatches(
+    self, setting: int | str, compile_step: Callable[[int], Any], batch_size: int, n_batch: int = 1
+  ) -> tuple[int, Any]:
     """``train.microbatches`` resolved, with the step compiled for it: a number is taken as
     given; "auto" is 1 here.
 

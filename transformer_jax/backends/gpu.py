@@ -27,8 +27,9 @@ class GpuBackend(Backend):
     them."""
     options = dict(compile_lib.GPU_STEP_OPTIONS)
     if self.table.cudnn_packed_segments:
-      options.setdefault("xla_gpu_enable_command_buffer",
-                         compile_lib.GPU_COMMAND_BUFFERS_WITH_CONDITIONALS)
+      options.setdefault(
+        "xla_gpu_enable_command_buffer", compile_lib.GPU_COMMAND_BUFFERS_WITH_CONDITIONALS
+      )
     options.update(self.table.step_options)
     return options
 

@@ -35,8 +35,9 @@ def mesh_splits(mesh: Mesh | None, q_BTNH) -> bool:
   return bool(batch or head) and q_BTNH.shape[0] % rows == 0
 
 
-def attention(mesh: Mesh, kernel: Callable[..., jax.Array], q_BTNH, k_BSKH, v_BSKH,
-              segment_ids=None) -> jax.Array:
+def attention(
+  mesh: Mesh, kernel: Callable[..., jax.Array], q_BTNH, k_BSKH, v_BSKH, segment_ids=None
+) -> jax.Array:
   """``kernel(q, k, v, seg)`` on each device's rows and heads (``jax.shard_map``).
 
   Args:
@@ -51,7 +52,7 @@ def attention(mesh: Mesh, kernel: Callable[..., jax.Array], q_BTNH, k_BSKH, v_BS
   """
   batch, head = _mesh_axes(mesh, q_BTNH)
   if head is not None and k_BSKH.shape[2] % mesh.shape[head]:
-    head = None   # MQA/GQA with fewer key/value heads than the axis: heads replicated
+    head = None  # MQA/GQA with fewer key/value heads than the axis: heads replicated
   x_spec = P(batch or None, None, head, None)
   args, specs = [q_BTNH, k_BSKH, v_BSKH], [x_spec, x_spec, x_spec]
   if segment_ids is not None:
@@ -61,5 +62,6 @@ def attention(mesh: Mesh, kernel: Callable[..., jax.Array], q_BTNH, k_BSKH, v_BS
   def attend(q, k, v, seg=None):
     return kernel(q, k, v, seg)
 
-  return jax.shard_map(attend, mesh=mesh, in_specs=tuple(specs), out_specs=x_spec,
-                       check_vma=False)(*args)
+  return jax.shard_map(attend, mesh=mesh, in_specs=tuple(specs), out_specs=x_spec, check_vma=False)(
+    *args
+  )

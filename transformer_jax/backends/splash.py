@@ -50,8 +50,8 @@ def _splash_modules() -> tuple[Any, Any]:
     return importlib.import_module(_KERNEL_MODULE), importlib.import_module(_MASK_MODULE)
   except Exception as e:  # ImportError, or a Pallas TPU piece failing at import time
     raise ImportError(
-        f"splash attention needs {_KERNEL_MODULE} and {_MASK_MODULE}, which failed to import with "
-        f"jax {jax.__version__} ({type(e).__name__}: {e}); use implementation='chunked' or 'xla'"
+      f"splash attention needs {_KERNEL_MODULE} and {_MASK_MODULE}, which failed to import with "
+      f"jax {jax.__version__} ({type(e).__name__}: {e}); use implementation='chunked' or 'xla'"
     ) from e
 
 
@@ -59,7 +59,8 @@ def _default_block(length: int, name: str) -> int:
   """The largest multiple of ``LANES`` up to ``DEFAULT_BLOCK`` that divides ``length``."""
   if length % LANES:
     raise ValueError(
-        f"splash attention needs {name} to be a multiple of {LANES}; got {name}={length}")
+      f"splash attention needs {name} to be a multiple of {LANES}; got {name}={length}"
+    )
   return max(b for b in range(LANES, min(DEFAULT_BLOCK, length) + 1, LANES) if length % b == 0)
 
 
@@ -68,8 +69,9 @@ def _check_block(value: int | None, field: str, length: int, name: str) -> None:
     return
   if not isinstance(value, (int, np.integer)) or value <= 0 or value % LANES or length % value:
     raise ValueError(
-        f"block size {field}={value} must be a positive multiple of {LANES} that divides "
-        f"{name}={length}")
+      f"block size {field}={value} must be a positive multiple of {LANES} that divides "
+      f"{name}={length}"
+    )
 
 
 def _block_sizes(splash_kernel: Any, block_sizes: Any, t: int, s: int) -> Any:
@@ -84,8 +86,9 @@ def _block_sizes(splash_kernel: Any, block_sizes: Any, t: int, s: int) -> Any:
     block_q, block_kv = block_sizes
   else:
     raise ValueError(
-        "block_sizes must be None, an int, a (block_q, block_kv) pair or a splash BlockSizes; got "
-        f"{block_sizes!r}")
+      "block_sizes must be None, an int, a (block_q, block_kv) pair or a splash BlockSizes; got "
+      f"{block_sizes!r}"
+    )
   if isinstance(block_sizes, splash_kernel.BlockSizes):
     sizes = block_sizes
     if not sizes.has_backward_blocks:  # fill the backward blocks from the forward ones
@@ -93,24 +96,40 @@ def _block_sizes(splash_kernel: Any, block_sizes: Any, t: int, s: int) -> Any:
       if not sizes.use_fused_bwd_kernel:
         fill.update(block_q_dq=block_q, block_kv_dq=block_kv)
       sizes = dataclasses.replace(
-          sizes, **{f: getattr(sizes, f) if getattr(sizes, f) is not None else b
-                    for f, b in fill.items()})
+        sizes,
+        **{f: getattr(sizes, f) if getattr(sizes, f) is not None else b for f, b in fill.items()},
+      )
   else:
     sizes = splash_kernel.BlockSizes(
-        block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv,
-        block_q_dkv=block_q, block_kv_dkv=block_kv, block_kv_dkv_compute=block_kv,
-        block_q_dq=block_q, block_kv_dq=block_kv)
+      block_q=block_q,
+      block_kv=block_kv,
+      block_kv_compute=block_kv,
+      block_q_dkv=block_q,
+      block_kv_dkv=block_kv,
+      block_kv_dkv_compute=block_kv,
+      block_q_dq=block_q,
+      block_kv_dq=block_kv,
+    )
   for field, length, name in (
-      ("block_q", t, "T"), ("block_q_dkv", t, "T"), ("block_q_dq", t, "T"),
-      ("block_kv", s, "S"), ("block_kv_compute", s, "S"), ("block_kv_dkv", s, "S"),
-      ("block_kv_dkv_compute", s, "S"), ("block_kv_dq", s, "S")):
+    ("block_q", t, "T"),
+    ("block_q_dkv", t, "T"),
+    ("block_q_dq", t, "T"),
+    ("block_kv", s, "S"),
+    ("block_kv_compute", s, "S"),
+    ("block_kv_dkv", s, "S"),
+    ("block_kv_dkv_compute", s, "S"),
+    ("block_kv_dq", s, "S"),
+  ):
     _check_block(getattr(sizes, field), field, length, name)
-  for compute, memory in (("block_kv_compute", "block_kv"),
-                          ("block_kv_dkv_compute", "block_kv_dkv")):
+  for compute, memory in (
+    ("block_kv_compute", "block_kv"),
+    ("block_kv_dkv_compute", "block_kv_dkv"),
+  ):
     if getattr(sizes, memory) % getattr(sizes, compute):
       raise ValueError(
-          f"block size {compute}={getattr(sizes, compute)} must divide "
-          f"{memory}={getattr(sizes, memory)}")
+        f"block size {compute}={getattr(sizes, compute)} must divide "
+        f"{memory}={getattr(sizes, memory)}"
+      )
   return sizes
 
 
@@ -121,7 +140,8 @@ def _mask(splash_mask: Any, t: int, s: int, n: int, causal: bool, window: int | 
     # LocalMask keeps q + offset - left <= k <= q + offset + right; |q_pos - k_pos| < window is
     # left = right = window - 1, and causal cuts the right side to 0.
     head = splash_mask.LocalMask(
-        shape, window_size=(window - 1, 0 if causal else window - 1), offset=offset)
+      shape, window_size=(window - 1, 0 if causal else window - 1), offset=offset
+    )
   elif causal:
     head = splash_mask.CausalMask(shape, offset=offset)
   else:
@@ -138,9 +158,19 @@ def _check_segment_ids(ids: Any, name: str, shape: tuple[int, int]) -> jax.Array
   return ids.astype(jnp.int32)
 
 
-def splash_attention(q, k, v, *, causal: bool = False, window: int | None = None,
-                     q_segment_ids=None, kv_segment_ids=None, scale: float | None = None,
-                     block_sizes=None, interpret: bool | None = None) -> jax.Array:
+def splash_attention(
+  q,
+  k,
+  v,
+  *,
+  causal: bool = False,
+  window: int | None = None,
+  q_segment_ids=None,
+  kv_segment_ids=None,
+  scale: float | None = None,
+  block_sizes=None,
+  interpret: bool | None = None,
+) -> jax.Array:
   """``softmax(scale * q k^T, masked) v`` by the Pallas splash-attention kernel.
 
   The mask is given by parts, ANDed; a pair (query, key) is attended (True) when every part allows
@@ -181,14 +211,16 @@ def splash_attention(q, k, v, *, causal: bool = False, window: int | None = None
   (b, t, n, h), s = q.shape, k.shape[1]
   if np.dtype(q.dtype) not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
     raise ValueError(
-        "q, k and v must share one dtype, float32 or bfloat16; got "
-        f"q.dtype={q.dtype}, k.dtype={k.dtype}, v.dtype={v.dtype}")
+      "q, k and v must share one dtype, float32 or bfloat16; got "
+      f"q.dtype={q.dtype}, k.dtype={k.dtype}, v.dtype={v.dtype}"
+    )
   if window is not None and (not isinstance(window, (int, np.integer)) or window < 1):
     raise ValueError(f"window={window!r} must be an int >= 1")
   if empty_rows(t, s, causal, window):
     raise ValueError(
-        f"causal={causal}, window={window} with T={t} > S={s} leave queries without keys, which "
-        "splash attention cannot give defined values for; use implementation='chunked' or 'xla'")
+      f"causal={causal}, window={window} with T={t} > S={s} leave queries without keys, which "
+      "splash attention cannot give defined values for; use implementation='chunked' or 'xla'"
+    )
   if q_segment_ids is None:
     if kv_segment_ids is not None:
       raise ValueError("kv_segment_ids needs q_segment_ids")
@@ -204,12 +236,14 @@ def splash_attention(q, k, v, *, causal: bool = False, window: int | None = None
     interpret = jax.default_backend() != "tpu"
   elif not interpret and jax.default_backend() != "tpu":
     raise ValueError(
-        f"interpret=False needs a TPU; the default backend is {jax.default_backend()!r}")
+      f"interpret=False needs a TPU; the default backend is {jax.default_backend()!r}"
+    )
 
   splash_kernel, splash_mask = _splash_modules()
   sizes = _block_sizes(splash_kernel, block_sizes, t, s)
   kernel = splash_kernel.make_splash_mha_single_device(
-      _mask(splash_mask, t, s, n, causal, window), block_sizes=sizes, interpret=bool(interpret))
+    _mask(splash_mask, t, s, n, causal, window), block_sizes=sizes, interpret=bool(interpret)
+  )
 
   scale = h**-0.5 if scale is None else float(scale)
   q_BNTH = (q.astype(jnp.float32) * scale).astype(q.dtype).transpose(0, 2, 1, 3)
@@ -222,17 +256,34 @@ def splash_attention(q, k, v, *, causal: bool = False, window: int | None = None
 
   seg_axis = None if q_segment_ids is None else 0
   out_BNTH = jax.vmap(one_sequence, in_axes=(0, 0, 0, seg_axis, seg_axis))(
-      q_BNTH, k_BKSH, v_BKSH, q_segment_ids, kv_segment_ids)
+    q_BNTH, k_BKSH, v_BKSH, q_segment_ids, kv_segment_ids
+  )
   return out_BNTH.transpose(0, 2, 1, 3)
 
 
 __all__ = ["LANES", "attention", "splash_attention", "splash_supports"]
 
 
-def attention(q, k, v, *, bias=None, mask=None, causal: bool = False, scale=None,
-              dropout_rate: float = 0.0, dropout_rng=None, return_weights: bool = False,
-              kv_valid=None, q_segment_ids=None, kv_segment_ids=None, window=None,
-              q_positions=None, bias_fn=None, **_) -> jax.Array:
+def attention(
+  q,
+  k,
+  v,
+  *,
+  bias=None,
+  mask=None,
+  causal: bool = False,
+  scale=None,
+  dropout_rate: float = 0.0,
+  dropout_rng=None,
+  return_weights: bool = False,
+  kv_valid=None,
+  q_segment_ids=None,
+  kv_segment_ids=None,
+  window=None,
+  q_positions=None,
+  bias_fn=None,
+  **_,
+) -> jax.Array:
   """``ops.dot_product_attention``'s call through splash attention, which takes the causal,
   window and segment-id parts only.
 
@@ -241,15 +292,40 @@ def attention(q, k, v, *, bias=None, mask=None, causal: bool = False, scale=None
       positions, attention dropout, the weights), and for inputs ``ops.dot_product_attention``
       refuses.
   """
-  attention_ops.check_call(q, k, v, mask=mask, window=window, kv_valid=kv_valid,
-                           q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+  attention_ops.check_call(
+    q,
+    k,
+    v,
+    mask=mask,
+    window=window,
+    kv_valid=kv_valid,
+    q_segment_ids=q_segment_ids,
+    kv_segment_ids=kv_segment_ids,
+  )
   dropout = dropout_rate > 0.0 and dropout_rng is not None
-  unsupported = [name for name, given in (
-      ("bias", bias is not None or bias_fn is not None), ("mask", mask is not None),
-      ("kv_valid", kv_valid is not None), ("q_positions", q_positions is not None),
-      ("attention dropout", dropout), ("return_weights", return_weights)) if given]
+  unsupported = [
+    name
+    for name, given in (
+      ("bias", bias is not None or bias_fn is not None),
+      ("mask", mask is not None),
+      ("kv_valid", kv_valid is not None),
+      ("q_positions", q_positions is not None),
+      ("attention dropout", dropout),
+      ("return_weights", return_weights),
+    )
+    if given
+  ]
   if unsupported:
-    raise ValueError(f"implementation='splash' does not take {', '.join(unsupported)}: use "
-                     "'chunked' or 'xla'")
-  return splash_attention(q, k, v, causal=causal, window=window, q_segment_ids=q_segment_ids,
-                          kv_segment_ids=kv_segment_ids, scale=scale)
+    raise ValueError(
+      f"implementation='splash' does not take {', '.join(unsupported)}: use 'chunked' or 'xla'"
+    )
+  return splash_attention(
+    q,
+    k,
+    v,
+    causal=causal,
+    window=window,
+    q_segment_ids=q_segment_ids,
+    kv_segment_ids=kv_segment_ids,
+    scale=scale,
+  )

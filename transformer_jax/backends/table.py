@@ -36,17 +36,23 @@ OptionValue = bool | int | float | str
 # does). 0 is "off"; between 1 and the smallest useful value nothing would change, so those are
 # refused rather than accepted as a silent no-op.
 INT_LEVERS: dict[str, tuple[int, int, str]] = {
-    "pad_cols": (2, 1 << 16,
-                 "the tied vocabulary product padded to a multiple of N columns (0: off)"),
-    "cudnn_packed_segments": (2, 1 << 16,
-                              "segment ids to cuDNN as up to N packed sequences per row (0: off)"),
+  "pad_cols": (
+    2,
+    1 << 16,
+    "the tied vocabulary product padded to a multiple of N columns (0: off)",
+  ),
+  "cudnn_packed_segments": (
+    2,
+    1 << 16,
+    "segment ids to cuDNN as up to N packed sequences per row (0: off)",
+  ),
 }
 # The backends a set (non-default) field changes anything on.
 APPLIES_ON: dict[str, tuple[str, ...]] = {
-    "pad_cols": ("cpu", "gpu", "tpu"),
-    "cudnn_packed_segments": ("gpu",),
-    "step_options": ("cpu", "gpu", "tpu"),
-    "decode_options": ("cpu", "gpu", "tpu"),
+  "pad_cols": ("cpu", "gpu", "tpu"),
+  "cudnn_packed_segments": ("gpu",),
+  "step_options": ("cpu", "gpu", "tpu"),
+  "decode_options": ("cpu", "gpu", "tpu"),
 }
 OPTION_FIELDS = ("step_options", "decode_options")
 
@@ -106,6 +112,7 @@ class KernelTable:
   Raises:
     ValueError: naming the field and the value, for a value out of range or of the wrong type.
   """
+
   pad_cols: int = 0
   cudnn_packed_segments: int = 0
   step_options: tuple[tuple[str, OptionValue], ...] = ()

@@ -46,9 +46,12 @@ def run(kind: str, args, argv: list[str]) -> dict:
   load_before = os.getloadavg()
   result = mod.run(args)
   result["command"] = command
-  result["machine"] = {**machine.describe(("torch", "transformers")), **result.get("machine", {}),
-                       "load_average_before": list(load_before),
-                       "load_average_after": list(os.getloadavg())}
+  result["machine"] = {
+    **machine.describe(("torch", "transformers")),
+    **result.get("machine", {}),
+    "load_average_before": list(load_before),
+    "load_average_after": list(os.getloadavg()),
+  }
   result["timestamp"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
   print(mod.table(result), flush=True)
   out = args.json if args.json is not None else default_json(kind)

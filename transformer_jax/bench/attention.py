@@ -39,31 +39,47 @@ from transformer_jax import backends, hardware
 from transformer_jax.bench import machine
 
 # --implementations when not given, by platform ("auto": the library's choice).
-DEFAULT_IMPLEMENTATIONS = {"cpu": "xla,chunked", "gpu": "xla,chunked,cudnn,auto",
-                           "tpu": "xla,chunked,auto"}
+DEFAULT_IMPLEMENTATIONS = {
+  "cpu": "xla,chunked",
+  "gpu": "xla,chunked,cudnn,auto",
+  "tpu": "xla,chunked,auto",
+}
 RIVALS = ("torch", "none")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--lengths", default="256,1024,2048", help="comma-separated sequence lengths")
   p.add_argument("--batch-size", type=int, default=1)
-  p.add_argument("--batch-sizes", default=None,
-                 help="comma-separated batch sizes, one per --lengths entry (default: --batch-size "
-                      "at every length)")
+  p.add_argument(
+    "--batch-sizes",
+    default=None,
+    help="comma-separated batch sizes, one per --lengths entry (default: --batch-size "
+    "at every length)",
+  )
   p.add_argument("--heads", type=int, default=12)
   p.add_argument("--head-dim", type=int, default=64)
-  p.add_argument("--implementations", default=None,
-                 help="comma-separated: xla, chunked, cudnn, auto (the library's choice); default "
-                      + "; ".join(f"{k}: {v}" for k, v in DEFAULT_IMPLEMENTATIONS.items()))
-  p.add_argument("--against", default=None,
-                 help="torch (scaled_dot_product_attention on the same device) or none; default "
-                      "torch on a GPU, none elsewhere")
+  p.add_argument(
+    "--implementations",
+    default=None,
+    help="comma-separated: xla, chunked, cudnn, auto (the library's choice); default "
+    + "; ".join(f"{k}: {v}" for k, v in DEFAULT_IMPLEMENTATIONS.items()),
+  )
+  p.add_argument(
+    "--against",
+    default=None,
+    help="torch (scaled_dot_product_attention on the same device) or none; default "
+    "torch on a GPU, none elsewhere",
+  )
   p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
   p.add_argument("--reps", type=int, default=3)
-  p.add_argument("--inner", type=int, default=1,
-                 help="calls per timed repetition, issued back to back with one wait at the end "
-                      "(both sides): short kernels are then timed without each call's launch and "
-                      "wait; a time is the repetition's seconds / --inner")
+  p.add_argument(
+    "--inner",
+    type=int,
+    default=1,
+    help="calls per timed repetition, issued back to back with one wait at the end "
+    "(both sides): short kernels are then timed without each call's launch and "
+    "wait; a time is the repetition's seconds / --inner",
+  )
 
 
 def batch_sizes(lengths: list[int], batch_size: int, spec: str | None) -> list[int]:
@@ -81,8 +97,10 @@ def batch_sizes(lengths: list[int], batch_size: int, spec: str | None) -> list[i
     except ValueError:
       raise ValueError(f"--batch-sizes {spec!r}: expected comma-separated integers") from None
     if len(sizes) != len(lengths):
-      raise ValueError(f"--batch-sizes {spec!r}: {len(sizes)} sizes for {len(lengths)} --lengths "
-                       f"({','.join(map(str, lengths))}); give one per length")
+      raise ValueError(
+        f"--batch-sizes {spec!r}: {len(sizes)} sizes for {len(lengths)} --lengths "
+        f"({','.join(map(str, lengths))}); give one per length"
+      )
   if min(sizes, default=1) < 1:
     flag = f"--batch-sizes {spec!r}" if spec is not None else f"--batch-size {batch_size}"
     raise ValueError(f"{flag}: batch sizes must be positive")
@@ -115,19 +133,31 @@ def _times(call, sync, reps: int, inner: int = 1) -> tuple[float, list[float]]:
   return first, times
 
 
-def ours_cell(b: int, t: int, n: int, h: int, dtype: str, impl: str, reps: int,
-              backend: backends.Backend, inner: int = 1) -> tuple[float, list[float]]:
+def ours_cell(
+  b: int,
+  t: int,
+  n: int,
+  h: int,
+  dtype: str,
+  impl: str,
+  reps: int,
+  backend: backends.Backend,
+  inner: int = 1,
+) -> tuple[float, list[float]]:
   """Forward + backward of ``backend.attention`` (``impl``; "auto": None, its choice) on ``[b, t,
   n, h]`` inputs, jitted with its step options: the first call's seconds and ``reps`` later
   repetitions' (``_times``)."""
   keys = jax.random.split(jax.random.key(0), 3)
   q, k, v = (jax.random.normal(key, (b, t, n, h), jnp.float32).astype(dtype) for key in keys)
   implementation = None if impl == "auto" else impl
+
   def loss(q, k, v):
-    return jnp.sum(backend.attention(
-        q, k, v, causal=True, implementation=implementation).astype(jnp.float32))
+    return jnp.sum(
+      backend.attention(q, k, v, causal=True, implementation=implementation).astype(jnp.float32)
+    )
+
   step = backend.jit_step(jax.grad(loss, argnums=(0, 1, 2)))
-  pending = []   # the latest call's gradients, waited for at a repetition's end
+  pending = []  # the latest call's gradients, waited for at a repetition's end
 
   def call():
     pending[:] = [step(q, k, v)]
@@ -139,16 +169,21 @@ def ours_cell(b: int, t: int, n: int, h: int, dtype: str, impl: str, reps: int,
   return _times(call, sync, reps, inner)
 
 
-def torch_cell(b: int, t: int, n: int, h: int, dtype: str, reps: int,
-               device: str, inner: int = 1) -> tuple[float, list[float]]:
+def torch_cell(
+  b: int, t: int, n: int, h: int, dtype: str, reps: int, device: str, inner: int = 1
+) -> tuple[float, list[float]]:
   """Forward + backward of ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)`` on
   ``[b, n, t, h]`` inputs on ``device``: the first call's seconds and ``reps`` later
   repetitions' (``_times``)."""
   import torch  # noqa: PLC0415 - torch is optional (the hf extra)
 
   gen = torch.Generator(device=device).manual_seed(0)
-  q, k, v = (torch.randn((b, n, t, h), generator=gen, device=device, dtype=torch.float32)
-             .to(getattr(torch, dtype)).requires_grad_() for _ in range(3))
+  q, k, v = (
+    torch.randn((b, n, t, h), generator=gen, device=device, dtype=torch.float32)
+    .to(getattr(torch, dtype))
+    .requires_grad_()
+    for _ in range(3)
+  )
 
   def call():
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -160,7 +195,7 @@ def torch_cell(b: int, t: int, n: int, h: int, dtype: str, reps: int,
 
 def run(args) -> dict:
   """Runs the benchmark described by ``args`` (see ``add_args``); returns the result dict."""
-  hardware.share_gpu_memory()   # before JAX starts its backend, where it has not yet
+  hardware.share_gpu_memory()  # before JAX starts its backend, where it has not yet
   if args.reps < 1:
     raise ValueError(f"--reps {args.reps}: must be at least 1")
   inner = getattr(args, "inner", 1)
@@ -182,19 +217,25 @@ def run(args) -> dict:
   # The core's own matmul shapes: scores [T, H] x [H, S] and outputs [T, S] x [S, H].
   t_max = max(lengths)
   core = [(t_max, h, t_max), (t_max, t_max, h)]
-  limit = (machine.matmul_limit(core, dtype="float32") if platform == "cpu"
-           else machine.run_matmul_limit(core, dtype=args.dtype))
+  limit = (
+    machine.matmul_limit(core, dtype="float32")
+    if platform == "cpu"
+    else machine.run_matmul_limit(core, dtype=args.dtype)
+  )
   peak = hardware.peak_flops(kind, limit["dtype"])
   backend = backends.current()
   # Accelerators: float32 products at full precision, as the models' default and PyTorch.
-  precision = ((lambda: contextlib.nullcontext()) if platform == "cpu"
-               else (lambda: jax.default_matmul_precision("float32")))
+  precision = (
+    (lambda: contextlib.nullcontext())
+    if platform == "cpu"
+    else (lambda: jax.default_matmul_precision("float32"))
+  )
   device, why_not = machine.torch_device() if against == "torch" else (None, "")
   left_out = {"torch_sdpa": why_not} if against == "torch" and device is None else {}
   cells = [(impl, None) for impl in impls] + ([("torch_sdpa", device)] if device else [])
   rows = []
   for t, b in zip(lengths, sizes):
-    useful = 2.5 * 4 * b * n * t * t * h / 2   # causal: half the pairs
+    useful = 2.5 * 4 * b * n * t * t * h / 2  # causal: half the pairs
     for impl, torch_on in cells:
       row = {"T": t, "implementation": impl}
       if len(set(sizes)) > 1:
@@ -210,20 +251,36 @@ def run(args) -> dict:
         print(f"# T={t} {impl}: {row['error']}", file=sys.stderr)
         if torch_on == "cuda":
           import torch  # noqa: PLC0415 - torch is optional (the hf extra)
+
           torch.cuda.empty_cache()
         rows.append(row)
         continue
       best = min(times)
-      row.update({"first_call_s": first, "best_s": best, "median_s": statistics.median(times),
-                  "useful_flops_per_sec": useful / best,
-                  "fraction_of_matmul_limit": useful / best / limit["flops_per_sec"]})
+      row.update(
+        {
+          "first_call_s": first,
+          "best_s": best,
+          "median_s": statistics.median(times),
+          "useful_flops_per_sec": useful / best,
+          "fraction_of_matmul_limit": useful / best / limit["flops_per_sec"],
+        }
+      )
       if peak:
         row["fraction_of_peak"] = useful / best / peak
       rows.append(row)
-  result = {"benchmark": "attention forward+backward, causal",
-            "batch_size": sizes[0] if len(set(sizes)) == 1 else None, "heads": n,
-            "head_dim": h, "dtype": args.dtype, "rows": rows, "limit": {"matmul": limit},
-            "device_kind": kind, "platform": platform, "batch_sizes": sizes, "inner": inner}
+  result = {
+    "benchmark": "attention forward+backward, causal",
+    "batch_size": sizes[0] if len(set(sizes)) == 1 else None,
+    "heads": n,
+    "head_dim": h,
+    "dtype": args.dtype,
+    "rows": rows,
+    "limit": {"matmul": limit},
+    "device_kind": kind,
+    "platform": platform,
+    "batch_sizes": sizes,
+    "inner": inner,
+  }
   if peak:
     result["limit"]["peak_flops"] = peak
   if device:
@@ -237,8 +294,10 @@ def table(result: dict) -> str:
   """The result as aligned lines, one per (length, implementation)."""
   b = result["batch_size"] if result["batch_size"] is not None else "B"
   where = "" if result.get("platform", "cpu") == "cpu" else f" on {result['device_kind']}"
-  lines = [f"attention fwd+bwd, causal, [{b}, T, {result['heads']}, "
-           f"{result['head_dim']}] {result['dtype']}{where}"]
+  lines = [
+    f"attention fwd+bwd, causal, [{b}, T, {result['heads']}, "
+    f"{result['head_dim']}] {result['dtype']}{where}"
+  ]
   for r in result["rows"]:
     size = f" B={r['batch_size']:<3d}" if "batch_size" in r else ""
     head = f"  T={r['T']:<6d}{size} {r['implementation']:<10s}"
@@ -246,9 +305,11 @@ def table(result: dict) -> str:
       lines.append(f"{head} failed: {r['error'][:120]}")
       continue
     peak = f", {100 * r['fraction_of_peak']:5.1f}% of peak" if "fraction_of_peak" in r else ""
-    lines.append(f"{head} {r['best_s']:8.3f} s  "
-                 f"{r['useful_flops_per_sec'] / 1e9:6.1f} GFLOP/s  "
-                 f"{100 * r['fraction_of_matmul_limit']:5.1f}% of the matmul limit{peak}")
+    lines.append(
+      f"{head} {r['best_s']:8.3f} s  "
+      f"{r['useful_flops_per_sec'] / 1e9:6.1f} GFLOP/s  "
+      f"{100 * r['fraction_of_matmul_limit']:5.1f}% of the matmul limit{peak}"
+    )
   for name, why in result.get("left_out", {}).items():
     lines.append(f"  {name}: left out ({why})")
   return "\n".join(lines)

@@ -95,38 +95,62 @@ _DTYPES = ("float32", "bfloat16")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p = argparse.ArgumentParser(
+    description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+  )
   add_args(p)
   return check_args(p, p.parse_args(argv))
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--preset", default="gpt2-small",
-                 help="a GPT-2 or Mamba preset (GPT2LMHeadModel, MambaForCausalLM or "
-                      "Mamba2ForCausalLM on their side)")
+  p.add_argument(
+    "--preset",
+    default="gpt2-small",
+    help="a GPT-2 or Mamba preset (GPT2LMHeadModel, MambaForCausalLM or "
+    "Mamba2ForCausalLM on their side)",
+  )
   p.add_argument("--batch-sizes", default="1,8", help="comma-separated")
-  p.add_argument("--prompt-len", type=int, default=None,
-                 help=f"prompt tokens per row (default: {DEFAULT_PROMPT_LEN}, less where the "
-                      "preset's max_len needs it)")
-  p.add_argument("--new-tokens", type=int, default=None,
-                 help=f"tokens generated per row (default: {DEFAULT_NEW_TOKENS}, less where the "
-                      "prompt and the preset's max_len need it)")
+  p.add_argument(
+    "--prompt-len",
+    type=int,
+    default=None,
+    help=f"prompt tokens per row (default: {DEFAULT_PROMPT_LEN}, less where the "
+    "preset's max_len needs it)",
+  )
+  p.add_argument(
+    "--new-tokens",
+    type=int,
+    default=None,
+    help=f"tokens generated per row (default: {DEFAULT_NEW_TOKENS}, less where the "
+    "prompt and the preset's max_len need it)",
+  )
   p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
   p.add_argument("--reps", type=int, default=5, help="timed generate calls per side (float32)")
-  p.add_argument("--bf16-reps", type=int, default=2,
-                 help="timed calls per side in bfloat16 (slow on CPUs: both sides take ~10x longer)")
+  p.add_argument(
+    "--bf16-reps",
+    type=int,
+    default=2,
+    help="timed calls per side in bfloat16 (slow on CPUs: both sides take ~10x longer)",
+  )
   p.add_argument("--ttft-reps", type=int, default=5, help="timed one-token calls per side")
   p.add_argument("--torch-threads", type=int, default=os.cpu_count())
-  p.add_argument("--torch-threads-alt", type=int, default=1 if (os.cpu_count() or 1) > 1 else 0,
-                 help="also time their generate with this many threads (0: don't); on a loaded "
-                      "machine one thread can beat all cores, and the ratio against their faster "
-                      "setting is reported as well")
+  p.add_argument(
+    "--torch-threads-alt",
+    type=int,
+    default=1 if (os.cpu_count() or 1) > 1 else 0,
+    help="also time their generate with this many threads (0: don't); on a loaded "
+    "machine one thread can beat all cores, and the ratio against their faster "
+    "setting is reported as well",
+  )
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--cpu-poll", action=argparse.BooleanOptionalAction, default=None,
-                 help="keep idle CPUs polling during the whole run, for both sides and the "
-                      "bandwidth readings (writes /dev/cpu_dma_latency, usually root only; affects "
-                      f"the whole machine while it runs). Default: ${poll.POLL_ENV}=1, else off")
+  p.add_argument(
+    "--cpu-poll",
+    action=argparse.BooleanOptionalAction,
+    default=None,
+    help="keep idle CPUs polling during the whole run, for both sides and the "
+    "bandwidth readings (writes /dev/cpu_dma_latency, usually root only; affects "
+    f"the whole machine while it runs). Default: ${poll.POLL_ENV}=1, else off",
+  )
   p.add_argument("--out", default=None, help="also write the JSON here")
 
 
@@ -162,8 +186,10 @@ def fit_lengths(preset: str, prompt_len: int | None, new_tokens: int | None) -> 
   where = f"{preset}'s max_len={max_len}"
   if prompt_len is not None and new_tokens is not None:
     if prompt_len + new_tokens > max_len:
-      raise ValueError(f"--prompt-len {prompt_len} + --new-tokens {new_tokens} = "
-                       f"{prompt_len + new_tokens}: longer than {where}")
+      raise ValueError(
+        f"--prompt-len {prompt_len} + --new-tokens {new_tokens} = "
+        f"{prompt_len + new_tokens}: longer than {where}"
+      )
     return prompt_len, new_tokens
   if new_tokens is not None:
     if new_tokens >= max_len:
@@ -206,17 +232,21 @@ class Theirs:
     if device not in ("cpu", "cuda"):
       raise ValueError(f"device={device!r}: Hugging Face runs on 'cpu' or 'cuda' here")
     if (threads is None) != (device == "cuda"):
-      raise ValueError(f"threads={threads!r} on device={device!r}: a thread count is for 'cpu' "
-                       "only, and 'cpu' needs one")
+      raise ValueError(
+        f"threads={threads!r} on device={device!r}: a thread count is for 'cpu' "
+        "only, and 'cpu' needs one"
+      )
     self.model, self.threads, self.device = hf_model, threads, device
 
   def _sync(self) -> None:
     if self.device == "cuda":
       import torch  # noqa: PLC0415 - torch is optional (the hf extra)
+
       torch.cuda.synchronize()
 
   def generate(self, prompt_BP: np.ndarray, new_tokens: int) -> np.ndarray:
     import torch  # noqa: PLC0415 - torch is optional (the hf extra)
+
     self._sync()
     ids = torch.as_tensor(prompt_BP, dtype=torch.long)
     if self.device != "cpu":
@@ -224,14 +254,21 @@ class Theirs:
     if self.threads is not None:
       torch.set_num_threads(self.threads)
     with torch.inference_mode():
-      out = self.model.generate(ids, attention_mask=torch.ones_like(ids),
-                                max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                do_sample=False, eos_token_id=None, pad_token_id=0)
+      out = self.model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+      )
     self._sync()
-    return out[:, prompt_BP.shape[1]:].cpu().numpy()
+    return out[:, prompt_BP.shape[1] :].cpu().numpy()
 
   def logits(self, ids_1T: np.ndarray) -> np.ndarray:
     import torch  # noqa: PLC0415 - torch is optional (the hf extra)
+
     if self.threads is not None:
       torch.set_num_threads(self.threads)
     with torch.inference_mode():
@@ -271,11 +308,19 @@ def divergence(ours: Ours, theirs: Theirs, prompt_BP, ours_BN, theirs_BN) -> dic
   gaps = {}
   for name, side in (("ours", ours), ("theirs", theirs)):
     last_V = side.logits(prefix)[-1]
-    gaps[name] = {"logit_ours_token_minus_theirs": float(last_V[a] - last_V[b]),
-                  "top2_gap": float(np.diff(np.sort(last_V)[-2:])[0])}
-  return {"rows_differing": rows, "first_row": r, "first_index": i, "ours_token": a,
-          "theirs_token": b, "matching_tokens_fraction": float(np.mean(ours_BN == theirs_BN)),
-          "logit_gap_at_first": gaps}
+    gaps[name] = {
+      "logit_ours_token_minus_theirs": float(last_V[a] - last_V[b]),
+      "top2_gap": float(np.diff(np.sort(last_V)[-2:])[0]),
+    }
+  return {
+    "rows_differing": rows,
+    "first_row": r,
+    "first_index": i,
+    "ours_token": a,
+    "theirs_token": b,
+    "matching_tokens_fraction": float(np.mean(ours_BN == theirs_BN)),
+    "logit_gap_at_first": gaps,
+  }
 
 
 def step_time(full_s: list[float], one_token_s: list[float], new_tokens: int) -> dict:
@@ -286,25 +331,32 @@ def step_time(full_s: list[float], one_token_s: list[float], new_tokens: int) ->
   the steps drowned in the calls' jitter: ``ms_per_step`` is ``None`` and ``step_unresolved`` names
   the median difference, rather than a negative time or a clamp."""
   if len(full_s) != len(one_token_s) or not full_s:
-    raise ValueError(f"step_time: {len(full_s)} full calls and {len(one_token_s)} one-token calls; "
-                     "need the same positive number of each")
+    raise ValueError(
+      f"step_time: {len(full_s)} full calls and {len(one_token_s)} one-token calls; "
+      "need the same positive number of each"
+    )
   diffs = [f - o for f, o in zip(full_s, one_token_s)]
   decode_s = statistics.median(diffs)
-  out = {"decode_s": {"median": decode_s, "all": diffs}, "ms_per_step": None,
-         "step_unresolved": None}
+  out = {
+    "decode_s": {"median": decode_s, "all": diffs},
+    "ms_per_step": None,
+    "step_unresolved": None,
+  }
   if new_tokens < 2:
     out["step_unresolved"] = "one new token: no decoding step to time"
   elif decode_s <= 0:
     out["step_unresolved"] = (
-        f"the {new_tokens - 1} decoding steps took less than the calls' jitter (median of full call "
-        f"- one-token call = {1e3 * decode_s:.3f} ms); time more --new-tokens or a larger preset")
+      f"the {new_tokens - 1} decoding steps took less than the calls' jitter (median of full call "
+      f"- one-token call = {1e3 * decode_s:.3f} ms); time more --new-tokens or a larger preset"
+    )
   else:
     out["ms_per_step"] = 1e3 * decode_s / (new_tokens - 1)
   return out
 
 
-def paired_fraction(weight_bytes: int, readings: list[float], decode_s: list[float],
-                    new_tokens: int) -> dict | None:
+def paired_fraction(
+  weight_bytes: int, readings: list[float], decode_s: list[float], new_tokens: int
+) -> dict | None:
   """Each repetition's step against the floor at the bandwidth reading taken right before its calls
   (``readings[i]`` and ``decode_s[i]``, the full call minus its one-token partner): ``{"median",
   "all"}``. This floor follows the machine when its memory moves between a slow and a fast state
@@ -318,8 +370,9 @@ def paired_fraction(weight_bytes: int, readings: list[float], decode_s: list[flo
   return {"median": statistics.median(fractions), "all": fractions}
 
 
-def bench_case(ours: Ours, theirs: Theirs, alt: Theirs | None, batch: int, args, reps: int,
-               rng) -> dict:
+def bench_case(
+  ours: Ours, theirs: Theirs, alt: Theirs | None, batch: int, args, reps: int, rng
+) -> dict:
   prompt_BP = rng.integers(0, ours.config.vocab_size, (batch, args.prompt_len), dtype=np.int64)
   n = args.new_tokens
   # First calls: ours compiles (full call and one-token call); theirs warms up.
@@ -350,21 +403,27 @@ def bench_case(ours: Ours, theirs: Theirs, alt: Theirs | None, batch: int, args,
       _, dt = _timed(obj.generate, prompt_BP, 1)
       times[side + "_ttft"].append(dt)
   med = {k: statistics.median(v) for k, v in times.items()}
-  result = {"batch": batch, "reps": reps, "ttft_reps": args.ttft_reps,
-            "bandwidth_bytes_per_sec": {"median": statistics.median(bandwidth), "all": bandwidth},
-            "sustained_bandwidth_bytes_per_sec": {"median": statistics.median(sustained),
-                                                  "all": sustained}}
+  result = {
+    "batch": batch,
+    "reps": reps,
+    "ttft_reps": args.ttft_reps,
+    "bandwidth_bytes_per_sec": {"median": statistics.median(bandwidth), "all": bandwidth},
+    "sustained_bandwidth_bytes_per_sec": {"median": statistics.median(sustained), "all": sustained},
+  }
   for side in sides:
     step = step_time(times[side], times[side + "_paired_one"], n)
     ms = step["ms_per_step"]
     result[side] = {
-        "new_tokens_per_sec": batch * n / med[side],
-        "generate_s": {"median": med[side], "min": min(times[side]), "all": times[side]},
-        "ttft_s": {"median": med[side + "_ttft"], "min": min(times[side + "_ttft"]),
-                   "all": times[side + "_ttft"]},
-        "paired_one_token_s": times[side + "_paired_one"],
-        "decode_tokens_per_sec": 1e3 * batch / ms if ms else None,
-        **step,
+      "new_tokens_per_sec": batch * n / med[side],
+      "generate_s": {"median": med[side], "min": min(times[side]), "all": times[side]},
+      "ttft_s": {
+        "median": med[side + "_ttft"],
+        "min": min(times[side + "_ttft"]),
+        "all": times[side + "_ttft"],
+      },
+      "paired_one_token_s": times[side + "_paired_one"],
+      "decode_tokens_per_sec": 1e3 * batch / ms if ms else None,
+      **step,
     }
   result["ours"]["first_call_s"] = first_full
   result["ours"]["compile_s"] = first_full - med["ours"]
@@ -379,8 +438,9 @@ def bench_case(ours: Ours, theirs: Theirs, alt: Theirs | None, batch: int, args,
     result["theirs_alt_threads"]["torch_threads"] = alt.threads
     best = min(med["theirs"], med["theirs_alt_threads"])
     result["ratio_vs_their_best_threads"] = best / med["ours"]
-    result["alt_threads_tokens_equal"] = bool(np.array_equal(outs["theirs"],
-                                                             outs["theirs_alt_threads"]))
+    result["alt_threads_tokens_equal"] = bool(
+      np.array_equal(outs["theirs"], outs["theirs_alt_threads"])
+    )
   result["tokens_equal"] = bool(np.array_equal(outs["ours"], outs["theirs"]))
   result["divergence"] = divergence(ours, theirs, prompt_BP, outs["ours"], outs["theirs"])
   return result
@@ -389,8 +449,12 @@ def bench_case(ours: Ours, theirs: Theirs, alt: Theirs | None, batch: int, args,
 def main(argv=None) -> dict:
   """``experiments/bench_generate.py``'s entry: parse, run, print and write the JSON."""
   args = parse_args(argv)
-  result = run(args, command=" ".join(["python", "experiments/bench_generate.py"] + (
-      sys.argv[1:] if argv is None else list(argv))))
+  result = run(
+    args,
+    command=" ".join(
+      ["python", "experiments/bench_generate.py"] + (sys.argv[1:] if argv is None else list(argv))
+    ),
+  )
   text = json.dumps(result, indent=2)
   print(text)
   if args.out:
@@ -411,7 +475,7 @@ def run(args, command: str | None = None) -> dict:
     ValueError: ``$TJAX_CPU_POLL`` is not a yes or no.
   """
   wanted = poll.requested(getattr(args, "cpu_poll", None))
-  hardware.share_gpu_memory()   # before JAX starts its backend, where it has not yet
+  hardware.share_gpu_memory()  # before JAX starts its backend, where it has not yet
   with poll.cpu_poll_if(wanted) as request:
     result = _run(args, command)
   result["cpu_poll"] = dataclasses.asdict(request)
@@ -446,7 +510,9 @@ def _run(args, command: str | None) -> dict:
   # The same weights on both sides: compare one forward pass.
   check_ids = np.random.default_rng(args.seed).integers(0, config32.vocab_size, (1, 16))
   ours32, theirs32 = Ours(config32, params32), Theirs(hf32, threads, device)
-  weights_max_abs_logit_diff = float(np.abs(ours32.logits(check_ids) - theirs32.logits(check_ids)).max())
+  weights_max_abs_logit_diff = float(
+    np.abs(ours32.logits(check_ids) - theirs32.logits(check_ids)).max()
+  )
 
   bandwidth = machine.weight_bandwidth()
   cases = []
@@ -465,9 +531,13 @@ def _run(args, command: str | None) -> dict:
     for batch in args.batch_sizes:
       rng = np.random.default_rng([args.seed, batch])
       case = {"dtype": dtype, **bench_case(ours, theirs, alt, batch, args, reps, rng)}
-      print(f"# {dtype} batch {batch}: ours {case['ours']['new_tokens_per_sec']:.1f} tok/s, "
-            f"theirs {case['theirs']['new_tokens_per_sec']:.1f} tok/s, ratio {case['ratio']:.2f}, "
-            f"tokens equal {case['tokens_equal']}", file=sys.stderr, flush=True)
+      print(
+        f"# {dtype} batch {batch}: ours {case['ours']['new_tokens_per_sec']:.1f} tok/s, "
+        f"theirs {case['theirs']['new_tokens_per_sec']:.1f} tok/s, ratio {case['ratio']:.2f}, "
+        f"tokens equal {case['tokens_equal']}",
+        file=sys.stderr,
+        flush=True,
+      )
       cases.append(case)
 
   floor = {d: weight_bytes[d] / bandwidth["bytes_per_sec"] for d in weight_bytes}
@@ -477,8 +547,7 @@ def _run(args, command: str | None) -> dict:
     case_floor_s = weight_bytes[c["dtype"]] / c["bandwidth_bytes_per_sec"]["median"]
     c["ours"]["step_floor_ms"] = 1e3 * case_floor_s
     c["ours"]["fraction_of_bandwidth_floor"] = 1e3 * case_floor_s / ms if ms else None
-    sustained_floor_s = (weight_bytes[c["dtype"]]
-                         / c["sustained_bandwidth_bytes_per_sec"]["median"])
+    sustained_floor_s = weight_bytes[c["dtype"]] / c["sustained_bandwidth_bytes_per_sec"]["median"]
     c["ours"]["sustained_step_floor_ms"] = 1e3 * sustained_floor_s
     c["ours"]["fraction_of_sustained_floor"] = 1e3 * sustained_floor_s / ms if ms else None
     # The strictest floor: the fastest reading of the case. When the machine's memory moves
@@ -489,82 +558,118 @@ def _run(args, command: str | None) -> dict:
     c["ours"]["best_step_floor_ms"] = 1e3 * best_floor_s
     c["ours"]["fraction_of_best_floor"] = 1e3 * best_floor_s / ms if ms else None
     c["ours"]["fraction_of_paired_floor"] = paired_fraction(
-        weight_bytes[c["dtype"]], c["bandwidth_bytes_per_sec"]["all"], c["ours"]["decode_s"]["all"],
-        args.new_tokens)
+      weight_bytes[c["dtype"]],
+      c["bandwidth_bytes_per_sec"]["all"],
+      c["ours"]["decode_s"]["all"],
+      args.new_tokens,
+    )
   result = {
-      "benchmark": "greedy generation, transformer_jax vs transformers",
-      "command": command,
-      "preset": args.preset,
-      "config": {"params": models.count_params(config32), "d_model": config32.d_model,
-                 "num_layers": config32.num_layers, "num_heads": config32.num_heads,
-                 "vocab_size": config32.vocab_size, "init_std": config32.init_std},
-      "prompt_len": args.prompt_len,
-      "new_tokens": args.new_tokens,
-      "greedy": True,
-      "weights_max_abs_logit_diff_float32": weights_max_abs_logit_diff,
-      "summary": {f"{c['dtype']}_batch{c['batch']}": {
-          "ours_tokens_per_sec": c["ours"]["new_tokens_per_sec"],
-          "theirs_tokens_per_sec": c["theirs"]["new_tokens_per_sec"],
-          "ratio": c["ratio"], "ratio_vs_their_best_threads": c.get("ratio_vs_their_best_threads"),
-          "decode_ratio": c["decode_ratio"], "ttft_ratio": c["ttft_ratio"],
-          "ours_ttft_s": c["ours"]["ttft_s"]["median"],
-          "theirs_ttft_s": c["theirs"]["ttft_s"]["median"],
-          "ours_compile_s": c["ours"]["compile_s"], "tokens_equal": c["tokens_equal"],
-          "ours_fraction_of_bandwidth_floor": c["ours"]["fraction_of_bandwidth_floor"],
-          "ours_ms_per_step": c["ours"]["ms_per_step"], "step_floor_ms": c["ours"]["step_floor_ms"],
-          "ours_step_unresolved": c["ours"]["step_unresolved"],
-          "bandwidth_bytes_per_sec": c["bandwidth_bytes_per_sec"]["median"],
-          "ours_fraction_of_sustained_floor": c["ours"]["fraction_of_sustained_floor"],
-          "ours_fraction_of_best_floor": c["ours"]["fraction_of_best_floor"],
-          "ours_fraction_of_paired_floor": (c["ours"]["fraction_of_paired_floor"] or {}).get(
-              "median"),
-          "best_bandwidth_bytes_per_sec": c["bandwidth_bytes_per_sec"]["best"],
-          "sustained_bandwidth_bytes_per_sec": c["sustained_bandwidth_bytes_per_sec"]["median"]}
-          for c in cases},
-      "cases": cases,
-      "weight_bytes": weight_bytes,
-      "memory_bandwidth": bandwidth,
-      "step_floor_s_at_batch1": floor,
-      "device_kind": hardware.device_kind(), "platform": backends.platform(),
-      "hf_device": device,
-      "machine": {**machine.describe(("torch", "transformers")),
-                  "torch_threads": threads,
-                  "torch_threads_alt": alt_threads or None,
-                  "load_average_before": load_before, "load_average_after": os.getloadavg()},
-      "hf_attn_implementation": getattr(hf32.config, "_attn_implementation", None),
-      "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    "benchmark": "greedy generation, transformer_jax vs transformers",
+    "command": command,
+    "preset": args.preset,
+    "config": {
+      "params": models.count_params(config32),
+      "d_model": config32.d_model,
+      "num_layers": config32.num_layers,
+      "num_heads": config32.num_heads,
+      "vocab_size": config32.vocab_size,
+      "init_std": config32.init_std,
+    },
+    "prompt_len": args.prompt_len,
+    "new_tokens": args.new_tokens,
+    "greedy": True,
+    "weights_max_abs_logit_diff_float32": weights_max_abs_logit_diff,
+    "summary": {
+      f"{c['dtype']}_batch{c['batch']}": {
+        "ours_tokens_per_sec": c["ours"]["new_tokens_per_sec"],
+        "theirs_tokens_per_sec": c["theirs"]["new_tokens_per_sec"],
+        "ratio": c["ratio"],
+        "ratio_vs_their_best_threads": c.get("ratio_vs_their_best_threads"),
+        "decode_ratio": c["decode_ratio"],
+        "ttft_ratio": c["ttft_ratio"],
+        "ours_ttft_s": c["ours"]["ttft_s"]["median"],
+        "theirs_ttft_s": c["theirs"]["ttft_s"]["median"],
+        "ours_compile_s": c["ours"]["compile_s"],
+        "tokens_equal": c["tokens_equal"],
+        "ours_fraction_of_bandwidth_floor": c["ours"]["fraction_of_bandwidth_floor"],
+        "ours_ms_per_step": c["ours"]["ms_per_step"],
+        "step_floor_ms": c["ours"]["step_floor_ms"],
+        "ours_step_unresolved": c["ours"]["step_unresolved"],
+        "bandwidth_bytes_per_sec": c["bandwidth_bytes_per_sec"]["median"],
+        "ours_fraction_of_sustained_floor": c["ours"]["fraction_of_sustained_floor"],
+        "ours_fraction_of_best_floor": c["ours"]["fraction_of_best_floor"],
+        "ours_fraction_of_paired_floor": (c["ours"]["fraction_of_paired_floor"] or {}).get(
+          "median"
+        ),
+        "best_bandwidth_bytes_per_sec": c["bandwidth_bytes_per_sec"]["best"],
+        "sustained_bandwidth_bytes_per_sec": c["sustained_bandwidth_bytes_per_sec"]["median"],
+      }
+      for c in cases
+    },
+    "cases": cases,
+    "weight_bytes": weight_bytes,
+    "memory_bandwidth": bandwidth,
+    "step_floor_s_at_batch1": floor,
+    "device_kind": hardware.device_kind(),
+    "platform": backends.platform(),
+    "hf_device": device,
+    "machine": {
+      **machine.describe(("torch", "transformers")),
+      "torch_threads": threads,
+      "torch_threads_alt": alt_threads or None,
+      "load_average_before": load_before,
+      "load_average_after": os.getloadavg(),
+    },
+    "hf_attn_implementation": getattr(hf32.config, "_attn_implementation", None),
+    "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
   }
   return result
 
 
 def table(result: dict) -> str:
   """The summary as aligned lines."""
-  on = ("" if result.get("platform", "cpu") == "cpu"
-        else f" on {result['device_kind']} (Hugging Face on {result['hf_device']})")
-  lines = [f"greedy generation {result['preset']}{on}, prompt {result['prompt_len']} + "
-           f"{result['new_tokens']} new tokens; weights stream at "
-           f"{result['memory_bandwidth']['bytes_per_sec'] / 1e9:.1f} GB/s at the start"]
+  on = (
+    ""
+    if result.get("platform", "cpu") == "cpu"
+    else f" on {result['device_kind']} (Hugging Face on {result['hf_device']})"
+  )
+  lines = [
+    f"greedy generation {result['preset']}{on}, prompt {result['prompt_len']} + "
+    f"{result['new_tokens']} new tokens; weights stream at "
+    f"{result['memory_bandwidth']['bytes_per_sec'] / 1e9:.1f} GB/s at the start"
+  ]
   request = result.get("cpu_poll")
   if request:
-    lines.append("  idle CPUs polled during the run (--cpu-poll)" if request["held"] else
-                 f"  idle CPUs could halt during the run: {request['reason']}")
+    lines.append(
+      "  idle CPUs polled during the run (--cpu-poll)"
+      if request["held"]
+      else f"  idle CPUs could halt during the run: {request['reason']}"
+    )
   for name, c in result["summary"].items():
     frac = c.get("ours_fraction_of_bandwidth_floor")
     lines.append(
-        f"  {name:<16s} ours {c['ours_tokens_per_sec']:7.1f} tok/s  theirs "
-        f"{c['theirs_tokens_per_sec']:7.1f}  ratio {c['ratio']:.2f}x  TTFT ratio "
-        f"{c['ttft_ratio']:.2f}"
-        + (f"  step {c['ours_ms_per_step']:.1f} ms = {100 * frac:.0f}% of the bandwidth floor "
-           f"({c['step_floor_ms']:.1f} ms at {c['bandwidth_bytes_per_sec'] / 1e9:.1f} GB/s), "
-           f"{100 * c['ours_fraction_of_sustained_floor']:.0f}% of the sustained floor "
-           f"({c['sustained_bandwidth_bytes_per_sec'] / 1e9:.1f} GB/s), "
-           f"{100 * c['ours_fraction_of_best_floor']:.0f}% of the fastest reading's "
-           f"({c['best_bandwidth_bytes_per_sec'] / 1e9:.1f} GB/s)"
-           + (f", {100 * c['ours_fraction_of_paired_floor']:.0f}% repetition by repetition"
-              if c.get("ours_fraction_of_paired_floor") else "")
-           if frac else f"  step not resolved: {c['ours_step_unresolved']}"
-           if c.get("ours_step_unresolved") else "")
-        + ("" if c["tokens_equal"] else "  (tokens differ)"))
+      f"  {name:<16s} ours {c['ours_tokens_per_sec']:7.1f} tok/s  theirs "
+      f"{c['theirs_tokens_per_sec']:7.1f}  ratio {c['ratio']:.2f}x  TTFT ratio "
+      f"{c['ttft_ratio']:.2f}"
+      + (
+        f"  step {c['ours_ms_per_step']:.1f} ms = {100 * frac:.0f}% of the bandwidth floor "
+        f"({c['step_floor_ms']:.1f} ms at {c['bandwidth_bytes_per_sec'] / 1e9:.1f} GB/s), "
+        f"{100 * c['ours_fraction_of_sustained_floor']:.0f}% of the sustained floor "
+        f"({c['sustained_bandwidth_bytes_per_sec'] / 1e9:.1f} GB/s), "
+        f"{100 * c['ours_fraction_of_best_floor']:.0f}% of the fastest reading's "
+        f"({c['best_bandwidth_bytes_per_sec'] / 1e9:.1f} GB/s)"
+        + (
+          f", {100 * c['ours_fraction_of_paired_floor']:.0f}% repetition by repetition"
+          if c.get("ours_fraction_of_paired_floor")
+          else ""
+        )
+        if frac
+        else f"  step not resolved: {c['ours_step_unresolved']}"
+        if c.get("ours_step_unresolved")
+        else ""
+      )
+      + ("" if c["tokens_equal"] else "  (tokens differ)")
+    )
   return "\n".join(lines)
 
 

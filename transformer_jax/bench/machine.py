@@ -42,11 +42,13 @@ def cpu_idle() -> dict:
   (``guest_halt_poll_ns``; 0: it halts at once, and waking a thread goes through the hypervisor).
   Empty where ``/sys`` does not say."""
   out = {}
-  for key, path in (("driver", "/sys/devices/system/cpu/cpuidle/current_driver"),
-                    ("governor", "/sys/devices/system/cpu/cpuidle/current_governor_ro"),
-                    ("governor", "/sys/devices/system/cpu/cpuidle/current_governor"),
-                    ("guest_halt_poll_ns", "/sys/module/haltpoll/parameters/guest_halt_poll_ns")):
-    if key in out:   # the governor: current_governor_ro where the kernel has it, else the other
+  for key, path in (
+    ("driver", "/sys/devices/system/cpu/cpuidle/current_driver"),
+    ("governor", "/sys/devices/system/cpu/cpuidle/current_governor_ro"),
+    ("governor", "/sys/devices/system/cpu/cpuidle/current_governor"),
+    ("guest_halt_poll_ns", "/sys/module/haltpoll/parameters/guest_halt_poll_ns"),
+  ):
+    if key in out:  # the governor: current_governor_ro where the kernel has it, else the other
       continue
     try:
       with open(path) as f:
@@ -70,11 +72,13 @@ def source_revision() -> dict | None:
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
   def git(*args: str) -> str:
-    return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, check=True,
-                          timeout=10).stdout.strip()
+    return subprocess.run(
+      ["git", "-C", root, *args], capture_output=True, text=True, check=True, timeout=10
+    ).stdout.strip()
+
   try:
     if os.path.realpath(git("rev-parse", "--show-toplevel")) != os.path.realpath(root):
-      return None   # installed inside some other repository's tree (a venv in a checkout)
+      return None  # installed inside some other repository's tree (a venv in a checkout)
     commit = git("rev-parse", "HEAD")
     modified = bool(git("status", "--porcelain", "--untracked-files=no"))
   except (OSError, subprocess.SubprocessError):
@@ -88,13 +92,19 @@ def describe(extra_versions: Iterable[str] = ()) -> dict:
   versions = {d: _version(d) for d in ("jax", "jaxlib", "flax", "optax", *extra_versions)}
   versions["python"] = platform.python_version()
   return {
-      "cpu": cpu_name(), "cpu_flags": cpu_flags(), "bf16_hardware": has_bf16_hardware(),
-      "cpu_count": os.cpu_count(), "cpu_idle": cpu_idle(), "platform": backends.platform(),
-      "devices": [d.device_kind for d in jax.devices()], "allocator": allocator.allocator(),
-      "xla_flags": os.environ.get("XLA_FLAGS", ""),
-      "step_compiler_options": backends.current().step_compiler_options(),
-      "load_average": list(os.getloadavg()),
-      "versions": versions, "source": source_revision(),
+    "cpu": cpu_name(),
+    "cpu_flags": cpu_flags(),
+    "bf16_hardware": has_bf16_hardware(),
+    "cpu_count": os.cpu_count(),
+    "cpu_idle": cpu_idle(),
+    "platform": backends.platform(),
+    "devices": [d.device_kind for d in jax.devices()],
+    "allocator": allocator.allocator(),
+    "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    "step_compiler_options": backends.current().step_compiler_options(),
+    "load_average": list(os.getloadavg()),
+    "versions": versions,
+    "source": source_revision(),
   }
 
 
@@ -128,8 +138,12 @@ def _best_time(fn, *args, reps: int) -> float:
   return min(_call_times(fn, *args, reps=reps))
 
 
-def matmul_limit(shapes: Sequence[tuple[int, int, int]], dtype: str = "float32",
-                 reps: int = 3, precision: str | None = None) -> dict:
+def matmul_limit(
+  shapes: Sequence[tuple[int, int, int]],
+  dtype: str = "float32",
+  reps: int = 3,
+  precision: str | None = None,
+) -> dict:
   """Best FLOP/s of ``[m, k] @ [k, n]`` over ``shapes`` (each ``(m, k, n)``), each in the three
   layouts a training step uses: ``x @ W``, ``dy @ W^T`` and ``x^T @ dy``, and on CPU with each
   library that XLA can give the products to: its default (YNNPACK or Eigen) and oneDNN, which the
@@ -161,23 +175,29 @@ def matmul_limit(shapes: Sequence[tuple[int, int, int]], dtype: str = "float32",
   best = 0.0
   for m, k, n in shapes:
     a, w, dy = normal((m, k)), normal((k, n)), normal((m, n))
-    dot = functools.partial(jnp.matmul, preferred_element_type=jnp.float32,
-                            **({"precision": precision} if precision is not None else {}))
+    dot = functools.partial(
+      jnp.matmul,
+      preferred_element_type=jnp.float32,
+      **({"precision": precision} if precision is not None else {}),
+    )
     layouts = {
-        "x@W": (dot, (a, w)),
-        "dy@W^T": (lambda dy, w: dot(dy, w.T), (dy, w)),
-        "x^T@dy": (lambda a, dy: dot(a.T, dy), (a, dy)),
+      "x@W": (dot, (a, w)),
+      "dy@W^T": (lambda dy, w: dot(dy, w.T), (dy, w)),
+      "x^T@dy": (lambda a, dy: dot(a.T, dy), (a, dy)),
     }
     for library, options in libraries.items():
       rates = {}
       for name, (fn, args) in layouts.items():
-        compiled = backend.hold(jax.jit(fn).lower(*args).compile(compiler_options=options),
-                                options)
+        compiled = backend.hold(jax.jit(fn).lower(*args).compile(compiler_options=options), options)
         rates[name] = 2.0 * m * k * n / _best_time(compiled, *args, reps=reps)
       rates_by_library[library][f"{m}x{k}x{n}"] = rates
       best = max(best, *rates.values())
-  return {"dtype": dtype, "flops_per_sec": best, "per_shape": rates_by_library.pop("default"),
-          "per_library": rates_by_library}
+  return {
+    "dtype": dtype,
+    "flops_per_sec": best,
+    "per_shape": rates_by_library.pop("default"),
+    "per_library": rates_by_library,
+  }
 
 
 # The side of the square product an accelerator's limit also includes: large enough that the
@@ -196,8 +216,9 @@ def run_matmul_limit(shapes: Sequence[tuple[int, int, int]], dtype: str = "float
   if backends.platform() == "cpu":
     return matmul_limit(shapes, dtype=dtype)
   square = (SQUARE_MATMUL,) * 3
-  return matmul_limit([*shapes, square], dtype=dtype, reps=10,
-                      precision="highest" if dtype == "float32" else None)
+  return matmul_limit(
+    [*shapes, square], dtype=dtype, reps=10, precision="highest" if dtype == "float32" else None
+  )
 
 
 def weight_bandwidth(nbytes: int = 512 << 20, dtype: str = "float32", reps: int = 7) -> dict:
@@ -217,5 +238,9 @@ def weight_bandwidth(nbytes: int = 512 << 20, dtype: str = "float32", reps: int 
   x = jnp.ones((cols,), dt)
   gemv = jax.jit(lambda w, x: w @ x)
   times = _call_times(gemv, w, x, reps=reps)
-  return {"dtype": dtype, "bytes": int(w.nbytes), "bytes_per_sec": w.nbytes / min(times),
-          "sustained_bytes_per_sec": w.nbytes * reps / sum(times)}
+  return {
+    "dtype": dtype,
+    "bytes": int(w.nbytes),
+    "bytes_per_sec": w.nbytes / min(times),
+    "sustained_bytes_per_sec": w.nbytes * reps / sum(times),
+  }

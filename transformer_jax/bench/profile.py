@@ -25,13 +25,18 @@ import jax
 
 # (kind, pattern on the lower-cased kernel name), first match wins.
 KINDS = (
-    ("attention", re.compile(r"fmha|flash|sdpa|attention|cudnn_generated|fprop_kernel|bprop")),
-    ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|matmul|sm\d+_.*(mma|wgmma)|tem_fused_mm"
-                          r"|triton_mm|triton_tem")),
-    ("optimizer", re.compile(r"adam|multi_tensor")),
-    # Fused kernels (torch.compile's Triton, XLA's fusions) even where a cast ("_to_copy") is fused.
-    ("other", re.compile(r"^triton_(poi|per|red)_|fusion")),
-    ("copy", re.compile(r"memcpy|memset|copy")),
+  ("attention", re.compile(r"fmha|flash|sdpa|attention|cudnn_generated|fprop_kernel|bprop")),
+  (
+    "matmul",
+    re.compile(
+      r"gemm|cutlass|xmma|nvjet|cublas|matmul|sm\d+_.*(mma|wgmma)|tem_fused_mm"
+      r"|triton_mm|triton_tem"
+    ),
+  ),
+  ("optimizer", re.compile(r"adam|multi_tensor")),
+  # Fused kernels (torch.compile's Triton, XLA's fusions) even where a cast ("_to_copy") is fused.
+  ("other", re.compile(r"^triton_(poi|per|red)_|fusion")),
+  ("copy", re.compile(r"memcpy|memset|copy")),
 )
 
 
@@ -44,8 +49,9 @@ def kind_of(name: str) -> str:
   return "other"
 
 
-def summarize(kernels: list[tuple[str, float, float]], steps: int, threads: dict | None = None,
-              top: int = 30) -> dict:
+def summarize(
+  kernels: list[tuple[str, float, float]], steps: int, threads: dict | None = None, top: int = 30
+) -> dict:
   """``kernels``: (name, start, duration), in microseconds, of every device kernel in ``steps``
   steps.
 
@@ -64,15 +70,23 @@ def summarize(kernels: list[tuple[str, float, float]], steps: int, threads: dict
     by_kind[kind_of(name)] += us
   n = max(steps, 1)
   per = lambda us: us / 1e3 / n  # noqa: E731
-  span = (max(ts + us for _, ts, us in kernels) - min(ts for _, ts, _ in kernels)
-          if kernels else 0.0)
+  span = max(ts + us for _, ts, us in kernels) - min(ts for _, ts, _ in kernels) if kernels else 0.0
   return {
-      "steps": steps, "kernels_per_step": len(kernels) / n,
-      "device_ms_per_step": per(sum(total.values())), "span_ms_per_step": per(span),
-      "by_kind_ms_per_step": {k: per(v) for k, v in by_kind.most_common()},
-      "top": [{"name": name[:200], "kind": kind_of(name), "calls_per_step": calls[name] / n,
-               "ms_per_step": per(us)} for name, us in total.most_common(top)],
-      "threads": threads or {},
+    "steps": steps,
+    "kernels_per_step": len(kernels) / n,
+    "device_ms_per_step": per(sum(total.values())),
+    "span_ms_per_step": per(span),
+    "by_kind_ms_per_step": {k: per(v) for k, v in by_kind.most_common()},
+    "top": [
+      {
+        "name": name[:200],
+        "kind": kind_of(name),
+        "calls_per_step": calls[name] / n,
+        "ms_per_step": per(us),
+      }
+      for name, us in total.most_common(top)
+    ],
+    "threads": threads or {},
   }
 
 
@@ -80,10 +94,16 @@ def _gpu_events(trace: dict) -> tuple[list[tuple[str, float, float]], dict]:
   """Kernels (name, start, duration) on a JAX trace's GPU streams, and every thread's event count
   and microseconds."""
   events = trace.get("traceEvents", [])
-  process = {e["pid"]: e["args"]["name"] for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-  thread = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-            if e.get("ph") == "M" and e.get("name") == "thread_name"}
+  process = {
+    e["pid"]: e["args"]["name"]
+    for e in events
+    if e.get("ph") == "M" and e.get("name") == "process_name"
+  }
+  thread = {
+    (e["pid"], e["tid"]): e["args"]["name"]
+    for e in events
+    if e.get("ph") == "M" and e.get("name") == "thread_name"
+  }
   name_of = lambda e: str(thread.get((e["pid"], e.get("tid")), e.get("tid")))  # noqa: E731
   threads = collections.defaultdict(lambda: [0, 0.0])
   spans = [e for e in events if e.get("ph") == "X"]
@@ -93,10 +113,13 @@ def _gpu_events(trace: dict) -> tuple[list[tuple[str, float, float]], dict]:
     threads[key][1] += float(e.get("dur", 0.0))
   on_gpu = [e for e in spans if str(process.get(e["pid"], "")).startswith("/device:GPU")]
   streams = [e for e in on_gpu if name_of(e).startswith("Stream")]
-  chosen = streams or [e for e in on_gpu
-                       if not name_of(e).startswith(("XLA", "TensorFlow", "Steps", "Framework"))]
-  return ([(e["name"], float(e["ts"]), float(e.get("dur", 0.0))) for e in chosen],
-          {k: {"events": n, "us": us} for k, (n, us) in threads.items()})
+  chosen = streams or [
+    e for e in on_gpu if not name_of(e).startswith(("XLA", "TensorFlow", "Steps", "Framework"))
+  ]
+  return (
+    [(e["name"], float(e["ts"]), float(e.get("dur", 0.0))) for e in chosen],
+    {k: {"events": n, "us": us} for k, (n, us) in threads.items()},
+  )
 
 
 def jax_kernels(fn, steps: int, keep: str | None = None) -> dict:
@@ -141,6 +164,9 @@ def torch_kernels(fn, steps: int, keep: str | None = None) -> dict:
       json.dump(trace, f)
   events = trace.get("traceEvents", [])
   kinds = collections.Counter(e.get("cat") for e in events if e.get("ph") == "X")
-  kernels = [(e["name"], float(e["ts"]), float(e.get("dur", 0.0))) for e in events
-             if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+  kernels = [
+    (e["name"], float(e["ts"]), float(e.get("dur", 0.0)))
+    for e in events
+    if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+  ]
   return summarize(kernels, steps, {f"cat {k}": {"events": n} for k, n in kinds.items()})

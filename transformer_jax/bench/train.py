@@ -80,43 +80,87 @@ from transformer_jax.train.optim import make_optimizer
 def add_args(p: argparse.ArgumentParser) -> None:
   p.add_argument("--preset", default="gpt2-small", help="model preset (tjax info lists them)")
   p.add_argument("--batch-size", type=int, default=4)
-  p.add_argument("--seq-len", type=int, default=None,
-                 help=f"tokens per row (default: {DEFAULT_SEQ_LEN}, or the preset's max_len where "
-                      "that is shorter)")
-  p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                 help="compute dtype (parameters stay float32)")
+  p.add_argument(
+    "--seq-len",
+    type=int,
+    default=None,
+    help=f"tokens per row (default: {DEFAULT_SEQ_LEN}, or the preset's max_len where "
+    "that is shorter)",
+  )
+  p.add_argument(
+    "--dtype",
+    choices=("float32", "bfloat16"),
+    default="float32",
+    help="compute dtype (parameters stay float32)",
+  )
   p.add_argument("--steps", type=int, default=5, help="timed steps per side")
-  p.add_argument("--warmup", type=int, default=2,
-                 help="untimed steps per side after the first (each side's first steps fault its "
-                      "scratch memory in, more of it while the other side's steps take freed pages)")
-  p.add_argument("--against", default="torch",
-                 help="comma-separated rivals: torch (eager), torch.compile, none")
-  p.add_argument("--compile-timeout", type=float, default=180.0,
-                 help="seconds torch.compile may take before it is left out")
+  p.add_argument(
+    "--warmup",
+    type=int,
+    default=2,
+    help="untimed steps per side after the first (each side's first steps fault its "
+    "scratch memory in, more of it while the other side's steps take freed pages)",
+  )
+  p.add_argument(
+    "--against", default="torch", help="comma-separated rivals: torch (eager), torch.compile, none"
+  )
+  p.add_argument(
+    "--compile-timeout",
+    type=float,
+    default=180.0,
+    help="seconds torch.compile may take before it is left out",
+  )
   p.add_argument("--remat", choices=("none", "full", "dots"), default="none")
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--curve-steps", type=int, default=0,
-                 help="also train float32 and bfloat16 this many steps each (GPT presets), "
-                      "from the same weights on the same batches of the embedded corpus, and "
-                      "compare the two loss curves")
-  p.add_argument("--curve-data", default=None,
-                 help="dataset folder for --curve-steps (default runs/data/stdlib-VOCAB, prepared "
-                      "from the embedded corpus on first use)")
-  p.add_argument("--profile", type=int, default=0, metavar="N",
-                 help="after the timed steps, trace N more steps per side and record their device "
-                      "kernels by kind (bench.profile; GPU kernels only)")
-  p.add_argument("--profile-dir", default=None,
-                 help="with --profile: also keep each side's trace there, gzipped Chrome JSON "
-                      "(SIDE.trace.json.gz)")
-  p.add_argument("--model", action="append", default=[], metavar="KEY=VALUE",
-                 help="override a field of the preset's model config, the value read as YAML "
-                      "(repeatable): --model scan_layers=false --model attention_impl=cudnn")
-  p.add_argument("--table", action="append", default=[], metavar="NAME=N",
-                 help="also time our step traced with this kernel-table entry set (repeatable; "
-                      f"side 'ours+table'): {', '.join(TABLE_ENTRIES)}")
-  p.add_argument("--library", action="store_true",
-                 help="also time the library's step (train.make_step, as the README writes it; "
-                      "side 'library')")
+  p.add_argument(
+    "--curve-steps",
+    type=int,
+    default=0,
+    help="also train float32 and bfloat16 this many steps each (GPT presets), "
+    "from the same weights on the same batches of the embedded corpus, and "
+    "compare the two loss curves",
+  )
+  p.add_argument(
+    "--curve-data",
+    default=None,
+    help="dataset folder for --curve-steps (default runs/data/stdlib-VOCAB, prepared "
+    "from the embedded corpus on first use)",
+  )
+  p.add_argument(
+    "--profile",
+    type=int,
+    default=0,
+    metavar="N",
+    help="after the timed steps, trace N more steps per side and record their device "
+    "kernels by kind (bench.profile; GPU kernels only)",
+  )
+  p.add_argument(
+    "--profile-dir",
+    default=None,
+    help="with --profile: also keep each side's trace there, gzipped Chrome JSON "
+    "(SIDE.trace.json.gz)",
+  )
+  p.add_argument(
+    "--model",
+    action="append",
+    default=[],
+    metavar="KEY=VALUE",
+    help="override a field of the preset's model config, the value read as YAML "
+    "(repeatable): --model scan_layers=false --model attention_impl=cudnn",
+  )
+  p.add_argument(
+    "--table",
+    action="append",
+    default=[],
+    metavar="NAME=N",
+    help="also time our step traced with this kernel-table entry set (repeatable; "
+    f"side 'ours+table'): {', '.join(TABLE_ENTRIES)}",
+  )
+  p.add_argument(
+    "--library",
+    action="store_true",
+    help="also time the library's step (train.make_step, as the README writes it; side 'library')",
+  )
 
 
 # ``--seq-len`` without a value: GPT-2 small's CPU benchmark shape, cut to a shorter context.
@@ -139,8 +183,9 @@ def resolve_seq_len(args, config) -> int:
     raise ValueError(f"--seq-len {args.seq_len}: must be at least 1")
   has_table = getattr(config, "position", "learned") in ("learned", "sinusoidal")  # BERT: learned
   if has_table and args.seq_len > config.max_len:
-    raise ValueError(f"--seq-len {args.seq_len}: longer than {args.preset}'s max_len="
-                     f"{config.max_len}")
+    raise ValueError(
+      f"--seq-len {args.seq_len}: longer than {args.preset}'s max_len={config.max_len}"
+    )
   return args.seq_len
 
 
@@ -186,8 +231,9 @@ def parse_table(items: list[str], platform: str | None = None) -> backends.Kerne
   if not items:
     return None
   out = {}
-  for item, name, text in _pairs([i.strip() for i in items], "--table",
-                                 "NAME=N (e.g. --table pad_cols=128)"):
+  for item, name, text in _pairs(
+    [i.strip() for i in items], "--table", "NAME=N (e.g. --table pad_cols=128)"
+  ):
     field = name.lower()
     if field not in TABLE_ENTRIES:
       raise ValueError(f"--table {item!r}: {name} is not one of {', '.join(TABLE_ENTRIES)}")
@@ -199,17 +245,25 @@ def parse_table(items: list[str], platform: str | None = None) -> backends.Kerne
     except ValueError as e:
       raise ValueError(f"--table {item!r}: {str(e).removeprefix('--table.')}") from None
     if not table.changed():
-      raise ValueError(f"--table {item!r}: {field}={getattr(table, field)} is the default, so "
-                       "ours+table would be ours")
+      raise ValueError(
+        f"--table {item!r}: {field}={getattr(table, field)} is the default, so "
+        "ours+table would be ours"
+      )
     if platform is not None and table.no_effect_on(platform):
-      raise ValueError(f"--table {item!r}: {field} has no effect on {platform} (it applies on "
-                       f"{', '.join(table_lib.APPLIES_ON[field])})")
+      raise ValueError(
+        f"--table {item!r}: {field} has no effect on {platform} (it applies on "
+        f"{', '.join(table_lib.APPLIES_ON[field])})"
+      )
   return backends.KernelTable.from_dict(out, where="--table")
 
 
 # Config fields the bench sets itself: its own flags, and no dropout on either side.
-_OWN_FIELDS = {"dtype": "--dtype", "remat": "--remat", "dropout_rate": "no dropout",
-               "attention_dropout_rate": "no dropout"}
+_OWN_FIELDS = {
+  "dtype": "--dtype",
+  "remat": "--remat",
+  "dropout_rate": "no dropout",
+  "attention_dropout_rate": "no dropout",
+}
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
@@ -241,21 +295,34 @@ def random_batch(config, batch: int, seq_len: int, seed: int) -> tuple[dict[str,
   ids = lambda: rng.integers(0, config.vocab_size, (batch, seq_len), dtype=np.int32)  # noqa: E731
   match config:
     case GPTConfig() | MambaConfig():
-      return {"tokens": ids(), "labels": ids(), "segment_ids": np.ones((batch, seq_len), np.int32),
-              "positions": np.tile(np.arange(seq_len, dtype=np.int32), (batch, 1)),
-              "loss_mask": np.ones((batch, seq_len), bool)}, "gpt"
+      return {
+        "tokens": ids(),
+        "labels": ids(),
+        "segment_ids": np.ones((batch, seq_len), np.int32),
+        "positions": np.tile(np.arange(seq_len, dtype=np.int32), (batch, 1)),
+        "loss_mask": np.ones((batch, seq_len), bool),
+      }, "gpt"
     case BERTConfig():
       token_types = np.zeros((batch, seq_len), np.int32)
-      token_types[:, seq_len // 2:] = 1
+      token_types[:, seq_len // 2 :] = 1
       mlm_mask = rng.random((batch, seq_len)) < 0.15
       mlm_mask[:, 0] = True
-      return {"tokens": ids(), "token_types": token_types,
-              "attention_mask": np.ones((batch, seq_len), bool),
-              "mlm_labels": np.where(mlm_mask, ids(), 0).astype(np.int32), "mlm_mask": mlm_mask,
-              "nsp_labels": rng.integers(0, 2, (batch,), dtype=np.int32)}, "bert"
+      return {
+        "tokens": ids(),
+        "token_types": token_types,
+        "attention_mask": np.ones((batch, seq_len), bool),
+        "mlm_labels": np.where(mlm_mask, ids(), 0).astype(np.int32),
+        "mlm_mask": mlm_mask,
+        "nsp_labels": rng.integers(0, 2, (batch,), dtype=np.int32),
+      }, "bert"
     case Seq2SeqConfig():
-      return {"src": ids(), "src_mask": np.ones((batch, seq_len), bool), "tgt_in": ids(),
-              "tgt_out": ids(), "tgt_mask": np.ones((batch, seq_len), bool)}, "seq2seq"
+      return {
+        "src": ids(),
+        "src_mask": np.ones((batch, seq_len), bool),
+        "tgt_in": ids(),
+        "tgt_out": ids(),
+        "tgt_mask": np.ones((batch, seq_len), bool),
+      }, "seq2seq"
   raise TypeError(f"not a model config: {type(config).__name__}")
 
 
@@ -266,15 +333,27 @@ def step_matmul_shapes(config, tokens: int) -> list[tuple[int, int, int]]:
   if isinstance(config, MambaConfig):
     e = config.d_inner
     return [(tokens, d, 2 * e), (tokens, e, d), (tokens, d, config.vocab_size)]
-  return [(tokens, d, 3 * d), (tokens, d, config.d_ff), (tokens, config.d_ff, d),
-          (tokens, d, config.vocab_size)]
+  return [
+    (tokens, d, 3 * d),
+    (tokens, d, config.d_ff),
+    (tokens, config.d_ff, d),
+    (tokens, d, config.vocab_size),
+  ]
 
 
 class Ours:
   """The project's jitted train step on a one-device mesh."""
 
-  def __init__(self, config, host_batch, task_name: str, lr: float, seed: int, tcfg=None,
-               table: backends.KernelTable | None = None):
+  def __init__(
+    self,
+    config,
+    host_batch,
+    task_name: str,
+    lr: float,
+    seed: int,
+    tcfg=None,
+    table: backends.KernelTable | None = None,
+  ):
     """``table``: the kernel table the model and step are built with (default the library's)."""
 
     self.config = config
@@ -282,12 +361,12 @@ class Ours:
     task = tasks_lib.get_task(task_name)
     self._shard = lambda batch: step_lib.shard_batch(batch, mesh, task.keys)
     b, t = host_batch["tokens"].shape if "tokens" in host_batch else host_batch["src"].shape
-    tcfg = tcfg or TrainConfig(steps=1000, batch_size=b, seq_len=t, seed=seed, lr=lr,
-                               warmup_steps=0, schedule="constant")
+    tcfg = tcfg or TrainConfig(
+      steps=1000, batch_size=b, seq_len=t, seed=seed, lr=lr, warmup_steps=0, schedule="constant"
+    )
     optimizer = make_optimizer(tcfg)
     self.params = models.init(config, jax.random.key(seed))
-    state = jax.device_put(step_lib.create_state(self.params, optimizer),
-                           step_lib.replicated(mesh))
+    state = jax.device_put(step_lib.create_state(self.params, optimizer), step_lib.replicated(mesh))
     self.batch = self._shard(host_batch)
     backend = backends.current(table)
     graphdef = models.graphdef(config, mesh, backend)
@@ -295,8 +374,11 @@ class Ours:
 
     def compile_for(m):  # the step a run would take: train.microbatches' "auto" rule on CPU
       jitted = step_lib.jit_train_step(
-          step_lib.make_train_step(graphdef, task, optimizer, seed=seed, microbatches=m),
-          mesh, state, backend=backend)
+        step_lib.make_train_step(graphdef, task, optimizer, seed=seed, microbatches=m),
+        mesh,
+        state,
+        backend=backend,
+      )
       start = time.perf_counter()
       lowered = jitted.lower(state, self.batch)
       mid = time.perf_counter()
@@ -305,7 +387,8 @@ class Ours:
       return compiled
 
     self.microbatches, self.step_fn = step_lib.pick_microbatches(
-        tcfg.microbatches, compile_for, b, backend=backend)
+      tcfg.microbatches, compile_for, b, backend=backend
+    )
     self.trace_s, self.compile_s = times[self.microbatches]
     # Every count the rule compiled (a step over the limit is compiled whole first).
     self.compile_s_by_microbatches = {m: c for m, (_, c) in times.items()}
@@ -335,14 +418,17 @@ class Library:
     from transformer_jax.train import TrainConfig, make_optimizer, make_step
 
     b, t = host_batch["tokens"].shape if "tokens" in host_batch else host_batch["src"].shape
-    optimizer = make_optimizer(TrainConfig(steps=1000, batch_size=b, seq_len=t, seed=seed, lr=lr,
-                                           warmup_steps=0, schedule="constant"))
+    optimizer = make_optimizer(
+      TrainConfig(
+        steps=1000, batch_size=b, seq_len=t, seed=seed, lr=lr, warmup_steps=0, schedule="constant"
+      )
+    )
     self.host_batch = host_batch
     self.step_fn = make_step(config, optimizer, task=task_name, seed=seed)
     self.state = self.step_fn.init(jax.random.key(seed))
     start = time.perf_counter()
     self.step_fn.compile(self.state, host_batch)
-    self.trace_s, self.compile_s = 0.0, time.perf_counter() - start   # tracing included
+    self.trace_s, self.compile_s = 0.0, time.perf_counter() - start  # tracing included
     self.microbatches = self.step_fn.microbatches
     self.temp_bytes = runtime.temp_bytes(self.step_fn.compiled)
     self.losses: list[float] = []
@@ -367,13 +453,24 @@ class Torch:
   before it reads the clock at either end.
   """
 
-  def __init__(self, config, params, host_batch, lr: float, weight_decay: float, clip: float,
-               b1: float, b2: float, eps: float, compiled: bool = False, device: str = "cpu",
-               autocast: str | None = None):
+  def __init__(
+    self,
+    config,
+    params,
+    host_batch,
+    lr: float,
+    weight_decay: float,
+    clip: float,
+    b1: float,
+    b2: float,
+    eps: float,
+    compiled: bool = False,
+    device: str = "cpu",
+    autocast: str | None = None,
+  ):
 
     import torch  # noqa: PLC0415 - torch is optional (the hf extra)
     import transformers  # noqa: PLC0415 - transformers is optional (the hf extra)
-
 
     if device not in ("cpu", "cuda"):
       raise ValueError(f"device={device!r}: the PyTorch rival runs on 'cpu' or 'cuda'")
@@ -386,12 +483,14 @@ class Torch:
     with tempfile.TemporaryDirectory() as tmp:
       tjhf.save(model, config, tmp)
       # PyTorch's fused attention; Mamba's mixers have no attention to choose.
-      extra = ({} if self.architecture in ("MambaForCausalLM", "Mamba2ForCausalLM")
-               else {"attn_implementation": "sdpa"})
+      extra = (
+        {}
+        if self.architecture in ("MambaForCausalLM", "Mamba2ForCausalLM")
+        else {"attn_implementation": "sdpa"}
+      )
       with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        self.model = getattr(transformers, self.architecture).from_pretrained(
-            tmp, **extra).train()
+        self.model = getattr(transformers, self.architecture).from_pretrained(tmp, **extra).train()
     self.device, self.autocast = device, autocast
     self.fused_adamw = device == "cuda"
     self._sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -399,10 +498,13 @@ class Torch:
     # No decay on biases and norm scales, as on our side.
     decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2]
     rest = [p for n, p in self.model.named_parameters() if p.dim() < 2]
-    self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                                  {"params": rest, "weight_decay": 0.0}],
-                                 lr=lr, betas=(b1, b2), eps=eps,
-                                 **({"fused": True} if self.fused_adamw else {}))
+    self.opt = torch.optim.AdamW(
+      [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}],
+      lr=lr,
+      betas=(b1, b2),
+      eps=eps,
+      **({"fused": True} if self.fused_adamw else {}),
+    )
     self.clip = clip
     self.tokens = torch.as_tensor(host_batch["tokens"], dtype=torch.long).to(device)
     self.labels = torch.as_tensor(host_batch["labels"], dtype=torch.long).to(device)
@@ -445,8 +547,9 @@ class Torch:
     return time.perf_counter() - start
 
 
-def loss_curves(config, steps: int, batch_size: int, seq_len: int, seed: int,
-                data_dir: str | None = None) -> dict:
+def loss_curves(
+  config, steps: int, batch_size: int, seq_len: int, seed: int, data_dir: str | None = None
+) -> dict:
   """float32 and bfloat16 each trained ``steps`` steps from the same initial weights on the same
   batches of real text, with the same schedule (AdamW, 6e-4 peak, linear warmup over a tenth of the
   steps, cosine decay): the bfloat16 mode's loss curve against float32's.
@@ -459,8 +562,9 @@ def loss_curves(config, steps: int, batch_size: int, seq_len: int, seed: int,
   """
 
   if not isinstance(config, GPTConfig):
-    raise ValueError(f"--curve-steps trains on text with the GPT task; {type(config).__name__} "
-                     "is not a GPT preset")
+    raise ValueError(
+      f"--curve-steps trains on text with the GPT task; {type(config).__name__} is not a GPT preset"
+    )
   out = data_dir or os.path.join("runs", "data", f"stdlib-{config.vocab_size}")
   # The most frequent ids, plus the separator and the special tokens, fill at most vocab_size.
   keep = config.vocab_size - len(data_lib.SPECIAL_TOKENS) - 1
@@ -470,24 +574,41 @@ def loss_curves(config, steps: int, batch_size: int, seq_len: int, seed: int,
     raise ValueError(f"{out}: {dataset.vocab_size} ids do not fit vocab_size={config.vocab_size}")
   loader = data_lib.GPTLoader(dataset, batch_size=batch_size, seq_len=seq_len, seed=seed)
   batches = [loader.batch_at(i) for i in range(steps)]
-  tcfg = TrainConfig(steps=steps, batch_size=batch_size, seq_len=seq_len, seed=seed, lr=6e-4,
-                     warmup_steps=max(1, steps // 10), schedule="cosine")
+  tcfg = TrainConfig(
+    steps=steps,
+    batch_size=batch_size,
+    seq_len=seq_len,
+    seed=seed,
+    lr=6e-4,
+    warmup_steps=max(1, steps // 10),
+    schedule="cosine",
+  )
   curves = {}
   for dtype in ("float32", "bfloat16"):
-    side = Ours(dataclasses.replace(config, dtype=dtype), batches[0], "gpt", tcfg.lr, seed,
-                tcfg=tcfg)
+    side = Ours(
+      dataclasses.replace(config, dtype=dtype), batches[0], "gpt", tcfg.lr, seed, tcfg=tcfg
+    )
     for batch in batches:
       side.step(batch)
     curves[dtype] = side.losses
     del side
+
   def mean10(xs):
-    return [statistics.fmean(xs[max(0, i - 9):i + 1]) for i in range(len(xs))]
+    return [statistics.fmean(xs[max(0, i - 9) : i + 1]) for i in range(len(xs))]
 
   gaps = [abs(b - f) / f for f, b in zip(mean10(curves["float32"]), mean10(curves["bfloat16"]))]
-  return {"steps": steps, "data": out, "ids_used": dataset.vocab_size, "lr": tcfg.lr,
-          "warmup_steps": tcfg.warmup_steps, "schedule": tcfg.schedule,
-          "losses": curves, "relative_gap_10_step_mean": gaps, "max_relative_gap": max(gaps),
-          "final_relative_gap": gaps[-1]}
+  return {
+    "steps": steps,
+    "data": out,
+    "ids_used": dataset.vocab_size,
+    "lr": tcfg.lr,
+    "warmup_steps": tcfg.warmup_steps,
+    "schedule": tcfg.schedule,
+    "losses": curves,
+    "relative_gap_10_step_mean": gaps,
+    "max_relative_gap": max(gaps),
+    "final_relative_gap": gaps[-1],
+  }
 
 
 def _summary(times: list[float]) -> dict:
@@ -510,18 +631,23 @@ def _profiles(sides: dict, steps: int, keep_dir: str | None = None) -> dict:
     walls: list[float] = []
     record = lambda side=side, walls=walls: walls.append(side.step())  # noqa: E731
     keep = os.path.join(keep_dir, f"{name}.trace.json.gz") if keep_dir else None
-    out[name] = (profile.jax_kernels(record, steps, keep) if isinstance(side, (Ours, Library))
-                 else profile.torch_kernels(record, steps, keep))
+    out[name] = (
+      profile.jax_kernels(record, steps, keep)
+      if isinstance(side, (Ours, Library))
+      else profile.torch_kernels(record, steps, keep)
+    )
     out[name]["wall_ms_per_step"] = 1e3 * statistics.median(walls)
-    _progress(f"{name} profiled: {out[name].get('device_ms_per_step', 0):.1f} ms of kernels "
-              f"in a {out[name]['wall_ms_per_step']:.1f} ms step")
+    _progress(
+      f"{name} profiled: {out[name].get('device_ms_per_step', 0):.1f} ms of kernels "
+      f"in a {out[name]['wall_ms_per_step']:.1f} ms step"
+    )
   return out
 
 
 def run(args) -> dict:
   """Runs the benchmark described by ``args`` (see ``add_args``); returns the result dict."""
 
-  hardware.share_gpu_memory()   # before JAX starts its backend, where it has not yet
+  hardware.share_gpu_memory()  # before JAX starts its backend, where it has not yet
   runtime.bf16_notice(args.dtype)
   if args.curve_steps < 0:
     raise ValueError(f"--curve-steps {args.curve_steps}: must be 0 (off) or a number of steps")
@@ -535,12 +661,15 @@ def run(args) -> dict:
   table = parse_table(getattr(args, "table", None) or [], backends.platform())
   config = models.get_config(args.preset, dtype=args.dtype, remat=args.remat, **overrides)
   if rivals and not isinstance(config, (GPTConfig, MambaConfig)):
-    raise ValueError(f"--against {args.against}: the PyTorch rival is a causal LM (GPT presets, "
-                     f"Mamba presets); {args.preset} is a {type(config).__name__} (use --against "
-                     "none)")
+    raise ValueError(
+      f"--against {args.against}: the PyTorch rival is a causal LM (GPT presets, "
+      f"Mamba presets); {args.preset} is a {type(config).__name__} (use --against "
+      "none)"
+    )
   args.seq_len = resolve_seq_len(args, config)
-  config = dataclasses.replace(config, **{f: 0.0 for f in ("dropout_rate", "attention_dropout_rate")
-                                          if hasattr(config, f)})
+  config = dataclasses.replace(
+    config, **{f: 0.0 for f in ("dropout_rate", "attention_dropout_rate") if hasattr(config, f)}
+  )
   host_batch, task_name = random_batch(config, args.batch_size, args.seq_len, args.seed)
   tc = TrainConfig()
   lr = 1e-4
@@ -549,8 +678,11 @@ def run(args) -> dict:
   start = time.perf_counter()
   # The float32 limit on CPU always (the bfloat16 step is also compared with it there); on an
   # accelerator only the run's own dtype.
-  limits = ({"float32": machine.run_matmul_limit(shapes, dtype="float32")}
-            if platform == "cpu" or args.dtype == "float32" else {})
+  limits = (
+    {"float32": machine.run_matmul_limit(shapes, dtype="float32")}
+    if platform == "cpu" or args.dtype == "float32"
+    else {}
+  )
   if args.dtype == "bfloat16" and (platform != "cpu" or hardware.has_bf16_units()):
     limits["bfloat16"] = machine.run_matmul_limit(shapes, dtype="bfloat16")
   _progress(f"matmul limit measured in {time.perf_counter() - start:.0f} s")
@@ -575,9 +707,20 @@ def run(args) -> dict:
       print(f"# {r}: left out ({why_not})", file=sys.stderr)
       continue
     try:
-      side = Torch(config, sides["ours"].params, host_batch, lr, tc.weight_decay, tc.clip_norm,
-                   tc.b1, tc.b2, tc.eps, compiled=r == "torch.compile", device=device,
-                   autocast=autocast)
+      side = Torch(
+        config,
+        sides["ours"].params,
+        host_batch,
+        lr,
+        tc.weight_decay,
+        tc.clip_norm,
+        tc.b1,
+        tc.b2,
+        tc.eps,
+        compiled=r == "torch.compile",
+        device=device,
+        autocast=autocast,
+      )
       _progress(f"{r} built")
       if r == "torch.compile":
         took = side.compile()
@@ -607,9 +750,13 @@ def run(args) -> dict:
       kernel[name]["minor_faults"].append(after.ru_minflt - before.ru_minflt)
       kernel[name]["sys_s"].append(after.ru_stime - before.ru_stime)
   med = {name: statistics.median(t) for name, t in times.items()}
-  per_step = {name: {**{f"{k}_per_step": statistics.median(v) for k, v in kernel[name].items()},
-                     **{f"{k}_all": v for k, v in kernel[name].items()}}
-              for name in sides}
+  per_step = {
+    name: {
+      **{f"{k}_per_step": statistics.median(v) for k, v in kernel[name].items()},
+      **{f"{k}_all": v for k, v in kernel[name].items()},
+    }
+    for name in sides
+  }
 
   tokens = args.batch_size * args.seq_len
   is_s2s = isinstance(config, Seq2SeqConfig)
@@ -619,30 +766,44 @@ def run(args) -> dict:
   ref = (limits.get(args.dtype) or limits["float32"])["flops_per_sec"]
   peak = hardware.peak_flops(kind, args.dtype)
 
-  def vs_peak(name: str) -> dict:   # the same rate against the datasheet, where it is known
+  def vs_peak(name: str) -> dict:  # the same rate against the datasheet, where it is known
     return {"mfu_vs_peak": step_flops / med[name] / peak} if peak else {}
 
-  def our_row(name: str) -> dict:   # one of our sides ("ours", "ours+table", "library")
+  def our_row(name: str) -> dict:  # one of our sides ("ours", "ours+table", "library")
     side = sides[name]
-    return {"compile_s": side.compile_s, "trace_s": side.trace_s, "first_step_s": first[name],
-            "step_s": _summary(times[name]), "tokens_per_sec": tokens_per_step / med[name],
-            "model_flops_per_sec": step_flops / med[name], "mfu": step_flops / med[name] / ref,
-            **vs_peak(name), "losses": side.losses, "temp_bytes": side.temp_bytes,
-            **per_step[name]}
+    return {
+      "compile_s": side.compile_s,
+      "trace_s": side.trace_s,
+      "first_step_s": first[name],
+      "step_s": _summary(times[name]),
+      "tokens_per_sec": tokens_per_step / med[name],
+      "model_flops_per_sec": step_flops / med[name],
+      "mfu": step_flops / med[name] / ref,
+      **vs_peak(name),
+      "losses": side.losses,
+      "temp_bytes": side.temp_bytes,
+      **per_step[name],
+    }
 
   ours = sides["ours"]
   result = {
-      "benchmark": "train step",
-      "preset": args.preset, "batch_size": args.batch_size, "seq_len": args.seq_len,
-      "dtype": args.dtype, "remat": args.remat, "model_overrides": overrides,
-      "device_kind": kind, "platform": platform,
-      # "auto" resolves by dtype and CPU (models.unrolls_layers): the layers ran unrolled or scanned.
-      "layers": "unrolled" if models.unrolls_layers(config) else "scanned",
-      "microbatches": ours.microbatches,
-      "compile_s_by_microbatches": ours.compile_s_by_microbatches,
-      "params": models.count_params(config), "model_flops_per_step": step_flops,
-      "ours": our_row("ours"),
-      "limit": {"matmul": limits, "step_floor_s": step_flops / ref},
+    "benchmark": "train step",
+    "preset": args.preset,
+    "batch_size": args.batch_size,
+    "seq_len": args.seq_len,
+    "dtype": args.dtype,
+    "remat": args.remat,
+    "model_overrides": overrides,
+    "device_kind": kind,
+    "platform": platform,
+    # "auto" resolves by dtype and CPU (models.unrolls_layers): the layers ran unrolled or scanned.
+    "layers": "unrolled" if models.unrolls_layers(config) else "scanned",
+    "microbatches": ours.microbatches,
+    "compile_s_by_microbatches": ours.compile_s_by_microbatches,
+    "params": models.count_params(config),
+    "model_flops_per_step": step_flops,
+    "ours": our_row("ours"),
+    "limit": {"matmul": limits, "step_floor_s": step_flops / ref},
   }
   if peak:
     result["limit"]["peak_flops"] = peak
@@ -651,12 +812,19 @@ def run(args) -> dict:
   for name in rivals:
     if name in sides:
       side = sides[name]
-      result[name] = {"first_step_s": first[name], "step_s": _summary(times[name]),
-                      "tokens_per_sec": tokens_per_step / med[name],
-                      "mfu": step_flops / med[name] / ref, **vs_peak(name),
-                      "architecture": side.architecture, "losses": side.losses,
-                      "device": side.device, "autocast": side.autocast,
-                      "fused_adamw": side.fused_adamw, **per_step[name]}
+      result[name] = {
+        "first_step_s": first[name],
+        "step_s": _summary(times[name]),
+        "tokens_per_sec": tokens_per_step / med[name],
+        "mfu": step_flops / med[name] / ref,
+        **vs_peak(name),
+        "architecture": side.architecture,
+        "losses": side.losses,
+        "device": side.device,
+        "autocast": side.autocast,
+        "fused_adamw": side.fused_adamw,
+        **per_step[name],
+      }
       result[f"speedup_vs_{name}"] = med[name] / med["ours"]
       # Same weights, tokens and loss: the first losses agree to float32 rounding.
       result[f"first_loss_diff_vs_{name}"] = abs(side.losses[0] - ours.losses[0])
@@ -679,8 +847,9 @@ def run(args) -> dict:
     result["profile"] = _profiles(sides, args.profile, getattr(args, "profile_dir", None))
   if args.curve_steps:
     del sides
-    result["loss_curves"] = loss_curves(config, args.curve_steps, args.batch_size, args.seq_len,
-                                        args.seed, args.curve_data)
+    result["loss_curves"] = loss_curves(
+      config, args.curve_steps, args.batch_size, args.seq_len, args.seed, args.curve_data
+    )
   return result
 
 
@@ -691,42 +860,63 @@ def table(result: dict) -> str:
   on = "" if on_cpu else f" on {result['device_kind']}"
   matmul = result["limit"]["matmul"]
   widest = matmul[list(matmul)[-1]]["flops_per_sec"]
-  lines = [f"train step {result['preset']} {result['batch_size']}x{result['seq_len']} "
-           f"{result['dtype']}{on}, layers {result['layers']}: floor "
-           f"{ref:.{2 if on_cpu else 4}f} s at "
-           "the measured matmul limit "
-           f"({widest / 1e9:.0f} GFLOP/s)"]
+  lines = [
+    f"train step {result['preset']} {result['batch_size']}x{result['seq_len']} "
+    f"{result['dtype']}{on}, layers {result['layers']}: floor "
+    f"{ref:.{2 if on_cpu else 4}f} s at "
+    "the measured matmul limit "
+    f"({widest / 1e9:.0f} GFLOP/s)"
+  ]
   if result.get("model_overrides"):
-    lines.append("  model overrides: " + ", ".join(
-        f"{k}={v}" for k, v in result["model_overrides"].items()))
+    lines.append(
+      "  model overrides: " + ", ".join(f"{k}={v}" for k, v in result["model_overrides"].items())
+    )
   if result.get("table"):
     lines.append("  ours+table: " + ", ".join(f"{k}={v}" for k, v in result["table"].items()))
   for name in ("ours", "ours+table", "library", "torch", "torch.compile"):
     if name in result:
       r = result[name]
-      extra = (f"  {result.get(f'speedup_vs_{name}', 1.0):.2f}x"
-               if name not in ("ours", "ours+table", "library") else "")
+      extra = (
+        f"  {result.get(f'speedup_vs_{name}', 1.0):.2f}x"
+        if name not in ("ours", "ours+table", "library")
+        else ""
+      )
       peak = f" ({100 * r['mfu_vs_peak']:.1f}% of peak)" if "mfu_vs_peak" in r else ""
-      where = (f"  [{r['device']}" + (f", autocast {r['autocast']}" if r.get("autocast") else "")
-               + "]" if r.get("device", "cpu") != "cpu" else "")
+      where = (
+        f"  [{r['device']}" + (f", autocast {r['autocast']}" if r.get("autocast") else "") + "]"
+        if r.get("device", "cpu") != "cpu"
+        else ""
+      )
       step = f"{r['step_s']['median']:7.2f}" if on_cpu else f"{r['step_s']['median']:7.4f}"
-      lines.append(f"  {name:<14s} {step} s/step  "
-                   f"{r['tokens_per_sec']:8.0f} tok/s  MFU {100 * r['mfu']:5.1f}%{peak}"
-                   + (f"  (ours is{extra} faster)" if extra else "") + where)
+      lines.append(
+        f"  {name:<14s} {step} s/step  "
+        f"{r['tokens_per_sec']:8.0f} tok/s  MFU {100 * r['mfu']:5.1f}%{peak}"
+        + (f"  (ours is{extra} faster)" if extra else "")
+        + where
+      )
   if "ratio_vs_torch_compile" in result:
-    lines.append(f"  ratio vs torch.compile: {result['ratio_vs_torch_compile']:.2f}x "
-                 "(their median step / ours)")
+    lines.append(
+      f"  ratio vs torch.compile: {result['ratio_vs_torch_compile']:.2f}x "
+      "(their median step / ours)"
+    )
   if "speedup_of_table" in result:
-    lines.append(f"  ours+table: {result['speedup_of_table']:.3f}x ours"
-                 + (f", {result['ratio_vs_torch_compile_with_table']:.2f}x vs torch.compile"
-                    if "ratio_vs_torch_compile_with_table" in result else ""))
+    lines.append(
+      f"  ours+table: {result['speedup_of_table']:.3f}x ours"
+      + (
+        f", {result['ratio_vs_torch_compile_with_table']:.2f}x vs torch.compile"
+        if "ratio_vs_torch_compile_with_table" in result
+        else ""
+      )
+    )
   if "library_vs_ours" in result:
     lines.append(f"  library: {result['library_vs_ours']:.3f}x ours' step time")
   for name, why in result.get("left_out", {}).items():
     lines.append(f"  {name}: left out ({why})")
   if "loss_curves" in result:
     c = result["loss_curves"]
-    lines.append(f"  loss curves over {c['steps']} steps: bfloat16 within "
-                 f"{100 * c['max_relative_gap']:.2f}% of float32 (10-step means; final "
-                 f"{c['losses']['float32'][-1]:.3f} vs {c['losses']['bfloat16'][-1]:.3f})")
+    lines.append(
+      f"  loss curves over {c['steps']} steps: bfloat16 within "
+      f"{100 * c['max_relative_gap']:.2f}% of float32 (10-step means; final "
+      f"{c['losses']['float32'][-1]:.3f} vs {c['losses']['bfloat16'][-1]:.3f})"
+    )
   return "\n".join(lines)

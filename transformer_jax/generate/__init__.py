@@ -14,6 +14,20 @@ from transformer_jax.generate.decode import generate, prompt_bucket, special_ids
 from transformer_jax.generate.fill_mask import FillMaskOutput, fill_mask
 from transformer_jax.generate.sampling import apply_repetition_penalty, next_token, truncate_logits
 
-__all__ = ["BeamSearchOutput", "FillMaskOutput", "KVCache", "apply_repetition_penalty",
-           "beam_search", "extend", "fill_mask", "generate", "init_cache", "next_token",
-           "prompt_bucket", "special_ids", "suppress_mask", "truncate_logits", "with_encoder"]
+__all__ = [
+  "BeamSearchOutput",
+  "FillMaskOutput",
+  "KVCache",
+  "apply_repetition_penalty",
+  "beam_search",
+  "extend",
+  "fill_mask",
+  "generate",
+  "init_cache",
+  "next_token",
+  "prompt_bucket",
+  "special_ids",
+  "suppress_mask",
+  "truncate_logits",
+  "with_encoder",
+]

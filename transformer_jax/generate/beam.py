@@ -33,7 +33,12 @@ from flax import nnx
 
 from transformer_jax.generate.cache import KVCache, extend, init_cache, with_encoder
 from transformer_jax.generate.decode import (
-    check_options, padded_inputs, split_model, decode_layers, suppress_mask)
+  check_options,
+  padded_inputs,
+  split_model,
+  decode_layers,
+  suppress_mask,
+)
 from transformer_jax.models.config import Seq2SeqConfig
 
 # Score of an empty slot / a candidate that must not be chosen (transformers uses the same value,
@@ -47,33 +52,41 @@ trace_count = 0
 class BeamSearchOutput(NamedTuple):
   """The finished hypotheses of every row, best first."""
 
-  sequences: jax.Array      # [B, M] int32: the best hypothesis, eos_id after its EOS (0 without one)
-  scores: jax.Array         # [B] float32: its sum(log p) / length ** length_penalty
+  sequences: jax.Array  # [B, M] int32: the best hypothesis, eos_id after its EOS (0 without one)
+  scores: jax.Array  # [B] float32: its sum(log p) / length ** length_penalty
   all_sequences: jax.Array  # [B, num_beams, M] int32: every finished hypothesis, best first
-  all_scores: jax.Array     # [B, num_beams] float32
+  all_scores: jax.Array  # [B, num_beams] float32
 
 
 class _Options(NamedTuple):
-  eos_id: jax.Array          # int32, -1 = none
-  pad_id: jax.Array          # int32: eos_id, or 0 without one
+  eos_id: jax.Array  # int32, -1 = none
+  pad_id: jax.Array  # int32: eos_id, or 0 without one
   length_penalty: jax.Array  # float32
-  start_id: jax.Array        # int32: Seq2Seq decoder start
-  suppress_V: jax.Array      # [V] bool: ids never produced
+  start_id: jax.Array  # int32: Seq2Seq decoder start
+  suppress_V: jax.Array  # [V] bool: ids never produced
 
 
 class _State(NamedTuple):
-  running_seqs_BKM: jax.Array    # new tokens of the live beams (pad after the current step)
-  running_scores_BK: jax.Array   # their sum of log-probabilities, best first
-  done_seqs_BKM: jax.Array       # finished hypotheses
-  done_scores_BK: jax.Array      # their length-penalised scores, best first (_NEG = empty slot)
-  done_filled_BK: jax.Array      # bool: the slot holds a hypothesis
-  active_B: jax.Array            # bool: the row may still accept finished hypotheses
+  running_seqs_BKM: jax.Array  # new tokens of the live beams (pad after the current step)
+  running_scores_BK: jax.Array  # their sum of log-probabilities, best first
+  done_seqs_BKM: jax.Array  # finished hypotheses
+  done_scores_BK: jax.Array  # their length-penalised scores, best first (_NEG = empty slot)
+  done_filled_BK: jax.Array  # bool: the slot holds a hypothesis
+  active_B: jax.Array  # bool: the row may still accept finished hypotheses
 
 
-def beam_search(model, inputs, *, num_beams: int, length_penalty: float = 1.0,
-                max_new_tokens: int, eos_id: int | None = None, prompt_lengths=None,
-                decoder_start_id: int | None = None,
-                suppress_ids: Sequence[int] = ()) -> BeamSearchOutput:
+def beam_search(
+  model,
+  inputs,
+  *,
+  num_beams: int,
+  length_penalty: float = 1.0,
+  max_new_tokens: int,
+  eos_id: int | None = None,
+  prompt_lengths=None,
+  decoder_start_id: int | None = None,
+  suppress_ids: Sequence[int] = (),
+) -> BeamSearchOutput:
   """Beam search: continues GPT prompts, or decodes Seq2Seq sources from ``decoder_start_id``.
 
   Args:
@@ -108,15 +121,18 @@ def beam_search(model, inputs, *, num_beams: int, length_penalty: float = 1.0,
   if not np.isfinite(length_penalty):
     raise ValueError(f"length_penalty={length_penalty!r} must be a finite number")
   suppress_V = suppress_mask(suppress_ids, config.vocab_size)
-  padded, lengths, cache_len = padded_inputs(config, inputs, prompt_lengths, "right",
-                                              max_new_tokens, decoder_start_id, "inputs")
+  padded, lengths, cache_len = padded_inputs(
+    config, inputs, prompt_lengths, "right", max_new_tokens, decoder_start_id, "inputs"
+  )
   run = _compiled(graphdef, cache_len, int(num_beams), int(max_new_tokens), seq2seq)
   # Options that do not change shapes are traced arguments: one compilation serves them all.
-  options = _Options(eos_id=jnp.int32(-1 if eos_id is None else eos_id),
-                     pad_id=jnp.int32(0 if eos_id is None else eos_id),
-                     length_penalty=jnp.float32(length_penalty),
-                     start_id=jnp.int32(0 if decoder_start_id is None else decoder_start_id),
-                     suppress_V=jnp.asarray(suppress_V))
+  options = _Options(
+    eos_id=jnp.int32(-1 if eos_id is None else eos_id),
+    pad_id=jnp.int32(0 if eos_id is None else eos_id),
+    length_penalty=jnp.float32(length_penalty),
+    start_id=jnp.int32(0 if decoder_start_id is None else decoder_start_id),
+    suppress_V=jnp.asarray(suppress_V),
+  )
   layers = decode_layers(graphdef, params)
   return run(params, layers, jnp.asarray(padded), jnp.asarray(lengths, jnp.int32), options)
 
@@ -153,7 +169,7 @@ def _compiled(graphdef, cache_len, num_beams, max_new_tokens, seq2seq):
     # Finished: stopped candidates among the first K, length-penalised, merged into the buffer.
     length = (i + 1).astype(jnp.float32)
     finished_BC = stop_BC & (jnp.arange(2 * k) < k)[None, :]
-    norm_BC = top_BC / length ** opt.length_penalty
+    norm_BC = top_BC / length**opt.length_penalty
     norm_BC = norm_BC + jnp.where(st.active_B[:, None], 0.0, _NEG)
     norm_BC = norm_BC + jnp.where(finished_BC, 0.0, _NEG)
     merged_scores = jnp.concatenate([st.done_scores_BK, norm_BC], axis=1)
@@ -163,11 +179,12 @@ def _compiled(graphdef, cache_len, num_beams, max_new_tokens, seq2seq):
     done_filled_BK = _gather(jnp.concatenate([st.done_filled_BK, finished_BC], axis=1), best_BK)
 
     # Can the best live beam, ended now, still beat the worst finished hypothesis?
-    best_live_B1 = running_scores_BK[:, :1] / length ** opt.length_penalty
+    best_live_B1 = running_scores_BK[:, :1] / length**opt.length_penalty
     worst_BK = jnp.where(done_filled_BK, jnp.min(done_scores_BK, axis=1, keepdims=True), _NEG)
     active_B = st.active_B & jnp.any(best_live_B1 > worst_BK, axis=1)
-    return _State(running_seqs_BKM, running_scores_BK, done_seqs_BKM, done_scores_BK,
-                  done_filled_BK, active_B), parents_BK
+    return _State(
+      running_seqs_BKM, running_scores_BK, done_seqs_BKM, done_scores_BK, done_filled_BK, active_B
+    ), parents_BK
 
   def reorder(cache: KVCache, parents_BK) -> KVCache:
     """Cache rows of the parents of the new live beams (beams of one row share the rest)."""
@@ -187,20 +204,22 @@ def _compiled(graphdef, cache_len, num_beams, max_new_tokens, seq2seq):
     else:  # Seq2Seq: encode once, then the start token
       src_mask_BP = jnp.arange(inputs_BP.shape[1])[None, :] < lengths_B[:, None]
       cache = with_encoder(model, cache, model.encode(inputs_BP, src_mask_BP), src_mask_BP)
-      last_B1V, cache = extend(model, jnp.full((b, 1), opt.start_id, jnp.int32), cache,
-                               layers=layers)
+      last_B1V, cache = extend(
+        model, jnp.full((b, 1), opt.start_id, jnp.int32), cache, layers=layers
+      )
       last_BV = last_B1V[:, 0]
     cache = cache.take_rows(jnp.repeat(jnp.arange(b), k))  # row b -> rows b*k .. b*k + k - 1
     vocab = last_BV.shape[-1]
     logp_BKV = jnp.broadcast_to(jax.nn.log_softmax(last_BV)[:, None], (b, k, vocab))
     # Only beam 0 is live at first (the others are copies), as in transformers.
     st = _State(
-        running_seqs_BKM=jnp.full((b, k, m), opt.pad_id, jnp.int32),
-        running_scores_BK=jnp.where(jnp.arange(k) == 0, 0.0, _NEG)[None].repeat(b, 0),
-        done_seqs_BKM=jnp.full((b, k, m), opt.pad_id, jnp.int32),
-        done_scores_BK=jnp.full((b, k), _NEG, jnp.float32),
-        done_filled_BK=jnp.zeros((b, k), bool),
-        active_B=jnp.ones((b,), bool))
+      running_seqs_BKM=jnp.full((b, k, m), opt.pad_id, jnp.int32),
+      running_scores_BK=jnp.where(jnp.arange(k) == 0, 0.0, _NEG)[None].repeat(b, 0),
+      done_seqs_BKM=jnp.full((b, k, m), opt.pad_id, jnp.int32),
+      done_scores_BK=jnp.full((b, k), _NEG, jnp.float32),
+      done_filled_BK=jnp.zeros((b, k), bool),
+      active_B=jnp.ones((b,), bool),
+    )
     st, parents_BK = select(jnp.int32(0), logp_BKV, st, opt)
     cache = reorder(cache, parents_BK)
 
@@ -217,7 +236,8 @@ def _compiled(graphdef, cache_len, num_beams, max_new_tokens, seq2seq):
       return i + 1, reorder(cache, parents_BK), st
 
     _, _, st = jax.lax.while_loop(cond, body, (jnp.int32(1), cache, st))
-    return BeamSearchOutput(st.done_seqs_BKM[:, 0], st.done_scores_BK[:, 0], st.done_seqs_BKM,
-                            st.done_scores_BK)
+    return BeamSearchOutput(
+      st.done_seqs_BKM[:, 0], st.done_scores_BK[:, 0], st.done_seqs_BKM, st.done_scores_BK
+    )
 
   return jax.jit(run)

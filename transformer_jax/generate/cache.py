@@ -22,8 +22,9 @@ from transformer_jax.layers import KVCache
 __all__ = ["KVCache", "extend", "init_cache", "split_layers", "with_encoder"]
 
 
-def init_cache(config: models.ModelConfig, batch_size: int, max_len: int,
-               dtype: str | jnp.dtype | None = None) -> KVCache:
+def init_cache(
+  config: models.ModelConfig, batch_size: int, max_len: int, dtype: str | jnp.dtype | None = None
+) -> KVCache:
   """An empty self-attention cache of ``max_len`` slots per row (config's compute dtype by default).
 
   For a Seq2Seq config this is the decoder's cache; add the encoder side with ``with_encoder``.
@@ -43,8 +44,9 @@ def init_cache(config: models.ModelConfig, batch_size: int, max_len: int,
   return cls.init_cache(config, batch_size, max_len, dtype)
 
 
-def with_encoder(model, cache: KVCache, encoder_out_BSD: jax.Array,
-                 src_mask_BS: jax.Array | None = None) -> KVCache:
+def with_encoder(
+  model, cache: KVCache, encoder_out_BSD: jax.Array, src_mask_BS: jax.Array | None = None
+) -> KVCache:
   """``cache`` plus a Seq2Seq model's cross-attention keys/values of ``encoder_out`` (computed
   once)."""
   return cache.replace(cross=model.cross_cache(encoder_out_BSD, src_mask_BS))
@@ -62,9 +64,14 @@ def split_layers(model) -> tuple[nnx.State, ...]:
   return model.split_layers()
 
 
-def extend(model, tokens_BT: jax.Array, cache: KVCache,
-           num_valid: jax.Array | None = None, *,
-           layers: tuple[nnx.State, ...] | None = None) -> tuple[jax.Array, KVCache]:
+def extend(
+  model,
+  tokens_BT: jax.Array,
+  cache: KVCache,
+  num_valid: jax.Array | None = None,
+  *,
+  layers: tuple[nnx.State, ...] | None = None,
+) -> tuple[jax.Array, KVCache]:
   """Runs ``T`` new tokens per row through the model with the cache: prefill (T = prompt) or a
   step (T = 1).
 
@@ -92,8 +99,14 @@ def extend(model, tokens_BT: jax.Array, cache: KVCache,
   return logits_BTV, cache
 
 
-def prefill(model, prompt_BP: jax.Array, cache: KVCache, lengths_B: jax.Array, *,
-            layers: tuple[nnx.State, ...] | None = None) -> tuple[jax.Array, KVCache]:
+def prefill(
+  model,
+  prompt_BP: jax.Array,
+  cache: KVCache,
+  lengths_B: jax.Array,
+  *,
+  layers: tuple[nnx.State, ...] | None = None,
+) -> tuple[jax.Array, KVCache]:
   """A GPT's prompt into the cache, and the logits ``[B, V]`` at each row's last prompt token only.
 
   The same numbers as ``extend`` followed by picking position ``lengths_B - 1``, without projecting
@@ -101,8 +114,9 @@ def prefill(model, prompt_BP: jax.Array, cache: KVCache, lengths_B: jax.Array, *
   """
   before_B = cache.lengths
   lengths_B = jnp.asarray(lengths_B, jnp.int32)
-  x_BPD, cache = model.hidden_states(prompt_BP, cache=cache.replace(new_valid=lengths_B),
-                                     layer_params=layers)
+  x_BPD, cache = model.hidden_states(
+    prompt_BP, cache=cache.replace(new_valid=lengths_B), layer_params=layers
+  )
   cache = cache.replace(lengths=before_B + lengths_B, new_valid=None)
   last_B1D = jnp.take_along_axis(x_BPD, (lengths_B - 1)[:, None, None], axis=1)
   return model.logits(last_B1D)[:, 0], cache

@@ -26,13 +26,20 @@ from transformer_jax.generate.beam import beam_search
 from transformer_jax.generate.cache import KVCache, extend, init_cache
 from transformer_jax.generate.cache import prefill as prefill_cache
 from transformer_jax.generate.decode import (
-    check_options, right_padded, split_model, decode_layers, generate, prompt_bucket,
-    special_ids, suppress_mask)
+  check_options,
+  right_padded,
+  split_model,
+  decode_layers,
+  generate,
+  prompt_bucket,
+  special_ids,
+  suppress_mask,
+)
 from transformer_jax.generate.fill_mask import fill_mask
 from transformer_jax.generate.sampling import next_token
 from transformer_jax.models.common import check_tokens
 from transformer_jax.models.config import BERTConfig, GPTConfig, MambaConfig, Seq2SeqConfig
-from transformer_jax.runs import load_run  # noqa: F401 - the old import path
+from transformer_jax.runs import load_run
 
 MASK_TEXT = "[MASK]"
 
@@ -44,11 +51,19 @@ trace_count = 0
 # Streaming: the same tokens as ``generate``, handed out a chunk at a time.
 
 
-def stream_generate(model, prompt_ids, *, max_new_tokens: int, chunk_size: int = 16,
-                    temperature: float = 0.0, top_k: int | None = None,
-                    top_p: float | None = None, eos_id: int | None = None,
-                    key: jax.Array | None = None,
-                    suppress_ids: Sequence[int] = ()) -> Iterator[np.ndarray]:
+def stream_generate(
+  model,
+  prompt_ids,
+  *,
+  max_new_tokens: int,
+  chunk_size: int = 16,
+  temperature: float = 0.0,
+  top_k: int | None = None,
+  top_p: float | None = None,
+  eos_id: int | None = None,
+  key: jax.Array | None = None,
+  suppress_ids: Sequence[int] = (),
+) -> Iterator[np.ndarray]:
   """Continues GPT prompts like ``generate``, yielding the new tokens as they are produced.
 
   With the same arguments the concatenated chunks equal ``generate``'s output up to the point
@@ -80,28 +95,37 @@ def stream_generate(model, prompt_ids, *, max_new_tokens: int, chunk_size: int =
   tokens, lengths = right_padded(prompt_ids, None, "right")
   longest = int(lengths.max())
   if longest + max_new_tokens > config.max_len:
-    raise ValueError(f"prompt length {longest} + max_new_tokens={max_new_tokens} exceeds the "
-                     f"model's context max_len={config.max_len}")
+    raise ValueError(
+      f"prompt length {longest} + max_new_tokens={max_new_tokens} exceeds the "
+      f"model's context max_len={config.max_len}"
+    )
   check_tokens("prompt_ids", tokens, config.vocab_size)
   bucket = prompt_bucket(longest, config.max_len)
   padded = np.zeros((tokens.shape[0], bucket), np.int32)
-  padded[:, :tokens.shape[1]] = tokens
+  padded[:, : tokens.shape[1]] = tokens
   suppress_V = suppress_mask(suppress_ids, config.vocab_size)
   prefill, steps = _stream_fns(
-      graphdef, min(bucket + max_new_tokens, config.max_len), int(chunk_size), float(temperature),
-      None if top_k is None else int(top_k), None if top_p is None else float(top_p))
+    graphdef,
+    min(bucket + max_new_tokens, config.max_len),
+    int(chunk_size),
+    float(temperature),
+    None if top_k is None else int(top_k),
+    None if top_p is None else float(top_p),
+  )
   key = jax.random.key(0) if key is None else key
   # Traced, so that they share one compilation: the ids to suppress and EOS (-1: none).
   opts = (jnp.asarray(suppress_V), jnp.int32(-1 if eos_id is None else eos_id))
   layers = decode_layers(graphdef, params)
-  tok_B, done_B, cache = prefill(params, layers, jnp.asarray(padded),
-                                 jnp.asarray(lengths, jnp.int32), key, opts)
+  tok_B, done_B, cache = prefill(
+    params, layers, jnp.asarray(padded), jnp.asarray(lengths, jnp.int32), key, opts
+  )
   yield np.asarray(tok_B)[:, None]
   produced = 1
   while produced < max_new_tokens and not bool(np.all(done_B)):
     count = min(chunk_size, max_new_tokens - produced)
-    out_BC, tok_B, done_B, cache = steps(params, layers, tok_B, done_B, cache, jnp.int32(produced),
-                                         jnp.int32(count), key, opts)
+    out_BC, tok_B, done_B, cache = steps(
+      params, layers, tok_B, done_B, cache, jnp.int32(produced), jnp.int32(count), key, opts
+    )
     yield np.asarray(out_BC)[:, :count]
     produced += count
 
@@ -148,15 +172,17 @@ def _stream_fns(graphdef, cache_len, chunk_size, temperature, top_k, top_p):
       return j + 1, new_B, out_BC, cache, done_B | (new_B == eos_id)
 
     _, tok_B, out_BC, cache, done_B = jax.lax.while_loop(
-        cond, body, (jnp.int32(0), tok_B, out_BC, cache, done_B))
+      cond, body, (jnp.int32(0), tok_B, out_BC, cache, done_B)
+    )
     return out_BC, tok_B, done_B, cache
 
   return jax.jit(prefill), jax.jit(steps, donate_argnums=(4,))
 
 
 def _family(config) -> str:
-  return {BERTConfig: "BERT", GPTConfig: "GPT", Seq2SeqConfig: "Seq2Seq",
-          MambaConfig: "Mamba"}[type(config)]
+  return {BERTConfig: "BERT", GPTConfig: "GPT", Seq2SeqConfig: "Seq2Seq", MambaConfig: "Mamba"}[
+    type(config)
+  ]
 
 
 class _TextStream:
@@ -172,14 +198,14 @@ class _TextStream:
     text = self.tokenizer.decode(self.ids)
     end = len(text) if final else len(text.rstrip("\ufffd"))
     if end > self.printed:
-      self.out.write(text[self.printed:end])
+      self.out.write(text[self.printed : end])
       self.out.flush()
       self.printed = end
 
 
 def _until_eos(ids, eos_id: int) -> list[int]:
   ids = [int(i) for i in ids]
-  return ids[:ids.index(eos_id)] if eos_id in ids else ids
+  return ids[: ids.index(eos_id)] if eos_id in ids else ids
 
 
 # -------------------------------------------------------------------------------------------------
@@ -190,26 +216,39 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("run_dir")
   parser.add_argument("--prompt", required=True, help="text to continue (Seq2Seq: the source)")
   parser.add_argument("--max-new-tokens", type=int, default=64)
-  parser.add_argument("--temperature", type=float, default=None,
-                      help="0 = greedy; default 0.8 (GPT) or 0 (Seq2Seq)")
+  parser.add_argument(
+    "--temperature", type=float, default=None, help="0 = greedy; default 0.8 (GPT) or 0 (Seq2Seq)"
+  )
   parser.add_argument("--top-k", type=int, default=None, help="default 40 when sampling")
   parser.add_argument("--top-p", type=float, default=None, help="nucleus mass in (0, 1]")
-  parser.add_argument("--num-beams", type=int, default=1,
-                      help="> 1: beam search (deterministic; prints the best hypothesis at the end)")
+  parser.add_argument(
+    "--num-beams",
+    type=int,
+    default=1,
+    help="> 1: beam search (deterministic; prints the best hypothesis at the end)",
+  )
   parser.add_argument("--length-penalty", type=float, default=1.0, help="beam search only")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--chunk", type=int, default=8, help="tokens per printed chunk")
   parser.add_argument("--best", action="store_true", help="the best checkpoint, not the latest")
-  parser.add_argument("--data", default=None, metavar="DIR",
-                      help="dataset whose tokenizer to use (default: data.path of config.yaml)")
-  parser.add_argument("--cpu-poll", action=argparse.BooleanOptionalAction, default=None,
-                      help="while decoding on CPU, ask Linux to keep idle CPUs polling instead of "
-                      "halting (writes /dev/cpu_dma_latency, usually root only; affects the whole "
-                      f"machine while it runs). Default: ${poll.POLL_ENV}=1, else off")
+  parser.add_argument(
+    "--data",
+    default=None,
+    metavar="DIR",
+    help="dataset whose tokenizer to use (default: data.path of config.yaml)",
+  )
+  parser.add_argument(
+    "--cpu-poll",
+    action=argparse.BooleanOptionalAction,
+    default=None,
+    help="while decoding on CPU, ask Linux to keep idle CPUs polling instead of "
+    "halting (writes /dev/cpu_dma_latency, usually root only; affects the whole "
+    f"machine while it runs). Default: ${poll.POLL_ENV}=1, else off",
+  )
 
 
 # The seeds jax.random.key takes.
-_SEED_RANGE = (-2**63, 2**63)
+_SEED_RANGE = (-(2**63), 2**63)
 
 
 def check_generate_args(args) -> bool:
@@ -226,8 +265,9 @@ def check_generate_args(args) -> bool:
     raise ValueError("the prompt is empty; give some text with --prompt")
   if args.max_new_tokens < 1:
     raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
-  if args.temperature is not None and not (math.isfinite(args.temperature)
-                                           and args.temperature >= 0.0):
+  if args.temperature is not None and not (
+    math.isfinite(args.temperature) and args.temperature >= 0.0
+  ):
     raise ValueError(f"--temperature {args.temperature} must be a number >= 0 (0 = greedy)")
   if args.top_k is not None and args.top_k < 1:
     raise ValueError(f"--top-k {args.top_k} must be >= 1")
@@ -242,8 +282,10 @@ def check_generate_args(args) -> bool:
   if not _SEED_RANGE[0] <= args.seed < _SEED_RANGE[1]:
     raise ValueError(f"--seed {args.seed} must be in [-2**63, 2**63)")
   if args.num_beams > 1 and (args.temperature, args.top_k, args.top_p) != (None, None, None):
-    raise ValueError("--num-beams > 1 searches deterministically: --temperature, --top-k and "
-                     "--top-p are for sampling")
+    raise ValueError(
+      "--num-beams > 1 searches deterministically: --temperature, --top-k and "
+      "--top-p are for sampling"
+    )
   return poll.requested(getattr(args, "cpu_poll", None))
 
 
@@ -258,18 +300,24 @@ def run_generate(args, out: TextIO | None = None) -> int:
 
   def check(config, tok):
     if isinstance(config, BERTConfig):
-      raise ValueError(f"{args.run_dir} is a BERT run (a masked language model): it cannot "
-                       "generate text; use tjax fill-mask")
+      raise ValueError(
+        f"{args.run_dir} is a BERT run (a masked language model): it cannot "
+        "generate text; use tjax fill-mask"
+      )
     ids = tok.encode(args.prompt)
     seq2seq = isinstance(config, Seq2SeqConfig)
     if len(ids) > config.max_len - (0 if seq2seq else 1):
-      raise ValueError(f"the prompt is {len(ids)} tokens, too long for the model's context "
-                       f"max_len={config.max_len}")
+      raise ValueError(
+        f"the prompt is {len(ids)} tokens, too long for the model's context "
+        f"max_len={config.max_len}"
+      )
     room = config.max_len - (0 if seq2seq else len(ids))
     if args.max_new_tokens < 1 or args.max_new_tokens > room:
-      raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be in [1, {room}]: the "
-                       f"{_family(config)} model's context is max_len={config.max_len}"
-                       + ("" if seq2seq else f" and the prompt takes {len(ids)} of them"))
+      raise ValueError(
+        f"--max-new-tokens {args.max_new_tokens} must be in [1, {room}]: the "
+        f"{_family(config)} model's context is max_len={config.max_len}"
+        + ("" if seq2seq else f" and the prompt takes {len(ids)} of them")
+      )
 
   config, params, tok = load_run(args.run_dir, best=args.best, data=args.data, check=check)
   with poll.cpu_poll_if(wants_poll) as request:
@@ -284,7 +332,7 @@ def _generate_text(args, config, params, tok, out: TextIO) -> int:
   ids = tok.encode(args.prompt)
   seq2seq = isinstance(config, Seq2SeqConfig)
   eos = tok.eos_id if seq2seq else tok.eot_id
-  suppress = special_ids(tok, keep=[eos])   # [UNK], [PAD]... are not text
+  suppress = special_ids(tok, keep=[eos])  # [UNK], [PAD]... are not text
   model = (config, params)
   key = jax.random.key(args.seed)
   # Defaults: sampling for a language model, greedy for a Seq2Seq (translation-like) model.
@@ -293,27 +341,58 @@ def _generate_text(args, config, params, tok, out: TextIO) -> int:
   if seq2seq:
     start = tok.bos_id
     if beams:
-      new = beam_search(model, [ids], num_beams=args.num_beams, max_new_tokens=args.max_new_tokens,
-                        eos_id=eos, decoder_start_id=start, length_penalty=args.length_penalty,
-                        suppress_ids=suppress).sequences[0]
+      new = beam_search(
+        model,
+        [ids],
+        num_beams=args.num_beams,
+        max_new_tokens=args.max_new_tokens,
+        eos_id=eos,
+        decoder_start_id=start,
+        length_penalty=args.length_penalty,
+        suppress_ids=suppress,
+      ).sequences[0]
     else:
-      new = generate(model, [ids], max_new_tokens=args.max_new_tokens, temperature=temperature,
-                     top_k=top_k, top_p=args.top_p, eos_id=eos, key=key,
-                     decoder_start_id=start, suppress_ids=suppress)[0]
+      new = generate(
+        model,
+        [ids],
+        max_new_tokens=args.max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=args.top_p,
+        eos_id=eos,
+        key=key,
+        decoder_start_id=start,
+        suppress_ids=suppress,
+      )[0]
     out.write(tok.decode(_until_eos(np.asarray(new), eos)) + "\n")
     return 0
   out.write(args.prompt)
   out.flush()
   stream = _TextStream(tok, out)
   if beams:
-    result = beam_search(model, [ids], num_beams=args.num_beams,
-                         max_new_tokens=args.max_new_tokens, eos_id=eos,
-                         length_penalty=args.length_penalty, suppress_ids=suppress)
+    result = beam_search(
+      model,
+      [ids],
+      num_beams=args.num_beams,
+      max_new_tokens=args.max_new_tokens,
+      eos_id=eos,
+      length_penalty=args.length_penalty,
+      suppress_ids=suppress,
+    )
     stream.add(_until_eos(np.asarray(result.sequences[0]), eos), final=True)
   else:
-    for chunk in stream_generate(model, [ids], max_new_tokens=args.max_new_tokens,
-                                 chunk_size=args.chunk, temperature=temperature, top_k=top_k,
-                                 top_p=args.top_p, eos_id=eos, key=key, suppress_ids=suppress):
+    for chunk in stream_generate(
+      model,
+      [ids],
+      max_new_tokens=args.max_new_tokens,
+      chunk_size=args.chunk,
+      temperature=temperature,
+      top_k=top_k,
+      top_p=args.top_p,
+      eos_id=eos,
+      key=key,
+      suppress_ids=suppress,
+    ):
       new = _until_eos(chunk[0], eos)
       stream.add(new)
       if len(new) < chunk.shape[1]:
@@ -332,8 +411,12 @@ def add_fill_mask_args(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("text", help=f"text with one or more {MASK_TEXT}")
   parser.add_argument("--top-k", type=int, default=5)
   parser.add_argument("--best", action="store_true", help="the best checkpoint, not the latest")
-  parser.add_argument("--data", default=None, metavar="DIR",
-                      help="dataset whose tokenizer to use (default: data.path of config.yaml)")
+  parser.add_argument(
+    "--data",
+    default=None,
+    metavar="DIR",
+    help="dataset whose tokenizer to use (default: data.path of config.yaml)",
+  )
 
 
 def encode_masked(tokenizer, text: str) -> list[int]:
@@ -368,17 +451,25 @@ def run_fill_mask(args, out: TextIO | None = None) -> int:
 
   def check(config, tok):
     if not isinstance(config, BERTConfig):
-      raise ValueError(f"{args.run_dir} is a {_family(config)} run: fill-mask needs a BERT "
-                       "(masked language model) run")
+      raise ValueError(
+        f"{args.run_dir} is a {_family(config)} run: fill-mask needs a BERT "
+        "(masked language model) run"
+      )
     n = len(encode_masked(tok, args.text))
     if n > config.max_len:
-      raise ValueError(f"the text is {n} tokens with [CLS] and [SEP], longer than the model's "
-                       f"context max_len={config.max_len}")
+      raise ValueError(
+        f"the text is {n} tokens with [CLS] and [SEP], longer than the model's "
+        f"context max_len={config.max_len}"
+      )
 
   config, params, tok = load_run(args.run_dir, best=args.best, data=args.data, check=check)
   ids = encode_masked(tok, args.text)
-  result = fill_mask((config, params), np.asarray([ids]), top_k=min(args.top_k, config.vocab_size),
-                     mask_id=tok.mask_id)
+  result = fill_mask(
+    (config, params),
+    np.asarray([ids]),
+    top_k=min(args.top_k, config.vocab_size),
+    mask_id=tok.mask_id,
+  )
   pieces = args.text.split(MASK_TEXT)
   best = pieces[0]
   for m in range(len(result.positions)):
@@ -386,7 +477,7 @@ def run_fill_mask(args, out: TextIO | None = None) -> int:
     for cand, prob in zip(result.token_ids[m], result.probs[m]):
       out.write(f"  {prob:7.2%}  {tok.decode([cand])!r}\n")
     word = tok.decode([result.token_ids[m, 0]])
-    if best.endswith(" ") and word[:1].isspace():   # the space went to the mask (encode_masked)
+    if best.endswith(" ") and word[:1].isspace():  # the space went to the mask (encode_masked)
       best = best[:-1]
     best += word + pieces[m + 1]
   out.write("best: " + best + "\n")

@@ -19,8 +19,7 @@ import numpy as np
 from flax import nnx
 
 from transformer_jax import backends, models
-from transformer_jax.generate.cache import (extend, init_cache, prefill, split_layers,
-                                            with_encoder)
+from transformer_jax.generate.cache import extend, init_cache, prefill, split_layers, with_encoder
 from transformer_jax.generate.sampling import apply_repetition_penalty, next_token
 from transformer_jax.models.common import check_tokens
 from transformer_jax.models.config import GPTConfig, MambaConfig, Seq2SeqConfig
@@ -40,9 +39,13 @@ def prompt_bucket(length: int, max_len: int) -> int:
   return min(bucket, max_len)
 
 
-def split_model(model, kinds=(GPTConfig, MambaConfig, Seq2SeqConfig), *, what: str = "a GPT",
-                 needs: str = "generate needs a GPT, Mamba or Seq2Seq model"
-                 ) -> tuple[GPTConfig | MambaConfig | Seq2SeqConfig, nnx.GraphDef, nnx.State]:
+def split_model(
+  model,
+  kinds=(GPTConfig, MambaConfig, Seq2SeqConfig),
+  *,
+  what: str = "a GPT",
+  needs: str = "generate needs a GPT, Mamba or Seq2Seq model",
+) -> tuple[GPTConfig | MambaConfig | Seq2SeqConfig, nnx.GraphDef, nnx.State]:
   """``(config, graphdef, params)`` of a module or a ``(config, params)`` pair whose config is one
   of ``kinds`` (``what``/``needs`` word the errors)."""
   if isinstance(model, nnx.Module):
@@ -61,21 +64,25 @@ def split_model(model, kinds=(GPTConfig, MambaConfig, Seq2SeqConfig), *, what: s
 def right_padded(prompt_ids, prompt_lengths, padding_side) -> tuple[np.ndarray, np.ndarray]:
   """``[B, P]`` int32 right-padded prompts and their ``[B]`` lengths (validated)."""
   if isinstance(prompt_ids, (list, tuple)) and all(
-      isinstance(p, (list, tuple, np.ndarray)) for p in prompt_ids):
+    isinstance(p, (list, tuple, np.ndarray)) for p in prompt_ids
+  ):
     if prompt_lengths is not None:
       raise ValueError("prompt_lengths must be None when prompt_ids is a list of lists")
     lengths = np.array([len(p) for p in prompt_ids], np.int64)
     width = max(1, int(lengths.max(initial=0)))
     tokens = np.zeros((len(prompt_ids), width), np.int64)
     for i, p in enumerate(prompt_ids):
-      tokens[i, :len(p)] = p
+      tokens[i, : len(p)] = p
     padding_side = "right"
   else:
     tokens = np.asarray(prompt_ids)
     if tokens.ndim != 2:
       raise ValueError(f"prompt_ids must be [batch, length]; got shape {tokens.shape}")
-    lengths = (np.full(tokens.shape[0], tokens.shape[1], np.int64) if prompt_lengths is None
-               else np.asarray(prompt_lengths, np.int64).reshape(-1))
+    lengths = (
+      np.full(tokens.shape[0], tokens.shape[1], np.int64)
+      if prompt_lengths is None
+      else np.asarray(prompt_lengths, np.int64).reshape(-1)
+    )
     if lengths.shape != (tokens.shape[0],):
       raise ValueError(f"prompt_lengths has {lengths.size} entries for {tokens.shape[0]} prompts")
   if tokens.shape[0] == 0:
@@ -85,13 +92,14 @@ def right_padded(prompt_ids, prompt_lengths, padding_side) -> tuple[np.ndarray, 
     raise ValueError(f"prompt {i} is empty (length {int(lengths[i])}); every prompt needs a token")
   if (lengths > tokens.shape[1]).any():
     i = int(np.argmax(lengths))
-    raise ValueError(f"prompt_lengths[{i}]={int(lengths[i])} exceeds the {tokens.shape[1]} columns "
-                     "of prompt_ids")
+    raise ValueError(
+      f"prompt_lengths[{i}]={int(lengths[i])} exceeds the {tokens.shape[1]} columns of prompt_ids"
+    )
   match padding_side:
     case "right":
       pass
     case "left":  # move each row's tokens to the front
-      cols = (np.arange(tokens.shape[1])[None, :] + (tokens.shape[1] - lengths)[:, None])
+      cols = np.arange(tokens.shape[1])[None, :] + (tokens.shape[1] - lengths)[:, None]
       tokens = np.take_along_axis(tokens, np.minimum(cols, tokens.shape[1] - 1), axis=1)
     case _:
       raise ValueError(f"padding_side={padding_side!r} must be 'right' or 'left'")
@@ -104,11 +112,14 @@ def check_options(config, max_new_tokens, temperature, top_k, top_p, eos_id, rep
     raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
   if isinstance(config, Seq2SeqConfig):
     if max_new_tokens > config.max_len:
-      raise ValueError(f"max_new_tokens={max_new_tokens} exceeds the decoder's context "
-                       f"max_len={config.max_len}")
+      raise ValueError(
+        f"max_new_tokens={max_new_tokens} exceeds the decoder's context max_len={config.max_len}"
+      )
   elif max_new_tokens >= config.max_len:
-    raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's "
-                     f"context max_len={config.max_len}")
+    raise ValueError(
+      f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's "
+      f"context max_len={config.max_len}"
+    )
   if not temperature >= 0.0:
     raise ValueError(f"temperature={temperature!r} must be >= 0")
   if top_k is not None and (not isinstance(top_k, (int, np.integer)) or top_k < 1):
@@ -128,8 +139,9 @@ def suppress_mask(suppress_ids: Sequence[int], vocab_size: int) -> np.ndarray:
   if suppress and not 0 <= suppress[0] <= suppress[-1] < vocab_size:
     raise ValueError(f"suppress_ids {suppress} must lie in the vocabulary [0, {vocab_size})")
   if len(suppress) >= vocab_size:
-    raise ValueError(f"suppress_ids hold all {vocab_size} ids of the vocabulary: none is left to "
-                     "produce")
+    raise ValueError(
+      f"suppress_ids hold all {vocab_size} ids of the vocabulary: none is left to produce"
+    )
   mask_V = np.zeros((vocab_size,), bool)
   mask_V[suppress] = True
   return mask_V
@@ -143,12 +155,22 @@ def special_ids(tokenizer, keep: Sequence[int] = ()) -> list[int]:
   return sorted(set(tokenizer.special_ids.values()) - {int(i) for i in keep})
 
 
-def generate(model, prompt_ids, *, prompt_lengths=None, max_new_tokens: int,
-             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-             eos_id: int | None = None, key: jax.Array | None = None,
-             padding_side: Literal["right", "left"] = "right",
-             decoder_start_id: int | None = None, repetition_penalty: float = 1.0,
-             suppress_ids: Sequence[int] = ()) -> jax.Array:
+def generate(
+  model,
+  prompt_ids,
+  *,
+  prompt_lengths=None,
+  max_new_tokens: int,
+  temperature: float = 0.0,
+  top_k: int | None = None,
+  top_p: float | None = None,
+  eos_id: int | None = None,
+  key: jax.Array | None = None,
+  padding_side: Literal["right", "left"] = "right",
+  decoder_start_id: int | None = None,
+  repetition_penalty: float = 1.0,
+  suppress_ids: Sequence[int] = (),
+) -> jax.Array:
   """Continues each prompt with up to ``max_new_tokens`` tokens (GPT), or decodes from each source
   (Seq2Seq: ``prompt_ids`` are the encoder inputs and decoding starts from ``decoder_start_id``).
 
@@ -182,19 +204,33 @@ def generate(model, prompt_ids, *, prompt_lengths=None, max_new_tokens: int,
   config, graphdef, params = split_model(model)
   check_options(config, max_new_tokens, temperature, top_k, top_p, eos_id, repetition_penalty)
   suppress_V = suppress_mask(suppress_ids, config.vocab_size)
-  padded, lengths, cache_len = padded_inputs(config, prompt_ids, prompt_lengths, padding_side,
-                                              max_new_tokens, decoder_start_id, "prompt_ids")
+  padded, lengths, cache_len = padded_inputs(
+    config, prompt_ids, prompt_lengths, padding_side, max_new_tokens, decoder_start_id, "prompt_ids"
+  )
   backend = getattr(model, "backend", None) or backends.current()
-  run = _compiled(graphdef, backend, cache_len, int(max_new_tokens), float(temperature),
-                  None if top_k is None else int(top_k), None if top_p is None else float(top_p),
-                  None if eos_id is None else int(eos_id),
-                  None if decoder_start_id is None else int(decoder_start_id),
-                  float(repetition_penalty))
+  run = _compiled(
+    graphdef,
+    backend,
+    cache_len,
+    int(max_new_tokens),
+    float(temperature),
+    None if top_k is None else int(top_k),
+    None if top_p is None else float(top_p),
+    None if eos_id is None else int(eos_id),
+    None if decoder_start_id is None else int(decoder_start_id),
+    float(repetition_penalty),
+  )
   key = jax.random.key(0) if key is None else key
   layers = decode_layers(graphdef, params)
   # Traced: one compilation serves every set of suppressed ids.
-  return run(params, layers, jnp.asarray(padded), jnp.asarray(lengths, jnp.int32), key,
-             jnp.asarray(suppress_V))
+  return run(
+    params,
+    layers,
+    jnp.asarray(padded),
+    jnp.asarray(lengths, jnp.int32),
+    key,
+    jnp.asarray(suppress_V),
+  )
 
 
 @functools.lru_cache(maxsize=64)
@@ -227,8 +263,11 @@ def decode_layers(graphdef, params: nnx.State) -> tuple[nnx.State, ...]:
   """
   leaves = jax.tree.leaves(params)
   entry = _DECODE_LAYERS.get(graphdef)
-  if entry is not None and len(entry[0]) == len(leaves) and all(
-      ref() is leaf for ref, leaf in zip(entry[0], leaves)):
+  if (
+    entry is not None
+    and len(entry[0]) == len(leaves)
+    and all(ref() is leaf for ref, leaf in zip(entry[0], leaves))
+  ):
     return entry[1]
   layers = _layer_splitter(graphdef)(params)
   if leaves and not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
@@ -247,26 +286,32 @@ def _forget(graphdef, refs) -> None:
     del _DECODE_LAYERS[graphdef]
 
 
-def padded_inputs(config, inputs, prompt_lengths, padding_side, max_new_tokens,
-                   decoder_start_id, name: str) -> tuple[np.ndarray, np.ndarray, int]:
+def padded_inputs(
+  config, inputs, prompt_lengths, padding_side, max_new_tokens, decoder_start_id, name: str
+) -> tuple[np.ndarray, np.ndarray, int]:
   """Validated inputs right-padded to their power-of-two bucket: ``(padded [B, bucket] int32,
   lengths [B], cache_len)``. Checks the decoder start id, the prompt lengths against the context
   and the ids against the vocabulary (``name`` is the argument named in errors)."""
   seq2seq = isinstance(config, Seq2SeqConfig)
   if seq2seq:
     if decoder_start_id is None or not 0 <= decoder_start_id < config.vocab_size:
-      raise ValueError(f"decoder_start_id={decoder_start_id!r} must be an id in "
-                       f"[0, {config.vocab_size}) for a Seq2Seq model")
+      raise ValueError(
+        f"decoder_start_id={decoder_start_id!r} must be an id in "
+        f"[0, {config.vocab_size}) for a Seq2Seq model"
+      )
   elif decoder_start_id is not None:
     raise ValueError(f"decoder_start_id={decoder_start_id!r} is for Seq2Seq models only")
   tokens, lengths = right_padded(inputs, prompt_lengths, padding_side)
   longest = int(lengths.max())
   if longest > config.max_len:
-    raise ValueError(f"a prompt of length {longest} is longer than the model's context "
-                     f"max_len={config.max_len}")
+    raise ValueError(
+      f"a prompt of length {longest} is longer than the model's context max_len={config.max_len}"
+    )
   if not seq2seq and longest + max_new_tokens > config.max_len:
-    raise ValueError(f"prompt length {longest} + max_new_tokens={max_new_tokens} exceeds the "
-                     f"model's context max_len={config.max_len}")
+    raise ValueError(
+      f"prompt length {longest} + max_new_tokens={max_new_tokens} exceeds the "
+      f"model's context max_len={config.max_len}"
+    )
   check_tokens(name, tokens, config.vocab_size)
   bucket = prompt_bucket(longest, config.max_len)
   padded = np.zeros((tokens.shape[0], bucket), np.int32)
@@ -279,8 +324,18 @@ def padded_inputs(config, inputs, prompt_lengths, padding_side, max_new_tokens,
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(graphdef, backend, cache_len, max_new_tokens, temperature, top_k, top_p, eos_id,
-              decoder_start_id, repetition_penalty):
+def _compiled(
+  graphdef,
+  backend,
+  cache_len,
+  max_new_tokens,
+  temperature,
+  top_k,
+  top_p,
+  eos_id,
+  decoder_start_id,
+  repetition_penalty,
+):
   """The jitted decode loop for one model structure and strategy (jit then caches per shape),
   compiled with ``backend``'s decoding options (the model's)."""
   choose = functools.partial(next_token, temperature=temperature, top_k=top_k, top_p=top_p)
@@ -294,6 +349,7 @@ def _compiled(graphdef, backend, cache_len, max_new_tokens, temperature, top_k, 
     if repetition_penalty == 1.0:  # nothing reads it: keep it empty
       return seen_BV
     return seen_BV.at[jnp.arange(tok_B.shape[0]), tok_B].set(True)
+
   pad = 0 if eos_id is None else eos_id
 
   def run(params, layers, prompt_BP, lengths_B, key, suppress_V):
@@ -306,17 +362,20 @@ def _compiled(graphdef, backend, cache_len, max_new_tokens, temperature, top_k, 
     if decoder_start_id is None:  # GPT: prefill the prompt in one call
       last_BV, cache = prefill(model, prompt_BP, cache, lengths_B, layers=layers)
       in_prompt_BP = jnp.arange(prompt_BP.shape[1])[None, :] < lengths_B[:, None]
-      seen_BV = (jnp.zeros((b, 0), bool) if repetition_penalty == 1.0 else
-                 jnp.any(jax.nn.one_hot(prompt_BP, vocab, dtype=bool) & in_prompt_BP[..., None],
-                         axis=1))
+      seen_BV = (
+        jnp.zeros((b, 0), bool)
+        if repetition_penalty == 1.0
+        else jnp.any(jax.nn.one_hot(prompt_BP, vocab, dtype=bool) & in_prompt_BP[..., None], axis=1)
+      )
     else:  # Seq2Seq: encode once, project cross-attention keys/values once, feed the start token
       src_mask_BP = jnp.arange(prompt_BP.shape[1])[None, :] < lengths_B[:, None]
       cache = with_encoder(model, cache, model.encode(prompt_BP, src_mask_BP), src_mask_BP)
       start_B1 = jnp.full((b, 1), decoder_start_id, jnp.int32)
       last_BV, cache = extend(model, start_B1, cache, layers=layers)
       last_BV = last_BV[:, 0]
-      seen_BV = mark(jnp.zeros((b, vocab if repetition_penalty != 1.0 else 0), bool),
-                     start_B1[:, 0])
+      seen_BV = mark(
+        jnp.zeros((b, vocab if repetition_penalty != 1.0 else 0), bool), start_B1[:, 0]
+      )
     tok_B = pick(last_BV, seen_BV, jax.random.fold_in(key, 0), suppress_V)
     seen_BV = mark(seen_BV, tok_B)
     done_B = jnp.zeros((b,), bool) if eos_id is None else tok_B == eos_id

@@ -24,11 +24,12 @@ class FillMaskOutput(NamedTuple):
 
   positions: np.ndarray  # [M, 2] int: (row, column) of each mask in ``tokens``
   token_ids: np.ndarray  # [M, top_k] int32: most likely first
-  probs: np.ndarray      # [M, top_k] float32: softmax over the whole vocabulary
+  probs: np.ndarray  # [M, top_k] float32: softmax over the whole vocabulary
 
 
-def fill_mask(model, tokens, *, top_k: int = 5, mask_id: int, attention_mask=None,
-              token_types=None) -> FillMaskOutput:
+def fill_mask(
+  model, tokens, *, top_k: int = 5, mask_id: int, attention_mask=None, token_types=None
+) -> FillMaskOutput:
   """The ``top_k`` most likely tokens at every ``mask_id`` position of ``tokens``.
 
   Args:
@@ -47,7 +48,8 @@ def fill_mask(model, tokens, *, top_k: int = 5, mask_id: int, attention_mask=Non
     TypeError: a model that is not a BERT.
   """
   config, graphdef, params = split_model(
-      model, BERTConfig, what="a BERT", needs="fill_mask needs a BERT (masked language) model")
+    model, BERTConfig, what="a BERT", needs="fill_mask needs a BERT (masked language) model"
+  )
   tokens = np.asarray(tokens)
   if tokens.ndim == 1:
     tokens = tokens[None]
@@ -55,26 +57,38 @@ def fill_mask(model, tokens, *, top_k: int = 5, mask_id: int, attention_mask=Non
     raise ValueError(f"tokens must be [batch, length] ids; got shape {tokens.shape}")
   check_tokens("tokens", tokens, config.vocab_size)
   if tokens.shape[1] > config.max_len:
-    raise ValueError(f"tokens have length {tokens.shape[1]}, more than the model's context "
-                     f"max_len={config.max_len}")
+    raise ValueError(
+      f"tokens have length {tokens.shape[1]}, more than the model's context "
+      f"max_len={config.max_len}"
+    )
   if not 0 <= mask_id < config.vocab_size:
     raise ValueError(f"mask_id={mask_id!r} is outside the vocabulary [0, {config.vocab_size})")
   if not isinstance(top_k, (int, np.integer)) or not 1 <= top_k <= config.vocab_size:
     raise ValueError(f"top_k={top_k!r} must be an integer in [1, {config.vocab_size}]")
-  valid = (np.ones(tokens.shape, bool) if attention_mask is None
-           else np.asarray(attention_mask).astype(bool).reshape(tokens.shape))
-  types = (np.zeros(tokens.shape, np.int32) if token_types is None
-           else np.asarray(token_types).reshape(tokens.shape))
+  valid = (
+    np.ones(tokens.shape, bool)
+    if attention_mask is None
+    else np.asarray(attention_mask).astype(bool).reshape(tokens.shape)
+  )
+  types = (
+    np.zeros(tokens.shape, np.int32)
+    if token_types is None
+    else np.asarray(token_types).reshape(tokens.shape)
+  )
   positions = np.argwhere((tokens == mask_id) & valid)
   if positions.shape[0] == 0:
     raise ValueError(f"no mask token (id {mask_id}) in tokens: nothing to fill")
   count = positions.shape[0]
-  bucket = 1 << (count - 1).bit_length()   # next power of two >= count
+  bucket = 1 << (count - 1).bit_length()  # next power of two >= count
   flat = np.zeros((bucket,), np.int32)
   flat[:count] = positions[:, 0] * tokens.shape[1] + positions[:, 1]
   ids_MK, probs_MK = _compiled(graphdef, int(top_k))(
-      params, jnp.asarray(tokens, jnp.int32), jnp.asarray(types, jnp.int32), jnp.asarray(valid),
-      jnp.asarray(flat))
+    params,
+    jnp.asarray(tokens, jnp.int32),
+    jnp.asarray(types, jnp.int32),
+    jnp.asarray(valid),
+    jnp.asarray(flat),
+  )
   return FillMaskOutput(positions, np.asarray(ids_MK)[:count], np.asarray(probs_MK)[:count])
 
 

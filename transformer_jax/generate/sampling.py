@@ -11,8 +11,9 @@ from transformer_jax import ops
 _NEG_INF = -jnp.inf
 
 
-def truncate_logits(logits_BV: jax.Array, *, top_k: int | None = None,
-                    top_p: float | None = None) -> jax.Array:
+def truncate_logits(
+  logits_BV: jax.Array, *, top_k: int | None = None, top_p: float | None = None
+) -> jax.Array:
   """Logits with every token outside the top-k and outside the top-p nucleus set to -inf.
 
   top-p keeps the smallest set of most likely tokens whose probability reaches ``top_p`` (the most
@@ -33,8 +34,7 @@ def truncate_logits(logits_BV: jax.Array, *, top_k: int | None = None,
   return logits_BV
 
 
-def apply_repetition_penalty(logits_BV: jax.Array, seen_BV: jax.Array,
-                             penalty: float) -> jax.Array:
+def apply_repetition_penalty(logits_BV: jax.Array, seen_BV: jax.Array, penalty: float) -> jax.Array:
   """CTRL's repetition penalty (Keskar et al.): logits of tokens already seen are divided by
   ``penalty`` when positive and multiplied by it when negative (``penalty > 1`` discourages
   them)."""
@@ -43,8 +43,14 @@ def apply_repetition_penalty(logits_BV: jax.Array, seen_BV: jax.Array,
   return jnp.where(seen_BV, penalised, logits_BV)
 
 
-def next_token(logits_BV: jax.Array, key: jax.Array | None, *, temperature: float,
-               top_k: int | None = None, top_p: float | None = None) -> jax.Array:
+def next_token(
+  logits_BV: jax.Array,
+  key: jax.Array | None,
+  *,
+  temperature: float,
+  top_k: int | None = None,
+  top_p: float | None = None,
+) -> jax.Array:
   """``[B]`` int32: argmax when ``temperature == 0``, else a sample from the truncated softmax."""
   if temperature == 0.0:
     return ops.argmax(logits_BV, axis=-1)

@@ -18,10 +18,14 @@ from transformer_jax.models import ModelConfig
 from transformer_jax.parallel import axes as ax
 
 # The input embedding of each family whose output projection may be tied to it.
-_EMBEDDING = {"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weight",
-              "mistral": "model.embed_tokens.weight",
-              "t5": "shared.weight", "mamba": "backbone.embeddings.weight",
-              "mamba2": "backbone.embeddings.weight"}
+_EMBEDDING = {
+  "gpt2": "transformer.wte.weight",
+  "llama": "model.embed_tokens.weight",
+  "mistral": "model.embed_tokens.weight",
+  "t5": "shared.weight",
+  "mamba": "backbone.embeddings.weight",
+  "mamba2": "backbone.embeddings.weight",
+}
 
 
 def _from_transformers(model) -> tuple[dict, dict[str, np.ndarray]]:
@@ -53,8 +57,9 @@ def _resolve_tie(config: ModelConfig, arch: str, tensors: dict) -> ModelConfig:
     return config
   if getattr(config, "logits_rescale", False):
     raise UnsupportedError(
-        "T5 with tie_word_embeddings=True (decoder output scaled by d_model**-0.5) but a separate "
-        "lm_head.weight is not supported")
+      "T5 with tie_word_embeddings=True (decoder output scaled by d_model**-0.5) but a separate "
+      "lm_head.weight is not supported"
+    )
   return dataclasses.replace(config, tie_embeddings=False)
 
 
@@ -76,8 +81,10 @@ def _check_marian_extras(config, tensors: dict) -> None:
     if table is not None:
       ref = params.marian_sinusoid(*table.shape)
       if not np.allclose(np.asarray(table, np.float32), ref, atol=1e-5):
-        raise UnsupportedError(f"model.{side}.embed_positions.weight is not the sinusoid table "
-                               "(learned positions are not supported)")
+        raise UnsupportedError(
+          f"model.{side}.embed_positions.weight is not the sinusoid table "
+          "(learned positions are not supported)"
+        )
 
 
 def _convert(config: ModelConfig, arch: str, tensors: dict) -> tuple[dict, list[str]]:
@@ -100,7 +107,9 @@ def _convert(config: ModelConfig, arch: str, tensors: dict) -> tuple[dict, list[
 
   out, missing, misshaped, consumed, mistyped = {}, [], [], set(), []
   for rule in t.rules:
-    per_layer = tuple(expected[p].get_value().shape[1 if rule.num_layers else 0:] for p in rule.ours)
+    per_layer = tuple(
+      expected[p].get_value().shape[1 if rule.num_layers else 0 :] for p in rule.ours
+    )
     want = params.hf_shape(rule.transform, per_layer)
     layers = []
     for i in range(rule.num_layers or 1):
@@ -124,10 +133,13 @@ def _convert(config: ModelConfig, arch: str, tensors: dict) -> tuple[dict, list[
   unexpected = sorted(set(tensors) - consumed)
   if missing or unexpected or misshaped or mistyped or problems_tied:
     parts = [f"checkpoint does not match {arch} with this config.json:"]
-    for title, items in (("missing tensors", missing), ("unexpected tensors", unexpected),
-                         ("tensors with the wrong shape", misshaped),
-                         ("tensors with a non-float dtype", mistyped),
-                         ("tied tensors that differ", problems_tied)):
+    for title, items in (
+      ("missing tensors", missing),
+      ("unexpected tensors", unexpected),
+      ("tensors with the wrong shape", misshaped),
+      ("tensors with a non-float dtype", mistyped),
+      ("tied tensors that differ", problems_tied),
+    ):
       if items:
         parts.append(listing(title, items))
     raise CheckpointError("\n".join(parts))
@@ -161,8 +173,9 @@ def _build(config: ModelConfig, flat: dict[str, np.ndarray]) -> nnx.Module:
   return nnx.merge(graphdef, state)
 
 
-def load(path_or_model, *, param_dtype: str | None = None,
-         dtype: str | None = None) -> tuple[ModelConfig, nnx.Module]:
+def load(
+  path_or_model, *, param_dtype: str | None = None, dtype: str | None = None
+) -> tuple[ModelConfig, nnx.Module]:
   """Loads a Hugging Face checkpoint into a transformer_jax model.
 
   Args:
@@ -188,8 +201,9 @@ def load(path_or_model, *, param_dtype: str | None = None,
     hf, tensors = _from_transformers(path_or_model)
     where = f"the config of the {type(path_or_model).__name__}"
   else:
-    raise TypeError(f"load() takes a directory or a transformers model, not "
-                    f"{type(path_or_model).__name__}")
+    raise TypeError(
+      f"load() takes a directory or a transformers model, not {type(path_or_model).__name__}"
+    )
   if hf.get("model_type") == reformer_hf.MODEL_TYPE:
     return reformer_hf.load(hf, tensors, param_dtype=param_dtype, dtype=dtype, where=where)
   try:
@@ -199,21 +213,31 @@ def load(path_or_model, *, param_dtype: str | None = None,
     raise type(e)(f"{where}: {e}") from None
   except (ValueError, TypeError, KeyError) as e:  # a value our config refuses (num_heads=0, ...)
     raise CheckpointError(f"{where}: {e}") from None
-  config = dataclasses.replace(config, param_dtype=param_dtype or "float32",
-                               dtype=dtype or "float32")
+  config = dataclasses.replace(
+    config, param_dtype=param_dtype or "float32", dtype=dtype or "float32"
+  )
   tensors = _with_prefix(tensors, params.table(config, arch).prefix)
   if configs.ARCHITECTURES[arch][0] == "marian":
     _check_marian_extras(config, tensors)
   config = _resolve_tie(config, arch, tensors)
   flat, filled = _convert(config, arch, tensors)
   if filled:
-    warnings.warn(f"{arch} has no weights for {', '.join(filled)}; they were set to zeros (norm "
-                  "scales to ones)", stacklevel=2)
+    warnings.warn(
+      f"{arch} has no weights for {', '.join(filled)}; they were set to zeros (norm "
+      "scales to ones)",
+      stacklevel=2,
+    )
   return config, _build(config, flat)
 
 
-def save(model: nnx.Module, config: ModelConfig, path: str | os.PathLike, *,
-         architecture: str | None = None, tokenizer=None) -> str:
+def save(
+  model: nnx.Module,
+  config: ModelConfig,
+  path: str | os.PathLike,
+  *,
+  architecture: str | None = None,
+  tokenizer=None,
+) -> str:
   """Writes ``config.json`` + ``model.safetensors`` that ``transformers`` ``from_pretrained`` loads.
 
   Args:
@@ -239,9 +263,13 @@ def save(model: nnx.Module, config: ModelConfig, path: str | os.PathLike, *,
   """
   if isinstance(config, models.ReformerConfig) or architecture == reformer_hf.ARCHITECTURE:
     if not isinstance(config, models.ReformerConfig) or architecture not in (
-        None, reformer_hf.ARCHITECTURE):
-      raise UnsupportedError(f"{reformer_hf.ARCHITECTURE} goes with a ReformerConfig; got "
-                             f"{type(config).__name__} as {architecture!r}")
+      None,
+      reformer_hf.ARCHITECTURE,
+    ):
+      raise UnsupportedError(
+        f"{reformer_hf.ARCHITECTURE} goes with a ReformerConfig; got "
+        f"{type(config).__name__} as {architecture!r}"
+      )
     return reformer_hf.save(model, config, path)
   arch = architecture or configs.default_architecture(config)
   hf = configs.to_hf(config, arch, tokenizer)

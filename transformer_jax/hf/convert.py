@@ -29,8 +29,9 @@ def from_hf(hf_dir: str | os.PathLike, out_run_dir: str | os.PathLike) -> str:
   return configs.architecture_of(json.loads((Path(hf_dir) / "config.json").read_text()))
 
 
-def to_hf(run_dir_path: str | os.PathLike, out_dir: str | os.PathLike, *,
-          architecture: str | None = None) -> str:
+def to_hf(
+  run_dir_path: str | os.PathLike, out_dir: str | os.PathLike, *, architecture: str | None = None
+) -> str:
   """Writes the model of a run directory as a Hugging Face checkpoint; returns the architecture.
 
   A LoRA run (``train.lora``) is written with its adapters merged into the base weights. The
@@ -38,14 +39,15 @@ def to_hf(run_dir_path: str | os.PathLike, out_dir: str | os.PathLike, *,
 
   if not runs.RunDir(out_dir).is_empty():  # before reading the run
     raise ValueError(f"--out {out_dir} exists and is not empty; give a new directory")
-  config, params = method.load_base(run_dir_path)   # a LoRA run: its adapters merged
+  config, params = method.load_base(run_dir_path)  # a LoRA run: its adapters merged
   if not isinstance(params, nnx.State):
     # A plain nested dict of arrays: put it into the abstract model's state.
     _, state = nnx.split(models.abstract(config))
     nnx.replace_by_pure_dict(state, params)
     params = state
-  return save(params, config, out_dir, architecture=architecture,
-              tokenizer=run_tokenizer(run_dir_path))
+  return save(
+    params, config, out_dir, architecture=architecture, tokenizer=run_tokenizer(run_dir_path)
+  )
 
 
 def run_tokenizer(run_dir_path: str | os.PathLike):

@@ -25,10 +25,16 @@ PYTORCH_BIN = "pytorch_model.bin"
 CONFIG = "config.json"
 
 _DTYPES = {
-    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
-    "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8),
-    "BOOL": np.dtype(np.bool_),
+  "F64": np.dtype(np.float64),
+  "F32": np.dtype(np.float32),
+  "F16": np.dtype(np.float16),
+  "BF16": np.dtype(ml_dtypes.bfloat16),
+  "I64": np.dtype(np.int64),
+  "I32": np.dtype(np.int32),
+  "I16": np.dtype(np.int16),
+  "I8": np.dtype(np.int8),
+  "U8": np.dtype(np.uint8),
+  "BOOL": np.dtype(np.bool_),
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
 
@@ -39,24 +45,33 @@ def _entry(path: Path, name: str, info, data_size: int) -> tuple[np.dtype, int, 
     raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry {info!r}")
   dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
   if not isinstance(dtype, str) or dtype not in _DTYPES:
-    raise CheckpointError(f"{path}: tensor {name!r}: dtype {dtype!r} is not one of "
-                          f"{', '.join(_DTYPES)}")
+    raise CheckpointError(
+      f"{path}: tensor {name!r}: dtype {dtype!r} is not one of {', '.join(_DTYPES)}"
+    )
   if not isinstance(shape, list) or not all(
-      isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+    isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape
+  ):
     raise CheckpointError(f"{path}: tensor {name!r}: shape {shape!r} is not a list of sizes >= 0")
-  if (not isinstance(offsets, list) or len(offsets) != 2
-      or not all(isinstance(n, int) and not isinstance(n, bool) for n in offsets)
-      or not 0 <= offsets[0] <= offsets[1]):
-    raise CheckpointError(f"{path}: tensor {name!r}: data_offsets {offsets!r} is not "
-                          "[begin, end] with 0 <= begin <= end")
+  if (
+    not isinstance(offsets, list)
+    or len(offsets) != 2
+    or not all(isinstance(n, int) and not isinstance(n, bool) for n in offsets)
+    or not 0 <= offsets[0] <= offsets[1]
+  ):
+    raise CheckpointError(
+      f"{path}: tensor {name!r}: data_offsets {offsets!r} is not "
+      "[begin, end] with 0 <= begin <= end"
+    )
   begin, end = offsets
   if end > data_size:
     raise CheckpointError(
-        f"{path} is truncated: tensor {name!r} needs bytes up to {end} of the data section, "
-        f"which has {data_size}")
+      f"{path} is truncated: tensor {name!r} needs bytes up to {end} of the data section, "
+      f"which has {data_size}"
+    )
   if end - begin != math.prod(shape) * _DTYPES[dtype].itemsize:
-    raise CheckpointError(f"{path}: tensor {name!r} has {end - begin} bytes for shape "
-                          f"{tuple(shape)}")
+    raise CheckpointError(
+      f"{path}: tensor {name!r} has {end - begin} bytes for shape {tuple(shape)}"
+    )
   return _DTYPES[dtype], begin, end, tuple(shape)
 
 
@@ -76,7 +91,8 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     (n,) = struct.unpack("<Q", head)
     if 8 + n > size:
       raise CheckpointError(
-          f"{path} is truncated: its header claims {n} bytes but the file has {size}")
+        f"{path} is truncated: its header claims {n} bytes but the file has {size}"
+      )
     try:
       header = json.loads(f.read(n))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -85,7 +101,9 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     raise CheckpointError(f"{path}: the safetensors header is not an object")
   header.pop("__metadata__", None)
   data_size = size - 8 - n
-  data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if data_size else np.zeros(0, np.uint8)
+  data = (
+    np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if data_size else np.zeros(0, np.uint8)
+  )
   out = {}
   for name, info in header.items():
     dtype, begin, end, shape = _entry(path, name, info, data_size)
@@ -100,8 +118,11 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray]) -
     arr = np.ascontiguousarray(tensors[name])
     if arr.dtype not in _NAMES:
       raise ValueError(f"cannot write tensor {name!r} of dtype {arr.dtype} to safetensors")
-    header[name] = {"dtype": _NAMES[arr.dtype], "shape": list(arr.shape),
-                    "data_offsets": [offset, offset + arr.nbytes]}
+    header[name] = {
+      "dtype": _NAMES[arr.dtype],
+      "shape": list(arr.shape),
+      "data_offsets": [offset, offset + arr.nbytes],
+    }
     offset += arr.nbytes
     arrays.append(arr)
   header["__metadata__"] = {"format": "pt"}
@@ -121,7 +142,7 @@ def _read_bin(path: Path) -> dict[str, np.ndarray]:
     state = torch.load(path, map_location="cpu", weights_only=True)
   except Exception as e:  # noqa: BLE001 - torch raises many types for corrupt or unsafe pickles
     raise CheckpointError(
-        f"{path} could not be read with torch.load(weights_only=True): {type(e).__name__}: {e}"
+      f"{path} could not be read with torch.load(weights_only=True): {type(e).__name__}: {e}"
     ) from None
   if not isinstance(state, dict):
     raise CheckpointError(f"{path} does not hold a state dict (got {type(state).__name__})")
@@ -205,15 +226,20 @@ def read_directory(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]
       tensors.update(read_safetensors(file))
     absent = sorted(set(weight_map) - set(tensors))
     if absent:
-      raise CheckpointError(f"{path}: tensors listed in the index are absent from their shards: "
-                            f"{', '.join(absent[:20])}")
+      raise CheckpointError(
+        f"{path}: tensors listed in the index are absent from their shards: "
+        f"{', '.join(absent[:20])}"
+      )
     return config, tensors
   if (path / PYTORCH_BIN).is_file():
     return config, _read_bin(path / PYTORCH_BIN)
   if any(path.glob("*.h5")) or any(path.glob("*.msgpack")):
-    raise UnsupportedError(f"{path} holds only TensorFlow/Flax weights; convert them to safetensors")
+    raise UnsupportedError(
+      f"{path} holds only TensorFlow/Flax weights; convert them to safetensors"
+    )
   raise CheckpointError(
-      f"{path} has no weights: expected {SAFETENSORS}, {SAFETENSORS_INDEX} or {PYTORCH_BIN}")
+    f"{path} has no weights: expected {SAFETENSORS}, {SAFETENSORS_INDEX} or {PYTORCH_BIN}"
+  )
 
 
 def write_directory(path: str | os.PathLike, config: dict, tensors: dict[str, np.ndarray]) -> None:

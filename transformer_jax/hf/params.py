@@ -24,19 +24,19 @@ from transformer_jax.models import ModelConfig
 
 
 class Transform(enum.Enum):
-  COPY = "copy"                  # same layout
-  LINEAR = "linear"              # [out, in] -> [in, out]
-  LINEAR_Q = "linear_q"          # [N*H, D] -> [D, N, H]
-  LINEAR_KV = "linear_kv"        # [K*H, D] -> [D, K, H]
-  LINEAR_O = "linear_o"          # [D, N*H] -> [N, H, D]
-  BIAS_Q = "bias_q"              # [N*H] -> [N, H]
-  BIAS_KV = "bias_kv"            # [K*H] -> [K, H]
-  CONV_QKV = "conv_qkv"          # GPT-2 c_attn [D, 3*N*H] -> [D, N, H] x 3 (query, key, value)
-  CONV_QKV_BIAS = "conv_qkv_b"   # [3*N*H] -> [N, H] x 3
-  CONV_O = "conv_o"              # GPT-2 c_proj [N*H, D] -> [N, H, D]
+  COPY = "copy"  # same layout
+  LINEAR = "linear"  # [out, in] -> [in, out]
+  LINEAR_Q = "linear_q"  # [N*H, D] -> [D, N, H]
+  LINEAR_KV = "linear_kv"  # [K*H, D] -> [D, K, H]
+  LINEAR_O = "linear_o"  # [D, N*H] -> [N, H, D]
+  BIAS_Q = "bias_q"  # [N*H] -> [N, H]
+  BIAS_KV = "bias_kv"  # [K*H] -> [K, H]
+  CONV_QKV = "conv_qkv"  # GPT-2 c_attn [D, 3*N*H] -> [D, N, H] x 3 (query, key, value)
+  CONV_QKV_BIAS = "conv_qkv_b"  # [3*N*H] -> [N, H] x 3
+  CONV_O = "conv_o"  # GPT-2 c_proj [N*H, D] -> [N, H, D]
   LINEAR_HALVES = "linear_halves"  # Mamba in_proj [2*E, D] -> [D, 2, E] (x and gate)
-  BIAS_HALVES = "bias_halves"    # [2*E] -> [2, E]
-  DEPTHWISE = "depthwise"        # Conv1d(groups=C) weight [C, 1, W] -> [W, C]
+  BIAS_HALVES = "bias_halves"  # [2*E] -> [2, E]
+  DEPTHWISE = "depthwise"  # Conv1d(groups=C) weight [C, 1, W] -> [W, C]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,22 +133,26 @@ def hf_shape(t: Transform, shapes: tuple[tuple[int, ...], ...]) -> tuple[int, ..
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-  hf: str                     # Hugging Face name; "{i}" = layer index
-  ours: tuple[str, ...]       # our parameter path(s), dotted
+  hf: str  # Hugging Face name; "{i}" = layer index
+  ours: tuple[str, ...]  # our parameter path(s), dotted
   transform: Transform = Transform.COPY
-  num_layers: int = 0         # > 0: per-layer rule, stacked on our leading axis
+  num_layers: int = 0  # > 0: per-layer rule, stacked on our leading axis
 
 
 @dataclasses.dataclass(frozen=True)
 class Table:
   rules: list[Rule]
-  aliases: dict[str, str]     # tied duplicate -> canonical HF name (must be equal when both given)
-  ignore: tuple[str, ...]     # regexes of buffers that carry no parameters
-  prefix: str                 # the base model's prefix ("transformer.", "model.", "bert." or "")
-  permute_embed: bool = False  # Marian: our interleaved sinusoid vs its concatenated one (see below)
+  aliases: dict[str, str]  # tied duplicate -> canonical HF name (must be equal when both given)
+  ignore: tuple[str, ...]  # regexes of buffers that carry no parameters
+  prefix: str  # the base model's prefix ("transformer.", "model.", "bert." or "")
+  permute_embed: bool = (
+    False  # Marian: our interleaved sinusoid vs its concatenated one (see below)
+  )
 
 
-def _linear(hf: str, ours: str, bias: bool, w=Transform.LINEAR, b=Transform.COPY, L=0) -> list[Rule]:
+def _linear(
+  hf: str, ours: str, bias: bool, w=Transform.LINEAR, b=Transform.COPY, L=0
+) -> list[Rule]:
   rules = [Rule(f"{hf}.weight", (f"{ours}.kernel",), w, L)]
   if bias:
     rules.append(Rule(f"{hf}.bias", (f"{ours}.bias",), b, L))
@@ -162,29 +166,42 @@ def _norm(hf: str, ours: str, bias: bool, L=0) -> list[Rule]:
   return rules
 
 
-def _attention(hf: str, ours: str, names: tuple[str, str, str, str], bias: bool, L: int) -> list[Rule]:
+def _attention(
+  hf: str, ours: str, names: tuple[str, str, str, str], bias: bool, L: int
+) -> list[Rule]:
   q, k, v, o = names
-  return (_linear(f"{hf}.{q}", f"{ours}.query", bias, Transform.LINEAR_Q, Transform.BIAS_Q, L)
-          + _linear(f"{hf}.{k}", f"{ours}.key", bias, Transform.LINEAR_KV, Transform.BIAS_KV, L)
-          + _linear(f"{hf}.{v}", f"{ours}.value", bias, Transform.LINEAR_KV, Transform.BIAS_KV, L)
-          + _linear(f"{hf}.{o}", f"{ours}.out", bias, Transform.LINEAR_O, Transform.COPY, L))
+  return (
+    _linear(f"{hf}.{q}", f"{ours}.query", bias, Transform.LINEAR_Q, Transform.BIAS_Q, L)
+    + _linear(f"{hf}.{k}", f"{ours}.key", bias, Transform.LINEAR_KV, Transform.BIAS_KV, L)
+    + _linear(f"{hf}.{v}", f"{ours}.value", bias, Transform.LINEAR_KV, Transform.BIAS_KV, L)
+    + _linear(f"{hf}.{o}", f"{ours}.out", bias, Transform.LINEAR_O, Transform.COPY, L)
+  )
 
 
 def _gpt2(c) -> Table:
   L, P, B = c.num_layers, "transformer.", "blocks.layers"
   h = f"{P}h.{{i}}"
   rules = [
-      Rule(f"{P}wte.weight", ("embed.embedding",)), Rule(f"{P}wpe.weight", ("pos_embed.embedding",)),
-      *_norm(f"{h}.ln_1", f"{B}.attn_norm", True, L),
-      Rule(f"{h}.attn.c_attn.weight", tuple(f"{B}.attn.{x}.kernel" for x in ("query", "key", "value")),
-           Transform.CONV_QKV, L),
-      Rule(f"{h}.attn.c_attn.bias", tuple(f"{B}.attn.{x}.bias" for x in ("query", "key", "value")),
-           Transform.CONV_QKV_BIAS, L),
-      *_linear(f"{h}.attn.c_proj", f"{B}.attn.out", True, Transform.CONV_O, Transform.COPY, L),
-      *_norm(f"{h}.ln_2", f"{B}.mlp_norm", True, L),
-      *_linear(f"{h}.mlp.c_fc", f"{B}.mlp.up", True, Transform.COPY, Transform.COPY, L),
-      *_linear(f"{h}.mlp.c_proj", f"{B}.mlp.down", True, Transform.COPY, Transform.COPY, L),
-      *_norm(f"{P}ln_f", "final_norm", True),
+    Rule(f"{P}wte.weight", ("embed.embedding",)),
+    Rule(f"{P}wpe.weight", ("pos_embed.embedding",)),
+    *_norm(f"{h}.ln_1", f"{B}.attn_norm", True, L),
+    Rule(
+      f"{h}.attn.c_attn.weight",
+      tuple(f"{B}.attn.{x}.kernel" for x in ("query", "key", "value")),
+      Transform.CONV_QKV,
+      L,
+    ),
+    Rule(
+      f"{h}.attn.c_attn.bias",
+      tuple(f"{B}.attn.{x}.bias" for x in ("query", "key", "value")),
+      Transform.CONV_QKV_BIAS,
+      L,
+    ),
+    *_linear(f"{h}.attn.c_proj", f"{B}.attn.out", True, Transform.CONV_O, Transform.COPY, L),
+    *_norm(f"{h}.ln_2", f"{B}.mlp_norm", True, L),
+    *_linear(f"{h}.mlp.c_fc", f"{B}.mlp.up", True, Transform.COPY, Transform.COPY, L),
+    *_linear(f"{h}.mlp.c_proj", f"{B}.mlp.down", True, Transform.COPY, Transform.COPY, L),
+    *_norm(f"{P}ln_f", "final_norm", True),
   ]
   aliases = {}
   if c.tie_embeddings:
@@ -198,14 +215,14 @@ def _llama(c) -> Table:
   L, P, B, bias = c.num_layers, "model.", "blocks.layers", c.use_bias
   h = f"{P}layers.{{i}}"
   rules = [
-      Rule(f"{P}embed_tokens.weight", ("embed.embedding",)),
-      *_attention(f"{h}.self_attn", f"{B}.attn", ("q_proj", "k_proj", "v_proj", "o_proj"), bias, L),
-      *_linear(f"{h}.mlp.gate_proj", f"{B}.mlp.gate", bias, L=L),
-      *_linear(f"{h}.mlp.up_proj", f"{B}.mlp.up", bias, L=L),
-      *_linear(f"{h}.mlp.down_proj", f"{B}.mlp.down", bias, L=L),
-      *_norm(f"{h}.input_layernorm", f"{B}.attn_norm", False, L),
-      *_norm(f"{h}.post_attention_layernorm", f"{B}.mlp_norm", False, L),
-      *_norm(f"{P}norm", "final_norm", False),
+    Rule(f"{P}embed_tokens.weight", ("embed.embedding",)),
+    *_attention(f"{h}.self_attn", f"{B}.attn", ("q_proj", "k_proj", "v_proj", "o_proj"), bias, L),
+    *_linear(f"{h}.mlp.gate_proj", f"{B}.mlp.gate", bias, L=L),
+    *_linear(f"{h}.mlp.up_proj", f"{B}.mlp.up", bias, L=L),
+    *_linear(f"{h}.mlp.down_proj", f"{B}.mlp.down", bias, L=L),
+    *_norm(f"{h}.input_layernorm", f"{B}.attn_norm", False, L),
+    *_norm(f"{h}.post_attention_layernorm", f"{B}.mlp_norm", False, L),
+    *_norm(f"{P}norm", "final_norm", False),
   ]
   aliases = {}
   if c.tie_embeddings:
@@ -220,26 +237,35 @@ def _bert(c, arch: str) -> Table:
   P = "" if arch == "BertModel" else "bert."
   h = f"{P}encoder.layer.{{i}}"
   rules = [
-      Rule(f"{P}embeddings.word_embeddings.weight", ("embed.embedding",)),
-      Rule(f"{P}embeddings.position_embeddings.weight", ("pos_embed.embedding",)),
-      Rule(f"{P}embeddings.token_type_embeddings.weight", ("type_embed.embedding",)),
-      *_norm(f"{P}embeddings.LayerNorm", "embed_norm", True),
-      *_attention(f"{h}.attention", f"{B}.attn",
-                  ("self.query", "self.key", "self.value", "output.dense"), True, L),
-      *_norm(f"{h}.attention.output.LayerNorm", f"{B}.attn_norm", True, L),
-      *_linear(f"{h}.intermediate.dense", f"{B}.mlp.up", True, L=L),
-      *_linear(f"{h}.output.dense", f"{B}.mlp.down", True, L=L),
-      *_norm(f"{h}.output.LayerNorm", f"{B}.mlp_norm", True, L),
+    Rule(f"{P}embeddings.word_embeddings.weight", ("embed.embedding",)),
+    Rule(f"{P}embeddings.position_embeddings.weight", ("pos_embed.embedding",)),
+    Rule(f"{P}embeddings.token_type_embeddings.weight", ("type_embed.embedding",)),
+    *_norm(f"{P}embeddings.LayerNorm", "embed_norm", True),
+    *_attention(
+      f"{h}.attention",
+      f"{B}.attn",
+      ("self.query", "self.key", "self.value", "output.dense"),
+      True,
+      L,
+    ),
+    *_norm(f"{h}.attention.output.LayerNorm", f"{B}.attn_norm", True, L),
+    *_linear(f"{h}.intermediate.dense", f"{B}.mlp.up", True, L=L),
+    *_linear(f"{h}.output.dense", f"{B}.mlp.down", True, L=L),
+    *_norm(f"{h}.output.LayerNorm", f"{B}.mlp_norm", True, L),
   ]
   aliases = {}
   if arch != "BertForMaskedLM":
     rules += _linear(f"{P}pooler.dense", "pooler", True)
   if arch in ("BertForPreTraining", "BertForMaskedLM"):
-    rules += [*_linear("cls.predictions.transform.dense", "mlm_dense", True),
-              *_norm("cls.predictions.transform.LayerNorm", "mlm_norm", True),
-              Rule("cls.predictions.bias", ("mlm_bias",))]
-    aliases = {"cls.predictions.decoder.weight": f"{P}embeddings.word_embeddings.weight",
-               "cls.predictions.decoder.bias": "cls.predictions.bias"}
+    rules += [
+      *_linear("cls.predictions.transform.dense", "mlm_dense", True),
+      *_norm("cls.predictions.transform.LayerNorm", "mlm_norm", True),
+      Rule("cls.predictions.bias", ("mlm_bias",)),
+    ]
+    aliases = {
+      "cls.predictions.decoder.weight": f"{P}embeddings.word_embeddings.weight",
+      "cls.predictions.decoder.bias": "cls.predictions.bias",
+    }
   if arch == "BertForPreTraining":
     rules += _linear("cls.seq_relationship", "nsp", True)
   if arch == "BertForSequenceClassification":
@@ -250,11 +276,17 @@ def _bert(c, arch: str) -> Table:
 def _bigbird(c, arch: str) -> Table:
   """BigBird's names are BERT's, but its pooler is ``pooler`` (not ``pooler.dense``) and its
   masked LM keeps it."""
-  bert = {"BigBirdModel": "BertModel", "BigBirdForMaskedLM": "BertForPreTraining",
-          "BigBirdForPreTraining": "BertForPreTraining"}[arch]
+  bert = {
+    "BigBirdModel": "BertModel",
+    "BigBirdForMaskedLM": "BertForPreTraining",
+    "BigBirdForPreTraining": "BertForPreTraining",
+  }[arch]
   t = _bert(c, bert)
-  rules = [dataclasses.replace(r, hf=r.hf.replace("pooler.dense.", "pooler.")) for r in t.rules
-           if not (arch == "BigBirdForMaskedLM" and r.hf.startswith("cls.seq_relationship"))]
+  rules = [
+    dataclasses.replace(r, hf=r.hf.replace("pooler.dense.", "pooler."))
+    for r in t.rules
+    if not (arch == "BigBirdForMaskedLM" and r.hf.startswith("cls.seq_relationship"))
+  ]
   return dataclasses.replace(t, rules=rules)
 
 
@@ -264,34 +296,43 @@ def _t5(c) -> Table:
 
   def mlp(hf, ours, L):
     if c.gated:
-      return (_linear(f"{hf}.wi_0", f"{ours}.gate", False, L=L)
-              + _linear(f"{hf}.wi_1", f"{ours}.up", False, L=L)
-              + _linear(f"{hf}.wo", f"{ours}.down", False, L=L))
-    return (_linear(f"{hf}.wi", f"{ours}.up", False, L=L)
-            + _linear(f"{hf}.wo", f"{ours}.down", False, L=L))
+      return (
+        _linear(f"{hf}.wi_0", f"{ours}.gate", False, L=L)
+        + _linear(f"{hf}.wi_1", f"{ours}.up", False, L=L)
+        + _linear(f"{hf}.wo", f"{ours}.down", False, L=L)
+      )
+    return _linear(f"{hf}.wi", f"{ours}.up", False, L=L) + _linear(
+      f"{hf}.wo", f"{ours}.down", False, L=L
+    )
 
   e, d = "encoder.block.{i}.layer", "decoder.block.{i}.layer"
   rules = [
-      Rule("shared.weight", ("embed.embedding",)),
-      *_attention(f"{e}.0.SelfAttention", "encoder.layers.attn", qkvo, False, Le),
-      *_norm(f"{e}.0.layer_norm", "encoder.layers.attn_norm", False, Le),
-      *mlp(f"{e}.1.DenseReluDense", "encoder.layers.mlp", Le),
-      *_norm(f"{e}.1.layer_norm", "encoder.layers.mlp_norm", False, Le),
-      Rule("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
-           ("encoder_rel_bias.embedding",)),
-      *_norm("encoder.final_layer_norm", "encoder_norm", False),
-      *_attention(f"{d}.0.SelfAttention", "decoder.layers.attn", qkvo, False, Ld),
-      *_norm(f"{d}.0.layer_norm", "decoder.layers.attn_norm", False, Ld),
-      *_attention(f"{d}.1.EncDecAttention", "decoder.layers.cross_attn", qkvo, False, Ld),
-      *_norm(f"{d}.1.layer_norm", "decoder.layers.cross_norm", False, Ld),
-      *mlp(f"{d}.2.DenseReluDense", "decoder.layers.mlp", Ld),
-      *_norm(f"{d}.2.layer_norm", "decoder.layers.mlp_norm", False, Ld),
-      Rule("decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
-           ("decoder_rel_bias.embedding",)),
-      *_norm("decoder.final_layer_norm", "decoder_norm", False),
+    Rule("shared.weight", ("embed.embedding",)),
+    *_attention(f"{e}.0.SelfAttention", "encoder.layers.attn", qkvo, False, Le),
+    *_norm(f"{e}.0.layer_norm", "encoder.layers.attn_norm", False, Le),
+    *mlp(f"{e}.1.DenseReluDense", "encoder.layers.mlp", Le),
+    *_norm(f"{e}.1.layer_norm", "encoder.layers.mlp_norm", False, Le),
+    Rule(
+      "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+      ("encoder_rel_bias.embedding",),
+    ),
+    *_norm("encoder.final_layer_norm", "encoder_norm", False),
+    *_attention(f"{d}.0.SelfAttention", "decoder.layers.attn", qkvo, False, Ld),
+    *_norm(f"{d}.0.layer_norm", "decoder.layers.attn_norm", False, Ld),
+    *_attention(f"{d}.1.EncDecAttention", "decoder.layers.cross_attn", qkvo, False, Ld),
+    *_norm(f"{d}.1.layer_norm", "decoder.layers.cross_norm", False, Ld),
+    *mlp(f"{d}.2.DenseReluDense", "decoder.layers.mlp", Ld),
+    *_norm(f"{d}.2.layer_norm", "decoder.layers.mlp_norm", False, Ld),
+    Rule(
+      "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+      ("decoder_rel_bias.embedding",),
+    ),
+    *_norm("decoder.final_layer_norm", "decoder_norm", False),
   ]
-  aliases = {"encoder.embed_tokens.weight": "shared.weight",
-             "decoder.embed_tokens.weight": "shared.weight"}
+  aliases = {
+    "encoder.embed_tokens.weight": "shared.weight",
+    "decoder.embed_tokens.weight": "shared.weight",
+  }
   if c.tie_embeddings:
     aliases["lm_head.weight"] = "shared.weight"
   else:
@@ -306,23 +347,25 @@ def _marian(c) -> Table:
   e, d = f"{P}encoder.layers.{{i}}", f"{P}decoder.layers.{{i}}"
   E, D = "encoder.layers", "decoder.layers"
   rules = [
-      Rule(f"{P}shared.weight", ("embed.embedding",)),
-      *_attention(f"{e}.self_attn", f"{E}.attn", qkvo, True, Le),
-      *_norm(f"{e}.self_attn_layer_norm", f"{E}.attn_norm", True, Le),
-      *_linear(f"{e}.fc1", f"{E}.mlp.up", True, L=Le),
-      *_linear(f"{e}.fc2", f"{E}.mlp.down", True, L=Le),
-      *_norm(f"{e}.final_layer_norm", f"{E}.mlp_norm", True, Le),
-      *_attention(f"{d}.self_attn", f"{D}.attn", qkvo, True, Ld),
-      *_norm(f"{d}.self_attn_layer_norm", f"{D}.attn_norm", True, Ld),
-      *_attention(f"{d}.encoder_attn", f"{D}.cross_attn", qkvo, True, Ld),
-      *_norm(f"{d}.encoder_attn_layer_norm", f"{D}.cross_norm", True, Ld),
-      *_linear(f"{d}.fc1", f"{D}.mlp.up", True, L=Ld),
-      *_linear(f"{d}.fc2", f"{D}.mlp.down", True, L=Ld),
-      *_norm(f"{d}.final_layer_norm", f"{D}.mlp_norm", True, Ld),
+    Rule(f"{P}shared.weight", ("embed.embedding",)),
+    *_attention(f"{e}.self_attn", f"{E}.attn", qkvo, True, Le),
+    *_norm(f"{e}.self_attn_layer_norm", f"{E}.attn_norm", True, Le),
+    *_linear(f"{e}.fc1", f"{E}.mlp.up", True, L=Le),
+    *_linear(f"{e}.fc2", f"{E}.mlp.down", True, L=Le),
+    *_norm(f"{e}.final_layer_norm", f"{E}.mlp_norm", True, Le),
+    *_attention(f"{d}.self_attn", f"{D}.attn", qkvo, True, Ld),
+    *_norm(f"{d}.self_attn_layer_norm", f"{D}.attn_norm", True, Ld),
+    *_attention(f"{d}.encoder_attn", f"{D}.cross_attn", qkvo, True, Ld),
+    *_norm(f"{d}.encoder_attn_layer_norm", f"{D}.cross_norm", True, Ld),
+    *_linear(f"{d}.fc1", f"{D}.mlp.up", True, L=Ld),
+    *_linear(f"{d}.fc2", f"{D}.mlp.down", True, L=Ld),
+    *_norm(f"{d}.final_layer_norm", f"{D}.mlp_norm", True, Ld),
   ]
-  aliases = {f"{P}encoder.embed_tokens.weight": f"{P}shared.weight",
-             f"{P}decoder.embed_tokens.weight": f"{P}shared.weight",
-             "lm_head.weight": f"{P}shared.weight"}
+  aliases = {
+    f"{P}encoder.embed_tokens.weight": f"{P}shared.weight",
+    f"{P}decoder.embed_tokens.weight": f"{P}shared.weight",
+    "lm_head.weight": f"{P}shared.weight",
+  }
   # The sinusoid tables are constants (checked by the loader); final_logits_bias must be zero.
   ignore = (r"embed_positions\.weight$",)
   return Table(rules, aliases, ignore, P, permute_embed=True)
@@ -335,25 +378,34 @@ def _mamba(c) -> Table:
   h, m = f"{P}layers.{{i}}", f"{B}.mixer"
   v1 = c.mixer == "mamba1"
   rules = [
-      Rule(f"{P}embeddings.weight", ("embed.embedding",)),
-      *_norm(f"{h}.norm", f"{B}.norm", False, L),
-      *_linear(f"{h}.mixer.in_proj", f"{m}.in_proj", c.use_bias,
-               Transform.LINEAR_HALVES if v1 else Transform.LINEAR,
-               Transform.BIAS_HALVES if v1 else Transform.COPY, L),
-      Rule(f"{h}.mixer.conv1d.weight", (f"{m}.conv_kernel",), Transform.DEPTHWISE, L),
-      Rule(f"{h}.mixer.A_log", (f"{m}.A_log",), Transform.COPY, L),
-      Rule(f"{h}.mixer.D", (f"{m}.D",), Transform.COPY, L),
-      *_linear(f"{h}.mixer.out_proj", f"{m}.out_proj", c.use_bias, L=L),
-      *_norm(f"{P}norm_f", "final_norm", False),
+    Rule(f"{P}embeddings.weight", ("embed.embedding",)),
+    *_norm(f"{h}.norm", f"{B}.norm", False, L),
+    *_linear(
+      f"{h}.mixer.in_proj",
+      f"{m}.in_proj",
+      c.use_bias,
+      Transform.LINEAR_HALVES if v1 else Transform.LINEAR,
+      Transform.BIAS_HALVES if v1 else Transform.COPY,
+      L,
+    ),
+    Rule(f"{h}.mixer.conv1d.weight", (f"{m}.conv_kernel",), Transform.DEPTHWISE, L),
+    Rule(f"{h}.mixer.A_log", (f"{m}.A_log",), Transform.COPY, L),
+    Rule(f"{h}.mixer.D", (f"{m}.D",), Transform.COPY, L),
+    *_linear(f"{h}.mixer.out_proj", f"{m}.out_proj", c.use_bias, L=L),
+    *_norm(f"{P}norm_f", "final_norm", False),
   ]
   if c.conv_bias:
     rules.append(Rule(f"{h}.mixer.conv1d.bias", (f"{m}.conv_bias",), Transform.COPY, L))
   if v1:
-    rules += [*_linear(f"{h}.mixer.x_proj", f"{m}.x_proj", False, L=L),
-              *_linear(f"{h}.mixer.dt_proj", f"{m}.dt_proj", True, L=L)]
+    rules += [
+      *_linear(f"{h}.mixer.x_proj", f"{m}.x_proj", False, L=L),
+      *_linear(f"{h}.mixer.dt_proj", f"{m}.dt_proj", True, L=L),
+    ]
   else:
-    rules += [Rule(f"{h}.mixer.dt_bias", (f"{m}.dt_bias",), Transform.COPY, L),
-              *_norm(f"{h}.mixer.norm", f"{m}.norm", False, L)]
+    rules += [
+      Rule(f"{h}.mixer.dt_bias", (f"{m}.dt_bias",), Transform.COPY, L),
+      *_norm(f"{h}.mixer.norm", f"{m}.norm", False, L),
+    ]
   # Older checkpoints name the embedding "backbone.embedding" (transformers renames it on load).
   aliases = {f"{P}embedding.weight": f"{P}embeddings.weight"}
   if c.tie_embeddings:

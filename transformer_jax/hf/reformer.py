@@ -32,62 +32,94 @@ def from_hf(hf: dict) -> ReformerConfig:
   """Our config for a transformers Reformer ``config.json`` dict."""
   arch = (hf.get("architectures") or [ARCHITECTURE])[0]
   if arch != ARCHITECTURE:
-    raise UnsupportedError(f"architecture {arch!r} is not supported for model_type 'reformer'; "
-                           f"supported: {ARCHITECTURE}")
+    raise UnsupportedError(
+      f"architecture {arch!r} is not supported for model_type 'reformer'; supported: {ARCHITECTURE}"
+    )
   if hf.get("num_buckets") is None:
-    raise UnsupportedError("num_buckets=None (transformers picks it from the first input's "
-                           "length) is not supported: set num_buckets")
+    raise UnsupportedError(
+      "num_buckets=None (transformers picks it from the first input's "
+      "length) is not supported: set num_buckets"
+    )
   if hf.get("tie_word_embeddings"):
-    raise UnsupportedError("tie_word_embeddings=True is not supported (the LM head reads 2 * "
-                           "hidden_size)")
+    raise UnsupportedError(
+      "tie_word_embeddings=True is not supported (the LM head reads 2 * hidden_size)"
+    )
   seed = hf.get("hash_seed")
   if seed is None:
-    warnings.warn("hash_seed=None: transformers draws new LSH rotations at every call; the "
-                  "loaded model uses those of hash_seed=0", stacklevel=3)
+    warnings.warn(
+      "hash_seed=None: transformers draws new LSH rotations at every call; the "
+      "loaded model uses those of hash_seed=0",
+      stacklevel=3,
+    )
     seed = 0
   buckets = hf["num_buckets"]
   axial = hf.get("axial_pos_embds", True)
   return ReformerConfig(
-      vocab_size=hf.get("vocab_size", 320), d_model=hf.get("hidden_size", 256),
-      num_heads=hf.get("num_attention_heads", 12), head_dim=hf.get("attention_head_size", 64),
-      d_ff=hf.get("feed_forward_size", 512),
-      attn_layers=tuple(hf.get("attn_layers", ("local", "lsh") * 3)),
-      max_len=hf.get("max_position_embeddings", 4096),
-      axial_pos_shape=tuple(hf.get("axial_pos_shape", (64, 64))) if axial else None,
-      axial_pos_dims=tuple(hf.get("axial_pos_embds_dim", (64, 192))),
-      axial_init_std=hf.get("axial_norm_std", 1.0), causal=bool(hf.get("is_decoder", False)),
-      lsh_chunk_length=hf.get("lsh_attn_chunk_length", 64),
-      lsh_chunks_before=hf.get("lsh_num_chunks_before", 1),
-      lsh_chunks_after=hf.get("lsh_num_chunks_after", 0), n_hashes=hf.get("num_hashes", 1),
-      n_buckets=buckets if isinstance(buckets, int) else tuple(buckets), hash_seed=seed,
-      local_chunk_length=hf.get("local_attn_chunk_length", 64),
-      local_chunks_before=hf.get("local_num_chunks_before", 1),
-      local_chunks_after=hf.get("local_num_chunks_after", 0),
-      ff_chunk=hf.get("chunk_size_feed_forward", 0) or 0,
-      activation=_activation(hf.get("hidden_act", "relu"), "hidden_act"),
-      norm_eps=hf.get("layer_norm_eps", 1e-12), dropout_rate=hf.get("hidden_dropout_prob", 0.05),
-      init_std=hf.get("initializer_range", 0.02))
+    vocab_size=hf.get("vocab_size", 320),
+    d_model=hf.get("hidden_size", 256),
+    num_heads=hf.get("num_attention_heads", 12),
+    head_dim=hf.get("attention_head_size", 64),
+    d_ff=hf.get("feed_forward_size", 512),
+    attn_layers=tuple(hf.get("attn_layers", ("local", "lsh") * 3)),
+    max_len=hf.get("max_position_embeddings", 4096),
+    axial_pos_shape=tuple(hf.get("axial_pos_shape", (64, 64))) if axial else None,
+    axial_pos_dims=tuple(hf.get("axial_pos_embds_dim", (64, 192))),
+    axial_init_std=hf.get("axial_norm_std", 1.0),
+    causal=bool(hf.get("is_decoder", False)),
+    lsh_chunk_length=hf.get("lsh_attn_chunk_length", 64),
+    lsh_chunks_before=hf.get("lsh_num_chunks_before", 1),
+    lsh_chunks_after=hf.get("lsh_num_chunks_after", 0),
+    n_hashes=hf.get("num_hashes", 1),
+    n_buckets=buckets if isinstance(buckets, int) else tuple(buckets),
+    hash_seed=seed,
+    local_chunk_length=hf.get("local_attn_chunk_length", 64),
+    local_chunks_before=hf.get("local_num_chunks_before", 1),
+    local_chunks_after=hf.get("local_num_chunks_after", 0),
+    ff_chunk=hf.get("chunk_size_feed_forward", 0) or 0,
+    activation=_activation(hf.get("hidden_act", "relu"), "hidden_act"),
+    norm_eps=hf.get("layer_norm_eps", 1e-12),
+    dropout_rate=hf.get("hidden_dropout_prob", 0.05),
+    init_std=hf.get("initializer_range", 0.02),
+  )
 
 
 def to_hf(c: ReformerConfig) -> dict:
   """The transformers ``config.json`` dict of ``c``."""
   return dict(
-      architectures=[ARCHITECTURE], model_type=MODEL_TYPE, vocab_size=c.vocab_size,
-      hidden_size=c.d_model, num_attention_heads=c.num_heads, attention_head_size=c.head_dim,
-      feed_forward_size=c.d_ff, attn_layers=list(c.attn_layers), num_hidden_layers=c.num_layers,
-      max_position_embeddings=c.max_len, axial_pos_embds=c.axial_pos_shape is not None,
-      axial_pos_shape=list(c.axial_pos_shape or (64, 64)),
-      axial_pos_embds_dim=list(c.axial_pos_dims), axial_norm_std=c.axial_init_std,
-      is_decoder=c.causal, lsh_attn_chunk_length=c.lsh_chunk_length,
-      lsh_num_chunks_before=c.lsh_chunks_before, lsh_num_chunks_after=c.lsh_chunks_after,
-      num_hashes=c.n_hashes,
-      num_buckets=c.n_buckets if isinstance(c.n_buckets, int) else list(c.n_buckets),
-      hash_seed=c.hash_seed, local_attn_chunk_length=c.local_chunk_length,
-      local_num_chunks_before=c.local_chunks_before, local_num_chunks_after=c.local_chunks_after,
-      chunk_size_feed_forward=c.ff_chunk, hidden_act=_ACTIVATIONS_BACK[c.activation],
-      layer_norm_eps=c.norm_eps, hidden_dropout_prob=c.dropout_rate,
-      lsh_attention_probs_dropout_prob=0.0, local_attention_probs_dropout_prob=0.0,
-      initializer_range=c.init_std, tie_word_embeddings=False, dtype=str(c.param_dtype))
+    architectures=[ARCHITECTURE],
+    model_type=MODEL_TYPE,
+    vocab_size=c.vocab_size,
+    hidden_size=c.d_model,
+    num_attention_heads=c.num_heads,
+    attention_head_size=c.head_dim,
+    feed_forward_size=c.d_ff,
+    attn_layers=list(c.attn_layers),
+    num_hidden_layers=c.num_layers,
+    max_position_embeddings=c.max_len,
+    axial_pos_embds=c.axial_pos_shape is not None,
+    axial_pos_shape=list(c.axial_pos_shape or (64, 64)),
+    axial_pos_embds_dim=list(c.axial_pos_dims),
+    axial_norm_std=c.axial_init_std,
+    is_decoder=c.causal,
+    lsh_attn_chunk_length=c.lsh_chunk_length,
+    lsh_num_chunks_before=c.lsh_chunks_before,
+    lsh_num_chunks_after=c.lsh_chunks_after,
+    num_hashes=c.n_hashes,
+    num_buckets=c.n_buckets if isinstance(c.n_buckets, int) else list(c.n_buckets),
+    hash_seed=c.hash_seed,
+    local_attn_chunk_length=c.local_chunk_length,
+    local_num_chunks_before=c.local_chunks_before,
+    local_num_chunks_after=c.local_chunks_after,
+    chunk_size_feed_forward=c.ff_chunk,
+    hidden_act=_ACTIVATIONS_BACK[c.activation],
+    layer_norm_eps=c.norm_eps,
+    hidden_dropout_prob=c.dropout_rate,
+    lsh_attention_probs_dropout_prob=0.0,
+    local_attention_probs_dropout_prob=0.0,
+    initializer_range=c.init_std,
+    tie_word_embeddings=False,
+    dtype=str(c.param_dtype),
+  )
 
 
 def torch_rotations(c: ReformerConfig) -> np.ndarray:
@@ -96,8 +128,9 @@ def torch_rotations(c: ReformerConfig) -> np.ndarray:
   try:
     import torch  # noqa: PLC0415 - torch is optional (the hf extra)
   except ImportError:
-    raise UnsupportedError("loading a Reformer needs torch, to draw transformers' LSH rotations "
-                           "(pip install torch)") from None
+    raise UnsupportedError(
+      "loading a Reformer needs torch, to draw transformers' LSH rotations (pip install torch)"
+    ) from None
   torch.manual_seed(c.hash_seed)
   shape = (c.num_heads, c.head_dim, c.n_hashes, lsh.rotation_size(c.n_buckets) // 2)
   return torch.randn(shape, dtype=torch.float32).numpy()
@@ -108,48 +141,60 @@ def torch_rotations(c: ReformerConfig) -> np.ndarray:
 # "linear_out": a torch Linear [D, N*H] that our kernel holds as [N, H, D]; "copy": as is.
 def _layer_rules(kind: str) -> list[tuple[str, str, str]]:
   attn = "attention.self_attention."
-  qk = [("query_key.kernel", attn + "query_key.weight", "linear_in")] if kind == "lsh" else [
+  qk = (
+    [("query_key.kernel", attn + "query_key.weight", "linear_in")]
+    if kind == "lsh"
+    else [
       ("query.kernel", attn + "query.weight", "linear_in"),
-      ("key.kernel", attn + "key.weight", "linear_in")]
+      ("key.kernel", attn + "key.weight", "linear_in"),
+    ]
+  )
   return [
-      ("attn_norm.scale", "attention.layer_norm.weight", "copy"),
-      ("attn_norm.bias", "attention.layer_norm.bias", "copy"),
-      *qk,
-      ("value.kernel", attn + "value.weight", "linear_in"),
-      ("out.kernel", "attention.output.dense.weight", "linear_out"),
-      ("mlp_norm.scale", "feed_forward.layer_norm.weight", "copy"),
-      ("mlp_norm.bias", "feed_forward.layer_norm.bias", "copy"),
-      ("mlp.up.kernel", "feed_forward.dense.dense.weight", "linear_in"),
-      ("mlp.up.bias", "feed_forward.dense.dense.bias", "copy"),
-      ("mlp.down.kernel", "feed_forward.output.dense.weight", "linear_in"),
-      ("mlp.down.bias", "feed_forward.output.dense.bias", "copy"),
+    ("attn_norm.scale", "attention.layer_norm.weight", "copy"),
+    ("attn_norm.bias", "attention.layer_norm.bias", "copy"),
+    *qk,
+    ("value.kernel", attn + "value.weight", "linear_in"),
+    ("out.kernel", "attention.output.dense.weight", "linear_out"),
+    ("mlp_norm.scale", "feed_forward.layer_norm.weight", "copy"),
+    ("mlp_norm.bias", "feed_forward.layer_norm.bias", "copy"),
+    ("mlp.up.kernel", "feed_forward.dense.dense.weight", "linear_in"),
+    ("mlp.up.bias", "feed_forward.dense.dense.bias", "copy"),
+    ("mlp.down.kernel", "feed_forward.output.dense.weight", "linear_in"),
+    ("mlp.down.bias", "feed_forward.output.dense.bias", "copy"),
   ]
 
 
 def _top_rules(c: ReformerConfig) -> list[tuple[str, str, str]]:
   emb = "reformer.embeddings."
-  pos = ([("pos_embed.rows", emb + "position_embeddings.weights.0", "axial_rows"),
-          ("pos_embed.cols", emb + "position_embeddings.weights.1", "axial_cols")]
-         if c.axial_pos_shape is not None else
-         [("pos_embed.embedding", emb + "position_embeddings.embedding.weight", "copy")])
-  return [("embed.embedding", emb + "word_embeddings.weight", "copy"), *pos,
-          ("final_norm.scale", "reformer.encoder.layer_norm.weight", "copy"),
-          ("final_norm.bias", "reformer.encoder.layer_norm.bias", "copy"),
-          ("lm_head.kernel", "lm_head.decoder.weight", "linear_in"),
-          ("lm_head.bias", "lm_head.decoder.bias", "copy")]
+  pos = (
+    [
+      ("pos_embed.rows", emb + "position_embeddings.weights.0", "axial_rows"),
+      ("pos_embed.cols", emb + "position_embeddings.weights.1", "axial_cols"),
+    ]
+    if c.axial_pos_shape is not None
+    else [("pos_embed.embedding", emb + "position_embeddings.embedding.weight", "copy")]
+  )
+  return [
+    ("embed.embedding", emb + "word_embeddings.weight", "copy"),
+    *pos,
+    ("final_norm.scale", "reformer.encoder.layer_norm.weight", "copy"),
+    ("final_norm.bias", "reformer.encoder.layer_norm.bias", "copy"),
+    ("lm_head.kernel", "lm_head.decoder.weight", "linear_in"),
+    ("lm_head.bias", "lm_head.decoder.bias", "copy"),
+  ]
 
 
 def _to_ours(how: str, x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
   match how:
     case "copy":
       return x.reshape(shape)
-    case "linear_in":    # [out..., in] -> [in, out...]
+    case "linear_in":  # [out..., in] -> [in, out...]
       return x.T.reshape(shape)
-    case "linear_out":   # [D, N*H] -> [N, H, D]
+    case "linear_out":  # [D, N*H] -> [N, H, D]
       return x.T.reshape(shape)
-    case "axial_rows":   # [h, 1, d0]
+    case "axial_rows":  # [h, 1, d0]
       return x[:, 0]
-    case "axial_cols":   # [1, w, d1]
+    case "axial_cols":  # [1, w, d1]
       return x[0]
     case _:
       raise ValueError(how)
@@ -180,18 +225,25 @@ def _rules(c: ReformerConfig):
   return out
 
 
-def load(hf: dict, tensors: dict[str, np.ndarray], *, param_dtype: str | None = None,
-         dtype: str | None = None, where: str = "config.json"):
+def load(
+  hf: dict,
+  tensors: dict[str, np.ndarray],
+  *,
+  param_dtype: str | None = None,
+  dtype: str | None = None,
+  where: str = "config.json",
+):
   """``(config, model)`` of a transformers Reformer (``tj.hf.load`` calls this); ``where``
   names the config in errors."""
   try:
     config = from_hf(hf)
-  except CheckpointError as e:   # a field refused by name
+  except CheckpointError as e:  # a field refused by name
     raise type(e)(f"{where}: {e}") from None
-  except (TypeError, KeyError, ValueError) as e:   # a value our config refuses
+  except (TypeError, KeyError, ValueError) as e:  # a value our config refuses
     raise CheckpointError(f"{where}: {ARCHITECTURE} config is malformed: {e}") from None
-  config = dataclasses.replace(config, param_dtype=param_dtype or "float32",
-                               dtype=dtype or "float32")
+  config = dataclasses.replace(
+    config, param_dtype=param_dtype or "float32", dtype=dtype or "float32"
+  )
   graphdef, state = nnx.split(models.abstract(config))
   expected = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(state)}
   tensors = dict(tensors)
@@ -207,7 +259,7 @@ def load(hf: dict, tensors: dict[str, np.ndarray], *, param_dtype: str | None = 
       missing.append(theirs)
       continue
     used.add(theirs)
-    shape = expected[ours].shape[0 if step is None else 1:]
+    shape = expected[ours].shape[0 if step is None else 1 :]
     try:
       value = _to_ours(how, np.asarray(tensors[theirs], np.float32), shape)
       assert value.shape == shape
@@ -221,8 +273,11 @@ def load(hf: dict, tensors: dict[str, np.ndarray], *, param_dtype: str | None = 
   unexpected = sorted(set(tensors) - used)
   if missing or unexpected or misshaped:
     parts = [f"checkpoint does not match {ARCHITECTURE} with this config.json:"]
-    for title, items in (("missing tensors", missing), ("unexpected tensors", unexpected),
-                         ("tensors with the wrong shape", misshaped)):
+    for title, items in (
+      ("missing tensors", missing),
+      ("unexpected tensors", unexpected),
+      ("tensors with the wrong shape", misshaped),
+    ):
       if items:
         parts.append(listing(title, items))
     raise CheckpointError("\n".join(parts))
@@ -251,9 +306,11 @@ def save(model, config: ReformerConfig, path: str | os.PathLike) -> str:
     except UnsupportedError:
       same = False
     if not same:
-      warnings.warn("the model's LSH rotations are not the ones transformers draws from "
-                    f"hash_seed={config.hash_seed}: the saved model hashes differently",
-                    stacklevel=3)
+      warnings.warn(
+        "the model's LSH rotations are not the ones transformers draws from "
+        f"hash_seed={config.hash_seed}: the saved model hashes differently",
+        stacklevel=3,
+      )
   tensors = {}
   for ours, theirs, how, step in _rules(config):
     x = flat[ours] if step is None else flat[ours][step]

@@ -6,9 +6,33 @@ from transformer_jax.layers.cache import KVCache, LinearCache
 from transformer_jax.layers.dense import Embed, Norm, Projection, RelativePositionBias
 from transformer_jax.layers.mlp import MLP
 from transformer_jax.layers.ssm import (
-    MambaKind, MambaMixer, MixerBlock, MixerBlockConfig, MixerStack, SSMCache)
+  MambaKind,
+  MambaMixer,
+  MixerBlock,
+  MixerBlockConfig,
+  MixerStack,
+  SSMCache,
+)
 from transformer_jax.layers.stack import Remat, Stack
 
-__all__ = ["Attention", "Block", "BlockConfig", "Embed", "KVCache", "LinearCache", "LinearKind",
-           "MLP", "MambaKind", "MambaMixer", "MixerBlock", "MixerBlockConfig", "MixerStack",
-           "SSMCache", "Norm", "Projection", "RelativePositionBias", "Remat", "Stack"]
+__all__ = [
+  "Attention",
+  "Block",
+  "BlockConfig",
+  "Embed",
+  "KVCache",
+  "LinearCache",
+  "LinearKind",
+  "MLP",
+  "MambaKind",
+  "MambaMixer",
+  "MixerBlock",
+  "MixerBlockConfig",
+  "MixerStack",
+  "SSMCache",
+  "Norm",
+  "Projection",
+  "RelativePositionBias",
+  "Remat",
+  "Stack",
+]

@@ -25,6 +25,7 @@ class LinearKind:
   """Self-attention as causal linear attention (``ops.linear_attention``) instead of softmax:
   ``chunk_size`` positions per chunk of its parallel form, and a decay per query head (RetNet's
   gamma) or None."""
+
   chunk_size: int = 64
   decay: tuple[float, ...] | None = None
 
@@ -32,13 +33,28 @@ class LinearKind:
 class Attention(nnx.Module):
   """Projects to heads, attends, projects back. Takes plain numbers, not a model config."""
 
-  def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
-               use_bias: bool, init_std: float, out_init_std: float, dtype: jnp.dtype,
-               param_dtype: jnp.dtype, rngs: nnx.Rngs,
-               rope_theta: float | None = None, rope_interleaved: bool = False,
-               rope_scaling: ops.RopeScaling | None = None, scale: float | None = None,
-               implementation: ops.Implementation | None = None, mesh: Mesh | None = None,
-               linear: LinearKind | None = None, backend: backends.Backend | None = None):
+  def __init__(
+    self,
+    d_model: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    use_bias: bool,
+    init_std: float,
+    out_init_std: float,
+    dtype: jnp.dtype,
+    param_dtype: jnp.dtype,
+    rngs: nnx.Rngs,
+    rope_theta: float | None = None,
+    rope_interleaved: bool = False,
+    rope_scaling: ops.RopeScaling | None = None,
+    scale: float | None = None,
+    implementation: ops.Implementation | None = None,
+    mesh: Mesh | None = None,
+    linear: LinearKind | None = None,
+    backend: backends.Backend | None = None,
+  ):
     """``implementation``: the attention kernel (None: the backend's choice). ``mesh``: the mesh
     the model runs on; self-attention runs as ring attention when it has a ``sequence`` axis of
     size > 1 (see ``__call__``). ``linear``: causal linear attention instead of softmax (its
@@ -48,20 +64,42 @@ class Attention(nnx.Module):
       raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     d, n, k, h = d_model, num_heads, num_kv_heads, head_dim
     self.backend = backend = backend or backends.current()
-    common = dict(init_std=init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-                  backend=backend)
-    self.query = Projection("BTD,DNH->BTNH", (d, n, h), (ax.EMBED, ax.HEADS, ax.HEAD_DIM),
-                            bias_shape=(n, h) if use_bias else None,
-                            bias_axes=(ax.HEADS, ax.HEAD_DIM), **common)
-    self.key = Projection("BSD,DKH->BSKH", (d, k, h), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM),
-                          bias_shape=(k, h) if use_bias else None,
-                          bias_axes=(ax.KV_HEADS, ax.HEAD_DIM), **common)
-    self.value = Projection("BSD,DKH->BSKH", (d, k, h), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM),
-                            bias_shape=(k, h) if use_bias else None,
-                            bias_axes=(ax.KV_HEADS, ax.HEAD_DIM), **common)
+    common = dict(
+      init_std=init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs, backend=backend
+    )
+    self.query = Projection(
+      "BTD,DNH->BTNH",
+      (d, n, h),
+      (ax.EMBED, ax.HEADS, ax.HEAD_DIM),
+      bias_shape=(n, h) if use_bias else None,
+      bias_axes=(ax.HEADS, ax.HEAD_DIM),
+      **common,
+    )
+    self.key = Projection(
+      "BSD,DKH->BSKH",
+      (d, k, h),
+      (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM),
+      bias_shape=(k, h) if use_bias else None,
+      bias_axes=(ax.KV_HEADS, ax.HEAD_DIM),
+      **common,
+    )
+    self.value = Projection(
+      "BSD,DKH->BSKH",
+      (d, k, h),
+      (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM),
+      bias_shape=(k, h) if use_bias else None,
+      bias_axes=(ax.KV_HEADS, ax.HEAD_DIM),
+      **common,
+    )
     common["init_std"] = out_init_std
-    self.out = Projection("BTNH,NHD->BTD", (n, h, d), (ax.HEADS, ax.HEAD_DIM, ax.EMBED),
-                          bias_shape=(d,) if use_bias else None, bias_axes=(ax.EMBED,), **common)
+    self.out = Projection(
+      "BTNH,NHD->BTD",
+      (n, h, d),
+      (ax.HEADS, ax.HEAD_DIM, ax.EMBED),
+      bias_shape=(d,) if use_bias else None,
+      bias_axes=(ax.EMBED,),
+      **common,
+    )
     self.rope_theta = rope_theta
     self.rope_interleaved = rope_interleaved
     self.rope_scaling = rope_scaling
@@ -70,13 +108,22 @@ class Attention(nnx.Module):
     self.mesh = mesh
     self.linear = linear
 
-  def __call__(self, x_BTD: jax.Array, kv_BSD: jax.Array | None = None, *,
-               positions: jax.Array | None = None, causal: bool = False,
-               kv_valid: jax.Array | None = None, segment_ids: jax.Array | None = None,
-               window: int | None = None, bias_fn: Callable[..., jax.Array] | None = None,
-               bias_params: Any = None, dropout_rate: float = 0.0,
-               dropout_rng: jax.Array | None = None, cache: KVCache | None = None
-               ) -> tuple[jax.Array, KVCache | None]:
+  def __call__(
+    self,
+    x_BTD: jax.Array,
+    kv_BSD: jax.Array | None = None,
+    *,
+    positions: jax.Array | None = None,
+    causal: bool = False,
+    kv_valid: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    window: int | None = None,
+    bias_fn: Callable[..., jax.Array] | None = None,
+    bias_params: Any = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+    cache: KVCache | None = None,
+  ) -> tuple[jax.Array, KVCache | None]:
     """Self-attention over ``x`` or, with ``kv_BSD`` (or a read-only ``cache``), cross-attention.
 
     The mask is given by its parts (see ``ops.dot_product_attention``), never as a dense array.
@@ -110,7 +157,7 @@ class Attention(nnx.Module):
       return self._linear(x_BTD, positions, causal, cache, kv_valid, segment_ids)
     q_BTNH = self.query(x_BTD)
     q_positions = None
-    if cache is not None and cache.lengths is None:   # keys/values projected once
+    if cache is not None and cache.lengths is None:  # keys/values projected once
       k_BSKH, v_BSKH = cache.read()
       kv_valid = cache.kv_valid
     else:
@@ -136,11 +183,23 @@ class Attention(nnx.Module):
         cache = cache.write(k_BSKH, v_BSKH)
         k_BSKH, v_BSKH = cache.read()
     out_BTNH = self.backend.attention(
-        q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype), causal=causal,
-        kv_valid=kv_valid, q_segment_ids=segment_ids, window=window, q_positions=q_positions,
-        bias_fn=bias_fn, bias_params=bias_params, scale=self.scale, dropout_rate=dropout_rate,
-        dropout_rng=dropout_rng, implementation=self.implementation, mesh=self.mesh,
-        self_attention=cache is None and kv_BSD is x_BTD)
+      q_BTNH,
+      k_BSKH.astype(q_BTNH.dtype),
+      v_BSKH.astype(q_BTNH.dtype),
+      causal=causal,
+      kv_valid=kv_valid,
+      q_segment_ids=segment_ids,
+      window=window,
+      q_positions=q_positions,
+      bias_fn=bias_fn,
+      bias_params=bias_params,
+      scale=self.scale,
+      dropout_rate=dropout_rate,
+      dropout_rng=dropout_rng,
+      implementation=self.implementation,
+      mesh=self.mesh,
+      self_attention=cache is None and kv_BSD is x_BTD,
+    )
     if cache is not None:
       return self._out_merged(out_BTNH), cache
     return self.out(out_BTNH), None
@@ -151,8 +210,7 @@ class Attention(nnx.Module):
     if self.rope_theta is None:
       return q_BTNH, k_BTKH
     positions = jnp.arange(q_BTNH.shape[1]) if positions is None else positions
-    rope = dict(theta=self.rope_theta, interleaved=self.rope_interleaved,
-                scaling=self.rope_scaling)
+    rope = dict(theta=self.rope_theta, interleaved=self.rope_interleaved, scaling=self.rope_scaling)
     return ops.apply_rope(q_BTNH, positions, **rope), ops.apply_rope(k_BTKH, positions, **rope)
 
   def _rotated(self, x_BTD, positions):
@@ -171,8 +229,15 @@ class Attention(nnx.Module):
     lin = self.linear
     if cache is None:
       q, k, v = self._rotated(x_BTD, positions)
-      out_BTNH = ops.linear_attention(q, k, v, chunk_size=lin.chunk_size, decay=lin.decay,
-                                      kv_valid=kv_valid, segment_ids=segment_ids)
+      out_BTNH = ops.linear_attention(
+        q,
+        k,
+        v,
+        chunk_size=lin.chunk_size,
+        decay=lin.decay,
+        kv_valid=kv_valid,
+        segment_ids=segment_ids,
+      )
       return self.out(out_BTNH.astype(q.dtype)), None
     t = x_BTD.shape[1]
     q, k, v = self._rotated(x_BTD, cache.positions(t))
@@ -180,20 +245,37 @@ class Attention(nnx.Module):
     if t == 1 and cache.new_valid is None:
       out_BTNH, state = ops.linear_attention_step(state, q, k, v, decay=lin.decay)
     else:
-      n_B = (jnp.full((x_BTD.shape[0],), t, jnp.int32) if cache.new_valid is None
-             else jnp.asarray(cache.new_valid, jnp.int32))
+      n_B = (
+        jnp.full((x_BTD.shape[0],), t, jnp.int32)
+        if cache.new_valid is None
+        else jnp.asarray(cache.new_valid, jnp.int32)
+      )
       valid_BT = jnp.arange(t)[None, :] < n_B[:, None]
-      out_BTNH, state = ops.linear_attention(q, k, v, chunk_size=lin.chunk_size, decay=lin.decay,
-                                             initial_state=state, return_state=True,
-                                             kv_valid=valid_BT)
+      out_BTNH, state = ops.linear_attention(
+        q,
+        k,
+        v,
+        chunk_size=lin.chunk_size,
+        decay=lin.decay,
+        initial_state=state,
+        return_state=True,
+        kv_valid=valid_BT,
+      )
     cache = cache.replace(s=(state.s,), z=(state.z,))
     return self._out_merged(out_BTNH.astype(q.dtype)), cache
 
-  def weights(self, x_BTD: jax.Array, *, positions: jax.Array | None = None,
-              causal: bool = False, kv_valid: jax.Array | None = None,
-              segment_ids: jax.Array | None = None, window: int | None = None,
-              bias_fn: Callable[..., jax.Array] | None = None, bias_params: Any = None
-              ) -> jax.Array:
+  def weights(
+    self,
+    x_BTD: jax.Array,
+    *,
+    positions: jax.Array | None = None,
+    causal: bool = False,
+    kv_valid: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    window: int | None = None,
+    bias_fn: Callable[..., jax.Array] | None = None,
+    bias_params: Any = None,
+  ) -> jax.Array:
     """The self-attention weights ``[B, N, T, S]`` (float32) that ``__call__`` on ``x`` uses,
     with the same mask and bias parts (no cache, no dropout): for pictures and inspection."""
     if self.linear is not None:
@@ -201,9 +283,19 @@ class Attention(nnx.Module):
     q_BTNH, k_BSKH = self._rope(self.query(x_BTD), self.key(x_BTD), positions)
     # The values do not change the weights; the keys stand in for them.
     _, weights_BNTS = ops.dot_product_attention(
-        q_BTNH, k_BSKH.astype(q_BTNH.dtype), k_BSKH.astype(q_BTNH.dtype), causal=causal,
-        kv_valid=kv_valid, q_segment_ids=segment_ids, window=window, bias_fn=bias_fn,
-        bias_params=bias_params, scale=self.scale, return_weights=True, implementation="xla")
+      q_BTNH,
+      k_BSKH.astype(q_BTNH.dtype),
+      k_BSKH.astype(q_BTNH.dtype),
+      causal=causal,
+      kv_valid=kv_valid,
+      q_segment_ids=segment_ids,
+      window=window,
+      bias_fn=bias_fn,
+      bias_params=bias_params,
+      scale=self.scale,
+      return_weights=True,
+      implementation="xla",
+    )
     return weights_BNTS
 
   def _linear_weights(self, x_BTD, positions, kv_valid=None, segment_ids=None):
@@ -215,9 +307,17 @@ class Attention(nnx.Module):
     phi_k = jnp.repeat(linear_feature_map(k), n // k.shape[2], axis=2)
     w_BNTS = jnp.einsum("bins,bjns->bnij", linear_feature_map(q), phi_k)
     valid_BT = jnp.ones((b, t), bool) if kv_valid is None else jnp.asarray(kv_valid, bool)
-    doc_BT = (jnp.zeros((b, t), jnp.int32) if segment_ids is None else jnp.concatenate(
-        [jnp.zeros((b, 1), jnp.int32),
-         jnp.cumsum(segment_ids[:, 1:] != segment_ids[:, :-1], axis=1, dtype=jnp.int32)], 1))
+    doc_BT = (
+      jnp.zeros((b, t), jnp.int32)
+      if segment_ids is None
+      else jnp.concatenate(
+        [
+          jnp.zeros((b, 1), jnp.int32),
+          jnp.cumsum(segment_ids[:, 1:] != segment_ids[:, :-1], axis=1, dtype=jnp.int32),
+        ],
+        1,
+      )
+    )
     i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
     same_BTT = (j <= i)[None] & (doc_BT[:, :, None] == doc_BT[:, None, :]) & valid_BT[:, None, :]
     mask_BNTT = same_BTT[:, None].astype(jnp.float32)
@@ -225,8 +325,9 @@ class Attention(nnx.Module):
       count_BT = jnp.cumsum(valid_BT, axis=1, dtype=jnp.int32)
       gap_BTT = jnp.where(same_BTT, count_BT[:, :, None] - count_BT[:, None, :], 0)
       log_g_N = jnp.log(jnp.asarray(self.linear.decay, jnp.float32))
-      mask_BNTT = mask_BNTT * jnp.exp(log_g_N[None, :, None, None]
-                                      * gap_BTT[:, None].astype(jnp.float32))
+      mask_BNTT = mask_BNTT * jnp.exp(
+        log_g_N[None, :, None, None] * gap_BTT[:, None].astype(jnp.float32)
+      )
     w_BNTS = w_BNTS * mask_BNTT
     return w_BNTS / (jnp.sum(w_BNTS, axis=-1, keepdims=True) + LINEAR_EPS)
 

@@ -34,21 +34,23 @@ class BlockConfig:
   gated: bool
   norm: Literal["layernorm", "rmsnorm"]
   norm_eps: float
-  pre_norm: bool                          # pre-LN (GPT-2, T5, LLaMA) or post-LN (BERT, Vaswani)
-  use_bias: bool                          # biases on the attention and MLP projections
-  cross_attention: bool = False           # decoder blocks of an encoder-decoder
-  rope_theta: float | None = None         # None: no rotary embedding
+  pre_norm: bool  # pre-LN (GPT-2, T5, LLaMA) or post-LN (BERT, Vaswani)
+  use_bias: bool  # biases on the attention and MLP projections
+  cross_attention: bool = False  # decoder blocks of an encoder-decoder
+  rope_theta: float | None = None  # None: no rotary embedding
   rope_interleaved: bool = False
   rope_scaling: ops.RopeScaling | None = None
-  attention_scale: float | None = None    # None: 1/sqrt(head_dim); T5 uses 1.0
-  attention_impl: ops.Implementation | None = None  # kernel of ops.dot_product_attention; None: auto
-  linear: LinearKind | None = None        # self-attention as causal linear attention
-  approx: ApproxKind | None = None        # self-attention block-sparse or Linformer (layers.approx)
-  dropout_rate: float = 0.0               # on each residual branch
-  attention_dropout_rate: float = 0.0     # on the attention weights
-  ffn_dropout_rate: float = 0.0           # after the MLP activation (T5)
+  attention_scale: float | None = None  # None: 1/sqrt(head_dim); T5 uses 1.0
+  attention_impl: ops.Implementation | None = (
+    None  # kernel of ops.dot_product_attention; None: auto
+  )
+  linear: LinearKind | None = None  # self-attention as causal linear attention
+  approx: ApproxKind | None = None  # self-attention block-sparse or Linformer (layers.approx)
+  dropout_rate: float = 0.0  # on each residual branch
+  attention_dropout_rate: float = 0.0  # on the attention weights
+  ffn_dropout_rate: float = 0.0  # after the MLP activation (T5)
   init_std: float = 0.02
-  out_init_std: float = 0.02              # output projections (GPT-2 scales by 1/sqrt(2L))
+  out_init_std: float = 0.02  # output projections (GPT-2 scales by 1/sqrt(2L))
   dtype: str = "float32"
   param_dtype: str = "float32"
 
@@ -57,35 +59,69 @@ class Block(nnx.Module):
   """``x + attn(norm x)`` then ``x + mlp(norm x)`` (pre-norm) or ``norm(x + attn x)``
   (post-norm)."""
 
-  def __init__(self, cfg: BlockConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None,
-               backend: backends.Backend | None = None):
+  def __init__(
+    self,
+    cfg: BlockConfig,
+    *,
+    rngs: nnx.Rngs,
+    mesh: Mesh | None = None,
+    backend: backends.Backend | None = None,
+  ):
     """``mesh``: where the block runs (see ``Attention``); ``backend``: its kernels (default
     ``backends.current()``)."""
     self.cfg = cfg
     backend = backend or backends.current()
     dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     norm = dict(kind=cfg.norm, eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
-    attn = dict(use_bias=cfg.use_bias, init_std=cfg.init_std, out_init_std=cfg.out_init_std,
-                dtype=dtype, param_dtype=param_dtype, rngs=rngs, scale=cfg.attention_scale,
-                implementation=cfg.attention_impl, mesh=mesh, backend=backend)
+    attn = dict(
+      use_bias=cfg.use_bias,
+      init_std=cfg.init_std,
+      out_init_std=cfg.out_init_std,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      rngs=rngs,
+      scale=cfg.attention_scale,
+      implementation=cfg.attention_impl,
+      mesh=mesh,
+      backend=backend,
+    )
     self.attn_norm = Norm(cfg.d_model, **norm)
     self_kind = {} if cfg.approx is None else {"approx": cfg.approx}
     self.attn = (Attention if cfg.approx is None else ApproxAttention)(
-        cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rope_theta=cfg.rope_theta,
-        rope_interleaved=cfg.rope_interleaved, rope_scaling=cfg.rope_scaling, linear=cfg.linear,
-        **self_kind, **attn)
+      cfg.d_model,
+      cfg.num_heads,
+      cfg.num_kv_heads,
+      cfg.head_dim,
+      rope_theta=cfg.rope_theta,
+      rope_interleaved=cfg.rope_interleaved,
+      rope_scaling=cfg.rope_scaling,
+      linear=cfg.linear,
+      **self_kind,
+      **attn,
+    )
     if cfg.cross_attention:
       self.cross_norm = Norm(cfg.d_model, **norm)
       # Cross-attention keys come from the encoder: no rotary embedding; the same heads (and
       # key/value heads) as self-attention.
-      self.cross_attn = Attention(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                  **attn)
+      self.cross_attn = Attention(
+        cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, **attn
+      )
     else:
       self.cross_norm = self.cross_attn = None
     self.mlp_norm = Norm(cfg.d_model, **norm)
-    self.mlp = MLP(cfg.d_model, cfg.d_ff, activation=cfg.activation, gated=cfg.gated,
-                   use_bias=cfg.use_bias, init_std=cfg.init_std, out_init_std=cfg.out_init_std,
-                   dtype=dtype, param_dtype=param_dtype, rngs=rngs, backend=backend)
+    self.mlp = MLP(
+      cfg.d_model,
+      cfg.d_ff,
+      activation=cfg.activation,
+      gated=cfg.gated,
+      use_bias=cfg.use_bias,
+      init_std=cfg.init_std,
+      out_init_std=cfg.out_init_std,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      rngs=rngs,
+      backend=backend,
+    )
 
   def _residual(self, x, norm, fn, rng):
     """One sub-layer with its residual connection, dropout and norm in the configured place."""
@@ -94,12 +130,22 @@ class Block(nnx.Module):
       return x + ops.dropout(fn(norm(x)), rate, rng)
     return norm(x + ops.dropout(fn(x), rate, rng))
 
-  def __call__(self, x_BTD: jax.Array, *, positions: jax.Array | None = None,
-               causal: bool = False, kv_valid: jax.Array | None = None,
-               segment_ids: jax.Array | None = None, window: int | None = None,
-               bias_fn=None, bias_params=None, encoder_out: jax.Array | None = None,
-               encoder_valid: jax.Array | None = None, dropout_rng: jax.Array | None = None,
-               cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
+  def __call__(
+    self,
+    x_BTD: jax.Array,
+    *,
+    positions: jax.Array | None = None,
+    causal: bool = False,
+    kv_valid: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    window: int | None = None,
+    bias_fn=None,
+    bias_params=None,
+    encoder_out: jax.Array | None = None,
+    encoder_valid: jax.Array | None = None,
+    dropout_rng: jax.Array | None = None,
+    cache: KVCache | None = None,
+  ) -> tuple[jax.Array, KVCache | None]:
     """The block on ``x`` ``[B, T, D]``.
 
     The self-attention mask and bias come by parts (``positions``, ``causal``, ``kv_valid``,
@@ -117,23 +163,48 @@ class Block(nnx.Module):
 
     def self_attn(h):
       nonlocal cache
-      out, cache = self.attn(h, positions=positions, causal=causal, kv_valid=kv_valid,
-                             segment_ids=segment_ids, window=window, bias_fn=bias_fn,
-                             bias_params=bias_params, dropout_rate=attn_drop,
-                             dropout_rng=r_attn_w, cache=cache)
+      out, cache = self.attn(
+        h,
+        positions=positions,
+        causal=causal,
+        kv_valid=kv_valid,
+        segment_ids=segment_ids,
+        window=window,
+        bias_fn=bias_fn,
+        bias_params=bias_params,
+        dropout_rate=attn_drop,
+        dropout_rng=r_attn_w,
+        cache=cache,
+      )
       return out
 
     x = self._residual(x_BTD, self.attn_norm, self_attn, r_attn)
     if self.cross_attn is not None:
       cross = None if cache is None else cache.cross
       if encoder_out is None and cross is None:
-        raise ValueError("this block has cross-attention: pass encoder_out [B, S, D] (or a cache "
-                         "with its cross-attention keys/values)")
-      x = self._residual(x, self.cross_norm, lambda h: self.cross_attn(
-          h, encoder_out, kv_valid=encoder_valid, dropout_rate=attn_drop, dropout_rng=r_cross_w,
-          cache=cross)[0], r_cross)
-    x = self._residual(x, self.mlp_norm, lambda h: self.mlp(
-        h, dropout_rate=cfg.ffn_dropout_rate, dropout_rng=r_mlp_in), r_mlp)
+        raise ValueError(
+          "this block has cross-attention: pass encoder_out [B, S, D] (or a cache "
+          "with its cross-attention keys/values)"
+        )
+      x = self._residual(
+        x,
+        self.cross_norm,
+        lambda h: self.cross_attn(
+          h,
+          encoder_out,
+          kv_valid=encoder_valid,
+          dropout_rate=attn_drop,
+          dropout_rng=r_cross_w,
+          cache=cross,
+        )[0],
+        r_cross,
+      )
+    x = self._residual(
+      x,
+      self.mlp_norm,
+      lambda h: self.mlp(h, dropout_rate=cfg.ffn_dropout_rate, dropout_rng=r_mlp_in),
+      r_mlp,
+    )
     return x, cache
 
   def attention_weights(self, x_BTD: jax.Array, **mask_parts) -> jax.Array:

@@ -29,38 +29,56 @@ class KVCache:
   ``layer(i)`` is the one-layer view an attention layer reads and returns.
   """
 
-  k: tuple[jax.Array, ...]            # L arrays [B * K, S, H] (keys already rotated by RoPE)
-  v: tuple[jax.Array, ...]            # L arrays [B * K, S, H]
-  lengths: jax.Array | None           # [B] int32 tokens cached per row; None: read-only
+  k: tuple[jax.Array, ...]  # L arrays [B * K, S, H] (keys already rotated by RoPE)
+  v: tuple[jax.Array, ...]  # L arrays [B * K, S, H]
+  lengths: jax.Array | None  # [B] int32 tokens cached per row; None: read-only
   kv_heads: int = flax.struct.field(pytree_node=False)  # K
-  kv_valid: jax.Array | None = None   # [B, S] bool, False = padding key (read-only caches)
-  cross: KVCache | None = None        # a decoder's cross-attention keys/values (read-only)
+  kv_valid: jax.Array | None = None  # [B, S] bool, False = padding key (read-only caches)
+  cross: KVCache | None = None  # a decoder's cross-attention keys/values (read-only)
   window: int | None = flax.struct.field(pytree_node=False, default=None)  # rolling: W = S slots
   # [B] how many of the tokens being written are real (right padding after them), while a call
   # writes them: a rolling cache drops the padding instead of letting it overwrite real entries.
   new_valid: jax.Array | None = None
 
   @classmethod
-  def zeros(cls, num_layers: int, batch_size: int, max_len: int, kv_heads: int, head_dim: int,
-            dtype: jnp.dtype, window: int | None = None) -> KVCache:
+  def zeros(
+    cls,
+    num_layers: int,
+    batch_size: int,
+    max_len: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: jnp.dtype,
+    window: int | None = None,
+  ) -> KVCache:
     """An empty self-attention cache for ``max_len`` tokens per row: ``max_len`` slots, or with
     a sliding ``window`` shorter than that, a rolling cache of ``window`` slots."""
     rolling = window is not None and window < max_len
     slots = window if rolling else max_len
+
     def empty():
-      return tuple(jnp.zeros((batch_size * kv_heads, slots, head_dim), dtype)
-                              for _ in range(num_layers))
-    return cls(empty(), empty(), jnp.zeros((batch_size,), jnp.int32), kv_heads,
-               window=window if rolling else None)
+      return tuple(
+        jnp.zeros((batch_size * kv_heads, slots, head_dim), dtype) for _ in range(num_layers)
+      )
+
+    return cls(
+      empty(),
+      empty(),
+      jnp.zeros((batch_size,), jnp.int32),
+      kv_heads,
+      window=window if rolling else None,
+    )
 
   @classmethod
-  def read_only(cls, k_LBSKH: jax.Array, v_LBSKH: jax.Array,
-                kv_valid_BS: jax.Array | None = None) -> KVCache:
+  def read_only(
+    cls, k_LBSKH: jax.Array, v_LBSKH: jax.Array, kv_valid_BS: jax.Array | None = None
+  ) -> KVCache:
     """A read-only cache of stacked keys/values ``[L, B, S, K, H]`` (cross-attention)."""
     l, b, s, k, h = k_LBSKH.shape
+
     def heads_major(x):
-      return tuple(
-            jnp.transpose(x[i], (0, 2, 1, 3)).reshape(b * k, s, h) for i in range(l))
+      return tuple(jnp.transpose(x[i], (0, 2, 1, 3)).reshape(b * k, s, h) for i in range(l))
+
     valid = None if kv_valid_BS is None else jnp.asarray(kv_valid_BS, bool)
     return cls(heads_major(k_LBSKH), heads_major(v_LBSKH), None, k, kv_valid=valid)
 
@@ -77,8 +95,9 @@ class KVCache:
 
   def layer(self, i: int) -> KVCache:
     """Layer ``i`` alone (with its cross-attention layer)."""
-    return self.replace(k=(self.k[i],), v=(self.v[i],),
-                        cross=None if self.cross is None else self.cross.layer(i))
+    return self.replace(
+      k=(self.k[i],), v=(self.v[i],), cross=None if self.cross is None else self.cross.layer(i)
+    )
 
   def read(self) -> tuple[jax.Array, jax.Array]:
     """A one-layer cache's keys and values ``[B, S, K, H]`` (a transpose XLA folds into the
@@ -100,8 +119,9 @@ class KVCache:
       new_BTKH = new_BTKH.astype(x.dtype)
       if b == 1:  # x is [K, S, H]
         zero = jnp.zeros((), jnp.int32)
-        return jax.lax.dynamic_update_slice(x, jnp.swapaxes(new_BTKH[0], 0, 1),
-                                            (zero, index_B[0], zero))
+        return jax.lax.dynamic_update_slice(
+          x, jnp.swapaxes(new_BTKH[0], 0, 1), (zero, index_B[0], zero)
+        )
       # [B, K, S, H] indexed by (rows, :, slots): the [B, T] index dimensions come first.
       rows_B1 = jnp.arange(b)[:, None]
       slots_BT = index_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -119,7 +139,7 @@ class KVCache:
     positions_BW = first_B1 + jnp.arange(w, dtype=jnp.int32)[None, :]
     slots_BW = jnp.mod(positions_BW, w)
 
-    def gather(x):   # [B * K, W, H] -> [B, W, K, H], slots in position order
+    def gather(x):  # [B * K, W, H] -> [B, W, K, H], slots in position order
       x_BKWH = x[0].reshape(b, k, w, h)
       x_BKWH = jnp.take_along_axis(x_BKWH, slots_BW[:, None, :, None], axis=2)
       return jnp.transpose(x_BKWH, (0, 2, 1, 3))
@@ -133,16 +153,22 @@ class KVCache:
     w = self.max_len
     b, t = k_BTKH.shape[:2]
     t_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t))
-    n_B1 = (jnp.full((b, 1), t, jnp.int32) if self.new_valid is None
-            else jnp.asarray(self.new_valid, jnp.int32)[:, None])
+    n_B1 = (
+      jnp.full((b, 1), t, jnp.int32)
+      if self.new_valid is None
+      else jnp.asarray(self.new_valid, jnp.int32)[:, None]
+    )
     # Row b keeps its real tokens t < n_b, the last W of them; the rest go to slot W (dropped).
     kept_BT = (t_BT < n_B1) & (t_BT >= n_B1 - w)
     slots_BT = jnp.where(kept_BT, jnp.mod(self.lengths.astype(jnp.int32)[:, None] + t_BT, w), w)
     rows_B1 = jnp.arange(b)[:, None]
 
-    def put(x, new_BTKH):   # [B * K, W, H] indexed by (rows, :, slots); kept slots are distinct
-      x = x.reshape(b, -1, *x.shape[1:]).at[rows_B1, :, slots_BT].set(
-          new_BTKH.astype(x.dtype), mode="drop")
+    def put(x, new_BTKH):  # [B * K, W, H] indexed by (rows, :, slots); kept slots are distinct
+      x = (
+        x.reshape(b, -1, *x.shape[1:])
+        .at[rows_B1, :, slots_BT]
+        .set(new_BTKH.astype(x.dtype), mode="drop")
+      )
       return x.reshape(-1, *x.shape[2:])
 
     return self.replace(k=(put(self.k[0], k_BTKH),), v=(put(self.v[0], v_BTKH),))
@@ -153,8 +179,9 @@ class KVCache:
 
   def joined(self, layers: list[KVCache], t: int) -> KVCache:
     """The stack's cache from its layers' one-layer caches, ``t`` tokens later."""
-    return self.replace(k=tuple(c.k[0] for c in layers), v=tuple(c.v[0] for c in layers),
-                        lengths=self.lengths + t)
+    return self.replace(
+      k=tuple(c.k[0] for c in layers), v=tuple(c.v[0] for c in layers), lengths=self.lengths + t
+    )
 
   def take_rows(self, rows_R: jax.Array) -> KVCache:
     """The cache of batch rows ``rows`` (repeated or reordered beams), ``cross`` included."""
@@ -166,9 +193,14 @@ class KVCache:
 
     def pick(x):
       return None if x is None else jnp.take(x, rows_R, axis=0)
-    return self.replace(k=tuple(map(take, self.k)), v=tuple(map(take, self.v)),
-                        lengths=pick(self.lengths), kv_valid=pick(self.kv_valid),
-                        cross=None if self.cross is None else self.cross.take_rows(rows_R))
+
+    return self.replace(
+      k=tuple(map(take, self.k)),
+      v=tuple(map(take, self.v)),
+      lengths=pick(self.lengths),
+      kv_valid=pick(self.kv_valid),
+      cross=None if self.cross is None else self.cross.take_rows(rows_R),
+    )
 
 
 @flax.struct.dataclass
@@ -178,20 +210,23 @@ class LinearCache:
   The same interface as ``KVCache`` where decoding uses it (``layer``, ``positions``,
   ``joined``, ``take_rows``)."""
 
-  s: tuple[jax.Array, ...]            # L arrays [B, N, H, E], float32
-  z: tuple[jax.Array, ...]            # L arrays [B, N, H], float32
-  lengths: jax.Array                  # [B] int32 tokens seen per row
+  s: tuple[jax.Array, ...]  # L arrays [B, N, H, E], float32
+  z: tuple[jax.Array, ...]  # L arrays [B, N, H], float32
+  lengths: jax.Array  # [B] int32 tokens seen per row
   new_valid: jax.Array | None = None  # as KVCache.new_valid
-  cross = None                        # no encoder side
+  cross = None  # no encoder side
 
   @classmethod
   def zeros(cls, num_layers: int, batch_size: int, num_heads: int, head_dim: int) -> LinearCache:
     """An empty state for ``num_layers`` layers of ``num_heads`` heads of ``head_dim``."""
-    return cls(tuple(jnp.zeros((batch_size, num_heads, head_dim, head_dim), jnp.float32)
-                     for _ in range(num_layers)),
-               tuple(jnp.zeros((batch_size, num_heads, head_dim), jnp.float32)
-                     for _ in range(num_layers)),
-               jnp.zeros((batch_size,), jnp.int32))
+    return cls(
+      tuple(
+        jnp.zeros((batch_size, num_heads, head_dim, head_dim), jnp.float32)
+        for _ in range(num_layers)
+      ),
+      tuple(jnp.zeros((batch_size, num_heads, head_dim), jnp.float32) for _ in range(num_layers)),
+      jnp.zeros((batch_size,), jnp.int32),
+    )
 
   def layer(self, i: int) -> LinearCache:
     """Layer ``i`` alone."""
@@ -199,8 +234,9 @@ class LinearCache:
 
   def joined(self, layers: list[LinearCache], t: int) -> LinearCache:
     """The stack's state from its layers' one-layer states, ``t`` tokens later."""
-    return self.replace(s=tuple(c.s[0] for c in layers), z=tuple(c.z[0] for c in layers),
-                        lengths=self.lengths + t)
+    return self.replace(
+      s=tuple(c.s[0] for c in layers), z=tuple(c.z[0] for c in layers), lengths=self.lengths + t
+    )
 
   def positions(self, t: int) -> jax.Array:
     """``[B, T]`` positions of T new tokens per row."""
@@ -208,8 +244,13 @@ class LinearCache:
 
   def take_rows(self, rows_R: jax.Array) -> LinearCache:
     """The state of batch rows ``rows`` (repeated or reordered beams)."""
+
     def pick(x):
       return jnp.take(x, rows_R, axis=0)
-    return self.replace(s=tuple(map(pick, self.s)), z=tuple(map(pick, self.z)),
-                        lengths=pick(self.lengths),
-                        new_valid=None if self.new_valid is None else pick(self.new_valid))
+
+    return self.replace(
+      s=tuple(map(pick, self.s)),
+      z=tuple(map(pick, self.z)),
+      lengths=pick(self.lengths),
+      new_valid=None if self.new_valid is None else pick(self.new_valid),
+    )

@@ -11,8 +11,13 @@ from flax import nnx
 Initializer = nnx.initializers.Initializer
 
 
-def param(rngs: nnx.Rngs, init: Initializer, shape: Sequence[int], axes: Sequence[str],
-          dtype: jnp.dtype = jnp.float32) -> nnx.Param:
+def param(
+  rngs: nnx.Rngs,
+  init: Initializer,
+  shape: Sequence[int],
+  axes: Sequence[str],
+  dtype: jnp.dtype = jnp.float32,
+) -> nnx.Param:
   """An ``nnx.Param`` initialised with ``init`` that carries the logical ``axes`` of its dimensions.
 
   Sharding is applied later, from the names, by ``transformer_jax.parallel`` (not eagerly here), so
@@ -20,8 +25,9 @@ def param(rngs: nnx.Rngs, init: Initializer, shape: Sequence[int], axes: Sequenc
   """
   if len(shape) != len(axes):
     raise ValueError(f"shape {tuple(shape)} and axes {tuple(axes)} differ in length")
-  return nnx.Param(init(rngs.params(), tuple(shape), dtype), out_sharding=tuple(axes),
-                   eager_sharding=False)
+  return nnx.Param(
+    init(rngs.params(), tuple(shape), dtype), out_sharding=tuple(axes), eager_sharding=False
+  )
 
 
 def split_key(key: jax.Array | None, n: int) -> list[jax.Array | None]:

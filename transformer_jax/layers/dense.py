@@ -25,16 +25,27 @@ class Projection(nnx.Module):
   (``transformer_jax.lora``) whose output is added; None in a plain model.
   """
 
-  def __init__(self, einsum: str, kernel_shape: Sequence[int], kernel_axes: Sequence[str], *,
-               bias_shape: Sequence[int] | None = None, bias_axes: Sequence[str] | None = None,
-               init_std: float, dtype: jnp.dtype, param_dtype: jnp.dtype, rngs: nnx.Rngs,
-               backend: backends.Backend | None = None):
+  def __init__(
+    self,
+    einsum: str,
+    kernel_shape: Sequence[int],
+    kernel_axes: Sequence[str],
+    *,
+    bias_shape: Sequence[int] | None = None,
+    bias_axes: Sequence[str] | None = None,
+    init_std: float,
+    dtype: jnp.dtype,
+    param_dtype: jnp.dtype,
+    rngs: nnx.Rngs,
+    backend: backends.Backend | None = None,
+  ):
     self.einsum = einsum
     self.dtype = dtype
     self.backend = backend or backends.current()
     self.kernel = param(rngs, normal(init_std), kernel_shape, kernel_axes, param_dtype)
-    self.bias = (param(rngs, zeros, bias_shape, bias_axes, param_dtype)
-                 if bias_shape is not None else None)
+    self.bias = (
+      param(rngs, zeros, bias_shape, bias_axes, param_dtype) if bias_shape is not None else None
+    )
     self.lora = nnx.data(None)
 
   def contracted_dims(self) -> int:
@@ -46,10 +57,13 @@ class Projection(nnx.Module):
     """
     x_letters, k_letters, out_letters = einsum_dims(self.einsum)
     n_in = sum(1 for c in k_letters if c in x_letters)
-    if (k_letters[:n_in] != x_letters[len(x_letters) - n_in:]
-        or out_letters != x_letters[:len(x_letters) - n_in] + k_letters[n_in:]):
-      raise ValueError(f"projection {self.einsum!r}: contracted dims must lead its kernel and "
-                       "close x")
+    if (
+      k_letters[:n_in] != x_letters[len(x_letters) - n_in :]
+      or out_letters != x_letters[: len(x_letters) - n_in] + k_letters[n_in:]
+    ):
+      raise ValueError(
+        f"projection {self.einsum!r}: contracted dims must lead its kernel and close x"
+      )
     return n_in
 
   def __call__(self, x: jax.Array, *, merged: bool = False) -> jax.Array:
@@ -57,12 +71,18 @@ class Projection(nnx.Module):
 
     ``merged``: the contracted dims as one (the same numbers; ``Backend.project``).
     """
-    y = self.backend.project(x, self.kernel, self.bias, einsum=self.einsum,
-                             n_in=self.contracted_dims(), dtype=self.dtype, merged=merged)
+    y = self.backend.project(
+      x,
+      self.kernel,
+      self.bias,
+      einsum=self.einsum,
+      n_in=self.contracted_dims(),
+      dtype=self.dtype,
+      merged=merged,
+    )
     if self.lora is not None:
       y = y + self.lora(x.astype(self.dtype)).astype(y.dtype)
     return y
-
 
 
 def to_decode_layout(module: nnx.Module, backend: backends.Backend) -> None:
@@ -80,10 +100,18 @@ class Embed(nnx.Module):
   """A lookup table ``[V, D]``; ``attend`` reuses it as the (tied) output projection, the
   ``backend``'s vocabulary head (default ``backends.current()``)."""
 
-  def __init__(self, num_embeddings: int, features: int, *, init_std: float, dtype: jnp.dtype,
-               param_dtype: jnp.dtype, rngs: nnx.Rngs,
-               axes: tuple[str, str] = (ax.VOCAB, ax.EMBED),
-               backend: backends.Backend | None = None):
+  def __init__(
+    self,
+    num_embeddings: int,
+    features: int,
+    *,
+    init_std: float,
+    dtype: jnp.dtype,
+    param_dtype: jnp.dtype,
+    rngs: nnx.Rngs,
+    axes: tuple[str, str] = (ax.VOCAB, ax.EMBED),
+    backend: backends.Backend | None = None,
+  ):
     self.dtype = dtype
     self.backend = backend or backends.current()
     self.embedding = param(rngs, normal(init_std), (num_embeddings, features), axes, param_dtype)
@@ -101,8 +129,15 @@ class Embed(nnx.Module):
 class Norm(nnx.Module):
   """LayerNorm (scale and bias) or RMSNorm (scale only), statistics in float32."""
 
-  def __init__(self, features: int, *, kind: Literal["layernorm", "rmsnorm"], eps: float,
-               param_dtype: jnp.dtype, rngs: nnx.Rngs):
+  def __init__(
+    self,
+    features: int,
+    *,
+    kind: Literal["layernorm", "rmsnorm"],
+    eps: float,
+    param_dtype: jnp.dtype,
+    rngs: nnx.Rngs,
+  ):
     match kind:
       case "layernorm" | "rmsnorm":
         pass
@@ -111,8 +146,9 @@ class Norm(nnx.Module):
     self.kind = kind
     self.eps = eps
     self.scale = param(rngs, ones, (features,), (ax.EMBED,), param_dtype)
-    self.bias = (param(rngs, zeros, (features,), (ax.EMBED,), param_dtype)
-                 if kind == "layernorm" else None)
+    self.bias = (
+      param(rngs, zeros, (features,), (ax.EMBED,), param_dtype) if kind == "layernorm" else None
+    )
 
   def __call__(self, x: jax.Array) -> jax.Array:
     if self.kind == "layernorm":
@@ -128,12 +164,23 @@ class RelativePositionBias(nnx.Module):
   argument of the kernel, so its gradient flows.
   """
 
-  def __init__(self, num_heads: int, *, num_buckets: int, max_distance: int, bidirectional: bool,
-               init_std: float, param_dtype: jnp.dtype, rngs: nnx.Rngs):
-    self.bias_fn = ops.RelativeBias(num_buckets=num_buckets, max_distance=max_distance,
-                                    bidirectional=bidirectional)
-    self.embedding = param(rngs, normal(init_std), (num_buckets, num_heads),
-                           (ax.BUCKETS, ax.HEADS), param_dtype)
+  def __init__(
+    self,
+    num_heads: int,
+    *,
+    num_buckets: int,
+    max_distance: int,
+    bidirectional: bool,
+    init_std: float,
+    param_dtype: jnp.dtype,
+    rngs: nnx.Rngs,
+  ):
+    self.bias_fn = ops.RelativeBias(
+      num_buckets=num_buckets, max_distance=max_distance, bidirectional=bidirectional
+    )
+    self.embedding = param(
+      rngs, normal(init_std), (num_buckets, num_heads), (ax.BUCKETS, ax.HEADS), param_dtype
+    )
 
   def table(self) -> jax.Array:
     """The bias table ``[U, N]`` (U buckets), ``bias_params`` of ``bias_fn``."""

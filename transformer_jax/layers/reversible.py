@@ -44,8 +44,16 @@ def _slice(a, j):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _run(fs: tuple[Branch, ...], gs: tuple[Branch, ...], matmul_precision, params, x1, x2,
-         shared, per_layer):
+def _run(
+  fs: tuple[Branch, ...],
+  gs: tuple[Branch, ...],
+  matmul_precision,
+  params,
+  x1,
+  x2,
+  shared,
+  per_layer,
+):
   def body(carry, step):
     x1, x2 = carry
     ps, a = step
@@ -53,6 +61,7 @@ def _run(fs: tuple[Branch, ...], gs: tuple[Branch, ...], matmul_precision, param
       x1 = x1 + f(ps[j], x2, shared, _slice(a, j))
       x2 = x2 + g(ps[j], x1, shared, _slice(a, j))
     return (x1, x2), None
+
   return jax.lax.scan(body, (x1, x2), (params, per_layer))[0]
 
 
@@ -81,19 +90,27 @@ def _run_bwd(fs, gs, matmul_precision, res, cotangents):
       dps[j] = _tree_add(dp_f, dp_g)
     return (y1, y2, dy1, dy2), tuple(dps)
 
-  with jax.default_matmul_precision(matmul_precision):   # the forward's (ops/precision.py)
-    (_, _, dx1, dx2), dparams = jax.lax.scan(body, (y1, y2, dy1, dy2), (params, per_layer),
-                                             reverse=True)
+  with jax.default_matmul_precision(matmul_precision):  # the forward's (ops/precision.py)
+    (_, _, dx1, dx2), dparams = jax.lax.scan(
+      body, (y1, y2, dy1, dy2), (params, per_layer), reverse=True
+    )
   return dparams, dx1, dx2, None, None
 
 
 _run.defvjp(_run_fwd, _run_bwd)
 
 
-def reversible_layers(f: Branch | tuple[Branch, ...], g: Branch | tuple[Branch, ...],
-                      params: Any, x1: jax.Array, x2: jax.Array, *, shared: Any = None,
-                      per_layer: Any = None, recompute: bool = True
-                      ) -> tuple[jax.Array, jax.Array]:
+def reversible_layers(
+  f: Branch | tuple[Branch, ...],
+  g: Branch | tuple[Branch, ...],
+  params: Any,
+  x1: jax.Array,
+  x2: jax.Array,
+  *,
+  shared: Any = None,
+  per_layer: Any = None,
+  recompute: bool = True,
+) -> tuple[jax.Array, jax.Array]:
   """L reversible layers ``y1 = x1 + f(x2)``, ``y2 = x2 + g(y1)`` with recomputing gradients.
 
   Args:
@@ -124,11 +141,20 @@ def reversible_layers(f: Branch | tuple[Branch, ...], g: Branch | tuple[Branch, 
 
 def _block_kwargs(kw: dict) -> dict:
   """The self-attention mask parts a block takes (``Block.__call__``)."""
-  unknown = set(kw) - {"positions", "causal", "kv_valid", "segment_ids", "window", "bias_fn",
-                       "bias_params"}
+  unknown = set(kw) - {
+    "positions",
+    "causal",
+    "kv_valid",
+    "segment_ids",
+    "window",
+    "bias_fn",
+    "bias_params",
+  }
   if unknown:
-    raise ValueError(f"reversible blocks take no {', '.join(sorted(unknown))} (self-attention "
-                     "blocks without cross-attention)")
+    raise ValueError(
+      f"reversible blocks take no {', '.join(sorted(unknown))} (self-attention "
+      "blocks without cross-attention)"
+    )
   return kw
 
 
@@ -136,8 +162,9 @@ def _attention_branch(graphdef, p, x, shared, key, *, static):
   block: Block = nnx.merge(graphdef, p)
   r_attn, r_attn_w = split_key(key, 2)
   kw = {**static, **shared}
-  out, _ = block.attn(block.attn_norm(x), dropout_rate=block.cfg.attention_dropout_rate,
-                      dropout_rng=r_attn_w, **kw)
+  out, _ = block.attn(
+    block.attn_norm(x), dropout_rate=block.cfg.attention_dropout_rate, dropout_rng=r_attn_w, **kw
+  )
   return ops.dropout(out, block.cfg.dropout_rate, r_attn)
 
 
@@ -145,8 +172,7 @@ def _mlp_branch(graphdef, p, x, shared, key, *, static):
   del shared, static
   block: Block = nnx.merge(graphdef, p)
   r_mlp, r_mlp_in = split_key(None if key is None else jax.random.fold_in(key, 1), 2)
-  out = block.mlp(block.mlp_norm(x), dropout_rate=block.cfg.ffn_dropout_rate,
-                  dropout_rng=r_mlp_in)
+  out = block.mlp(block.mlp_norm(x), dropout_rate=block.cfg.ffn_dropout_rate, dropout_rng=r_mlp_in)
   return ops.dropout(out, block.cfg.dropout_rate, r_mlp)
 
 
@@ -161,12 +187,21 @@ def check_blocks(cfg) -> None:
   """Raises ``ValueError`` unless blocks of ``cfg`` (a ``BlockConfig``) can run reversibly:
   pre-norm, no cross-attention."""
   if not cfg.pre_norm or cfg.cross_attention:
-    raise ValueError("reversible layers need pre-norm blocks without cross-attention "
-                     f"(pre_norm={cfg.pre_norm}, cross_attention={cfg.cross_attention})")
+    raise ValueError(
+      "reversible layers need pre-norm blocks without cross-attention "
+      f"(pre_norm={cfg.pre_norm}, cross_attention={cfg.cross_attention})"
+    )
 
 
-def run_blocks(layers: Block, x_BTD: jax.Array, *, dropout_rng: jax.Array | None,
-               num_layers: int, recompute: bool = True, **block_kwargs) -> jax.Array:
+def run_blocks(
+  layers: Block,
+  x_BTD: jax.Array,
+  *,
+  dropout_rng: jax.Array | None,
+  num_layers: int,
+  recompute: bool = True,
+  **block_kwargs,
+) -> jax.Array:
   """The stacked ``layers`` (an ``nnx.vmap``-ed ``Block``) on ``x`` as reversible layers; the
   output is the mean of the two streams (``recompute`` as in ``reversible_layers``)."""
   check_blocks(layers.cfg)
@@ -177,8 +212,9 @@ def run_blocks(layers: Block, x_BTD: jax.Array, *, dropout_rng: jax.Array | None
   keys = None if dropout_rng is None else jax.random.split(dropout_rng, num_layers)
   f = functools.partial(_attention_branch, graphdef, static=static)
   g = functools.partial(_mlp_branch, graphdef, static=static)
-  y1, y2 = reversible_layers(f, g, params, x_BTD, x_BTD, shared=shared, per_layer=keys,
-                             recompute=recompute)
+  y1, y2 = reversible_layers(
+    f, g, params, x_BTD, x_BTD, shared=shared, per_layer=keys, recompute=recompute
+  )
   return (y1 + y2) * jnp.asarray(0.5, y1.dtype)
 
 

@@ -35,8 +35,8 @@ from transformer_jax.parallel.rules import ACTIVATION_BTD, constrain
 LayerType = Literal["mamba", "attention"]
 
 _REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+  "full": jax.checkpoint_policies.nothing_saveable,
+  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 
 
@@ -45,14 +45,14 @@ class MambaKind:
   """A Mamba mixer's options; each model builds one from its config."""
 
   version: Literal[1, 2]
-  d_model: int                        # D
-  d_inner: int                        # E = expand * D
-  d_state: int                        # S
-  d_conv: int                         # W
-  dt_rank: int = 1                    # Mamba-1: R, the time step's low-rank projection
-  head_dim: int = 64                  # Mamba-2: H; heads N = E // H
-  groups: int = 1                     # Mamba-2: G groups of B and C (and of the gated norm)
-  chunk_size: int = 64                # positions per chunk of the training scan
+  d_model: int  # D
+  d_inner: int  # E = expand * D
+  d_state: int  # S
+  d_conv: int  # W
+  dt_rank: int = 1  # Mamba-1: R, the time step's low-rank projection
+  head_dim: int = 64  # Mamba-2: H; heads N = E // H
+  groups: int = 1  # Mamba-2: G groups of B and C (and of the gated norm)
+  chunk_size: int = 64  # positions per chunk of the training scan
   # Mamba-1's scan inside a chunk: "associative", "sequential", or "auto" (the platform's choice,
   # ops.ssm.choose_scan_method).
   scan_method: str = "auto"
@@ -60,12 +60,12 @@ class MambaKind:
   # or "auto" (ops.ssm_pallas.choose_ssd_implementation).
   ssd_impl: str = "auto"
   time_step_limit: tuple[float, float] = (0.0, math.inf)  # Mamba-2: dt clamped to it
-  time_step_min: float = 1e-3         # initial dt drawn log-uniformly in [min, max], >= floor
+  time_step_min: float = 1e-3  # initial dt drawn log-uniformly in [min, max], >= floor
   time_step_max: float = 0.1
   time_step_floor: float = 1e-4
   conv_bias: bool = True
-  use_bias: bool = False              # biases on in_proj and out_proj
-  norm_eps: float = 1e-5              # Mamba-2's gated norm
+  use_bias: bool = False  # biases on in_proj and out_proj
+  norm_eps: float = 1e-5  # Mamba-2's gated norm
   init_std: float = 0.02
   out_init_std: float = 0.02
   dtype: str = "float32"
@@ -83,8 +83,11 @@ class MambaKind:
 
   def state_shapes(self, batch: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The decoding state's shapes: ``(conv [B, W - 1, C], ssm [B, E, S] or [B, N, H, S])``."""
-    ssm = ((batch, self.d_inner, self.d_state) if self.version == 1
-           else (batch, self.num_heads, self.head_dim, self.d_state))
+    ssm = (
+      (batch, self.d_inner, self.d_state)
+      if self.version == 1
+      else (batch, self.num_heads, self.head_dim, self.d_state)
+    )
     return (batch, self.d_conv - 1, self.conv_channels), ssm
 
 
@@ -97,26 +100,30 @@ def _uniform(bound: float):
 
 def _dt_bias(kind: MambaKind):
   """Softplus^-1 of time steps drawn log-uniformly in ``[time_step_min, time_step_max]``."""
+
   def init(key, shape, dtype):
     lo, hi = math.log(kind.time_step_min), math.log(kind.time_step_max)
     dt = jnp.exp(jax.random.uniform(key, shape, jnp.float32) * (hi - lo) + lo)
     dt = jnp.maximum(dt, kind.time_step_floor)
     return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
+
   return init
 
 
 def _a_log(key, shape, dtype):
   """``log(1 .. S)`` along the last axis (``A = -exp(A_log)``: S4D-real's ``-(n + 1)``)."""
   del key
-  return jnp.broadcast_to(jnp.log(jnp.arange(1, shape[-1] + 1, dtype=jnp.float32)),
-                          shape).astype(dtype)
+  return jnp.broadcast_to(jnp.log(jnp.arange(1, shape[-1] + 1, dtype=jnp.float32)), shape).astype(
+    dtype
+  )
 
 
 class GatedRMSNorm(nnx.Module):
   """Mamba-2's ``rmsnorm(y * silu(z))`` over groups of channels (``ops.gated_rms_norm``)."""
 
-  def __init__(self, features: int, *, groups: int, eps: float, param_dtype: jnp.dtype,
-               rngs: nnx.Rngs):
+  def __init__(
+    self, features: int, *, groups: int, eps: float, param_dtype: jnp.dtype, rngs: nnx.Rngs
+  ):
     self.groups = groups
     self.eps = eps
     self.scale = param(rngs, ones, (features,), (ax.SSM_INNER,), param_dtype)
@@ -146,30 +153,48 @@ class MambaMixer(nnx.Module):
     d, e, s, w = k.d_model, k.d_inner, k.d_state, k.d_conv
     c = k.conv_channels
     if k.version == 1:
-      self.in_proj = Projection("BTD,DZE->BTZE", (d, 2, e), (ax.EMBED, ax.SSM_PROJ, ax.SSM_INNER),
-                                bias_shape=(2, e) if k.use_bias else None,
-                                bias_axes=(ax.SSM_PROJ, ax.SSM_INNER), init_std=k.init_std,
-                                **common)
+      self.in_proj = Projection(
+        "BTD,DZE->BTZE",
+        (d, 2, e),
+        (ax.EMBED, ax.SSM_PROJ, ax.SSM_INNER),
+        bias_shape=(2, e) if k.use_bias else None,
+        bias_axes=(ax.SSM_PROJ, ax.SSM_INNER),
+        init_std=k.init_std,
+        **common,
+      )
       conv_axis = ax.SSM_INNER
     else:
       n, g = k.num_heads, k.groups
-      self.in_proj = Projection("BTD,DP->BTP", (d, 2 * e + 2 * g * s + n), (ax.EMBED, ax.SSM_PROJ),
-                                bias_shape=(2 * e + 2 * g * s + n,) if k.use_bias else None,
-                                bias_axes=(ax.SSM_PROJ,), init_std=k.init_std, **common)
+      self.in_proj = Projection(
+        "BTD,DP->BTP",
+        (d, 2 * e + 2 * g * s + n),
+        (ax.EMBED, ax.SSM_PROJ),
+        bias_shape=(2 * e + 2 * g * s + n,) if k.use_bias else None,
+        bias_axes=(ax.SSM_PROJ,),
+        init_std=k.init_std,
+        **common,
+      )
       conv_axis = ax.SSM_PROJ
     self.conv_kernel = param(rngs, _uniform(w**-0.5), (w, c), (ax.CONV, conv_axis), param_dtype)
-    self.conv_bias = (param(rngs, zeros, (c,), (conv_axis,), param_dtype) if k.conv_bias
-                      else None)
+    self.conv_bias = param(rngs, zeros, (c,), (conv_axis,), param_dtype) if k.conv_bias else None
     if k.version == 1:
       r = k.dt_rank
-      self.x_proj = Projection("BTE,EP->BTP", (e, r + 2 * s), (ax.SSM_INNER, ax.SSM_PROJ),
-                               init_std=k.init_std, **common)
-      self.dt_proj = Projection("BTR,RE->BTE", (r, e), (ax.SSM_RANK, ax.SSM_INNER),
-                                bias_shape=(e,), bias_axes=(ax.SSM_INNER,), init_std=k.init_std,
-                                **common)
+      self.x_proj = Projection(
+        "BTE,EP->BTP", (e, r + 2 * s), (ax.SSM_INNER, ax.SSM_PROJ), init_std=k.init_std, **common
+      )
+      self.dt_proj = Projection(
+        "BTR,RE->BTE",
+        (r, e),
+        (ax.SSM_RANK, ax.SSM_INNER),
+        bias_shape=(e,),
+        bias_axes=(ax.SSM_INNER,),
+        init_std=k.init_std,
+        **common,
+      )
       # The time step's projection starts at +-R^-0.5 and its bias at softplus^-1(dt).
-      self.dt_proj.kernel = param(rngs, _uniform(r**-0.5), (r, e), (ax.SSM_RANK, ax.SSM_INNER),
-                                  param_dtype)
+      self.dt_proj.kernel = param(
+        rngs, _uniform(r**-0.5), (r, e), (ax.SSM_RANK, ax.SSM_INNER), param_dtype
+      )
       self.dt_proj.bias = param(rngs, _dt_bias(k), (e,), (ax.SSM_INNER,), param_dtype)
       self.A_log = param(rngs, _a_log, (e, s), (ax.SSM_INNER, ax.SSM_STATE), param_dtype)
       self.D = param(rngs, ones, (e,), (ax.SSM_INNER,), param_dtype)
@@ -180,15 +205,27 @@ class MambaMixer(nnx.Module):
       self.dt_bias = param(rngs, _dt_bias(k), (n,), (ax.SSM_HEADS,), param_dtype)
       self.A_log = param(rngs, _a_log, (n,), (ax.SSM_HEADS,), param_dtype)
       self.D = param(rngs, ones, (n,), (ax.SSM_HEADS,), param_dtype)
-      self.norm = GatedRMSNorm(e, groups=k.groups, eps=k.norm_eps, param_dtype=param_dtype,
-                               rngs=rngs)
-    self.out_proj = Projection("BTE,ED->BTD", (e, d), (ax.SSM_INNER, ax.EMBED),
-                               bias_shape=(d,) if k.use_bias else None, bias_axes=(ax.EMBED,),
-                               init_std=k.out_init_std, **common)
+      self.norm = GatedRMSNorm(
+        e, groups=k.groups, eps=k.norm_eps, param_dtype=param_dtype, rngs=rngs
+      )
+    self.out_proj = Projection(
+      "BTE,ED->BTD",
+      (e, d),
+      (ax.SSM_INNER, ax.EMBED),
+      bias_shape=(d,) if k.use_bias else None,
+      bias_axes=(ax.EMBED,),
+      init_std=k.out_init_std,
+      **common,
+    )
 
-  def __call__(self, u_BTD: jax.Array, *, valid: jax.Array | None = None,
-               segment_ids: jax.Array | None = None, state: ops.SSMState | None = None
-               ) -> tuple[jax.Array, ops.SSMState | None]:
+  def __call__(
+    self,
+    u_BTD: jax.Array,
+    *,
+    valid: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    state: ops.SSMState | None = None,
+  ) -> tuple[jax.Array, ops.SSMState | None]:
     """The mixer on ``u [B, T, D]``.
 
     Args:
@@ -211,36 +248,51 @@ class MambaMixer(nnx.Module):
       x_BTE, z_BTE = proj[:, :, 0], proj[:, :, 1]
     else:
       e, c = k.d_inner, k.conv_channels
-      z_BTE, xbc_BTC, dt_BTN = proj[..., :e], proj[..., e:e + c], proj[..., e + c:]
+      z_BTE, xbc_BTC, dt_BTN = proj[..., :e], proj[..., e : e + c], proj[..., e + c :]
       x_BTE = xbc_BTC
 
     if step:
       xc, conv_state = ops.causal_conv1d_step(state.conv, x_BTE[:, 0], w, bias)
       xc = xc[:, None]
     elif state is not None:
-      xc, conv_state = ops.causal_conv1d(x_BTE, w, bias, state_BWC=state.conv, valid=valid,
-                                         segment_ids=segment_ids, return_state=True)
+      xc, conv_state = ops.causal_conv1d(
+        x_BTE,
+        w,
+        bias,
+        state_BWC=state.conv,
+        valid=valid,
+        segment_ids=segment_ids,
+        return_state=True,
+      )
     else:
-      xc, conv_state = ops.causal_conv1d(x_BTE, w, bias, valid=valid,
-                                         segment_ids=segment_ids), None
+      xc, conv_state = ops.causal_conv1d(x_BTE, w, bias, valid=valid, segment_ids=segment_ids), None
     xc = jax.nn.silu(xc.astype(jnp.float32)).astype(xc.dtype)
     A = -jnp.exp(self.A_log[...].astype(jnp.float32))
     D = self.D[...]
-    scan_kw = dict(chunk_size=k.chunk_size, initial_state=None if state is None else state.ssm,
-                   return_state=state is not None, valid=valid, segment_ids=segment_ids)
+    scan_kw = dict(
+      chunk_size=k.chunk_size,
+      initial_state=None if state is None else state.ssm,
+      return_state=state is not None,
+      valid=valid,
+      segment_ids=segment_ids,
+    )
 
     if k.version == 1:
       r, s = k.dt_rank, k.d_state
       dbc = self.x_proj(xc)
       dt_BTE = jax.nn.softplus(self.dt_proj(dbc[..., :r]).astype(jnp.float32))
-      B_BTS, C_BTS = dbc[..., r:r + s], dbc[..., r + s:]
+      B_BTS, C_BTS = dbc[..., r : r + s], dbc[..., r + s :]
       if step:
-        y, h = ops.selective_scan_step(state.ssm, xc[:, 0], dt_BTE[:, 0], A, B_BTS[:, 0],
-                                       C_BTS[:, 0], D)
+        y, h = ops.selective_scan_step(
+          state.ssm, xc[:, 0], dt_BTE[:, 0], A, B_BTS[:, 0], C_BTS[:, 0], D
+        )
         out = (y[:, None], h)
       else:
-        method = (ssm_ops.choose_scan_method(self.backend.platform)
-                  if k.scan_method == "auto" else k.scan_method)
+        method = (
+          ssm_ops.choose_scan_method(self.backend.platform)
+          if k.scan_method == "auto"
+          else k.scan_method
+        )
         out = ops.selective_scan(xc, dt_BTE, A, B_BTS, C_BTS, D, method=method, **scan_kw)
       y_BTE, h = out if state is not None else (out, None)
       y_BTE = y_BTE * jax.nn.silu(z_BTE.astype(jnp.float32))
@@ -248,25 +300,43 @@ class MambaMixer(nnx.Module):
       b, t = u_BTD.shape[:2]
       e, g, s, n, hd = k.d_inner, k.groups, k.d_state, k.num_heads, k.head_dim
       x_BTNH = xc[..., :e].reshape(b, t, n, hd)
-      B_BTGS = xc[..., e:e + g * s].reshape(b, t, g, s)
-      C_BTGS = xc[..., e + g * s:].reshape(b, t, g, s)
+      B_BTGS = xc[..., e : e + g * s].reshape(b, t, g, s)
+      C_BTGS = xc[..., e + g * s :].reshape(b, t, g, s)
       dt_BTN = jax.nn.softplus(dt_BTN.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
       if step:
-        y, h = ops.ssd_step(state.ssm, x_BTNH[:, 0], dt_BTN[:, 0], A, B_BTGS[:, 0],
-                            C_BTGS[:, 0], D, time_step_limit=k.time_step_limit)
+        y, h = ops.ssd_step(
+          state.ssm,
+          x_BTNH[:, 0],
+          dt_BTN[:, 0],
+          A,
+          B_BTGS[:, 0],
+          C_BTGS[:, 0],
+          D,
+          time_step_limit=k.time_step_limit,
+        )
         out = (y[:, None], h)
       else:
         platform = self.backend.platform
-        impl = (ssm_pallas.choose_ssd_implementation(platform) if k.ssd_impl == "auto"
-                else k.ssd_impl)
+        impl = (
+          ssm_pallas.choose_ssd_implementation(platform) if k.ssd_impl == "auto" else k.ssd_impl
+        )
         match impl:
           case "xla":
-            out = ops.ssd(x_BTNH, dt_BTN, A, B_BTGS, C_BTGS, D,
-                          time_step_limit=k.time_step_limit, **scan_kw)
+            out = ops.ssd(
+              x_BTNH, dt_BTN, A, B_BTGS, C_BTGS, D, time_step_limit=k.time_step_limit, **scan_kw
+            )
           case "pallas":
-            out = ssm_pallas.ssd(x_BTNH, dt_BTN, A, B_BTGS, C_BTGS, D,
-                                 time_step_limit=k.time_step_limit,
-                                 interpret=platform != "tpu", **scan_kw)
+            out = ssm_pallas.ssd(
+              x_BTNH,
+              dt_BTN,
+              A,
+              B_BTGS,
+              C_BTGS,
+              D,
+              time_step_limit=k.time_step_limit,
+              interpret=platform != "tpu",
+              **scan_kw,
+            )
           case _:
             raise ValueError(f"ssd implementation {impl!r} must be 'xla' or 'pallas'")
       y, h = out if state is not None else (out, None)
@@ -285,18 +355,18 @@ class MixerBlockConfig:
   d_model: int
   norm_eps: float
   mamba: MambaKind
-  residual_in_fp32: bool = True       # the residual stream in float32 whatever the compute dtype
+  residual_in_fp32: bool = True  # the residual stream in float32 whatever the compute dtype
   # Attention layers of a hybrid.
   num_heads: int = 1
   num_kv_heads: int = 1
   head_dim: int = 1
-  rope_theta: float | None = None     # None: no positions (Jamba: the Mamba layers carry order)
+  rope_theta: float | None = None  # None: no positions (Jamba: the Mamba layers carry order)
   attention_impl: ops.Implementation | None = None
   # Every block's MLP when d_ff > 0.
   d_ff: int = 0
   activation: ops.Activation = "silu"
   gated: bool = True
-  dropout_rate: float = 0.0           # on each residual branch
+  dropout_rate: float = 0.0  # on each residual branch
   init_std: float = 0.02
   out_init_std: float = 0.02
   dtype: str = "float32"
@@ -307,8 +377,15 @@ class MixerBlock(nnx.Module):
   """``x + mixer(rmsnorm x)`` (a Mamba mixer or self-attention), then ``x + mlp(rmsnorm x)`` when
   the config has ``d_ff > 0``."""
 
-  def __init__(self, cfg: MixerBlockConfig, layer_type: LayerType, *, rngs: nnx.Rngs,
-               mesh: Mesh | None = None, backend: backends.Backend | None = None):
+  def __init__(
+    self,
+    cfg: MixerBlockConfig,
+    layer_type: LayerType,
+    *,
+    rngs: nnx.Rngs,
+    mesh: Mesh | None = None,
+    backend: backends.Backend | None = None,
+  ):
     """``mesh``: where the block runs; ``backend``: its kernels (default ``backends.current()``)."""
     self.cfg = cfg
     self.layer_type = layer_type
@@ -320,24 +397,52 @@ class MixerBlock(nnx.Module):
       case "mamba":
         self.mixer = MambaMixer(cfg.mamba, rngs=rngs, backend=backend)
       case "attention":
-        self.mixer = Attention(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                               use_bias=False, init_std=cfg.init_std,
-                               out_init_std=cfg.out_init_std, dtype=dtype,
-                               param_dtype=param_dtype, rngs=rngs, rope_theta=cfg.rope_theta,
-                               implementation=cfg.attention_impl, mesh=mesh, backend=backend)
+        self.mixer = Attention(
+          cfg.d_model,
+          cfg.num_heads,
+          cfg.num_kv_heads,
+          cfg.head_dim,
+          use_bias=False,
+          init_std=cfg.init_std,
+          out_init_std=cfg.out_init_std,
+          dtype=dtype,
+          param_dtype=param_dtype,
+          rngs=rngs,
+          rope_theta=cfg.rope_theta,
+          implementation=cfg.attention_impl,
+          mesh=mesh,
+          backend=backend,
+        )
       case _:
         raise ValueError(f"layer type {layer_type!r} must be 'mamba' or 'attention'")
     if cfg.d_ff:
       self.mlp_norm = Norm(cfg.d_model, **norm)
-      self.mlp = MLP(cfg.d_model, cfg.d_ff, activation=cfg.activation, gated=cfg.gated,
-                     use_bias=False, init_std=cfg.init_std, out_init_std=cfg.out_init_std,
-                     dtype=dtype, param_dtype=param_dtype, rngs=rngs, backend=backend)
+      self.mlp = MLP(
+        cfg.d_model,
+        cfg.d_ff,
+        activation=cfg.activation,
+        gated=cfg.gated,
+        use_bias=False,
+        init_std=cfg.init_std,
+        out_init_std=cfg.out_init_std,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        rngs=rngs,
+        backend=backend,
+      )
     else:
       self.mlp_norm = self.mlp = None
 
-  def __call__(self, x_BTD: jax.Array, *, valid: jax.Array | None = None,
-               segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-               dropout_rng: jax.Array | None = None, cache=None):
+  def __call__(
+    self,
+    x_BTD: jax.Array,
+    *,
+    valid: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    dropout_rng: jax.Array | None = None,
+    cache=None,
+  ):
     """The block on ``x [B, T, D]``.
 
     Args:
@@ -358,13 +463,19 @@ class MixerBlock(nnx.Module):
     if self.layer_type == "mamba":
       out, cache = self.mixer(h, valid=valid, segment_ids=segment_ids, state=cache)
     else:
-      out, cache = self.mixer(h, positions=positions, causal=True,
-                              kv_valid=None if cache is not None else valid,
-                              segment_ids=segment_ids, cache=cache)
+      out, cache = self.mixer(
+        h,
+        positions=positions,
+        causal=True,
+        kv_valid=None if cache is not None else valid,
+        segment_ids=segment_ids,
+        cache=cache,
+      )
     x_BTD = x_BTD + ops.dropout(out, cfg.dropout_rate, r_mix).astype(x_BTD.dtype)
     if self.mlp is not None:
-      x_BTD = x_BTD + ops.dropout(self.mlp(self.mlp_norm(x_BTD)), cfg.dropout_rate,
-                                  r_mlp).astype(x_BTD.dtype)
+      x_BTD = x_BTD + ops.dropout(self.mlp(self.mlp_norm(x_BTD)), cfg.dropout_rate, r_mlp).astype(
+        x_BTD.dtype
+      )
     return x_BTD, cache
 
 
@@ -375,22 +486,26 @@ class SSMCache:
   attention layers keep a ``KVCache``. The same interface as ``KVCache`` where decoding uses it
   (``lengths``, ``new_valid``, ``positions``, ``take_rows``)."""
 
-  conv: tuple[jax.Array, ...]         # per Mamba layer [B, W - 1, C] float32
-  ssm: tuple[jax.Array, ...]          # per Mamba layer [B, E, S] or [B, N, H, S] float32
-  lengths: jax.Array                  # [B] int32 tokens seen per row
-  kv: KVCache | None = None           # the attention layers of a hybrid (its lengths unused)
+  conv: tuple[jax.Array, ...]  # per Mamba layer [B, W - 1, C] float32
+  ssm: tuple[jax.Array, ...]  # per Mamba layer [B, E, S] or [B, N, H, S] float32
+  lengths: jax.Array  # [B] int32 tokens seen per row
+  kv: KVCache | None = None  # the attention layers of a hybrid (its lengths unused)
   # [B] how many of the tokens being written are real (right padding after them).
   new_valid: jax.Array | None = None
-  cross = None                        # no encoder side
+  cross = None  # no encoder side
 
   @classmethod
-  def zeros(cls, kind: MambaKind, num_mamba: int, batch_size: int,
-            kv: KVCache | None = None) -> SSMCache:
+  def zeros(
+    cls, kind: MambaKind, num_mamba: int, batch_size: int, kv: KVCache | None = None
+  ) -> SSMCache:
     """An empty state for ``num_mamba`` Mamba layers of ``kind`` (and a hybrid's ``kv``)."""
     conv, ssm = kind.state_shapes(batch_size)
-    return cls(tuple(jnp.zeros(conv, jnp.float32) for _ in range(num_mamba)),
-               tuple(jnp.zeros(ssm, jnp.float32) for _ in range(num_mamba)),
-               jnp.zeros((batch_size,), jnp.int32), kv)
+    return cls(
+      tuple(jnp.zeros(conv, jnp.float32) for _ in range(num_mamba)),
+      tuple(jnp.zeros(ssm, jnp.float32) for _ in range(num_mamba)),
+      jnp.zeros((batch_size,), jnp.int32),
+      kv,
+    )
 
   def positions(self, t: int) -> jax.Array:
     """``[B, T]`` positions of T new tokens per row."""
@@ -399,10 +514,13 @@ class SSMCache:
   def take_rows(self, rows_R: jax.Array) -> SSMCache:
     """The state of batch rows ``rows`` (repeated or reordered beams)."""
     pick = lambda x: jnp.take(x, rows_R, axis=0)  # noqa: E731
-    return self.replace(conv=tuple(map(pick, self.conv)), ssm=tuple(map(pick, self.ssm)),
-                        lengths=pick(self.lengths),
-                        kv=None if self.kv is None else self.kv.take_rows(rows_R),
-                        new_valid=None if self.new_valid is None else pick(self.new_valid))
+    return self.replace(
+      conv=tuple(map(pick, self.conv)),
+      ssm=tuple(map(pick, self.ssm)),
+      lengths=pick(self.lengths),
+      kv=None if self.kv is None else self.kv.take_rows(rows_R),
+      new_valid=None if self.new_valid is None else pick(self.new_valid),
+    )
 
 
 class MixerStack(nnx.Module):
@@ -413,12 +531,21 @@ class MixerStack(nnx.Module):
   runs its layers one after another (each reads its slice of its kind's stacked parameters).
   """
 
-  def __init__(self, cfg: MixerBlockConfig, layer_types: tuple[LayerType, ...], *,
-               remat: str = "none", unroll: bool = False, rngs: nnx.Rngs,
-               mesh: Mesh | None = None, backend: backends.Backend | None = None):
+  def __init__(
+    self,
+    cfg: MixerBlockConfig,
+    layer_types: tuple[LayerType, ...],
+    *,
+    remat: str = "none",
+    unroll: bool = False,
+    rngs: nnx.Rngs,
+    mesh: Mesh | None = None,
+    backend: backends.Backend | None = None,
+  ):
     if remat != "none" and remat not in _REMAT_POLICIES:
-      raise ValueError(f"remat={remat!r} must be one of 'none', "
-                       f"{', '.join(map(repr, _REMAT_POLICIES))}")
+      raise ValueError(
+        f"remat={remat!r} must be one of 'none', {', '.join(map(repr, _REMAT_POLICIES))}"
+      )
     self.layer_types = tuple(layer_types)
     self.remat = remat
     self.unroll = unroll
@@ -448,11 +575,17 @@ class MixerStack(nnx.Module):
       seen[kind] += 1
     return out
 
-  def __call__(self, x_BTD: jax.Array, *, valid: jax.Array | None = None,
-               segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-               dropout_rng: jax.Array | None = None, cache: SSMCache | None = None,
-               layer_params: tuple[nnx.State, ...] | None = None
-               ) -> tuple[jax.Array, SSMCache | None]:
+  def __call__(
+    self,
+    x_BTD: jax.Array,
+    *,
+    valid: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    dropout_rng: jax.Array | None = None,
+    cache: SSMCache | None = None,
+    layer_params: tuple[nnx.State, ...] | None = None,
+  ) -> tuple[jax.Array, SSMCache | None]:
     """Every block on ``x [B, T, D]`` (arguments as ``MixerBlock``'s).
 
     With a ``cache`` (decoding) the layers read and write their states and the T new tokens
@@ -461,14 +594,16 @@ class MixerStack(nnx.Module):
     Returns:
       ``(x [B, T, D], cache)``: the updated cache, or None without one.
     """
-    kinds = {kind: nnx.split(getattr(self, kind)) for kind in ("mamba", "attention")
-             if getattr(self, kind) is not None}
+    kinds = {
+      kind: nnx.split(getattr(self, kind))
+      for kind in ("mamba", "attention")
+      if getattr(self, kind) is not None
+    }
     block_kw = dict(segment_ids=segment_ids, positions=positions)
     if cache is not None:
       return self._decode(x_BTD, cache, layer_params, kinds)
 
-    keys = (None if dropout_rng is None
-            else jax.random.split(dropout_rng, len(self.layer_types)))
+    keys = None if dropout_rng is None else jax.random.split(dropout_rng, len(self.layer_types))
 
     def body_for(kind):
       graphdef = kinds[kind][0]
@@ -483,7 +618,7 @@ class MixerStack(nnx.Module):
       return body
 
     if len(kinds) == 1 and not self.unroll:
-      (kind, (_, params)), = kinds.items()
+      ((kind, (_, params)),) = kinds.items()
       x_BTD, _ = jax.lax.scan(body_for(kind), x_BTD, (params, keys))
     else:
       bodies = {kind: body_for(kind) for kind in kinds}
@@ -500,7 +635,7 @@ class MixerStack(nnx.Module):
     if cache.new_valid is not None:
       valid = jnp.arange(t)[None, :] < jnp.asarray(cache.new_valid, jnp.int32)[:, None]
     kv = None
-    if cache.kv is not None:   # the attention layers write at the stack's lengths
+    if cache.kv is not None:  # the attention layers write at the stack's lengths
       kv = cache.kv.replace(lengths=cache.lengths, new_valid=cache.new_valid)
     conv, ssm, kv_layers = list(cache.conv), list(cache.ssm), []
     for (kind, j), p in zip(self._order(), layer_params):
@@ -513,15 +648,17 @@ class MixerStack(nnx.Module):
         kv_layers.append(layer)
     if kv is not None:
       kv = kv.joined(kv_layers, t).replace(new_valid=None)
-    return x_BTD, cache.replace(conv=tuple(conv), ssm=tuple(ssm), kv=kv,
-                                lengths=cache.lengths + t)
+    return x_BTD, cache.replace(conv=tuple(conv), ssm=tuple(ssm), kv=kv, lengths=cache.lengths + t)
 
   def split_layers(self) -> tuple[nnx.State, ...]:
     """Every layer's parameters as a state of its own, in layer order (each sliced out of its
     kind's stacked arrays; every projection kernel in the backend's decoding layout,
     ``Backend.decode_layout``): ``layer_params``."""
-    kinds = {kind: nnx.split(getattr(self, kind)) for kind in ("mamba", "attention")
-             if getattr(self, kind) is not None}
+    kinds = {
+      kind: nnx.split(getattr(self, kind))
+      for kind in ("mamba", "attention")
+      if getattr(self, kind) is not None
+    }
     out = []
     for kind, j in self._order():
       graphdef, params = kinds[kind]

@@ -26,19 +26,28 @@ from transformer_jax.parallel.rules import ACTIVATION_BTD, constrain
 Remat = Literal["none", "full", "dots"]
 
 _REMAT_POLICIES = {
-    # Recompute everything in the backward pass: least memory.
-    "full": jax.checkpoint_policies.nothing_saveable,
-    # Keep matmul outputs, recompute the cheap elementwise work.
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+  # Recompute everything in the backward pass: least memory.
+  "full": jax.checkpoint_policies.nothing_saveable,
+  # Keep matmul outputs, recompute the cheap elementwise work.
+  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 
 
 class Stack(nnx.Module):
   """``num_layers`` blocks sharing one config; parameters are stacked along axis 0."""
 
-  def __init__(self, cfg: BlockConfig, num_layers: int, *, remat: Remat = "none",
-               unroll: bool = False, rngs: nnx.Rngs, mesh: Mesh | None = None,
-               reversible: bool = False, backend: backends.Backend | None = None):
+  def __init__(
+    self,
+    cfg: BlockConfig,
+    num_layers: int,
+    *,
+    remat: Remat = "none",
+    unroll: bool = False,
+    rngs: nnx.Rngs,
+    mesh: Mesh | None = None,
+    reversible: bool = False,
+    backend: backends.Backend | None = None,
+  ):
     """``mesh``: where the model runs (activations are pinned to it at block boundaries and
     self-attention may run as ring attention); None on one device. ``reversible``: the blocks
     run as reversible residual layers (``layers.reversible``: activations recomputed in the
@@ -46,12 +55,15 @@ class Stack(nnx.Module):
     kernels (default ``backends.current()``)."""
     backend = backend or backends.current()
     if remat != "none" and remat not in _REMAT_POLICIES:
-      raise ValueError(f"remat={remat!r} must be one of 'none', {', '.join(map(repr, _REMAT_POLICIES))}")
+      raise ValueError(
+        f"remat={remat!r} must be one of 'none', {', '.join(map(repr, _REMAT_POLICIES))}"
+      )
     if reversible:
       reversible_lib.check_blocks(cfg)
       if remat != "none":
-        raise ValueError(f"reversible layers recompute their activations already: remat="
-                         f"{remat!r} must be 'none'")
+        raise ValueError(
+          f"reversible layers recompute their activations already: remat={remat!r} must be 'none'"
+        )
     self.reversible = reversible
     self.num_layers = num_layers
     self.remat = remat
@@ -66,10 +78,15 @@ class Stack(nnx.Module):
 
     self.layers = make(rngs)
 
-  def __call__(self, x_BTD: jax.Array, *, dropout_rng: jax.Array | None = None,
-               cache: KVCache | None = None,
-               layer_params: tuple[nnx.State, ...] | None = None,
-               **block_kwargs) -> tuple[jax.Array, KVCache | None]:
+  def __call__(
+    self,
+    x_BTD: jax.Array,
+    *,
+    dropout_rng: jax.Array | None = None,
+    cache: KVCache | None = None,
+    layer_params: tuple[nnx.State, ...] | None = None,
+    **block_kwargs,
+  ) -> tuple[jax.Array, KVCache | None]:
     """Runs every block on ``x``; ``block_kwargs`` (mask parts, bias, positions, encoder output)
     are shared by all layers.
 
@@ -119,12 +136,14 @@ class Stack(nnx.Module):
   def _reversible(self, x_BTD, dropout_rng, cache, layer_params, block_kwargs):
     """``__call__`` of a reversible stack (``layers.reversible``)."""
     if cache is None:
-      return reversible_lib.run_blocks(self.layers, x_BTD, dropout_rng=dropout_rng,
-                                       num_layers=self.num_layers, **block_kwargs), None
+      return reversible_lib.run_blocks(
+        self.layers, x_BTD, dropout_rng=dropout_rng, num_layers=self.num_layers, **block_kwargs
+      ), None
     graphdef, _ = nnx.split(self.layers)
     blocks = [nnx.merge(graphdef, p) for p in (layer_params or self.split_layers())]
     x_BTD, layers = reversible_lib.run_blocks_cached(
-        blocks, x_BTD, [cache.layer(i) for i in range(self.num_layers)], **block_kwargs)
+      blocks, x_BTD, [cache.layer(i) for i in range(self.num_layers)], **block_kwargs
+    )
     return x_BTD, cache.joined(layers, x_BTD.shape[1])
 
   def attention_weights(self, x_BTD: jax.Array, **block_kwargs) -> tuple[jax.Array, jax.Array]:
@@ -138,9 +157,11 @@ class Stack(nnx.Module):
       ``(x [B, T, D], weights [L, B, N, T, S])``: the stack's output and each layer's weights.
     """
     graphdef, params = nnx.split(self.layers)
-    parts = {k: v for k, v in block_kwargs.items()
-             if k in ("positions", "causal", "kv_valid", "segment_ids", "window", "bias_fn",
-                      "bias_params")}
+    parts = {
+      k: v
+      for k, v in block_kwargs.items()
+      if k in ("positions", "causal", "kv_valid", "segment_ids", "window", "bias_fn", "bias_params")
+    }
 
     def body(x, layer_params):
       block = nnx.merge(graphdef, layer_params)

@@ -14,55 +14,108 @@ from transformer_jax import backends, ops
 from transformer_jax.layers import Embed, Norm, Projection, Stack
 from transformer_jax.layers.common import param, zeros
 from transformer_jax.models.common import (
-    check_length, check_same_shape, check_tokens, with_matmul_precision)
+  check_length,
+  check_same_shape,
+  check_tokens,
+  with_matmul_precision,
+)
 from transformer_jax.models.config import BERTConfig, unrolls_layers
 from transformer_jax.parallel import axes as ax
 
 
 class BERTOutput(NamedTuple):
-  mlm_logits: jax.Array   # [B, T, V] float32
-  nsp_logits: jax.Array   # [B, 2] float32; class 0 = "B follows A", 1 = "B is random"
+  mlm_logits: jax.Array  # [B, T, V] float32
+  nsp_logits: jax.Array  # [B, 2] float32; class 0 = "B follows A", 1 = "B is random"
 
 
 class BERT(nnx.Module):
   """``BERT(config, rngs=...)(tokens, token_types, attention_mask) -> BERTOutput``."""
 
-  def __init__(self, config: BERTConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None,
-               backend: backends.Backend | None = None):
+  def __init__(
+    self,
+    config: BERTConfig,
+    *,
+    rngs: nnx.Rngs,
+    mesh: Mesh | None = None,
+    backend: backends.Backend | None = None,
+  ):
     """``mesh``: the device mesh the model runs on; ``backend``: its kernels (see ``GPT``)."""
     self.config = config
     self.backend = backend = backend or backends.current()
     c = config
     dtype, param_dtype = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
-    dense = dict(init_std=c.init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-                 backend=backend)
-    emb = dict(init_std=c.init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-               backend=backend)
+    dense = dict(
+      init_std=c.init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs, backend=backend
+    )
+    emb = dict(
+      init_std=c.init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs, backend=backend
+    )
     self.embed = Embed(c.vocab_size, c.d_model, **emb)
     self.pos_embed = Embed(c.max_len, c.d_model, axes=(ax.POSITIONS, ax.EMBED), **emb)
     self.type_embed = Embed(c.type_vocab_size, c.d_model, axes=(ax.TYPES, ax.EMBED), **emb)
-    self.embed_norm = Norm(c.d_model, kind="layernorm", eps=c.norm_eps, param_dtype=param_dtype,
-                           rngs=rngs)
-    self.blocks = Stack(c.block_config(), c.num_layers, remat=c.remat,
-                        unroll=unrolls_layers(c, backend), rngs=rngs, mesh=mesh, backend=backend)
-    self.pooler = Projection("BD,DE->BE", (c.d_model, c.d_model), (ax.EMBED, ax.EMBED),
-                             bias_shape=(c.d_model,), bias_axes=(ax.EMBED,), **dense)
+    self.embed_norm = Norm(
+      c.d_model, kind="layernorm", eps=c.norm_eps, param_dtype=param_dtype, rngs=rngs
+    )
+    self.blocks = Stack(
+      c.block_config(),
+      c.num_layers,
+      remat=c.remat,
+      unroll=unrolls_layers(c, backend),
+      rngs=rngs,
+      mesh=mesh,
+      backend=backend,
+    )
+    self.pooler = Projection(
+      "BD,DE->BE",
+      (c.d_model, c.d_model),
+      (ax.EMBED, ax.EMBED),
+      bias_shape=(c.d_model,),
+      bias_axes=(ax.EMBED,),
+      **dense,
+    )
     # Masked-LM head: transform (dense, activation, LayerNorm), then the tied decoder plus a bias.
-    self.mlm_dense = Projection("BTD,DE->BTE", (c.d_model, c.d_model), (ax.EMBED, ax.EMBED),
-                                bias_shape=(c.d_model,), bias_axes=(ax.EMBED,), **dense)
-    self.mlm_norm = Norm(c.d_model, kind="layernorm", eps=c.norm_eps, param_dtype=param_dtype,
-                         rngs=rngs)
+    self.mlm_dense = Projection(
+      "BTD,DE->BTE",
+      (c.d_model, c.d_model),
+      (ax.EMBED, ax.EMBED),
+      bias_shape=(c.d_model,),
+      bias_axes=(ax.EMBED,),
+      **dense,
+    )
+    self.mlm_norm = Norm(
+      c.d_model, kind="layernorm", eps=c.norm_eps, param_dtype=param_dtype, rngs=rngs
+    )
     self.mlm_bias = param(rngs, zeros, (c.vocab_size,), (ax.VOCAB,), param_dtype)
-    self.nsp = Projection("BD,DC->BC", (c.d_model, 2), (ax.EMBED, ax.CLASSES),
-                          bias_shape=(2,), bias_axes=(ax.CLASSES,), **dense)
-    self.classifier = (Projection("BD,DC->BC", (c.d_model, c.num_labels), (ax.EMBED, ax.CLASSES),
-                                  bias_shape=(c.num_labels,), bias_axes=(ax.CLASSES,), **dense)
-                       if c.num_labels else None)
+    self.nsp = Projection(
+      "BD,DC->BC",
+      (c.d_model, 2),
+      (ax.EMBED, ax.CLASSES),
+      bias_shape=(2,),
+      bias_axes=(ax.CLASSES,),
+      **dense,
+    )
+    self.classifier = (
+      Projection(
+        "BD,DC->BC",
+        (c.d_model, c.num_labels),
+        (ax.EMBED, ax.CLASSES),
+        bias_shape=(c.num_labels,),
+        bias_axes=(ax.CLASSES,),
+        **dense,
+      )
+      if c.num_labels
+      else None
+    )
 
   @with_matmul_precision
-  def encode(self, tokens: jax.Array, token_types: jax.Array | None = None,
-             attention_mask: jax.Array | None = None, *,
-             dropout_rng: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  def encode(
+    self,
+    tokens: jax.Array,
+    token_types: jax.Array | None = None,
+    attention_mask: jax.Array | None = None,
+    *,
+    dropout_rng: jax.Array | None = None,
+  ) -> tuple[jax.Array, jax.Array]:
     """Bidirectional encoding.
 
     Args:
@@ -82,8 +135,12 @@ class BERT(nnx.Module):
     return x_BTD, pooled_BD
 
   @with_matmul_precision
-  def attention_weights(self, tokens: jax.Array, token_types: jax.Array | None = None,
-                        attention_mask: jax.Array | None = None) -> jax.Array:
+  def attention_weights(
+    self,
+    tokens: jax.Array,
+    token_types: jax.Array | None = None,
+    attention_mask: jax.Array | None = None,
+  ) -> jax.Array:
     """Every layer's self-attention weights ``[L, B, N, T, S]`` (float32, S = T), padding keys
     masked as in ``encode`` (arguments as there; no dropout)."""
     x_BTD, valid_BT = self._embedded(tokens, token_types, attention_mask, None)
@@ -102,8 +159,11 @@ class BERT(nnx.Module):
     positions = jnp.arange(tokens.shape[1])[None, :]
     x_BTD = self.embed(tokens) + self.pos_embed(positions) + self.type_embed(token_types)
     x_BTD = ops.dropout(self.embed_norm(x_BTD), c.dropout_rate, embed_rng)
-    valid_BT = None if attention_mask is None else jnp.broadcast_to(
-        jnp.asarray(attention_mask).astype(bool), tokens.shape)
+    valid_BT = (
+      None
+      if attention_mask is None
+      else jnp.broadcast_to(jnp.asarray(attention_mask).astype(bool), tokens.shape)
+    )
     return x_BTD, valid_BT
 
   @with_matmul_precision
@@ -113,16 +173,26 @@ class BERT(nnx.Module):
     return (self.embed.attend(h) + self.mlm_bias[...]).astype(jnp.float32)
 
   @with_matmul_precision
-  def __call__(self, tokens: jax.Array, token_types: jax.Array | None = None,
-               attention_mask: jax.Array | None = None, *,
-               dropout_rng: jax.Array | None = None) -> BERTOutput:
+  def __call__(
+    self,
+    tokens: jax.Array,
+    token_types: jax.Array | None = None,
+    attention_mask: jax.Array | None = None,
+    *,
+    dropout_rng: jax.Array | None = None,
+  ) -> BERTOutput:
     x_BTD, pooled_BD = self.encode(tokens, token_types, attention_mask, dropout_rng=dropout_rng)
     return BERTOutput(self.mlm_logits(x_BTD), self.nsp(pooled_BD).astype(jnp.float32))
 
   @with_matmul_precision
-  def classify(self, tokens: jax.Array, token_types: jax.Array | None = None,
-               attention_mask: jax.Array | None = None, *,
-               dropout_rng: jax.Array | None = None) -> jax.Array:
+  def classify(
+    self,
+    tokens: jax.Array,
+    token_types: jax.Array | None = None,
+    attention_mask: jax.Array | None = None,
+    *,
+    dropout_rng: jax.Array | None = None,
+  ) -> jax.Array:
     """Sequence-classification logits ``[B, num_labels]`` from the pooled [CLS] state."""
     if self.classifier is None:
       raise ValueError("this BERT has no classification head: set num_labels > 0 in its config")

@@ -21,25 +21,54 @@ from transformer_jax.parallel import axes as ax
 _CHECKING_IDS = contextvars.ContextVar("checking_ids", default=False)
 
 
-def output_heads(config, *, dtype, param_dtype, rngs: nnx.Rngs, backend=None
-                 ) -> tuple[Projection | None, Projection | None]:
+def output_heads(
+  config, *, dtype, param_dtype, rngs: nnx.Rngs, backend=None
+) -> tuple[Projection | None, Projection | None]:
   """A family's ``(lm_head, classifier)``: the untied vocabulary projection ``[D, V]`` (None when
   the embedding is tied) and the classification head ``[D, C]`` with a bias (None without
   ``num_labels``); their products are ``backend``'s."""
-  lm_head = (None if config.tie_embeddings else Projection(
-      "BTD,DV->BTV", (config.d_model, config.vocab_size), (ax.EMBED, ax.VOCAB),
-      init_std=config.init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-      backend=backend))
-  classifier = (Projection(
-      "BD,DC->BC", (config.d_model, config.num_labels), (ax.EMBED, ax.CLASSES),
-      bias_shape=(config.num_labels,), bias_axes=(ax.CLASSES,), init_std=config.init_std,
-      dtype=dtype, param_dtype=param_dtype, rngs=rngs, backend=backend)
-                if config.num_labels else None)
+  lm_head = (
+    None
+    if config.tie_embeddings
+    else Projection(
+      "BTD,DV->BTV",
+      (config.d_model, config.vocab_size),
+      (ax.EMBED, ax.VOCAB),
+      init_std=config.init_std,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      rngs=rngs,
+      backend=backend,
+    )
+  )
+  classifier = (
+    Projection(
+      "BD,DC->BC",
+      (config.d_model, config.num_labels),
+      (ax.EMBED, ax.CLASSES),
+      bias_shape=(config.num_labels,),
+      bias_axes=(ax.CLASSES,),
+      init_std=config.init_std,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      rngs=rngs,
+      backend=backend,
+    )
+    if config.num_labels
+    else None
+  )
   return lm_head, classifier
 
 
-def hidden_lm_loss(model, x_BTD: jax.Array, labels: jax.Array, weights: jax.Array, *,
-                   label_smoothing: float, z_loss: float) -> tuple[jax.Array, jax.Array]:
+def hidden_lm_loss(
+  model,
+  x_BTD: jax.Array,
+  labels: jax.Array,
+  weights: jax.Array,
+  *,
+  label_smoothing: float,
+  z_loss: float,
+) -> tuple[jax.Array, jax.Array]:
   """The next-token loss of a decoder's final hidden states ``[B, T, D]`` through its output head
   (``model.lm_head``, or the tied ``model.embed``) without the ``[B, T, V]`` logits: the model
   backend's ``linear_cross_entropy``. ``(loss_sum, correct_sum)``, float32 scalars."""
@@ -49,9 +78,15 @@ def hidden_lm_loss(model, x_BTD: jax.Array, labels: jax.Array, weights: jax.Arra
   else:
     w, layout = model.lm_head.kernel[...], "DV"
   return model.backend.linear_cross_entropy(
-      x_BTD.reshape(b * t, d), w, labels.reshape(-1), weights.reshape(-1).astype(jnp.float32),
-      w_layout=layout, label_smoothing=label_smoothing, z_loss=z_loss,
-      dtype=jnp.dtype(model.config.dtype))
+    x_BTD.reshape(b * t, d),
+    w,
+    labels.reshape(-1),
+    weights.reshape(-1).astype(jnp.float32),
+    w_layout=layout,
+    label_smoothing=label_smoothing,
+    z_loss=z_loss,
+    dtype=jnp.dtype(model.config.dtype),
+  )
 
 
 def with_matmul_precision(method):
@@ -60,13 +95,18 @@ def with_matmul_precision(method):
   about float32 products). bfloat16 or float16 compute keeps JAX's own setting, so that nothing
   asks an accelerator for more than the half-precision products that dtype means. Nested calls
   set it again."""
+
   @functools.wraps(method)
   def wrapped(self, *args, **kwargs):
     c = self.config
-    scope = (precision.scope(c.matmul_precision) if jnp.dtype(c.dtype) == jnp.float32
-             else contextlib.nullcontext())
+    scope = (
+      precision.scope(c.matmul_precision)
+      if jnp.dtype(c.dtype) == jnp.float32
+      else contextlib.nullcontext()
+    )
     with scope:
       return method(self, *args, **kwargs)
+
   return wrapped
 
 
@@ -83,8 +123,12 @@ def _device_check(name: str, values, hi: int, message: str) -> None:
   ok = values < hi
   if jnp.issubdtype(values.dtype, jnp.signedinteger):
     ok = ok & (values >= 0)
-  checkify.check(jnp.all(ok), f"{name} holds {message}: min {{lo}}, max {{hi}}",
-                 lo=jnp.min(values), hi=jnp.max(values))
+  checkify.check(
+    jnp.all(ok),
+    f"{name} holds {message}: min {{lo}}, max {{hi}}",
+    lo=jnp.min(values),
+    hi=jnp.max(values),
+  )
 
 
 def _first_outside(name: str, values, hi: int, what: str) -> None:
@@ -127,8 +171,7 @@ def check_positions(name: str, positions, max_len: int) -> None:
     return
   if not is_concrete(positions):
     if _CHECKING_IDS.get():
-      _device_check(name, positions, max_len,
-                    f"positions outside the table [0, max_len={max_len})")
+      _device_check(name, positions, max_len, f"positions outside the table [0, max_len={max_len})")
     return
   _first_outside(name, positions, max_len, f"the position table [0, max_len={max_len})")
 
@@ -140,7 +183,9 @@ def check_length(name: str, length: int, max_len: int) -> None:
 
 def check_same_shape(name: str, x, ref_name: str, ref) -> None:
   if x is not None and tuple(x.shape) != tuple(ref.shape):
-    raise ValueError(f"{name}.shape={tuple(x.shape)} must equal {ref_name}.shape={tuple(ref.shape)}")
+    raise ValueError(
+      f"{name}.shape={tuple(x.shape)} must equal {ref_name}.shape={tuple(ref.shape)}"
+    )
 
 
 def _refuse_wrapping_ints(fn, args, kwargs) -> None:
@@ -165,9 +210,11 @@ def _refuse_wrapping_ints(fn, args, kwargs) -> None:
       if bad.any():
         idx = tuple(int(i) for i in np.argwhere(bad)[0])
         at = f"[{', '.join(map(str, idx))}]" if idx else ""
-        raise ValueError(f"{name}{jax.tree_util.keystr(path)}{at} = {int(arr[idx])} does not fit "
-                         f"in int32 ({arr.dtype} without jax_enable_x64 would wrap it silently); "
-                         "no vocabulary or position table is that large")
+        raise ValueError(
+          f"{name}{jax.tree_util.keystr(path)}{at} = {int(arr[idx])} does not fit "
+          f"in int32 ({arr.dtype} without jax_enable_x64 would wrap it silently); "
+          "no vocabulary or position table is that large"
+        )
 
 
 def checked(fn):
@@ -185,6 +232,7 @@ def checked(fn):
 
   Example: ``logits = tj.models.checked(lambda params, t: apply(config, params, t))(params, ids)``.
   """
+
   def traced(*args, **kwargs):
     token = _CHECKING_IDS.set(True)
     try:

@@ -82,14 +82,19 @@ def _sparse_pattern(cfg, *, causal: bool):
   if value is not None and not isinstance(value, ops.SparsePattern):
     raise ValueError(f"sparse_pattern={value!r} must be an ops.SparsePattern or a mapping")
   if value is not None and cfg.attention_kind != "sparse":
-    raise ValueError(f"sparse_pattern needs attention_kind='sparse' (attention_kind="
-                     f"{cfg.attention_kind!r})")
+    raise ValueError(
+      f"sparse_pattern needs attention_kind='sparse' (attention_kind={cfg.attention_kind!r})"
+    )
   if causal and value is not None and any(g < 0 for g in value.global_blocks):
-    raise ValueError(f"sparse_pattern.global_blocks={value.global_blocks} of a decoder must "
-                     "count from the start (>= 0): a causal pattern may not depend on the length")
+    raise ValueError(
+      f"sparse_pattern.global_blocks={value.global_blocks} of a decoder must "
+      "count from the start (>= 0): a causal pattern may not depend on the length"
+    )
   if causal and value is not None and (value.random_first or value.dense_up_to):
-    raise ValueError("sparse_pattern.random_first and dense_up_to (transformers' BigBird) are "
-                     "for encoders; a decoder's cache reads the pattern row by row")
+    raise ValueError(
+      "sparse_pattern.random_first and dense_up_to (transformers' BigBird) are "
+      "for encoders; a decoder's cache reads the pattern row by row"
+    )
 
 
 class _Heads:
@@ -118,15 +123,18 @@ class _Heads:
       _positive(self, "num_kv_heads")
       if self.num_heads % self.num_kv_heads:
         raise ValueError(
-            f"num_kv_heads={self.num_kv_heads} does not divide num_heads={self.num_heads}")
+          f"num_kv_heads={self.num_kv_heads} does not divide num_heads={self.num_heads}"
+        )
     _rate(self, "dropout_rate", "attention_dropout_rate")
     _dtype(self, "dtype", "param_dtype")
     _choice(self, "matmul_precision", ops.precision.PRECISIONS)
     _choice(self, "remat", _REMATS)
     _choice(self, "attention_impl", _ATTENTION_IMPLS)
     if self.attention_impl == "cudnn" and jnp.dtype(self.dtype) not in (jnp.bfloat16, jnp.float16):
-      raise ValueError(f"attention_impl='cudnn' computes in bfloat16 or float16; dtype="
-                       f"{self.dtype!r}: set dtype='bfloat16' or attention_impl 'xla'/'chunked'")
+      raise ValueError(
+        f"attention_impl='cudnn' computes in bfloat16 or float16; dtype="
+        f"{self.dtype!r}: set dtype='bfloat16' or attention_impl 'xla'/'chunked'"
+      )
     if not self.norm_eps > 0:
       raise ValueError(f"norm_eps={self.norm_eps!r} must be > 0")
 
@@ -139,22 +147,22 @@ class GPTConfig(_Heads):
   d_model: int = 768
   num_layers: int = 12
   num_heads: int = 12
-  num_kv_heads: int | None = None      # None: as many as num_heads (MHA); 1: MQA
-  head_dim: int | None = None          # None: d_model // num_heads
+  num_kv_heads: int | None = None  # None: as many as num_heads (MHA); 1: MQA
+  head_dim: int | None = None  # None: d_model // num_heads
   d_ff: int = 3072
-  max_len: int = 1024                  # context; size of the learned/sinusoidal position table
+  max_len: int = 1024  # context; size of the learned/sinusoidal position table
   position: Literal["learned", "sinusoidal", "rope", "alibi", "none"] = "learned"
   norm: Norm = "layernorm"
   norm_eps: float = 1e-5
   activation: ops.Activation = "gelu_tanh"
-  gated: bool = False                  # SwiGLU/GeGLU feed-forward (LLaMA)
-  use_bias: bool = True                # biases on projections (GPT-2 yes, LLaMA no)
-  tie_embeddings: bool = True          # output projection = token embedding^T (GPT-2)
-  num_labels: int = 0                  # > 0 adds a classification head on the last real token
+  gated: bool = False  # SwiGLU/GeGLU feed-forward (LLaMA)
+  use_bias: bool = True  # biases on projections (GPT-2 yes, LLaMA no)
+  tie_embeddings: bool = True  # output projection = token embedding^T (GPT-2)
+  num_labels: int = 0  # > 0 adds a classification head on the last real token
   rope_theta: float = 10000.0
-  rope_interleaved: bool = False       # GPT-J pairing; default is LLaMA's rotate-half
+  rope_interleaved: bool = False  # GPT-J pairing; default is LLaMA's rotate-half
   rope_scaling: ops.RopeScaling | None = None
-  sliding_window: int | None = None    # local attention over the last `sliding_window` tokens
+  sliding_window: int | None = None  # local attention over the last `sliding_window` tokens
   # "softmax" attention, "linear" (Katharopoulos et al.: elu+1 features, O(1) decoding state),
   # or "sparse" (block-sparse softmax under sparse_pattern: ops.sparse).
   attention_kind: Literal["softmax", "linear", "sparse"] = "softmax"
@@ -164,11 +172,11 @@ class GPTConfig(_Heads):
   # Linear attention's decay per position (RetNet's gamma): None, one float for every head, a
   # tuple of one per head, or "retnet" (head h decays by 1 - 2^(-5 - h), RetNet's schedule).
   linear_decay: float | tuple[float, ...] | Literal["retnet"] | None = None
-  linear_chunk: int = 64               # positions per chunk of linear attention's parallel form
-  dropout_rate: float = 0.0            # embedding and residual dropout (GPT-2 used 0.1)
+  linear_chunk: int = 64  # positions per chunk of linear attention's parallel form
+  dropout_rate: float = 0.0  # embedding and residual dropout (GPT-2 used 0.1)
   attention_dropout_rate: float = 0.0
   init_std: float = 0.02
-  dtype: str = "float32"               # compute dtype
+  dtype: str = "float32"  # compute dtype
   param_dtype: str = "float32"
   # Float32 products: "float32" (as PyTorch/NumPy; GPUs and TPUs then run them at their full-
   # precision rate), "tensorfloat32", "bfloat16", "default" (JAX's setting). ops/precision.py.
@@ -197,25 +205,41 @@ class GPTConfig(_Heads):
     _choice(self, "attention_kind", ("softmax", "linear", "sparse"))
     _positive(self, "linear_chunk")
     _sparse_pattern(self, causal=True)
-    if self.attention_kind == "sparse" and (self.sliding_window is not None
-                                            or self.position == "alibi"):
-      raise ValueError(f"attention_kind='sparse' takes no sliding_window or ALiBi bias "
-                       f"(sliding_window={self.sliding_window!r}, position={self.position!r})")
+    if self.attention_kind == "sparse" and (
+      self.sliding_window is not None or self.position == "alibi"
+    ):
+      raise ValueError(
+        f"attention_kind='sparse' takes no sliding_window or ALiBi bias "
+        f"(sliding_window={self.sliding_window!r}, position={self.position!r})"
+      )
     if self.attention_kind == "linear":
       if self.sliding_window is not None or self.position == "alibi":
-        raise ValueError(f"attention_kind='linear' takes no sliding_window or ALiBi bias "
-                         f"(sliding_window={self.sliding_window!r}, position={self.position!r})")
+        raise ValueError(
+          f"attention_kind='linear' takes no sliding_window or ALiBi bias "
+          f"(sliding_window={self.sliding_window!r}, position={self.position!r})"
+        )
       d = self.linear_decay
-      if isinstance(d, list):   # a YAML sequence: stored as a tuple, so the config hashes
+      if isinstance(d, list):  # a YAML sequence: stored as a tuple, so the config hashes
         d = tuple(d)
         object.__setattr__(self, "linear_decay", d)
       gammas = d if isinstance(d, tuple) else (d,)
-      if (d is not None and d != "retnet" and (
-          isinstance(d, tuple) and len(d) != self.num_heads or not gammas or any(
-              isinstance(g, bool) or not isinstance(g, (int, float)) or not 0.0 < g <= 1.0
-              for g in gammas))):
-        raise ValueError(f"linear_decay={d!r} must be None, 'retnet', a number in (0, 1] or "
-                         f"one such number per head (num_heads={self.num_heads})")
+      if (
+        d is not None
+        and d != "retnet"
+        and (
+          isinstance(d, tuple)
+          and len(d) != self.num_heads
+          or not gammas
+          or any(
+            isinstance(g, bool) or not isinstance(g, (int, float)) or not 0.0 < g <= 1.0
+            for g in gammas
+          )
+        )
+      ):
+        raise ValueError(
+          f"linear_decay={d!r} must be None, 'retnet', a number in (0, 1] or "
+          f"one such number per head (num_heads={self.num_heads})"
+        )
     elif self.linear_decay is not None:
       raise ValueError(f"linear_decay={self.linear_decay!r} needs attention_kind='linear'")
     if self.position == "rope" and self.head_size % 2:
@@ -225,22 +249,37 @@ class GPTConfig(_Heads):
     if not isinstance(self.reversible, bool):
       raise ValueError(f"reversible={self.reversible!r} must be true or false")
     if self.reversible and self.remat != "none":
-      raise ValueError(f"reversible=True recomputes activations already: remat={self.remat!r} "
-                       "must be 'none'")
+      raise ValueError(
+        f"reversible=True recomputes activations already: remat={self.remat!r} must be 'none'"
+      )
 
   def block_config(self) -> BlockConfig:
     return BlockConfig(
-        d_model=self.d_model, num_heads=self.num_heads, num_kv_heads=self.kv_heads,
-        head_dim=self.head_size, d_ff=self.d_ff, activation=self.activation, gated=self.gated,
-        norm=self.norm, norm_eps=self.norm_eps, pre_norm=True, use_bias=self.use_bias,
-        rope_theta=self.rope_theta if self.position == "rope" else None,
-        rope_interleaved=self.rope_interleaved, rope_scaling=self.rope_scaling,
-        dropout_rate=self.dropout_rate, attention_dropout_rate=self.attention_dropout_rate,
-        init_std=self.init_std,
-        # GPT-2: "scale the weights of residual layers at initialization by 1/sqrt(N)".
-        out_init_std=self.init_std / (2 * self.num_layers) ** 0.5,
-        dtype=self.dtype, param_dtype=self.param_dtype, attention_impl=self.attention_impl,
-        linear=self.linear_kind(), approx=self.approx_kind())
+      d_model=self.d_model,
+      num_heads=self.num_heads,
+      num_kv_heads=self.kv_heads,
+      head_dim=self.head_size,
+      d_ff=self.d_ff,
+      activation=self.activation,
+      gated=self.gated,
+      norm=self.norm,
+      norm_eps=self.norm_eps,
+      pre_norm=True,
+      use_bias=self.use_bias,
+      rope_theta=self.rope_theta if self.position == "rope" else None,
+      rope_interleaved=self.rope_interleaved,
+      rope_scaling=self.rope_scaling,
+      dropout_rate=self.dropout_rate,
+      attention_dropout_rate=self.attention_dropout_rate,
+      init_std=self.init_std,
+      # GPT-2: "scale the weights of residual layers at initialization by 1/sqrt(N)".
+      out_init_std=self.init_std / (2 * self.num_layers) ** 0.5,
+      dtype=self.dtype,
+      param_dtype=self.param_dtype,
+      attention_impl=self.attention_impl,
+      linear=self.linear_kind(),
+      approx=self.approx_kind(),
+    )
 
   def approx_kind(self) -> ApproxKind | None:
     """The block-sparse kind (``layers.approx.SparseKind``), or None."""
@@ -275,10 +314,10 @@ class BERTConfig(_Heads):
   head_dim: int | None = None
   d_ff: int = 3072
   max_len: int = 512
-  type_vocab_size: int = 2             # segment A / segment B
+  type_vocab_size: int = 2  # segment A / segment B
   norm_eps: float = 1e-12
   activation: ops.Activation = "gelu"
-  num_labels: int = 0                  # > 0 adds a sequence-classification head
+  num_labels: int = 0  # > 0 adds a sequence-classification head
   dropout_rate: float = 0.1
   attention_dropout_rate: float = 0.1
   init_std: float = 0.02
@@ -288,15 +327,15 @@ class BERTConfig(_Heads):
   # precision rate), "tensorfloat32", "bfloat16", "default" (JAX's setting). ops/precision.py.
   matmul_precision: str = "float32"
   remat: Remat = "none"
-  scan_layers: bool | Literal["auto"] = "auto"   # see unrolls_layers
+  scan_layers: bool | Literal["auto"] = "auto"  # see unrolls_layers
   # Kernel of ops.dot_product_attention: "xla", "chunked", "cudnn", "splash"; None: the
   # backend's choice (Backend.attention).
   attention_impl: ops.Implementation | None = None
   # "softmax"; "linformer" (keys and values projected along the sequence to linformer_rows
   # rows, Wang et al. 2020: ops.linformer); "sparse" (block-sparse softmax: ops.sparse).
   attention_kind: Literal["softmax", "linformer", "sparse"] = "softmax"
-  linformer_rows: int = 128            # Linformer's k: projected keys/values per layer
-  linformer_share_kv: bool = False     # one projection for keys and values (per layer)
+  linformer_rows: int = 128  # Linformer's k: projected keys/values per layer
+  linformer_share_kv: bool = False  # one projection for keys and values (per layer)
   # attention_kind="sparse": an ops.SparsePattern (or its fields as a mapping); None: BigBird's,
   # SparsePattern.bigbird() (blocks of 64, windows of 3 blocks, 2 global and 3 random blocks).
   sparse_pattern: ops.SparsePattern | None = None
@@ -310,8 +349,10 @@ class BERTConfig(_Heads):
     _choice(self, "attention_kind", ("softmax", "linformer", "sparse"))
     _sparse_pattern(self, causal=False)
     if self.attention_kind != "softmax" and self.attention_dropout_rate > 0.0:
-      raise ValueError(f"attention_kind={self.attention_kind!r} has no attention dropout: "
-                       f"attention_dropout_rate={self.attention_dropout_rate} must be 0")
+      raise ValueError(
+        f"attention_kind={self.attention_kind!r} has no attention dropout: "
+        f"attention_dropout_rate={self.attention_dropout_rate} must be 0"
+      )
 
   def approx_kind(self) -> ApproxKind | None:
     """Linformer's or the block-sparse kind (``layers.approx``), or None for softmax."""
@@ -319,8 +360,9 @@ class BERTConfig(_Heads):
       case "softmax":
         return None
       case "linformer":
-        return LinformerKind(rows=self.linformer_rows, max_len=self.max_len,
-                             share_kv=self.linformer_share_kv)
+        return LinformerKind(
+          rows=self.linformer_rows, max_len=self.max_len, share_kv=self.linformer_share_kv
+        )
       case "sparse":
         return SparseKind(self.sparse_pattern or ops.SparsePattern.bigbird())
       case _:
@@ -328,13 +370,26 @@ class BERTConfig(_Heads):
 
   def block_config(self) -> BlockConfig:
     return BlockConfig(
-        d_model=self.d_model, num_heads=self.num_heads, num_kv_heads=self.kv_heads,
-        head_dim=self.head_size, d_ff=self.d_ff, activation=self.activation, gated=False,
-        norm="layernorm", norm_eps=self.norm_eps, pre_norm=False, use_bias=True,
-        dropout_rate=self.dropout_rate, attention_dropout_rate=self.attention_dropout_rate,
-        init_std=self.init_std, out_init_std=self.init_std, dtype=self.dtype,
-        param_dtype=self.param_dtype, attention_impl=self.attention_impl,
-        approx=self.approx_kind())
+      d_model=self.d_model,
+      num_heads=self.num_heads,
+      num_kv_heads=self.kv_heads,
+      head_dim=self.head_size,
+      d_ff=self.d_ff,
+      activation=self.activation,
+      gated=False,
+      norm="layernorm",
+      norm_eps=self.norm_eps,
+      pre_norm=False,
+      use_bias=True,
+      dropout_rate=self.dropout_rate,
+      attention_dropout_rate=self.attention_dropout_rate,
+      init_std=self.init_std,
+      out_init_std=self.init_std,
+      dtype=self.dtype,
+      param_dtype=self.param_dtype,
+      attention_impl=self.attention_impl,
+      approx=self.approx_kind(),
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -342,7 +397,7 @@ class Seq2SeqConfig(_Heads):
   """Encoder-decoder: the Transformer of Vaswani et al. by default; T5 with
   relative/rmsnorm/pre-norm."""
 
-  vocab_size: int = 37000              # one vocabulary shared by source and target
+  vocab_size: int = 37000  # one vocabulary shared by source and target
   d_model: int = 512
   num_encoder_layers: int = 6
   num_decoder_layers: int = 6
@@ -350,24 +405,24 @@ class Seq2SeqConfig(_Heads):
   num_kv_heads: int | None = None
   head_dim: int | None = None
   d_ff: int = 2048
-  max_len: int = 512                   # size of the sinusoidal table (unused by relative)
+  max_len: int = 512  # size of the sinusoidal table (unused by relative)
   position: Literal["sinusoidal", "relative"] = "sinusoidal"
-  relative_num_buckets: int = 32       # T5 relative attention buckets
+  relative_num_buckets: int = 32  # T5 relative attention buckets
   relative_max_distance: int = 128
   norm: Norm = "layernorm"
   norm_eps: float = 1e-6
-  pre_norm: bool = False               # Vaswani: post-norm; T5: pre-norm plus a final norm
+  pre_norm: bool = False  # Vaswani: post-norm; T5: pre-norm plus a final norm
   activation: ops.Activation = "relu"
-  gated: bool = False                  # T5 v1.1: gated GELU
+  gated: bool = False  # T5 v1.1: gated GELU
   use_bias: bool = True
-  tie_embeddings: bool = True          # output projection = shared embedding^T
-  embed_scale: bool = True             # multiply embeddings by sqrt(d_model) (Vaswani 3.4)
-  logits_rescale: bool = False         # T5 (tied): decoder output * d_model^-0.5 before projecting
-  num_labels: int = 0                  # > 0 adds a classification head on the mean encoder state
-  scale_attention: bool = True         # T5 folds 1/sqrt(H) into its initialisation: False
+  tie_embeddings: bool = True  # output projection = shared embedding^T
+  embed_scale: bool = True  # multiply embeddings by sqrt(d_model) (Vaswani 3.4)
+  logits_rescale: bool = False  # T5 (tied): decoder output * d_model^-0.5 before projecting
+  num_labels: int = 0  # > 0 adds a classification head on the mean encoder state
+  scale_attention: bool = True  # T5 folds 1/sqrt(H) into its initialisation: False
   dropout_rate: float = 0.1
   attention_dropout_rate: float = 0.0
-  ffn_dropout_rate: float = 0.0        # after the feed-forward activation (T5 uses dropout_rate)
+  ffn_dropout_rate: float = 0.0  # after the feed-forward activation (T5 uses dropout_rate)
   init_std: float = 0.02
   embed_init_std: float | None = None  # None: d_model^-0.5 (embeddings are scaled by sqrt(d))
   dtype: str = "float32"
@@ -376,15 +431,20 @@ class Seq2SeqConfig(_Heads):
   # precision rate), "tensorfloat32", "bfloat16", "default" (JAX's setting). ops/precision.py.
   matmul_precision: str = "float32"
   remat: Remat = "none"
-  scan_layers: bool | Literal["auto"] = "auto"   # see unrolls_layers
+  scan_layers: bool | Literal["auto"] = "auto"  # see unrolls_layers
   # Kernel of ops.dot_product_attention: "xla", "chunked", "cudnn", "splash"; None: the
   # backend's choice (Backend.attention).
   attention_impl: ops.Implementation | None = None
 
   def __post_init__(self):
     self._validate_heads()
-    _positive(self, "num_encoder_layers", "num_decoder_layers", "relative_num_buckets",
-              "relative_max_distance")
+    _positive(
+      self,
+      "num_encoder_layers",
+      "num_decoder_layers",
+      "relative_num_buckets",
+      "relative_max_distance",
+    )
     _scan_layers(self)
     _num_labels(self)
     _choice(self, "position", ("sinusoidal", "relative"))
@@ -402,14 +462,28 @@ class Seq2SeqConfig(_Heads):
 
   def block_config(self, *, decoder: bool) -> BlockConfig:
     return BlockConfig(
-        d_model=self.d_model, num_heads=self.num_heads, num_kv_heads=self.kv_heads,
-        head_dim=self.head_size, d_ff=self.d_ff, activation=self.activation, gated=self.gated,
-        norm=self.norm, norm_eps=self.norm_eps, pre_norm=self.pre_norm, use_bias=self.use_bias,
-        cross_attention=decoder, attention_scale=None if self.scale_attention else 1.0,
-        dropout_rate=self.dropout_rate, attention_dropout_rate=self.attention_dropout_rate,
-        ffn_dropout_rate=self.ffn_dropout_rate,
-        init_std=self.init_std, out_init_std=self.init_std, dtype=self.dtype,
-        param_dtype=self.param_dtype, attention_impl=self.attention_impl)
+      d_model=self.d_model,
+      num_heads=self.num_heads,
+      num_kv_heads=self.kv_heads,
+      head_dim=self.head_size,
+      d_ff=self.d_ff,
+      activation=self.activation,
+      gated=self.gated,
+      norm=self.norm,
+      norm_eps=self.norm_eps,
+      pre_norm=self.pre_norm,
+      use_bias=self.use_bias,
+      cross_attention=decoder,
+      attention_scale=None if self.scale_attention else 1.0,
+      dropout_rate=self.dropout_rate,
+      attention_dropout_rate=self.attention_dropout_rate,
+      ffn_dropout_rate=self.ffn_dropout_rate,
+      init_std=self.init_std,
+      out_init_std=self.init_std,
+      dtype=self.dtype,
+      param_dtype=self.param_dtype,
+      attention_impl=self.attention_impl,
+    )
 
 
 def _floats(cfg, *names):
@@ -443,14 +517,14 @@ class MambaConfig(_Heads):
   d_model: int = 768
   num_layers: int = 24
   mixer: Literal["mamba1", "mamba2"] = "mamba1"
-  d_state: int = 16                    # S, the state size per channel
-  d_conv: int = 4                      # W, the causal convolution's width
-  expand: int = 2                      # d_inner = expand * d_model
-  dt_rank: int | None = None           # Mamba-1: the time step's rank; None: ceil(d_model / 16)
-  ssm_head_dim: int = 64               # Mamba-2: H per head; heads = d_inner / ssm_head_dim
-  ssm_groups: int = 1                  # Mamba-2: G groups of B and C (and of the gated norm)
-  ssm_chunk: int = 64                  # positions per chunk of the training scan (no effect on
-                                       # the function)
+  d_state: int = 16  # S, the state size per channel
+  d_conv: int = 4  # W, the causal convolution's width
+  expand: int = 2  # d_inner = expand * d_model
+  dt_rank: int | None = None  # Mamba-1: the time step's rank; None: ceil(d_model / 16)
+  ssm_head_dim: int = 64  # Mamba-2: H per head; heads = d_inner / ssm_head_dim
+  ssm_groups: int = 1  # Mamba-2: G groups of B and C (and of the gated norm)
+  ssm_chunk: int = 64  # positions per chunk of the training scan (no effect on
+  # the function)
   # Mamba-1's scan inside a chunk: "associative" (log depth), "sequential" (less work), or
   # "auto": sequential on CPUs, associative on GPUs and TPUs (ops.ssm.choose_scan_method).
   ssm_scan: Literal["auto", "associative", "sequential"] = "auto"
@@ -458,44 +532,65 @@ class MambaConfig(_Heads):
   # interpreter elsewhere), or "auto" (ops.ssm_pallas.choose_ssd_implementation: "xla" for now).
   ssm_impl: Literal["auto", "xla", "pallas"] = "auto"
   # Mamba-2: dt clamped to [low, high]. Mamba-1 does not clamp.
-  time_step_limit: tuple[float, float] = dataclasses.field(default=(0.0, math.inf),
-                                                          metadata={"infinite": True})
-  time_step_min: float = 1e-3          # initial dt drawn log-uniformly in [min, max], >= floor
+  time_step_limit: tuple[float, float] = dataclasses.field(
+    default=(0.0, math.inf), metadata={"infinite": True}
+  )
+  time_step_min: float = 1e-3  # initial dt drawn log-uniformly in [min, max], >= floor
   time_step_max: float = 0.1
   time_step_floor: float = 1e-4
   conv_bias: bool = True
-  use_bias: bool = False               # biases on the mixers' in and out projections
+  use_bias: bool = False  # biases on the mixers' in and out projections
   norm_eps: float = 1e-5
-  residual_in_fp32: bool = True        # the residual stream in float32 whatever the dtype
+  residual_in_fp32: bool = True  # the residual stream in float32 whatever the dtype
   tie_embeddings: bool = True
   # The longest sequence accepted. Nothing is sized by it but a hybrid's key/value cache.
   max_len: int = 1 << 20
   # Per layer "mamba" or "attention" (a hybrid stack); None: every layer "mamba".
   layer_types: tuple[str, ...] | None = None
-  num_heads: int = 8                   # attention layers
+  num_heads: int = 8  # attention layers
   num_kv_heads: int | None = None
   head_dim: int | None = None
-  position: Literal["none", "rope"] = "none"   # the attention layers' positions (Jamba: none)
+  position: Literal["none", "rope"] = "none"  # the attention layers' positions (Jamba: none)
   rope_theta: float = 10000.0
-  d_ff: int = 0                        # > 0: a gated MLP in every block (Jamba); 0: none
+  d_ff: int = 0  # > 0: a gated MLP in every block (Jamba); 0: none
   activation: ops.Activation = "silu"
-  dropout_rate: float = 0.0            # residual dropout
+  dropout_rate: float = 0.0  # residual dropout
   init_std: float = 0.02
   dtype: str = "float32"
   param_dtype: str = "float32"
-  matmul_precision: str = "float32"    # as GPTConfig's
+  matmul_precision: str = "float32"  # as GPTConfig's
   remat: Remat = "none"
   scan_layers: bool | Literal["auto"] = "auto"
-  attention_impl: ops.Implementation | None = None   # the attention layers' kernel
+  attention_impl: ops.Implementation | None = None  # the attention layers' kernel
 
   def __post_init__(self):
-    _positive(self, "vocab_size", "d_model", "num_layers", "d_state", "d_conv", "expand",
-              "ssm_head_dim", "ssm_groups", "ssm_chunk", "max_len", "num_heads")
+    _positive(
+      self,
+      "vocab_size",
+      "d_model",
+      "num_layers",
+      "d_state",
+      "d_conv",
+      "expand",
+      "ssm_head_dim",
+      "ssm_groups",
+      "ssm_chunk",
+      "max_len",
+      "num_heads",
+    )
     _choice(self, "mixer", ("mamba1", "mamba2"))
     _choice(self, "ssm_scan", ("auto", "associative", "sequential"))
     _choice(self, "ssm_impl", ("auto", "xla", "pallas"))
-    _floats(self, "time_step_min", "time_step_max", "time_step_floor", "norm_eps", "rope_theta",
-            "init_std", "dropout_rate")
+    _floats(
+      self,
+      "time_step_min",
+      "time_step_max",
+      "time_step_floor",
+      "norm_eps",
+      "rope_theta",
+      "init_std",
+      "dropout_rate",
+    )
     if self.dt_rank is not None:
       _positive(self, "dt_rank")
     limit = self.time_step_limit
@@ -509,25 +604,29 @@ class MambaConfig(_Heads):
       raise ValueError(f"time_step_limit={self.time_step_limit!r} must have 0 <= low <= high")
     object.__setattr__(self, "time_step_limit", limit)
     if not 0.0 < self.time_step_min <= self.time_step_max:
-      raise ValueError(f"time_step_min={self.time_step_min!r} and time_step_max="
-                       f"{self.time_step_max!r} must have 0 < min <= max")
+      raise ValueError(
+        f"time_step_min={self.time_step_min!r} and time_step_max="
+        f"{self.time_step_max!r} must have 0 < min <= max"
+      )
     if not self.norm_eps > 0:
       raise ValueError(f"norm_eps={self.norm_eps!r} must be > 0")
     if self.mixer == "mamba2":
       if self.d_inner % self.ssm_head_dim:
-        raise ValueError(f"ssm_head_dim={self.ssm_head_dim} does not divide d_inner = expand * "
-                         f"d_model = {self.d_inner}")
+        raise ValueError(
+          f"ssm_head_dim={self.ssm_head_dim} does not divide d_inner = expand * "
+          f"d_model = {self.d_inner}"
+        )
       if self.ssm_heads % self.ssm_groups:
-        raise ValueError(f"ssm_groups={self.ssm_groups} does not divide the "
-                         f"{self.ssm_heads} Mamba-2 heads")
+        raise ValueError(
+          f"ssm_groups={self.ssm_groups} does not divide the {self.ssm_heads} Mamba-2 heads"
+        )
     if self.layer_types is not None:
       types = self.layer_types
       if isinstance(types, str) or not hasattr(types, "__len__"):
         raise ValueError(f"layer_types={types!r} must be a list of 'mamba'/'attention'")
       types = tuple(types)
       if len(types) != self.num_layers:
-        raise ValueError(f"layer_types has {len(types)} entries for num_layers="
-                         f"{self.num_layers}")
+        raise ValueError(f"layer_types has {len(types)} entries for num_layers={self.num_layers}")
       bad = [t for t in types if t not in _LAYER_TYPES]
       if bad:
         raise ValueError(f"layer_types: {bad[0]!r} must be 'mamba' or 'attention'")
@@ -543,7 +642,8 @@ class MambaConfig(_Heads):
       _positive(self, "num_kv_heads")
       if self.num_heads % self.num_kv_heads:
         raise ValueError(
-            f"num_kv_heads={self.num_kv_heads} does not divide num_heads={self.num_heads}")
+          f"num_kv_heads={self.num_kv_heads} does not divide num_heads={self.num_heads}"
+        )
     _choice(self, "position", ("none", "rope"))
     if self.position == "rope" and self.head_size % 2:
       raise ValueError(f"head_dim={self.head_size} must be even for rotary positions")
@@ -582,27 +682,51 @@ class MambaConfig(_Heads):
 
   def mamba_kind(self) -> MambaKind:
     return MambaKind(
-        version=1 if self.mixer == "mamba1" else 2, d_model=self.d_model, d_inner=self.d_inner,
-        d_state=self.d_state, d_conv=self.d_conv, dt_rank=self.time_step_rank,
-        head_dim=self.ssm_head_dim, groups=self.ssm_groups, chunk_size=self.ssm_chunk,
-        scan_method=self.ssm_scan, ssd_impl=self.ssm_impl, time_step_limit=self.time_step_limit, time_step_min=self.time_step_min,
-        time_step_max=self.time_step_max, time_step_floor=self.time_step_floor,
-        conv_bias=self.conv_bias, use_bias=self.use_bias, norm_eps=self.norm_eps,
-        init_std=self.init_std,
-        # One residual branch per layer: GPT-2's 1/sqrt(N) scaling of the output projections.
-        out_init_std=self.init_std / self.num_layers**0.5, dtype=self.dtype,
-        param_dtype=self.param_dtype)
+      version=1 if self.mixer == "mamba1" else 2,
+      d_model=self.d_model,
+      d_inner=self.d_inner,
+      d_state=self.d_state,
+      d_conv=self.d_conv,
+      dt_rank=self.time_step_rank,
+      head_dim=self.ssm_head_dim,
+      groups=self.ssm_groups,
+      chunk_size=self.ssm_chunk,
+      scan_method=self.ssm_scan,
+      ssd_impl=self.ssm_impl,
+      time_step_limit=self.time_step_limit,
+      time_step_min=self.time_step_min,
+      time_step_max=self.time_step_max,
+      time_step_floor=self.time_step_floor,
+      conv_bias=self.conv_bias,
+      use_bias=self.use_bias,
+      norm_eps=self.norm_eps,
+      init_std=self.init_std,
+      # One residual branch per layer: GPT-2's 1/sqrt(N) scaling of the output projections.
+      out_init_std=self.init_std / self.num_layers**0.5,
+      dtype=self.dtype,
+      param_dtype=self.param_dtype,
+    )
 
   def block_config(self) -> MixerBlockConfig:
     return MixerBlockConfig(
-        d_model=self.d_model, norm_eps=self.norm_eps, mamba=self.mamba_kind(),
-        residual_in_fp32=self.residual_in_fp32, num_heads=self.num_heads,
-        num_kv_heads=self.kv_heads, head_dim=self.head_size,
-        rope_theta=self.rope_theta if self.position == "rope" else None,
-        attention_impl=self.attention_impl, d_ff=self.d_ff, activation=self.activation,
-        gated=True, dropout_rate=self.dropout_rate, init_std=self.init_std,
-        out_init_std=self.init_std / self.num_layers**0.5, dtype=self.dtype,
-        param_dtype=self.param_dtype)
+      d_model=self.d_model,
+      norm_eps=self.norm_eps,
+      mamba=self.mamba_kind(),
+      residual_in_fp32=self.residual_in_fp32,
+      num_heads=self.num_heads,
+      num_kv_heads=self.kv_heads,
+      head_dim=self.head_size,
+      rope_theta=self.rope_theta if self.position == "rope" else None,
+      attention_impl=self.attention_impl,
+      d_ff=self.d_ff,
+      activation=self.activation,
+      gated=True,
+      dropout_rate=self.dropout_rate,
+      init_std=self.init_std,
+      out_init_std=self.init_std / self.num_layers**0.5,
+      dtype=self.dtype,
+      param_dtype=self.param_dtype,
+    )
 
 
 _REFORMER_KINDS = ("lsh", "local")
@@ -626,20 +750,20 @@ class ReformerConfig:
   axial_pos_shape: tuple[int, int] | None = (64, 64)
   axial_pos_dims: tuple[int, int] = (64, 192)
   axial_init_std: float = 1.0
-  causal: bool = True                  # a decoder (transformers' is_decoder)
+  causal: bool = True  # a decoder (transformers' is_decoder)
   lsh_chunk_length: int = 64
   lsh_chunks_before: int = 1
   lsh_chunks_after: int = 0
   n_hashes: int = 1
   n_buckets: int | tuple[int, ...] = 64  # even; or even factors whose product is the buckets
-  hash_seed: int = 0                   # the random rotations' seed (ops.lsh.random_rotations)
+  hash_seed: int = 0  # the random rotations' seed (ops.lsh.random_rotations)
   local_chunk_length: int = 64
   local_chunks_before: int = 1
   local_chunks_after: int = 0
-  ff_chunk: int = 0                    # chunked feed-forward: positions per chunk; 0: at once
+  ff_chunk: int = 0  # chunked feed-forward: positions per chunk; 0: at once
   activation: ops.Activation = "relu"
   norm_eps: float = 1e-12
-  dropout_rate: float = 0.0            # embeddings, residual branches and the final norm
+  dropout_rate: float = 0.0  # embeddings, residual branches and the final norm
   init_std: float = 0.02
   dtype: str = "float32"
   param_dtype: str = "float32"
@@ -647,33 +771,58 @@ class ReformerConfig:
 
   def __post_init__(self):
     for name in ("attn_layers", "axial_pos_shape", "axial_pos_dims", "n_buckets"):
-      if isinstance(getattr(self, name), list):   # from YAML / JSON
+      if isinstance(getattr(self, name), list):  # from YAML / JSON
         object.__setattr__(self, name, tuple(getattr(self, name)))
-    _positive(self, "vocab_size", "d_model", "num_heads", "head_dim", "d_ff", "max_len",
-              "lsh_chunk_length", "local_chunk_length", "n_hashes")
-    for name in ("lsh_chunks_before", "lsh_chunks_after", "local_chunks_before",
-                 "local_chunks_after", "ff_chunk", "hash_seed"):
+    _positive(
+      self,
+      "vocab_size",
+      "d_model",
+      "num_heads",
+      "head_dim",
+      "d_ff",
+      "max_len",
+      "lsh_chunk_length",
+      "local_chunk_length",
+      "n_hashes",
+    )
+    for name in (
+      "lsh_chunks_before",
+      "lsh_chunks_after",
+      "local_chunks_before",
+      "local_chunks_after",
+      "ff_chunk",
+      "hash_seed",
+    ):
       if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
         raise ValueError(f"{name}={getattr(self, name)!r} must be an integer >= 0")
-    if (not isinstance(self.attn_layers, tuple) or not self.attn_layers
-        or any(k not in _REFORMER_KINDS for k in self.attn_layers)):
-      raise ValueError(f"attn_layers={self.attn_layers!r} must be a non-empty list of 'lsh' and "
-                       "'local'")
+    if (
+      not isinstance(self.attn_layers, tuple)
+      or not self.attn_layers
+      or any(k not in _REFORMER_KINDS for k in self.attn_layers)
+    ):
+      raise ValueError(
+        f"attn_layers={self.attn_layers!r} must be a non-empty list of 'lsh' and 'local'"
+      )
     factors = (self.n_buckets,) if isinstance(self.n_buckets, int) else self.n_buckets
-    if not factors or any(isinstance(f, bool) or not isinstance(f, int) or f < 2 or f % 2
-                          for f in factors):
-      raise ValueError(f"n_buckets={self.n_buckets!r} must be an even integer >= 2 or a list of "
-                       "them")
+    if not factors or any(
+      isinstance(f, bool) or not isinstance(f, int) or f < 2 or f % 2 for f in factors
+    ):
+      raise ValueError(
+        f"n_buckets={self.n_buckets!r} must be an even integer >= 2 or a list of them"
+      )
     if self.axial_pos_shape is not None:
       shape, dims = self.axial_pos_shape, self.axial_pos_dims
       if len(shape) != 2 or any(not isinstance(x, int) or x < 1 for x in shape):
         raise ValueError(f"axial_pos_shape={shape!r} must be two positive integers")
       if len(dims) != 2 or sum(dims) != self.d_model:
-        raise ValueError(f"axial_pos_dims={dims!r} must be two widths summing to d_model="
-                         f"{self.d_model}")
+        raise ValueError(
+          f"axial_pos_dims={dims!r} must be two widths summing to d_model={self.d_model}"
+        )
       if shape[0] * shape[1] < self.max_len:
-        raise ValueError(f"axial_pos_shape={shape!r} covers {shape[0] * shape[1]} positions, "
-                         f"fewer than max_len={self.max_len}")
+        raise ValueError(
+          f"axial_pos_shape={shape!r} covers {shape[0] * shape[1]} positions, "
+          f"fewer than max_len={self.max_len}"
+        )
     _choice(self, "activation", _ACTIVATIONS)
     _rate(self, "dropout_rate")
     _dtype(self, "dtype", "param_dtype")
@@ -686,8 +835,7 @@ class ReformerConfig:
     return len(self.attn_layers)
 
 
-ModelConfig = (GPTConfig | BERTConfig | Seq2SeqConfig | MambaConfig
-               | ReformerConfig)
+ModelConfig = GPTConfig | BERTConfig | Seq2SeqConfig | MambaConfig | ReformerConfig
 
 # "auto" unrolls at most this many layers in all (encoder and decoder together): the unrolled
 # program's compile time grows with every layer (experiments/PERFORMANCE.md, "Unrolled layers").
@@ -711,16 +859,23 @@ def unrolls_layers(config: ModelConfig, backend: backends.Backend | None = None)
   """
   if config.scan_layers != "auto":
     return not config.scan_layers
-  layers = (config.num_encoder_layers + config.num_decoder_layers
-            if isinstance(config, Seq2SeqConfig) else config.num_layers)
+  layers = (
+    config.num_encoder_layers + config.num_decoder_layers
+    if isinstance(config, Seq2SeqConfig)
+    else config.num_layers
+  )
   if layers > UNROLL_MAX_LAYERS:
     return False
   return (backend or backends.current()).unrolls_layers(config.dtype)
 
 
-_FAMILIES = {"gpt": GPTConfig, "bert": BERTConfig, "seq2seq": Seq2SeqConfig,
-             "mamba": MambaConfig,
-             "reformer": ReformerConfig}
+_FAMILIES = {
+  "gpt": GPTConfig,
+  "bert": BERTConfig,
+  "seq2seq": Seq2SeqConfig,
+  "mamba": MambaConfig,
+  "reformer": ReformerConfig,
+}
 
 
 def config_to_dict(config: ModelConfig) -> dict:

@@ -5,7 +5,12 @@ from __future__ import annotations
 import dataclasses
 
 from transformer_jax.models.config import (
-    BERTConfig, GPTConfig, MambaConfig, ModelConfig, Seq2SeqConfig)
+  BERTConfig,
+  GPTConfig,
+  MambaConfig,
+  ModelConfig,
+  Seq2SeqConfig,
+)
 
 
 def _attention(c, use_bias: bool) -> int:
@@ -16,8 +21,9 @@ def _attention(c, use_bias: bool) -> int:
 
 def _mlp(c, gated: bool, use_bias: bool) -> int:
   ins = 2 if gated else 1
-  return ins * c.d_model * c.d_ff + c.d_ff * c.d_model + (
-      (ins * c.d_ff + c.d_model) if use_bias else 0)
+  return (
+    ins * c.d_model * c.d_ff + c.d_ff * c.d_model + ((ins * c.d_ff + c.d_model) if use_bias else 0)
+  )
 
 
 def _norm(d: int, kind: str) -> int:
@@ -29,12 +35,12 @@ def _mamba_mixer(c: MambaConfig) -> int:
   if c.mixer == "mamba1":
     r = c.time_step_rank
     channels = e
-    inner = e * (r + 2 * s) + (r * e + e) + e * s + e   # x_proj, dt_proj, A_log, D
+    inner = e * (r + 2 * s) + (r * e + e) + e * s + e  # x_proj, dt_proj, A_log, D
     proj = 2 * e
   else:
     n, gs = c.ssm_heads, c.ssm_groups * s
     channels = e + 2 * gs
-    inner = 3 * n + e                                    # dt_bias, A_log, D, gated norm
+    inner = 3 * n + e  # dt_bias, A_log, D, gated norm
     proj = 2 * e + 2 * gs + n
   in_out = d * proj + e * d + ((proj + d) if c.use_bias else 0)
   return in_out + w * channels + (channels if c.conv_bias else 0) + inner
@@ -43,7 +49,7 @@ def _mamba_mixer(c: MambaConfig) -> int:
 @dataclasses.dataclass(frozen=True)
 class ParamCount:
   total: int
-  embedding: int        # lookup tables: tokens, positions, token types, relative-position buckets
+  embedding: int  # lookup tables: tokens, positions, token types, relative-position buckets
 
   @property
   def non_embedding(self) -> int:
@@ -55,7 +61,9 @@ def param_count(config: ModelConfig) -> ParamCount:
   c = config
   match c:
     case GPTConfig():
-      block = _attention(c, c.use_bias) + _mlp(c, c.gated, c.use_bias) + 2 * _norm(c.d_model, c.norm)
+      block = (
+        _attention(c, c.use_bias) + _mlp(c, c.gated, c.use_bias) + 2 * _norm(c.d_model, c.norm)
+      )
       tables = c.vocab_size * c.d_model + (c.max_len * c.d_model if c.position == "learned" else 0)
       head = 0 if c.tie_embeddings else c.d_model * c.vocab_size
       head += c.d_model * c.num_labels + c.num_labels
@@ -82,8 +90,9 @@ def param_count(config: ModelConfig) -> ParamCount:
       d = c.d_model
       attn = d * c.num_heads * c.head_size * 2 + 2 * d * c.kv_heads * c.head_size
       mlp = (3 * d * c.d_ff + d) if c.d_ff else 0
-      blocks = sum(d + mlp + (_mamba_mixer(c) if kind == "mamba" else attn)
-                   for kind in c.layer_kinds)
+      blocks = sum(
+        d + mlp + (_mamba_mixer(c) if kind == "mamba" else attn) for kind in c.layer_kinds
+      )
       tables = c.vocab_size * d
       head = 0 if c.tie_embeddings else d * c.vocab_size
       return ParamCount(tables + blocks + d + head, tables)
@@ -99,8 +108,11 @@ def count_params(config: ModelConfig) -> int:
 def _layers(c: ModelConfig) -> tuple[int, int]:
   """(self-attention layers over the sequence, number of attention modules incl. cross)."""
   if isinstance(c, Seq2SeqConfig):
-    return c.num_encoder_layers + c.num_decoder_layers, c.num_encoder_layers + 2 * c.num_decoder_layers
-  if isinstance(c, MambaConfig):   # a hybrid's attention layers only
+    return (
+      c.num_encoder_layers + c.num_decoder_layers,
+      c.num_encoder_layers + 2 * c.num_decoder_layers,
+    )
+  if isinstance(c, MambaConfig):  # a hybrid's attention layers only
     n = c.layer_kinds.count("attention")
     return n, n
   return c.num_layers, c.num_layers
@@ -117,8 +129,9 @@ def train_flops_per_token(config: ModelConfig, seq_len: int) -> float:
   out, and attention only for a hybrid's attention layers.
   """
   pc = param_count(config)
-  matmul = pc.non_embedding + (config.d_model * config.vocab_size
-                               if getattr(config, "tie_embeddings", True) else 0)
+  matmul = pc.non_embedding + (
+    config.d_model * config.vocab_size if getattr(config, "tie_embeddings", True) else 0
+  )
   _, attn_modules = _layers(config)
   attn = 12 * attn_modules * seq_len * config.num_heads * config.head_size
   return 6.0 * matmul + attn
@@ -142,5 +155,10 @@ def train_memory_bytes(config: ModelConfig, batch_size: int, seq_len: int) -> di
   else:
     acts = layers * per_layer
   logits = 2 * b * t * config.vocab_size * 4
-  return {"params": 4.0 * n, "grads": 4.0 * n, "optimizer": 8.0 * n, "activations": acts + logits,
-          "total": 16.0 * n + acts + logits}
+  return {
+    "params": 4.0 * n,
+    "grads": 4.0 * n,
+    "optimizer": 8.0 * n,
+    "activations": acts + logits,
+    "total": 16.0 * n + acts + logits,
+  }

@@ -16,7 +16,13 @@ from jax.sharding import Mesh
 from transformer_jax.backends import Backend
 from transformer_jax.models.bert import BERT
 from transformer_jax.models.config import (
-    BERTConfig, GPTConfig, MambaConfig, ModelConfig, ReformerConfig, Seq2SeqConfig)
+  BERTConfig,
+  GPTConfig,
+  MambaConfig,
+  ModelConfig,
+  ReformerConfig,
+  Seq2SeqConfig,
+)
 from transformer_jax.models.gpt import GPT
 from transformer_jax.models.mamba import Mamba
 from transformer_jax.models.reformer import Reformer
@@ -39,8 +45,13 @@ def model_class(config: ModelConfig) -> type[nnx.Module]:
       raise TypeError(f"not a model config: {type(config).__name__}")
 
 
-def create(config: ModelConfig, *, rngs: nnx.Rngs | None = None, mesh: Mesh | None = None,
-           backend: Backend | None = None) -> nnx.Module:
+def create(
+  config: ModelConfig,
+  *,
+  rngs: nnx.Rngs | None = None,
+  mesh: Mesh | None = None,
+  backend: Backend | None = None,
+) -> nnx.Module:
   """The NNX module for ``config`` (GPT, BERT or Seq2Seq), built for ``mesh`` and ``backend``
   (see ``GPT``).
 
@@ -52,16 +63,19 @@ def create(config: ModelConfig, *, rngs: nnx.Rngs | None = None, mesh: Mesh | No
   return model_class(config)(config, rngs=rngs, mesh=mesh, backend=backend)
 
 
-def abstract(config: ModelConfig, mesh: Mesh | None = None,
-             backend: Backend | None = None) -> nnx.Module:
+def abstract(
+  config: ModelConfig, mesh: Mesh | None = None, backend: Backend | None = None
+) -> nnx.Module:
   """The module with ``ShapeDtypeStruct`` parameters: no memory, any size (``nnx.eval_shape``)."""
   return nnx.eval_shape(
-      lambda: model_class(config)(config, rngs=nnx.Rngs(0), mesh=mesh, backend=backend))
+    lambda: model_class(config)(config, rngs=nnx.Rngs(0), mesh=mesh, backend=backend)
+  )
 
 
 @functools.lru_cache(maxsize=64)
-def graphdef(config: ModelConfig, mesh: Mesh | None = None,
-             backend: Backend | None = None) -> nnx.GraphDef:
+def graphdef(
+  config: ModelConfig, mesh: Mesh | None = None, backend: Backend | None = None
+) -> nnx.GraphDef:
   """The model's graph definition; ``mesh``: the mesh its layers run on (ring attention and
   activation shardings; see ``GPT``); ``backend``: the kernels they call (default
   ``backends.current()``, the default kernel table). Parameters depend on neither."""

@@ -11,8 +11,14 @@ from jax.sharding import Mesh
 from transformer_jax import backends, ops
 from transformer_jax.layers import Embed, KVCache, LinearCache, Norm, Stack
 from transformer_jax.models.common import (
-    check_length, check_positions, check_same_shape, check_tokens, hidden_lm_loss, output_heads,
-    with_matmul_precision)
+  check_length,
+  check_positions,
+  check_same_shape,
+  check_tokens,
+  hidden_lm_loss,
+  output_heads,
+  with_matmul_precision,
+)
 from transformer_jax.models.config import GPTConfig, unrolls_layers
 from transformer_jax.parallel import axes as ax
 
@@ -20,8 +26,14 @@ from transformer_jax.parallel import axes as ax
 class GPT(nnx.Module):
   """``GPT(config, rngs=nnx.Rngs(0))(tokens) -> logits [B, T, V]``."""
 
-  def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None,
-               backend: backends.Backend | None = None):
+  def __init__(
+    self,
+    config: GPTConfig,
+    *,
+    rngs: nnx.Rngs,
+    mesh: Mesh | None = None,
+    backend: backends.Backend | None = None,
+  ):
     """``mesh``: the device mesh the model runs on (activation shardings, ring attention under
     ``mesh.sequence > 1``); None on one device or to leave the layout to GSPMD. ``backend``: the
     kernels its layers call (default ``backends.current()``, the default kernel table)."""
@@ -32,24 +44,57 @@ class GPT(nnx.Module):
     # Sinusoidal positions (Vaswani et al. 3.4): token embeddings drawn with std d^-0.5 and
     # multiplied by sqrt(d), so tokens and the fixed table (entries of size ~1) are of one scale.
     token_std = c.d_model**-0.5 if c.position == "sinusoidal" else c.init_std
-    self.embed = Embed(c.vocab_size, c.d_model, init_std=token_std, dtype=dtype,
-                       param_dtype=param_dtype, rngs=rngs, backend=backend)
-    self.pos_embed = (Embed(c.max_len, c.d_model, init_std=c.init_std / 2, dtype=dtype,
-                            param_dtype=param_dtype, rngs=rngs, axes=(ax.POSITIONS, ax.EMBED))
-                      if c.position == "learned" else None)
-    self.blocks = Stack(c.block_config(), c.num_layers, remat=c.remat,
-                        unroll=unrolls_layers(c, backend), reversible=c.reversible, rngs=rngs,
-                        mesh=mesh, backend=backend)
-    self.final_norm = Norm(c.d_model, kind=c.norm, eps=c.norm_eps, param_dtype=param_dtype,
-                           rngs=rngs)
-    self.lm_head, self.classifier = output_heads(c, dtype=dtype, param_dtype=param_dtype,
-                                                 rngs=rngs, backend=backend)
+    self.embed = Embed(
+      c.vocab_size,
+      c.d_model,
+      init_std=token_std,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      rngs=rngs,
+      backend=backend,
+    )
+    self.pos_embed = (
+      Embed(
+        c.max_len,
+        c.d_model,
+        init_std=c.init_std / 2,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        rngs=rngs,
+        axes=(ax.POSITIONS, ax.EMBED),
+      )
+      if c.position == "learned"
+      else None
+    )
+    self.blocks = Stack(
+      c.block_config(),
+      c.num_layers,
+      remat=c.remat,
+      unroll=unrolls_layers(c, backend),
+      reversible=c.reversible,
+      rngs=rngs,
+      mesh=mesh,
+      backend=backend,
+    )
+    self.final_norm = Norm(
+      c.d_model, kind=c.norm, eps=c.norm_eps, param_dtype=param_dtype, rngs=rngs
+    )
+    self.lm_head, self.classifier = output_heads(
+      c, dtype=dtype, param_dtype=param_dtype, rngs=rngs, backend=backend
+    )
 
   @with_matmul_precision
-  def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-               segment_ids: jax.Array | None = None, attention_mask: jax.Array | None = None, *,
-               dropout_rng: jax.Array | None = None, cache: KVCache | None = None,
-               layer_params: tuple[nnx.State, ...] | None = None):
+  def __call__(
+    self,
+    tokens: jax.Array,
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    attention_mask: jax.Array | None = None,
+    *,
+    dropout_rng: jax.Array | None = None,
+    cache: KVCache | None = None,
+    layer_params: tuple[nnx.State, ...] | None = None,
+  ):
     """Next-token logits.
 
     Args:
@@ -72,60 +117,108 @@ class GPT(nnx.Module):
     Returns:
       float32 logits ``[B, T, V]``; with a cache, ``(logits, cache)`` with the new tokens added.
     """
-    x_BTD, cache = self._hidden_states(tokens, positions, segment_ids, attention_mask,
-                                       dropout_rng=dropout_rng, cache=cache,
-                                       layer_params=layer_params)
+    x_BTD, cache = self._hidden_states(
+      tokens,
+      positions,
+      segment_ids,
+      attention_mask,
+      dropout_rng=dropout_rng,
+      cache=cache,
+      layer_params=layer_params,
+    )
     logits_BTV = self.logits(x_BTD)
     return logits_BTV if cache is None else (logits_BTV, cache)
 
   @with_matmul_precision
-  def hidden_states(self, tokens, positions=None, segment_ids=None, attention_mask=None, *,
-                    dropout_rng=None, cache=None, layer_params=None):
+  def hidden_states(
+    self,
+    tokens,
+    positions=None,
+    segment_ids=None,
+    attention_mask=None,
+    *,
+    dropout_rng=None,
+    cache=None,
+    layer_params=None,
+  ):
     """The final-normed hidden states ``[B, T, D]`` (before the output projection); with a
     ``cache`` (as in ``__call__``), ``(hidden states, cache)``."""
-    x_BTD, cache = self._hidden_states(tokens, positions, segment_ids, attention_mask,
-                                       dropout_rng=dropout_rng, cache=cache,
-                                       layer_params=layer_params)
+    x_BTD, cache = self._hidden_states(
+      tokens,
+      positions,
+      segment_ids,
+      attention_mask,
+      dropout_rng=dropout_rng,
+      cache=cache,
+      layer_params=layer_params,
+    )
     return x_BTD if cache is None else (x_BTD, cache)
 
   @with_matmul_precision
-  def attention_weights(self, tokens: jax.Array, positions: jax.Array | None = None,
-                        segment_ids: jax.Array | None = None,
-                        attention_mask: jax.Array | None = None) -> jax.Array:
+  def attention_weights(
+    self,
+    tokens: jax.Array,
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    attention_mask: jax.Array | None = None,
+  ) -> jax.Array:
     """Every layer's self-attention weights ``[L, B, N, T, S]`` (float32, S = T) for ``tokens``,
     with the masks and ALiBi bias of ``__call__`` (arguments as there; no dropout)."""
-    x_BTD, block_kwargs, _, _ = self._block_inputs(tokens, positions, segment_ids,
-                                                   attention_mask)
+    x_BTD, block_kwargs, _, _ = self._block_inputs(tokens, positions, segment_ids, attention_mask)
     return self.blocks.attention_weights(x_BTD, **block_kwargs)[1]
 
-  def _hidden_states(self, tokens, positions=None, segment_ids=None, attention_mask=None, *,
-                     dropout_rng=None, cache=None, layer_params=None):
+  def _hidden_states(
+    self,
+    tokens,
+    positions=None,
+    segment_ids=None,
+    attention_mask=None,
+    *,
+    dropout_rng=None,
+    cache=None,
+    layer_params=None,
+  ):
     x_BTD, block_kwargs, blocks_rng, cache = self._block_inputs(
-        tokens, positions, segment_ids, attention_mask, dropout_rng=dropout_rng, cache=cache)
-    x_BTD, cache = self.blocks(x_BTD, **block_kwargs, dropout_rng=blocks_rng, cache=cache,
-                               layer_params=layer_params)
+      tokens, positions, segment_ids, attention_mask, dropout_rng=dropout_rng, cache=cache
+    )
+    x_BTD, cache = self.blocks(
+      x_BTD, **block_kwargs, dropout_rng=blocks_rng, cache=cache, layer_params=layer_params
+    )
     return self.final_norm(x_BTD), cache
 
-  def _block_inputs(self, tokens, positions=None, segment_ids=None, attention_mask=None, *,
-                    dropout_rng=None, cache=None):
+  def _block_inputs(
+    self,
+    tokens,
+    positions=None,
+    segment_ids=None,
+    attention_mask=None,
+    *,
+    dropout_rng=None,
+    cache=None,
+  ):
     """The embedded tokens ``[B, T, D]``, the blocks' mask and bias parts, their dropout key and
     the cache (``cache.positions`` give the positions when decoding)."""
     c = self.config
     check_tokens("tokens", tokens, c.vocab_size)
-    for name, arr in (("positions", positions), ("segment_ids", segment_ids),
-                      ("attention_mask", attention_mask)):
+    for name, arr in (
+      ("positions", positions),
+      ("segment_ids", segment_ids),
+      ("attention_mask", attention_mask),
+    ):
       if arr is not None and jnp.ndim(arr) == 2:
         check_same_shape(name, arr, "tokens", tokens)
     t = tokens.shape[1]
     if cache is not None:
       if positions is not None or segment_ids is not None or attention_mask is not None:
-        raise ValueError("with a cache, positions/segment_ids/attention_mask must be None "
-                         "(positions come from the cache's lengths)")
+        raise ValueError(
+          "with a cache, positions/segment_ids/attention_mask must be None "
+          "(positions come from the cache's lengths)"
+        )
       positions = cache.positions(t)
     else:
       if c.position in ("learned", "sinusoidal"):
         check_length("tokens", t, c.max_len)
-        check_positions("positions", positions, c.max_len)   # rows of a table: never clamped
+        check_positions("positions", positions, c.max_len)  # rows of a table: never clamped
       if positions is None:
         positions = jnp.arange(t)[None, :]
     if attention_mask is not None:
@@ -139,21 +232,32 @@ class GPT(nnx.Module):
       # Tokens at init_std (0.02) under a table of size ~1 reach the blocks as noise on the
       # positions, and the model never gets past the unigram loss: scale them up to the table's.
       x_BTD = x_BTD * jnp.asarray(c.d_model**0.5, x_BTD.dtype)
-      x_BTD = x_BTD + jnp.take(ops.sinusoidal_positions(c.max_len, c.d_model), positions,
-                               axis=0, mode="clip").astype(x_BTD.dtype)
+      x_BTD = x_BTD + jnp.take(
+        ops.sinusoidal_positions(c.max_len, c.d_model), positions, axis=0, mode="clip"
+      ).astype(x_BTD.dtype)
     x_BTD = ops.dropout(x_BTD, c.dropout_rate, embed_rng)
 
     # The mask by its parts; ALiBi as a function of positions (slopes as its parameters).
     alibi = c.position == "alibi"
     block_kwargs = dict(
-        positions=positions, causal=True, kv_valid=attention_mask, segment_ids=segment_ids,
-        window=c.sliding_window, bias_fn=ops.AlibiBias() if alibi else None,
-        bias_params=jnp.asarray(ops.alibi_slopes(c.num_heads), jnp.float32) if alibi else None)
+      positions=positions,
+      causal=True,
+      kv_valid=attention_mask,
+      segment_ids=segment_ids,
+      window=c.sliding_window,
+      bias_fn=ops.AlibiBias() if alibi else None,
+      bias_params=jnp.asarray(ops.alibi_slopes(c.num_heads), jnp.float32) if alibi else None,
+    )
     return x_BTD, block_kwargs, blocks_rng, cache
 
   @with_matmul_precision
-  def classify(self, tokens: jax.Array, attention_mask: jax.Array | None = None, *,
-               dropout_rng: jax.Array | None = None) -> jax.Array:
+  def classify(
+    self,
+    tokens: jax.Array,
+    attention_mask: jax.Array | None = None,
+    *,
+    dropout_rng: jax.Array | None = None,
+  ) -> jax.Array:
     """Classification logits ``[B, num_labels]`` (float32) from the final hidden state of each
     row's last real token (the only one that has seen the whole text under a causal mask).
 
@@ -178,18 +282,33 @@ class GPT(nnx.Module):
     for linear attention a ``LinearCache``, whose size does not depend on ``max_len``."""
     if config.attention_kind == "linear":
       return LinearCache.zeros(config.num_layers, batch_size, config.num_heads, config.head_size)
-    return KVCache.zeros(config.num_layers, batch_size, max_len, config.kv_heads,
-                         config.head_size, dtype, window=config.sliding_window)
+    return KVCache.zeros(
+      config.num_layers,
+      batch_size,
+      max_len,
+      config.kv_heads,
+      config.head_size,
+      dtype,
+      window=config.sliding_window,
+    )
 
   def split_layers(self) -> tuple[nnx.State, ...]:
     """The layers' parameters, one state per layer: ``layer_params`` of a decoding loop."""
     return self.blocks.split_layers()
 
   @with_matmul_precision
-  def lm_loss(self, tokens: jax.Array, labels: jax.Array, weights: jax.Array,
-              positions: jax.Array | None = None, segment_ids: jax.Array | None = None, *,
-              dropout_rng: jax.Array | None = None, label_smoothing: float = 0.0,
-              z_loss: float = 0.0) -> tuple[jax.Array, jax.Array]:
+  def lm_loss(
+    self,
+    tokens: jax.Array,
+    labels: jax.Array,
+    weights: jax.Array,
+    positions: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    *,
+    dropout_rng: jax.Array | None = None,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+  ) -> tuple[jax.Array, jax.Array]:
     """The next-token loss without the ``[B, T, V]`` logits (``ops.linear_cross_entropy`` in the
     backend's layout).
 
@@ -206,8 +325,9 @@ class GPT(nnx.Module):
       the tokens whose label has the largest logit.
     """
     x_BTD = self.hidden_states(tokens, positions, segment_ids, dropout_rng=dropout_rng)
-    return hidden_lm_loss(self, x_BTD, labels, weights, label_smoothing=label_smoothing,
-                          z_loss=z_loss)
+    return hidden_lm_loss(
+      self, x_BTD, labels, weights, label_smoothing=label_smoothing, z_loss=z_loss
+    )
 
   @with_matmul_precision
   def logits(self, x_BTD: jax.Array) -> jax.Array:

@@ -11,17 +11,34 @@ import difflib
 
 from transformer_jax import ops
 from transformer_jax.models.config import (
-    BERTConfig, GPTConfig, MambaConfig, ModelConfig, Seq2SeqConfig)
+  BERTConfig,
+  GPTConfig,
+  MambaConfig,
+  ModelConfig,
+  Seq2SeqConfig,
+)
 
 
 def _gpt2(d_model: int, num_layers: int, num_heads: int) -> GPTConfig:
   # Radford et al. 2019: vocabulary 50257, context 1024, d_ff = 4 d_model, tied embeddings.
-  return GPTConfig(vocab_size=50257, d_model=d_model, num_layers=num_layers, num_heads=num_heads,
-                   d_ff=4 * d_model, max_len=1024)
+  return GPTConfig(
+    vocab_size=50257,
+    d_model=d_model,
+    num_layers=num_layers,
+    num_heads=num_heads,
+    d_ff=4 * d_model,
+    max_len=1024,
+  )
 
 
-_LLAMA = dict(position="rope", norm="rmsnorm", activation="silu", gated=True, use_bias=False,
-              tie_embeddings=False)
+_LLAMA = dict(
+  position="rope",
+  norm="rmsnorm",
+  activation="silu",
+  gated=True,
+  use_bias=False,
+  tie_embeddings=False,
+)
 
 
 def _llama(**kw) -> GPTConfig:
@@ -30,19 +47,33 @@ def _llama(**kw) -> GPTConfig:
 
 def _bert(d_model: int, num_layers: int) -> BERTConfig:
   # Devlin et al. and Turc et al. ("Well-Read Students Learn Better"): 64-dim heads, d_ff = 4 d.
-  return BERTConfig(d_model=d_model, num_layers=num_layers, num_heads=d_model // 64,
-                    d_ff=4 * d_model)
+  return BERTConfig(
+    d_model=d_model, num_layers=num_layers, num_heads=d_model // 64, d_ff=4 * d_model
+  )
 
 
 def _transformer(d_model: int, num_heads: int, d_ff: int, dropout: float) -> Seq2SeqConfig:
   # Vaswani et al. 2017, Table 3: shared source/target BPE vocabulary of about 37000 tokens.
-  return Seq2SeqConfig(vocab_size=37000, d_model=d_model, num_heads=num_heads, d_ff=d_ff,
-                       dropout_rate=dropout)
+  return Seq2SeqConfig(
+    vocab_size=37000, d_model=d_model, num_heads=num_heads, d_ff=d_ff, dropout_rate=dropout
+  )
 
 
-_T5 = dict(position="relative", norm="rmsnorm", norm_eps=1e-6, pre_norm=True, activation="relu",
-           use_bias=False, tie_embeddings=True, embed_scale=False, logits_rescale=True,
-           scale_attention=False, dropout_rate=0.1, ffn_dropout_rate=0.1, embed_init_std=1.0)
+_T5 = dict(
+  position="relative",
+  norm="rmsnorm",
+  norm_eps=1e-6,
+  pre_norm=True,
+  activation="relu",
+  use_bias=False,
+  tie_embeddings=True,
+  embed_scale=False,
+  logits_rescale=True,
+  scale_attention=False,
+  dropout_rate=0.1,
+  ffn_dropout_rate=0.1,
+  embed_init_std=1.0,
+)
 
 
 def _t5(**kw) -> Seq2SeqConfig:
@@ -52,80 +83,189 @@ def _t5(**kw) -> Seq2SeqConfig:
 
 
 PRESETS: dict[str, ModelConfig] = {
-    # --- GPT-2 (decoder-only, learned positions, pre-LayerNorm, GELU-tanh, tied).
-    "gpt2-small": _gpt2(768, 12, 12),
-    "gpt2-medium": _gpt2(1024, 24, 16),
-    "gpt2-large": _gpt2(1280, 36, 20),
-    "gpt2-xl": _gpt2(1600, 48, 25),
-    "gpt2-tiny": GPTConfig(vocab_size=512, d_model=64, num_layers=2, num_heads=4, d_ff=256,
-                           max_len=128),
-    # --- GPT with ALiBi (Press et al.) instead of learned positions.
-    "gpt-alibi-tiny": GPTConfig(vocab_size=512, d_model=64, num_layers=2, num_heads=4, d_ff=256,
-                                max_len=128, position="alibi"),
-    # --- LLaMA flavour (RoPE, RMSNorm, SwiGLU, GQA, no biases, untied).
-    "llama2-7b": _llama(vocab_size=32000, d_model=4096, num_layers=32, num_heads=32, d_ff=11008,
-                        max_len=4096, norm_eps=1e-5),
-    "llama3-8b": _llama(vocab_size=128256, d_model=4096, num_layers=32, num_heads=32,
-                        num_kv_heads=8, d_ff=14336, max_len=8192, norm_eps=1e-5,
-                        rope_theta=500000.0),
-    "llama3.2-1b": _llama(vocab_size=128256, d_model=2048, num_layers=16, num_heads=32,
-                          num_kv_heads=8, d_ff=8192, max_len=131072, norm_eps=1e-5,
-                          rope_theta=500000.0, tie_embeddings=True,
-                          rope_scaling=ops.RopeScaling("llama3", factor=32.0, low_freq_factor=1.0,
-                                                       high_freq_factor=4.0,
-                                                       original_max_len=8192)),
-    # TinyLlama-1.1B's shape (Zhang et al. 2024): a LLaMA-style 1B for one GPU, context 2048.
-    "tinyllama-1.1b": _llama(vocab_size=32000, d_model=2048, num_layers=22, num_heads=32,
-                             num_kv_heads=4, d_ff=5632, max_len=2048, norm_eps=1e-5),
-    "llama-tiny": _llama(vocab_size=512, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                         d_ff=176, max_len=128, norm_eps=1e-5),
-    # --- Mistral flavour: LLaMA's with grouped-query attention over a sliding window (Jiang et
-    # al. 2023: window 4096, context 32k).
-    "mistral-7b": _llama(vocab_size=32000, d_model=4096, num_layers=32, num_heads=32,
-                         num_kv_heads=8, d_ff=14336, max_len=32768, norm_eps=1e-5,
-                         sliding_window=4096),
-    "mistral-tiny": _llama(vocab_size=512, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                           d_ff=176, max_len=256, norm_eps=1e-5, sliding_window=16),
-    # --- BERT (post-LayerNorm encoder, MLM + NSP heads).
-    "bert-base": _bert(768, 12),
-    "bert-large": BERTConfig(d_model=1024, num_layers=24, num_heads=16, d_ff=4096),
-    "bert-tiny": _bert(128, 2),      # Turc et al. BERT-Tiny  (L=2, H=128)
-    "bert-mini": _bert(256, 4),      # Turc et al. BERT-Mini  (L=4, H=256)
-    "bert-small": _bert(512, 4),     # Turc et al. BERT-Small (L=4, H=512)
-    "bert-medium": _bert(512, 8),    # Turc et al. BERT-Medium (L=8, H=512)
-    # --- The Transformer (Vaswani et al.): sinusoidal, post-LayerNorm, ReLU, shared embeddings.
-    "transformer-base": _transformer(512, 8, 2048, 0.1),
-    "transformer-big": Seq2SeqConfig(vocab_size=37000, d_model=1024, num_heads=16, d_ff=4096,
-                                     dropout_rate=0.3),
-    "transformer-tiny": Seq2SeqConfig(vocab_size=512, d_model=64, num_encoder_layers=2,
-                                      num_decoder_layers=2, num_heads=4, d_ff=256, max_len=128),
-    # --- T5 (relative bias, pre-RMSNorm, no biases). v1.0: ReLU, tied; v1.1: gated GELU, untied.
-    "t5-small": _t5(d_model=512, num_encoder_layers=6, num_decoder_layers=6, num_heads=8,
-                    d_ff=2048),
-    "t5-base": _t5(d_model=768, num_encoder_layers=12, num_decoder_layers=12, num_heads=12,
-                   d_ff=3072),
-    "t5-v1.1-small": _t5(d_model=512, num_encoder_layers=8, num_decoder_layers=8, num_heads=6,
-                         d_ff=1024, activation="gelu_tanh", gated=True, tie_embeddings=False,
-                         logits_rescale=False, dropout_rate=0.0, ffn_dropout_rate=0.0),
-    "t5-tiny": _t5(vocab_size=512, d_model=64, num_encoder_layers=2, num_decoder_layers=2,
-                   num_heads=4, head_dim=16, d_ff=128, relative_num_buckets=16,
-                   relative_max_distance=32),
-    # --- Mamba (Gu and Dao 2023): selective-scan blocks, no attention, tied; GPT-NeoX vocabulary
-    # padded to 50280. Mamba-2 (Dao and Gu 2024): SSD blocks with grouped B/C and a gated norm.
-    "mamba-130m": MambaConfig(vocab_size=50280, d_model=768, num_layers=24),
-    "mamba-2.8b": MambaConfig(vocab_size=50280, d_model=2560, num_layers=64),
-    "mamba-codestral-7b": MambaConfig(vocab_size=32768, d_model=4096, num_layers=64,
-                                      mixer="mamba2", d_state=128, ssm_head_dim=64, ssm_groups=8,
-                                      ssm_chunk=256, tie_embeddings=False),
-    "mamba-tiny": MambaConfig(vocab_size=512, d_model=64, num_layers=2, d_state=8, ssm_chunk=16),
-    "mamba2-tiny": MambaConfig(vocab_size=512, d_model=64, num_layers=2, mixer="mamba2",
-                               d_state=16, ssm_head_dim=16, ssm_groups=2, ssm_chunk=16,
-                               tie_embeddings=False),
-    # --- A hybrid stack (Jamba's pattern at toy size): Mamba and attention layers, each with a
-    # gated MLP; attention without positions (the Mamba layers carry the order).
-    "hybrid-tiny": MambaConfig(vocab_size=512, d_model=64, num_layers=3, d_state=8, ssm_chunk=16,
-                               layer_types=("mamba", "attention", "mamba"), num_heads=4,
-                               num_kv_heads=2, d_ff=128),
+  # --- GPT-2 (decoder-only, learned positions, pre-LayerNorm, GELU-tanh, tied).
+  "gpt2-small": _gpt2(768, 12, 12),
+  "gpt2-medium": _gpt2(1024, 24, 16),
+  "gpt2-large": _gpt2(1280, 36, 20),
+  "gpt2-xl": _gpt2(1600, 48, 25),
+  "gpt2-tiny": GPTConfig(
+    vocab_size=512, d_model=64, num_layers=2, num_heads=4, d_ff=256, max_len=128
+  ),
+  # --- GPT with ALiBi (Press et al.) instead of learned positions.
+  "gpt-alibi-tiny": GPTConfig(
+    vocab_size=512, d_model=64, num_layers=2, num_heads=4, d_ff=256, max_len=128, position="alibi"
+  ),
+  # --- LLaMA flavour (RoPE, RMSNorm, SwiGLU, GQA, no biases, untied).
+  "llama2-7b": _llama(
+    vocab_size=32000,
+    d_model=4096,
+    num_layers=32,
+    num_heads=32,
+    d_ff=11008,
+    max_len=4096,
+    norm_eps=1e-5,
+  ),
+  "llama3-8b": _llama(
+    vocab_size=128256,
+    d_model=4096,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    d_ff=14336,
+    max_len=8192,
+    norm_eps=1e-5,
+    rope_theta=500000.0,
+  ),
+  "llama3.2-1b": _llama(
+    vocab_size=128256,
+    d_model=2048,
+    num_layers=16,
+    num_heads=32,
+    num_kv_heads=8,
+    d_ff=8192,
+    max_len=131072,
+    norm_eps=1e-5,
+    rope_theta=500000.0,
+    tie_embeddings=True,
+    rope_scaling=ops.RopeScaling(
+      "llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_len=8192
+    ),
+  ),
+  # TinyLlama-1.1B's shape (Zhang et al. 2024): a LLaMA-style 1B for one GPU, context 2048.
+  "tinyllama-1.1b": _llama(
+    vocab_size=32000,
+    d_model=2048,
+    num_layers=22,
+    num_heads=32,
+    num_kv_heads=4,
+    d_ff=5632,
+    max_len=2048,
+    norm_eps=1e-5,
+  ),
+  "llama-tiny": _llama(
+    vocab_size=512,
+    d_model=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    d_ff=176,
+    max_len=128,
+    norm_eps=1e-5,
+  ),
+  # --- Mistral flavour: LLaMA's with grouped-query attention over a sliding window (Jiang et
+  # al. 2023: window 4096, context 32k).
+  "mistral-7b": _llama(
+    vocab_size=32000,
+    d_model=4096,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    d_ff=14336,
+    max_len=32768,
+    norm_eps=1e-5,
+    sliding_window=4096,
+  ),
+  "mistral-tiny": _llama(
+    vocab_size=512,
+    d_model=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    d_ff=176,
+    max_len=256,
+    norm_eps=1e-5,
+    sliding_window=16,
+  ),
+  # --- BERT (post-LayerNorm encoder, MLM + NSP heads).
+  "bert-base": _bert(768, 12),
+  "bert-large": BERTConfig(d_model=1024, num_layers=24, num_heads=16, d_ff=4096),
+  "bert-tiny": _bert(128, 2),  # Turc et al. BERT-Tiny  (L=2, H=128)
+  "bert-mini": _bert(256, 4),  # Turc et al. BERT-Mini  (L=4, H=256)
+  "bert-small": _bert(512, 4),  # Turc et al. BERT-Small (L=4, H=512)
+  "bert-medium": _bert(512, 8),  # Turc et al. BERT-Medium (L=8, H=512)
+  # --- The Transformer (Vaswani et al.): sinusoidal, post-LayerNorm, ReLU, shared embeddings.
+  "transformer-base": _transformer(512, 8, 2048, 0.1),
+  "transformer-big": Seq2SeqConfig(
+    vocab_size=37000, d_model=1024, num_heads=16, d_ff=4096, dropout_rate=0.3
+  ),
+  "transformer-tiny": Seq2SeqConfig(
+    vocab_size=512,
+    d_model=64,
+    num_encoder_layers=2,
+    num_decoder_layers=2,
+    num_heads=4,
+    d_ff=256,
+    max_len=128,
+  ),
+  # --- T5 (relative bias, pre-RMSNorm, no biases). v1.0: ReLU, tied; v1.1: gated GELU, untied.
+  "t5-small": _t5(d_model=512, num_encoder_layers=6, num_decoder_layers=6, num_heads=8, d_ff=2048),
+  "t5-base": _t5(
+    d_model=768, num_encoder_layers=12, num_decoder_layers=12, num_heads=12, d_ff=3072
+  ),
+  "t5-v1.1-small": _t5(
+    d_model=512,
+    num_encoder_layers=8,
+    num_decoder_layers=8,
+    num_heads=6,
+    d_ff=1024,
+    activation="gelu_tanh",
+    gated=True,
+    tie_embeddings=False,
+    logits_rescale=False,
+    dropout_rate=0.0,
+    ffn_dropout_rate=0.0,
+  ),
+  "t5-tiny": _t5(
+    vocab_size=512,
+    d_model=64,
+    num_encoder_layers=2,
+    num_decoder_layers=2,
+    num_heads=4,
+    head_dim=16,
+    d_ff=128,
+    relative_num_buckets=16,
+    relative_max_distance=32,
+  ),
+  # --- Mamba (Gu and Dao 2023): selective-scan blocks, no attention, tied; GPT-NeoX vocabulary
+  # padded to 50280. Mamba-2 (Dao and Gu 2024): SSD blocks with grouped B/C and a gated norm.
+  "mamba-130m": MambaConfig(vocab_size=50280, d_model=768, num_layers=24),
+  "mamba-2.8b": MambaConfig(vocab_size=50280, d_model=2560, num_layers=64),
+  "mamba-codestral-7b": MambaConfig(
+    vocab_size=32768,
+    d_model=4096,
+    num_layers=64,
+    mixer="mamba2",
+    d_state=128,
+    ssm_head_dim=64,
+    ssm_groups=8,
+    ssm_chunk=256,
+    tie_embeddings=False,
+  ),
+  "mamba-tiny": MambaConfig(vocab_size=512, d_model=64, num_layers=2, d_state=8, ssm_chunk=16),
+  "mamba2-tiny": MambaConfig(
+    vocab_size=512,
+    d_model=64,
+    num_layers=2,
+    mixer="mamba2",
+    d_state=16,
+    ssm_head_dim=16,
+    ssm_groups=2,
+    ssm_chunk=16,
+    tie_embeddings=False,
+  ),
+  # --- A hybrid stack (Jamba's pattern at toy size): Mamba and attention layers, each with a
+  # gated MLP; attention without positions (the Mamba layers carry the order).
+  "hybrid-tiny": MambaConfig(
+    vocab_size=512,
+    d_model=64,
+    num_layers=3,
+    d_state=8,
+    ssm_chunk=16,
+    layer_types=("mamba", "attention", "mamba"),
+    num_heads=4,
+    num_kv_heads=2,
+    d_ff=128,
+  ),
 }
 
 
@@ -149,5 +289,6 @@ def get_config(name: str, **overrides) -> ModelConfig:
   unknown = sorted(set(overrides) - fields)
   if unknown:
     raise ValueError(
-        f"{type(config).__name__} has no field(s) {', '.join(unknown)} (preset {name!r})")
+      f"{type(config).__name__} has no field(s) {', '.join(unknown)} (preset {name!r})"
+    )
   return dataclasses.replace(config, **overrides)

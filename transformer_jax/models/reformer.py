@@ -46,63 +46,116 @@ class AxialPositions(nnx.Module):
   """Axial position embeddings: position ``p`` of an ``(h, w)`` grid gets
   ``[A0[p // w], A1[p % w]]``, two tables of ``h`` and ``w`` rows instead of ``h * w``."""
 
-  def __init__(self, shape: tuple[int, int], dims: tuple[int, int], *, init_std: float,
-               param_dtype: jnp.dtype, rngs: nnx.Rngs):
+  def __init__(
+    self,
+    shape: tuple[int, int],
+    dims: tuple[int, int],
+    *,
+    init_std: float,
+    param_dtype: jnp.dtype,
+    rngs: nnx.Rngs,
+  ):
     self.width = shape[1]
-    self.rows = param(rngs, normal(init_std), (shape[0], dims[0]), (ax.POSITIONS, ax.EMBED),
-                      param_dtype)
-    self.cols = param(rngs, normal(init_std), (shape[1], dims[1]), (ax.POSITIONS, ax.EMBED),
-                      param_dtype)
+    self.rows = param(
+      rngs, normal(init_std), (shape[0], dims[0]), (ax.POSITIONS, ax.EMBED), param_dtype
+    )
+    self.cols = param(
+      rngs, normal(init_std), (shape[1], dims[1]), (ax.POSITIONS, ax.EMBED), param_dtype
+    )
 
   def __call__(self, positions: jax.Array) -> jax.Array:
-    return jnp.concatenate([jnp.take(self.rows[...], positions // self.width, axis=0),
-                            jnp.take(self.cols[...], positions % self.width, axis=0)], axis=-1)
+    return jnp.concatenate(
+      [
+        jnp.take(self.rows[...], positions // self.width, axis=0),
+        jnp.take(self.cols[...], positions % self.width, axis=0),
+      ],
+      axis=-1,
+    )
 
 
 class ReformerLayer(nnx.Module):
   """One reversible layer's two branches: attention of ``kind`` ("lsh" or "local") and the
   feed-forward, each behind its LayerNorm."""
 
-  def __init__(self, config: ReformerConfig, kind: str, *, rngs: nnx.Rngs,
-               backend: backends.Backend | None = None):
+  def __init__(
+    self,
+    config: ReformerConfig,
+    kind: str,
+    *,
+    rngs: nnx.Rngs,
+    backend: backends.Backend | None = None,
+  ):
     c = config
     self.kind = kind
     dtype, param_dtype = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
-    common = dict(init_std=c.init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-                  backend=backend)
+    common = dict(
+      init_std=c.init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs, backend=backend
+    )
     norm = dict(kind="layernorm", eps=c.norm_eps, param_dtype=param_dtype, rngs=rngs)
+
     def proj():
-      return Projection("BTD,DNH->BTNH", (c.d_model, c.num_heads, c.head_dim),
-                                  (ax.EMBED, ax.HEADS, ax.HEAD_DIM), **common)
+      return Projection(
+        "BTD,DNH->BTNH",
+        (c.d_model, c.num_heads, c.head_dim),
+        (ax.EMBED, ax.HEADS, ax.HEAD_DIM),
+        **common,
+      )
+
     self.attn_norm = Norm(c.d_model, **norm)
     if kind == "lsh":
       self.query_key, self.query, self.key = proj(), None, None
     else:
       self.query_key, self.query, self.key = None, proj(), proj()
     self.value = proj()
-    self.out = Projection("BTNH,NHD->BTD", (c.num_heads, c.head_dim, c.d_model),
-                          (ax.HEADS, ax.HEAD_DIM, ax.EMBED), **common)
+    self.out = Projection(
+      "BTNH,NHD->BTD",
+      (c.num_heads, c.head_dim, c.d_model),
+      (ax.HEADS, ax.HEAD_DIM, ax.EMBED),
+      **common,
+    )
     self.mlp_norm = Norm(c.d_model, **norm)
-    self.mlp = MLP(c.d_model, c.d_ff, activation=c.activation, gated=False, use_bias=True,
-                   init_std=c.init_std, out_init_std=c.init_std, dtype=dtype,
-                   param_dtype=param_dtype, rngs=rngs, backend=backend)
+    self.mlp = MLP(
+      c.d_model,
+      c.d_ff,
+      activation=c.activation,
+      gated=False,
+      use_bias=True,
+      init_std=c.init_std,
+      out_init_std=c.init_std,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      rngs=rngs,
+      backend=backend,
+    )
 
   def attention(self, x_BTD, config: ReformerConfig, kv_valid, rotations, key):
     """The attention branch ``[B, T, D]`` (without the residual)."""
     c = config
     h = self.attn_norm(x_BTD)
     if self.kind == "lsh":
-      out = ops.lsh_attention(self.query_key(h), self.value(h), n_buckets=c.n_buckets,
-                              n_hashes=c.n_hashes, chunk_length=c.lsh_chunk_length,
-                              chunks_before=c.lsh_chunks_before,
-                              chunks_after=c.lsh_chunks_after, causal=c.causal,
-                              kv_valid=kv_valid, rotations=jax.lax.stop_gradient(rotations))
+      out = ops.lsh_attention(
+        self.query_key(h),
+        self.value(h),
+        n_buckets=c.n_buckets,
+        n_hashes=c.n_hashes,
+        chunk_length=c.lsh_chunk_length,
+        chunks_before=c.lsh_chunks_before,
+        chunks_after=c.lsh_chunks_after,
+        causal=c.causal,
+        kv_valid=kv_valid,
+        rotations=jax.lax.stop_gradient(rotations),
+      )
     else:
-      out = ops.local_attention(self.query(h), self.key(h), self.value(h),
-                                chunk_length=c.local_chunk_length,
-                                chunks_before=c.local_chunks_before,
-                                chunks_after=c.local_chunks_after, causal=c.causal,
-                                kv_valid=kv_valid)
+      out = ops.local_attention(
+        self.query(h),
+        self.key(h),
+        self.value(h),
+        chunk_length=c.local_chunk_length,
+        chunks_before=c.local_chunks_before,
+        chunks_after=c.local_chunks_after,
+        causal=c.causal,
+        kv_valid=kv_valid,
+      )
     return ops.dropout(self.out(out), c.dropout_rate, key)
 
   def feed_forward(self, x_BTD, config: ReformerConfig, key):
@@ -135,14 +188,21 @@ def _attention_branch(graphdef, config, p, x, shared, key):
 def _feed_forward_branch(graphdef, config, p, x, shared, key):
   del shared
   return nnx.merge(graphdef, p).feed_forward(
-      x, config, None if key is None else jax.random.fold_in(key, 1))
+    x, config, None if key is None else jax.random.fold_in(key, 1)
+  )
 
 
 class Reformer(nnx.Module):
   """``Reformer(config, rngs=...)(tokens, attention_mask) -> logits [B, T, V]``."""
 
-  def __init__(self, config: ReformerConfig, *, rngs: nnx.Rngs, mesh: Mesh | None = None,
-               backend: backends.Backend | None = None):
+  def __init__(
+    self,
+    config: ReformerConfig,
+    *,
+    rngs: nnx.Rngs,
+    mesh: Mesh | None = None,
+    backend: backends.Backend | None = None,
+  ):
     """``mesh``: accepted for the families' common signature; the Reformer runs on one
     device's arrays (GSPMD splits them under a mesh). ``backend``: the kernels its projections
     call (default ``backends.current()``)."""
@@ -150,20 +210,42 @@ class Reformer(nnx.Module):
     self.config = c = config
     self.backend = backend = backend or backends.current()
     dtype, param_dtype = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
-    self.embed = Embed(c.vocab_size, c.d_model, init_std=c.init_std, dtype=dtype,
-                       param_dtype=param_dtype, rngs=rngs, backend=backend)
+    self.embed = Embed(
+      c.vocab_size,
+      c.d_model,
+      init_std=c.init_std,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      rngs=rngs,
+      backend=backend,
+    )
     if c.axial_pos_shape is None:
-      self.pos_embed = Embed(c.max_len, c.d_model, init_std=c.init_std, dtype=dtype,
-                             param_dtype=param_dtype, rngs=rngs, axes=(ax.POSITIONS, ax.EMBED))
+      self.pos_embed = Embed(
+        c.max_len,
+        c.d_model,
+        init_std=c.init_std,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        rngs=rngs,
+        axes=(ax.POSITIONS, ax.EMBED),
+      )
     else:
-      self.pos_embed = AxialPositions(c.axial_pos_shape, c.axial_pos_dims,
-                                      init_std=c.axial_init_std, param_dtype=param_dtype,
-                                      rngs=rngs)
+      self.pos_embed = AxialPositions(
+        c.axial_pos_shape,
+        c.axial_pos_dims,
+        init_std=c.axial_init_std,
+        param_dtype=param_dtype,
+        rngs=rngs,
+      )
     if "lsh" in c.attn_layers:
-      rot = lsh.random_rotations(jax.random.key(c.hash_seed), c.num_heads, c.head_dim,
-                                 c.n_hashes, c.n_buckets)
-      self.lsh_rotations = nnx.Param(rot.astype(param_dtype), out_sharding=(
-          ax.HEADS, ax.HEAD_DIM, ax.BUCKETS, ax.BUCKETS), eager_sharding=False)
+      rot = lsh.random_rotations(
+        jax.random.key(c.hash_seed), c.num_heads, c.head_dim, c.n_hashes, c.n_buckets
+      )
+      self.lsh_rotations = nnx.Param(
+        rot.astype(param_dtype),
+        out_sharding=(ax.HEADS, ax.HEAD_DIM, ax.BUCKETS, ax.BUCKETS),
+        eager_sharding=False,
+      )
     else:
       self.lsh_rotations = None
     period = layer_period(c.attn_layers)
@@ -174,16 +256,26 @@ class Reformer(nnx.Module):
       @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: ax.LAYERS})
       def make(rngs):
         return ReformerLayer(c, kind, rngs=rngs, backend=backend)
+
       return make(rngs)
 
     # Layer s * P + j is step s of stack j (P = layer_period(attn_layers)).
     self.stacks = nnx.List([stack(kind) for kind in c.attn_layers[:period]])
-    self.final_norm = Norm(2 * c.d_model, kind="layernorm", eps=c.norm_eps,
-                           param_dtype=param_dtype, rngs=rngs)
-    self.lm_head = Projection("BTE,EV->BTV", (2 * c.d_model, c.vocab_size), (ax.EMBED, ax.VOCAB),
-                              bias_shape=(c.vocab_size,), bias_axes=(ax.VOCAB,),
-                              init_std=c.init_std, dtype=dtype, param_dtype=param_dtype,
-                              rngs=rngs, backend=backend)
+    self.final_norm = Norm(
+      2 * c.d_model, kind="layernorm", eps=c.norm_eps, param_dtype=param_dtype, rngs=rngs
+    )
+    self.lm_head = Projection(
+      "BTE,EV->BTV",
+      (2 * c.d_model, c.vocab_size),
+      (ax.EMBED, ax.VOCAB),
+      bias_shape=(c.vocab_size,),
+      bias_axes=(ax.VOCAB,),
+      init_std=c.init_std,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      rngs=rngs,
+      backend=backend,
+    )
 
   def padded_length(self, t: int) -> int:
     """The length the layers see: ``t`` rounded up to a whole number of chunks of every kind
@@ -197,8 +289,14 @@ class Reformer(nnx.Module):
     return -(-t // lcm) * lcm
 
   @with_matmul_precision
-  def hidden_states(self, tokens: jax.Array, attention_mask: jax.Array | None = None, *,
-                    dropout_rng: jax.Array | None = None, recompute: bool = True) -> jax.Array:
+  def hidden_states(
+    self,
+    tokens: jax.Array,
+    attention_mask: jax.Array | None = None,
+    *,
+    dropout_rng: jax.Array | None = None,
+    recompute: bool = True,
+  ) -> jax.Array:
     """The normalised concatenated streams ``[B, T, 2D]``.
 
     Args:
@@ -220,15 +318,18 @@ class Reformer(nnx.Module):
     check_length("tokens", t, c.max_len)
     tp = self.padded_length(t)
     if tp > c.max_len:
-      raise ValueError(f"{t} tokens are padded to {tp} (whole chunks of the attention layers), "
-                       f"more than max_len={c.max_len}")
+      raise ValueError(
+        f"{t} tokens are padded to {tp} (whole chunks of the attention layers), "
+        f"more than max_len={c.max_len}"
+      )
     valid_BT = None
     if attention_mask is not None:
       valid_BT = jnp.broadcast_to(jnp.asarray(attention_mask).astype(bool), tokens.shape)
     if tp != t:
       tokens = jnp.pad(tokens, ((0, 0), (0, tp - t)))
-      valid_BT = jnp.pad(jnp.ones((b, t), bool) if valid_BT is None else valid_BT,
-                         ((0, 0), (0, tp - t)))
+      valid_BT = jnp.pad(
+        jnp.ones((b, t), bool) if valid_BT is None else valid_BT, ((0, 0), (0, tp - t))
+      )
     keys = [None] * 3 if dropout_rng is None else list(jax.random.split(dropout_rng, 3))
     positions = jnp.arange(tp)[None, :]
     x_BTD = self.embed(tokens) + self.pos_embed(positions).astype(c.dtype)
@@ -240,18 +341,29 @@ class Reformer(nnx.Module):
     rotations = None if self.lsh_rotations is None else self.lsh_rotations[...]
     per_layer = None
     if keys[1] is not None:
-      per_layer = jax.random.split(keys[1], c.num_layers).reshape(
-          c.num_layers // period, period)
-    y1, y2 = reversible_layers(f, g, tuple(params), x_BTD, x_BTD,
-                               shared={"kv_valid": valid_BT, "rotations": rotations},
-                               per_layer=per_layer, recompute=recompute)
+      per_layer = jax.random.split(keys[1], c.num_layers).reshape(c.num_layers // period, period)
+    y1, y2 = reversible_layers(
+      f,
+      g,
+      tuple(params),
+      x_BTD,
+      x_BTD,
+      shared={"kv_valid": valid_BT, "rotations": rotations},
+      per_layer=per_layer,
+      recompute=recompute,
+    )
     h_BTE = self.final_norm(jnp.concatenate([y1, y2], axis=-1))
     return ops.dropout(h_BTE, c.dropout_rate, keys[2])[:, :t]
 
   @with_matmul_precision
-  def __call__(self, tokens: jax.Array, attention_mask: jax.Array | None = None, *,
-               dropout_rng: jax.Array | None = None, recompute: bool = True) -> jax.Array:
+  def __call__(
+    self,
+    tokens: jax.Array,
+    attention_mask: jax.Array | None = None,
+    *,
+    dropout_rng: jax.Array | None = None,
+    recompute: bool = True,
+  ) -> jax.Array:
     """Logits ``[B, T, V]`` (float32); arguments as ``hidden_states``."""
-    h_BTE = self.hidden_states(tokens, attention_mask, dropout_rng=dropout_rng,
-                               recompute=recompute)
+    h_BTE = self.hidden_states(tokens, attention_mask, dropout_rng=dropout_rng, recompute=recompute)
     return self.lm_head(h_BTE).astype(jnp.float32)

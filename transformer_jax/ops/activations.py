@@ -18,8 +18,9 @@ def relu(x: jax.Array) -> jax.Array:
   return jax.nn.relu(x)
 
 
-def _derivative_rule(f: Callable[[jax.Array], jax.Array],
-                     df: Callable[[jax.Array], jax.Array]) -> Callable[[jax.Array], jax.Array]:
+def _derivative_rule(
+  f: Callable[[jax.Array], jax.Array], df: Callable[[jax.Array], jax.Array]
+) -> Callable[[jax.Array], jax.Array]:
   """``f`` with its derivative ``df`` as its JVP rule (``jax.custom_jvp``).
 
   Why: left to autodiff, ``jax.nn.gelu(approximate=True)`` keeps five arrays of its input's shape
@@ -38,13 +39,14 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 def _gelu_derivative(x: jax.Array) -> jax.Array:
   """``Phi(x) + x * phi(x)``."""
-  return (0.5 * (1.0 + jax.lax.erf(x * (1.0 / math.sqrt(2.0))))
-          + x * jnp.exp(-0.5 * x * x) * (1.0 / math.sqrt(2.0 * math.pi)))
+  return 0.5 * (1.0 + jax.lax.erf(x * (1.0 / math.sqrt(2.0)))) + x * jnp.exp(-0.5 * x * x) * (
+    1.0 / math.sqrt(2.0 * math.pi)
+  )
 
 
 def _gelu_tanh_derivative(x: jax.Array) -> jax.Array:
   """d/dx of ``x/2 (1 + tanh(u))``, ``u = sqrt(2/pi) (x + 0.044715 x^3)``."""
-  t = jnp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * (x ** 3)))  # as in jax.nn.gelu: XLA shares it
+  t = jnp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * (x**3)))  # as in jax.nn.gelu: XLA shares it
   return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * x * x)
 
 
@@ -73,7 +75,10 @@ def silu(x: jax.Array) -> jax.Array:
 
 
 _ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
-    "relu": relu, "gelu": gelu, "gelu_tanh": gelu_tanh, "silu": silu,
+  "relu": relu,
+  "gelu": gelu,
+  "gelu_tanh": gelu_tanh,
+  "silu": silu,
 }
 
 
@@ -82,7 +87,9 @@ def get_activation(name: Activation) -> Callable[[jax.Array], jax.Array]:
   try:
     return _ACTIVATIONS[name]
   except KeyError:
-    raise ValueError(f"unknown activation {name!r}; expected one of {sorted(_ACTIVATIONS)}") from None
+    raise ValueError(
+      f"unknown activation {name!r}; expected one of {sorted(_ACTIVATIONS)}"
+    ) from None
 
 
 def gated(activation: Activation, gate: jax.Array, up: jax.Array) -> jax.Array:
@@ -92,8 +99,10 @@ def gated(activation: Activation, gate: jax.Array, up: jax.Array) -> jax.Array:
 
 
 _DERIVATIVES: dict[str, Callable[[jax.Array], jax.Array]] = {
-    "relu": lambda x: (x > 0).astype(x.dtype), "gelu": _gelu_derivative,
-    "gelu_tanh": _gelu_tanh_derivative, "silu": _silu_derivative,
+  "relu": lambda x: (x > 0).astype(x.dtype),
+  "gelu": _gelu_derivative,
+  "gelu_tanh": _gelu_tanh_derivative,
+  "silu": _silu_derivative,
 }
 
 
@@ -108,7 +117,7 @@ def _packed_fwd(name, x):
 
 def _packed_bwd(name, x_bits, dy):
   x = residuals.unpacked(x_bits)
-  return (_DERIVATIVES[name](x) * dy,)   # the products of the JVP rule above, in its order
+  return (_DERIVATIVES[name](x) * dy,)  # the products of the JVP rule above, in its order
 
 
 _packed.defvjp(_packed_fwd, _packed_bwd)

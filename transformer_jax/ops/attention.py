@@ -58,29 +58,43 @@ def check_qkv(q, k, v) -> None:
   ``[B, S, K, H]`` shape with ``N % K == 0`` (every attention kernel's inputs)."""
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
     raise ValueError(
-        f"q, k and v must be 4-D [B, T|S, N|K, H]; got q.shape={q.shape}, k.shape={k.shape}, "
-        f"v.shape={v.shape}")
+      f"q, k and v must be 4-D [B, T|S, N|K, H]; got q.shape={q.shape}, k.shape={k.shape}, "
+      f"v.shape={v.shape}"
+    )
   if k.shape != v.shape:
     raise ValueError(f"k.shape={k.shape} and v.shape={v.shape} must be equal")
   (b, _, n, h), (bk, _, kh, hk) = q.shape, k.shape
   if b != bk or h != hk:
-    raise ValueError(
-        f"q.shape={q.shape} and k.shape={k.shape} must share batch B and head dim H")
+    raise ValueError(f"q.shape={q.shape} and k.shape={k.shape} must share batch B and head dim H")
   if n % kh:
     raise ValueError(f"query heads N={n} must be a multiple of key/value heads K={kh}")
 
 
-def check_call(q: jax.Array, k: jax.Array, v: jax.Array, *, mask: jax.Array | None = None,
-               window: int | None = None, kv_valid: jax.Array | None = None,
-               q_segment_ids: jax.Array | None = None,
-               kv_segment_ids: jax.Array | None = None) -> None:
+def check_call(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  *,
+  mask: jax.Array | None = None,
+  window: int | None = None,
+  kv_valid: jax.Array | None = None,
+  q_segment_ids: jax.Array | None = None,
+  kv_segment_ids: jax.Array | None = None,
+) -> None:
   """Raises ``ValueError`` naming the problem unless the inputs of an attention call are
   consistent: q, k, v as ``check_qkv`` asks and floating-point, a boolean ``mask``, and the mask
   parts' shapes (``window >= 1``, ``kv_valid`` ``[B, S]``, segment ids ``[B, T]`` / ``[B, S]``)."""
   _check_inputs(q, k, v, mask)
   b, t, _, _ = q.shape
-  _check_parts(b, t, k.shape[1], window=window, kv_valid=kv_valid, q_segment_ids=q_segment_ids,
-               kv_segment_ids=kv_segment_ids)
+  _check_parts(
+    b,
+    t,
+    k.shape[1],
+    window=window,
+    kv_valid=kv_valid,
+    q_segment_ids=q_segment_ids,
+    kv_segment_ids=kv_segment_ids,
+  )
 
 
 def _check_inputs(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None) -> None:
@@ -90,8 +104,9 @@ def _check_inputs(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | No
       raise ValueError(f"{name} must be a floating-point array; got dtype {x.dtype}")
   if mask is not None and mask.dtype != jnp.bool_:
     raise ValueError(
-        f"mask must be boolean (True = attend); got dtype {mask.dtype}. An additive float mask "
-        "belongs in `bias`")
+      f"mask must be boolean (True = attend); got dtype {mask.dtype}. An additive float mask "
+      "belongs in `bias`"
+    )
 
 
 def query_positions(q_positions: jax.Array | None, b: int, t: int, s: int) -> jax.Array:
@@ -106,9 +121,16 @@ def query_positions(q_positions: jax.Array | None, b: int, t: int, s: int) -> ja
   return q_positions.astype(jnp.int32)
 
 
-def parts_mask(q_pos_BT: jax.Array, s: int, *, causal: bool, window: int | None,
-                kv_valid: jax.Array | None, q_segment_ids: jax.Array | None,
-                kv_segment_ids: jax.Array | None) -> jax.Array | None:
+def parts_mask(
+  q_pos_BT: jax.Array,
+  s: int,
+  *,
+  causal: bool,
+  window: int | None,
+  kv_valid: jax.Array | None,
+  q_segment_ids: jax.Array | None,
+  kv_segment_ids: jax.Array | None,
+) -> jax.Array | None:
   """The dense ``[B|1, 1, T, S]`` mask of the parts (None when there are none)."""
   k_pos_S = jnp.arange(s, dtype=jnp.int32)
   masks = []
@@ -130,40 +152,40 @@ def _check_parts(b: int, t: int, s: int, *, window, kv_valid, q_segment_ids, kv_
     raise ValueError(f"kv_valid must be [B, S] = {(b, s)}; got shape {kv_valid.shape}")
   if q_segment_ids is not None:
     if q_segment_ids.shape != (b, t):
-      raise ValueError(
-          f"q_segment_ids must be [B, T] = {(b, t)}; got shape {q_segment_ids.shape}")
+      raise ValueError(f"q_segment_ids must be [B, T] = {(b, t)}; got shape {q_segment_ids.shape}")
     if kv_segment_ids is None and t != s:
       raise ValueError(f"kv_segment_ids [B, S] is needed when T={t} != S={s}")
     if kv_segment_ids is not None and kv_segment_ids.shape != (b, s):
       raise ValueError(
-          f"kv_segment_ids must be [B, S] = {(b, s)}; got shape {kv_segment_ids.shape}")
+        f"kv_segment_ids must be [B, S] = {(b, s)}; got shape {kv_segment_ids.shape}"
+      )
   elif kv_segment_ids is not None:
     raise ValueError("kv_segment_ids needs q_segment_ids")
 
 
 def dot_product_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    *,
-    bias: jax.Array | None = None,
-    mask: jax.Array | None = None,
-    causal: bool = False,
-    scale: float | None = None,
-    dropout_rate: float = 0.0,
-    dropout_rng: jax.Array | None = None,
-    return_weights: bool = False,
-    implementation: Literal["xla", "chunked"] | None = None,
-    kv_valid: jax.Array | None = None,
-    q_segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-    window: int | None = None,
-    q_positions: jax.Array | None = None,
-    bias_fn: BiasFn | None = None,
-    bias_params: Any = None,
-    block_q: int | None = None,
-    block_k: int | None = None,
-    dense_core: DenseCore | None = None,
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  *,
+  bias: jax.Array | None = None,
+  mask: jax.Array | None = None,
+  causal: bool = False,
+  scale: float | None = None,
+  dropout_rate: float = 0.0,
+  dropout_rng: jax.Array | None = None,
+  return_weights: bool = False,
+  implementation: Literal["xla", "chunked"] | None = None,
+  kv_valid: jax.Array | None = None,
+  q_segment_ids: jax.Array | None = None,
+  kv_segment_ids: jax.Array | None = None,
+  window: int | None = None,
+  q_positions: jax.Array | None = None,
+  bias_fn: BiasFn | None = None,
+  bias_params: Any = None,
+  block_q: int | None = None,
+  block_k: int | None = None,
+  dense_core: DenseCore | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """softmax(scale * q k^T + bias, masked) v, with multi-, multi-query and grouped-query heads.
 
@@ -214,46 +236,86 @@ def dot_product_attention(
   _check_inputs(q, k, v, mask)
   b, t, _, _ = q.shape
   s = k.shape[1]
-  _check_parts(b, t, s, window=window, kv_valid=kv_valid, q_segment_ids=q_segment_ids,
-               kv_segment_ids=kv_segment_ids)
+  _check_parts(
+    b,
+    t,
+    s,
+    window=window,
+    kv_valid=kv_valid,
+    q_segment_ids=q_segment_ids,
+    kv_segment_ids=kv_segment_ids,
+  )
   if implementation is None:
     implementation = "xla" if return_weights else dispatch.dense_or_chunked(q, k)
   q_pos_BT = query_positions(q_positions, b, t, s)
   h = q.shape[-1]
   match implementation:
     case "xla":
-      parts = parts_mask(q_pos_BT, s, causal=causal, window=window, kv_valid=kv_valid,
-                          q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+      parts = parts_mask(
+        q_pos_BT,
+        s,
+        causal=causal,
+        window=window,
+        kv_valid=kv_valid,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+      )
       mask = and_masks(mask, parts)
       if bias_fn is not None:
         block_bias = bias_fn(bias_params, q_pos_BT, jnp.arange(s, dtype=jnp.int32))
         bias = block_bias if bias is None else bias + block_bias
-      return _xla_attention(q, k, v, bias=bias, mask=mask, scale=scale,
-                            dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-                            return_weights=return_weights, dense_core=dense_core)
+      return _xla_attention(
+        q,
+        k,
+        v,
+        bias=bias,
+        mask=mask,
+        scale=scale,
+        dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng,
+        return_weights=return_weights,
+        dense_core=dense_core,
+      )
     case "chunked":
       if return_weights:
         raise ValueError(
-            "return_weights=True needs the dense weights: use implementation='xla' (the chunked "
-            "kernel never forms them)")
+          "return_weights=True needs the dense weights: use implementation='xla' (the chunked "
+          "kernel never forms them)"
+        )
       return chunked_attention(
-          q, k, v, q_pos=q_pos_BT, scale=h**-0.5 if scale is None else scale, causal=causal,
-          window=window, bias=bias, mask=mask, bias_fn=bias_fn, bias_params=bias_params,
-          kv_valid=kv_valid, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-          dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-          block_q=block_q, block_k=block_k)
+        q,
+        k,
+        v,
+        q_pos=q_pos_BT,
+        scale=h**-0.5 if scale is None else scale,
+        causal=causal,
+        window=window,
+        bias=bias,
+        mask=mask,
+        bias_fn=bias_fn,
+        bias_params=bias_params,
+        kv_valid=kv_valid,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng,
+        block_q=block_q,
+        block_k=block_k,
+      )
     case "cudnn" | "splash":
       raise ValueError(
-          f"implementation={implementation!r} is a platform's kernel: call it through its "
-          "backend, transformer_jax.backends.current().attention(..., "
-          f"implementation={implementation!r})")
+        f"implementation={implementation!r} is a platform's kernel: call it through its "
+        "backend, transformer_jax.backends.current().attention(..., "
+        f"implementation={implementation!r})"
+      )
     case _:
       raise ValueError(f"implementation={implementation!r} must be None, 'xla' or 'chunked'")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _dense_core(q_BKMH, k_BKSH, v_BKSH, bias, mask, scale: float, t: int,
-                matmul_precision: str | None):
+def _dense_core(
+  q_BKMH, k_BKSH, v_BKSH, bias, mask, scale: float, t: int, matmul_precision: str | None
+):
   """Softmax attention on heads-major operands: ``M = G * T`` query rows per key/value head.
 
   Every dot is a plain batched matrix product over ``(B, K)``, with no layout copies inside, and
@@ -276,8 +338,9 @@ def _bnts(x_BKMS: jax.Array, t: int) -> jax.Array:
   return x_BKMS.reshape(b, kh * (m // t), t, s)
 
 
-def _masked_softmax(logits_BNTS: jax.Array, bias: jax.Array | None,
-                    mask: jax.Array | None) -> jax.Array:
+def _masked_softmax(
+  logits_BNTS: jax.Array, bias: jax.Array | None, mask: jax.Array | None
+) -> jax.Array:
   """``softmax(logits + bias)`` over the keys, in the logits' dtype; masked weights are exactly 0,
   and so is a row whose every key is masked (softmax alone would make it uniform)."""
   if bias is not None:
@@ -295,14 +358,15 @@ def _dense_core_fwd(q_BKMH, k_BKSH, v_BKSH, bias, mask, scale, t, matmul_precisi
   logits_BKMS = jnp.einsum("BKMH,BKSH->BKMS", q_BKMH, k_BKSH, preferred_element_type=acc)
   weights_BNTS = _masked_softmax(_bnts(logits_BKMS, t) * jnp.asarray(scale, acc), bias, mask)
   p_BKMS = weights_BNTS.reshape(b, kh, m, s)
-  out_BKMH = jnp.einsum("BKMS,BKSH->BKMH", p_BKMS.astype(v_BKSH.dtype), v_BKSH,
-                        preferred_element_type=acc).astype(q_BKMH.dtype)
+  out_BKMH = jnp.einsum(
+    "BKMS,BKSH->BKMH", p_BKMS.astype(v_BKSH.dtype), v_BKSH, preferred_element_type=acc
+  ).astype(q_BKMH.dtype)
   saved = tuple(residuals.packed(x) for x in (q_BKMH, k_BKSH, v_BKSH, p_BKMS, out_BKMH))
   return out_BKMH, (*saved, bias, mask)
 
 
 def _dense_core_bwd(scale, t, matmul_precision, res, dout_BKMH):
-  with jax.default_matmul_precision(matmul_precision):   # the forward's (ops/precision.py)
+  with jax.default_matmul_precision(matmul_precision):  # the forward's (ops/precision.py)
     return _dense_core_grads(scale, t, res, dout_BKMH)
 
 
@@ -310,18 +374,24 @@ def _dense_core_grads(scale, t, res, dout_BKMH):
   *saved, bias, mask = res
   q_BKMH, k_BKSH, v_BKSH, p_BKMS, out_BKMH = (residuals.unpacked(x) for x in saved)
   acc = _acc_dtype(q_BKMH)
-  dv_BKSH = jnp.einsum("BKMS,BKMH->BKSH", p_BKMS.astype(dout_BKMH.dtype), dout_BKMH,
-                       preferred_element_type=acc)
+  dv_BKSH = jnp.einsum(
+    "BKMS,BKMH->BKSH", p_BKMS.astype(dout_BKMH.dtype), dout_BKMH, preferred_element_type=acc
+  )
   dp_BKMS = jnp.einsum("BKMH,BKSH->BKMS", dout_BKMH, v_BKSH, preferred_element_type=acc)
   delta_BKM1 = output_delta(dout_BKMH, out_BKMH, acc, keepdims=True)
-  ds_BKMS = p_BKMS * (dp_BKMS - delta_BKM1)   # d(logits); masked entries have p = 0
+  ds_BKMS = p_BKMS * (dp_BKMS - delta_BKM1)  # d(logits); masked entries have p = 0
   dbias = None if bias is None else sum_to(_bnts(ds_BKMS, t), bias.shape).astype(bias.dtype)
   ds_BKMS = (ds_BKMS * jnp.asarray(scale, acc)).astype(q_BKMH.dtype)
   dq_BKMH = jnp.einsum("BKMS,BKSH->BKMH", ds_BKMS, k_BKSH, preferred_element_type=acc)
   dk_BKSH = jnp.einsum("BKMS,BKMH->BKSH", ds_BKMS, q_BKMH, preferred_element_type=acc)
   dmask = None if mask is None else np.zeros(mask.shape, jax.dtypes.float0)
-  return (dq_BKMH.astype(q_BKMH.dtype), dk_BKSH.astype(k_BKSH.dtype),
-          dv_BKSH.astype(v_BKSH.dtype), dbias, dmask)
+  return (
+    dq_BKMH.astype(q_BKMH.dtype),
+    dk_BKSH.astype(k_BKSH.dtype),
+    dv_BKSH.astype(v_BKSH.dtype),
+    dbias,
+    dmask,
+  )
 
 
 _dense_core.defvjp(_dense_core_fwd, _dense_core_bwd)
@@ -333,13 +403,13 @@ def dense_attention(q, k, v, *, bias, mask, scale):
   kh = k.shape[2]
   q_BKMH = q.reshape(b, t, kh, n // kh, h).transpose(0, 2, 3, 1, 4).reshape(b, kh, -1, h)
   k_BKSH, v_BKSH = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-  out_BKMH = _dense_core(q_BKMH, k_BKSH, v_BKSH, bias, mask, float(scale), t,
-                         precision.current())
+  out_BKMH = _dense_core(q_BKMH, k_BKSH, v_BKSH, bias, mask, float(scale), t, precision.current())
   return out_BKMH.reshape(b, kh, n // kh, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
-def _xla_attention(q, k, v, *, bias, mask, scale, dropout_rate, dropout_rng, return_weights,
-                   dense_core):
+def _xla_attention(
+  q, k, v, *, bias, mask, scale, dropout_rate, dropout_rng, return_weights, dense_core
+):
   """The dense kernel: the whole ``[B, N, T, S]`` score matrix at once."""
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
@@ -350,8 +420,7 @@ def _xla_attention(q, k, v, *, bias, mask, scale, dropout_rate, dropout_rng, ret
     return core(q, k, v, bias=bias, mask=mask, scale=scale)
 
   q_BTKGH = q.reshape(b, t, kh, g, h)
-  logits_BKGTS = jnp.einsum(
-      "BTKGH,BSKH->BKGTS", q_BTKGH, k, preferred_element_type=jnp.float32)
+  logits_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k, preferred_element_type=jnp.float32)
   weights_BNTS = _masked_softmax(logits_BKGTS.reshape(b, n, t, s) * jnp.float32(scale), bias, mask)
 
   probs_BNTS = weights_BNTS

@@ -45,6 +45,7 @@ def default_block_sizes() -> tuple[int, int]:
 class Static:
   """The parts of the attention that are Python values: hashable, the non-differentiated
   arguments of the kernel's ``custom_vjp`` (and of ring attention's)."""
+
   scale: float
   causal: bool = False
   window: int | None = None
@@ -57,6 +58,7 @@ class Static:
 class Tiling:
   """The "chunked" kernel's block sizes: ``bq`` query rows and ``bk`` keys per block (the padded
   lengths are whole numbers of blocks)."""
+
   bq: int
   bk: int
 
@@ -69,6 +71,7 @@ class Block(NamedTuple):
   ``[B|1, N|1, t|1, s|1]``; ``bias_params`` the parameters of ``Static.bias_fn``; ``keep``
   ``[B, N, t, s]`` bool dropout mask.
   """
+
   q_pos: jax.Array
   k_pos: jax.Array
   kv_valid: jax.Array | None = None
@@ -94,6 +97,7 @@ def block_valid(blk: Block, st: Static, kh: int) -> jax.Array | None:
 
   def conj(a, b):
     return b if a is None else a & b
+
   if st.causal:
     valid_BTS = conj(valid_BTS, k_pos <= q_pos)
   if st.window is not None:
@@ -122,8 +126,9 @@ def block_bias(blk: Block, st: Static, kh: int, bias_params: Any = None) -> jax.
   return bias
 
 
-def block_scores(q_BtKGH: jax.Array, k_BsKH: jax.Array, blk: Block, st: Static
-                 ) -> tuple[jax.Array, jax.Array | None]:
+def block_scores(
+  q_BtKGH: jax.Array, k_BsKH: jax.Array, blk: Block, st: Static
+) -> tuple[jax.Array, jax.Array | None]:
   """Masked float32 logits ``[B, K, G, t, s]`` of one block, and its validity (or None)."""
   kh = k_BsKH.shape[2]
   logits = jnp.einsum("BTKGH,BSKH->BKGTS", q_BtKGH, k_BsKH, preferred_element_type=jnp.float32)
@@ -152,19 +157,28 @@ def _dropped(p_BKGts, keep_BNts, rate):
 class SoftmaxState(NamedTuple):
   """Online-softmax statistics of a query block: max and denominator ``[B, K, G, t]`` and the
   numerator ``[B, K, G, t, H]``, float32."""
+
   max: jax.Array
   denom: jax.Array
   numer: jax.Array
 
 
 def initial_state(b: int, kh: int, g: int, t: int, h: int) -> SoftmaxState:
-  return SoftmaxState(jnp.full((b, kh, g, t), MASK_VALUE, jnp.float32),
-                      jnp.zeros((b, kh, g, t), jnp.float32),
-                      jnp.zeros((b, kh, g, t, h), jnp.float32))
+  return SoftmaxState(
+    jnp.full((b, kh, g, t), MASK_VALUE, jnp.float32),
+    jnp.zeros((b, kh, g, t), jnp.float32),
+    jnp.zeros((b, kh, g, t, h), jnp.float32),
+  )
 
 
-def online_update(state: SoftmaxState, q_BtKGH: jax.Array, k_BsKH: jax.Array, v_BsKH: jax.Array,
-                  blk: Block, st: Static) -> SoftmaxState:
+def online_update(
+  state: SoftmaxState,
+  q_BtKGH: jax.Array,
+  k_BsKH: jax.Array,
+  v_BsKH: jax.Array,
+  blk: Block,
+  st: Static,
+) -> SoftmaxState:
   """Folds one key/value block into a query block's online softmax (the forward block step)."""
   logits, valid = block_scores(q_BtKGH, k_BsKH, blk, st)
   new_max = jnp.maximum(state.max, jnp.max(logits, axis=-1))
@@ -172,8 +186,9 @@ def online_update(state: SoftmaxState, q_BtKGH: jax.Array, k_BsKH: jax.Array, v_
   p = _probs(logits, valid, new_max)
   denom = state.denom * corr + jnp.sum(p, axis=-1)
   p = _dropped(p, blk.keep, st.dropout_rate)
-  pv = jnp.einsum("BKGTS,BSKH->BKGTH", p.astype(v_BsKH.dtype), v_BsKH,
-                  preferred_element_type=jnp.float32)
+  pv = jnp.einsum(
+    "BKGTS,BSKH->BKGTH", p.astype(v_BsKH.dtype), v_BsKH, preferred_element_type=jnp.float32
+  )
   return SoftmaxState(new_max, denom, state.numer * corr[..., None] + pv)
 
 
@@ -188,8 +203,9 @@ def finish(state: SoftmaxState) -> tuple[jax.Array, jax.Array]:
   return out, lse
 
 
-def output_delta(do: jax.Array, out: jax.Array, dtype=jnp.float32,
-                 keepdims: bool = False) -> jax.Array:
+def output_delta(
+  do: jax.Array, out: jax.Array, dtype=jnp.float32, keepdims: bool = False
+) -> jax.Array:
   """``delta_i = sum_h dO_ih O_ih`` (``= sum_j P_ij dP_ij``) in ``dtype``: the row term of the
   softmax's backward, over the last (head) dim of the output ``out`` and its cotangent ``do``."""
   return jnp.sum(do.astype(dtype) * out.astype(dtype), axis=-1, keepdims=keepdims)
@@ -215,8 +231,10 @@ def block_grads(q_BtKGH, k_BsKH, v_BsKH, do_BtKGH, lse_BKGt, delta_BKGt, blk: Bl
 
 def bias_params_grad(blk: Block, st: Static, ds_BKGts: jax.Array) -> Any:
   """Gradient wrt ``bias_params`` of the block's ``bias_fn`` bias, given its cotangent."""
+
   def fn(params):
     return st.bias_fn(params, blk.q_pos, blk.k_pos).astype(jnp.float32)
+
   bias, vjp = jax.vjp(fn, blk.bias_params)
   b, kh, g, t, s = ds_BKGts.shape
   return vjp(sum_to(ds_BKGts.reshape(b, kh * g, t, s), bias.shape))[0]
@@ -249,6 +267,7 @@ class _Aux(NamedTuple):
   """The kernel's non-differentiated arrays, padded to whole blocks (None = absent): the dense
   ``mask`` ``[B|1, N|1, T|1, S|1]``, ``kv_valid`` ``[B, S]``, segment ids ``q_seg`` ``[B, T]`` and
   ``kv_seg`` ``[B, S]``, the query positions ``q_pos`` ``[B|1, T]`` and the dropout key ``rng``."""
+
   mask: jax.Array | None
   kv_valid: jax.Array | None
   q_seg: jax.Array | None
@@ -272,15 +291,25 @@ def _block(qi, ki, bias, params, aux: _Aux, st: Static, tiles: Tiling, b: int, n
 
   def sl(x, i, size):
     return None if x is None else jax.lax.dynamic_slice_in_dim(x, i * size, size, axis=1)
+
   def dense(x):
     return None if x is None else jax.lax.dynamic_slice(x, *_dense_slice(x, qi, ki, tiles))
+
   keep = None
   if rng is not None:
     key = jax.random.fold_in(jax.random.fold_in(rng, qi), ki)
     keep = jax.random.bernoulli(key, 1.0 - st.dropout_rate, (b, n, bq, bk))
-  return Block(q_pos=sl(qp, qi, bq), k_pos=ki * bk + jnp.arange(bk, dtype=jnp.int32),
-               kv_valid=sl(kvv, ki, bk), q_seg=sl(qs, qi, bq), kv_seg=sl(ks, ki, bk),
-               mask=dense(mask), bias=dense(bias), bias_params=params, keep=keep)
+  return Block(
+    q_pos=sl(qp, qi, bq),
+    k_pos=ki * bk + jnp.arange(bk, dtype=jnp.int32),
+    kv_valid=sl(kvv, ki, bk),
+    q_seg=sl(qs, qi, bq),
+    kv_seg=sl(ks, ki, bk),
+    mask=dense(mask),
+    bias=dense(bias),
+    bias_params=params,
+    keep=keep,
+  )
 
 
 def _key_range(q_pos_blk, st: Static, bk: int, nk: int):
@@ -309,11 +338,14 @@ def _forward(st: Static, tiles: Tiling, q5, k, v, bias, params, aux):
   def one_query_block(qi):
     q_blk = jax.lax.dynamic_slice_in_dim(q5, qi * bq, bq, axis=1)
     lo, hi = _key_range(jax.lax.dynamic_slice_in_dim(aux.q_pos, qi * bq, bq, axis=1), st, bk, nk)
+
     def step(ki, state):
       blk = _block(qi, ki, bias, params, aux, st, tiles, b, kh * g)
       return online_update(state, q_blk, _kv_block(k, ki, bk), _kv_block(v, ki, bk), blk, st)
+
     out, lse = finish(jax.lax.fori_loop(lo, hi, step, initial_state(b, kh, g, bq, h)))
     return out.astype(q5.dtype), lse
+
   out_QBKGtH, lse_QBKGt = jax.lax.map(one_query_block, jnp.arange(nq))
   out_BTKGH = out_QBKGtH.transpose(1, 0, 4, 2, 3, 5).reshape(b, tp, kh, g, h)
   return out_BTKGH, lse_QBKGt
@@ -332,7 +364,7 @@ def _attend_fwd(st, tiles, matmul_precision, q5, k, v, bias, params, aux):
 
 
 def _attend_bwd(st, tiles, matmul_precision, res, do_BTKGH):
-  with jax.default_matmul_precision(matmul_precision):   # the forward's (ops/precision.py)
+  with jax.default_matmul_precision(matmul_precision):  # the forward's (ops/precision.py)
     return _attend_grads(st, tiles, res, do_BTKGH)
 
 
@@ -349,23 +381,27 @@ def _attend_grads(st: Static, tiles: Tiling, res, do_BTKGH):
     q_blk = jax.lax.dynamic_slice_in_dim(q5, qi * bq, bq, axis=1)
     do_blk = jax.lax.dynamic_slice_in_dim(do_BTKGH, qi * bq, bq, axis=1)
     lse, delta = lse_QBKGt[qi], delta_QBKGt[qi]
-    lo, hi = _key_range(jax.lax.dynamic_slice_in_dim(aux.q_pos, qi * bq, bq, axis=1), st, bk,
-                        k.shape[1] // bk)
+    lo, hi = _key_range(
+      jax.lax.dynamic_slice_in_dim(aux.q_pos, qi * bq, bq, axis=1), st, bk, k.shape[1] // bk
+    )
 
     def step(ki, c):
       dq, dk, dv, dbias, dparams = c
       blk = _block(qi, ki, bias, params, aux, st, tiles, b, n)
-      dq_i, dk_i, dv_i, ds = block_grads(q_blk, _kv_block(k, ki, bk), _kv_block(v, ki, bk),
-                                         do_blk, lse, delta, blk, st)
+      dq_i, dk_i, dv_i, ds = block_grads(
+        q_blk, _kv_block(k, ki, bk), _kv_block(v, ki, bk), do_blk, lse, delta, blk, st
+      )
+
       def add(acc, x):
-        return jax.lax.dynamic_update_slice_in_dim(
-                acc, _kv_block(acc, ki, bk) + x, ki * bk, axis=1)
+        return jax.lax.dynamic_update_slice_in_dim(acc, _kv_block(acc, ki, bk) + x, ki * bk, axis=1)
+
       dk, dv = add(dk, dk_i), add(dv, dv_i)
       ds_BNts = ds.reshape(b, n, bq, bk)
       if dbias is not None:
         starts, sizes = _dense_slice(dbias, qi, ki, tiles)
         dbias = jax.lax.dynamic_update_slice(
-            dbias, jax.lax.dynamic_slice(dbias, starts, sizes) + sum_to(ds_BNts, sizes), starts)
+          dbias, jax.lax.dynamic_slice(dbias, starts, sizes) + sum_to(ds_BNts, sizes), starts
+        )
       if st.bias_fn is not None:
         dparams = jax.tree.map(jnp.add, dparams, bias_params_grad(blk, st, ds))
       return dq + dq_i, dk, dv, dbias, dparams
@@ -376,22 +412,46 @@ def _attend_grads(st: Static, tiles: Tiling, res, do_BTKGH):
 
   def zeros32(x):
     return jnp.zeros(x.shape, jnp.float32)
-  init = (zeros32(k), zeros32(v), None if bias is None else zeros32(bias),
-          None if st.bias_fn is None else jax.tree.map(jnp.zeros_like, params))
+
+  init = (
+    zeros32(k),
+    zeros32(v),
+    None if bias is None else zeros32(bias),
+    None if st.bias_fn is None else jax.tree.map(jnp.zeros_like, params),
+  )
   (dk, dv, dbias, dparams), dq_QBtKGH = jax.lax.scan(one_query_block, init, jnp.arange(nq))
   dq = dq_QBtKGH.transpose(1, 0, 2, 3, 4, 5).reshape(b, tp, kh, g, h)
+
   def cast(d, x):
     return None if d is None else d.astype(x.dtype)
+
   return (cast(dq, q5), cast(dk, k), cast(dv, v), cast(dbias, bias), dparams, None)
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
-def chunked_attention(q, k, v, *, q_pos, scale, causal=False, window=None, bias=None, mask=None,
-                      bias_fn=None, bias_params=None, kv_valid=None, q_segment_ids=None,
-                      kv_segment_ids=None, dropout_rate=0.0, dropout_rng=None,
-                      block_q=None, block_k=None):
+def chunked_attention(
+  q,
+  k,
+  v,
+  *,
+  q_pos,
+  scale,
+  causal=False,
+  window=None,
+  bias=None,
+  mask=None,
+  bias_fn=None,
+  bias_params=None,
+  kv_valid=None,
+  q_segment_ids=None,
+  kv_segment_ids=None,
+  dropout_rate=0.0,
+  dropout_rng=None,
+  block_q=None,
+  block_k=None,
+):
   """The "chunked" kernel (see the module docstring); arguments as ``ops.dot_product_attention``,
   already checked, with ``q_pos`` the ``[B|1, T]`` int32 query positions. ``block_q`` and
   ``block_k`` are the largest block sizes; the blocks used are ``ceil(T / ceil(T / block_q))``
@@ -419,8 +479,14 @@ def chunked_attention(q, k, v, *, q_pos, scale, causal=False, window=None, bias=
   bq, bk = -(-t // nq), -(-s // nk)
   tp, sp = nq * bq, nk * bk
   drop = dropout_rate > 0.0 and dropout_rng is not None
-  st = Static(scale=scale, causal=causal, window=window, s_len=s if sp != s else None,
-              bias_fn=bias_fn, dropout_rate=dropout_rate if drop else 0.0)
+  st = Static(
+    scale=scale,
+    causal=causal,
+    window=window,
+    s_len=s if sp != s else None,
+    bias_fn=bias_fn,
+    dropout_rate=dropout_rate if drop else 0.0,
+  )
 
   # Pad the lengths to whole blocks; padded keys are masked (s_len), padded query rows dropped.
   q5 = _pad_axis(q, 1, tp).reshape(b, tp, kh, g, h)

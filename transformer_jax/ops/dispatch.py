@@ -81,8 +81,9 @@ def empty_rows(t: int, s: int, causal: bool, window: int | None) -> bool:
   return window is not None and t - s >= window
 
 
-def splash_supports(t: int, s: int, h: int, dtype, *, causal: bool = False,
-                    window: int | None = None) -> bool:
+def splash_supports(
+  t: int, s: int, h: int, dtype, *, causal: bool = False, window: int | None = None
+) -> bool:
   """Whether splash attention takes these sizes with its default block sizes.
 
   Args:
@@ -116,9 +117,9 @@ def _cudnn_takes(q, k, *, causal, window, bias, dropout, mask, q_positions) -> b
     return False
   if dropout or bias or mask:
     return False
-  if causal and (t != s or q_positions):   # cuDNN aligns its causal mask to the first key
+  if causal and (t != s or q_positions):  # cuDNN aligns its causal mask to the first key
     return False
-  return window is None or causal          # its window looks back only
+  return window is None or causal  # its window looks back only
 
 
 def _splash_takes(q, k, *, causal, window, bias, dropout, mask, kv_valid, q_positions) -> bool:
@@ -130,12 +131,24 @@ def _splash_takes(q, k, *, causal, window, bias, dropout, mask, kv_valid, q_posi
   return splash_supports(t, s, h, q.dtype, causal=causal, window=window)
 
 
-def choose_implementation(q, k, v, *, platform: str, causal: bool = False,
-                          window: int | None = None, segment_ids: bool = False,
-                          bias: bool = False, dropout: bool = False,
-                          return_weights: bool = False, mask: bool = False,
-                          kv_valid: bool = False, q_positions: bool = False,
-                          sequence_shards: int = 1, rowmajor_core: bool = False) -> Choice:
+def choose_implementation(
+  q,
+  k,
+  v,
+  *,
+  platform: str,
+  causal: bool = False,
+  window: int | None = None,
+  segment_ids: bool = False,
+  bias: bool = False,
+  dropout: bool = False,
+  return_weights: bool = False,
+  mask: bool = False,
+  kv_valid: bool = False,
+  q_positions: bool = False,
+  sequence_shards: int = 1,
+  rowmajor_core: bool = False,
+) -> Choice:
   """The attention kernel for these inputs on ``platform`` (see the module's table).
 
   Args:
@@ -166,11 +179,17 @@ def choose_implementation(q, k, v, *, platform: str, causal: bool = False,
     raise ValueError(f"platform={platform!r} must be one of {', '.join(map(repr, PLATFORMS))}")
   if return_weights:
     return "xla"
-  if (sequence_shards > 1 and q.shape[1] == k.shape[1] and not (bias or mask or dropout)
-      and window is None and not q_positions):
+  if (
+    sequence_shards > 1
+    and q.shape[1] == k.shape[1]
+    and not (bias or mask or dropout)
+    and window is None
+    and not q_positions
+  ):
     return "ring"
-  parts = dict(causal=causal, window=window, bias=bias, dropout=dropout, mask=mask,
-               q_positions=q_positions)
+  parts = dict(
+    causal=causal, window=window, bias=bias, dropout=dropout, mask=mask, q_positions=q_positions
+  )
   match platform:
     case "gpu":
       if _cudnn_takes(q, k, **parts):

@@ -27,11 +27,12 @@ W_LAYOUTS = ("VD", "DV")
 
 class _Config(NamedTuple):
   """The static (non-differentiated, hashable) arguments of the custom VJP."""
+
   w_layout: str
   label_smoothing: float
   z_loss: float
-  dtype: Any     # compute dtype of the products
-  w_dtype: Any   # dtype of w's gradient
+  dtype: Any  # compute dtype of the products
+  w_dtype: Any  # dtype of w's gradient
   # Forms a chunk's x^T [D, C] for the weight gradient's product, or None: the product contracts
   # x's rows itself (a backend's layout, e.g. the CPU backend's row-major copy).
   x_transposed: Any = None
@@ -46,8 +47,9 @@ def default_chunk_size(n: int, v: int) -> int:
 def _logits(x_CD: jax.Array, w_lo: jax.Array, w_layout: str) -> jax.Array:
   """A chunk's ``[C, V]`` float32 logits: ``x @ W^T`` (W ``[V, D]``) or ``x @ W`` (``[D, V]``)."""
   contract = 1 if w_layout == "VD" else 0
-  return jax.lax.dot_general(x_CD, w_lo, (((1,), (contract,)), ((), ())),
-                             preferred_element_type=jnp.float32)
+  return jax.lax.dot_general(
+    x_CD, w_lo, (((1,), (contract,)), ((), ())), preferred_element_type=jnp.float32
+  )
 
 
 def _chunk(cfg: _Config, x_CD, w_lo, labels_C, weights_C, *, grads: bool):
@@ -76,23 +78,30 @@ def _chunk(cfg: _Config, x_CD, w_lo, labels_C, weights_C, *, grads: bool):
   # d loss / d logits = w_n * ((1 - eps) (p - onehot) + eps (p - 1/V) + 2 z lse p).
   probs_CV = exp_CV * (1.0 / sum_C)[:, None]
   dlogits_CV = weights_C[:, None] * (
-      (1.0 + 2.0 * z * lse_C)[:, None] * probs_CV
-      - jnp.where(onehot_CV, 1.0 - eps, 0.0) - eps / v)
-  dlogits_CV = dlogits_CV.astype(dtype)   # as autodiff of (x @ W^T).astype(float32) would
-  if w_layout == "VD":                    # [C, V] @ [V, D]
-    dx_CD = jax.lax.dot_general(dlogits_CV, w_lo, (((1,), (0,)), ((), ())),
-                                preferred_element_type=jnp.float32)
-  else:                                   # [C, V] @ [D, V]^T
-    dx_CD = jax.lax.dot_general(dlogits_CV, w_lo, (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32)
+    (1.0 + 2.0 * z * lse_C)[:, None] * probs_CV - jnp.where(onehot_CV, 1.0 - eps, 0.0) - eps / v
+  )
+  dlogits_CV = dlogits_CV.astype(dtype)  # as autodiff of (x @ W^T).astype(float32) would
+  if w_layout == "VD":  # [C, V] @ [V, D]
+    dx_CD = jax.lax.dot_general(
+      dlogits_CV, w_lo, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+    )
+  else:  # [C, V] @ [D, V]^T
+    dx_CD = jax.lax.dot_general(
+      dlogits_CV, w_lo, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+    )
   # x^T @ dlogits, [D, C] @ [C, V], for either layout; the "VD" layout's transpose of the sum is
   # done once, in the backward.
   if cfg.x_transposed is not None:
-    dw_DV = jax.lax.dot_general(cfg.x_transposed(x_CD), dlogits_CV, (((1,), (0,)), ((), ())),
-                                preferred_element_type=jnp.float32)
+    dw_DV = jax.lax.dot_general(
+      cfg.x_transposed(x_CD),
+      dlogits_CV,
+      (((1,), (0,)), ((), ())),
+      preferred_element_type=jnp.float32,
+    )
   else:
-    dw_DV = jax.lax.dot_general(x_CD, dlogits_CV, (((0,), (0,)), ((), ())),
-                                preferred_element_type=jnp.float32)
+    dw_DV = jax.lax.dot_general(
+      x_CD, dlogits_CV, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+    )
   return loss, correct, dx_CD, dw_DV
 
 
@@ -128,7 +137,7 @@ def _fused_fwd(cfg, x_KCD, w, labels_KC, weights_KC):
 def _fused_bwd(cfg, res, cotangents):
   dx_KCD, dw_DV = res
   # No products here, so the forward's matmul precision (ops/precision.py) needs no carrying over.
-  g = cotangents[0]   # correct_sum is not differentiated
+  g = cotangents[0]  # correct_sum is not differentiated
   dw = dw_DV.T if cfg.w_layout == "VD" else dw_DV
   dx = (dx_KCD.astype(jnp.float32) * g).astype(dx_KCD.dtype)
   return dx, (dw * g).astype(cfg.w_dtype), None, None
@@ -138,17 +147,17 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def linear_cross_entropy(
-    x_ND: jax.Array,
-    w: jax.Array,
-    labels_N: jax.Array,
-    weights_N: jax.Array | None = None,
-    *,
-    w_layout: str = "VD",
-    label_smoothing: float = 0.0,
-    z_loss: float = 0.0,
-    chunk_size: int | None = None,
-    dtype=None,
-    x_transposed: Callable[[jax.Array], jax.Array] | None = None,
+  x_ND: jax.Array,
+  w: jax.Array,
+  labels_N: jax.Array,
+  weights_N: jax.Array | None = None,
+  *,
+  w_layout: str = "VD",
+  label_smoothing: float = 0.0,
+  z_loss: float = 0.0,
+  chunk_size: int | None = None,
+  dtype=None,
+  x_transposed: Callable[[jax.Array], jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Summed token cross-entropy of ``x`` projected to the vocabulary, chunk by chunk of rows.
 
@@ -194,16 +203,19 @@ def linear_cross_entropy(
   n, d = x_ND.shape
   if w.ndim != 2 or w.shape[1 if w_layout == "VD" else 0] != d:
     raise ValueError(
-        f"w.shape={w.shape} must be [{'V, D' if w_layout == 'VD' else 'D, V'}] with "
-        f"D={d} of x_ND.shape={x_ND.shape} (w_layout={w_layout!r})")
+      f"w.shape={w.shape} must be [{'V, D' if w_layout == 'VD' else 'D, V'}] with "
+      f"D={d} of x_ND.shape={x_ND.shape} (w_layout={w_layout!r})"
+    )
   if labels_N.shape != (n,):
     raise ValueError(
-        f"labels_N.shape={labels_N.shape} must be [N]=({n},) of x_ND.shape={x_ND.shape}")
+      f"labels_N.shape={labels_N.shape} must be [N]=({n},) of x_ND.shape={x_ND.shape}"
+    )
   if not jnp.issubdtype(labels_N.dtype, jnp.integer):
     raise ValueError(f"labels_N must be integers; got dtype {labels_N.dtype}")
   if weights_N is not None and weights_N.shape != (n,):
     raise ValueError(
-        f"weights_N.shape={weights_N.shape} must be [N]=({n},) of x_ND.shape={x_ND.shape}")
+      f"weights_N.shape={weights_N.shape} must be [N]=({n},) of x_ND.shape={x_ND.shape}"
+    )
   if not 0.0 <= label_smoothing < 1.0:
     raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1)")
   if chunk_size is not None and (int(chunk_size) != chunk_size or chunk_size < 1):
@@ -213,12 +225,11 @@ def linear_cross_entropy(
   c = default_chunk_size(n, v) if chunk_size is None else max(1, min(int(chunk_size), n))
   k = -(-n // c)
   pad = k * c - n
-  weights_N = (jnp.ones((n,), jnp.float32) if weights_N is None
-               else weights_N.astype(jnp.float32))
+  weights_N = jnp.ones((n,), jnp.float32) if weights_N is None else weights_N.astype(jnp.float32)
   # x is cast here, outside the custom VJP: the cast's own transpose returns dx in x's dtype.
   x_ND = x_ND.astype(dtype)
   labels_N = labels_N.astype(jnp.int32)
-  if pad:   # padding rows: x = 0, label 0, weight 0
+  if pad:  # padding rows: x = 0, label 0, weight 0
     x_ND = jnp.pad(x_ND, ((0, pad), (0, 0)))
     labels_N = jnp.pad(labels_N, (0, pad))
     weights_N = jnp.pad(weights_N, (0, pad))

@@ -31,6 +31,7 @@ EPS = 1e-6
 class LinearState(NamedTuple):
   """The recurrent state of one layer: ``s [B, N, H, E]`` (sum of ``phi(k) v^T``) and ``z [B, N,
   H]`` (sum of ``phi(k)``), float32, decayed by each head's gamma at every position."""
+
   s: jax.Array
   z: jax.Array
 
@@ -40,12 +41,15 @@ def feature_map(x: jax.Array) -> jax.Array:
   return jax.nn.elu(x.astype(jnp.float32)) + 1.0
 
 
-def zero_state(batch: int, num_heads: int, head_dim: int, value_dim: int | None = None
-               ) -> LinearState:
+def zero_state(
+  batch: int, num_heads: int, head_dim: int, value_dim: int | None = None
+) -> LinearState:
   """An empty ``LinearState`` (no position seen yet)."""
   e = head_dim if value_dim is None else value_dim
-  return LinearState(jnp.zeros((batch, num_heads, head_dim, e), jnp.float32),
-                     jnp.zeros((batch, num_heads, head_dim), jnp.float32))
+  return LinearState(
+    jnp.zeros((batch, num_heads, head_dim, e), jnp.float32),
+    jnp.zeros((batch, num_heads, head_dim), jnp.float32),
+  )
 
 
 def _decay_per_head(decay, n: int) -> jax.Array | None:
@@ -53,25 +57,30 @@ def _decay_per_head(decay, n: int) -> jax.Array | None:
     return None
   if not isinstance(decay, jax.core.Tracer):
     values = np.asarray(decay, np.float64)
-    if not np.all((values > 0.0) & (values <= 1.0)):   # NaN fails too
+    if not np.all((values > 0.0) & (values <= 1.0)):  # NaN fails too
       raise ValueError(f"decay={decay!r} must lie in (0, 1] (one gamma, or one per query head)")
   gamma = jnp.asarray(decay, jnp.float32)
   if gamma.ndim == 0:
     gamma = jnp.full((n,), gamma)
   if gamma.shape != (n,):
-    raise ValueError(f"decay must be a scalar or [N]=({n},) per query head; got shape "
-                     f"{gamma.shape}")
+    raise ValueError(
+      f"decay must be a scalar or [N]=({n},) per query head; got shape {gamma.shape}"
+    )
   return gamma
 
 
 def _check(q, k, v, chunk_size, decay, causal, kv_valid, segment_ids):
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-    raise ValueError(f"q, k and v must be 4-D [B, T, N|K, H]; got q.shape={q.shape}, "
-                     f"k.shape={k.shape}, v.shape={v.shape}")
+    raise ValueError(
+      f"q, k and v must be 4-D [B, T, N|K, H]; got q.shape={q.shape}, "
+      f"k.shape={k.shape}, v.shape={v.shape}"
+    )
   (b, t, n, h), (bk, tk, kh, hk) = q.shape, k.shape
   if (bk, tk, hk) != (b, t, h) or v.shape[:3] != k.shape[:3]:
-    raise ValueError(f"q.shape={q.shape}, k.shape={k.shape} and v.shape={v.shape} must share B "
-                     "and T; q and k share H; k and v share K")
+    raise ValueError(
+      f"q.shape={q.shape}, k.shape={k.shape} and v.shape={v.shape} must share B "
+      "and T; q and k share H; k and v share K"
+    )
   if n % kh:
     raise ValueError(f"query heads N={n} must be a multiple of key/value heads K={kh}")
   if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
@@ -79,17 +88,27 @@ def _check(q, k, v, chunk_size, decay, causal, kv_valid, segment_ids):
   if decay is not None and not causal:
     raise ValueError("decay needs causal=True (a decayed sum runs forward in time)")
   if segment_ids is not None and not causal:
-    raise ValueError("segment_ids needs causal=True (a document's state starts at its first "
-                     "position)")
+    raise ValueError(
+      "segment_ids needs causal=True (a document's state starts at its first position)"
+    )
   for name, x in (("kv_valid", kv_valid), ("segment_ids", segment_ids)):
     if x is not None and tuple(jnp.shape(x)) != (b, t):
       raise ValueError(f"{name} must be [B, T] = {(b, t)}; got shape {tuple(jnp.shape(x))}")
 
 
-def linear_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
-                     chunk_size: int = 64, decay=None, initial_state: LinearState | None = None,
-                     return_state: bool = False, kv_valid: jax.Array | None = None,
-                     segment_ids: jax.Array | None = None):
+def linear_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  *,
+  causal: bool = True,
+  chunk_size: int = 64,
+  decay=None,
+  initial_state: LinearState | None = None,
+  return_state: bool = False,
+  kv_valid: jax.Array | None = None,
+  segment_ids: jax.Array | None = None,
+):
   """Linear attention with the ``elu + 1`` feature map and its normaliser.
 
   Args:
@@ -146,13 +165,13 @@ def linear_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool =
   pad = (-t) % c
   # Per position: valid (adds and decays) and document start (empties the state before it).
   # Rows share one [1, T] pattern when neither is given.
-  valid_BT = (jnp.ones((1, t), bool) if kv_valid is None else jnp.asarray(kv_valid, bool))
+  valid_BT = jnp.ones((1, t), bool) if kv_valid is None else jnp.asarray(kv_valid, bool)
   if segment_ids is None:
     start_BT = jnp.zeros((1, t), bool)
   else:
     seg = jnp.asarray(segment_ids)
     start_BT = jnp.concatenate([jnp.zeros((b, 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
-  if pad:   # padded positions are invalid: phi(0) != 0, so their features are zeroed too
+  if pad:  # padded positions are invalid: phi(0) != 0, so their features are zeroed too
     phi_q = jnp.pad(phi_q, ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
     phi_k = jnp.pad(phi_k, ((0, 0), (0, pad), (0, 0), (0, 0)))
     v32 = jnp.pad(v32, ((0, 0), (0, pad), (0, 0), (0, 0)))
@@ -175,29 +194,37 @@ def linear_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool =
     """A chunk's decay-and-reset factors, all in [0, 1]: ``within [B, K, G, C, C]`` from key j
     to query i, ``into [B, C, K, G]`` from the carried state to query i, ``out_of [B, C, K, G]``
     from key j to the chunk's end, ``across [B, K, G]`` over the whole chunk."""
-    count_BC = jnp.cumsum(valid_BC.astype(jnp.int32), axis=1)    # valid positions up to i
-    doc_BC = jnp.cumsum(start_BC.astype(jnp.int32), axis=1)      # documents started up to i
+    count_BC = jnp.cumsum(valid_BC.astype(jnp.int32), axis=1)  # valid positions up to i
+    doc_BC = jnp.cumsum(start_BC.astype(jnp.int32), axis=1)  # documents started up to i
     same_BCC = causal_CC[None] & (doc_BC[:, :, None] == doc_BC[:, None, :])
-    fresh_BC = doc_BC == 0                                       # still the carried document
+    fresh_BC = doc_BC == 0  # still the carried document
     last_same_BC = doc_BC == doc_BC[:, -1:]
     if log_g is None:
       within = jnp.broadcast_to(same_BCC[:, None, None], (same_BCC.shape[0], kh, g, c, c))
       into = jnp.broadcast_to(fresh_BC[:, :, None, None], (fresh_BC.shape[0], c, kh, g))
       out_of = jnp.broadcast_to(last_same_BC[:, :, None, None], into.shape)
       across = jnp.broadcast_to(fresh_BC[:, -1, None, None], (fresh_BC.shape[0], kh, g))
-      return (within.astype(jnp.float32), into.astype(jnp.float32),
-              out_of.astype(jnp.float32), across.astype(jnp.float32))
+      return (
+        within.astype(jnp.float32),
+        into.astype(jnp.float32),
+        out_of.astype(jnp.float32),
+        across.astype(jnp.float32),
+      )
     # gamma ** count with count >= 0 (masked entries get count 0 and then the mask's 0).
     gap_BCC = jnp.where(same_BCC, count_BC[:, :, None] - count_BC[:, None, :], 0)
     within = same_BCC[:, None, None] * jnp.exp(
-        log_g[None, :, :, None, None] * gap_BCC[:, None, None].astype(jnp.float32))
+      log_g[None, :, :, None, None] * gap_BCC[:, None, None].astype(jnp.float32)
+    )
     into = fresh_BC[:, :, None, None] * jnp.exp(
-        log_g[None, None] * count_BC[:, :, None, None].astype(jnp.float32))
+      log_g[None, None] * count_BC[:, :, None, None].astype(jnp.float32)
+    )
     to_end_BC = (count_BC[:, -1:] - count_BC).astype(jnp.float32)
-    out_of = last_same_BC[:, :, None, None] * jnp.exp(log_g[None, None] * to_end_BC[..., None,
-                                                                                    None])
+    out_of = last_same_BC[:, :, None, None] * jnp.exp(
+      log_g[None, None] * to_end_BC[..., None, None]
+    )
     across = fresh_BC[:, -1, None, None] * jnp.exp(
-        log_g[None] * count_BC[:, -1, None, None].astype(jnp.float32))
+      log_g[None] * count_BC[:, -1, None, None].astype(jnp.float32)
+    )
     return within, into, out_of, across
 
   state = zero_state(b, n, h, e) if initial_state is None else initial_state
@@ -206,29 +233,32 @@ def linear_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool =
 
   def chunk(carry, xs):
     s_BKGHE, z_BKGH = carry
-    q_c, k_c, v_c, valid_c, start_c = xs      # [B, C, K, G, H], [B, C, K, H], [B, C, K, E], ...
+    q_c, k_c, v_c, valid_c, start_c = xs  # [B, C, K, G, H], [B, C, K, H], [B, C, K, E], ...
     within_BKGCC, into_BCKG, out_of_BCKG, across_BKG = factors(valid_c, start_c)
     scores = jnp.einsum("bikgh,bjkh->bkgij", q_c, k_c) * within_BKGCC
     num = jnp.einsum("bkgij,bjke->bikge", scores, v_c)
-    den = jnp.sum(scores, axis=-1).transpose(0, 3, 1, 2)              # [B, C, K, G]
+    den = jnp.sum(scores, axis=-1).transpose(0, 3, 1, 2)  # [B, C, K, G]
     num = num + jnp.einsum("bikgh,bkghe->bikge", q_c, s_BKGHE) * into_BCKG[..., None]
     den = den + jnp.einsum("bikgh,bkgh->bikg", q_c, z_BKGH) * into_BCKG
-    weighted_k = k_c[:, :, :, None, :] * out_of_BCKG[..., None]       # [B, C, K, G, H]
-    s_next = (s_BKGHE * across_BKG[:, :, :, None, None]
-              + jnp.einsum("bjkgh,bjke->bkghe", weighted_k, v_c))
+    weighted_k = k_c[:, :, :, None, :] * out_of_BCKG[..., None]  # [B, C, K, G, H]
+    s_next = s_BKGHE * across_BKG[:, :, :, None, None] + jnp.einsum(
+      "bjkgh,bjke->bkghe", weighted_k, v_c
+    )
     z_next = z_BKGH * across_BKG[:, :, :, None] + jnp.sum(weighted_k, axis=1)
     return (s_next, z_next), num / (den[..., None] + EPS)
 
   (s_end, z_end), out = jax.lax.scan(
-      chunk, (s0, z0), (q_chunks, k_chunks, v_chunks, valid_chunks, start_chunks))
+    chunk, (s0, z0), (q_chunks, k_chunks, v_chunks, valid_chunks, start_chunks)
+  )
   out_BTNE = out.swapaxes(0, 1).reshape(b, nc * c, n, e)[:, :t].astype(q.dtype)
   if return_state:
     return out_BTNE, LinearState(s_end.reshape(b, n, h, e), z_end.reshape(b, n, h))
   return out_BTNE
 
 
-def linear_attention_step(state: LinearState, q: jax.Array, k: jax.Array, v: jax.Array, *,
-                          decay=None) -> tuple[jax.Array, LinearState]:
+def linear_attention_step(
+  state: LinearState, q: jax.Array, k: jax.Array, v: jax.Array, *, decay=None
+) -> tuple[jax.Array, LinearState]:
   """One decoding step of causal linear attention: the recurrence on one new position.
 
   Args:
@@ -241,18 +271,19 @@ def linear_attention_step(state: LinearState, q: jax.Array, k: jax.Array, v: jax
   """
   b, one, n, h = q.shape
   if one != 1 or k.shape[1] != 1 or v.shape[1] != 1:
-    raise ValueError(f"a step takes one position: q.shape={q.shape}, k.shape={k.shape}, "
-                     f"v.shape={v.shape}")
+    raise ValueError(
+      f"a step takes one position: q.shape={q.shape}, k.shape={k.shape}, v.shape={v.shape}"
+    )
   g = n // k.shape[2]
   gamma_N = _decay_per_head(decay, n)
-  phi_k = jnp.repeat(feature_map(k[:, 0]), g, axis=1)                  # [B, N, H]
-  v_NE = jnp.repeat(v[:, 0].astype(jnp.float32), g, axis=1)           # [B, N, E]
+  phi_k = jnp.repeat(feature_map(k[:, 0]), g, axis=1)  # [B, N, H]
+  v_NE = jnp.repeat(v[:, 0].astype(jnp.float32), g, axis=1)  # [B, N, E]
   s, z = state.s, state.z
   if gamma_N is not None:
     s, z = s * gamma_N[None, :, None, None], z * gamma_N[None, :, None]
   s = s + phi_k[..., :, None] * v_NE[..., None, :]
   z = z + phi_k
-  phi_q = feature_map(q[:, 0])                                         # [B, N, H]
+  phi_q = feature_map(q[:, 0])  # [B, N, H]
   num = jnp.einsum("bnh,bnhe->bne", phi_q, s)
   den = jnp.einsum("bnh,bnh->bn", phi_q, z)
   out = (num / (den[..., None] + EPS))[:, None].astype(q.dtype)

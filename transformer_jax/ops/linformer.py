@@ -15,9 +15,16 @@ import jax.numpy as jnp
 from transformer_jax.ops.attention import check_qkv, dot_product_attention
 
 
-def linformer_attention(q: jax.Array, k: jax.Array, v: jax.Array, e_RS: jax.Array,
-                        f_RS: jax.Array | None = None, *, kv_valid: jax.Array | None = None,
-                        scale: float | None = None) -> jax.Array:
+def linformer_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  e_RS: jax.Array,
+  f_RS: jax.Array | None = None,
+  *,
+  kv_valid: jax.Array | None = None,
+  scale: float | None = None,
+) -> jax.Array:
   """Attention over ``R`` rows of keys ``E k`` and values ``F v``.
 
   Args:

@@ -7,12 +7,12 @@ import jax.numpy as jnp
 
 
 def cross_entropy(
-    logits: jax.Array,
-    labels: jax.Array,
-    *,
-    mask: jax.Array | None = None,
-    label_smoothing: float = 0.0,
-    z_loss: float = 0.0,
+  logits: jax.Array,
+  labels: jax.Array,
+  *,
+  mask: jax.Array | None = None,
+  label_smoothing: float = 0.0,
+  z_loss: float = 0.0,
 ) -> tuple[jax.Array, jax.Array]:
   """Mean token cross-entropy over unmasked positions.
 
@@ -31,7 +31,8 @@ def cross_entropy(
   """
   if logits.shape[:-1] != labels.shape:
     raise ValueError(
-        f"logits.shape={logits.shape} must be labels.shape={labels.shape} plus a vocabulary axis")
+      f"logits.shape={logits.shape} must be labels.shape={labels.shape} plus a vocabulary axis"
+    )
   if not 0.0 <= label_smoothing < 1.0:
     raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1)")
   lse, label_logits = _lse_and_label(logits, labels.astype(jnp.int32))

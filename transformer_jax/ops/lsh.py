@@ -29,8 +29,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-MASKED_LOGIT = -1e9   # a masked key (padding, the future)
-SELF_LOGIT = -1e5     # the query's own position: above every masked key, below any real logit
+MASKED_LOGIT = -1e9  # a masked key (padding, the future)
+SELF_LOGIT = -1e5  # the query's own position: above every masked key, below any real logit
 
 
 def rotation_size(n_buckets: int | tuple[int, ...]) -> int:
@@ -43,22 +43,28 @@ def total_buckets(n_buckets: int | tuple[int, ...]) -> int:
   return n_buckets if isinstance(n_buckets, int) else math.prod(n_buckets)
 
 
-def random_rotations(key: jax.Array, num_heads: int, head_dim: int, n_hashes: int,
-                     n_buckets: int | tuple[int, ...]) -> jax.Array:
+def random_rotations(
+  key: jax.Array, num_heads: int, head_dim: int, n_hashes: int, n_buckets: int | tuple[int, ...]
+) -> jax.Array:
   """Gaussian rotations ``[N, H, n_hashes, R / 2]`` (float32) for ``lsh_attention``."""
-  return jax.random.normal(key, (num_heads, head_dim, n_hashes, rotation_size(n_buckets) // 2),
-                           jnp.float32)
+  return jax.random.normal(
+    key, (num_heads, head_dim, n_hashes, rotation_size(n_buckets) // 2), jnp.float32
+  )
 
 
-def hash_buckets(qk_BNTH: jax.Array, rotations: jax.Array,
-                 n_buckets: int | tuple[int, ...]) -> jax.Array:
+def hash_buckets(
+  qk_BNTH: jax.Array, rotations: jax.Array, n_buckets: int | tuple[int, ...]
+) -> jax.Array:
   """Bucket ids ``[B, N, n_hashes, T]`` in ``[0, total_buckets)`` of each position and round."""
-  rot_BNhTr = jnp.einsum("BNTH,NHhr->BNhTr", jax.lax.stop_gradient(qk_BNTH).astype(jnp.float32),
-                         rotations.astype(jnp.float32))
+  rot_BNhTr = jnp.einsum(
+    "BNTH,NHhr->BNhTr",
+    jax.lax.stop_gradient(qk_BNTH).astype(jnp.float32),
+    rotations.astype(jnp.float32),
+  )
   factors = (n_buckets,) if isinstance(n_buckets, int) else tuple(n_buckets)
   buckets, start, product = None, 0, 1
-  for f in factors:   # one argmax per factor, combined as mixed-radix digits
-    part = rot_BNhTr[..., start:start + f // 2]
+  for f in factors:  # one argmax per factor, combined as mixed-radix digits
+    part = rot_BNhTr[..., start : start + f // 2]
     digit = jnp.argmax(jnp.concatenate([part, -part], axis=-1), axis=-1)
     buckets = digit if buckets is None else buckets + product * digit
     start, product = start + f // 2, product * f
@@ -101,11 +107,20 @@ def _chunks(t: int, chunk_length: int, name: str = "chunk_length"):
     raise ValueError(f"the length T={t} must be a multiple of {name}={chunk_length} (pad it)")
 
 
-def lsh_attention(qk: jax.Array, v: jax.Array, *, n_buckets: int | tuple[int, ...],
-                  n_hashes: int = 1, chunk_length: int = 64, chunks_before: int = 1,
-                  chunks_after: int = 0, causal: bool = False,
-                  kv_valid: jax.Array | None = None, rotations: jax.Array | None = None,
-                  seed: int = 0) -> jax.Array:
+def lsh_attention(
+  qk: jax.Array,
+  v: jax.Array,
+  *,
+  n_buckets: int | tuple[int, ...],
+  n_hashes: int = 1,
+  chunk_length: int = 64,
+  chunks_before: int = 1,
+  chunks_after: int = 0,
+  causal: bool = False,
+  kv_valid: jax.Array | None = None,
+  rotations: jax.Array | None = None,
+  seed: int = 0,
+) -> jax.Array:
   """LSH self-attention (see the module docstring).
 
   Args:
@@ -144,14 +159,15 @@ def lsh_attention(qk: jax.Array, v: jax.Array, *, n_buckets: int | tuple[int, ..
   if rotations is None:
     rotations = random_rotations(jax.random.key(seed), n, h, n_hashes, n_buckets)
   if rotations.shape != (n, h, n_hashes, r // 2):
-    raise ValueError(f"rotations must be [N, H, n_hashes, R/2] = {(n, h, n_hashes, r // 2)}; "
-                     f"got {rotations.shape}")
+    raise ValueError(
+      f"rotations must be [N, H, n_hashes, R/2] = {(n, h, n_hashes, r // 2)}; got {rotations.shape}"
+    )
   qk_BNTH, v_BNTH = qk.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
   f32 = jnp.float32
   k_BNTH = qk_BNTH.astype(f32)
   k_BNTH = k_BNTH * jax.lax.rsqrt(jnp.mean(k_BNTH**2, axis=-1, keepdims=True) + 1e-6) / h**0.5
   pos = jnp.arange(t, dtype=jnp.int32)
-  if t <= chunk_length:   # one chunk: ordinary attention under the same masks
+  if t <= chunk_length:  # one chunk: ordinary attention under the same masks
     dots = jnp.einsum("BNTH,BNSH->BNTS", qk_BNTH.astype(f32), k_BNTH)
     valid = None if kv_valid is None else kv_valid.astype(bool)[:, None, :]
     p, _ = _masked_softmax(dots, pos, pos, valid, causal, True)
@@ -168,11 +184,15 @@ def lsh_attention(qk: jax.Array, v: jax.Array, *, n_buckets: int | tuple[int, ..
   order_BNM = jnp.argsort(key_BNM, axis=-1)
   undo_BNM = jnp.argsort(order_BNM, axis=-1)
   pos_BNM = order_BNM % t
+
   def gather(x):
     return jnp.take_along_axis(x, pos_BNM[..., None], axis=2)
+
   c, chunk = n_hashes * t // chunk_length, chunk_length
+
   def split(x):
     return x.reshape(b, n, c, chunk, *x.shape[3:])
+
   q_BNCLH = split(gather(qk_BNTH.astype(f32)))
   k_BNCAH = _look_adjacent(split(gather(k_BNTH)), chunks_before, chunks_after)
   v_BNCAH = _look_adjacent(split(gather(v_BNTH.astype(f32))), chunks_before, chunks_after)
@@ -180,15 +200,17 @@ def lsh_attention(qk: jax.Array, v: jax.Array, *, n_buckets: int | tuple[int, ..
   k_pos_BNCA = _look_adjacent(q_pos_BNCL, chunks_before, chunks_after)
   k_valid = None
   if kv_valid is not None:
-    k_valid = jnp.take_along_axis(kv_valid.astype(bool)[:, None, :], k_pos_BNCA.reshape(
-        b, n, -1), axis=2).reshape(k_pos_BNCA.shape)
+    k_valid = jnp.take_along_axis(
+      kv_valid.astype(bool)[:, None, :], k_pos_BNCA.reshape(b, n, -1), axis=2
+    ).reshape(k_pos_BNCA.shape)
   dots = jnp.einsum("BNCLH,BNCAH->BNCLA", q_BNCLH, k_BNCAH)
   p, lse_BNCL = _masked_softmax(dots, q_pos_BNCL, k_pos_BNCA, k_valid, causal, True)
   out_BNCLH = jnp.einsum("BNCLA,BNCAH->BNCLH", p, v_BNCAH)
+
   # Back to (round, position) order, then the rounds weighted by their log-sum-exp.
   def unsort(x):
-    return jnp.take_along_axis(x, undo_BNM.reshape(
-        b, n, -1, *([1] * (x.ndim - 3))), axis=2)
+    return jnp.take_along_axis(x, undo_BNM.reshape(b, n, -1, *([1] * (x.ndim - 3))), axis=2)
+
   out_BNhTH = unsort(out_BNCLH.reshape(b, n, -1, h)).reshape(b, n, n_hashes, t, h)
   lse_BNhT = unsort(lse_BNCL.reshape(b, n, -1)).reshape(b, n, n_hashes, t)
   # exp(lse - logsumexp(lse)) rather than a max-shifted softmax: the same rounding as the
@@ -198,9 +220,17 @@ def lsh_attention(qk: jax.Array, v: jax.Array, *, n_buckets: int | tuple[int, ..
   return out_BNTH.transpose(0, 2, 1, 3).astype(qk.dtype)
 
 
-def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, chunk_length: int = 64,
-                    chunks_before: int = 1, chunks_after: int = 0, causal: bool = False,
-                    kv_valid: jax.Array | None = None) -> jax.Array:
+def local_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  *,
+  chunk_length: int = 64,
+  chunks_before: int = 1,
+  chunks_after: int = 0,
+  causal: bool = False,
+  kv_valid: jax.Array | None = None,
+) -> jax.Array:
   """Reformer's local attention: chunks of ``chunk_length`` positions, each attending to itself
   and its neighbouring chunks (the chunk list wraps around), logits ``q k / sqrt(H)``.
 
@@ -217,8 +247,9 @@ def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, chunk_length: i
     ValueError: for mismatched shapes or a length that is not a multiple of ``chunk_length``.
   """
   if q.ndim != 4 or k.shape != q.shape or v.shape != q.shape:
-    raise ValueError(f"q, k and v must be one [B, T, N, H] shape; got {q.shape}, {k.shape}, "
-                     f"{v.shape}")
+    raise ValueError(
+      f"q, k and v must be one [B, T, N, H] shape; got {q.shape}, {k.shape}, {v.shape}"
+    )
   b, t, n, h = q.shape
   _chunks(t, chunk_length)
   _check("kv_valid", kv_valid, b, t)
@@ -232,13 +263,22 @@ def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, chunk_length: i
     p, _ = _masked_softmax(dots, pos, pos, valid, causal, False)
     return jnp.einsum("BNTS,BNSH->BNTH", p, v_BNTH).transpose(0, 2, 1, 3).astype(q.dtype)
   c = t // chunk_length
+
   def split(x):
     return x.reshape(*x.shape[:2], c, chunk_length, *x.shape[3:])
+
   def adjacent(x):
     return _look_adjacent(split(x), chunks_before, chunks_after)
+
   pos_BNT = jnp.broadcast_to(pos, (b, n, t))
   dots = jnp.einsum("BNCLH,BNCAH->BNCLA", split(q_BNTH), adjacent(k_BNTH))
-  p, _ = _masked_softmax(dots, split(pos_BNT), adjacent(pos_BNT),
-                         None if valid is None else adjacent(valid), causal, False)
+  p, _ = _masked_softmax(
+    dots,
+    split(pos_BNT),
+    adjacent(pos_BNT),
+    None if valid is None else adjacent(valid),
+    causal,
+    False,
+  )
   out = jnp.einsum("BNCLA,BNCAH->BNCLH", p, adjacent(v_BNTH)).reshape(b, n, t, h)
   return out.transpose(0, 2, 1, 3).astype(q.dtype)

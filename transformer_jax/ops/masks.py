@@ -69,8 +69,7 @@ def segment_mask(q_segment_ids: jax.Array, kv_segment_ids: jax.Array | None = No
   return (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])[:, None]
 
 
-def segment_runs(segment_ids: jax.Array, max_runs: int
-                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def segment_runs(segment_ids: jax.Array, max_runs: int) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Each row's segments as runs of equal ids: their lengths and starts, for a kernel that takes
   packed sequences (cuDNN's ragged layout) instead of a ``[B, 1, T, T]`` segment mask.
 
@@ -92,7 +91,8 @@ def segment_runs(segment_ids: jax.Array, max_runs: int
     raise ValueError(f"segment_ids must be [B, T]; got shape {segment_ids.shape}")
   b, t = segment_ids.shape
   begins_BT = jnp.concatenate(
-      [jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    [jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
+  )
   starts_BM = jax.vmap(lambda row: jnp.nonzero(row, size=max_runs, fill_value=-1)[0])(begins_BT)
   starts_BM = starts_BM.astype(jnp.int32)
   present_BM = starts_BM >= 0

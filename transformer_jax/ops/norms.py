@@ -13,8 +13,9 @@ def _feature(p: jax.Array, ndim: int) -> jax.Array:
   return jnp.expand_dims(p.astype(jnp.float32), tuple(range(ndim - 1)))
 
 
-def layer_norm(x: jax.Array, scale: jax.Array | None, bias: jax.Array | None,
-               eps: float = 1e-5) -> jax.Array:
+def layer_norm(
+  x: jax.Array, scale: jax.Array | None, bias: jax.Array | None, eps: float = 1e-5
+) -> jax.Array:
   """``(x - mean) / sqrt(var + eps) * scale + bias`` over the last axis (biased variance, Ba et
   al.).
 

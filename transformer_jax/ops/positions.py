@@ -58,12 +58,14 @@ class RopeScaling:
       raise ValueError(f"RopeScaling.factor={self.factor} must be > 0")
     if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
       raise ValueError(
-          f"RopeScaling.high_freq_factor={self.high_freq_factor} must exceed "
-          f"low_freq_factor={self.low_freq_factor}")
+        f"RopeScaling.high_freq_factor={self.high_freq_factor} must exceed "
+        f"low_freq_factor={self.low_freq_factor}"
+      )
 
 
-def rope_frequencies(dim: int, *, theta: float = 10000.0,
-                     scaling: RopeScaling | None = None) -> np.ndarray:
+def rope_frequencies(
+  dim: int, *, theta: float = 10000.0, scaling: RopeScaling | None = None
+) -> np.ndarray:
   """Inverse frequencies ``[dim // 2]`` (float64 NumPy; constant-folded under jit)."""
   if dim % 2:
     raise ValueError(f"rotary dim={dim} must be even")
@@ -84,7 +86,8 @@ def rope_frequencies(dim: int, *, theta: float = 10000.0,
       wavelen = 2 * math.pi / inv_freq
       scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
       smooth = (scaling.original_max_len / wavelen - scaling.low_freq_factor) / (
-          scaling.high_freq_factor - scaling.low_freq_factor)
+        scaling.high_freq_factor - scaling.low_freq_factor
+      )
       blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
       medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
       return np.where(medium, blended, scaled)
@@ -93,12 +96,12 @@ def rope_frequencies(dim: int, *, theta: float = 10000.0,
 
 
 def apply_rope(
-    x: jax.Array,
-    positions: jax.Array,
-    *,
-    theta: float = 10000.0,
-    interleaved: bool = False,
-    scaling: RopeScaling | None = None,
+  x: jax.Array,
+  positions: jax.Array,
+  *,
+  theta: float = 10000.0,
+  interleaved: bool = False,
+  scaling: RopeScaling | None = None,
 ) -> jax.Array:
   """Rotates feature pairs of ``x`` by position-dependent angles (Su et al., RoFormer).
 
@@ -126,7 +129,7 @@ def apply_rope(
     x1, x2 = xf[..., 0::2], xf[..., 1::2]
     out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(xf.shape)
   else:
-    x1, x2 = xf[..., : h // 2], xf[..., h // 2:]
+    x1, x2 = xf[..., : h // 2], xf[..., h // 2 :]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x.dtype)
 
@@ -176,11 +179,11 @@ def alibi_bias(num_heads: int, q_len: int, k_len: int | None = None) -> jax.Arra
 
 
 def relative_position_bucket(
-    relative_position: jax.Array,
-    *,
-    bidirectional: bool = True,
-    num_buckets: int = 32,
-    max_distance: int = 128,
+  relative_position: jax.Array,
+  *,
+  bidirectional: bool = True,
+  num_buckets: int = 32,
+  max_distance: int = 128,
 ) -> jax.Array:
   """Maps ``key_pos - query_pos`` to a bucket in ``[0, num_buckets)``.
 
@@ -202,7 +205,7 @@ def relative_position_bucket(
   # Guard log(0): the large branch is only used where n >= max_exact >= 1.
   n_f = jnp.maximum(n, 1).astype(jnp.float32)
   val_if_large = max_exact + (
-      jnp.log(n_f / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact)
+    jnp.log(n_f / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact)
   ).astype(relative_position.dtype)
   val_if_large = jnp.minimum(val_if_large, num_buckets - 1)
   return ret + jnp.where(is_small, n, val_if_large)
@@ -246,7 +249,10 @@ class RelativeBias:
     """``[B, N, T, S]`` float32."""
     rel_BTS = k_pos_S[None, None, :] - q_pos_BT[:, :, None]
     buckets_BTS = relative_position_bucket(
-        rel_BTS, bidirectional=self.bidirectional, num_buckets=self.num_buckets,
-        max_distance=self.max_distance)
+      rel_BTS,
+      bidirectional=self.bidirectional,
+      num_buckets=self.num_buckets,
+      max_distance=self.max_distance,
+    )
     bias_BTSN = jnp.take(table_UN, buckets_BTS, axis=0)
     return jnp.transpose(bias_BTSN, (0, 3, 1, 2)).astype(jnp.float32)

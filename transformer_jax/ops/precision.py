@@ -31,8 +31,9 @@ def scope(precision: str):
   """A context in which float32 dots take ``precision`` (one of ``PRECISIONS``); "default" leaves
   JAX's setting (``jax.default_matmul_precision``, ``JAX_DEFAULT_MATMUL_PRECISION``) as it is."""
   if precision not in PRECISIONS:
-    raise ValueError(f"matmul_precision={precision!r} must be one of "
-                     f"{', '.join(map(repr, PRECISIONS))}")
+    raise ValueError(
+      f"matmul_precision={precision!r} must be one of {', '.join(map(repr, PRECISIONS))}"
+    )
   if precision == "default":
     return contextlib.nullcontext()
   return jax.default_matmul_precision(precision)
@@ -40,8 +41,10 @@ def scope(precision: str):
 
 def within(precision: str | None, fn):
   """``fn`` traced under ``precision``, a value of ``current()`` read where the forward ran."""
+
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
     with jax.default_matmul_precision(precision):
       return fn(*args, **kwargs)
+
   return wrapped

@@ -28,7 +28,7 @@ def argmax(x: jax.Array, axis: int = -1) -> jax.Array:
   return jax.lax.map(_argmax_rows, rows, batch_size=max(1, _CHUNK // n)).reshape(lead)
 
 
-_CHUNK = 1 << 22   # elements per chunk of rows (16 MB of float32)
+_CHUNK = 1 << 22  # elements per chunk of rows (16 MB of float32)
 
 
 def _argmax_rows(x_RN: jax.Array) -> jax.Array:

@@ -58,15 +58,16 @@ class SparsePattern:
     ValueError: naming the field, for a block below 1, negative counts, ``summary > block``, or a
       pattern that holds nothing (no local, global, random, summary or strided part).
   """
-  block: int = 128                    # positions per block (and the stride of summary / strided)
-  local_blocks: int = 1               # key blocks within this many blocks; 0: none
-  summary: int = 0                    # last positions of every block seen by all queries
-  strided: bool = False               # keys an exact multiple of `block` positions away
+
+  block: int = 128  # positions per block (and the stride of summary / strided)
+  local_blocks: int = 1  # key blocks within this many blocks; 0: none
+  summary: int = 0  # last positions of every block seen by all queries
+  strided: bool = False  # keys an exact multiple of `block` positions away
   global_blocks: tuple[int, ...] = ()  # blocks that see and are seen by every position
-  random_blocks: int = 0              # random key blocks per query block, drawn from `seed`
+  random_blocks: int = 0  # random key blocks per query block, drawn from `seed`
   seed: int = 0
-  random_first: bool = False          # the random blocks are all block 0 (BigBird's eval mode)
-  dense_up_to: int = 0                # sequences up to this length attend densely
+  random_first: bool = False  # the random blocks are all block 0 (BigBird's eval mode)
+  dense_up_to: int = 0  # sequences up to this length attend densely
 
   def __post_init__(self):
     for name in ("block", "local_blocks", "summary", "random_blocks", "seed", "dense_up_to"):
@@ -81,12 +82,15 @@ class SparsePattern:
     if self.summary > self.block:
       raise ValueError(f"summary={self.summary} must be <= block={self.block}")
     if not isinstance(self.global_blocks, tuple) or not all(
-        isinstance(g, int) and not isinstance(g, bool) for g in self.global_blocks):
+      isinstance(g, int) and not isinstance(g, bool) for g in self.global_blocks
+    ):
       raise ValueError(f"global_blocks={self.global_blocks!r} must be a tuple of integers")
-    if not (self.local_blocks or self.summary or self.strided or self.global_blocks
-            or self.random_blocks):
-      raise ValueError(f"{self} holds no keys: give local_blocks, summary, strided, "
-                       "global_blocks or random_blocks")
+    if not (
+      self.local_blocks or self.summary or self.strided or self.global_blocks or self.random_blocks
+    ):
+      raise ValueError(
+        f"{self} holds no keys: give local_blocks, summary, strided, global_blocks or random_blocks"
+      )
 
   @classmethod
   def fixed(cls, block: int = 128, summary: int = 8) -> SparsePattern:
@@ -101,15 +105,22 @@ class SparsePattern:
     return cls(block=block, local_blocks=2, strided=True)
 
   @classmethod
-  def bigbird(cls, block: int = 64, random_blocks: int = 3, seed: int = 0, *,
-              eval_mode: bool = False) -> SparsePattern:
+  def bigbird(
+    cls, block: int = 64, random_blocks: int = 3, seed: int = 0, *, eval_mode: bool = False
+  ) -> SparsePattern:
     """BigBird's ITC layout: a sliding window of three blocks, the first and last blocks
     global, and ``random_blocks`` random blocks per query block. ``eval_mode``: exactly what
     transformers' ``BigBirdModel`` computes in eval mode (random blocks all block 0, full
     attention up to ``(5 + 2 * random_blocks) * block`` positions)."""
-    return cls(block=block, local_blocks=2, global_blocks=(0, -1), random_blocks=random_blocks,
-               seed=seed, random_first=eval_mode,
-               dense_up_to=(5 + 2 * random_blocks) * block if eval_mode else 0)
+    return cls(
+      block=block,
+      local_blocks=2,
+      global_blocks=(0, -1),
+      random_blocks=random_blocks,
+      seed=seed,
+      random_first=eval_mode,
+      dense_up_to=(5 + 2 * random_blocks) * block if eval_mode else 0,
+    )
 
   def num_blocks(self, length: int) -> int:
     return -(-length // self.block)
@@ -222,6 +233,7 @@ class _Plan:
   """The static shape of one call: ``b`` positions per block, ``nb`` blocks, ``maxc`` the most
   layout blocks of a query block, ``ns`` summary chunks of ``b`` keys, ``summary`` and
   ``strided`` as in the pattern, ``t`` the real length, ``causal`` and the logits ``scale``."""
+
   b: int
   nb: int
   maxc: int
@@ -239,6 +251,7 @@ class _Aux(NamedTuple):
   (padded with a position past the end), ``s_hi`` ``[nb]`` the summary chunks each query block
   visits, ``kv_valid`` ``[B, Tp]`` and ``seg`` ``[B, Tp]`` (or None), ``first_bias`` ``[nb]``
   the logits bias of key block 0 per query block (``random_first``; None: none)."""
+
   idx: jax.Array
   cnt: jax.Array
   lay: jax.Array
@@ -269,10 +282,13 @@ def _layout_block(qi, ki, aux: _Aux, plan: _Plan) -> chunked.Block:
   if aux.first_bias is not None:
     bias = jnp.broadcast_to(jnp.where(ki == 0, aux.first_bias[qi], 0.0), (1, 1, 1, b))
   return chunked.Block(
-      q_pos=q_pos[None], k_pos=ki * b + jnp.arange(b, dtype=jnp.int32),
-      kv_valid=None if aux.kv_valid is None else _q_block(aux.kv_valid, ki, b),
-      q_seg=None if seg is None else _q_block(seg, qi, b),
-      kv_seg=None if seg is None else _q_block(seg, ki, b), bias=bias)
+    q_pos=q_pos[None],
+    k_pos=ki * b + jnp.arange(b, dtype=jnp.int32),
+    kv_valid=None if aux.kv_valid is None else _q_block(aux.kv_valid, ki, b),
+    q_seg=None if seg is None else _q_block(seg, qi, b),
+    kv_seg=None if seg is None else _q_block(seg, ki, b),
+    bias=bias,
+  )
 
 
 def _summary_block(qi, si, aux: _Aux, plan: _Plan) -> chunked.Block:
@@ -283,11 +299,13 @@ def _summary_block(qi, si, aux: _Aux, plan: _Plan) -> chunked.Block:
   fresh = ~aux.lay[qi][jnp.clip(k_pos // b, 0, plan.nb - 1)]
   seg = aux.seg
   return chunked.Block(
-      q_pos=(qi * b + jnp.arange(b, dtype=jnp.int32))[None], k_pos=k_pos,
-      kv_valid=_take(aux.kv_valid, jnp.clip(k_pos, 0, plan.nb * b - 1)),
-      q_seg=None if seg is None else _q_block(seg, qi, b),
-      kv_seg=_take(seg, jnp.clip(k_pos, 0, plan.nb * b - 1)),
-      mask=fresh[None, None, None, :])
+    q_pos=(qi * b + jnp.arange(b, dtype=jnp.int32))[None],
+    k_pos=k_pos,
+    kv_valid=_take(aux.kv_valid, jnp.clip(k_pos, 0, plan.nb * b - 1)),
+    q_seg=None if seg is None else _q_block(seg, qi, b),
+    kv_seg=_take(seg, jnp.clip(k_pos, 0, plan.nb * b - 1)),
+    mask=fresh[None, None, None, :],
+  )
 
 
 def _gather_summary(x, aux: _Aux, plan: _Plan):
@@ -304,7 +322,7 @@ def _diag_logits(q_blk, kb, qi, aux: _Aux, plan: _Plan):
   r, m = jnp.arange(b)[:, None], jnp.arange(nb)[None, :]
   k_pos = m * b + r
   valid = (k_pos < plan.t) & ~aux.lay[qi][None, :]
-  if plan.summary:   # those keys are summary positions, counted in the summary part
+  if plan.summary:  # those keys are summary positions, counted in the summary part
     valid = valid & (r < b - plan.summary)
   if plan.causal:
     valid = valid & (k_pos <= qi * b + r)
@@ -323,8 +341,9 @@ def _fold(state: chunked.SoftmaxState, logits, valid, pv_fn) -> chunked.SoftmaxS
   new_max = jnp.maximum(state.max, jnp.max(logits, axis=-1))
   corr = jnp.exp(state.max - new_max)
   p = jnp.where(valid, jnp.exp(logits - new_max[..., None]), 0.0)
-  return chunked.SoftmaxState(new_max, state.denom * corr + jnp.sum(p, axis=-1),
-                              state.numer * corr[..., None] + pv_fn(p))
+  return chunked.SoftmaxState(
+    new_max, state.denom * corr + jnp.sum(p, axis=-1), state.numer * corr[..., None] + pv_fn(p)
+  )
 
 
 def _blocked(x, plan: _Plan):
@@ -346,12 +365,19 @@ def _forward(plan: _Plan, q5, k, v, aux: _Aux):
 
     def layout_step(m, state):
       ki = aux.idx[qi, m]
-      return chunked.online_update(state, q_blk, _q_block(k, ki, b), _q_block(v, ki, b),
-                                   _layout_block(qi, ki, aux, plan), st)
+      return chunked.online_update(
+        state, q_blk, _q_block(k, ki, b), _q_block(v, ki, b), _layout_block(qi, ki, aux, plan), st
+      )
 
     def summary_step(si, state):
-      return chunked.online_update(state, q_blk, _q_block(ks, si, b), _q_block(vs, si, b),
-                                   _summary_block(qi, si, aux, plan), st)
+      return chunked.online_update(
+        state,
+        q_blk,
+        _q_block(ks, si, b),
+        _q_block(vs, si, b),
+        _summary_block(qi, si, aux, plan),
+        st,
+      )
 
     state = chunked.initial_state(bsz, kh, g, b, h)
     state = jax.lax.fori_loop(0, aux.cnt[qi], layout_step, state)
@@ -359,8 +385,14 @@ def _forward(plan: _Plan, q5, k, v, aux: _Aux):
       state = jax.lax.fori_loop(0, aux.s_hi[qi], summary_step, state)
     if plan.strided:
       logits, valid = _diag_logits(q_blk, kb, qi, aux, plan)
-      state = _fold(state, logits, valid, lambda p: jnp.einsum(
-          "BKGrm,BmrKH->BKGrH", p.astype(v.dtype), vb, preferred_element_type=jnp.float32))
+      state = _fold(
+        state,
+        logits,
+        valid,
+        lambda p: jnp.einsum(
+          "BKGrm,BmrKH->BKGrH", p.astype(v.dtype), vb, preferred_element_type=jnp.float32
+        ),
+      )
     out, lse = chunked.finish(state)
     return out.astype(q5.dtype), lse
 
@@ -379,7 +411,7 @@ def _attend_fwd(plan, matmul_precision, q5, k, v, aux):
 
 
 def _attend_bwd(plan, matmul_precision, res, do_BTKGH):
-  with jax.default_matmul_precision(matmul_precision):   # the forward's (ops/precision.py)
+  with jax.default_matmul_precision(matmul_precision):  # the forward's (ops/precision.py)
     return _grads(plan, res, do_BTKGH)
 
 
@@ -388,8 +420,9 @@ def _grads(plan: _Plan, res, do_BTKGH):
   bsz, tp, kh, g, h = q5.shape
   b, nb, st = plan.b, plan.nb, _static(plan)
   f32 = jnp.float32
-  delta_QBKGt = chunked.output_delta(do_BTKGH, out).reshape(bsz, nb, b, kh, g).transpose(
-      1, 0, 3, 4, 2)
+  delta_QBKGt = (
+    chunked.output_delta(do_BTKGH, out).reshape(bsz, nb, b, kh, g).transpose(1, 0, 3, 4, 2)
+  )
   ks = vs = None
   if plan.ns:
     ks, vs = _gather_summary(k, aux, plan), _gather_summary(v, aux, plan)
@@ -406,15 +439,29 @@ def _grads(plan: _Plan, res, do_BTKGH):
       dq, dk, dv, dks, dvs = c
       ki = aux.idx[qi, m]
       dq_i, dk_i, dv_i, _ = chunked.block_grads(
-          q_blk, _q_block(k, ki, b), _q_block(v, ki, b), do_blk, lse, delta,
-          _layout_block(qi, ki, aux, plan), st)
+        q_blk,
+        _q_block(k, ki, b),
+        _q_block(v, ki, b),
+        do_blk,
+        lse,
+        delta,
+        _layout_block(qi, ki, aux, plan),
+        st,
+      )
       return dq + dq_i, add(dk, dk_i, ki), add(dv, dv_i, ki), dks, dvs
 
     def summary_step(si, c):
       dq, dk, dv, dks, dvs = c
       dq_i, dk_i, dv_i, _ = chunked.block_grads(
-          q_blk, _q_block(ks, si, b), _q_block(vs, si, b), do_blk, lse, delta,
-          _summary_block(qi, si, aux, plan), st)
+        q_blk,
+        _q_block(ks, si, b),
+        _q_block(vs, si, b),
+        do_blk,
+        lse,
+        delta,
+        _summary_block(qi, si, aux, plan),
+        st,
+      )
       return dq + dq_i, dk, dv, add(dks, dk_i, si), add(dvs, dv_i, si)
 
     c = (jnp.zeros((bsz, b, kh, g, h), f32), *carry)
@@ -436,9 +483,10 @@ def _grads(plan: _Plan, res, do_BTKGH):
 
   def zeros(x):
     return None if x is None else jnp.zeros(x.shape, f32)
+
   init = (zeros(k), zeros(v), zeros(ks), zeros(vs))
   (dk, dv, dks, dvs), dq_QBtKGH = jax.lax.scan(one_query_block, init, jnp.arange(nb))
-  if plan.ns:   # the summary positions are distinct: a scatter-add puts each back once
+  if plan.ns:  # the summary positions are distinct: a scatter-add puts each back once
     pos = jnp.clip(aux.ps, 0, tp - 1)
     real = (aux.ps < tp)[None, :, None, None]
     dk = dk.at[:, pos].add(jnp.where(real, dks, 0.0))
@@ -460,12 +508,12 @@ def _tables(pattern: SparsePattern, t: int, causal: bool):
   idx = np.zeros((nb, maxc), np.int32)
   for a in range(nb):
     cols = np.flatnonzero(lay[a])
-    idx[a, :cols.size] = cols
+    idx[a, : cols.size] = cols
   ps = pattern.summary_positions(t)
   ns = -(-ps.size // b)
-  ps_pad = np.full(ns * b, nb * b + b, np.int32)   # past the end: masked by s_len and causal
-  ps_pad[:ps.size] = ps
-  if causal:   # the chunks whose first position a query of the block can see
+  ps_pad = np.full(ns * b, nb * b + b, np.int32)  # past the end: masked by s_len and causal
+  ps_pad[: ps.size] = ps
+  if causal:  # the chunks whose first position a query of the block can see
     first = ps_pad[::b] if ns else np.zeros(0, np.int32)
     s_hi = np.array([(first <= a * b + b - 1).sum() for a in range(nb)], np.int32)
   else:
@@ -473,10 +521,18 @@ def _tables(pattern: SparsePattern, t: int, causal: bool):
   return lay, idx, cnt, maxc, ps_pad, ns, s_hi
 
 
-def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: SparsePattern, *,
-                     causal: bool = False, scale: float | None = None,
-                     kv_valid: jax.Array | None = None, segment_ids: jax.Array | None = None,
-                     implementation: Literal["chunked", "xla"] = "chunked") -> jax.Array:
+def sparse_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  pattern: SparsePattern,
+  *,
+  causal: bool = False,
+  scale: float | None = None,
+  kv_valid: jax.Array | None = None,
+  segment_ids: jax.Array | None = None,
+  implementation: Literal["chunked", "xla"] = "chunked",
+) -> jax.Array:
   """Self-attention over the keys ``pattern`` gives each query (``softmax`` over them only).
 
   Args:
@@ -503,8 +559,10 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: SparsePa
   check_qkv(q, k, v)
   bsz, t, n, h = q.shape
   if k.shape[1] != t:
-    raise ValueError(f"sparse attention is self-attention: keys of length {k.shape[1]} must "
-                     f"match the queries' T={t}")
+    raise ValueError(
+      f"sparse attention is self-attention: keys of length {k.shape[1]} must "
+      f"match the queries' T={t}"
+    )
   if not isinstance(pattern, SparsePattern):
     raise ValueError(f"pattern must be a SparsePattern; got {type(pattern).__name__}")
   for name, x in (("kv_valid", kv_valid), ("segment_ids", segment_ids)):
@@ -515,15 +573,30 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: SparsePa
     raise ValueError(f"implementation={implementation!r} must be 'chunked' or 'xla'")
   if pattern.is_dense(t):
     return dot_product_attention(
-        q, k, v, causal=causal, scale=scale, kv_valid=kv_valid, q_segment_ids=segment_ids,
-        implementation="xla" if implementation == "xla" else None)
+      q,
+      k,
+      v,
+      causal=causal,
+      scale=scale,
+      kv_valid=kv_valid,
+      q_segment_ids=segment_ids,
+      implementation="xla" if implementation == "xla" else None,
+    )
   match implementation:
     case "xla":
       bias = pattern.bias(t, causal=causal)
       return dot_product_attention(
-          q, k, v, mask=jnp.asarray(pattern.mask(t, causal=causal))[None, None], causal=causal,
-          bias=None if bias is None else jnp.asarray(bias, jnp.float32)[None, None],
-          scale=scale, kv_valid=kv_valid, q_segment_ids=segment_ids, implementation="xla")
+        q,
+        k,
+        v,
+        mask=jnp.asarray(pattern.mask(t, causal=causal))[None, None],
+        causal=causal,
+        bias=None if bias is None else jnp.asarray(bias, jnp.float32)[None, None],
+        scale=scale,
+        kv_valid=kv_valid,
+        q_segment_ids=segment_ids,
+        implementation="xla",
+      )
     case "chunked":
       pass
   kh = k.shape[2]
@@ -531,18 +604,39 @@ def sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array, pattern: SparsePa
   b = pattern.block
   nb = lay.shape[0]
   tp = nb * b
+
   def pad(x, value):
-    return None if x is None else jnp.pad(
-        x, [(0, 0), (0, tp - t)] + [(0, 0)] * (x.ndim - 2), constant_values=value)
+    return (
+      None
+      if x is None
+      else jnp.pad(x, [(0, 0), (0, tp - t)] + [(0, 0)] * (x.ndim - 2), constant_values=value)
+    )
+
   q5 = pad(q, 0).reshape(bsz, tp, kh, n // kh, h)
   first_bias = None
   if pattern.random_first and pattern.random_blocks:
     count = pattern.first_block_count(nb, causal=causal)
     first_bias = jnp.asarray(np.log(np.maximum(count, 1)), jnp.float32)
-  aux = _Aux(jnp.asarray(idx), jnp.asarray(cnt), jnp.asarray(lay), jnp.asarray(ps),
-             jnp.asarray(s_hi), pad(None if kv_valid is None else kv_valid.astype(bool), False),
-             pad(segment_ids, -1), first_bias)
-  plan = _Plan(b=b, nb=nb, maxc=maxc, ns=ns, summary=pattern.summary, strided=pattern.strided,
-               t=t, causal=causal, scale=scale)
+  aux = _Aux(
+    jnp.asarray(idx),
+    jnp.asarray(cnt),
+    jnp.asarray(lay),
+    jnp.asarray(ps),
+    jnp.asarray(s_hi),
+    pad(None if kv_valid is None else kv_valid.astype(bool), False),
+    pad(segment_ids, -1),
+    first_bias,
+  )
+  plan = _Plan(
+    b=b,
+    nb=nb,
+    maxc=maxc,
+    ns=ns,
+    summary=pattern.summary,
+    strided=pattern.strided,
+    t=t,
+    causal=causal,
+    scale=scale,
+  )
   out = _attend(plan, precision.current(), q5, pad(k, 0), pad(v, 0), aux)
   return out.reshape(bsz, tp, n, h)[:, :t]

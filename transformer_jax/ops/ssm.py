@@ -45,6 +45,7 @@ from transformer_jax.ops.norms import rms_norm
 class SSMState(NamedTuple):
   """A mixer's decoding state: the last ``W - 1`` convolution inputs ``conv [B, W - 1, C]`` and
   the scan's state ``ssm`` (Mamba-1 ``[B, E, S]``, Mamba-2 ``[B, N, H, S]``), float32."""
+
   conv: jax.Array
   ssm: jax.Array
 
@@ -78,9 +79,16 @@ def _last_valid_end(valid_BT: jax.Array | None, b: int, t: int) -> jax.Array:
 # --- the causal depthwise convolution ----------------------------------------------------------
 
 
-def causal_conv1d(x_BTC: jax.Array, w_WC: jax.Array, bias_C: jax.Array | None = None, *,
-                  state_BWC: jax.Array | None = None, valid: jax.Array | None = None,
-                  segment_ids: jax.Array | None = None, return_state: bool = False):
+def causal_conv1d(
+  x_BTC: jax.Array,
+  w_WC: jax.Array,
+  bias_C: jax.Array | None = None,
+  *,
+  state_BWC: jax.Array | None = None,
+  valid: jax.Array | None = None,
+  segment_ids: jax.Array | None = None,
+  return_state: bool = False,
+):
   """Causal depthwise convolution: ``y_t[c] = bias[c] + sum_j w[j, c] x_{t - W + 1 + j}[c]``.
 
   ``w[W - 1]`` weighs the current input (PyTorch's ``Conv1d(groups=C, padding=W - 1)`` cropped to
@@ -109,19 +117,21 @@ def causal_conv1d(x_BTC: jax.Array, w_WC: jax.Array, bias_C: jax.Array | None = 
   x32 = x_BTC.astype(jnp.float32)
   if valid is not None:
     x32 = jnp.where(jnp.asarray(valid, bool)[..., None], x32, 0.0)
-  prev = (jnp.zeros((b, w - 1, c), jnp.float32) if state_BWC is None
-          else state_BWC.astype(jnp.float32))
-  full = jnp.concatenate([prev, x32], axis=1)                          # [B, W - 1 + T, C]
+  prev = (
+    jnp.zeros((b, w - 1, c), jnp.float32) if state_BWC is None else state_BWC.astype(jnp.float32)
+  )
+  full = jnp.concatenate([prev, x32], axis=1)  # [B, W - 1 + T, C]
   seg = None
-  if segment_ids is not None:   # the state's entries belong to segment 0
-    seg = jnp.concatenate([jnp.zeros((b, w - 1), jnp.int32), segment_index(segment_ids, b, t)],
-                          axis=1)
+  if segment_ids is not None:  # the state's entries belong to segment 0
+    seg = jnp.concatenate(
+      [jnp.zeros((b, w - 1), jnp.int32), segment_index(segment_ids, b, t)], axis=1
+    )
   w32 = w_WC.astype(jnp.float32)
   y = jnp.zeros((b, t, c), jnp.float32)
-  for j in range(w):   # W is small (4): one shifted product per tap
-    tap = full[:, j:j + t] * w32[j]
+  for j in range(w):  # W is small (4): one shifted product per tap
+    tap = full[:, j : j + t] * w32[j]
     if seg is not None:
-      tap = jnp.where((seg[:, j:j + t] == seg[:, w - 1:])[..., None], tap, 0.0)
+      tap = jnp.where((seg[:, j : j + t] == seg[:, w - 1 :])[..., None], tap, 0.0)
     y = y + tap
   if bias_C is not None:
     y = y + bias_C.astype(jnp.float32)
@@ -133,11 +143,13 @@ def causal_conv1d(x_BTC: jax.Array, w_WC: jax.Array, bias_C: jax.Array | None = 
   return y, jnp.take_along_axis(full, idx_BW[..., None], axis=1)
 
 
-def causal_conv1d_step(state_BWC: jax.Array, x_BC: jax.Array, w_WC: jax.Array,
-                       bias_C: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def causal_conv1d_step(
+  state_BWC: jax.Array, x_BC: jax.Array, w_WC: jax.Array, bias_C: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
   """One position of ``causal_conv1d``: ``(y [B, C] in x's dtype, the new state [B, W - 1, C])``."""
-  window = jnp.concatenate([state_BWC.astype(jnp.float32),
-                            x_BC.astype(jnp.float32)[:, None]], axis=1)  # [B, W, C]
+  window = jnp.concatenate(
+    [state_BWC.astype(jnp.float32), x_BC.astype(jnp.float32)[:, None]], axis=1
+  )  # [B, W, C]
   y = jnp.einsum("bwc,wc->bc", window, w_WC.astype(jnp.float32))
   if bias_C is not None:
     y = y + bias_C.astype(jnp.float32)
@@ -195,11 +207,21 @@ def choose_scan_method(platform: str) -> str:
   return "sequential" if platform == "cpu" else "associative"
 
 
-def selective_scan(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array,
-                   D: jax.Array | None = None, *, chunk_size: int = 64,
-                   initial_state: jax.Array | None = None, return_state: bool = False,
-                   valid: jax.Array | None = None, segment_ids: jax.Array | None = None,
-                   method: str = "associative"):
+def selective_scan(
+  x: jax.Array,
+  dt: jax.Array,
+  A: jax.Array,
+  B: jax.Array,
+  C: jax.Array,
+  D: jax.Array | None = None,
+  *,
+  chunk_size: int = 64,
+  initial_state: jax.Array | None = None,
+  return_state: bool = False,
+  valid: jax.Array | None = None,
+  segment_ids: jax.Array | None = None,
+  method: str = "associative",
+):
   """Mamba-1's selective scan (module docstring), in chunks of ``chunk_size`` positions.
 
   Args:
@@ -224,8 +246,10 @@ def selective_scan(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: j
   b, t, e = x.shape
   s = A.shape[-1]
   if dt.shape != x.shape or A.shape != (e, s) or B.shape != (b, t, s) or C.shape != (b, t, s):
-    raise ValueError(f"selective_scan shapes: x {x.shape} and dt {dt.shape} [B, T, E], A "
-                     f"{A.shape} [E, S], B {B.shape} and C {C.shape} [B, T, S]")
+    raise ValueError(
+      f"selective_scan shapes: x {x.shape} and dt {dt.shape} [B, T, E], A "
+      f"{A.shape} [E, S], B {B.shape} and C {C.shape} [B, T, S]"
+    )
   _check_chunk(chunk_size)
   _check_mask("valid", valid, b, t)
   _check_mask("segment_ids", segment_ids, b, t)
@@ -237,11 +261,16 @@ def selective_scan(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: j
   seg_BT = segment_index(segment_ids, b, t)
   restart_BT = jnp.concatenate([jnp.zeros((b, 1), bool), seg_BT[:, 1:] != seg_BT[:, :-1]], axis=1)
   # Padding at the end: dt = 0 keeps the state, so the final state is that of position T - 1.
-  chunks = [_chunked(a, q, pad) for a in (x32, dt32, B.astype(jnp.float32),
-                                          C.astype(jnp.float32), restart_BT)]
+  chunks = [
+    _chunked(a, q, pad)
+    for a in (x32, dt32, B.astype(jnp.float32), C.astype(jnp.float32), restart_BT)
+  ]
   A32 = A.astype(jnp.float32)
-  h0 = (jnp.zeros((b, e, s), jnp.float32) if initial_state is None
-        else initial_state.astype(jnp.float32))
+  h0 = (
+    jnp.zeros((b, e, s), jnp.float32)
+    if initial_state is None
+    else initial_state.astype(jnp.float32)
+  )
 
   def position(h_BES, xs):
     x_BE, dt_BE, B_BS, C_BS, restart_B = xs
@@ -270,14 +299,22 @@ def selective_scan(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: j
   return (y_BTE, h_end) if return_state else y_BTE
 
 
-def selective_scan_step(state: jax.Array, x: jax.Array, dt: jax.Array, A: jax.Array,
-                        B: jax.Array, C: jax.Array, D: jax.Array | None = None
-                        ) -> tuple[jax.Array, jax.Array]:
+def selective_scan_step(
+  state: jax.Array,
+  x: jax.Array,
+  dt: jax.Array,
+  A: jax.Array,
+  B: jax.Array,
+  C: jax.Array,
+  D: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
   """One position of ``selective_scan``: ``state [B, E, S]``, ``x``/``dt`` ``[B, E]``, ``B``/``C``
   ``[B, S]``; returns ``(y [B, E] float32, the new state)``."""
   dt32, x32 = dt.astype(jnp.float32), x.astype(jnp.float32)
-  h = (jnp.exp(dt32[..., None] * A.astype(jnp.float32)) * state.astype(jnp.float32)
-       + (dt32 * x32)[..., None] * B.astype(jnp.float32)[:, None, :])
+  h = (
+    jnp.exp(dt32[..., None] * A.astype(jnp.float32)) * state.astype(jnp.float32)
+    + (dt32 * x32)[..., None] * B.astype(jnp.float32)[:, None, :]
+  )
   y = jnp.einsum("bes,bs->be", h, C.astype(jnp.float32))
   if D is not None:
     y = y + x32 * D.astype(jnp.float32)
@@ -294,11 +331,21 @@ def _clamped_dt(dt, time_step_limit):
   return jnp.clip(dt.astype(jnp.float32), lo, hi)
 
 
-def ssd(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array,
-        D: jax.Array | None = None, *, chunk_size: int = 256,
-        time_step_limit: tuple[float, float] = (0.0, float("inf")),
-        initial_state: jax.Array | None = None, return_state: bool = False,
-        valid: jax.Array | None = None, segment_ids: jax.Array | None = None):
+def ssd(
+  x: jax.Array,
+  dt: jax.Array,
+  A: jax.Array,
+  B: jax.Array,
+  C: jax.Array,
+  D: jax.Array | None = None,
+  *,
+  chunk_size: int = 256,
+  time_step_limit: tuple[float, float] = (0.0, float("inf")),
+  initial_state: jax.Array | None = None,
+  return_state: bool = False,
+  valid: jax.Array | None = None,
+  segment_ids: jax.Array | None = None,
+):
   """Mamba-2's scan (module docstring) in the chunked state-space-duality form.
 
   Within a chunk of Q positions, with ``a_t = dt_t A`` and ``cum_l = sum_{j <= l} a_j``:
@@ -329,10 +376,17 @@ def ssd(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array,
   """
   b, t, n, h = x.shape
   g, s = B.shape[2], B.shape[3]
-  if (dt.shape != (b, t, n) or A.shape != (n,) or B.shape != (b, t, g, s)
-      or C.shape != (b, t, g, s) or n % g):
-    raise ValueError(f"ssd shapes: x {x.shape} [B, T, N, H], dt {dt.shape} [B, T, N], A "
-                     f"{A.shape} [N], B {B.shape} and C {C.shape} [B, T, G, S] with N % G == 0")
+  if (
+    dt.shape != (b, t, n)
+    or A.shape != (n,)
+    or B.shape != (b, t, g, s)
+    or C.shape != (b, t, g, s)
+    or n % g
+  ):
+    raise ValueError(
+      f"ssd shapes: x {x.shape} [B, T, N, H], dt {dt.shape} [B, T, N], A "
+      f"{A.shape} [N], B {B.shape} and C {C.shape} [B, T, G, S] with N % G == 0"
+    )
   _check_chunk(chunk_size)
   _check_mask("valid", valid, b, t)
   _check_mask("segment_ids", segment_ids, b, t)
@@ -341,36 +395,44 @@ def ssd(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array,
   dt32 = _masked_dt(_clamped_dt(dt, time_step_limit), valid, b, t)
   seg_BT = segment_index(segment_ids, b, t)
   # Padding at the end: dt = 0 (no decay, no input) and the last real position's segment.
-  chunks = [_chunked(a, q, pad) for a in (x.astype(jnp.float32), dt32, B.astype(jnp.float32),
-                                          C.astype(jnp.float32))]
+  chunks = [
+    _chunked(a, q, pad)
+    for a in (x.astype(jnp.float32), dt32, B.astype(jnp.float32), C.astype(jnp.float32))
+  ]
   seg_chunks = _chunked(jnp.pad(seg_BT, ((0, 0), (0, pad)), mode="edge"), q, 0)
   # The segment each chunk's incoming state belongs to: that of the position before the chunk.
   seg_in_ZB = jnp.concatenate([jnp.zeros((1, b), jnp.int32), seg_chunks[:-1, :, -1]], axis=0)
   A32 = A.astype(jnp.float32)
   rep = n // g
   causal_QQ = jnp.tril(jnp.ones((q, q), bool))
-  h0 = (jnp.zeros((b, n, h, s), jnp.float32) if initial_state is None
-        else initial_state.astype(jnp.float32))
+  h0 = (
+    jnp.zeros((b, n, h, s), jnp.float32)
+    if initial_state is None
+    else initial_state.astype(jnp.float32)
+  )
 
   @functools.partial(jax.checkpoint, prevent_cse=False)
   def chunk(h_BNHS, xs):
     x_BQNH, dt_BQN, B_BQGS, C_BQGS, seg_BQ, seg_in_B = xs
     B_BQNS = jnp.repeat(B_BQGS, rep, axis=2)
     C_BQNS = jnp.repeat(C_BQGS, rep, axis=2)
-    cum_BNQ = jnp.cumsum(jnp.swapaxes(dt_BQN * A32, 1, 2), axis=-1)        # <= 0, decreasing
+    cum_BNQ = jnp.cumsum(jnp.swapaxes(dt_BQN * A32, 1, 2), axis=-1)  # <= 0, decreasing
     u_BQNH = x_BQNH * dt_BQN[..., None]
     # 1. intra-chunk: decay from s to l within one segment, causal.
     same_BQQ = (seg_BQ[:, :, None] == seg_BQ[:, None, :]) & causal_QQ
-    diff_BNQQ = jnp.where(same_BQQ[:, None], cum_BNQ[..., :, None] - cum_BNQ[..., None, :],
-                          -jnp.inf)
+    diff_BNQQ = jnp.where(
+      same_BQQ[:, None], cum_BNQ[..., :, None] - cum_BNQ[..., None, :], -jnp.inf
+    )
     # Positions l (output) and m (input) of the chunk; s the state.
     scores_BNQQ = jnp.einsum("blns,bmns->bnlm", C_BQNS, B_BQNS) * jnp.exp(diff_BNQQ)
     y_BQNH = jnp.einsum("bnlm,bmnh->blnh", scores_BNQQ, u_BQNH)
     # 4. the incoming state, decayed to each position of its own segment.
     into_BQ = seg_BQ == seg_in_B[:, None]
     into_BNQ = jnp.where(into_BQ[:, None], jnp.exp(cum_BNQ), 0.0)
-    y_BQNH = y_BQNH + jnp.einsum("blns,bnhs->blnh", C_BQNS, h_BNHS) * jnp.swapaxes(
-        into_BNQ, 1, 2)[..., None]
+    y_BQNH = (
+      y_BQNH
+      + jnp.einsum("blns,bnhs->blnh", C_BQNS, h_BNHS) * jnp.swapaxes(into_BNQ, 1, 2)[..., None]
+    )
     # 2. the chunk's own state: inputs of the last position's segment, decayed to the end.
     last_BN1 = cum_BNQ[..., -1:]
     out_of_BQ = seg_BQ == seg_BQ[:, -1:]
@@ -388,10 +450,17 @@ def ssd(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array,
   return (y_BTNH, h_end) if return_state else y_BTNH
 
 
-def ssd_step(state: jax.Array, x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array,
-             C: jax.Array, D: jax.Array | None = None, *,
-             time_step_limit: tuple[float, float] = (0.0, float("inf"))
-             ) -> tuple[jax.Array, jax.Array]:
+def ssd_step(
+  state: jax.Array,
+  x: jax.Array,
+  dt: jax.Array,
+  A: jax.Array,
+  B: jax.Array,
+  C: jax.Array,
+  D: jax.Array | None = None,
+  *,
+  time_step_limit: tuple[float, float] = (0.0, float("inf")),
+) -> tuple[jax.Array, jax.Array]:
   """One position of ``ssd``: ``state [B, N, H, S]``, ``x [B, N, H]``, ``dt [B, N]``, ``B``/``C``
   ``[B, G, S]``; returns ``(y [B, N, H] float32, the new state)``."""
   n, g = x.shape[1], B.shape[1]
@@ -400,16 +469,19 @@ def ssd_step(state: jax.Array, x: jax.Array, dt: jax.Array, A: jax.Array, B: jax
   C_BNS = jnp.repeat(C.astype(jnp.float32), n // g, axis=1)
   x32 = x.astype(jnp.float32)
   decay_BN = jnp.exp(dt32 * A.astype(jnp.float32))
-  h = (state.astype(jnp.float32) * decay_BN[..., None, None]
-       + (x32 * dt32[..., None])[..., None] * B_BNS[:, :, None, :])
+  h = (
+    state.astype(jnp.float32) * decay_BN[..., None, None]
+    + (x32 * dt32[..., None])[..., None] * B_BNS[:, :, None, :]
+  )
   y = jnp.einsum("bnhs,bns->bnh", h, C_BNS)
   if D is not None:
     y = y + x32 * D.astype(jnp.float32)[:, None]
   return y, h
 
 
-def gated_rms_norm(y: jax.Array, z: jax.Array, scale: jax.Array, *, groups: int = 1,
-                   eps: float = 1e-5) -> jax.Array:
+def gated_rms_norm(
+  y: jax.Array, z: jax.Array, scale: jax.Array, *, groups: int = 1, eps: float = 1e-5
+) -> jax.Array:
   """Mamba-2's gated RMS group norm: ``y * silu(z)`` normalised over each of ``groups`` equal
   slices of its last axis, times ``scale``.
 

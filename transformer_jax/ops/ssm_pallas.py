@@ -34,8 +34,9 @@ def choose_ssd_implementation(platform: str) -> str:
   return "xla"
 
 
-def _kernel(x_ref, dt_ref, b_ref, c_ref, seg_ref, seg_in_ref, h0_ref, a_ref, y_ref, h_ref,
-            state_ref):
+def _kernel(
+  x_ref, dt_ref, b_ref, c_ref, seg_ref, seg_in_ref, h0_ref, a_ref, y_ref, h_ref, state_ref
+):
   """One (row, head, chunk): refs hold ``x [Q, H]``, ``dt [Q, 1]``, ``B``/``C`` ``[Q, S]``, the
   segment indices ``[Q, 1]`` and ``[1, 1]`` of the position before the chunk, ``h0 [H, S]``,
   ``A [1, 1]``; writes ``y [Q, H]`` and, after the last chunk, ``h [H, S]``."""
@@ -45,35 +46,38 @@ def _kernel(x_ref, dt_ref, b_ref, c_ref, seg_ref, seg_in_ref, h0_ref, a_ref, y_r
   def _():
     state_ref[...] = h0_ref[0, 0]
 
-  x = x_ref[0, 0, 0]                                   # [Q, H]
-  dt = dt_ref[0, 0, 0]                                 # [Q, 1]
-  b, c = b_ref[0, 0, 0], c_ref[0, 0, 0]                # [Q, S]
-  seg = seg_ref[0, 0]                                  # [Q, 1] int32
-  seg_in = seg_in_ref[0, 0]                            # [1, 1]
+  x = x_ref[0, 0, 0]  # [Q, H]
+  dt = dt_ref[0, 0, 0]  # [Q, 1]
+  b, c = b_ref[0, 0, 0], c_ref[0, 0, 0]  # [Q, S]
+  seg = seg_ref[0, 0]  # [Q, 1] int32
+  seg_in = seg_in_ref[0, 0]  # [1, 1]
   q = x.shape[0]
   rows = jax.lax.broadcasted_iota(jnp.int32, (q, q), 0)
   cols = jax.lax.broadcasted_iota(jnp.int32, (q, q), 1)
   lower = (rows >= cols).astype(jnp.float32)
-  cum = jnp.dot(lower, dt * a_ref[0, 0], preferred_element_type=jnp.float32)   # [Q, 1], <= 0
+  cum = jnp.dot(lower, dt * a_ref[0, 0], preferred_element_type=jnp.float32)  # [Q, 1], <= 0
   # 1. intra-chunk: decay from position m to l within one segment, causal.
   same = (seg == seg.reshape(1, q)) & (rows >= cols)
   diff = jnp.where(same, cum - cum.reshape(1, q), -jnp.inf)
-  scores = jax.lax.dot_general(c, b, (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32) * jnp.exp(diff)
+  scores = jax.lax.dot_general(
+    c, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+  ) * jnp.exp(diff)
   u = x * dt
   y = jnp.dot(scores, u, preferred_element_type=jnp.float32)
   # 4. the carried state, decayed to each position of its own segment.
   h = state_ref[...]
-  into = jnp.where(seg == seg_in, jnp.exp(cum), 0.0)                              # [Q, 1]
-  y = y + into * jax.lax.dot_general(c, h, (((1,), (1,)), ((), ())),
-                                     preferred_element_type=jnp.float32)
+  into = jnp.where(seg == seg_in, jnp.exp(cum), 0.0)  # [Q, 1]
+  y = y + into * jax.lax.dot_general(
+    c, h, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+  )
   y_ref[0, 0, 0] = y.astype(y_ref.dtype)
   # 2. + 3. the chunk's own state (its last segment's inputs) and the carried one's decay.
-  last = cum[q - 1:q]                                                             # [1, 1]
-  out_of = jnp.where(seg == seg[q - 1:q], jnp.exp(last - cum), 0.0)              # [Q, 1]
-  own = jax.lax.dot_general(u * out_of, b, (((0,), (0,)), ((), ())),
-                            preferred_element_type=jnp.float32)                  # [H, S]
-  across = jnp.where(seg[q - 1:q] == seg_in, jnp.exp(last), 0.0)                 # [1, 1]
+  last = cum[q - 1 : q]  # [1, 1]
+  out_of = jnp.where(seg == seg[q - 1 : q], jnp.exp(last - cum), 0.0)  # [Q, 1]
+  own = jax.lax.dot_general(
+    u * out_of, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+  )  # [H, S]
+  across = jnp.where(seg[q - 1 : q] == seg_in, jnp.exp(last), 0.0)  # [1, 1]
   state_ref[...] = h * across + own
 
   @pl.when(z == pl.num_programs(2) - 1)
@@ -89,10 +93,11 @@ def _forward(x, dt32, A, B, C, h0, seg_BT, q, interpret):
   rep = n // g
   pad = (-t) % q
   z = (t + pad) // q
+
   # Head-major chunks: [B, N|G, Z, Q, ...]; padding has dt = 0 (keeps the state).
   def heads(a):
-    return jnp.moveaxis(jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)),
-                                   2, 1)
+    return jnp.moveaxis(jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)), 2, 1)
+
   x_c = heads(x.astype(jnp.float32)).reshape(b, n, z, q, hd)
   dt_c = heads(dt32[..., None]).reshape(b, n, z, q, 1)
   b_c = heads(B.astype(jnp.float32)).reshape(b, g, z, q, s)
@@ -102,35 +107,52 @@ def _forward(x, dt32, A, B, C, h0, seg_BT, q, interpret):
   seg_in = seg_in.reshape(b, z, 1, 1)
   a_n11 = A.astype(jnp.float32).reshape(n, 1, 1)
   per_head = lambda *blk: pl.BlockSpec((1, 1, 1, *blk), lambda i, j, k: (i, j, k, 0, 0))  # noqa
+
   def per_group(*blk):
-    return pl.BlockSpec((1, 1, 1, *blk),
-                                          lambda i, j, k: (i, j // rep, k, 0, 0))
+    return pl.BlockSpec((1, 1, 1, *blk), lambda i, j, k: (i, j // rep, k, 0, 0))
+
   y, h_end = pl.pallas_call(
-      _kernel,
-      out_shape=(jax.ShapeDtypeStruct((b, n, z, q, hd), jnp.float32),
-                 jax.ShapeDtypeStruct((b, n, hd, s), jnp.float32)),
-      grid=(b, n, z),
-      in_specs=[per_head(q, hd), per_head(q, 1), per_group(q, s), per_group(q, s),
-                pl.BlockSpec((1, 1, q, 1), lambda i, j, k: (i, k, 0, 0)),
-                pl.BlockSpec((1, 1, 1, 1), lambda i, j, k: (i, k, 0, 0)),
-                pl.BlockSpec((1, 1, hd, s), lambda i, j, k: (i, j, 0, 0)),
-                pl.BlockSpec((1, 1, 1), lambda i, j, k: (j, 0, 0))],
-      out_specs=(per_head(q, hd), pl.BlockSpec((1, 1, hd, s), lambda i, j, k: (i, j, 0, 0))),
-      scratch_shapes=[pltpu.VMEM((hd, s), jnp.float32)],
-      compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel", "arbitrary")),
-      interpret=pltpu.InterpretParams() if interpret else False,
+    _kernel,
+    out_shape=(
+      jax.ShapeDtypeStruct((b, n, z, q, hd), jnp.float32),
+      jax.ShapeDtypeStruct((b, n, hd, s), jnp.float32),
+    ),
+    grid=(b, n, z),
+    in_specs=[
+      per_head(q, hd),
+      per_head(q, 1),
+      per_group(q, s),
+      per_group(q, s),
+      pl.BlockSpec((1, 1, q, 1), lambda i, j, k: (i, k, 0, 0)),
+      pl.BlockSpec((1, 1, 1, 1), lambda i, j, k: (i, k, 0, 0)),
+      pl.BlockSpec((1, 1, hd, s), lambda i, j, k: (i, j, 0, 0)),
+      pl.BlockSpec((1, 1, 1), lambda i, j, k: (j, 0, 0)),
+    ],
+    out_specs=(per_head(q, hd), pl.BlockSpec((1, 1, hd, s), lambda i, j, k: (i, j, 0, 0))),
+    scratch_shapes=[pltpu.VMEM((hd, s), jnp.float32)],
+    compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+    interpret=pltpu.InterpretParams() if interpret else False,
   )(x_c, dt_c, b_c, c_c, seg, seg_in, h0, a_n11)
   y = jnp.moveaxis(y.reshape(b, n, z * q, hd), 1, 2)[:, :t]
   return y, h_end
 
 
-def ssd(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array,
-        D: jax.Array | None = None, *, chunk_size: int = 256,
-        time_step_limit: tuple[float, float] = (0.0, float("inf")),
-        initial_state: jax.Array | None = None, return_state: bool = False,
-        valid: jax.Array | None = None, segment_ids: jax.Array | None = None,
-        interpret: bool = False):
+def ssd(
+  x: jax.Array,
+  dt: jax.Array,
+  A: jax.Array,
+  B: jax.Array,
+  C: jax.Array,
+  D: jax.Array | None = None,
+  *,
+  chunk_size: int = 256,
+  time_step_limit: tuple[float, float] = (0.0, float("inf")),
+  initial_state: jax.Array | None = None,
+  return_state: bool = False,
+  valid: jax.Array | None = None,
+  segment_ids: jax.Array | None = None,
+  interpret: bool = False,
+):
   """``ops.ssd`` with the forward pass in the Pallas kernel (arguments and results as there).
 
   Args:
@@ -138,24 +160,45 @@ def ssd(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array,
   """
   b, t, n, hd = x.shape
   s = B.shape[3]
-  if dt.shape != (b, t, n) or A.shape != (n,) or B.shape[:2] != (b, t) or C.shape != B.shape \
-      or n % B.shape[2]:
-    raise ValueError(f"ssd shapes: x {x.shape} [B, T, N, H], dt {dt.shape} [B, T, N], A "
-                     f"{A.shape} [N], B {B.shape} and C {C.shape} [B, T, G, S] with N % G == 0")
+  if (
+    dt.shape != (b, t, n)
+    or A.shape != (n,)
+    or B.shape[:2] != (b, t)
+    or C.shape != B.shape
+    or n % B.shape[2]
+  ):
+    raise ValueError(
+      f"ssd shapes: x {x.shape} [B, T, N, H], dt {dt.shape} [B, T, N], A "
+      f"{A.shape} [N], B {B.shape} and C {C.shape} [B, T, G, S] with N % G == 0"
+    )
   # The same checks and time-step rules as the reference scan in ops/ssm.py.
   ssm_ops._check_chunk(chunk_size)  # noqa: SLF001
   ssm_ops._check_mask("valid", valid, b, t)  # noqa: SLF001
   ssm_ops._check_mask("segment_ids", segment_ids, b, t)  # noqa: SLF001
-  h0 = (jnp.zeros((b, n, hd, s), jnp.float32) if initial_state is None
-        else initial_state.astype(jnp.float32))
+  h0 = (
+    jnp.zeros((b, n, hd, s), jnp.float32)
+    if initial_state is None
+    else initial_state.astype(jnp.float32)
+  )
   seg_BT = ssm_ops.segment_index(segment_ids, b, t)
   q = min(chunk_size, t)
   limit = tuple(float(v) for v in time_step_limit)
 
   def pure(x, dt, A, B, C, D, h0):
-    return ssm_ops.ssd(x, dt, A, B, C, D, chunk_size=chunk_size, time_step_limit=limit,
-                       initial_state=h0, return_state=True, valid=valid,
-                       segment_ids=segment_ids)
+    return ssm_ops.ssd(
+      x,
+      dt,
+      A,
+      B,
+      C,
+      D,
+      chunk_size=chunk_size,
+      time_step_limit=limit,
+      initial_state=h0,
+      return_state=True,
+      valid=valid,
+      segment_ids=segment_ids,
+    )
 
   @jax.custom_vjp
   def run(x, dt, A, B, C, D, h0):
@@ -168,10 +211,9 @@ def ssd(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array,
   def fwd(*args):
     return run(*args), args
 
-  def bwd(args, cotangents):   # the gradient of the pure form, recomputed
+  def bwd(args, cotangents):  # the gradient of the pure form, recomputed
     return jax.vjp(pure, *args)[1](cotangents)
 
   run.defvjp(fwd, bwd)
   y, h_end = run(x, dt, A, B, C, D, h0)
   return (y, h_end) if return_state else y
-

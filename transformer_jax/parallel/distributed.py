@@ -39,8 +39,13 @@ def is_initialized() -> bool:
   return jax.distributed.is_initialized()
 
 
-def requested(coordinator_address: str | None = None, num_processes: int | None = None,
-              process_id: int | None = None, *, auto: bool = False) -> bool:
+def requested(
+  coordinator_address: str | None = None,
+  num_processes: int | None = None,
+  process_id: int | None = None,
+  *,
+  auto: bool = False,
+) -> bool:
   """Whether these arguments or the environment ask for a multi-process start."""
   given = (coordinator_address, num_processes, process_id)
   env = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
@@ -60,13 +65,20 @@ def _env_int(name: str) -> int | None:
 def _check_address(address: str, source: str) -> None:
   host, sep, port = address.rpartition(":")
   if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-    raise ValueError(f"{source}={address!r}: the coordinator address must be HOST:PORT "
-                     "(process 0's host name or IP and a free port, e.g. 10.0.0.2:8476)")
+    raise ValueError(
+      f"{source}={address!r}: the coordinator address must be HOST:PORT "
+      "(process 0's host name or IP and a free port, e.g. 10.0.0.2:8476)"
+    )
 
 
-def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None, local_device_ids: Sequence[int] | None = None, *,
-               auto: bool = False) -> bool:
+def initialize(
+  coordinator_address: str | None = None,
+  num_processes: int | None = None,
+  process_id: int | None = None,
+  local_device_ids: Sequence[int] | None = None,
+  *,
+  auto: bool = False,
+) -> bool:
   """Joins this process to a multi-process JAX job when asked to; a no-op otherwise.
 
   Call it before any JAX computation (and before anything asks JAX for its devices). A second call
@@ -92,20 +104,26 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   """
   if is_initialized():
     return True
-  explicit = {"coordinator_address": coordinator_address, "num_processes": num_processes,
-              "process_id": process_id}
+  explicit = {
+    "coordinator_address": coordinator_address,
+    "num_processes": num_processes,
+    "process_id": process_id,
+  }
   if coordinator_address is None:
     coordinator_address = os.environ.get(ENV_COORDINATOR) or None
   if num_processes is None:
     num_processes = _env_int(ENV_NUM_PROCESSES)
   if process_id is None:
     process_id = _env_int(ENV_PROCESS_ID)
-  values = {"coordinator_address": coordinator_address, "num_processes": num_processes,
-            "process_id": process_id}
+  values = {
+    "coordinator_address": coordinator_address,
+    "num_processes": num_processes,
+    "process_id": process_id,
+  }
   sources = {
-      "coordinator_address": ("--coordinator-address", ENV_COORDINATOR),
-      "num_processes": ("--num-processes", ENV_NUM_PROCESSES),
-      "process_id": ("--process-id", ENV_PROCESS_ID),
+    "coordinator_address": ("--coordinator-address", ENV_COORDINATOR),
+    "num_processes": ("--num-processes", ENV_NUM_PROCESSES),
+    "process_id": ("--process-id", ENV_PROCESS_ID),
   }
 
   def source(name):
@@ -120,34 +138,44 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     if len(known) < 3:
       missing = [k for k in values if values[k] is None]
       raise ValueError(
-          "a multi-process start needs the coordinator address, the process count and the process "
-          f"id together; got {', '.join(f'{source(k)}={values[k]}' for k in known)} but not "
-          + ", ".join(" / ".join(sources[k]) for k in missing))
+        "a multi-process start needs the coordinator address, the process count and the process "
+        f"id together; got {', '.join(f'{source(k)}={values[k]}' for k in known)} but not "
+        + ", ".join(" / ".join(sources[k]) for k in missing)
+      )
     _check_address(coordinator_address, source("coordinator_address"))
     if num_processes < 1:
       raise ValueError(f"{source('num_processes')}={num_processes} must be at least 1")
     if not 0 <= process_id < num_processes:
-      raise ValueError(f"{source('process_id')}={process_id} is out of range: process ids run from "
-                       f"0 to {num_processes - 1} ({source('num_processes')}={num_processes})")
-    kwargs = dict(coordinator_address=coordinator_address, num_processes=num_processes,
-                  process_id=process_id, local_device_ids=ids,
-                  cluster_detection_method="deactivate")
+      raise ValueError(
+        f"{source('process_id')}={process_id} is out of range: process ids run from "
+        f"0 to {num_processes - 1} ({source('num_processes')}={num_processes})"
+      )
+    kwargs = dict(
+      coordinator_address=coordinator_address,
+      num_processes=num_processes,
+      process_id=process_id,
+      local_device_ids=ids,
+      cluster_detection_method="deactivate",
+    )
   else:
     kwargs = dict(local_device_ids=ids)
   try:
     jax.distributed.initialize(**kwargs)
   except RuntimeError as e:
     if "before" in str(e) or "backend" in str(e).lower():
-      raise RuntimeError("jax.distributed.initialize must run before any JAX computation; call "
-                         "transformer_jax.parallel.distributed.initialize first thing") from e
+      raise RuntimeError(
+        "jax.distributed.initialize must run before any JAX computation; call "
+        "transformer_jax.parallel.distributed.initialize first thing"
+      ) from e
     raise
   except ValueError as e:
     if known:
       raise
     raise ValueError(
-        f"--distributed found no cluster to join ({e}): on TPU pods, SLURM and Open MPI JAX "
-        "detects it; elsewhere give --coordinator-address, --num-processes and --process-id (or "
-        f"{ENV_COORDINATOR}, {ENV_NUM_PROCESSES}, {ENV_PROCESS_ID})") from e
+      f"--distributed found no cluster to join ({e}): on TPU pods, SLURM and Open MPI JAX "
+      "detects it; elsewhere give --coordinator-address, --num-processes and --process-id (or "
+      f"{ENV_COORDINATOR}, {ENV_NUM_PROCESSES}, {ENV_PROCESS_ID})"
+    ) from e
   return True
 
 
@@ -155,8 +183,10 @@ def describe() -> str:
   """``process i/n``, this process's devices and the global device count, on one line."""
   local = jax.local_devices()
   kinds = sorted({d.device_kind for d in local})
-  return (f"process {jax.process_index()}/{jax.process_count()}: {len(local)} local devices "
-          f"({', '.join(kinds)}), {jax.device_count()} global devices")
+  return (
+    f"process {jax.process_index()}/{jax.process_count()}: {len(local)} local devices "
+    f"({', '.join(kinds)}), {jax.device_count()} global devices"
+  )
 
 
 def log_topology() -> None:

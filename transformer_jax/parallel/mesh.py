@@ -36,12 +36,14 @@ def mesh_shape(shape: Mapping[str, int] | None, num_devices: int) -> dict[str, i
   known = math.prod(s for s in sizes.values() if s != -1)
   if free:
     if num_devices % known:
-      raise ValueError(f"mesh {sizes}: the other axes ({known} devices) do not divide the "
-                       f"{num_devices} devices")
+      raise ValueError(
+        f"mesh {sizes}: the other axes ({known} devices) do not divide the {num_devices} devices"
+      )
     sizes[free[0]] = num_devices // known
   if math.prod(sizes.values()) != num_devices:
-    raise ValueError(f"mesh {sizes} has {math.prod(sizes.values())} devices, but there are "
-                     f"{num_devices}")
+    raise ValueError(
+      f"mesh {sizes} has {math.prod(sizes.values())} devices, but there are {num_devices}"
+    )
   return sizes
 
 
@@ -73,8 +75,14 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
-def check_config(config, mesh: Mesh, *, batch_size: int | None = None,
-                 seq_len: int | None = None, microbatches: int = 1) -> None:
+def check_config(
+  config,
+  mesh: Mesh,
+  *,
+  batch_size: int | None = None,
+  seq_len: int | None = None,
+  microbatches: int = 1,
+) -> None:
   """Fails before compiling when ``config`` (a model config), the batch or the sequence length do
   not fit ``mesh``; each message names the numbers.
 
@@ -90,6 +98,7 @@ def check_config(config, mesh: Mesh, *, batch_size: int | None = None,
     raise ValueError(f"sequence length {seq_len} is not divisible by mesh.sequence={sequence}")
   if batch_size is not None and batch_size % (n_batch * microbatches):
     raise ValueError(
-        f"batch size {batch_size} is not divisible by the {n_batch} data-parallel devices "
-        f"(mesh.data={mesh.shape['data']} x mesh.fsdp={mesh.shape['fsdp']}) x "
-        f"microbatches={microbatches}")
+      f"batch size {batch_size} is not divisible by the {n_batch} data-parallel devices "
+      f"(mesh.data={mesh.shape['data']} x mesh.fsdp={mesh.shape['fsdp']}) x "
+      f"microbatches={microbatches}"
+    )

@@ -47,13 +47,19 @@ from transformer_jax.ops.attention import check_qkv
 __all__ = ["ring_attention"]
 
 
-def _check_inputs(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
-                  kv_mask_BS: jax.Array | None, segment_ids_BT: jax.Array | None) -> None:
+def _check_inputs(
+  q_BTNH: jax.Array,
+  k_BSKH: jax.Array,
+  v_BSKH: jax.Array,
+  kv_mask_BS: jax.Array | None,
+  segment_ids_BT: jax.Array | None,
+) -> None:
   check_qkv(q_BTNH, k_BSKH, v_BSKH)
   (b, t), s = q_BTNH.shape[:2], k_BSKH.shape[1]
   if t != s:
     raise ValueError(
-        f"ring attention is self-attention: query length T={t} must equal key length S={s}")
+      f"ring attention is self-attention: query length T={t} must equal key length S={s}"
+    )
   if kv_mask_BS is not None and kv_mask_BS.shape != (b, s):
     raise ValueError(f"kv_mask_BS.shape={kv_mask_BS.shape} must be [B, S] = {(b, s)}")
   if segment_ids_BT is not None and segment_ids_BT.shape != (b, t):
@@ -75,6 +81,7 @@ def _varying_like(tree, ref: jax.Array):
 class _Ring:
   """The ring's static parts: the mesh axis it runs over, its size, and the attention's
   (``chunked.Static``)."""
+
   seq_axis: str
   axis_size: int
   st: chunked.Static
@@ -87,9 +94,13 @@ class _Ring:
     """The positions and ids of the key/value block a device holds at step ``s``."""
     my_block = jax.lax.axis_index(self.seq_axis)
     src = (my_block - s) % self.axis_size  # where the block held at step s started
-    return chunked.Block(q_pos=(my_block * t + jnp.arange(t, dtype=jnp.int32))[None],
-                         k_pos=src * t + jnp.arange(t, dtype=jnp.int32), kv_valid=kv_mask,
-                         q_seg=q_seg, kv_seg=kv_seg)
+    return chunked.Block(
+      q_pos=(my_block * t + jnp.arange(t, dtype=jnp.int32))[None],
+      k_pos=src * t + jnp.arange(t, dtype=jnp.int32),
+      kv_valid=kv_mask,
+      q_seg=q_seg,
+      kv_seg=kv_seg,
+    )
 
   def visit(self, s, step_fn, skip_fn, *args):
     """Runs a block step, or under ``causal`` skips a block that lies entirely in the future (it
@@ -100,9 +111,18 @@ class _Ring:
     return jax.lax.cond((my_block - s) % self.axis_size <= my_block, step_fn, skip_fn, *args)
 
 
-def _ring_body(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
-               kv_mask_BS: jax.Array | None, seg_BT: jax.Array | None, *, seq_axis: str,
-               axis_size: int, causal: bool, scale: float) -> jax.Array:
+def _ring_body(
+  q_BTNH: jax.Array,
+  k_BSKH: jax.Array,
+  v_BSKH: jax.Array,
+  kv_mask_BS: jax.Array | None,
+  seg_BT: jax.Array | None,
+  *,
+  seq_axis: str,
+  axis_size: int,
+  causal: bool,
+  scale: float,
+) -> jax.Array:
   """Per-device program (inside ``shard_map``): local blocks in, local output block out.
 
   The forward and backward block steps are the chunked kernel's (``ops.chunked``); only the
@@ -122,9 +142,12 @@ def _forward(ring: _Ring, q_BTNH, k_BSKH, v_BSKH, kv_mask_BS, seg_BT):
   def attend(s, state, blocks):
     k_blk, v_blk, kvm_blk, seg_blk = blocks
     blk = ring.block(s, t, seg_BT, kvm_blk, seg_blk)
-    return ring.visit(s, lambda st_: chunked.online_update(st_, q_BTKGH, k_blk, v_blk, blk,
-                                                           ring.st),
-                      lambda st_: st_, state)
+    return ring.visit(
+      s,
+      lambda st_: chunked.online_update(st_, q_BTKGH, k_blk, v_blk, blk, ring.st),
+      lambda st_: st_,
+      state,
+    )
 
   def step(carry, s):
     state, blocks = carry
@@ -154,7 +177,7 @@ def _ring_fwd(ring, matmul_precision, q_BTNH, k_BSKH, v_BSKH, kv_mask_BS, seg_BT
 
 
 def _ring_bwd(ring, matmul_precision, res, do_BTNH):
-  with jax.default_matmul_precision(matmul_precision):   # the forward's (ops/precision.py)
+  with jax.default_matmul_precision(matmul_precision):  # the forward's (ops/precision.py)
     return _ring_grads(ring, res, do_BTNH)
 
 
@@ -176,19 +199,29 @@ def _ring_grads(ring: _Ring, res, do_BTNH):
     blk = ring.block(s, t, seg_BT, kvm_blk, seg_blk)
 
     def grad_step(dq, grads):
-      dq_i, dk_i, dv_i, _ = chunked.block_grads(q_BTKGH, k_blk, v_blk, do_BTKGH, lse_BKGT,
-                                                delta_BKGT, blk, ring.st)
+      dq_i, dk_i, dv_i, _ = chunked.block_grads(
+        q_BTKGH, k_blk, v_blk, do_BTKGH, lse_BKGT, delta_BKGT, blk, ring.st
+      )
       return dq + dq_i, (grads[0] + dk_i, grads[1] + dv_i)
+
     dq, grads = ring.visit(s, grad_step, lambda dq, grads: (dq, grads), dq, grads)
     blocks, grads = jax.lax.ppermute((blocks, grads), ring.seq_axis, ring.perm())
     return (dq, blocks, grads), None
 
   zeros = _varying_like(jnp.zeros(k_BSKH.shape, jnp.float32), k_BSKH)
-  init = (_varying_like(jnp.zeros(q_BTKGH.shape, jnp.float32), q_BTNH),
-          (k_BSKH, v_BSKH, kv_mask_BS, seg_BT), (zeros, zeros))
+  init = (
+    _varying_like(jnp.zeros(q_BTKGH.shape, jnp.float32), q_BTNH),
+    (k_BSKH, v_BSKH, kv_mask_BS, seg_BT),
+    (zeros, zeros),
+  )
   (dq, _, (dk, dv)), _ = jax.lax.scan(step, init, jnp.arange(ring.axis_size))
-  return (dq.reshape(b, t, n, h).astype(q_BTNH.dtype), dk.astype(k_BSKH.dtype),
-          dv.astype(v_BSKH.dtype), None, None)
+  return (
+    dq.reshape(b, t, n, h).astype(q_BTNH.dtype),
+    dk.astype(k_BSKH.dtype),
+    dv.astype(v_BSKH.dtype),
+    None,
+    None,
+  )
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -199,18 +232,18 @@ def _axis_sizes(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh) -> dict[str
 
 
 def ring_attention(
-    q_BTNH: jax.Array,
-    k_BSKH: jax.Array,
-    v_BSKH: jax.Array,
-    *,
-    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
-    seq_axis: str = "sequence",
-    causal: bool = False,
-    kv_mask_BS: jax.Array | None = None,
-    segment_ids_BT: jax.Array | None = None,
-    scale: float | None = None,
-    batch_axes: Sequence[str] | None = ("data", "fsdp"),
-    head_axis: str | None = "tensor",
+  q_BTNH: jax.Array,
+  k_BSKH: jax.Array,
+  v_BSKH: jax.Array,
+  *,
+  mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+  seq_axis: str = "sequence",
+  causal: bool = False,
+  kv_mask_BS: jax.Array | None = None,
+  segment_ids_BT: jax.Array | None = None,
+  scale: float | None = None,
+  batch_axes: Sequence[str] | None = ("data", "fsdp"),
+  head_axis: str | None = "tensor",
 ) -> jax.Array:
   """Self-attention ``softmax(scale * q k^T, masked) v`` with the length axis sharded over a ring.
 
@@ -270,22 +303,24 @@ def ring_attention(
   batch_axes = tuple(a for a in (batch_axes or ()) if a in sizes)
   if seq_axis in batch_axes or seq_axis == head_axis:
     raise ValueError(
-        f"seq_axis={seq_axis!r} cannot also be a batch axis {batch_axes} or the head axis "
-        f"{head_axis!r}")
+      f"seq_axis={seq_axis!r} cannot also be a batch axis {batch_axes} or the head axis "
+      f"{head_axis!r}"
+    )
 
   b, t, n, h = q_BTNH.shape
   kh = k_BSKH.shape[2]
   axis_size = sizes[seq_axis]
   if t % axis_size:
     raise ValueError(
-        f"sequence length T={t} is not divisible by the size {axis_size} of mesh axis "
-        f"{seq_axis!r}")
+      f"sequence length T={t} is not divisible by the size {axis_size} of mesh axis {seq_axis!r}"
+    )
   batch_size = 1
   for a in batch_axes:
     batch_size *= sizes[a]
   if b % batch_size:
     raise ValueError(
-        f"batch B={b} is not divisible by {batch_size}, the size of mesh axes {batch_axes}")
+      f"batch B={b} is not divisible by {batch_size}, the size of mesh axes {batch_axes}"
+    )
   head = head_axis if head_axis in sizes and kh % sizes[head_axis] == 0 else None
 
   batch = batch_axes if batch_axes else None
@@ -294,17 +329,24 @@ def ring_attention(
   if kv_mask_BS is not None:
     kv_mask_BS = kv_mask_BS.astype(bool)
   body = functools.partial(
-      _ring_body, seq_axis=seq_axis, axis_size=axis_size, causal=causal,
-      scale=h**-0.5 if scale is None else scale)
+    _ring_body,
+    seq_axis=seq_axis,
+    axis_size=axis_size,
+    causal=causal,
+    scale=h**-0.5 if scale is None else scale,
+  )
   mapped = jax.shard_map(
-      body, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, bt_spec, bt_spec), out_specs=x_spec)
+    body, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, bt_spec, bt_spec), out_specs=x_spec
+  )
   args = (q_BTNH, k_BSKH, v_BSKH, kv_mask_BS, segment_ids_BT)
   if jax.sharding.AxisType.Explicit not in mesh.axis_types:
     return mapped(*args)  # Auto axes: GSPMD reshards the inputs to the specs.
   # Explicit axes: shard_map takes arguments already sharded as in_specs; hand the output back
   # sharded like q, as a drop-in for ops.dot_product_attention.
   q_spec = jax.typeof(q_BTNH).sharding.spec
-  args = [None if a is None else jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh, spec))
-          for a, spec in zip(args, (x_spec, x_spec, x_spec, bt_spec, bt_spec))]
+  args = [
+    None if a is None else jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh, spec))
+    for a, spec in zip(args, (x_spec, x_spec, x_spec, bt_spec, bt_spec))
+  ]
   out_BTNH = mapped(*args)
   return jax.sharding.reshard(out_BTNH, jax.sharding.NamedSharding(mesh, q_spec))

@@ -36,35 +36,35 @@ MeshAxes = str | tuple[str, ...] | None
 Rules = tuple[tuple[str, MeshAxes], ...]
 
 RULES: Rules = (
-    # Activations.
-    (ax.BATCH, ("data", "fsdp")),
-    (ax.LENGTH, "sequence"),
-    # Vocabulary: embedding rows and logits.
-    (ax.VOCAB, "tensor"),
-    # Attention: Megatron column split of q/k/v, row split of the output projection.
-    (ax.HEADS, "tensor"),
-    (ax.KV_HEADS, "tensor"),
-    (ax.HEAD_DIM, None),
-    # Dense: the model width of every matrix is where FSDP splits; MLP columns/rows over tensor.
-    (ax.EMBED, "fsdp"),
-    (ax.MLP, "tensor"),
-    # Small or scanned axes stay whole.
-    (ax.LAYERS, None),
-    (ax.POSITIONS, None),
-    (ax.TYPES, None),
-    (ax.BUCKETS, None),
-    (ax.CLASSES, None),
-    # LoRA adapters: A [in, r] and B [r, out] name their in/out dims like the kernel they adapt
-    # (embed over fsdp, heads/mlp over tensor); the rank is small and stays whole.
-    (ax.LORA_RANK, None),
-    # State-space mixers: Mamba-1's channels over tensor (column split in, row split out, as the
-    # MLP); fused projections, states and taps stay whole.
-    (ax.SSM_INNER, "tensor"),
-    (ax.SSM_STATE, None),
-    (ax.SSM_HEADS, None),
-    (ax.SSM_PROJ, None),
-    (ax.SSM_RANK, None),
-    (ax.CONV, None),
+  # Activations.
+  (ax.BATCH, ("data", "fsdp")),
+  (ax.LENGTH, "sequence"),
+  # Vocabulary: embedding rows and logits.
+  (ax.VOCAB, "tensor"),
+  # Attention: Megatron column split of q/k/v, row split of the output projection.
+  (ax.HEADS, "tensor"),
+  (ax.KV_HEADS, "tensor"),
+  (ax.HEAD_DIM, None),
+  # Dense: the model width of every matrix is where FSDP splits; MLP columns/rows over tensor.
+  (ax.EMBED, "fsdp"),
+  (ax.MLP, "tensor"),
+  # Small or scanned axes stay whole.
+  (ax.LAYERS, None),
+  (ax.POSITIONS, None),
+  (ax.TYPES, None),
+  (ax.BUCKETS, None),
+  (ax.CLASSES, None),
+  # LoRA adapters: A [in, r] and B [r, out] name their in/out dims like the kernel they adapt
+  # (embed over fsdp, heads/mlp over tensor); the rank is small and stays whole.
+  (ax.LORA_RANK, None),
+  # State-space mixers: Mamba-1's channels over tensor (column split in, row split out, as the
+  # MLP); fused projections, states and taps stay whole.
+  (ax.SSM_INNER, "tensor"),
+  (ax.SSM_STATE, None),
+  (ax.SSM_HEADS, None),
+  (ax.SSM_PROJ, None),
+  (ax.SSM_RANK, None),
+  (ax.CONV, None),
 )
 
 # Activations at block boundaries: [B, T, D] split over batch and length, the width whole.
@@ -77,8 +77,12 @@ def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
   return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
-def mesh_axes(logical: Sequence[str | None], rules: Rules = RULES, mesh: Mesh | None = None,
-              shape: Sequence[int] | None = None) -> P:
+def mesh_axes(
+  logical: Sequence[str | None],
+  rules: Rules = RULES,
+  mesh: Mesh | None = None,
+  shape: Sequence[int] | None = None,
+) -> P:
   """The ``PartitionSpec`` over mesh axes for a tensor whose dimensions have ``logical`` names.
 
   With ``mesh`` and ``shape``, mesh axes absent from the mesh, of size 1, already used by an earlier
@@ -117,6 +121,7 @@ def logical_specs(params) -> Any:
   """The logical ``PartitionSpec`` (axis names) of each leaf of an ``nnx.State`` of parameters."""
   # parallel/ depends only on JAX; Flax is needed just to read the metadata.
   from flax import nnx  # noqa: PLC0415
+
   return nnx.get_partition_spec(params)
 
 
@@ -125,8 +130,11 @@ def param_shardings(params, mesh: Mesh, rules: Rules = RULES) -> Any:
   names."""
   specs = logical_specs(params)
   return jax.tree.map(
-      lambda spec, x: NamedSharding(mesh, mesh_axes(tuple(spec), rules, mesh, x.shape)),
-      specs, params, is_leaf=lambda x: isinstance(x, P))
+    lambda spec, x: NamedSharding(mesh, mesh_axes(tuple(spec), rules, mesh, x.shape)),
+    specs,
+    params,
+    is_leaf=lambda x: isinstance(x, P),
+  )
 
 
 def shardings_like(tree, params, params_shardings, mesh: Mesh) -> Any:
@@ -155,8 +163,9 @@ def bytes_per_device(tree, shardings) -> int:
   return total
 
 
-def constrain(x: jax.Array, logical: Sequence[str | None], mesh: Mesh | None,
-              rules: Rules = RULES) -> jax.Array:
+def constrain(
+  x: jax.Array, logical: Sequence[str | None], mesh: Mesh | None, rules: Rules = RULES
+) -> jax.Array:
   """``with_sharding_constraint`` of ``x`` to its logical axes on ``mesh``; ``x`` itself without
   one.
 

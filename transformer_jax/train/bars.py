@@ -32,35 +32,55 @@ def check_bars(run: Plan, params, last_eval: dict[str, float]) -> dict[str, Any]
     unigram = data_lib.unigram_cross_entropy(run.dataset)
     margin = float(bars["val_loss_below_unigram"])
     results["val_loss_below_unigram"] = {
-        "val_loss": last_eval["val_loss"], "unigram_cross_entropy": unigram,
-        "required_margin": margin, "margin": unigram - last_eval["val_loss"],
-        "passed": unigram - last_eval["val_loss"] >= margin}
+      "val_loss": last_eval["val_loss"],
+      "unigram_cross_entropy": unigram,
+      "required_margin": margin,
+      "margin": unigram - last_eval["val_loss"],
+      "passed": unigram - last_eval["val_loss"] >= margin,
+    }
   if "mlm_accuracy_over_baseline" in bars:
     results["mlm_accuracy_over_baseline"] = _over_baseline(
-        "mlm_accuracy", last_eval["val_mlm_accuracy"], "most_frequent_token_baseline",
-        most_frequent_token_accuracy(run), bars["mlm_accuracy_over_baseline"])
+      "mlm_accuracy",
+      last_eval["val_mlm_accuracy"],
+      "most_frequent_token_baseline",
+      most_frequent_token_accuracy(run),
+      bars["mlm_accuracy_over_baseline"],
+    )
   if "accuracy_over_majority" in bars:
     results["accuracy_over_majority"] = _over_baseline(
-        "val_accuracy", last_eval["val_accuracy"], "majority_baseline",
-        run.dataset.meta["majority_baseline"]["val_accuracy"], bars["accuracy_over_majority"])
+      "val_accuracy",
+      last_eval["val_accuracy"],
+      "majority_baseline",
+      run.dataset.meta["majority_baseline"]["val_accuracy"],
+      bars["accuracy_over_majority"],
+    )
   if "exact_match" in bars:
     em = seq2seq_exact_match(run, params)
-    results["exact_match"] = {"exact_match": em, "required": float(bars["exact_match"]),
-                              "passed": em >= float(bars["exact_match"])}
+    results["exact_match"] = {
+      "exact_match": em,
+      "required": float(bars["exact_match"]),
+      "passed": em >= float(bars["exact_match"]),
+    }
   for name, r in results.items():
     figures = ", ".join(f"{k}={v:.4g}" for k, v in r.items() if k != "passed")
-    print(f"learning bar {name}: {'reached' if r['passed'] else 'NOT reached'} ({figures})",
-          flush=True)
+    print(
+      f"learning bar {name}: {'reached' if r['passed'] else 'NOT reached'} ({figures})", flush=True
+    )
   return results
 
 
-def _over_baseline(figure: str, value: float, baseline_name: str, baseline: float,
-                   margin) -> dict[str, Any]:
+def _over_baseline(
+  figure: str, value: float, baseline_name: str, baseline: float, margin
+) -> dict[str, Any]:
   """A bar reached when ``value`` beats ``baseline`` by at least ``margin``: the figure, its
   baseline, the margin asked for and whether it passed."""
   margin = float(margin)
-  return {figure: value, baseline_name: baseline, "required_margin": margin,
-          "passed": value - baseline >= margin}
+  return {
+    figure: value,
+    baseline_name: baseline,
+    "required_margin": margin,
+    "passed": value - baseline >= margin,
+  }
 
 
 def most_frequent_token_accuracy(run: Plan) -> float:
@@ -74,6 +94,7 @@ def most_frequent_token_accuracy(run: Plan) -> float:
 def seq2seq_exact_match(run: Plan, params, max_examples: int = 512) -> float:
   """Greedy-decoding exact match on held-out (validation) examples (``generate``, cached)."""
   from transformer_jax.generate import generate
+
   specials = run.dataset.meta["special_tokens"]
   bos, eos = specials["<bos>"], specials["<eos>"]
   right = total = 0
@@ -82,12 +103,19 @@ def seq2seq_exact_match(run: Plan, params, max_examples: int = 512) -> float:
     if not rows.size:
       continue
     width = min(batch["tgt_out"].shape[1], run.model_config.max_len)
-    pred = np.asarray(generate((run.model_config, params), batch["src"][rows],
-                               prompt_lengths=batch["src_mask"][rows].sum(-1),
-                               max_new_tokens=width, eos_id=eos, decoder_start_id=bos))
+    pred = np.asarray(
+      generate(
+        (run.model_config, params),
+        batch["src"][rows],
+        prompt_lengths=batch["src_mask"][rows].sum(-1),
+        max_new_tokens=width,
+        eos_id=eos,
+        decoder_start_id=bos,
+      )
+    )
     for j, i in enumerate(rows):
-      target = batch["tgt_out"][i][batch["tgt_mask"][i]]       # target + EOS
-      right += int(np.array_equal(pred[j, :target.size], target))
+      target = batch["tgt_out"][i][batch["tgt_mask"][i]]  # target + EOS
+      right += int(np.array_equal(pred[j, : target.size], target))
       total += 1
     if total >= max_examples:
       break
@@ -98,23 +126,31 @@ def print_samples(run: Plan, params) -> list[str]:
   """Samples a few continuations (``tjax generate``'s sampler: temperature 0.8, top-k 40; special
   tokens such as [UNK] are never drawn), prints them and writes them to ``samples.txt``."""
   from transformer_jax.generate.commands import stream_generate
+
   tok = run.dataset.tokenizer
   prompts_text = ["def ", "import ", "class ", "    return "][: run.exp.train.samples]
   prompts = [tok.encode(p) for p in prompts_text]
   room = min(run.model_config.max_len, run.exp.train.seq_len) - max(len(p) for p in prompts)
   suppress = sorted(set(tok.special_ids.values()) - {tok.eot_id})
   rows = [[] for _ in prompts]
-  for chunk in stream_generate((run.model_config, params), prompts,
-                               max_new_tokens=max(1, min(run.exp.train.sample_tokens, room)),
-                               temperature=0.8, top_k=40, eos_id=tok.eot_id,
-                               key=jax.random.key(run.exp.train.seed), suppress_ids=suppress):
+  for chunk in stream_generate(
+    (run.model_config, params),
+    prompts,
+    max_new_tokens=max(1, min(run.exp.train.sample_tokens, room)),
+    temperature=0.8,
+    top_k=40,
+    eos_id=tok.eot_id,
+    key=jax.random.key(run.exp.train.seed),
+    suppress_ids=suppress,
+  ):
     for row, new in zip(rows, np.asarray(chunk)):
       row.extend(int(i) for i in new)
-  rows = [r[:r.index(tok.eot_id)] if tok.eot_id in r else r for r in rows]
+  rows = [r[: r.index(tok.eot_id)] if tok.eot_id in r else r for r in rows]
   texts = [p + tok.decode(n) for p, n in zip(prompts_text, rows)]
   print("\nsamples:", flush=True)
   for text in texts:
     print("-" * 60 + "\n" + text, flush=True)
-  runs.write_atomic(os.path.join(run.exp.run_dir, "samples.txt"),
-                    ("\n" + "-" * 60 + "\n").join(texts))
+  runs.write_atomic(
+    os.path.join(run.exp.run_dir, "samples.txt"), ("\n" + "-" * 60 + "\n").join(texts)
+  )
   return texts

@@ -24,21 +24,21 @@ from transformer_jax.runs.schema import FieldError, build_section, parse_yaml, t
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  path: str | None = None                 # a prepared dataset directory (tjax prepare)
-  inputs: tuple[str, ...] = ()            # prepared into `path` on first use if it is missing
+  path: str | None = None  # a prepared dataset directory (tjax prepare)
+  inputs: tuple[str, ...] = ()  # prepared into `path` on first use if it is missing
   task: Literal["gpt", "bert", "seq2seq", "classify"] = "gpt"
   tokenizer: str = "cl100k_base"
-  compact_vocab: bool | int = False       # true: ids the corpus uses; N: its N most frequent
+  compact_vocab: bool | int = False  # true: ids the corpus uses; N: its N most frequent
   val_fraction: float = 0.05
-  mask_prob: float = 0.15                 # BERT masked-LM rate
-  vocab_from: str | None = None           # classify: reuse this dataset's tokenizer/vocabulary
+  mask_prob: float = 0.15  # BERT masked-LM rate
+  vocab_from: str | None = None  # classify: reuse this dataset's tokenizer/vocabulary
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   steps: int = 1000
-  batch_size: int = 16                    # global batch (all processes, all devices)
-  seq_len: int = 128                      # GPT/BERT window; ignored by seq2seq (bucketed)
+  batch_size: int = 16  # global batch (all processes, all devices)
+  seq_len: int = 128  # GPT/BERT window; ignored by seq2seq (bucketed)
   # Gradient accumulation inside the step. "auto": 1 unless the step's temporaries pass what the
   # CPU allocator reuses, then the fewest that fit (backends.cpu.microbatches).
   microbatches: int | Literal["auto"] = "auto"
@@ -46,8 +46,8 @@ class TrainConfig:
   lr: float = 1e-3
   schedule: Literal["cosine", "linear", "rsqrt", "constant"] = "cosine"
   warmup_steps: int = 100
-  min_lr_ratio: float = 0.1               # cosine/linear decay to lr * min_lr_ratio
-  weight_decay: float = 0.1               # not applied to biases, norm scales
+  min_lr_ratio: float = 0.1  # cosine/linear decay to lr * min_lr_ratio
+  weight_decay: float = 0.1  # not applied to biases, norm scales
   b1: float = 0.9
   b2: float = 0.95
   eps: float = 1e-8
@@ -57,21 +57,21 @@ class TrainConfig:
   # GPT's loss head: "logits" (the [B, T, V] logits, then the cross-entropy) or "fused"
   # (ops.linear_cross_entropy chunk by chunk: no [B, T, V] array, less memory).
   loss_head: Literal["logits", "fused"] = "logits"
-  dtype: str | None = None                # compute dtype override (e.g. bfloat16); params stay fp32
+  dtype: str | None = None  # compute dtype override (e.g. bfloat16); params stay fp32
   log_every: int = 10
   eval_every: int = 200
   eval_batches: int = 20
   checkpoint_every: int = 200
   keep_checkpoints: int = 3
   async_checkpoints: bool = True
-  samples: int = 3                        # generated samples printed at the end (GPT)
+  samples: int = 3  # generated samples printed at the end (GPT)
   sample_tokens: int = 48
-  lora: LoRAConfig | None = None          # rank/alpha/targets: train only adapters (and a head)
+  lora: LoRAConfig | None = None  # rank/alpha/targets: train only adapters (and a head)
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  data: int = -1                          # -1: every remaining device
+  data: int = -1  # -1: every remaining device
   fsdp: int = 1
   tensor: int = 1
   sequence: int = 1
@@ -80,11 +80,13 @@ class MeshConfig:
 @dataclasses.dataclass(frozen=True)
 class Experiment:
   run_dir: str
-  model: dict[str, Any]                   # {"preset": name, **model-config overrides}
+  model: dict[str, Any]  # {"preset": name, **model-config overrides}
   data: DataConfig
   train: TrainConfig
   mesh: MeshConfig
-  bars: dict[str, Any] = dataclasses.field(default_factory=dict)  # learning bars to check at the end
+  bars: dict[str, Any] = dataclasses.field(
+    default_factory=dict
+  )  # learning bars to check at the end
   # The experiment whose run is model.init_from: trained first when that run directory is absent.
   pretrain: str | None = None
   # The kernels' levers (backends.KernelTable): they change the compiled program, not the model.
@@ -98,14 +100,17 @@ class Experiment:
     init_from = spec.pop("init_from", None)
     if init_from is not None:  # the pretrained model's architecture, the YAML's keys on top
       from transformer_jax.train import finetune
+
       extra = {k: v for k, v in defaults.items() if k != "vocab_size"}
       return finetune.model_config(init_from, {**extra, **spec})
     if "family" in spec:  # a complete config, as in a run directory's model.yaml
       return models.config_from_dict({**defaults, **spec})
     preset = spec.pop("preset", None)
     if preset is None:
-      raise ValueError("model.preset (or a full model with model.family) is required; "
-                       "see `tjax info` for the presets")
+      raise ValueError(
+        "model.preset (or a full model with model.family) is required; "
+        "see `tjax info` for the presets"
+      )
     return models.get_config(preset, **{**defaults, **spec})
 
   def to_dict(self) -> dict[str, Any]:
@@ -119,21 +124,34 @@ class Experiment:
   def absolute(self) -> "Experiment":
     """This experiment with ``run_dir``, ``data.path`` and ``data.inputs`` made absolute (a run
     directory must work from any folder)."""
+
     def absolute(p):
       return None if p is None else os.path.abspath(p)
 
     def absolute_input(p):  # the named inputs (stdlib, synthetic:TASK) are not paths
-      named = (p.startswith("synthetic:") or p.startswith("stdlib:")
-               or (p in ("stdlib", "stdlib-tests") and not os.path.exists(p)))
+      named = (
+        p.startswith("synthetic:")
+        or p.startswith("stdlib:")
+        or (p in ("stdlib", "stdlib-tests") and not os.path.exists(p))
+      )
       return p if named else os.path.abspath(p)
-    data = dataclasses.replace(self.data, path=absolute(self.data.path),
-                               inputs=tuple(absolute_input(p) for p in self.data.inputs),
-                               vocab_from=absolute(self.data.vocab_from))
+
+    data = dataclasses.replace(
+      self.data,
+      path=absolute(self.data.path),
+      inputs=tuple(absolute_input(p) for p in self.data.inputs),
+      vocab_from=absolute(self.data.vocab_from),
+    )
     model = dict(self.model)
     if isinstance(model.get("init_from"), str):
       model["init_from"] = os.path.abspath(model["init_from"])
-    return dataclasses.replace(self, run_dir=os.path.abspath(self.run_dir), data=data,
-                               model=model, pretrain=absolute(self.pretrain))
+    return dataclasses.replace(
+      self,
+      run_dir=os.path.abspath(self.run_dir),
+      data=data,
+      model=model,
+      pretrain=absolute(self.pretrain),
+    )
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
@@ -166,12 +184,23 @@ def fixed_changes(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
 
 
 # Learning bars: checked and reported at the end of a run (enforced with ``--check-bars``).
-BARS = ("val_loss_below_unigram", "mlm_accuracy_over_baseline", "exact_match",
-        "accuracy_over_majority")
+BARS = (
+  "val_loss_below_unigram",
+  "mlm_accuracy_over_baseline",
+  "exact_match",
+  "accuracy_over_majority",
+)
 # What defines an existing run: its model, its data and the order it reads them in. A resumed run
 # may change anything else (steps, optimisation, logging, mesh), as MaxText and HF Trainer allow.
-FIXED = ("model", "data", "train.batch_size", "train.seq_len", "train.seed", "train.dtype",
-         "train.lora")
+FIXED = (
+  "model",
+  "data",
+  "train.batch_size",
+  "train.seq_len",
+  "train.seed",
+  "train.dtype",
+  "train.lora",
+)
 
 _TOP = ("run_dir", "model", "data", "train", "mesh", "bars", "pretrain", "kernels")
 # The sections every experiment file spells out; mesh, bars, pretrain and kernels may be left out.
@@ -181,8 +210,9 @@ REQUIRED = ("run_dir", "model", "data", "train")
 def _unknown(where: str, key: str, choices) -> FieldError:
   close = difflib.get_close_matches(str(key), list(choices), n=1)
   hint = f" (did you mean {close[0]!r}?)" if close else ""
-  return FieldError(f"{where}{key}", f"{where}{key}: unknown key{hint}; expected one of "
-                    f"{', '.join(choices)}")
+  return FieldError(
+    f"{where}{key}", f"{where}{key}: unknown key{hint}; expected one of {', '.join(choices)}"
+  )
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
@@ -203,8 +233,9 @@ def parse_overrides(items: list[str]) -> list[tuple[str, Any]]:
       raise ValueError(f"override {item!r} must look like section.key=value")
     key, text = item.split("=", 1)
     if not all(part.strip() for part in key.split(".")):
-      raise ValueError(f"override {item!r}: the key {key!r} has an empty part; it looks like "
-                       "section.key=value")
+      raise ValueError(
+        f"override {item!r}: the key {key!r} has an empty part; it looks like section.key=value"
+      )
     try:
       value = parse_yaml(text) if text != "" else None
     except yaml.YAMLError:
@@ -221,19 +252,24 @@ def read_config_file(path: str) -> dict:
       or not a mapping (each message names the file).
   """
   if not os.path.isfile(path):
-    raise ValueError(f"experiment config {path!r} not found" if not os.path.exists(path)
-                     else f"experiment config {path!r} is not a file")
+    raise ValueError(
+      f"experiment config {path!r} not found"
+      if not os.path.exists(path)
+      else f"experiment config {path!r} is not a file"
+    )
   raw = runs.load_yaml(path)
   if raw is None:
     raise ValueError(f"{path} is empty; an experiment has the sections {', '.join(REQUIRED)}")
   if not isinstance(raw, dict):
-    raise ValueError(f"{path}: expected a mapping of sections ({', '.join(_TOP)}), got "
-                     f"{type(raw).__name__}")
+    raise ValueError(
+      f"{path}: expected a mapping of sections ({', '.join(_TOP)}), got {type(raw).__name__}"
+    )
   return raw
 
 
-def load_experiment(path: str | None, overrides: list[str] = (), *,
-                    raw: dict | None = None, source: str | None = None) -> Experiment:
+def load_experiment(
+  path: str | None, overrides: list[str] = (), *, raw: dict | None = None, source: str | None = None
+) -> Experiment:
   """Reads a YAML experiment (or ``raw``), applies ``key=value`` overrides and validates it.
 
   A file must hold every section of :data:`REQUIRED` (after the overrides); ``raw`` (a stored
@@ -282,9 +318,11 @@ def _build(raw: dict, overrides: list[tuple[str, Any]], path: str | None) -> Exp
     missing = [k for k in REQUIRED if raw.get(k) in (None, {})]
     if missing:
       plural = "s" if len(missing) > 1 else ""
-      raise ValueError(f"{path} has no {', '.join(missing)} section{plural}; an experiment "
-                       f"needs {', '.join(REQUIRED)} (the defaults of a whole section are never "
-                       "taken silently)")
+      raise ValueError(
+        f"{path} has no {', '.join(missing)} section{plural}; an experiment "
+        f"needs {', '.join(REQUIRED)} (the defaults of a whole section are never "
+        "taken silently)"
+      )
   run_dir = raw.get("run_dir")
   if not isinstance(run_dir, str) or not run_dir:
     raise FieldError("run_dir", f"run_dir={run_dir!r}: expected a directory path")
@@ -295,15 +333,19 @@ def _build(raw: dict, overrides: list[tuple[str, Any]], path: str | None) -> Exp
   if bars is not None and not isinstance(bars, dict):
     raise FieldError("bars", f"bars: expected a mapping, got {bars!r}")
   exp = Experiment(
-      run_dir=run_dir, model=model_section(dict(model or {})),
-      data=build_section(DataConfig, "data", raw.get("data")),
-      train=build_section(TrainConfig, "train", raw.get("train")),
-      mesh=build_section(MeshConfig, "mesh", raw.get("mesh")),
-      bars=dict(bars or {}), pretrain=raw.get("pretrain"),
-      kernels=KernelTable.from_dict(raw.get("kernels"), where="kernels"))
+    run_dir=run_dir,
+    model=model_section(dict(model or {})),
+    data=build_section(DataConfig, "data", raw.get("data")),
+    train=build_section(TrainConfig, "train", raw.get("train")),
+    mesh=build_section(MeshConfig, "mesh", raw.get("mesh")),
+    bars=dict(bars or {}),
+    pretrain=raw.get("pretrain"),
+    kernels=KernelTable.from_dict(raw.get("kernels"), where="kernels"),
+  )
   if exp.pretrain is not None and not isinstance(exp.pretrain, str):
-    raise FieldError("pretrain", f"pretrain={exp.pretrain!r}: expected the path of an "
-                     "experiment YAML")
+    raise FieldError(
+      "pretrain", f"pretrain={exp.pretrain!r}: expected the path of an experiment YAML"
+    )
   _validate(exp)
   return exp
 
@@ -323,8 +365,11 @@ def model_section(model: dict) -> dict:
   """
   for key in _MODEL_KEYS:
     if key in model and not isinstance(model[key], str):
-      raise FieldError(f"model.{key}", f"model.{key}={model[key]!r}: expected a "
-                       + ("run directory path" if key == "init_from" else "name"))
+      raise FieldError(
+        f"model.{key}",
+        f"model.{key}={model[key]!r}: expected a "
+        + ("run directory path" if key == "init_from" else "name"),
+      )
   if "family" in model:
     try:
       cls = type(models.config_from_dict({"family": model["family"]}))
@@ -353,22 +398,39 @@ def _check_range(name: str, value, lo, hi, lo_in: bool, hi_in: bool) -> None:
 
 def _validate(exp: Experiment) -> None:
   t = exp.train
-  for name in ("steps", "batch_size", "seq_len", "microbatches", "log_every", "eval_every",
-               "eval_batches", "checkpoint_every", "keep_checkpoints"):
+  for name in (
+    "steps",
+    "batch_size",
+    "seq_len",
+    "microbatches",
+    "log_every",
+    "eval_every",
+    "eval_batches",
+    "checkpoint_every",
+    "keep_checkpoints",
+  ):
     if name == "microbatches" and t.microbatches == "auto":
       continue
     if getattr(t, name) < 1:
       raise FieldError(f"train.{name}", f"train.{name}={getattr(t, name)} must be >= 1")
   if t.microbatches != "auto" and t.batch_size % t.microbatches:
-    raise FieldError("train.microbatches", f"train.microbatches={t.microbatches} does not divide "
-                     f"train.batch_size={t.batch_size}")
+    raise FieldError(
+      "train.microbatches",
+      f"train.microbatches={t.microbatches} does not divide train.batch_size={t.batch_size}",
+    )
   ranges = {  # name: (low, high, low included, high included)
-      "lr": (0.0, math.inf, False, False), "min_lr_ratio": (0.0, 1.0, True, True),
-      "weight_decay": (0.0, math.inf, True, False), "b1": (0.0, 1.0, True, False),
-      "b2": (0.0, 1.0, True, False), "eps": (0.0, math.inf, False, False),
-      "label_smoothing": (0.0, 1.0, True, False), "z_loss": (0.0, math.inf, True, False),
-      "warmup_steps": (0, math.inf, True, False), "samples": (0, math.inf, True, False),
-      "sample_tokens": (1, math.inf, True, False)}
+    "lr": (0.0, math.inf, False, False),
+    "min_lr_ratio": (0.0, 1.0, True, True),
+    "weight_decay": (0.0, math.inf, True, False),
+    "b1": (0.0, 1.0, True, False),
+    "b2": (0.0, 1.0, True, False),
+    "eps": (0.0, math.inf, False, False),
+    "label_smoothing": (0.0, 1.0, True, False),
+    "z_loss": (0.0, math.inf, True, False),
+    "warmup_steps": (0, math.inf, True, False),
+    "samples": (0, math.inf, True, False),
+    "sample_tokens": (1, math.inf, True, False),
+  }
   for name, (lo, hi, lo_in, hi_in) in ranges.items():
     _check_range(f"train.{name}", getattr(t, name), lo, hi, lo_in, hi_in)
   if t.clip_norm is not None:
@@ -376,16 +438,21 @@ def _validate(exp: Experiment) -> None:
   d = exp.data
   _check_range("data.mask_prob", d.mask_prob, 0.0, 1.0, False, False)
   if not isinstance(d.compact_vocab, bool) and d.compact_vocab < 1:
-    raise FieldError("data.compact_vocab", f"data.compact_vocab={d.compact_vocab}: expected true, "
-                     "false or a count of ids >= 1")
+    raise FieldError(
+      "data.compact_vocab",
+      f"data.compact_vocab={d.compact_vocab}: expected true, false or a count of ids >= 1",
+    )
   if d.val_fraction <= 0:
-    raise FieldError("data.val_fraction", f"data.val_fraction={d.val_fraction} must be > 0 (a "
-                     "fraction, or a count of documents)")
+    raise FieldError(
+      "data.val_fraction",
+      f"data.val_fraction={d.val_fraction} must be > 0 (a fraction, or a count of documents)",
+    )
   for name in ("data", "fsdp", "tensor", "sequence"):
     size = getattr(exp.mesh, name)
     if size != -1 and size < 1:
-      raise FieldError(f"mesh.{name}", f"mesh.{name}={size} must be >= 1 (or -1: every "
-                       "remaining device)")
+      raise FieldError(
+        f"mesh.{name}", f"mesh.{name}={size} must be >= 1 (or -1: every remaining device)"
+      )
   for key, value in exp.bars.items():
     if key not in BARS:
       raise _unknown("bars.", key, BARS)
@@ -395,8 +462,13 @@ def _validate(exp: Experiment) -> None:
     raise FieldError("data", "data.path or data.inputs must be given")
   init_from = exp.model.get("init_from")
   if init_from is not None and ("preset" in exp.model or "family" in exp.model):
-    raise FieldError("model.init_from", "model.init_from takes the pretrained model's "
-                     "architecture: drop model.preset/model.family")
+    raise FieldError(
+      "model.init_from",
+      "model.init_from takes the pretrained model's architecture: drop model.preset/model.family",
+    )
   if "preset" not in exp.model and "family" not in exp.model and init_from is None:
-    raise FieldError("model.preset", "model.preset (or a full model with model.family) is "
-                     "required; see `tjax info` for the presets")
+    raise FieldError(
+      "model.preset",
+      "model.preset (or a full model with model.family) is "
+      "required; see `tjax info` for the presets",
+    )

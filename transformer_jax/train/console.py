@@ -36,5 +36,7 @@ def progress_bar(start: int, total: int, enabled: bool):
   if not enabled or jax.process_index() != 0:
     return NoBar()
   from tqdm import tqdm
-  return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True,
-              file=sys.stderr)
+
+  return tqdm(
+    total=total, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr
+  )

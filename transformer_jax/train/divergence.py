@@ -32,21 +32,25 @@ class Guard:
 
   plan: Plan
   ckpt: runs.Checkpoints
-  eval_step: object     # step_lib.jit_eval_step of the run's eval step
+  eval_step: object  # step_lib.jit_eval_step of the run's eval step
 
   def check_params(self, state: step_lib.TrainState, step: int) -> None:
     """Raises :class:`TrainingDiverged` when the parameters of ``step`` (about to be saved) are
     not finite."""
     bad = runs.nonfinite_leaves(state.params)
     if bad:
-      raise self.error(f"parameters became non-finite at step {step} (in {', '.join(bad[:3])}); "
-                       "not saved", step, state)
+      raise self.error(
+        f"parameters became non-finite at step {step} (in {', '.join(bad[:3])}); not saved",
+        step,
+        state,
+      )
 
   def check_eval(self, metrics: dict[str, float], state: step_lib.TrainState, step: int) -> None:
     """Raises :class:`TrainingDiverged` when the validation loss of ``step`` is not finite."""
     if not math.isfinite(metrics["val_loss"]):
-      raise self.error(f"validation loss became {metrics['val_loss']} at step {step}; stopping",
-                       step, state)
+      raise self.error(
+        f"validation loss became {metrics['val_loss']} at step {step}; stopping", step, state
+      )
 
   def error(self, what: str, bad_step: int, state: step_lib.TrainState) -> TrainingDiverged:
     """``what`` (the parameters of ``bad_step`` gave it) followed by what the checkpoints hold
@@ -67,11 +71,15 @@ class Guard:
     set_aside += failed
     text = f"{what}. "
     if len(set_aside) == 1:
-      text += (f"Checkpoint step {set_aside[0]} gives non-finite losses: set aside as "
-               f"diverged-{set_aside[0]} in {self.ckpt.directory}. ")
+      text += (
+        f"Checkpoint step {set_aside[0]} gives non-finite losses: set aside as "
+        f"diverged-{set_aside[0]} in {self.ckpt.directory}. "
+      )
     elif set_aside:
-      text += (f"Checkpoint steps {', '.join(map(str, set_aside))} give non-finite losses: set "
-               f"aside as diverged-<step> in {self.ckpt.directory}. ")
+      text += (
+        f"Checkpoint steps {', '.join(map(str, set_aside))} give non-finite losses: set "
+        f"aside as diverged-<step> in {self.ckpt.directory}. "
+      )
     if good is not None:
       text += f"The last good checkpoint (step {good}) is intact"
       text += "." if val_loss is None else f" (validation loss {val_loss:.4g})."
@@ -93,8 +101,7 @@ class Guard:
       except Exception:  # noqa: BLE001 (damaged: orbax, tensorstore and our checks all raise)
         continue
       try:
-        metrics, _ = evaluate(self.plan, all_params(state.replace(params=params)),
-                              self.eval_step)
+        metrics, _ = evaluate(self.plan, all_params(state.replace(params=params)), self.eval_step)
       except ValueError:  # no validation batch: the next step's loss vouches for it
         return step, None, set_aside
       if math.isfinite(metrics["val_loss"]):

@@ -37,18 +37,24 @@ def simulate_devices(exp: Experiment, num_devices: int | None) -> int:
   sizes = [exp.mesh.data, exp.mesh.fsdp, exp.mesh.tensor, exp.mesh.sequence]
   if num_devices is None:
     if -1 in sizes:
-      raise ValueError(f"mesh {dict(zip(parallel.AXES, sizes))} has a -1 axis: give the device "
-                       "count to simulate with --devices N")
+      raise ValueError(
+        f"mesh {dict(zip(parallel.AXES, sizes))} has a -1 axis: give the device "
+        "count to simulate with --devices N"
+      )
     num_devices = 1
     for s in sizes:
       num_devices *= s
     if num_devices > MAX_SIMULATED_DEVICES:
       mesh = " x ".join(f"{a}={s}" for a, s in zip(parallel.AXES, sizes))
-      raise ValueError(f"mesh {mesh} needs {num_devices} devices; a dry run simulates at most "
-                       f"{MAX_SIMULATED_DEVICES} (XLA:CPU's limit for one process)")
+      raise ValueError(
+        f"mesh {mesh} needs {num_devices} devices; a dry run simulates at most "
+        f"{MAX_SIMULATED_DEVICES} (XLA:CPU's limit for one process)"
+      )
   elif isinstance(num_devices, bool) or not 1 <= num_devices <= MAX_SIMULATED_DEVICES:
-    raise ValueError(f"--devices {num_devices}: a dry run simulates 1 to {MAX_SIMULATED_DEVICES} "
-                     "devices (XLA:CPU's limit for one process)")
+    raise ValueError(
+      f"--devices {num_devices}: a dry run simulates 1 to {MAX_SIMULATED_DEVICES} "
+      "devices (XLA:CPU's limit for one process)"
+    )
   jax.config.update("jax_platforms", "cpu")
   jax.config.update("jax_num_cpu_devices", int(num_devices))
   return int(num_devices)
@@ -66,23 +72,30 @@ def dry_run(exp: Experiment) -> dict[str, Any]:
 
   mem = plan.compiled.memory_analysis()
   report = {
-      "model": type(config).__name__, "parameters": models.count_params(config),
-      "vocab": plan.vocab_note, "devices": jax.device_count(), "mesh": dict(mesh.shape),
-      "batch_size": t.batch_size, "seq_len": t.seq_len, "microbatches": t.microbatches,
-      "dtype": config.dtype, "compile_seconds": round(plan.compile_seconds, 1),
-      "per_device_bytes": {
-          "parameters": per_device(state.params),
-          "optimizer_state": per_device(state.opt_state),
-          "arguments": int(mem.argument_size_in_bytes),
-          "outputs": int(mem.output_size_in_bytes),
-          "aliased": int(mem.alias_size_in_bytes),
-          "temporaries": int(mem.temp_size_in_bytes),
-      },
+    "model": type(config).__name__,
+    "parameters": models.count_params(config),
+    "vocab": plan.vocab_note,
+    "devices": jax.device_count(),
+    "mesh": dict(mesh.shape),
+    "batch_size": t.batch_size,
+    "seq_len": t.seq_len,
+    "microbatches": t.microbatches,
+    "dtype": config.dtype,
+    "compile_seconds": round(plan.compile_seconds, 1),
+    "per_device_bytes": {
+      "parameters": per_device(state.params),
+      "optimizer_state": per_device(state.opt_state),
+      "arguments": int(mem.argument_size_in_bytes),
+      "outputs": int(mem.output_size_in_bytes),
+      "aliased": int(mem.alias_size_in_bytes),
+      "temporaries": int(mem.temp_size_in_bytes),
+    },
   }
   b = report["per_device_bytes"]
   b["peak_estimate"] = b["arguments"] + b["outputs"] - b["aliased"] + b["temporaries"]
-  report["attention"] = attention_kernels(config, dict(mesh.shape), t.batch_size, t.seq_len,
-                                          packed=task.packed, kernels=exp.kernels)
+  report["attention"] = attention_kernels(
+    config, dict(mesh.shape), t.batch_size, t.seq_len, packed=task.packed, kernels=exp.kernels
+  )
   report["mixers"] = mixer_kernels(config, t.seq_len)
   return report
 
@@ -100,23 +113,40 @@ def mixer_kernels(config, seq_len: int) -> list[dict[str, Any]]:
   if config.mixer == "mamba1":
     op = "ops.selective_scan"
     methods = ", ".join(
-        f"{p} {ssm_ops.choose_scan_method(p) if config.ssm_scan == 'auto' else config.ssm_scan}"
-        for p in ("tpu", "gpu", "cpu"))
-    detail = (f"chunks of {q} over [B, {q}, E={config.d_inner}, S={config.d_state}] ({methods}), "
-              f"state carried across {-(-seq_len // q)} chunks")
+      f"{p} {ssm_ops.choose_scan_method(p) if config.ssm_scan == 'auto' else config.ssm_scan}"
+      for p in ("tpu", "gpu", "cpu")
+    )
+    detail = (
+      f"chunks of {q} over [B, {q}, E={config.d_inner}, S={config.d_state}] ({methods}), "
+      f"state carried across {-(-seq_len // q)} chunks"
+    )
   else:
-    impls = {p: (ssm_pallas.choose_ssd_implementation(p) if config.ssm_impl == "auto"
-                 else config.ssm_impl) for p in ("tpu", "gpu", "cpu")}
-    op = ", ".join(f"{p} " + ("ops.ssd" if impl == "xla" else "ops.ssm_pallas.ssd (Pallas)")
-                   for p, impl in impls.items())
-    detail = (f"SSD four-term form in chunks of {q}, {config.ssm_heads} heads x "
-              f"{config.ssm_head_dim}, {config.ssm_groups} groups, S={config.d_state}")
-  return [{"layers": layers, "mixer": config.mixer, "op": op, "detail": detail,
-           "conv": f"ops.causal_conv1d, width {config.d_conv}"}]
+    impls = {
+      p: (ssm_pallas.choose_ssd_implementation(p) if config.ssm_impl == "auto" else config.ssm_impl)
+      for p in ("tpu", "gpu", "cpu")
+    }
+    op = ", ".join(
+      f"{p} " + ("ops.ssd" if impl == "xla" else "ops.ssm_pallas.ssd (Pallas)")
+      for p, impl in impls.items()
+    )
+    detail = (
+      f"SSD four-term form in chunks of {q}, {config.ssm_heads} heads x "
+      f"{config.ssm_head_dim}, {config.ssm_groups} groups, S={config.d_state}"
+    )
+  return [
+    {
+      "layers": layers,
+      "mixer": config.mixer,
+      "op": op,
+      "detail": detail,
+      "conv": f"ops.causal_conv1d, width {config.d_conv}",
+    }
+  ]
 
 
-def attention_kernels(config, mesh: dict[str, int], batch_size: int, seq_len: int, *,
-                      packed: bool, kernels=None) -> list[dict[str, Any]]:
+def attention_kernels(
+  config, mesh: dict[str, int], batch_size: int, seq_len: int, *, packed: bool, kernels=None
+) -> list[dict[str, Any]]:
   """The kernel each attention of a training step runs on each backend (linear attention's chunked
   form, the config's ``attention_impl``, else what the backend with the kernel table ``kernels``
   chooses, ``Backend.choose_attention``), for one device's share: ``[{"attention", "shape"
@@ -137,14 +167,20 @@ def attention_kernels(config, mesh: dict[str, int], batch_size: int, seq_len: in
   bias = getattr(config, "position", None) in ("alibi", "relative")
   calls = []
   match type(config).__name__:
-    case "MambaConfig":   # a hybrid's attention layers (causal, packed documents)
+    case "MambaConfig":  # a hybrid's attention layers (causal, packed documents)
       if "attention" in config.layer_kinds:
-        calls.append(("self-attention", seq_len, seq_len, dict(
-            causal=True, segment_ids=packed, bias=False)))
+        calls.append(
+          ("self-attention", seq_len, seq_len, dict(causal=True, segment_ids=packed, bias=False))
+        )
     case "GPTConfig":
-      calls.append(("self-attention", seq_len, seq_len, dict(
-          causal=True, window=config.sliding_window, segment_ids=packed,
-          bias=bias)))
+      calls.append(
+        (
+          "self-attention",
+          seq_len,
+          seq_len,
+          dict(causal=True, window=config.sliding_window, segment_ids=packed, bias=bias),
+        )
+      )
     case "BERTConfig":
       calls.append(("self-attention", seq_len, seq_len, dict(kv_valid=True)))
     case _:
@@ -155,11 +191,18 @@ def attention_kernels(config, mesh: dict[str, int], batch_size: int, seq_len: in
   out = []
   for name, t, s, parts in calls:
     q, k = shapes(t, s)
-    chosen = {p: _kernel(config, q, k, backends.for_platform(p, kernels), mesh.get("sequence", 1),
-                         dict(parts, dropout=dropout))
-              for p in ("tpu", "gpu", "cpu")}
-    out.append({"attention": name, "shape": list(q.shape), "dtype": str(dtype),
-                "kernels": chosen})
+    chosen = {
+      p: _kernel(
+        config,
+        q,
+        k,
+        backends.for_platform(p, kernels),
+        mesh.get("sequence", 1),
+        dict(parts, dropout=dropout),
+      )
+      for p in ("tpu", "gpu", "cpu")
+    }
+    out.append({"attention": name, "shape": list(q.shape), "dtype": str(dtype), "kernels": chosen})
   return out
 
 
@@ -170,8 +213,9 @@ def _kernel(config, q, k, backend: backends.Backend, sequence_shards: int, parts
   linear = config.linear_kind() if hasattr(config, "linear_kind") else None
   if linear is not None:
     decay = getattr(config, "linear_decay", None)
-    return (f"linear (chunks of {linear.chunk_size}"
-            + ("" if decay is None else f", decay {decay}") + ")")
+    return (
+      f"linear (chunks of {linear.chunk_size}" + ("" if decay is None else f", decay {decay}") + ")"
+    )
   choice = backend.choose_attention(q, k, k, sequence_shards=sequence_shards, **parts)
   return choice if choice == "ring" else (config.attention_impl or choice)
 
@@ -181,26 +225,29 @@ def format_report(report: dict[str, Any]) -> str:
   mesh = " x ".join(f"{k}={v}" for k, v in report["mesh"].items())
   b = report["per_device_bytes"]
   lines = [
-      f"dry run: {report['model']} with {report['parameters']:,} parameters, {report['vocab']}",
-      f"  mesh {mesh} on {report['devices']} simulated devices",
-      f"  global batch {report['batch_size']} x {report['seq_len']} tokens, "
-      f"{report['microbatches']} microbatch(es), compute dtype {report['dtype']}",
-      f"  train step compiled in {report['compile_seconds']} s",
-      "  per device:",
-      f"    parameters (fp32)       {gib(b['parameters'])}",
-      f"    optimizer state         {gib(b['optimizer_state'])}",
-      f"    activations + scratch   {gib(b['temporaries'])}   (XLA temporaries of the step)",
-      f"    step inputs / outputs   {gib(b['arguments'])} / {gib(b['outputs']).strip()} "
-      f"({gib(b['aliased']).strip()} donated)",
-      f"    peak estimate           {gib(b['peak_estimate'])}",
+    f"dry run: {report['model']} with {report['parameters']:,} parameters, {report['vocab']}",
+    f"  mesh {mesh} on {report['devices']} simulated devices",
+    f"  global batch {report['batch_size']} x {report['seq_len']} tokens, "
+    f"{report['microbatches']} microbatch(es), compute dtype {report['dtype']}",
+    f"  train step compiled in {report['compile_seconds']} s",
+    "  per device:",
+    f"    parameters (fp32)       {gib(b['parameters'])}",
+    f"    optimizer state         {gib(b['optimizer_state'])}",
+    f"    activations + scratch   {gib(b['temporaries'])}   (XLA temporaries of the step)",
+    f"    step inputs / outputs   {gib(b['arguments'])} / {gib(b['outputs']).strip()} "
+    f"({gib(b['aliased']).strip()} donated)",
+    f"    peak estimate           {gib(b['peak_estimate'])}",
   ]
   for m in report.get("mixers") or ():
-    lines.append(f"  layers {', '.join(map(str, m['layers']))}: {m['mixer']} mixer, {m['op']}: "
-                 f"{m['detail']}; {m['conv']}")
+    lines.append(
+      f"  layers {', '.join(map(str, m['layers']))}: {m['mixer']} mixer, {m['op']}: "
+      f"{m['detail']}; {m['conv']}"
+    )
   if report.get("attention"):
     lines.append("  attention kernel per backend (Backend.choose_attention), one device's share:")
     for a in report["attention"]:
       kernels = ", ".join(f"{p} {k}" for p, k in a["kernels"].items())
-      lines.append(f"    {a['attention']:<24s}[{', '.join(map(str, a['shape']))}] {a['dtype']}: "
-                   f"{kernels}")
+      lines.append(
+        f"    {a['attention']:<24s}[{', '.join(map(str, a['shape']))}] {a['dtype']}: {kernels}"
+      )
   return "\n".join(lines)

@@ -39,8 +39,10 @@ def evaluate(plan: Plan, params, eval_step) -> tuple[dict[str, float], dict[str,
     sums = s if sums is None else jax.tree.map(np.add, sums, s)
     counts = c if counts is None else jax.tree.map(np.add, counts, c)
   if sums is None:
-    raise ValueError(f"the validation split of {plan.dataset.path} gives no batch of "
-                     f"{plan.exp.train.batch_size}; lower train.batch_size")
+    raise ValueError(
+      f"the validation split of {plan.dataset.path} gives no batch of "
+      f"{plan.exp.train.batch_size}; lower train.batch_size"
+    )
   out = {k: float(v) for k, v in tasks_lib.summarize(task, sums, counts).items()}
   result = {"val_loss": out.pop("loss")}
   for term in task.loss_terms:
@@ -50,8 +52,9 @@ def evaluate(plan: Plan, params, eval_step) -> tuple[dict[str, float], dict[str,
   return {**result, **extra}, per_class
 
 
-def evaluate_run(run_dir: str, overrides: list[str] = (), *,
-                 best: bool = False) -> dict[str, float]:
+def evaluate_run(
+  run_dir: str, overrides: list[str] = (), *, best: bool = False
+) -> dict[str, float]:
   """``tjax eval RUN_DIR [key=value ...]``: evaluates the latest (or best) intact checkpoint on the
   validation split of the run's dataset (``plan.eval_experiment``: a directory made by ``tjax
   convert`` is given data with ``data.path=DIR``). A LoRA run is evaluated with its adapters
@@ -68,7 +71,11 @@ def evaluate_run(run_dir: str, overrides: list[str] = (), *,
   plan = make_plan(eval_experiment(run_dir, overrides), purpose="eval")
   params, step = plan.method.restore_base(plan.run_dir, best)
   params = jax.device_put(params, parallel.param_shardings(params, plan.mesh))
-  metrics, _ = evaluate(plan, params, step_lib.jit_eval_step(
-      step_lib.make_eval_step(plan.graphdef, plan.task), plan.mesh, params,
-      backend=plan.backend))
+  metrics, _ = evaluate(
+    plan,
+    params,
+    step_lib.jit_eval_step(
+      step_lib.make_eval_step(plan.graphdef, plan.task), plan.mesh, params, backend=plan.backend
+    ),
+  )
   return {"step": step, **metrics}

@@ -90,14 +90,22 @@ def target(platform: str):
       from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
       from transformer_jax.backends import cudnn as cudnn_lib
+
       want = tuple(int(p) for p in CUDA_TARGET["compute_capability"].split("."))
       for obj, name, value in (
-          (cudnn, "check_cudnn_version", lambda: CUDA_TARGET["cudnn"]),
-          (cudnn, "check_compute_capability",
-           lambda capability: tuple(map(int, str(capability).split("."))) <= want),
-          (cudnn, "is_cuda_compute_capability_equal",
-           lambda capability: tuple(map(int, str(capability).split("."))) == want),
-          (cudnn_lib, "ragged_layout", lambda: True)):   # Hopper and later
+        (cudnn, "check_cudnn_version", lambda: CUDA_TARGET["cudnn"]),
+        (
+          cudnn,
+          "check_compute_capability",
+          lambda capability: tuple(map(int, str(capability).split("."))) <= want,
+        ),
+        (
+          cudnn,
+          "is_cuda_compute_capability_equal",
+          lambda capability: tuple(map(int, str(capability).split("."))) == want,
+        ),
+        (cudnn_lib, "ragged_layout", lambda: True),
+      ):  # Hopper and later
         saved.append((obj, name, getattr(obj, name)))
         setattr(obj, name, value)
     yield
@@ -110,7 +118,8 @@ def _cudnn_targets() -> list[str]:
   """The custom-call targets of jax's cuDNN attention: the only ones in these steps without
   jax's compatibility guarantee (module docstring)."""
   from jax._src.cudnn import fused_attention_stablehlo as cudnn
-  return sorted(set(cudnn._custom_name_maps.values()))   # noqa: SLF001 - jax's own table
+
+  return sorted(set(cudnn._custom_name_maps.values()))  # noqa: SLF001 - jax's own table
 
 
 def _mesh(exp: Experiment):
@@ -131,8 +140,10 @@ def _mesh(exp: Experiment):
 
 
 def _named(tree) -> list[tuple[str, Any]]:
-  return [(jax.tree_util.keystr(path), leaf)
-          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  return [
+    (jax.tree_util.keystr(path), leaf)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+  ]
 
 
 def export_train_step(exp: Experiment, platform: str) -> ExportedStep:
@@ -152,31 +163,45 @@ def export_train_step(exp: Experiment, platform: str) -> ExportedStep:
     abstract = isinstance(mesh, AbstractMesh)
     if abstract and platform == "cuda":
       raise ValueError(
-          f"--export-for cuda needs the mesh's {mesh.size} devices (jax partitions cuDNN "
-          f"attention against devices while lowering) and this process has "
-          f"{jax.device_count()}: `tjax train CONFIG --export-for cuda` simulates them")
+        f"--export-for cuda needs the mesh's {mesh.size} devices (jax partitions cuDNN "
+        f"attention against devices while lowering) and this process has "
+        f"{jax.device_count()}: `tjax train CONFIG --export-for cuda` simulates them"
+      )
     plan = make_plan(exp, purpose="export", mesh=mesh)
     t = plan.exp.train
     state = plan.method.abstract_state(plan.optimizer, mesh)
     shardings = step_lib.state_shardings(state, mesh)
     batch_sharding = parallel.batch_sharding(mesh)
-    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding)
-             for k, v in plan.task.batch_shapes(t.batch_size, t.seq_len).items()}
+    batch = {
+      k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sharding)
+      for k, v in plan.task.batch_shapes(t.batch_size, t.seq_len).items()
+    }
     step = plan.train_step()
-    jitted = jax.jit(step, in_shardings=(shardings, batch_sharding),
-                     out_shardings=(shardings, parallel.replicated(mesh)), donate_argnums=(0,))
-    checks = [jax.export.DisabledSafetyCheck.custom_call(name)
-              for name in (_cudnn_targets() if platform == "cuda" else ())]
-    exported = jax.export.export(jitted, platforms=(platform,), disabled_checks=checks)(state,
-                                                                                         batch)
+    jitted = jax.jit(
+      step,
+      in_shardings=(shardings, batch_sharding),
+      out_shardings=(shardings, parallel.replicated(mesh)),
+      donate_argnums=(0,),
+    )
+    checks = [
+      jax.export.DisabledSafetyCheck.custom_call(name)
+      for name in (_cudnn_targets() if platform == "cuda" else ())
+    ]
+    exported = jax.export.export(jitted, platforms=(platform,), disabled_checks=checks)(
+      state, batch
+    )
   inputs = _named((shardings, {k: batch_sharding for k in batch}))
   state_out = _named(shardings)
   metrics = len(exported.out_avals) - len(state_out)
   outputs = state_out + [(f"metrics[{i}]", parallel.replicated(mesh)) for i in range(metrics)]
-  return ExportedStep(exported=exported, platform=platform, mesh=dict(mesh.shape),
-                      abstract_mesh=abstract,
-                      planned=tuple((n, s.spec) for n, s in inputs),
-                      planned_outputs=tuple((n, s.spec) for n, s in outputs))
+  return ExportedStep(
+    exported=exported,
+    platform=platform,
+    mesh=dict(mesh.shape),
+    abstract_mesh=abstract,
+    planned=tuple((n, s.spec) for n, s in inputs),
+    planned_outputs=tuple((n, s.spec) for n, s in outputs),
+  )
 
 
 def sdy_spec(spec: PartitionSpec, rank: int) -> str:
@@ -195,7 +220,7 @@ _SDY = re.compile(r"sdy\.sharding = #sdy\.sharding<@\w+, (\[.*?\])>")
 
 
 def _rank(tensor_type: str) -> int:
-  return tensor_type.count("x")   # "48x1600xf32": two dimensions; "i32": none
+  return tensor_type.count("x")  # "48x1600xf32": two dimensions; "i32": none
 
 
 def signature(text: str) -> tuple[list[tuple[str, int, str]], list[tuple[str, int, str]]]:
@@ -229,12 +254,12 @@ def inspect(step: ExportedStep) -> dict[str, Any]:
   text = step.text
   calls = Counter(re.findall(r"custom_call @([\w$.]+)", text))
   kernels = Counter(re.findall(r'kernel_name = "(\w+)"', text))
-  host = sorted({t for t in calls if HOST_TARGETS.search(t)}
-                | {op for op in HOST_OPS if op in text})
+  host = sorted(
+    {t for t in calls if HOST_TARGETS.search(t)} | {op for op in HOST_OPS if op in text}
+  )
   args, results = signature(text)
   mismatches = []
-  for kind, got, want in (("input", args, step.planned), ("output", results,
-                                                             step.planned_outputs)):
+  for kind, got, want in (("input", args, step.planned), ("output", results, step.planned_outputs)):
     if len(got) != len(want):
       mismatches.append(f"{len(got)} {kind}s in the module, {len(want)} planned")
       continue
@@ -242,10 +267,18 @@ def inspect(step: ExportedStep) -> dict[str, Any]:
       planned = sdy_spec(spec, rank)
       if sharding != planned:
         mismatches.append(f"{kind} {name}: {sharding or 'no sharding'}, planned {planned}")
-  return {"platform": step.platform, "mesh": step.mesh, "abstract_mesh": step.abstract_mesh,
-          "devices": step.exported.nr_devices, "custom_calls": dict(calls),
-          "kernels": dict(kernels), "host_transfers": host,
-          "inputs": len(args), "outputs": len(results), "sharding_mismatches": mismatches}
+  return {
+    "platform": step.platform,
+    "mesh": step.mesh,
+    "abstract_mesh": step.abstract_mesh,
+    "devices": step.exported.nr_devices,
+    "custom_calls": dict(calls),
+    "kernels": dict(kernels),
+    "host_transfers": host,
+    "inputs": len(args),
+    "outputs": len(results),
+    "sharding_mismatches": mismatches,
+  }
 
 
 def write(step: ExportedStep, out_dir: str, stem: str) -> dict[str, Any]:
@@ -260,7 +293,7 @@ def write(step: ExportedStep, out_dir: str, stem: str) -> dict[str, Any]:
   report["files"] = [base + ".mlir", base + ".json"]
   try:
     blob = step.exported.serialize()
-  except ImportError as e:   # jax serializes with flatbuffers, an optional dependency
+  except ImportError as e:  # jax serializes with flatbuffers, an optional dependency
     report["serialized"] = f"not written: {e}"
   else:
     with open(base + ".jax_exported", "wb") as f:
@@ -280,16 +313,21 @@ def format_report(report: dict[str, Any]) -> str:
   mesh = " x ".join(f"{k}={v}" for k, v in report["mesh"].items())
   kind = "abstract mesh" if report["abstract_mesh"] else "simulated devices"
   calls = ", ".join(f"{k} x{v}" for k, v in sorted(report["custom_calls"].items())) or "none"
-  lines = [f"train step exported for {report['platform']}: mesh {mesh} ({report['devices']} "
-           f"devices, {kind}), {report['inputs']} inputs, {report['outputs']} outputs",
-           f"  custom calls: {calls}"]
+  lines = [
+    f"train step exported for {report['platform']}: mesh {mesh} ({report['devices']} "
+    f"devices, {kind}), {report['inputs']} inputs, {report['outputs']} outputs",
+    f"  custom calls: {calls}",
+  ]
   if report["kernels"]:
-    lines.append("  kernels: " + ", ".join(f"{k} x{v}" for k, v in sorted(
-        report["kernels"].items())))
+    lines.append(
+      "  kernels: " + ", ".join(f"{k} x{v}" for k, v in sorted(report["kernels"].items()))
+    )
   lines.append("  host transfers: " + (", ".join(report["host_transfers"]) or "none"))
   bad = report["sharding_mismatches"]
-  lines.append("  shardings: " + ("as planned" if not bad else f"{len(bad)} differ from the plan: "
-                                   + "; ".join(bad[:3])))
+  lines.append(
+    "  shardings: "
+    + ("as planned" if not bad else f"{len(bad)} differ from the plan: " + "; ".join(bad[:3]))
+  )
   lines += [f"  wrote {p}" for p in report.get("files", [])]
   if "serialized" in report:
     lines.append(f"  serialized module {report['serialized']}")

@@ -68,8 +68,10 @@ def load_pretrained(params, init_from: str) -> tuple[Any, dict[str, list[str]]]:
       out[path] = np.asarray(jax.device_get(src[path])).astype(value.dtype)
       loaded.append(path)
     elif path in src and not any(h in path.split("/") for h in HEADS):
-      raise ValueError(f"model.init_from={init_from}: tensor {path} has shape "
-                       f"{tuple(src[path].shape)} there but {tuple(value.shape)} here")
+      raise ValueError(
+        f"model.init_from={init_from}: tensor {path} has shape "
+        f"{tuple(src[path].shape)} there but {tuple(value.shape)} here"
+      )
     else:
       new.append(path)
   dropped = sorted(set(src) - set(loaded))
@@ -82,13 +84,18 @@ def load_pretrained(params, init_from: str) -> tuple[Any, dict[str, list[str]]]:
 
 def describe(report: dict[str, list[str]], init_from: str) -> str:
   """One line per kind: counts and (up to a few) names."""
+
   def names(paths):
     heads = sorted({p.split("/")[0] for p in paths})
     return ", ".join(heads[:8]) + (" ..." if len(heads) > 8 else "")
-  return "\n".join([
+
+  return "\n".join(
+    [
       f"init_from {init_from}: loaded {len(report['loaded'])} tensors ({names(report['loaded'])})",
       f"  new {len(report['new'])} ({names(report['new']) or '-'})",
-      f"  dropped {len(report['dropped'])} ({names(report['dropped']) or '-'})"])
+      f"  dropped {len(report['dropped'])} ({names(report['dropped']) or '-'})",
+    ]
+  )
 
 
 def record_loaded(run_dir: str, init_from: str, report: dict[str, list[str]]) -> None:
@@ -97,5 +104,7 @@ def record_loaded(run_dir: str, init_from: str, report: dict[str, list[str]]) ->
   if jax.process_index() != 0:
     return
   print(describe(report, init_from), flush=True)
-  runs.write_atomic(os.path.join(run_dir, "init_from.json"),
-                    json.dumps({"init_from": init_from, **report}, indent=1))
+  runs.write_atomic(
+    os.path.join(run_dir, "init_from.json"),
+    json.dumps({"init_from": init_from, **report}, indent=1),
+  )

@@ -31,10 +31,10 @@ class Outcome:
   """How the loop ended."""
 
   state: step_lib.TrainState
-  step: int                               # steps taken
-  last_eval: dict[str, float]             # {"step", "val_*"}: of ``step`` unless interrupted
-  per_class: dict[str, Any] | None        # classify: the last evaluation's per-label report
-  stopped_by: str | None                  # SIGINT/SIGTERM, when it stopped before train.steps
+  step: int  # steps taken
+  last_eval: dict[str, float]  # {"step", "val_*"}: of ``step`` unless interrupted
+  per_class: dict[str, Any] | None  # classify: the last evaluation's per-label report
+  stopped_by: str | None  # SIGINT/SIGTERM, when it stopped before train.steps
 
 
 class StopFlag:
@@ -81,10 +81,15 @@ def loop(plan: Plan, ckpt: runs.Checkpoints, start: Start, *, progress: bool) ->
   state, start = start.state, start.step
   train_step = plan.step
   # XLA:CPU's temporaries past what the allocator reuses: said once the first step has run.
-  notice = (plan.backend.scratch_notice(runtime.temp_bytes(plan.compiled))
-            if start < t.steps else None)
-  eval_step = step_lib.jit_eval_step(step_lib.make_eval_step(plan.graphdef, plan.task),
-                                     plan.mesh, all_params(state), backend=plan.backend)
+  notice = (
+    plan.backend.scratch_notice(runtime.temp_bytes(plan.compiled)) if start < t.steps else None
+  )
+  eval_step = step_lib.jit_eval_step(
+    step_lib.make_eval_step(plan.graphdef, plan.task),
+    plan.mesh,
+    all_params(state),
+    backend=plan.backend,
+  )
   guard = Guard(plan, ckpt, eval_step)
   log = TrainLog(plan, plan.run_dir.path, start, progress)
   stop = StopFlag()
@@ -141,8 +146,9 @@ def write_steps(log: TrainLog, pending: list[StepMetrics], guard: Guard, state) 
     raise guard.error(f"loss became {loss} at step {step}; stopping", step - 1, state)
 
 
-def save(ckpt: runs.Checkpoints, guard: Guard, state, step: int, loader,
-         last_eval: dict[str, float]) -> None:
+def save(
+  ckpt: runs.Checkpoints, guard: Guard, state, step: int, loader, last_eval: dict[str, float]
+) -> None:
   """Saves the checkpoint of ``step`` (and ``best/`` when ``last_eval`` is of ``step``); raises
   ``TrainingDiverged`` instead when its parameters are not finite."""
   guard.check_params(state, step)

@@ -61,8 +61,9 @@ class Full:
       return state
     params, report = finetune.load_pretrained(jax.device_get(state.params), self.init_from)
     finetune.record_loaded(run_dir, self.init_from, report)
-    return step_lib.place_state(step_lib.TrainState(
-        step=state.step, params=params, opt_state=optimizer.init(params)), mesh)
+    return step_lib.place_state(
+      step_lib.TrainState(step=state.step, params=params, opt_state=optimizer.init(params)), mesh
+    )
 
   def restored(self, state: step_lib.TrainState, run_dir: str) -> step_lib.TrainState:
     """A state restored from a checkpoint, completed with what a checkpoint does not hold
@@ -100,19 +101,26 @@ class LoRA:
   def abstract_state(self, optimizer, mesh) -> step_lib.TrainState:
     """The train state as sharded shapes, ``frozen`` included."""
     _, trainable, frozen = lora_lib.split(lora_lib.abstract(self.model_config, self.config))
-    state = step_lib.TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=trainable,
-                                opt_state=jax.eval_shape(optimizer.init, trainable),
-                                frozen=frozen)
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
-                        step_lib.state_shardings(state, mesh))
+    state = step_lib.TrainState(
+      step=jax.ShapeDtypeStruct((), jnp.int32),
+      params=trainable,
+      opt_state=jax.eval_shape(optimizer.init, trainable),
+      frozen=frozen,
+    )
+    return jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+      state,
+      step_lib.state_shardings(state, mesh),
+    )
 
   def start(self) -> tuple[Any, Any, dict | None]:
     """``(trainable, frozen, report)`` at step 0: the base from ``seed`` (``init_from``'s tensors
     loaded into it), adapters with B = 0, split by ``lora.TRAINABLE``. A pure function of the
     method, so a resumed run rebuilds the same frozen base. ``report``: see
     ``finetune.load_pretrained`` (None without ``init_from``)."""
-    full = jax.jit(lambda k: nnx.state(lora_lib.create(self.model_config, self.config, k),
-                                       nnx.Param))(jax.random.key(self.seed))
+    full = jax.jit(
+      lambda k: nnx.state(lora_lib.create(self.model_config, self.config, k), nnx.Param)
+    )(jax.random.key(self.seed))
     report = None
     if self.init_from:
       full, report = finetune.load_pretrained(jax.device_get(full), self.init_from)
@@ -126,16 +134,21 @@ class LoRA:
     if report is not None:
       finetune.record_loaded(run_dir, self.init_from, report)
     n = lora_lib.count(trainable, frozen)
-    log0(f"LoRA rank {self.config.rank} on {', '.join(self.config.targets)}: "
-         f"{n['trainable']:,} of {n['total']:,} parameters train ({100 * n['fraction']:.2f}%)")
+    log0(
+      f"LoRA rank {self.config.rank} on {', '.join(self.config.targets)}: "
+      f"{n['trainable']:,} of {n['total']:,} parameters train ({100 * n['fraction']:.2f}%)"
+    )
     return trainable, frozen
 
   def fresh_state(self, optimizer, mesh, run_dir: str) -> step_lib.TrainState:
     """The placed state of step 0: fresh adapters over the base."""
     trainable, frozen = self._begin(run_dir)
-    return step_lib.place_state(step_lib.TrainState(
-        step=np.int32(0), params=trainable, opt_state=optimizer.init(trainable),
-        frozen=frozen), mesh)
+    return step_lib.place_state(
+      step_lib.TrainState(
+        step=np.int32(0), params=trainable, opt_state=optimizer.init(trainable), frozen=frozen
+      ),
+      mesh,
+    )
 
   def restored(self, state: step_lib.TrainState, run_dir: str) -> step_lib.TrainState:
     """A state restored from a checkpoint (adapters and their optimizer state), completed with
@@ -155,8 +168,9 @@ class LoRA:
     """``(params, step)``: the base architecture's parameters of ``rd``'s latest (or best)
     checkpoint, adapters merged into the rebuilt base."""
     _, trainable_abs, _ = lora_lib.split(lora_lib.abstract(self.model_config, self.config))
-    trainable, step = runs.restore_params(rd.checkpoint_dir, self.model_config, best=best,
-                                          target=trainable_abs)
+    trainable, step = runs.restore_params(
+      rd.checkpoint_dir, self.model_config, best=best, target=trainable_abs
+    )
     graphdef = nnx.split(lora_lib.abstract(self.model_config, self.config))[0]
     return lora_lib.merged_params(graphdef, trainable, self.start()[1]), step
 

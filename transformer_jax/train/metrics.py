@@ -37,10 +37,11 @@ class MetricsLog:
     self.path = os.path.join(run_dir, "metrics.jsonl")
     if not self.enabled:
       return
-    if os.path.exists(self.path):   # rewritten whole or not at all; damaged lines dropped
+    if os.path.exists(self.path):  # rewritten whole or not at all; damaged lines dropped
       keep = [r for r in runs.RunDir(run_dir).read_metrics() if r["step"] <= resume_step]
       runs.write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in keep))
     from tensorboardX import SummaryWriter
+
     self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
     self.file = open(self.path, "a")
 
@@ -67,6 +68,7 @@ def plot_loss(run_dir: str) -> str | None:
   """Writes ``loss.png`` (training loss, its moving average, validation loss); returns its path,
   or None when ``metrics.jsonl`` has no training line."""
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
@@ -83,7 +85,7 @@ def plot_loss(run_dir: str) -> str | None:
   ax.plot(s, l, alpha=0.3, label="train loss")
   k = max(1, len(l) // 50)
   if len(l) > k:
-    ax.plot(s[k - 1:], np.convolve(l, np.ones(k) / k, mode="valid"), label=f"train (mean of {k})")
+    ax.plot(s[k - 1 :], np.convolve(l, np.ones(k) / k, mode="valid"), label=f"train (mean of {k})")
   if val:
     vs, vl = np.array(val).T
     ax.plot(vs, vl, "o-", label="validation loss")
@@ -103,10 +105,10 @@ def plot_loss(run_dir: str) -> str | None:
 class StepMetrics:
   """A dispatched step whose metrics are still on the device."""
 
-  step: int             # steps taken after it (1-based)
-  metrics: dict         # the train step's metrics (device arrays)
-  tokens: int           # tokens of its global batch
-  batch_hash: int       # batch_hash of the host batch
+  step: int  # steps taken after it (1-based)
+  metrics: dict  # the train step's metrics (device arrays)
+  tokens: int  # tokens of its global batch
+  batch_hash: int  # batch_hash of the host batch
 
   @classmethod
   def of(cls, step: int, metrics: dict, host_batch: dict[str, np.ndarray]) -> "StepMetrics":
@@ -141,8 +143,10 @@ class MFU:
       return None
     dtype = str(run.model_config.dtype)
     peak, source = hardware.matmul_peak(dtype)
-    log0(f"MFU is counted against {peak / 1e12:.3g} TFLOP/s per device ({source}, {dtype}) on "
-         f"{jax.device_count()} device(s)")
+    log0(
+      f"MFU is counted against {peak / 1e12:.3g} TFLOP/s per device ({source}, {dtype}) on "
+      f"{jax.device_count()} device(s)"
+    )
     flops = models.train_flops_per_token(run.model_config, run.exp.train.seq_len)
     return cls(flops, peak, source, jax.device_count(), dtype)
 
@@ -151,8 +155,10 @@ class MFU:
     per_device = tokens_per_sec * self.flops_per_token / self.devices
     if per_device > self.peak and self.source != "datasheet":
       hardware.store_limit(self.dtype, per_device)
-      log0(f"notice: the step ran at {per_device / 1e12:.3g} TFLOP/s per device, above the "
-           f"measured matmul limit ({self.peak / 1e12:.3g}); the limit is raised to it")
+      log0(
+        f"notice: the step ran at {per_device / 1e12:.3g} TFLOP/s per device, above the "
+        f"measured matmul limit ({self.peak / 1e12:.3g}); the limit is raised to it"
+      )
       self.peak, self.source = per_device, "raised"
     return per_device / self.peak
 
@@ -187,20 +193,30 @@ class TrainLog:
       loss = float(m["loss"])
       if not math.isfinite(loss):
         return p.step, loss
-      record = {"step": p.step, "loss": loss, "tokens_per_sec": tokens / max(elapsed, 1e-9),
-                "lr": float(self.schedule(p.step - 1)), "grad_norm": float(m["grad_norm"]),
-                "batch_hash": p.batch_hash}
+      record = {
+        "step": p.step,
+        "loss": loss,
+        "tokens_per_sec": tokens / max(elapsed, 1e-9),
+        "lr": float(self.schedule(p.step - 1)),
+        "grad_norm": float(m["grad_norm"]),
+        "batch_hash": p.batch_hash,
+      }
       if self.mfu is not None:
         record["mfu"] = self.mfu(record["tokens_per_sec"])
       record.update({k: float(v) for k, v in m.items() if k.endswith(("_loss", "_accuracy"))})
       self.log.write(record)
     self.bar.update(len(pending))
     mfu = f"  MFU {100 * record['mfu']:.1f}%" if "mfu" in record else ""
-    self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:.0f}",
-                         **({"mfu": mfu.split()[-1]} if mfu else {}))
+    self.bar.set_postfix(
+      loss=f"{record['loss']:.3f}",
+      tok_s=f"{record['tokens_per_sec']:.0f}",
+      **({"mfu": mfu.split()[-1]} if mfu else {}),
+    )
     if self.plain and record["step"] % self.log_every == 0:
-      log0(f"step {record['step']}/{self.steps}  loss {record['loss']:.4f}  lr {record['lr']:.3e}"
-           f"  tokens/s {record['tokens_per_sec']:.0f}{mfu}")
+      log0(
+        f"step {record['step']}/{self.steps}  loss {record['loss']:.4f}  lr {record['lr']:.3e}"
+        f"  tokens/s {record['tokens_per_sec']:.0f}{mfu}"
+      )
     self.log.flush()
     self.since = time.perf_counter()
     return None
@@ -209,8 +225,10 @@ class TrainLog:
     """Writes an eval line (``step`` and ``val_*``) and prints it."""
     self.log.write(record, prefix="eval")
     self.log.flush()
-    self.bar.write(f"step {record['step']}: " + ", ".join(
-        f"{k}={v:.4f}" for k, v in record.items() if k != "step"))
+    self.bar.write(
+      f"step {record['step']}: "
+      + ", ".join(f"{k}={v:.4f}" for k, v in record.items() if k != "step")
+    )
 
   def close_bar(self) -> None:
     self.bar.close()

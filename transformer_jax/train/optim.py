@@ -16,27 +16,36 @@ def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
   end = cfg.lr * cfg.min_lr_ratio
   match cfg.schedule:
     case "cosine":
-      return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1),
-                                                end_value=end)
+      return optax.warmup_cosine_decay_schedule(
+        0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1), end_value=end
+      )
     case "linear":
       return optax.join_schedules(
-          [optax.linear_schedule(0.0, cfg.lr, warmup),
-           optax.linear_schedule(cfg.lr, end, max(cfg.steps - warmup, 1))], [warmup])
+        [
+          optax.linear_schedule(0.0, cfg.lr, warmup),
+          optax.linear_schedule(cfg.lr, end, max(cfg.steps - warmup, 1)),
+        ],
+        [warmup],
+      )
     case "rsqrt":
+
       def rsqrt(step):
         step = jnp.maximum(step, 1).astype(jnp.float32)
         w = max(warmup, 1)
         return cfg.lr * jnp.minimum(step / w, jnp.sqrt(w / step))
+
       return rsqrt
     case "constant":
       return optax.join_schedules(
-          [optax.linear_schedule(0.0, cfg.lr, warmup), optax.constant_schedule(cfg.lr)], [warmup])
+        [optax.linear_schedule(0.0, cfg.lr, warmup), optax.constant_schedule(cfg.lr)], [warmup]
+      )
     case _:
       raise ValueError(f"train.schedule={cfg.schedule!r} is not a known schedule")
 
 
 def decay_mask(params):
   """True for weight matrices and embeddings (decayed), False for biases and norm scales."""
+
   def leaf_name(path) -> str:
     for entry in reversed(path):
       key = getattr(entry, "key", getattr(entry, "name", None))
@@ -45,7 +54,8 @@ def decay_mask(params):
     return ""
 
   return jax.tree_util.tree_map_with_path(
-      lambda path, _: leaf_name(path) in ("kernel", "embedding"), params)
+    lambda path, _: leaf_name(path) in ("kernel", "embedding"), params
+  )
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
@@ -57,6 +67,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
   unrolled): the step 0.96-0.97x the time, paired in one process (experiments/PERFORMANCE.md);
   float32 level. Unclipped updates are the same bits; clipped ones differ from optax's by rounding.
   """
+
   def update_fn(updates, state, params=None):
     del params
     factor = jnp.minimum(1.0, max_norm / optax.tree.norm(updates))
@@ -69,6 +80,14 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
   chain = []
   if cfg.clip_norm is not None:
     chain.append(clip_by_global_norm(cfg.clip_norm))
-  chain.append(optax.adamw(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                           weight_decay=cfg.weight_decay, mask=decay_mask))
+  chain.append(
+    optax.adamw(
+      learning_rate_schedule(cfg),
+      b1=cfg.b1,
+      b2=cfg.b2,
+      eps=cfg.eps,
+      weight_decay=cfg.weight_decay,
+      mask=decay_mask,
+    )
+  )
   return optax.chain(*chain)

@@ -50,8 +50,16 @@ PURPOSES = ("train", "dry_run", "export", "eval")
 
 # What ``tjax eval`` may set: where the data is, how much of it to read and in what windows, and
 # the mesh.
-EVAL_KEYS = ("data.path", "train.eval_batches", "train.batch_size", "train.seq_len", "mesh.data",
-             "mesh.fsdp", "mesh.tensor", "mesh.sequence")
+EVAL_KEYS = (
+  "data.path",
+  "train.eval_batches",
+  "train.batch_size",
+  "train.seq_len",
+  "mesh.data",
+  "mesh.fsdp",
+  "mesh.tensor",
+  "mesh.sequence",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,11 +70,11 @@ class Resume:
   that failed before its first checkpoint left are replaced, never read.
   """
 
-  steps: tuple[int, ...] = ()                 # committed checkpoint steps, ascending
-  stored: Experiment | None = None            # config.yaml, parsed (None: a converted model)
-  model: models.ModelConfig | None = None     # model.yaml
-  dataset_ref: dict | None = None             # dataset.json
-  final: dict | None = None                   # final.json
+  steps: tuple[int, ...] = ()  # committed checkpoint steps, ascending
+  stored: Experiment | None = None  # config.yaml, parsed (None: a converted model)
+  model: models.ModelConfig | None = None  # model.yaml
+  dataset_ref: dict | None = None  # dataset.json
+  final: dict | None = None  # final.json
 
   @property
   def last(self) -> int | None:
@@ -123,17 +131,23 @@ class Plan:
     """The (unjitted) train step of the plan (``microbatches`` overrides the experiment's)."""
     t = self.exp.train
     return step_lib.make_train_step(
-        self.graphdef, self.task, self.optimizer, seed=t.seed,
-        microbatches=fixed_microbatches(t) if microbatches is None else microbatches,
-        label_smoothing=t.label_smoothing, z_loss=t.z_loss)
+      self.graphdef,
+      self.task,
+      self.optimizer,
+      seed=t.seed,
+      microbatches=fixed_microbatches(t) if microbatches is None else microbatches,
+      label_smoothing=t.label_smoothing,
+      z_loss=t.z_loss,
+    )
 
   def eval_batches(self):
     """The task's validation batches (``train.eval_batches`` of them, or fewer)."""
     return self.task.eval_batches(self.dataset, self.exp)
 
 
-def make_plan(exp: Experiment, *, purpose: Purpose = "train", force_new: bool = False,
-              mesh=None) -> Plan:
+def make_plan(
+  exp: Experiment, *, purpose: Purpose = "train", force_new: bool = False, mesh=None
+) -> Plan:
   """The plan of ``exp`` for ``purpose``, every check of the module's table made.
 
   Args:
@@ -154,7 +168,7 @@ def make_plan(exp: Experiment, *, purpose: Purpose = "train", force_new: bool = 
   exp = exp.absolute()
   rd = runs.RunDir(exp.run_dir)
   if purpose == "train":
-    rd.check_usable()   # before a pretraining run or a dataset preparation that may take hours
+    rd.check_usable()  # before a pretraining run or a dataset preparation that may take hours
     rd.check_owned()
   resume = Resume() if purpose == "eval" else read_resume(rd, force_new)
   plan = Plan(purpose, exp, rd, resume, force_new)
@@ -180,22 +194,41 @@ def make_plan(exp: Experiment, *, purpose: Purpose = "train", force_new: bool = 
     else:
       check_dataset_unchanged(ref, rd.read_dataset_ref(), resuming=False)
   task = tasks_lib.for_experiment(exp, model_config)
-  mesh = mesh if mesh is not None else parallel.make_mesh(
-      {a: getattr(exp.mesh, a) for a in parallel.AXES})
+  mesh = (
+    mesh
+    if mesh is not None
+    else parallel.make_mesh({a: getattr(exp.mesh, a) for a in parallel.AXES})
+  )
   backend = backends.for_platform(_platform(mesh, purpose), exp.kernels)
   if purpose == "train":
     backend.bf16_notice(model_config.dtype)
-  parallel.check_config(model_config, mesh, batch_size=exp.train.batch_size,
-                        seq_len=exp.train.seq_len if task.uses_seq_len else None,
-                        microbatches=fixed_microbatches(exp.train))
+  parallel.check_config(
+    model_config,
+    mesh,
+    batch_size=exp.train.batch_size,
+    seq_len=exp.train.seq_len if task.uses_seq_len else None,
+    microbatches=fixed_microbatches(exp.train),
+  )
   method = method_of(exp, model_config) if purpose != "eval" else stored_method(rd, model_config)
   # eval runs the base architecture (a LoRA run's adapters merged into it)
-  graphdef = (models.graphdef(model_config, mesh, backend) if purpose == "eval"
-              else method.graphdef(mesh, backend))
-  plan = dataclasses.replace(plan, model_config=model_config, vocab_note=note, dataset=dataset,
-                             dataset_ref=ref, task=task, mesh=mesh,
-                             optimizer=make_optimizer(exp.train), method=method,
-                             backend=backend, graphdef=graphdef)
+  graphdef = (
+    models.graphdef(model_config, mesh, backend)
+    if purpose == "eval"
+    else method.graphdef(mesh, backend)
+  )
+  plan = dataclasses.replace(
+    plan,
+    model_config=model_config,
+    vocab_note=note,
+    dataset=dataset,
+    dataset_ref=ref,
+    task=task,
+    mesh=mesh,
+    optimizer=make_optimizer(exp.train),
+    method=method,
+    backend=backend,
+    graphdef=graphdef,
+  )
   if purpose == "train":
     plan = dataclasses.replace(plan, loader=make_train_loader(plan))
   if purpose in ("train", "dry_run"):
@@ -214,11 +247,14 @@ def read_resume(rd: runs.RunDir, force_new: bool = False) -> Resume:
     return Resume()
   model = rd.read_model()
   if model is None:
-    raise ValueError(f"run_dir {rd.path} has checkpoints but no {runs.MODEL}; use --force-new "
-                     "to start over, or another run_dir")
+    raise ValueError(
+      f"run_dir {rd.path} has checkpoints but no {runs.MODEL}; use --force-new "
+      "to start over, or another run_dir"
+    )
   raw = rd.read_config()
-  stored = (None if raw is None
-            else load_experiment(None, raw=raw, source=rd.file(runs.CONFIG)).absolute())
+  stored = (
+    None if raw is None else load_experiment(None, raw=raw, source=rd.file(runs.CONFIG)).absolute()
+  )
   return Resume(steps, stored, model, rd.read_dataset_ref(), rd.read_final())
 
 
@@ -227,13 +263,16 @@ def model_changes(stored: models.ModelConfig, exp: Experiment) -> list[tuple[str
   run's ``model.yaml``, both resolved: a field spelled out at its default is no change. The
   dataset's vocabulary and label count are the stored model's (they came from the dataset)."""
   from_dataset = {"vocab_size": stored.vocab_size}
-  if hasattr(stored, "num_labels"):   # families without a classification head have none
+  if hasattr(stored, "num_labels"):  # families without a classification head have none
     from_dataset["num_labels"] = stored.num_labels
   new = exp.model_config(**from_dataset)
   if type(new) is not type(stored):
     return [("model", type(stored).__name__, type(new).__name__)]
-  return [(f"model.{f.name}", getattr(stored, f.name), getattr(new, f.name))
-          for f in dataclasses.fields(stored) if getattr(stored, f.name) != getattr(new, f.name)]
+  return [
+    (f"model.{f.name}", getattr(stored, f.name), getattr(new, f.name))
+    for f in dataclasses.fields(stored)
+    if getattr(stored, f.name) != getattr(new, f.name)
+  ]
 
 
 def check_resume(plan: Plan) -> None:
@@ -249,32 +288,47 @@ def check_resume(plan: Plan) -> None:
     return
   if resume.stored is None:
     if plan.purpose == "train":
-      log0(f"fine-tuning the model in {rd.path} ({runs.MODEL}; the experiment's model section "
-           "is not used)")
+      log0(
+        f"fine-tuning the model in {rd.path} ({runs.MODEL}; the experiment's model section "
+        "is not used)"
+      )
     return
-  changes = [c for c in fixed_changes(resume.stored.to_dict(), exp.to_dict())
-             if c[0] != "model" and not c[0].startswith("model.")]
+  changes = [
+    c
+    for c in fixed_changes(resume.stored.to_dict(), exp.to_dict())
+    if c[0] != "model" and not c[0].startswith("model.")
+  ]
   changes = model_changes(resume.model, exp) + changes
   if changes:
     listed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changes)
-    advice = ("resume it without these changes, or start over with --force-new or another run_dir"
-              if plan.purpose == "train" else "a run would refuse it: plan it with another "
-              "run_dir")
-    raise ValueError(f"run_dir {rd.path} holds a run with another model or data ({listed}); "
-                     f"{advice}")
+    advice = (
+      "resume it without these changes, or start over with --force-new or another run_dir"
+      if plan.purpose == "train"
+      else "a run would refuse it: plan it with another run_dir"
+    )
+    raise ValueError(
+      f"run_dir {rd.path} holds a run with another model or data ({listed}); {advice}"
+    )
   if plan.purpose == "train" and resume.last > exp.train.steps:
-    raise ValueError(f"train.steps={exp.train.steps} is below the run's last checkpoint (step "
-                     f"{resume.last}); give train.steps >= {resume.last}")
+    raise ValueError(
+      f"train.steps={exp.train.steps} is below the run's last checkpoint (step "
+      f"{resume.last}); give train.steps >= {resume.last}"
+    )
 
 
 def _finished(exp: Experiment, resume: Resume) -> bool:
   """The run in the directory reached ``train.steps`` and wrote its final report."""
-  return (resume.last is not None and resume.last >= exp.train.steps
-          and resume.final is not None and resume.final.get("step") == resume.last)
+  return (
+    resume.last is not None
+    and resume.last >= exp.train.steps
+    and resume.final is not None
+    and resume.final.get("step") == resume.last
+  )
 
 
-def _model_before_data(exp: Experiment, resume: Resume, rd: runs.RunDir,
-                       purpose: str) -> tuple[models.ModelConfig, str]:
+def _model_before_data(
+  exp: Experiment, resume: Resume, rd: runs.RunDir, purpose: str
+) -> tuple[models.ModelConfig, str]:
   """The model and where its vocabulary came from: a resumed (or evaluated) run's own
   ``model.yaml``; else the experiment's, with the vocabulary of the prepared dataset in
   ``data.path`` when there is one (a real run then takes the dataset's once it is loaded), else
@@ -308,17 +362,24 @@ def ensure_dataset(exp: Experiment, *, prepare: bool = True) -> data_lib.Dataset
   meta = os.path.join(path, "metadata.json")
   if not os.path.exists(meta):
     if not prepare:
-      raise ValueError(f"data.path={path!r} holds no prepared dataset; give one with "
-                       "data.path=DIR")
+      raise ValueError(f"data.path={path!r} holds no prepared dataset; give one with data.path=DIR")
     if not d.inputs:
       raise ValueError(f"data.path={path!r} holds no prepared dataset and data.inputs is empty")
     if jax.process_index() == 0:
       print(f"preparing {', '.join(d.inputs)} -> {path}", flush=True)
-      data_lib.prepare(list(d.inputs), path, tokenizer=d.tokenizer, compact_vocab=d.compact_vocab,
-                       task=d.task, val_fraction=d.val_fraction, seed=exp.train.seed,
-                       vocab_from=d.vocab_from)
+      data_lib.prepare(
+        list(d.inputs),
+        path,
+        tokenizer=d.tokenizer,
+        compact_vocab=d.compact_vocab,
+        task=d.task,
+        val_fraction=d.val_fraction,
+        seed=exp.train.seed,
+        vocab_from=d.vocab_from,
+      )
   if jax.process_count() > 1:  # the others wait for process 0's preparation
     from jax.experimental import multihost_utils
+
     multihost_utils.sync_global_devices("tjax dataset")
   dataset = data_lib.load_dataset(path)
   shared_format = {dataset.task, d.task} <= {"gpt", "bert"}  # both read plain text documents
@@ -344,14 +405,17 @@ def check_dataset_unchanged(ref: dict, old: dict | None, *, resuming: bool) -> N
     return
   if resuming:
     if old.get("hash") != ref["hash"]:
-      raise ValueError(f"the dataset {ref['path']} changed since this run started (content hash "
-                       f"{old.get('hash', '?')[:12]} -> {ref['hash'][:12]}); use the same data, "
-                       "or --force-new / another run_dir")
+      raise ValueError(
+        f"the dataset {ref['path']} changed since this run started (content hash "
+        f"{old.get('hash', '?')[:12]} -> {ref['hash'][:12]}); use the same data, "
+        "or --force-new / another run_dir"
+      )
     return
-  if ("hash" in old and os.path.abspath(old["path"]) == ref["path"]
-      and old["hash"] != ref["hash"]):
-    raise ValueError(f"the dataset {old['path']} changed since the run trained on it (content "
-                     f"hash {old['hash'][:12]} -> {ref['hash'][:12]})")
+  if "hash" in old and os.path.abspath(old["path"]) == ref["path"] and old["hash"] != ref["hash"]:
+    raise ValueError(
+      f"the dataset {old['path']} changed since the run trained on it (content "
+      f"hash {old['hash'][:12]} -> {ref['hash'][:12]})"
+    )
 
 
 def check_window(exp: Experiment, model_config: models.ModelConfig, task) -> None:
@@ -363,9 +427,11 @@ def check_window(exp: Experiment, model_config: models.ModelConfig, task) -> Non
   """
   max_len = getattr(model_config, "max_len", None)
   if task.uses_seq_len and max_len is not None and exp.train.seq_len > max_len:
-    raise ValueError(f"train.seq_len={exp.train.seq_len} is longer than the model's max_len="
-                     f"{max_len} positions; give a shorter train.seq_len or a larger "
-                     "model.max_len")
+    raise ValueError(
+      f"train.seq_len={exp.train.seq_len} is longer than the model's max_len="
+      f"{max_len} positions; give a shorter train.seq_len or a larger "
+      "model.max_len"
+    )
 
 
 def check_memory(exp: Experiment, model_config: models.ModelConfig) -> None:
@@ -384,9 +450,11 @@ def check_memory(exp: Experiment, model_config: models.ModelConfig) -> None:
   need = state["params"] + state["grads"] + state["optimizer"]
   free = hardware.host_memory_available()
   if free is not None and need > free:
-    raise ValueError(f"the model's {models.count_params(model_config):,} parameters need "
-                     f"{need / 2**30:.1f} GiB for parameters, gradients and AdamW moments, more "
-                     f"than the {free / 2**30:.1f} GiB of memory this machine has free")
+    raise ValueError(
+      f"the model's {models.count_params(model_config):,} parameters need "
+      f"{need / 2**30:.1f} GiB for parameters, gradients and AdamW moments, more "
+      f"than the {free / 2**30:.1f} GiB of memory this machine has free"
+    )
 
 
 def make_train_loader(plan: Plan):
@@ -400,9 +468,11 @@ def make_train_loader(plan: Plan):
   loader = plan.task.loader(dataset, exp)
   count, unit = loader.examples_per_epoch
   if count < exp.train.batch_size:
-    raise ValueError(f"the train split of {dataset.path} holds {count} {unit}, fewer than "
-                     f"train.batch_size={exp.train.batch_size}: every batch would repeat some; "
-                     f"prepare more data or give train.batch_size <= {count}")
+    raise ValueError(
+      f"the train split of {dataset.path} holds {count} {unit}, fewer than "
+      f"train.batch_size={exp.train.batch_size}: every batch would repeat some; "
+      f"prepare more data or give train.batch_size <= {count}"
+    )
   return loader
 
 
@@ -437,8 +507,10 @@ def _with_step(plan: Plan) -> Plan:
     batch = step_lib.shard_batch(host, mesh, plan.task.keys)
   else:
     sharding = parallel.batch_sharding(mesh)
-    batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding)
-             for k, v in plan.task.batch_shapes(t.batch_size, t.seq_len).items()}
+    batch = {
+      k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding)
+      for k, v in plan.task.batch_shapes(t.batch_size, t.seq_len).items()
+    }
   built = {}
 
   def compile_for(m):
@@ -447,17 +519,24 @@ def _with_step(plan: Plan) -> Plan:
     return built[m][1]
 
   began = time.perf_counter()
-  m, _ = step_lib.pick_microbatches(t.microbatches, compile_for, t.batch_size,
-                                    mesh.shape["data"] * mesh.shape["fsdp"],
-                                    backend=plan.backend)
+  m, _ = step_lib.pick_microbatches(
+    t.microbatches,
+    compile_for,
+    t.batch_size,
+    mesh.shape["data"] * mesh.shape["fsdp"],
+    backend=plan.backend,
+  )
   seconds = time.perf_counter() - began
   if t.microbatches == "auto" and m > 1 and plan.purpose == "train":
-    log0(f"train.microbatches=auto: {m} microbatches, which keep the step's temporaries within "
-         "what the allocator reuses between steps")
+    log0(
+      f"train.microbatches=auto: {m} microbatches, which keep the step's temporaries within "
+      "what the allocator reuses between steps"
+    )
   resolved = dataclasses.replace(exp, train=dataclasses.replace(t, microbatches=m))
   step, compiled = built[m]
-  return dataclasses.replace(plan, exp=resolved, step=step, compiled=compiled,
-                             compile_seconds=seconds)
+  return dataclasses.replace(
+    plan, exp=resolved, step=step, compiled=compiled, compile_seconds=seconds
+  )
 
 
 def eval_experiment(run_dir: str, overrides: list[str] = ()) -> Experiment:
@@ -473,8 +552,10 @@ def eval_experiment(run_dir: str, overrides: list[str] = ()) -> Experiment:
   model_config = rd.require_model()
   for key, _ in parse_overrides(list(overrides)):
     if key not in EVAL_KEYS:
-      raise ValueError(f"{key}: tjax eval takes only {', '.join(EVAL_KEYS)} (the model and the "
-                       "rest of the run are its own)")
+      raise ValueError(
+        f"{key}: tjax eval takes only {', '.join(EVAL_KEYS)} (the model and the "
+        "rest of the run are its own)"
+      )
   raw = rd.read_config()
   if raw is None:
     family = tasks_lib.family_task(model_config)

@@ -43,9 +43,11 @@ def schedule_notice(before: TrainConfig, after: TrainConfig, step: int) -> str |
     return None
   old = float(learning_rate_schedule(before)(step))
   new = float(learning_rate_schedule(after)(step))
-  return (f"notice: train.steps changed from {before.steps} to {after.steps}: the {after.schedule} "
-          f"schedule is re-planned over {after.steps} steps, so at the resume point (step {step}) "
-          f"the learning rate goes from {old:.3e} to {new:.3e}")
+  return (
+    f"notice: train.steps changed from {before.steps} to {after.steps}: the {after.schedule} "
+    f"schedule is re-planned over {after.steps} steps, so at the resume point (step {step}) "
+    f"the learning rate goes from {old:.3e} to {new:.3e}"
+  )
 
 
 def restore_or_init(plan: Plan, ckpt: runs.Checkpoints) -> Start:
@@ -72,15 +74,18 @@ def _restore(plan: Plan, ckpt: runs.Checkpoints) -> Start | None:
   """The newest intact checkpoint as a placed state (None: no checkpoint)."""
   method, resume = plan.method, plan.resume
   target = method.abstract_state(plan.optimizer, plan.mesh)
-  start, params, opt_state, meta, damaged = ckpt.restore_newest_good(target.params,
-                                                                     target.opt_state)
+  start, params, opt_state, meta, damaged = ckpt.restore_newest_good(
+    target.params, target.opt_state
+  )
   if start is None:
     return None
   if damaged:
     ckpt.set_aside([s for s, _ in damaged])
-    runs.warn(f"resuming from step {start}, the newest intact checkpoint; the damaged steps "
-              f"are kept as damaged-<step> in {ckpt.directory}")
-  if opt_state is None:     # a converted model: parameters only
+    runs.warn(
+      f"resuming from step {start}, the newest intact checkpoint; the damaged steps "
+      f"are kept as damaged-<step> in {ckpt.directory}"
+    )
+  if opt_state is None:  # a converted model: parameters only
     log0(f"fine-tuning the parameters of step {start} with a fresh optimizer state")
     opt_state = plan.optimizer.init(params)
   restored = step_lib.TrainState(step=np.int32(start), params=params, opt_state=opt_state)

@@ -23,9 +23,9 @@ from transformer_jax.train import tasks as tasks_lib
 
 @struct.dataclass
 class TrainState:
-  step: jax.Array            # int32 scalar: optimizer steps taken
-  params: Any                # nnx.State of nnx.Param (float32 master weights)
-  opt_state: Any             # optax state
+  step: jax.Array  # int32 scalar: optimizer steps taken
+  params: Any  # nnx.State of nnx.Param (float32 master weights)
+  opt_state: Any  # optax state
   # Parameters held fixed (the base model of a LoRA run): an input of the forward pass only, not
   # differentiated, not in the optimizer, not checkpointed. None when every parameter trains.
   frozen: Any = None
@@ -44,29 +44,45 @@ def _split_micro(batch, m: int):
   return jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)
 
 
-def make_train_step(graphdef: nnx.GraphDef, task, optimizer: optax.GradientTransformation, *,
-                    seed: int, microbatches: int = 1, label_smoothing: float = 0.0,
-                    z_loss: float = 0.0) -> Callable:
+def make_train_step(
+  graphdef: nnx.GraphDef,
+  task,
+  optimizer: optax.GradientTransformation,
+  *,
+  seed: int,
+  microbatches: int = 1,
+  label_smoothing: float = 0.0,
+  z_loss: float = 0.0,
+) -> Callable:
   """``train_step(state, batch) -> (state, metrics)``; jit it (``jit_train_step`` adds shardings).
 
   Raises:
     ValueError: ``microbatches`` is not a count (``train.microbatches: auto`` is resolved by the
       run's plan, which compiles the step to see its memory).
   """
-  if (isinstance(microbatches, bool) or not isinstance(microbatches, (int, np.integer))
-      or microbatches < 1):
-    raise ValueError(f"microbatches={microbatches!r} must be a count >= 1 (train.microbatches="
-                     "'auto' is resolved by the run's plan)")
+  if (
+    isinstance(microbatches, bool)
+    or not isinstance(microbatches, (int, np.integer))
+    or microbatches < 1
+  ):
+    raise ValueError(
+      f"microbatches={microbatches!r} must be a count >= 1 (train.microbatches="
+      "'auto' is resolved by the run's plan)"
+    )
 
   def train_step(state: TrainState, batch):
-    counts = task.counts(batch)                        # denominators over the whole batch
+    counts = task.counts(batch)  # denominators over the whole batch
     rng = step_rng(seed, state.step)
 
     def micro_loss(params, micro, key):
-      model = (nnx.merge(graphdef, params) if state.frozen is None
-               else nnx.merge(graphdef, params, state.frozen))
-      loss_sums, metric_sums = task.sums(model, micro, key, label_smoothing=label_smoothing,
-                                         z_loss=z_loss)
+      model = (
+        nnx.merge(graphdef, params)
+        if state.frozen is None
+        else nnx.merge(graphdef, params, state.frozen)
+      )
+      loss_sums, metric_sums = task.sums(
+        model, micro, key, label_smoothing=label_smoothing, z_loss=z_loss
+      )
       loss = sum(loss_sums[t] / jnp.maximum(counts[t], 1.0) for t in task.loss_terms)
       return loss, {**loss_sums, **metric_sums}
 
@@ -80,23 +96,27 @@ def make_train_step(graphdef: nnx.GraphDef, task, optimizer: optax.GradientTrans
       def body(carry, xs):
         g_acc, loss_acc, sums_acc = carry
         (loss, sums), g = grad_fn(state.params, *xs)
-        return (jax.tree.map(jnp.add, g_acc, g), loss_acc + loss,
-                jax.tree.map(jnp.add, sums_acc, sums)), None
+        return (
+          jax.tree.map(jnp.add, g_acc, g),
+          loss_acc + loss,
+          jax.tree.map(jnp.add, sums_acc, sums),
+        ), None
 
       zeros_g = jax.tree.map(jnp.zeros_like, state.params)
-      _, sums_shape = jax.eval_shape(lambda: micro_loss(state.params, jax.tree.map(
-          lambda x: x[0], micro), keys[0]))
+      _, sums_shape = jax.eval_shape(
+        lambda: micro_loss(state.params, jax.tree.map(lambda x: x[0], micro), keys[0])
+      )
       zeros_s = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape)
-      (grads, loss, sums), _ = jax.lax.scan(body, (zeros_g, jnp.zeros(()), zeros_s),
-                                            (micro, keys))
+      (grads, loss, sums), _ = jax.lax.scan(body, (zeros_g, jnp.zeros(()), zeros_s), (micro, keys))
 
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = tasks_lib.summarize(task, sums, counts)
     metrics["loss"] = loss
     metrics["grad_norm"] = optax.tree.norm(grads)
-    return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
-                      frozen=state.frozen), metrics
+    return TrainState(
+      step=state.step + 1, params=params, opt_state=opt_state, frozen=state.frozen
+    ), metrics
 
   return train_step
 
@@ -121,33 +141,51 @@ def state_shardings(state: TrainState, mesh: Mesh, rules: parallel.Rules = paral
   """``NamedSharding`` of every leaf of ``state`` (arrays or shapes): parameters by their logical
   axes, optimizer moments like their parameters, counters replicated."""
   params = parallel.param_shardings(state.params, mesh, rules)
-  frozen = (None if state.frozen is None
-            else parallel.param_shardings(state.frozen, mesh, rules))
-  return TrainState(step=replicated(mesh), params=params,
-                    opt_state=parallel.shardings_like(state.opt_state, state.params, params, mesh),
-                    frozen=frozen)
+  frozen = None if state.frozen is None else parallel.param_shardings(state.frozen, mesh, rules)
+  return TrainState(
+    step=replicated(mesh),
+    params=params,
+    opt_state=parallel.shardings_like(state.opt_state, state.params, params, mesh),
+    frozen=frozen,
+  )
 
 
-def abstract_state(model_config, optimizer: optax.GradientTransformation, mesh: Mesh,
-                   rules: parallel.Rules = parallel.RULES) -> TrainState:
+def abstract_state(
+  model_config,
+  optimizer: optax.GradientTransformation,
+  mesh: Mesh,
+  rules: parallel.Rules = parallel.RULES,
+) -> TrainState:
   """The train state as ``ShapeDtypeStruct`` leaves carrying their shardings: nothing allocated.
 
   A restore target (orbax places each array straight onto its shards) and what ``--dry-run``
   compiles against."""
   params = models.init_abstract(model_config)
-  state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
-                     opt_state=jax.eval_shape(optimizer.init, params))
-  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
-                      state_shardings(state, mesh, rules))
+  state = TrainState(
+    step=jax.ShapeDtypeStruct((), jnp.int32),
+    params=params,
+    opt_state=jax.eval_shape(optimizer.init, params),
+  )
+  return jax.tree.map(
+    lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+    state,
+    state_shardings(state, mesh, rules),
+  )
 
 
-def init_state(model_config, optimizer: optax.GradientTransformation, mesh: Mesh,
-               key: jax.Array, rules: parallel.Rules = parallel.RULES) -> TrainState:
+def init_state(
+  model_config,
+  optimizer: optax.GradientTransformation,
+  mesh: Mesh,
+  key: jax.Array,
+  rules: parallel.Rules = parallel.RULES,
+) -> TrainState:
   """A fresh train state initialised directly sharded: one jitted function whose outputs are laid
   out on the mesh, so no device ever holds more than its shards (a model too large for one device
   is never materialised on one)."""
-  shardings = jax.tree.map(lambda a: a.sharding,
-                           abstract_state(model_config, optimizer, mesh, rules))
+  shardings = jax.tree.map(
+    lambda a: a.sharding, abstract_state(model_config, optimizer, mesh, rules)
+  )
   make = lambda k: create_state(models.init(model_config, k), optimizer)
   return jax.jit(make, out_shardings=shardings)(key)
 
@@ -162,9 +200,14 @@ def mesh_backend(mesh: Mesh, backend: backends.Backend | None = None) -> backend
   return backend or backends.for_platform(mesh.devices.flat[0].platform)
 
 
-def jit_train_step(train_step: Callable, mesh: Mesh, state: TrainState,
-                   rules: parallel.Rules = parallel.RULES, *,
-                   backend: backends.Backend | None = None):
+def jit_train_step(
+  train_step: Callable,
+  mesh: Mesh,
+  state: TrainState,
+  rules: parallel.Rules = parallel.RULES,
+  *,
+  backend: backends.Backend | None = None,
+):
   """Compiles ``train_step`` for ``mesh``: state sharded by the rules (and donated), the batch split
   over the data axes, metrics replicated. Build the step's model for the same mesh and backend
   (``models.graphdef(config, mesh, backend)``): its layers then pin activations to it and may run
@@ -173,12 +216,21 @@ def jit_train_step(train_step: Callable, mesh: Mesh, state: TrainState,
   (``Backend.jit_step``); ``backend`` defaults to the mesh platform's default one."""
   shardings = state_shardings(state, mesh, rules)
   return mesh_backend(mesh, backend).jit_step(
-      train_step, in_shardings=(shardings, batch_sharding(mesh)),
-      out_shardings=(shardings, replicated(mesh)), donate_argnums=(0,))
+    train_step,
+    in_shardings=(shardings, batch_sharding(mesh)),
+    out_shardings=(shardings, replicated(mesh)),
+    donate_argnums=(0,),
+  )
 
 
-def pick_microbatches(setting: int | str, compile_step: Callable[[int], Any], batch_size: int,
-                      n_batch: int = 1, *, backend: backends.Backend) -> tuple[int, Any]:
+def pick_microbatches(
+  setting: int | str,
+  compile_step: Callable[[int], Any],
+  batch_size: int,
+  n_batch: int = 1,
+  *,
+  backend: backends.Backend,
+) -> tuple[int, Any]:
   """``train.microbatches`` resolved, with the step compiled for it: ``(microbatches, compiled)``.
 
   A number is taken as given; "auto" is the backend's rule (``Backend.microbatches``: on CPU over
@@ -188,14 +240,21 @@ def pick_microbatches(setting: int | str, compile_step: Callable[[int], Any], ba
   return backend.microbatches(setting, compile_step, batch_size, n_batch)
 
 
-def jit_eval_step(eval_step: Callable, mesh: Mesh, params, rules: parallel.Rules = parallel.RULES,
-                  *, backend: backends.Backend | None = None):
+def jit_eval_step(
+  eval_step: Callable,
+  mesh: Mesh,
+  params,
+  rules: parallel.Rules = parallel.RULES,
+  *,
+  backend: backends.Backend | None = None,
+):
   """Compiles ``eval_step(params, batch)`` for ``mesh`` (parameters sharded as in training), with
   the backend's options (as ``jit_train_step``)."""
   return mesh_backend(mesh, backend).jit_step(
-      eval_step, in_shardings=(parallel.param_shardings(params, mesh, rules),
-                               batch_sharding(mesh)),
-      out_shardings=replicated(mesh))
+    eval_step,
+    in_shardings=(parallel.param_shardings(params, mesh, rules), batch_sharding(mesh)),
+    out_shardings=replicated(mesh),
+  )
 
 
 def shard_batch(batch: dict[str, np.ndarray], mesh: Mesh, keys=None) -> dict[str, jax.Array]:

@@ -36,8 +36,9 @@ def _shapes(batch_size: int, seq_len: int, ints=(), bools=(), rows=()) -> dict:
 
 
 def _ce_sum(logits, labels, mask, label_smoothing, z_loss):
-  loss, count = ops.cross_entropy(logits, labels, mask=mask, label_smoothing=label_smoothing,
-                                  z_loss=z_loss)
+  loss, count = ops.cross_entropy(
+    logits, labels, mask=mask, label_smoothing=label_smoothing, z_loss=z_loss
+  )
   return loss * count
 
 
@@ -57,8 +58,8 @@ def _correct(logits, labels, mask):
 class _Task:
   """What the tasks share: the defaults and summaries of a language-modelling task."""
 
-  samples = False        # the run ends with generated text samples (train.samples)
-  packed = False         # batches pack several documents per row, kept apart by segment ids
+  samples = False  # the run ends with generated text samples (train.samples)
+  packed = False  # batches pack several documents per row, kept apart by segment ids
 
   @staticmethod
   def model_defaults(dataset) -> dict[str, Any]:
@@ -84,12 +85,12 @@ class GPTTask(_Task):
   ``ops.cross_entropy``) or "fused" (``GPT.lm_loss``: no ``[B, T, V]`` array)."""
 
   name = "gpt"
-  config_type = (models.GPTConfig, models.MambaConfig)   # every decoder-only language model
+  config_type = (models.GPTConfig, models.MambaConfig)  # every decoder-only language model
   loss_terms = ("lm",)
   keys = ("tokens", "labels", "segment_ids", "positions", "loss_mask")
-  token_keys = ("tokens", "labels")     # ids checked against the vocabulary on the host
+  token_keys = ("tokens", "labels")  # ids checked against the vocabulary on the host
   uses_seq_len = True
-  bars = ("val_loss_below_unigram",)   # learning bars this task can check
+  bars = ("val_loss_below_unigram",)  # learning bars this task can check
   samples = True
   packed = True
 
@@ -108,8 +109,9 @@ class GPTTask(_Task):
   @staticmethod
   def eval_batches(dataset, exp):
     t = exp.train
-    return data_lib.gpt_eval_batches(dataset, batch_size=t.batch_size, seq_len=t.seq_len,
-                                     max_batches=t.eval_batches)
+    return data_lib.gpt_eval_batches(
+      dataset, batch_size=t.batch_size, seq_len=t.seq_len, max_batches=t.eval_batches
+    )
 
   @staticmethod
   def counts(batch: Batch) -> dict[str, jax.Array]:
@@ -118,15 +120,26 @@ class GPTTask(_Task):
   @staticmethod
   def batch_shapes(batch_size: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
     """The shapes of a batch (what ``--dry-run`` compiles against)."""
-    return _shapes(batch_size, seq_len, ints=("tokens", "labels", "segment_ids", "positions"),
-                   bools=("loss_mask",))
+    return _shapes(
+      batch_size,
+      seq_len,
+      ints=("tokens", "labels", "segment_ids", "positions"),
+      bools=("loss_mask",),
+    )
 
   def sums(self, model, batch: Batch, rng, *, label_smoothing=0.0, z_loss=0.0):
     mask = batch["loss_mask"]
     if self.loss_head == "fused":
       loss_sum, correct = model.lm_loss(
-          batch["tokens"], batch["labels"], mask, batch["positions"], batch["segment_ids"],
-          dropout_rng=rng, label_smoothing=label_smoothing, z_loss=z_loss)
+        batch["tokens"],
+        batch["labels"],
+        mask,
+        batch["positions"],
+        batch["segment_ids"],
+        dropout_rng=rng,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+      )
       return {"lm": loss_sum}, {"lm_correct": correct}
     logits = model(batch["tokens"], batch["positions"], batch["segment_ids"], dropout_rng=rng)
     loss = {"lm": _ce_sum(logits, batch["labels"], mask, label_smoothing, z_loss)}
@@ -161,28 +174,38 @@ class BERTTask(_Task):
   @staticmethod
   def loader(dataset, exp):
     t = exp.train
-    return data_lib.BertLoader(dataset, batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed,
-                               mask_prob=exp.data.mask_prob)
+    return data_lib.BertLoader(
+      dataset, batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed, mask_prob=exp.data.mask_prob
+    )
 
   @staticmethod
   def eval_batches(dataset, exp):
     t = exp.train
-    return data_lib.bert_eval_batches(dataset, batch_size=t.batch_size, seq_len=t.seq_len,
-                                      num_batches=t.eval_batches)
+    return data_lib.bert_eval_batches(
+      dataset, batch_size=t.batch_size, seq_len=t.seq_len, num_batches=t.eval_batches
+    )
 
   @staticmethod
   def counts(batch: Batch) -> dict[str, jax.Array]:
-    return {"mlm": jnp.sum(batch["mlm_mask"].astype(jnp.float32)),
-            "nsp": jnp.sum(jnp.any(batch["attention_mask"], -1).astype(jnp.float32))}
+    return {
+      "mlm": jnp.sum(batch["mlm_mask"].astype(jnp.float32)),
+      "nsp": jnp.sum(jnp.any(batch["attention_mask"], -1).astype(jnp.float32)),
+    }
 
   @staticmethod
   def batch_shapes(batch_size: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
-    return _shapes(batch_size, seq_len, ints=("tokens", "token_types", "mlm_labels"),
-                   bools=("attention_mask", "mlm_mask"), rows=("nsp_labels",))
+    return _shapes(
+      batch_size,
+      seq_len,
+      ints=("tokens", "token_types", "mlm_labels"),
+      bools=("attention_mask", "mlm_mask"),
+      rows=("nsp_labels",),
+    )
 
   def sums(self, model, batch: Batch, rng, *, label_smoothing=0.0, z_loss=0.0):
-    x_BTD, pooled_BD = model.encode(batch["tokens"], batch["token_types"], batch["attention_mask"],
-                                    dropout_rng=rng)
+    x_BTD, pooled_BD = model.encode(
+      batch["tokens"], batch["token_types"], batch["attention_mask"], dropout_rng=rng
+    )
     mask_BT, labels_BT = batch["mlm_mask"], batch["mlm_labels"]
     t = mask_BT.shape[1]
     k = t if self.max_predictions is None else min(self.max_predictions, t)
@@ -195,11 +218,13 @@ class BERTTask(_Task):
     nsp_logits = model.nsp(pooled_BD).astype(jnp.float32)
     real = jnp.any(batch["attention_mask"], -1)
     loss = {
-        "mlm": _ce_sum(mlm_logits, labels_BK, mask_BK, label_smoothing, z_loss),
-        "nsp": _ce_sum(nsp_logits, batch["nsp_labels"], real, 0.0, 0.0),
+      "mlm": _ce_sum(mlm_logits, labels_BK, mask_BK, label_smoothing, z_loss),
+      "nsp": _ce_sum(nsp_logits, batch["nsp_labels"], real, 0.0, 0.0),
     }
-    metrics = {"mlm_correct": _correct(mlm_logits, labels_BK, mask_BK),
-               "nsp_correct": _correct(nsp_logits, batch["nsp_labels"], real)}
+    metrics = {
+      "mlm_correct": _correct(mlm_logits, labels_BK, mask_BK),
+      "nsp_correct": _correct(nsp_logits, batch["nsp_labels"], real),
+    }
     return loss, metrics
 
 
@@ -211,7 +236,7 @@ class Seq2SeqTask(_Task):
   loss_terms = ("s2s",)
   keys = ("src", "src_mask", "tgt_in", "tgt_out", "tgt_mask")
   token_keys = ("src", "tgt_in", "tgt_out")
-  uses_seq_len = False                  # length-bucketed batches
+  uses_seq_len = False  # length-bucketed batches
   bars = ("exact_match",)
 
   @classmethod
@@ -234,13 +259,15 @@ class Seq2SeqTask(_Task):
   @staticmethod
   def batch_shapes(batch_size: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
     """Source and target both ``seq_len`` long (the loader's buckets vary; this is the longest)."""
-    return _shapes(batch_size, seq_len, ints=("src", "tgt_in", "tgt_out"),
-                   bools=("src_mask", "tgt_mask"))
+    return _shapes(
+      batch_size, seq_len, ints=("src", "tgt_in", "tgt_out"), bools=("src_mask", "tgt_mask")
+    )
 
   @staticmethod
   def sums(model, batch: Batch, rng, *, label_smoothing=0.0, z_loss=0.0):
-    logits = model(batch["src"], batch["tgt_in"], batch["src_mask"], batch["tgt_mask"],
-                   dropout_rng=rng)
+    logits = model(
+      batch["src"], batch["tgt_in"], batch["src_mask"], batch["tgt_mask"], dropout_rng=rng
+    )
     mask = batch["tgt_mask"]
     loss = {"s2s": _ce_sum(logits, batch["tgt_out"], mask, label_smoothing, z_loss)}
     metrics = {"s2s_correct": _correct(logits, batch["tgt_out"], mask)}
@@ -279,8 +306,9 @@ class ClassifyTask(_Task):
     if model_config is None:
       return cls("bert")
     if not getattr(model_config, "num_labels", 0):
-      raise ValueError("data.task='classify' needs a model with num_labels > 0 (taken from the "
-                       "dataset's labels)")
+      raise ValueError(
+        "data.task='classify' needs a model with num_labels > 0 (taken from the dataset's labels)"
+      )
     return cls(family_task(model_config), model_config.num_labels)
 
   @staticmethod
@@ -297,19 +325,31 @@ class ClassifyTask(_Task):
   @staticmethod
   def final_summary(dataset, per_class) -> dict[str, Any]:
     """The majority-class baseline, the labels and the last per-class report."""
-    return {"majority_baseline": dataset.meta["majority_baseline"]["val_accuracy"],
-            "labels": dataset.meta["labels"], "per_class": per_class}
+    return {
+      "majority_baseline": dataset.meta["majority_baseline"]["val_accuracy"],
+      "labels": dataset.meta["labels"],
+      "per_class": per_class,
+    }
 
   def loader(self, dataset, exp):
     t = exp.train
-    return data_lib.ClassifyLoader(dataset, batch_size=t.batch_size, seq_len=t.seq_len,
-                                   seed=t.seed, cls_token=self.family == "bert")
+    return data_lib.ClassifyLoader(
+      dataset,
+      batch_size=t.batch_size,
+      seq_len=t.seq_len,
+      seed=t.seed,
+      cls_token=self.family == "bert",
+    )
 
   def eval_batches(self, dataset, exp):
     t = exp.train
-    return data_lib.classify_eval_batches(dataset, batch_size=t.batch_size, seq_len=t.seq_len,
-                                          cls_token=self.family == "bert",
-                                          max_batches=t.eval_batches)
+    return data_lib.classify_eval_batches(
+      dataset,
+      batch_size=t.batch_size,
+      seq_len=t.seq_len,
+      cls_token=self.family == "bert",
+      max_batches=t.eval_batches,
+    )
 
   @staticmethod
   def counts(batch: Batch) -> dict[str, jax.Array]:
@@ -317,8 +357,13 @@ class ClassifyTask(_Task):
 
   @staticmethod
   def batch_shapes(batch_size: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
-    out = _shapes(batch_size, seq_len, ints=("tokens", "token_types"), bools=("attention_mask",),
-                  rows=("labels",))
+    out = _shapes(
+      batch_size,
+      seq_len,
+      ints=("tokens", "token_types"),
+      bools=("attention_mask",),
+      rows=("labels",),
+    )
     out["label_mask"] = jax.ShapeDtypeStruct((batch_size,), jnp.bool_)
     return out
 
@@ -336,31 +381,41 @@ class ClassifyTask(_Task):
   def sums(self, model, batch: Batch, rng, *, label_smoothing=0.0, z_loss=0.0):
     logits_BC = self.logits(model, batch, rng)
     labels_B, mask_B = batch["labels"], batch["label_mask"]
-    loss = {"cls": _ce_sum(logits_BC[:, None], labels_B[:, None], mask_B[:, None],
-                           label_smoothing, z_loss)}
+    loss = {
+      "cls": _ce_sum(
+        logits_BC[:, None], labels_B[:, None], mask_B[:, None], label_smoothing, z_loss
+      )
+    }
     pred_B = ops.argmax(logits_BC, -1)
     w_B = mask_B.astype(jnp.float32)
     c = logits_BC.shape[-1]
     true_BC = jax.nn.one_hot(labels_B, c) * w_B[:, None]
     pred_BC = jax.nn.one_hot(pred_B, c) * w_B[:, None]
-    metrics = {"cls_correct": jnp.sum((pred_B == labels_B) * w_B),
-               "cls_true": jnp.sum(true_BC, 0), "cls_pred": jnp.sum(pred_BC, 0),
-               "cls_hit": jnp.sum(true_BC * pred_BC, 0)}
+    metrics = {
+      "cls_correct": jnp.sum((pred_B == labels_B) * w_B),
+      "cls_true": jnp.sum(true_BC, 0),
+      "cls_pred": jnp.sum(pred_BC, 0),
+      "cls_hit": jnp.sum(true_BC * pred_BC, 0),
+    }
     return loss, metrics
 
   @staticmethod
   def report(sums) -> dict:
     """Accuracy, macro-F1 (classes with no example and no prediction left out) and per-class
     counts from summed eval metrics."""
-    true, pred, hit = (np.asarray(sums[k], np.float64) for k in ("cls_true", "cls_pred",
-                                                                  "cls_hit"))
+    true, pred, hit = (np.asarray(sums[k], np.float64) for k in ("cls_true", "cls_pred", "cls_hit"))
     denom = true + pred
     present = denom > 0
     f1 = np.where(present, 2 * hit / np.maximum(denom, 1), 0.0)
-    return {"accuracy": float(hit.sum() / max(true.sum(), 1)),
-            "macro_f1": float(f1[present].mean()) if present.any() else 0.0,
-            "per_class": {"true": true.astype(int).tolist(), "predicted": pred.astype(int).tolist(),
-                          "correct": hit.astype(int).tolist()}}
+    return {
+      "accuracy": float(hit.sum() / max(true.sum(), 1)),
+      "macro_f1": float(f1[present].mean()) if present.any() else 0.0,
+      "per_class": {
+        "true": true.astype(int).tolist(),
+        "predicted": pred.astype(int).tolist(),
+        "correct": hit.astype(int).tolist(),
+      },
+    }
 
 
 TASKS = {"gpt": GPTTask, "bert": BERTTask, "seq2seq": Seq2SeqTask, "classify": ClassifyTask}
@@ -383,19 +438,23 @@ def for_experiment(exp, model_config: models.ModelConfig):
   cls = TASKS[exp.data.task]
   if not isinstance(model_config, cls.config_type):
     fits = family_task(model_config)
-    raise ValueError(f"data.task={exp.data.task!r} does not fit a {type(model_config).__name__}"
-                     f" (use data.task={fits!r})")
+    raise ValueError(
+      f"data.task={exp.data.task!r} does not fit a {type(model_config).__name__}"
+      f" (use data.task={fits!r})"
+    )
   for bar in exp.bars:
     if bar not in cls.bars:
-      raise ValueError(f"bars.{bar}: not a learning bar of data.task={cls.name!r} (it has "
-                       f"{', '.join(cls.bars)})")
+      raise ValueError(
+        f"bars.{bar}: not a learning bar of data.task={cls.name!r} (it has {', '.join(cls.bars)})"
+      )
   return cls.from_experiment(exp, model_config)
 
 
 def family_task(config: models.ModelConfig) -> str:
   """The task name of a model's family (``gpt``, ``bert``, ``seq2seq``)."""
-  return next(name for name, c in TASKS.items()
-              if name != "classify" and isinstance(config, c.config_type))
+  return next(
+    name for name, c in TASKS.items() if name != "classify" and isinstance(config, c.config_type)
+  )
 
 
 def check_token_ids(task, batch, vocab_size: int) -> None:
@@ -405,11 +464,15 @@ def check_token_ids(task, batch, vocab_size: int) -> None:
     ids = batch[key]
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
       bad = ids[(ids < 0) | (ids >= vocab_size)].flat[0]
-      raise ValueError(f"batch field {key!r} holds token id {int(bad)}, outside the model's "
-                       f"vocabulary [0, {vocab_size})")
+      raise ValueError(
+        f"batch field {key!r} holds token id {int(bad)}, outside the model's "
+        f"vocabulary [0, {vocab_size})"
+      )
 
 
-def summarize(task, sums: dict[str, jax.Array], counts: dict[str, jax.Array]) -> dict[str, jax.Array]:
+def summarize(
+  task, sums: dict[str, jax.Array], counts: dict[str, jax.Array]
+) -> dict[str, jax.Array]:
   """Per-term mean losses and accuracies from accumulated sums and counts."""
   out = {}
   for term in task.loss_terms:

@@ -34,8 +34,13 @@ from transformer_jax.train.state import restore_or_init
 __all__ = ["TrainingDiverged", "train"]
 
 
-def train(exp: Experiment, *, progress: bool | None = None, force_new: bool = False,
-          resume_hint: str | None = None) -> dict[str, Any]:
+def train(
+  exp: Experiment,
+  *,
+  progress: bool | None = None,
+  force_new: bool = False,
+  resume_hint: str | None = None,
+) -> dict[str, Any]:
   """Runs (or resumes) the experiment; returns the final metrics and learning-bar results.
 
   Args:
@@ -62,8 +67,9 @@ def train(exp: Experiment, *, progress: bool | None = None, force_new: bool = Fa
     return finished(plan)
   with claimed(plan) as ckpt:
     start = restore_or_init(plan, ckpt)
-    outcome = loop(plan, ckpt, start, progress=sys.stderr.isatty() if progress is None
-                   else progress)
+    outcome = loop(
+      plan, ckpt, start, progress=sys.stderr.isatty() if progress is None else progress
+    )
   return report(plan, outcome, resume_hint)
 
 
@@ -73,24 +79,28 @@ def pretrain_first(exp: Experiment, progress) -> None:
   init_from = exp.model.get("init_from")
   if exp.pretrain is None or init_from is None or runs.RunDir(init_from).exists():
     return
-  runs.RunDir(exp.run_dir).check_usable()   # before a pretraining run that may take hours
+  runs.RunDir(exp.run_dir).check_usable()  # before a pretraining run that may take hours
   runs.RunDir(exp.run_dir).check_owned()
   pre = load_experiment(exp.pretrain, []).absolute()
   if os.path.abspath(pre.run_dir) != os.path.abspath(init_from):
-    raise ValueError(f"pretrain={exp.pretrain} writes {pre.run_dir}, not model.init_from="
-                     f"{init_from}")
+    raise ValueError(
+      f"pretrain={exp.pretrain} writes {pre.run_dir}, not model.init_from={init_from}"
+    )
   log0(f"{init_from} does not exist: training it first ({exp.pretrain})")
   result = train(pre, progress=progress)
   if result.get("interrupted"):
-    raise ValueError(f"the pretraining run {init_from} was interrupted; run the command again "
-                     "to resume it")
+    raise ValueError(
+      f"the pretraining run {init_from} was interrupted; run the command again to resume it"
+    )
 
 
 def finished(plan: Plan) -> dict[str, Any]:
   """What a run that is already done returns (its ``final.json``), once it has said so."""
   steps, last = plan.exp.train.steps, plan.resume.last
-  log0(f"{plan.run_dir.path} is finished (step {last} of train.steps={steps}); nothing to do. "
-       "Give a larger train.steps to continue it.")
+  log0(
+    f"{plan.run_dir.path} is finished (step {last} of train.steps={steps}); nothing to do. "
+    "Give a larger train.steps to continue it."
+  )
   return {**plan.resume.final, "finished_before": True}
 
 
@@ -108,12 +118,15 @@ def claimed(plan: Plan) -> Iterator[runs.Checkpoints]:
   lock = rd.lock() if jax.process_index() == 0 else contextlib.nullcontext()
   with lock:
     if not plan.force_new and tuple(rd.checkpoint_steps()) != plan.resume.steps:
-      raise ValueError(f"run_dir {rd.path}: its checkpoints changed while this run was planned "
-                       "(another process wrote them); run the command again")
+      raise ValueError(
+        f"run_dir {rd.path}: its checkpoints changed while this run was planned "
+        "(another process wrote them); run the command again"
+      )
     if plan.force_new and jax.process_index() == 0:
       rd.clear()
-    ckpt = runs.Checkpoints(rd.checkpoint_dir, keep=t.keep_checkpoints,
-                            async_save=t.async_checkpoints)
+    ckpt = runs.Checkpoints(
+      rd.checkpoint_dir, keep=t.keep_checkpoints, async_save=t.async_checkpoints
+    )
     try:
       yield ckpt
     finally:
@@ -126,16 +139,22 @@ def report(plan: Plan, outcome: Outcome, resume_hint: str | None) -> dict[str, A
   learning bars and samples, all written to the run directory."""
   if outcome.stopped_by:
     hint = resume_hint or "run the same training command again"
-    log0(f"stopped by {outcome.stopped_by} at step {outcome.step}; checkpoint saved in "
-         f"{plan.run_dir.checkpoint_dir}. To resume: {hint}")
+    log0(
+      f"stopped by {outcome.stopped_by} at step {outcome.step}; checkpoint saved in "
+      f"{plan.run_dir.checkpoint_dir}. To resume: {hint}"
+    )
     return {"step": outcome.step, "interrupted": outcome.stopped_by}
   state, last_eval, exp = outcome.state, outcome.last_eval, plan.exp
-  final = {"step": exp.train.steps, **{k: v for k, v in last_eval.items() if k != "step"},
-           **plan.method.summary(state),
-           **plan.task.final_summary(plan.dataset, outcome.per_class)}
+  final = {
+    "step": exp.train.steps,
+    **{k: v for k, v in last_eval.items() if k != "step"},
+    **plan.method.summary(state),
+    **plan.task.final_summary(plan.dataset, outcome.per_class),
+  }
   params = plan.method.base_params(plan.graphdef, state)  # samples and bars: the base model
   if jax.process_count() > 1:  # parameters may span hosts: every process joins the gather
     from jax.experimental import multihost_utils
+
     params = multihost_utils.process_allgather(params, tiled=True)
   if jax.process_index() == 0:
     plot_loss(plan.run_dir.path)

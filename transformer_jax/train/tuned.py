@@ -44,19 +44,32 @@ class Step:
       ``cost_analysis()``.
   """
 
-  def __init__(self, config: models.ModelConfig, optimizer: optax.GradientTransformation, *,
-               task: str | None = None, mesh: Mesh | None = None,
-               microbatches: int | str = "auto", seed: int = 0, label_smoothing: float = 0.0,
-               z_loss: float = 0.0, table: backends.KernelTable | None = None):
-    if microbatches != "auto" and (isinstance(microbatches, bool)
-                                   or not isinstance(microbatches, (int, np.integer))
-                                   or microbatches < 1):
+  def __init__(
+    self,
+    config: models.ModelConfig,
+    optimizer: optax.GradientTransformation,
+    *,
+    task: str | None = None,
+    mesh: Mesh | None = None,
+    microbatches: int | str = "auto",
+    seed: int = 0,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    table: backends.KernelTable | None = None,
+  ):
+    if microbatches != "auto" and (
+      isinstance(microbatches, bool)
+      or not isinstance(microbatches, (int, np.integer))
+      or microbatches < 1
+    ):
       raise ValueError(f"microbatches={microbatches!r}: expected a count >= 1 or 'auto'")
     self.config, self.optimizer = config, optimizer
     self.task = tasks_lib.get_task(task or tasks_lib.family_task(config))
     if not isinstance(config, self.task.config_type):
-      raise ValueError(f"task={self.task.name!r} does not fit a {type(config).__name__} (use "
-                       f"task={tasks_lib.family_task(config)!r})")
+      raise ValueError(
+        f"task={self.task.name!r} does not fit a {type(config).__name__} (use "
+        f"task={tasks_lib.family_task(config)!r})"
+      )
     self.mesh = mesh if mesh is not None else parallel.make_mesh({"data": -1})
     self.backend = backends.for_platform(self.mesh.devices.flat[0].platform, table)
     self.microbatches = microbatches
@@ -76,8 +89,10 @@ class Step:
     """
     missing = [k for k in self.task.keys if k not in batch]
     if missing:
-      raise ValueError(f"the batch has no {', '.join(missing)}: task {self.task.name!r} takes "
-                       f"{', '.join(self.task.keys)}")
+      raise ValueError(
+        f"the batch has no {', '.join(missing)}: task {self.task.name!r} takes "
+        f"{', '.join(self.task.keys)}"
+      )
     return step_lib.shard_batch(batch, self.mesh, self.task.keys)
 
   def compile(self, state: step_lib.TrainState, batch: dict[str, Any]) -> "Step":
@@ -86,20 +101,26 @@ class Step:
     if any(isinstance(v, np.ndarray) for v in batch.values()):
       batch = self.shard(batch)
     # The executables are compiled against shapes: the state is donated only when the step runs.
-    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                          (state, batch))
+    shapes = jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), (state, batch)
+    )
 
     def compile_for(m):
       jitted = step_lib.jit_train_step(
-          step_lib.make_train_step(self._graphdef, self.task, self.optimizer, microbatches=m,
-                                   **self._options),
-          self.mesh, state, backend=self.backend)
+        step_lib.make_train_step(
+          self._graphdef, self.task, self.optimizer, microbatches=m, **self._options
+        ),
+        self.mesh,
+        state,
+        backend=self.backend,
+      )
       return jitted.lower(*shapes).compile()
 
     batch_size = next(iter(batch.values())).shape[0]
     n_batch = self.mesh.shape.get("data", 1) * self.mesh.shape.get("fsdp", 1)
     self.microbatches, compiled = step_lib.pick_microbatches(
-        self.microbatches, compile_for, batch_size, n_batch, backend=self.backend)
+      self.microbatches, compile_for, batch_size, n_batch, backend=self.backend
+    )
     self.compiled = self.backend.hold(compiled, self.backend.step_compiler_options())
     return self
 
@@ -114,10 +135,18 @@ class Step:
     return self.compiled(state, batch)
 
 
-def make_step(config: models.ModelConfig, optimizer: optax.GradientTransformation, *,
-              task: str | None = None, mesh: Mesh | None = None,
-              microbatches: int | str = "auto", seed: int = 0, label_smoothing: float = 0.0,
-              z_loss: float = 0.0, table: backends.KernelTable | None = None) -> Step:
+def make_step(
+  config: models.ModelConfig,
+  optimizer: optax.GradientTransformation,
+  *,
+  task: str | None = None,
+  mesh: Mesh | None = None,
+  microbatches: int | str = "auto",
+  seed: int = 0,
+  label_smoothing: float = 0.0,
+  z_loss: float = 0.0,
+  table: backends.KernelTable | None = None,
+) -> Step:
   """The tuned train step of ``config`` (the module's docstring).
 
   Args:
@@ -134,5 +163,14 @@ def make_step(config: models.ModelConfig, optimizer: optax.GradientTransformatio
   Raises:
     ValueError: a task that does not fit the model, or a bad ``microbatches``.
   """
-  return Step(config, optimizer, task=task, mesh=mesh, microbatches=microbatches, seed=seed,
-              label_smoothing=label_smoothing, z_loss=z_loss, table=table)
+  return Step(
+    config,
+    optimizer,
+    task=task,
+    mesh=mesh,
+    microbatches=microbatches,
+    seed=seed,
+    label_smoothing=label_smoothing,
+    z_loss=z_loss,
+    table=table,
+  )

@@ -38,19 +38,22 @@ def test_allocator_env_preloads_mimalloc_once(monkeypatch):
   assert allocator.allocator_env({}, find_spec=NO_PLUGIN) is None
 
 
-@pytest.mark.parametrize("environ, plugins, on_cpu", [
-    ({}, (), True),                                          # nothing but jaxlib: CPU
+@pytest.mark.parametrize(
+  "environ, plugins, on_cpu",
+  [
+    ({}, (), True),  # nothing but jaxlib: CPU
     ({}, ("jax_cuda12_plugin",), False),
     ({}, ("jax_cuda13_plugin",), False),
     ({}, ("libtpu",), False),
-    ({}, ("jax_plugins",), False),                           # any PJRT plugin
+    ({}, ("jax_plugins",), False),  # any PJRT plugin
     ({"JAX_PLATFORMS": "cpu"}, ("jax_cuda12_plugin",), True),  # JAX_PLATFORMS decides
     ({"JAX_PLATFORMS": " CPU "}, ("libtpu",), True),
     ({"JAX_PLATFORMS": "cuda"}, (), False),
-    ({"JAX_PLATFORMS": "cuda,cpu"}, (), False),              # the first listed computes
+    ({"JAX_PLATFORMS": "cuda,cpu"}, (), False),  # the first listed computes
     ({"JAX_PLATFORMS": "tpu"}, (), False),
     ({"JAX_PLATFORMS": ""}, ("jax_cuda12_plugin",), False),  # empty: as unset
-])
+  ],
+)
 def test_launcher_decides_cpu_from_jax_platforms_then_plugins(environ, plugins, on_cpu):
   assert allocator.computes_on_cpu(environ, find_spec=_plugins(*plugins)) is on_cpu
 
@@ -73,8 +76,10 @@ def test_system_allocator_notice_only_when_mimalloc_would_run_but_is_missing(mon
   assert "system allocator" in text and "transformer-jax[cpu]" in text and "\n" not in text
   assert allocator.system_allocator_notice({"TJAX_MALLOC": "system"}, find_spec=NO_PLUGIN) is None
   assert allocator.system_allocator_notice({}, find_spec=_plugins("libtpu")) is None
-  assert allocator.system_allocator_notice({"LD_PRELOAD": "/x/libjemalloc.so"},
-                                           find_spec=NO_PLUGIN) is None
+  assert (
+    allocator.system_allocator_notice({"LD_PRELOAD": "/x/libjemalloc.so"}, find_spec=NO_PLUGIN)
+    is None
+  )
   monkeypatch.setattr(allocator, "mimalloc_path", lambda: MIMALLOC)
   assert allocator.system_allocator_notice({}, find_spec=NO_PLUGIN) is None
 
@@ -147,6 +152,6 @@ def test_an_unknown_tjax_malloc_is_one_line_naming_it(monkeypatch, capsys, value
   err = capsys.readouterr().err
   assert done.value.code == 2 and calls == [] and err.count("\n") == 1
   assert f"TJAX_MALLOC={value!r} must be one of '0', 'system', 'glibc', 'mimalloc'" in err
-  for valid in ("0", "System", "mimalloc", ""):   # any case; empty is unset
+  for valid in ("0", "System", "mimalloc", ""):  # any case; empty is unset
     monkeypatch.setenv("TJAX_MALLOC", valid)
     allocator.allocator_env()

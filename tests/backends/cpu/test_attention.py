@@ -32,15 +32,16 @@ def test_bf16_rowmajor_core_matches_float64(n, k, causal, h):
   bias = jnp.asarray(rng.standard_normal((1, n, t, s)), jnp.float32)
   mask = np.ones((b, 1, t, s), bool)
   mask[1, :, :, :3] = False
-  mask[1, 0, 0] = False                       # row (1, 0) sees no key
+  mask[1, 0, 0] = False  # row (1, 0) sees no key
   mask = jnp.asarray(mask)
   w = rng.standard_normal((b, t, n, h))
   core = BF16_UNITS.dense_core(q, kk, v)
   assert core is cpu_attention.rowmajor_attention
 
   def loss(q_, k_, v_, b_):
-    out = ops.dot_product_attention(q_, k_, v_, bias=b_, mask=mask, causal=causal,
-                                    implementation="xla", dense_core=core)
+    out = ops.dot_product_attention(
+      q_, k_, v_, bias=b_, mask=mask, causal=causal, implementation="xla", dense_core=core
+    )
     return jnp.sum(out.astype(jnp.float32) * jnp.asarray(w, jnp.float32)), out
 
   grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
@@ -52,7 +53,7 @@ def test_bf16_rowmajor_core_matches_float64(n, k, causal, h):
     scale = np.abs(ref).max()
     err = np.abs(np.asarray(g, np.float32) - ref).max()
     assert err <= 2e-2 * scale, (name, err, scale)
-  assert np.all(np.asarray(out, np.float32)[1, 0, 0] == 0.0)   # the row with no key
+  assert np.all(np.asarray(out, np.float32)[1, 0, 0] == 0.0)  # the row with no key
   # Every product stays bfloat16 in XLA:CPU's kernel.
   assert_bf16_dots_in_library_kernel(grad.lower(q, kk, v, bias).compile().as_text(), 6)
 
@@ -68,7 +69,7 @@ def test_bf16_rowmajor_core_only_where_its_copies_exist():
   assert not cpu_attention.rowmajor_core_takes(q, kk, v, bf16_units=False)
   assert BF16_UNITS.dense_core(q, kk, v) is cpu_attention.rowmajor_attention
   assert CpuBackend(bf16_units=False).dense_core(q, kk, v) is None
-  for platform in ("gpu", "tpu"):   # the CPU core is never given elsewhere
+  for platform in ("gpu", "tpu"):  # the CPU core is never given elsewhere
     assert backends.for_platform(platform).dense_core(q, kk, v) is None
 
 
@@ -76,15 +77,18 @@ def test_the_table_keeps_bf16_dense_past_the_chunked_threshold(monkeypatch):
   # Where the row-major core runs (bfloat16, bf16 units), the backend's choice stays "xla" past
   # AUTO_CHUNKED_MIN_TS while the weights fit AUTO_DENSE_BF16_MAX_BYTES, and without dropout.
   monkeypatch.setattr(dispatch, "AUTO_CHUNKED_MIN_TS", 6 * 8)
-  monkeypatch.setattr(CpuBackend, "chunk_block", 4)   # several blocks of the short inputs
+  monkeypatch.setattr(CpuBackend, "chunk_block", 4)  # several blocks of the short inputs
   q, kk, v = make_qkv(53, b=2, t=6, s=8, n=4, k=2, dtype=jnp.bfloat16)
+
   def attend(q_, k_, v_, **kw):
-    return np.asarray(jax.jit(
-        lambda q_, k_, v_: BF16_UNITS.attention(q_, k_, v_, causal=True, **kw))(q_, k_, v_),
-        np.float32)
+    return np.asarray(
+      jax.jit(lambda q_, k_, v_: BF16_UNITS.attention(q_, k_, v_, causal=True, **kw))(q_, k_, v_),
+      np.float32,
+    )
+
   xla = attend(q, kk, v, implementation="xla")
   by_blocks = attend(q, kk, v, implementation="chunked")
-  assert not np.array_equal(xla, by_blocks)     # the kernels round bfloat16 differently
+  assert not np.array_equal(xla, by_blocks)  # the kernels round bfloat16 differently
   np.testing.assert_array_equal(attend(q, kk, v), xla)
   monkeypatch.setattr(dispatch, "AUTO_DENSE_BF16_MAX_BYTES", 2 * 4 * 6 * 8 * 2 - 1)
   np.testing.assert_array_equal(attend(q, kk, v), by_blocks)

@@ -27,20 +27,27 @@ from tests.backends.cpu.test_matmul import _dots, assert_bf16_dots_in_library_ke
 
 # Every einsum form the models' projections use: (einsum, x shape, kernel shape, bias shape).
 FORMS = [
-    ("BTD,DNH->BTNH", (3, 2, 8), (8, 4, 5), (4, 5)),      # query
-    ("BSD,DKH->BSKH", (3, 2, 8), (8, 2, 5), None),        # key/value (GQA), no bias
-    ("BTNH,NHD->BTD", (3, 2, 4, 5), (4, 5, 8), (8,)),     # attention output
-    ("BTD,DF->BTF", (3, 2, 8), (8, 12), (12,)),           # MLP up/gate
-    ("BTF,FD->BTD", (3, 2, 12), (12, 8), None),           # MLP down
+  ("BTD,DNH->BTNH", (3, 2, 8), (8, 4, 5), (4, 5)),  # query
+  ("BSD,DKH->BSKH", (3, 2, 8), (8, 2, 5), None),  # key/value (GQA), no bias
+  ("BTNH,NHD->BTD", (3, 2, 4, 5), (4, 5, 8), (8,)),  # attention output
+  ("BTD,DF->BTF", (3, 2, 8), (8, 12), (12,)),  # MLP up/gate
+  ("BTF,FD->BTD", (3, 2, 12), (12, 8), None),  # MLP down
 ]
 
 
 def projection(einsum, kernel_shape, bias_shape, dtype=jnp.float32, backend=None):
-  proj = Projection(einsum, kernel_shape, ("embed",) * len(kernel_shape),
-                    bias_shape=bias_shape, bias_axes=None if bias_shape is None else
-                    ("embed",) * len(bias_shape), init_std=1.0, dtype=dtype,
-                    param_dtype=jnp.float32, rngs=nnx.Rngs(0),
-                    backend=backend or CpuBackend())
+  proj = Projection(
+    einsum,
+    kernel_shape,
+    ("embed",) * len(kernel_shape),
+    bias_shape=bias_shape,
+    bias_axes=None if bias_shape is None else ("embed",) * len(bias_shape),
+    init_std=1.0,
+    dtype=dtype,
+    param_dtype=jnp.float32,
+    rngs=nnx.Rngs(0),
+    backend=backend or CpuBackend(),
+  )
   if bias_shape is not None:
     proj.bias[...] = jax.random.normal(jax.random.key(1), bias_shape)
   return proj
@@ -48,14 +55,16 @@ def projection(einsum, kernel_shape, bias_shape, dtype=jnp.float32, backend=None
 
 def in_decode_layout(proj: Projection, threads: int | None = None) -> None:
   """``proj``'s kernel replaced by its backend's decoding layout (as ``Stack.split_layers``)."""
-  proj.kernel = proj.backend.decode_layout(proj.kernel, n_in=proj.contracted_dims(),
-                                           dtype=proj.dtype, threads=threads)
+  proj.kernel = proj.backend.decode_layout(
+    proj.kernel, n_in=proj.contracted_dims(), dtype=proj.dtype, threads=threads
+  )
 
 
 @only_on("cpu", "the decoding layout (XLA:CPU's matrix-vector products)")
 @pytest.mark.parametrize("einsum,x_shape,kernel_shape,bias_shape", FORMS)
-def test_decode_layout_projection_equals_float64_reference(einsum, x_shape, kernel_shape,
-                                                           bias_shape):
+def test_decode_layout_projection_equals_float64_reference(
+  einsum, x_shape, kernel_shape, bias_shape
+):
   proj = projection(einsum, kernel_shape, bias_shape)
   x = np.random.default_rng(0).standard_normal(x_shape).astype(np.float32)
   kernel = np.asarray(proj.kernel[...], np.float64)
@@ -89,12 +98,12 @@ def test_decode_layout_is_the_cpu_backends_alone(platform):
 def test_embed_attend_equals_float64_reference_and_differentiates(rows):
   b, t = rows
   assert (b * t <= SKINNY_ROWS) == (rows != (4, 20))
-  embed = Embed(50, 8, init_std=1.0, dtype=jnp.float32, param_dtype=jnp.float32,
-                rngs=nnx.Rngs(0))
+  embed = Embed(50, 8, init_std=1.0, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
   table = np.asarray(embed.embedding[...], np.float64)
   x = np.random.default_rng(1).standard_normal((b, t, 8)).astype(np.float32)
-  np.testing.assert_allclose(np.asarray(embed.attend(x)), x.astype(np.float64) @ table.T,
-                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(
+    np.asarray(embed.attend(x)), x.astype(np.float64) @ table.T, rtol=1e-5, atol=1e-5
+  )
   # Gradients through the weight-first product (optimization barrier included) equal the
   # closed form of sum(w * x E^T): dE = w^T x, dx = w E.
   w = np.random.default_rng(2).standard_normal((b, t, 50)).astype(np.float32)
@@ -105,10 +114,13 @@ def test_embed_attend_equals_float64_reference_and_differentiates(rows):
 
   d_state, d_x = jax.grad(loss, argnums=(0, 1))(state, x)
   w64 = w.astype(np.float64).reshape(-1, 50)
-  np.testing.assert_allclose(np.asarray(d_state["embedding"][...]),
-                             w64.T @ x.astype(np.float64).reshape(-1, 8), rtol=1e-4, atol=1e-4)
-  np.testing.assert_allclose(np.asarray(d_x), (w64 @ table).reshape(b, t, 8), rtol=1e-4,
-                             atol=1e-4)
+  np.testing.assert_allclose(
+    np.asarray(d_state["embedding"][...]),
+    w64.T @ x.astype(np.float64).reshape(-1, 8),
+    rtol=1e-4,
+    atol=1e-4,
+  )
+  np.testing.assert_allclose(np.asarray(d_x), (w64 @ table).reshape(b, t, 8), rtol=1e-4, atol=1e-4)
 
 
 @only_on("cpu", "the decoding layout (XLA:CPU's matrix-vector products)")
@@ -116,8 +128,11 @@ def test_split_layers_puts_every_projection_in_decode_layout_and_leaves_the_mode
   model = gpt_model("llama-rope-gqa")
   layers = model.split_layers()
   assert len(layers) == model.config.num_layers
-  kernels = [v for v in jax.tree.leaves(layers, is_leaf=lambda v: isinstance(v, nnx.Variable))
-             if isinstance(v, OutInKernel)]
+  kernels = [
+    v
+    for v in jax.tree.leaves(layers, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    if isinstance(v, OutInKernel)
+  ]
   # query, key, value, out, and the gated MLP's gate, up and down: 7 per layer
   assert len(kernels) == 7 * model.config.num_layers
   for _, node in nnx.iter_graph(model):
@@ -150,8 +165,9 @@ def test_bf16_weight_first_sums_in_float32_in_the_library_kernel(rows, monkeypat
   # A bfloat16 prompt (2+ rows) multiplies weight-first in YNNPACK's bf16 kernel: XLA would upcast
   # both operands of a bfloat16-result dot to float32. One row (a decoding step) keeps that
   # float32 matrix-vector product on the upcast weights.
-  monkeypatch.setattr(matmul, "bf16_products_native",
-                      lambda dtype: jnp.dtype(dtype) == jnp.bfloat16)
+  monkeypatch.setattr(
+    matmul, "bf16_products_native", lambda dtype: jnp.dtype(dtype) == jnp.bfloat16
+  )
   k1, k2 = jax.random.split(jax.random.key(0))
   w = jax.random.normal(k1, (96, 64), jnp.float32).astype(jnp.bfloat16)
   x = jax.random.normal(k2, (rows, 64), jnp.float32).astype(jnp.bfloat16)
@@ -178,18 +194,33 @@ def xla_gemv_blocks(rows, cols, tmp_path):
   ``W[rows, cols] @ x`` (one row of x), read from the compiled code."""
   out = tmp_path / f"dump_{rows}_{cols}"
   jax.jit(cpu_decode.weight_first).lower(jnp.ones((rows, cols)), jnp.ones((1, cols))).compile(
-      compiler_options={"xla_dump_to": str(out)})
+    compiler_options={"xla_dump_to": str(out)}
+  )
   found = set()
   for path in glob.glob(str(out / "*.ll")):
-    found |= {int(b) for r, c, b in re.findall(r"row_major_gemv_F32_\d+_\d+_(\d+)_(\d+)_(\d+)",
-                                               open(path).read()) if (int(r), int(c)) == (rows, cols)}
+    found |= {
+      int(b)
+      for r, c, b in re.findall(r"row_major_gemv_F32_\d+_\d+_(\d+)_(\d+)_(\d+)", open(path).read())
+      if (int(r), int(c)) == (rows, cols)
+    }
   assert len(found) == 1, f"no single row_major_gemv kernel for {rows}x{cols}: {found}"
   return found.pop()
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's own kernel")
-@pytest.mark.parametrize("rows,cols", [(680, 768), (700, 768), (768, 768), (1536, 768),
-                                       (3072, 768), (768, 3072), (256, 3072), (6144, 768)])
+@pytest.mark.parametrize(
+  "rows,cols",
+  [
+    (680, 768),
+    (700, 768),
+    (768, 768),
+    (1536, 768),
+    (3072, 768),
+    (768, 3072),
+    (256, 3072),
+    (6144, 768),
+  ],
+)
 def test_gemv_blocks_is_how_xla_cpu_cuts_a_matrix_vector_product(rows, cols, tmp_path):
   # The rule decode_pieces relies on, checked against this jaxlib's compiled kernels: a change
   # in XLA shows up here, not as a slower decoding loop.
@@ -203,11 +234,16 @@ def test_decode_pieces_make_every_piece_share_evenly():
   assert cpu_decode.decode_pieces(768, 1, 3072 * 4, 2) == 3
   assert cpu_decode.decode_pieces(768, 1, 768 * 4, 2) == 1
   assert cpu_decode.decode_pieces(4096, 1, 4096 * 4, 2) == 1
-  assert cpu_decode.decode_pieces(3072, 1, 768 * 4, 1) == 1       # one thread: nothing to share
-  assert cpu_decode.decode_pieces(3072, 1, 768 * 4, 16) == 1      # more threads than blocks
-  assert cpu_decode.decode_pieces(100, 1, 768 * 4, 2) == 1        # small: one block
-  for lead, rest, row_bytes in [(3072, 1, 768 * 4), (768, 1, 3072 * 4), (12, 256, 768 * 4),
-                                (5120, 1, 1024 * 4), (2816, 1, 1024 * 4)]:
+  assert cpu_decode.decode_pieces(3072, 1, 768 * 4, 1) == 1  # one thread: nothing to share
+  assert cpu_decode.decode_pieces(3072, 1, 768 * 4, 16) == 1  # more threads than blocks
+  assert cpu_decode.decode_pieces(100, 1, 768 * 4, 2) == 1  # small: one block
+  for lead, rest, row_bytes in [
+    (3072, 1, 768 * 4),
+    (768, 1, 3072 * 4),
+    (12, 256, 768 * 4),
+    (5120, 1, 1024 * 4),
+    (2816, 1, 1024 * 4),
+  ]:
     for threads in (2, 4):
       p = cpu_decode.decode_pieces(lead, rest, row_bytes, threads)
       blocks = cpu_decode.gemv_blocks(lead // p * rest * row_bytes)
@@ -217,13 +253,17 @@ def test_decode_pieces_make_every_piece_share_evenly():
 
 
 @only_on("cpu", "the decoding layout (XLA:CPU's matrix-vector products)")
-@pytest.mark.parametrize("einsum,x_shape,kernel_shape,bias_shape", [
-    ("BTF,FD->BTD", (1, 1, 3072), (3072, 768), (768,)),     # GPT-2 small's MLP down projection
-    ("BTF,FD->BTD", (3, 2, 3072), (3072, 768), None),       # several rows
+@pytest.mark.parametrize(
+  "einsum,x_shape,kernel_shape,bias_shape",
+  [
+    ("BTF,FD->BTD", (1, 1, 3072), (3072, 768), (768,)),  # GPT-2 small's MLP down projection
+    ("BTF,FD->BTD", (3, 2, 3072), (3072, 768), None),  # several rows
     ("BTD,DNH->BTNH", (1, 1, 768), (768, 12, 256), (12, 256)),  # cut along the heads
-])
-def test_decode_layout_in_pieces_equals_float64_reference(einsum, x_shape, kernel_shape,
-                                                          bias_shape):
+  ],
+)
+def test_decode_layout_in_pieces_equals_float64_reference(
+  einsum, x_shape, kernel_shape, bias_shape
+):
   proj = projection(einsum, kernel_shape, bias_shape)
   x = np.random.default_rng(0).standard_normal(x_shape).astype(np.float32)
   want = np.einsum(einsum, x.astype(np.float64), np.asarray(proj.kernel[...], np.float64))
@@ -263,8 +303,11 @@ def test_generate_with_kernels_in_pieces_equals_naive_greedy(monkeypatch):
   decode._DECODE_LAYERS.pop(graphdef, None)
   try:
     layers = decode.decode_layers(graphdef, params)
-    cut = [v for v in jax.tree.leaves(layers, is_leaf=lambda v: isinstance(v, nnx.Variable))
-           if isinstance(v, OutInPieces)]
+    cut = [
+      v
+      for v in jax.tree.leaves(layers, is_leaf=lambda v: isinstance(v, nnx.Variable))
+      if isinstance(v, OutInPieces)
+    ]
     assert [len(v.get_value()) for v in cut] == [4] * 4  # up and down, 2 layers
     prompts = random_prompts(5, [3, 6])
     got = np.asarray(generate.generate(model, prompts, max_new_tokens=5))
@@ -273,8 +316,9 @@ def test_generate_with_kernels_in_pieces_equals_naive_greedy(monkeypatch):
     one = np.asarray(generate.generate(model, prompts[:1], max_new_tokens=5))  # one row
     assert one[0].tolist() == naive_greedy(model, prompts[0], 5)
     # tjax generate's streaming path reads the same split layers
-    streamed = np.concatenate(list(stream_generate(model, prompts[:1], max_new_tokens=5,
-                                                   chunk_size=2)), axis=1)
+    streamed = np.concatenate(
+      list(stream_generate(model, prompts[:1], max_new_tokens=5, chunk_size=2)), axis=1
+    )
     assert streamed[0].tolist() == one[0].tolist()
   finally:
     decode._layer_splitter.cache_clear()

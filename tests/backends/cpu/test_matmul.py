@@ -11,7 +11,7 @@ import pytest
 from transformer_jax.backends.cpu import matmul
 from tests.backends import only_on
 
-BF16_EPS = 2.0**-8   # bfloat16's unit roundoff
+BF16_EPS = 2.0**-8  # bfloat16's unit roundoff
 
 
 def _bf16(a):
@@ -23,7 +23,7 @@ def _inputs(seed, m=24, k=40, n=16, transpose_w=False):
   rng = np.random.default_rng(seed)
   x = rng.standard_normal((2, m // 2, k)).astype(np.float32)
   w = (rng.standard_normal((n, k) if transpose_w else (k, n)) / np.sqrt(k)).astype(np.float32)
-  c = rng.standard_normal((2, m // 2, n)).astype(np.float32)   # d(loss)/d(y)
+  c = rng.standard_normal((2, m // 2, n)).astype(np.float32)  # d(loss)/d(y)
   return x, w, c
 
 
@@ -46,7 +46,7 @@ def test_bf16_matmul_and_gradients_match_float64(transpose_w):
   xb, wb, cb = _bf16(x).reshape(24, 40), _bf16(w), _bf16(c).reshape(24, 16)
   w_kn = wb.T if transpose_w else wb
   y_ref = xb @ w_kn
-  dx_ref = cb @ w_kn.T                  # dy is taken in bfloat16, as the kernel does
+  dx_ref = cb @ w_kn.T  # dy is taken in bfloat16, as the kernel does
   dw_ref = xb.T @ cb
   # The product of bfloat16 operands, accumulated in float32: only float32 rounding.
   assert _rel(y.reshape(24, 16), y_ref) < 1e-5
@@ -68,9 +68,9 @@ def test_bias_is_added_in_float32_and_its_gradient_is_the_column_sums(transpose_
   (_, y), (dx, dw, db) = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, w, b)
   chex.assert_type([y, db], [jnp.bfloat16, jnp.float32])
   xb, wb, cb = _bf16(x).reshape(24, 40), _bf16(w), _bf16(c).reshape(24, 16)
-  y_ref = xb @ (wb.T if transpose_w else wb) + b   # one rounding, after the bias
+  y_ref = xb @ (wb.T if transpose_w else wb) + b  # one rounding, after the bias
   assert _rel(np.asarray(y, np.float64).reshape(24, 16), y_ref) < BF16_EPS
-  assert _rel(db, cb.sum(0)) < 1e-6                # column sums of the bf16 output gradient
+  assert _rel(db, cb.sum(0)) < 1e-6  # column sums of the bf16 output gradient
   with pytest.raises(ValueError, match=r"bias.shape=\(3,\)"):
     matmul.matmul(x, w, dtype=jnp.bfloat16, transpose_w=transpose_w, bias=b[:3])
 
@@ -97,8 +97,9 @@ def test_float32_matmul_matches_float64():
   loss = lambda x, w: jnp.sum(matmul.matmul(x, w, dtype=jnp.float32) * c)  # noqa: E731
   dx, dw = jax.grad(loss, argnums=(0, 1))(x, w)
   x64, w64, c64 = (np.asarray(a, np.float64) for a in (x, w, c))
-  np.testing.assert_allclose(matmul.matmul(x, w, dtype=jnp.float32), x64 @ w64, rtol=1e-5,
-                             atol=1e-5)
+  np.testing.assert_allclose(
+    matmul.matmul(x, w, dtype=jnp.float32), x64 @ w64, rtol=1e-5, atol=1e-5
+  )
   np.testing.assert_allclose(dx, c64 @ w64.T, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(dw, np.einsum("btk,btn->kn", x64, c64), rtol=1e-5, atol=1e-4)
 
@@ -129,13 +130,18 @@ def _dots(hlo: str) -> list[tuple[str, list[str], str]]:
       comps[current].append(line)
   found = []
   for name, lines in comps.items():
-    types = {m.group(1): m.group(2)
-             for l in lines if (m := re.match(r"\s*(?:ROOT )?%(\S+) = (\S+) ", l))}
+    types = {
+      m.group(1): m.group(2) for l in lines if (m := re.match(r"\s*(?:ROOT )?%(\S+) = (\S+) ", l))
+    }
     for line in lines:
       if " dot(" in line:
         operands = re.search(r" dot\(([^)]*)\)", line).group(1).replace("%", "").split(", ")
-        callers = [l for ls in comps.values() for l in ls
-                   if re.search(rf"calls=%{re.escape(name)}(,|\s|$)", l)]
+        callers = [
+          l
+          for ls in comps.values()
+          for l in ls
+          if re.search(rf"calls=%{re.escape(name)}(,|\s|$)", l)
+        ]
         found.append((line, [types[o] for o in operands], callers[0] if callers else ""))
   return found
 
@@ -162,13 +168,16 @@ def test_every_bf16_dot_stays_bf16_in_the_library_kernel(transpose_w, with_bias)
   b = jnp.zeros((n,), jnp.float32) if with_bias else None
 
   def loss(x, w, b):
-    return jnp.sum(matmul.matmul(x, w, dtype=jnp.bfloat16, out_dtype=jnp.float32,
-                                 transpose_w=transpose_w, bias=b))
+    return jnp.sum(
+      matmul.matmul(
+        x, w, dtype=jnp.bfloat16, out_dtype=jnp.float32, transpose_w=transpose_w, bias=b
+      )
+    )
 
   # The value keeps the forward dot; the bias adds the dot of its gradient.
   grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
   assert_bf16_dots_in_library_kernel(grad.lower(x, w, b).compile().as_text(), 3 + with_bias)
-  value, (dx, dw, db) = grad(x, w, b)   # runs: no dot was left to a kernel without bfloat16 support
+  value, (dx, dw, db) = grad(x, w, b)  # runs: no dot was left to a kernel without bfloat16 support
   assert float(value) == m * k * n
   np.testing.assert_allclose(dx, np.full((m, k), n), rtol=1e-6)
   np.testing.assert_allclose(dw, np.full(w.shape, m), rtol=1e-6)
@@ -189,6 +198,7 @@ def test_scanned_layers_stack_bf16_residuals_in_place_as_bits():
   def loss(ws, x):
     def layer(h, w):
       return matmul.matmul(h, w, dtype=jnp.bfloat16)[:, :16], None
+
     return jnp.sum(jax.lax.scan(layer, x, ws)[0].astype(jnp.float32) ** 2)
 
   hlo = jax.jit(jax.grad(loss)).lower(ws, x).compile().as_text()

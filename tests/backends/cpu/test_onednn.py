@@ -24,6 +24,7 @@ from tests.ops.test_attention import attention_ref
 
 CPU = backends.for_platform("cpu")
 
+
 @only_on("cpu", "XLA:CPU's oneDNN products")
 def test_steps_with_onednn_products_are_compiled_each_run_without_a_warning(tmp_path):
   """This jaxlib cannot serialize oneDNN products, so the cache cannot keep such a step: every
@@ -69,8 +70,13 @@ def test_steps_with_onednn_products_are_compiled_each_run_without_a_warning(tmp_
   """)
   env = {**os.environ, "TJAX_COMPILATION_CACHE": ""}
   for _ in range(2):
-    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "xla")], env=env,
-                         check=True, capture_output=True, text=True).stdout.split()
+    out = subprocess.run(
+      [sys.executable, "-c", script, str(tmp_path / "xla")],
+      env=env,
+      check=True,
+      capture_output=True,
+      text=True,
+    ).stdout.split()
     if out[0] == "False":
       pytest.skip("this jaxlib does not take the oneDNN options")
     assert out == ["True", "0", "1", "True", "True"]
@@ -104,9 +110,10 @@ def test_bfloat16_step_on_bf16_units_has_no_onednn_product_and_serializes(monkey
 
   if not CPU.step_compiler_options():
     pytest.skip("this jaxlib does not take the oneDNN options")
-  monkeypatch.setattr(cpu_matmul, "bf16_products_native",
-                      lambda dtype: jnp.dtype(dtype) == jnp.bfloat16)
-  monkeypatch.setattr(hardware, "has_bf16_units", lambda: True)   # the CPU backend's bf16 units
+  monkeypatch.setattr(
+    cpu_matmul, "bf16_products_native", lambda dtype: jnp.dtype(dtype) == jnp.bfloat16
+  )
+  monkeypatch.setattr(hardware, "has_bf16_units", lambda: True)  # the CPU backend's bf16 units
   config = models.get_config("gpt2-tiny", dtype="bfloat16")
   batch, task = bench_train.random_batch(config, 2, 64, 0)
   step = bench_train.Ours(config, batch, task, 1e-4, 0).step_fn
@@ -117,8 +124,11 @@ def test_bfloat16_step_on_bf16_units_has_no_onednn_product_and_serializes(monkey
 
 def test_steps_give_their_products_to_onednn_on_cpu_only(monkeypatch):
   options = {p: backends.for_platform(p).step_compiler_options() for p in ("cpu", "gpu", "tpu")}
-  assert options == {"cpu": onednn.ONEDNN_DOTS, "gpu": dict(compile_lib.GPU_STEP_OPTIONS),
-                     "tpu": {}}
+  assert options == {
+    "cpu": onednn.ONEDNN_DOTS,
+    "gpu": dict(compile_lib.GPU_STEP_OPTIONS),
+    "tpu": {},
+  }
   assert onednn.step_options("gpu") == onednn.step_options("tpu") == {}
   # A copy: a caller's change does not reach the next caller.
   CPU.step_compiler_options()["xla_cpu_use_onednn"] = False
@@ -126,7 +136,10 @@ def test_steps_give_their_products_to_onednn_on_cpu_only(monkeypatch):
   # The table's options go over the backend's own.
   table = backends.KernelTable(step_options={"xla_cpu_use_onednn": False, "xla_cpu_x": 1})
   assert backends.for_platform("cpu", table).step_compiler_options() == {
-      **onednn.ONEDNN_DOTS, "xla_cpu_use_onednn": False, "xla_cpu_x": 1}
+    **onednn.ONEDNN_DOTS,
+    "xla_cpu_use_onednn": False,
+    "xla_cpu_x": 1,
+  }
   monkeypatch.setenv("TJAX_ONEDNN", "0")
   assert CPU.step_compiler_options() == {}
 
@@ -144,10 +157,13 @@ def test_onednn_attention_and_its_gradients_match_float64_numpy():
     out = ops.dot_product_attention(q, k, v, causal=True, implementation="xla")
     return jnp.sum(out * jnp.asarray(w, jnp.float32))
 
-  compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile(
-      compiler_options=CPU.step_compiler_options())
+  compiled = (
+    jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    .lower(q, k, v)
+    .compile(compiler_options=CPU.step_compiler_options())
+  )
   CPU.hold(compiled, CPU.step_compiler_options())
-  assert "__onednn_fusion" in compiled.as_text()   # the products did go to oneDNN
+  assert "__onednn_fusion" in compiled.as_text()  # the products did go to oneDNN
   value, grads = compiled(q, k, v)
 
   def ref(q, k, v):
@@ -206,9 +222,9 @@ def test_held_steps_get_a_moment_at_exit_before_they_are_destroyed(monkeypatch):
   monkeypatch.setattr(onednn.atexit, "register", lambda *args: registered.append(args))
   for obj in ("a", "b", "c"):
     assert onednn.hold(obj, onednn.ONEDNN_DOTS) == obj
-  assert onednn.hold("d", None) == "d"   # built without the options: not held
+  assert onednn.hold("d", None) == "d"  # built without the options: not held
   assert list(onednn._HELD) == ["b", "c"]
-  assert registered == [(time.sleep, onednn.EXIT_WAIT_S)]   # once
+  assert registered == [(time.sleep, onednn.EXIT_WAIT_S)]  # once
 
 
 def test_a_held_jit_function_is_the_function_with_a_quiet_first_call(monkeypatch):
@@ -216,6 +232,6 @@ def test_a_held_jit_function_is_the_function_with_a_quiet_first_call(monkeypatch
   fn = jax.jit(lambda x: x * 2)
   held = onednn.hold(fn, onednn.ONEDNN_DOTS)
   assert isinstance(held, onednn.QuietFirstCall) and held.fn is fn and list(onednn._HELD) == [held]
-  assert onednn.hold(held, onednn.ONEDNN_DOTS) is held   # not wrapped twice
+  assert onednn.hold(held, onednn.ONEDNN_DOTS) is held  # not wrapped twice
   assert held.lower(1.0).compile()(3.0) == 6.0 and held(2.0) == 4.0 and held(5.0) == 10.0
   assert onednn.hold(fn, None) is fn and onednn.hold(fn, compile_lib.GPU_STEP_OPTIONS) is fn

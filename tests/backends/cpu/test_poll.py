@@ -9,6 +9,7 @@ import pytest
 
 from transformer_jax.backends.cpu import poll
 
+
 def _fds_on(path) -> int:
   """How many of this process's file descriptors are open on ``path``."""
   n = 0
@@ -53,7 +54,7 @@ def test_cpu_poll_does_nothing_when_not_requested_or_not_allowed(tmp_path, monke
     assert (req.held, req.requested) == (False, False) and "--cpu-poll" in req.reason
     assert _fds_on(device) == 0
   assert device.read_bytes() == b""
-  for missing in (tmp_path / "absent", tmp_path):   # no such file; a directory (cannot write)
+  for missing in (tmp_path / "absent", tmp_path):  # no such file; a directory (cannot write)
     monkeypatch.setattr(poll, "CPU_DMA_LATENCY", str(missing))
     with poll.cpu_poll_if(True) as req:
       assert req.requested and not req.held and str(missing) in req.reason
@@ -63,14 +64,17 @@ def test_cpu_poll_does_nothing_when_not_requested_or_not_allowed(tmp_path, monke
     assert not req.held and "not on CPU" in req.reason and _fds_on(device) == 0
 
 
-@pytest.mark.parametrize("flag, env, want", [
-    (None, {}, False),                      # off unless asked for
+@pytest.mark.parametrize(
+  "flag, env, want",
+  [
+    (None, {}, False),  # off unless asked for
     (None, {"TJAX_CPU_POLL": "1"}, True),
     (None, {"TJAX_CPU_POLL": "yes"}, True),
     (None, {"TJAX_CPU_POLL": "0"}, False),
-    (True, {}, True),                       # --cpu-poll
+    (True, {}, True),  # --cpu-poll
     (False, {"TJAX_CPU_POLL": "1"}, False),  # --no-cpu-poll over the environment
-])
+  ],
+)
 def test_cpu_poll_is_requested_by_the_flag_else_the_environment(flag, env, want):
   assert poll.requested(flag, env) is want
 

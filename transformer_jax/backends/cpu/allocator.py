@@ -20,15 +20,21 @@ import os
 import sys
 from typing import Callable, Mapping
 
-MALLOC_ENV = "TJAX_MALLOC"   # "0"/"system"/"glibc": keep the C library's malloc; "mimalloc": always
+MALLOC_ENV = "TJAX_MALLOC"  # "0"/"system"/"glibc": keep the C library's malloc; "mimalloc": always
 _OFF = ("0", "system", "glibc")
 _FORCED = ("mimalloc",)
 
 # The Python modules of JAX's accelerator plugins: when one can be imported, JAX computes on that
 # accelerator unless JAX_PLATFORMS says otherwise. ``jax_plugins`` is the namespace package every
 # PJRT plugin (CUDA, ROCm, Metal, ...) installs itself under.
-ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin",
-                       "jax_rocm7_plugin", "libtpu", "jax_plugins")
+ACCELERATOR_PLUGINS = (
+  "jax_cuda12_plugin",
+  "jax_cuda13_plugin",
+  "jax_rocm60_plugin",
+  "jax_rocm7_plugin",
+  "libtpu",
+  "jax_plugins",
+)
 
 # mimalloc keeps freed blocks for reuse up to about this size; XLA:CPU takes a step's temporaries
 # as one block, so a step whose temporaries pass it maps fresh memory at every call.
@@ -37,8 +43,11 @@ MIMALLOC_REUSE_LIMIT = 2000 << 20
 EXTRA_HINT = "pip install 'transformer-jax[cpu]'"
 
 
-def computes_on_cpu(environ: Mapping[str, str] | None = None, *,
-                    find_spec: Callable[[str], object] = importlib.util.find_spec) -> bool:
+def computes_on_cpu(
+  environ: Mapping[str, str] | None = None,
+  *,
+  find_spec: Callable[[str], object] = importlib.util.find_spec,
+) -> bool:
   """Whether a process started with ``environ`` will compute on CPU, decided before JAX starts.
 
   ``JAX_PLATFORMS``, when set, decides: its first platform is the one JAX computes on. Otherwise
@@ -83,8 +92,10 @@ def malloc_setting(environ: Mapping[str, str] | None = None) -> str:
   raw = env.get(MALLOC_ENV, "")
   setting = raw.strip().lower()
   if setting and setting not in _OFF + _FORCED:
-    raise ValueError(f"{MALLOC_ENV}={raw!r} must be one of {', '.join(map(repr, _OFF + _FORCED))}"
-                     " (or unset: mimalloc when the process computes on CPU)")
+    raise ValueError(
+      f"{MALLOC_ENV}={raw!r} must be one of {', '.join(map(repr, _OFF + _FORCED))}"
+      " (or unset: mimalloc when the process computes on CPU)"
+    )
   return setting
 
 
@@ -97,9 +108,11 @@ def _wants_mimalloc(env: Mapping[str, str], find_spec) -> bool:
   return setting in _FORCED or computes_on_cpu(env, find_spec=find_spec)
 
 
-def allocator_env(environ: Mapping[str, str] | None = None, *,
-                  find_spec: Callable[[str], object] = importlib.util.find_spec
-                  ) -> dict[str, str] | None:
+def allocator_env(
+  environ: Mapping[str, str] | None = None,
+  *,
+  find_spec: Callable[[str], object] = importlib.util.find_spec,
+) -> dict[str, str] | None:
   """The environment that runs this program again over mimalloc.
 
   Args:
@@ -128,16 +141,20 @@ def allocator_env(environ: Mapping[str, str] | None = None, *,
   return env
 
 
-def system_allocator_notice(environ: Mapping[str, str] | None = None, *,
-                            find_spec: Callable[[str], object] = importlib.util.find_spec
-                            ) -> str | None:
+def system_allocator_notice(
+  environ: Mapping[str, str] | None = None,
+  *,
+  find_spec: Callable[[str], object] = importlib.util.find_spec,
+) -> str | None:
   """The launcher's one line when a process that would run over mimalloc (``allocator_env``)
   cannot, because mimalloc is not installed; None otherwise."""
   env = os.environ if environ is None else environ
   if not _wants_mimalloc(env, find_spec) or mimalloc_path() is not None:
     return None
-  return (f"tjax: running on the system allocator; mimalloc makes CPU training steps faster "
-          f"({EXTRA_HINT}; {MALLOC_ENV}=system silences this)")
+  return (
+    f"tjax: running on the system allocator; mimalloc makes CPU training steps faster "
+    f"({EXTRA_HINT}; {MALLOC_ENV}=system silences this)"
+  )
 
 
 def allocator() -> str:
@@ -149,8 +166,9 @@ def allocator() -> str:
   return "glibc"
 
 
-def scratch_notice(temp_bytes: int | None, *, platform: str, malloc: str,
-                   limit: int | None = None) -> str | None:
+def scratch_notice(
+  temp_bytes: int | None, *, platform: str, malloc: str, limit: int | None = None
+) -> str | None:
   """A one-line notice when one compiled step's temporaries are larger than what mimalloc keeps
   for reuse on CPU.
 
@@ -168,7 +186,9 @@ def scratch_notice(temp_bytes: int | None, *, platform: str, malloc: str,
     return None
   if temp_bytes <= limit:
     return None
-  return (f"notice: one training step needs {temp_bytes / 2**30:.2f} GiB of temporaries, more "
-          f"than the {limit / 2**30:.2f} GiB that mimalloc reuses between steps on "
-          "CPU, so every step maps fresh memory (it can double the step's time); "
-          "train.microbatches or a smaller train.batch_size brings it under")
+  return (
+    f"notice: one training step needs {temp_bytes / 2**30:.2f} GiB of temporaries, more "
+    f"than the {limit / 2**30:.2f} GiB that mimalloc reuses between steps on "
+    "CPU, so every step maps fresh memory (it can double the step's time); "
+    "train.microbatches or a smaller train.batch_size brings it under"
+  )

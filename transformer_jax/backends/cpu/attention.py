@@ -39,12 +39,22 @@ def rowmajor_core_takes(q, k, v, *, bf16_units: bool) -> bool:
   copies split by). Reads shapes and dtypes only."""
   t, s = q.shape[1], k.shape[1]
   m = t * (q.shape[2] // k.shape[2])
-  return (q.dtype == k.dtype == v.dtype == jnp.bfloat16 and bf16_units
-          and all(matmul.small_factor(d) is not None for d in (m, s)))
+  return (
+    q.dtype == k.dtype == v.dtype == jnp.bfloat16
+    and bf16_units
+    and all(matmul.small_factor(d) is not None for d in (m, s))
+  )
 
 
-def rowmajor_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, bias: jax.Array | None,
-                       mask: jax.Array | None, scale: float) -> jax.Array:
+def rowmajor_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  *,
+  bias: jax.Array | None,
+  mask: jax.Array | None,
+  scale: float,
+) -> jax.Array:
   """``softmax(scale * q k^T + bias, masked) v`` through the row-major core.
 
   Args:
@@ -93,7 +103,7 @@ def _rowmajor_core(q_RMH, k_RSH, v_RSH, bias, mask, scale: float, b: int, t: int
 def _rowmajor_core_fwd(q_RMH, k_RSH, v_RSH, bias, mask, scale, b, t):
   r, m, _ = q_RMH.shape
   s = k_RSH.shape[1]
-  if math.frexp(scale)[0] == 0.5:   # a power of two (1 / sqrt(64)): exact on q, no pass of its own
+  if math.frexp(scale)[0] == 0.5:  # a power of two (1 / sqrt(64)): exact on q, no pass of its own
     logits_RMS = _products("RMH,RSH->RMS", q_RMH * jnp.asarray(scale, q_RMH.dtype), k_RSH)
   else:
     logits_RMS = _products("RMH,RSH->RMS", q_RMH, k_RSH) * jnp.float32(scale)
@@ -113,16 +123,19 @@ def _rowmajor_core_bwd(scale, b, t, res, dout_RMH):
   dp_RMS = _products("RMH,RSH->RMS", dout_RMH, v_RSH)
   delta_RM1 = output_delta(dout_RMH, out_RMH, keepdims=True)
   ds_RMS = p_RMS.astype(jnp.float32) * (dp_RMS - delta_RM1)  # masked entries have p = 0
-  dbias = (None if bias is None else
-           sum_to(ds_RMS.reshape(b, -1, t, s), bias.shape).astype(bias.dtype))
+  dbias = (
+    None if bias is None else sum_to(ds_RMS.reshape(b, -1, t, s), bias.shape).astype(bias.dtype)
+  )
   # The scale goes on the two small products' results: on dS, XLA:CPU would materialize a
   # [R, M, S] array of it for YNNPACK's fusion.
   ds_RMS = ds_RMS.astype(q_RMH.dtype)
   dq_RHM = _products("RHS,RMS->RHM", matmul.transposed(k_RSH), ds_RMS) * jnp.float32(scale)
   dk_RHS = _products("RHM,RMS->RHS", matmul.transposed(q_RMH), ds_RMS) * jnp.float32(scale)
   dmask = None if mask is None else np.zeros(mask.shape, jax.dtypes.float0)
+
   def back(x_RAB, like):
     return matmul.transposed(x_RAB.astype(like.dtype))
+
   return back(dq_RHM, q_RMH), back(dk_RHS, k_RSH), back(dv_RHS, v_RSH), dbias, dmask
 
 

@@ -50,6 +50,7 @@ class CpuBackend(Backend):
       ``hardware.has_bf16_units``): bfloat16 products then run natively, in the layouts
       ``matmul`` keeps.
   """
+
   bf16_units: bool = False
 
   platform = "cpu"
@@ -74,12 +75,12 @@ class CpuBackend(Backend):
       # One [rows, in] @ [in, out] product, bias included (added in float32); the reshapes are
       # free: the contracted dims close x and lead the kernel.
       w = value(kernel)
-      lead, k_in, out = x.shape[:x.ndim - n_in], math.prod(w.shape[:n_in]), w.shape[n_in:]
+      lead, k_in, out = x.shape[: x.ndim - n_in], math.prod(w.shape[:n_in]), w.shape[n_in:]
       b = None if bias is None else value(bias).reshape(-1)
-      return matmul.matmul(x.reshape(*lead, k_in), w.reshape(k_in, -1), dtype=dtype,
-                           bias=b).reshape(*lead, *out)
-    return super().project(x, kernel, bias, einsum=einsum, n_in=n_in, dtype=dtype,
-                           merged=merged)
+      return matmul.matmul(
+        x.reshape(*lead, k_in), w.reshape(k_in, -1), dtype=dtype, bias=b
+      ).reshape(*lead, *out)
+    return super().project(x, kernel, bias, einsum=einsum, n_in=n_in, dtype=dtype, merged=merged)
 
   def vocab_head(self, x_BTD, table, dtype):
     x_BTD = x_BTD.astype(dtype)
@@ -92,14 +93,16 @@ class CpuBackend(Backend):
       return decode.weight_first(table_VD, x_BTD.reshape(b * t, d)).reshape(b, t, -1)
     if self.native(dtype):
       # The logits kept in float32.
-      return matmul.matmul(x_BTD, value(table), dtype=dtype, out_dtype=jnp.float32,
-                           transpose_w=True)
+      return matmul.matmul(
+        x_BTD, value(table), dtype=dtype, out_dtype=jnp.float32, transpose_w=True
+      )
     return jnp.einsum("BTD,VD->BTV", x_BTD, table_VD)
 
   def linear_cross_entropy(self, x_ND, w, labels_N, weights_N=None, **kwargs):
     # A row-major copy of the small x chunk keeps a bfloat16 product in XLA:CPU's bf16 kernel.
-    return ops.linear_cross_entropy(x_ND, w, labels_N, weights_N, x_transposed=matmul.transposed,
-                                    **kwargs)
+    return ops.linear_cross_entropy(
+      x_ND, w, labels_N, weights_N, x_transposed=matmul.transposed, **kwargs
+    )
 
   def activate(self, activation, x, up=None, *, dtype):
     if self.native(dtype):
@@ -143,8 +146,9 @@ class CpuBackend(Backend):
     with self.compiling():
       if setting != "auto":
         return setting, compile_step(setting)
-      return microbatches.resolve_auto(compile_step, batch_size, n_batch, platform="cpu",
-                                       malloc=allocator.allocator())
+      return microbatches.resolve_auto(
+        compile_step, batch_size, n_batch, platform="cpu", malloc=allocator.allocator()
+      )
 
   def scratch_notice(self, temp_bytes):
     return allocator.scratch_notice(temp_bytes, platform="cpu", malloc=allocator.allocator())
@@ -155,13 +159,14 @@ class CpuBackend(Backend):
     global _warned_bf16
     if str(jnp.dtype(dtype)) != "bfloat16" or self.bf16_units:
       return None
-    text = (f"dtype=bfloat16 on {hardware.cpu_name() or 'this CPU'}, which has no bfloat16 "
-            "matrix instructions (avx512_bf16/amx_bf16): XLA converts every bfloat16 dot to "
-            "float32 and back, so this runs slower than dtype=float32 (about 0.6x the matmul "
-            "rate here); use float32 on this machine, bfloat16 on CPUs with AVX-512 BF16 or AMX, "
-            "or on accelerators.")
+    text = (
+      f"dtype=bfloat16 on {hardware.cpu_name() or 'this CPU'}, which has no bfloat16 "
+      "matrix instructions (avx512_bf16/amx_bf16): XLA converts every bfloat16 dot to "
+      "float32 and back, so this runs slower than dtype=float32 (about 0.6x the matmul "
+      "rate here); use float32 on this machine, bfloat16 on CPUs with AVX-512 BF16 or AMX, "
+      "or on accelerators."
+    )
     if not _warned_bf16:
       _warned_bf16 = True
       warnings.warn(text, stacklevel=3)
     return text
-

@@ -67,10 +67,15 @@ def weight_first_pieces(ws_OI: Sequence[jax.Array], x_RI: jax.Array) -> jax.Arra
   there.
   """
   dims = (((1,), (1,)), ((), ()))
-  if x_RI.shape[0] >= 2 and matmul.bf16_products_native(x_RI.dtype) and all(
-      w.dtype == x_RI.dtype for w in ws_OI):
-    ys_OR = [jax.lax.dot_general(w, x_RI, dims, preferred_element_type=jnp.float32
-                                 ).astype(x_RI.dtype) for w in ws_OI]
+  if (
+    x_RI.shape[0] >= 2
+    and matmul.bf16_products_native(x_RI.dtype)
+    and all(w.dtype == x_RI.dtype for w in ws_OI)
+  ):
+    ys_OR = [
+      jax.lax.dot_general(w, x_RI, dims, preferred_element_type=jnp.float32).astype(x_RI.dtype)
+      for w in ws_OI
+    ]
   else:
     ys_OR = [jax.lax.dot_general(w, x_RI, dims) for w in ws_OI]
   return jnp.concatenate(jax.lax.optimization_barrier(ys_OR), axis=0).T
@@ -130,11 +135,15 @@ def out_in_kernel(kernel: jax.Array, n_in: int, dtype, threads: int | None = Non
   pieces = 1
   if kernel.dtype == jnp.float32 and jnp.dtype(dtype) == jnp.float32:
     n_out = kernel.ndim - n_in
-    pieces = decode_pieces(kernel.shape[0], math.prod(kernel.shape[1:n_out]),
-                           math.prod(kernel.shape[n_out:]) * kernel.dtype.itemsize,
-                           gemv_threads() if threads is None else threads)
-  return (OutInKernel(kernel) if pieces == 1 else
-          OutInPieces(tuple(jnp.split(kernel, pieces, axis=0))))
+    pieces = decode_pieces(
+      kernel.shape[0],
+      math.prod(kernel.shape[1:n_out]),
+      math.prod(kernel.shape[n_out:]) * kernel.dtype.itemsize,
+      gemv_threads() if threads is None else threads,
+    )
+  return (
+    OutInKernel(kernel) if pieces == 1 else OutInPieces(tuple(jnp.split(kernel, pieces, axis=0)))
+  )
 
 
 def project(kernel: OutInKernel, x: jax.Array, n_in: int, dtype) -> jax.Array:
@@ -143,8 +152,10 @@ def project(kernel: OutInKernel, x: jax.Array, n_in: int, dtype) -> jax.Array:
   value = kernel.get_value()
   pieces = [w.astype(dtype) for w in (value if isinstance(kernel, OutInPieces) else (value,))]
   n_out = pieces[0].ndim - n_in
-  lead = x.shape[:x.ndim - n_in]
+  lead = x.shape[: x.ndim - n_in]
   out = (sum(w.shape[0] for w in pieces), *pieces[0].shape[1:n_out])
-  y = weight_first_pieces([w.reshape(math.prod(w.shape[:n_out]), -1) for w in pieces],
-                          x.astype(dtype).reshape(math.prod(lead), -1))
+  y = weight_first_pieces(
+    [w.reshape(math.prod(w.shape[:n_out]), -1) for w in pieces],
+    x.astype(dtype).reshape(math.prod(lead), -1),
+  )
   return y.reshape(*lead, *out)

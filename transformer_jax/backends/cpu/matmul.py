@@ -50,10 +50,10 @@ def transposed(a_MK: jax.Array) -> jax.Array:
   """
   *lead, m, k = a_MK.shape
   r = len(lead)
-  if (f := small_factor(m)) is not None:        # [f, m/f, k] -> [k, f, m/f] -> [k, m]
+  if (f := small_factor(m)) is not None:  # [f, m/f, k] -> [k, f, m/f] -> [k, m]
     split = a_MK.reshape(*lead, f, m // f, k)
     return split.transpose(*range(r), r + 2, r, r + 1).reshape(*lead, k, m)
-  if (f := small_factor(k)) is not None:        # [m, f, k/f] -> [f, k/f, m] -> [k, m]
+  if (f := small_factor(k)) is not None:  # [m, f, k/f] -> [f, k/f, m] -> [k, m]
     split = a_MK.reshape(*lead, m, f, k // f)
     return split.transpose(*range(r), r + 1, r + 2, r).reshape(*lead, k, m)
   return jnp.swapaxes(a_MK, -1, -2)
@@ -61,15 +61,17 @@ def transposed(a_MK: jax.Array) -> jax.Array:
 
 def _dot(a_MK: jax.Array, b_KN: jax.Array) -> jax.Array:
   """``a @ b`` for row-major ``[m, k]`` and ``[k, n]``, accumulated and returned in float32."""
-  return jax.lax.dot_general(a_MK, b_KN, (((1,), (0,)), ((), ())),
-                             preferred_element_type=jnp.float32)
+  return jax.lax.dot_general(
+    a_MK, b_KN, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+  )
 
 
 def _dot_t(a_MK: jax.Array, b_NK: jax.Array) -> jax.Array:
   """``a @ b.T`` for row-major ``[m, k]`` and ``[n, k]``, in float32: the bfloat16 kernel takes
   this layout as it is (no copy)."""
-  return jax.lax.dot_general(a_MK, b_NK, (((1,), (1,)), ((), ())),
-                             preferred_element_type=jnp.float32)
+  return jax.lax.dot_general(
+    a_MK, b_NK, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+  )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
@@ -80,7 +82,7 @@ def _matmul(x_MK, w, b_N, transpose_w: bool, dtype, out_dtype, matmul_precision)
 def _matmul_fwd(x_MK, w, b_N, transpose_w, dtype, out_dtype, matmul_precision):
   w_lo = w.astype(dtype)
   y = _dot_t(x_MK, w_lo) if transpose_w else _dot(x_MK, w_lo)
-  if b_N is not None:   # added to the float32 accumulator, before the rounding to out_dtype
+  if b_N is not None:  # added to the float32 accumulator, before the rounding to out_dtype
     y = y + b_N.astype(jnp.float32)
   # x^T is copied here, where x is made: in the backward the copy would fuse with the slicing of a
   # scanned layer's residuals into a slow strided loop. w is saved as it is (a scan would stack a
@@ -89,20 +91,20 @@ def _matmul_fwd(x_MK, w, b_N, transpose_w, dtype, out_dtype, matmul_precision):
 
 
 def _matmul_bwd(transpose_w, dtype, out_dtype, matmul_precision, res, dy_MN):
-  with jax.default_matmul_precision(matmul_precision):   # the forward's (ops/precision.py)
+  with jax.default_matmul_precision(matmul_precision):  # the forward's (ops/precision.py)
     return _matmul_grads(transpose_w, dtype, res, dy_MN)
 
 
 def _matmul_grads(transpose_w, dtype, res, dy_MN):
-  x, w, b_N = res   # x: [M, K], or [K, M] (transposed already) when w is [K, N]
+  x, w, b_N = res  # x: [M, K], or [K, M] (transposed already) when w is [K, N]
   x = residuals.unpacked(x)
   w_lo, dy_MN = w.astype(dtype), dy_MN.astype(dtype)
-  if transpose_w:   # w is [N, K]
-    dx_MK = _dot(dy_MN, w_lo)                 # [M, N] @ [N, K]
-    dw = _dot(transposed(dy_MN), x)           # [N, M] @ [M, K]
-  else:             # w is [K, N]
-    dx_MK = _dot_t(dy_MN, w_lo)               # [M, N] @ [K, N]^T
-    dw = _dot(x, dy_MN)                       # [K, M] @ [M, N]
+  if transpose_w:  # w is [N, K]
+    dx_MK = _dot(dy_MN, w_lo)  # [M, N] @ [N, K]
+    dw = _dot(transposed(dy_MN), x)  # [N, M] @ [M, K]
+  else:  # w is [K, N]
+    dx_MK = _dot_t(dy_MN, w_lo)  # [M, N] @ [K, N]^T
+    dw = _dot(x, dy_MN)  # [K, M] @ [M, N]
   # The bias gradient (dy's column sums) as a product with a block of ones: one pass of the same
   # kernel, where XLA:CPU's reduction over the rows is a slow windowed loop.
   db = None
@@ -116,8 +118,15 @@ def _matmul_grads(transpose_w, dtype, res, dy_MN):
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-def matmul(x: jax.Array, w: jax.Array, *, dtype, out_dtype=None, transpose_w: bool = False,
-           bias: jax.Array | None = None) -> jax.Array:
+def matmul(
+  x: jax.Array,
+  w: jax.Array,
+  *,
+  dtype,
+  out_dtype=None,
+  transpose_w: bool = False,
+  bias: jax.Array | None = None,
+) -> jax.Array:
   """``x @ w`` (``x @ w.T`` with ``transpose_w``) over ``x``'s last dim, computed in ``dtype``
   with float32 accumulation, forward and backward, every dot in a layout XLA:CPU's bfloat16
   kernel takes. Reverse-mode differentiable only (a ``jax.custom_vjp``).
@@ -140,17 +149,30 @@ def matmul(x: jax.Array, w: jax.Array, *, dtype, out_dtype=None, transpose_w: bo
     ValueError: when ``x``'s last dim is not ``w``'s contracted dim, or ``bias`` is not ``[N]``.
   """
   if w.ndim != 2 or x.shape[-1] != w.shape[1 if transpose_w else 0]:
-    raise ValueError(f"matmul: x.shape={x.shape} must end in the contracted dim of "
-                     f"w.shape={w.shape} ({'[N, K]' if transpose_w else '[K, N]'})")
+    raise ValueError(
+      f"matmul: x.shape={x.shape} must end in the contracted dim of "
+      f"w.shape={w.shape} ({'[N, K]' if transpose_w else '[K, N]'})"
+    )
   dtype = jnp.dtype(dtype)
   out_dtype = dtype if out_dtype is None else jnp.dtype(out_dtype)
   lead, k = x.shape[:-1], x.shape[-1]
   if bias is not None and bias.shape != (w.shape[0] if transpose_w else w.shape[1],):
     raise ValueError(f"matmul: bias.shape={bias.shape} must be the output dim of w.shape={w.shape}")
-  y = _matmul(x.reshape(-1, k).astype(dtype), w, bias, bool(transpose_w), dtype, out_dtype,
-              precision.current())
-  if (dtype == jnp.bfloat16 and out_dtype == jnp.float32 and not transpose_w
-      and jax.default_backend() == "cpu"):
+  y = _matmul(
+    x.reshape(-1, k).astype(dtype),
+    w,
+    bias,
+    bool(transpose_w),
+    dtype,
+    out_dtype,
+    precision.current(),
+  )
+  if (
+    dtype == jnp.bfloat16
+    and out_dtype == jnp.float32
+    and not transpose_w
+    and jax.default_backend() == "cpu"
+  ):
     # jaxlib 0.10.2's XLA:CPU folds a caller's transpose of this float32 result into the bfloat16
     # product, which then fails at run time ("Unsupported element type for DotThunk::Execute");
     # the barrier keeps the transpose out. Only this form needs it, and only it takes it.

@@ -28,6 +28,7 @@ class CpuKind:
       them all.
     without: flags it lacks; a CPU with any of them is another kind.
   """
+
   name: str
   model_name: str
   family: int | None
@@ -35,33 +36,43 @@ class CpuKind:
   flags: tuple[str, ...] = ()
   without: tuple[str, ...] = ()
 
-  def matches(self, cpu_name: str, family: int | None, model: int | None,
-              flags: Iterable[str]) -> bool:
+  def matches(
+    self, cpu_name: str, family: int | None, model: int | None, flags: Iterable[str]
+  ) -> bool:
     """Whether a CPU named ``cpu_name``, of ``family``, ``model`` and ``flags`` is of this kind (a
     field the kind leaves None matches anything)."""
     have = set(flags)
-    return (self.model_name in cpu_name
-            and (self.family is None or self.family == family)
-            and (self.model is None or self.model == model)
-            and set(self.flags) <= have and not set(self.without) & have)
+    return (
+      self.model_name in cpu_name
+      and (self.family is None or self.family == family)
+      and (self.model is None or self.model == model)
+      and set(self.flags) <= have
+      and not set(self.without) & have
+    )
 
 
 # The CPUs of the measurements: 2-core AMD EPYC virtual machines.
-EPYC_AVX2 = CpuKind("AMD EPYC with AVX2 + FMA, no AVX-512", "AMD EPYC", None, None,
-                    flags=("avx2", "fma"), without=("avx512f",))
+EPYC_AVX2 = CpuKind(
+  "AMD EPYC with AVX2 + FMA, no AVX-512",
+  "AMD EPYC",
+  None,
+  None,
+  flags=("avx2", "fma"),
+  without=("avx512f",),
+)
 EPYC_ZEN4 = CpuKind("AMD EPYC Zen 4", "AMD EPYC", 25, 17, flags=("avx512f", "avx512_bf16"))
 EPYC_ZEN5 = CpuKind("AMD EPYC Zen 5", "AMD EPYC", 26, None, flags=("avx512f", "avx512_bf16"))
 
 # rule -> the CPU kinds whose measurements chose it.
 MEASURED_ON: dict[str, tuple[CpuKind, ...]] = {
-    # onednn.ONEDNN_DOTS in the train and eval steps (and onednn.hold, which they need).
-    "onednn_step_products": (EPYC_ZEN4,),
-    # the tjax launcher's mimalloc (allocator), and its reuse limit behind scratch_notice.
-    "mimalloc": (EPYC_AVX2, EPYC_ZEN4, EPYC_ZEN5),
-    # poll.cpu_poll around decoding.
-    "cpu_poll": (EPYC_ZEN5,),
-    # microbatches.auto_microbatches (train.microbatches: auto).
-    "auto_microbatches": (EPYC_ZEN4,),
+  # onednn.ONEDNN_DOTS in the train and eval steps (and onednn.hold, which they need).
+  "onednn_step_products": (EPYC_ZEN4,),
+  # the tjax launcher's mimalloc (allocator), and its reuse limit behind scratch_notice.
+  "mimalloc": (EPYC_AVX2, EPYC_ZEN4, EPYC_ZEN5),
+  # poll.cpu_poll around decoding.
+  "cpu_poll": (EPYC_ZEN5,),
+  # microbatches.auto_microbatches (train.microbatches: auto).
+  "auto_microbatches": (EPYC_ZEN4,),
 }
 
 

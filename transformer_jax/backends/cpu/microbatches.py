@@ -14,8 +14,9 @@ from transformer_jax.backends.compile import temp_bytes
 from transformer_jax.backends.cpu import allocator as allocator_lib
 
 
-def auto_microbatches(compile_step: Callable[[int], Any], batch_size: int, n_batch: int = 1, *,
-                      limit: int | None = None) -> tuple[int, Any]:
+def auto_microbatches(
+  compile_step: Callable[[int], Any], batch_size: int, n_batch: int = 1, *, limit: int | None = None
+) -> tuple[int, Any]:
   """The fewest microbatches whose compiled step's temporaries fit in ``limit`` bytes, with that
   compiled step.
 
@@ -48,8 +49,15 @@ def auto_microbatches(compile_step: Callable[[int], Any], batch_size: int, n_bat
   return 1, whole
 
 
-def resolve_auto(compile_step: Callable[[int], Any], batch_size: int, n_batch: int = 1, *,
-                 platform: str, malloc: str, limit: int | None = None) -> tuple[int, Any]:
+def resolve_auto(
+  compile_step: Callable[[int], Any],
+  batch_size: int,
+  n_batch: int = 1,
+  *,
+  platform: str,
+  malloc: str,
+  limit: int | None = None,
+) -> tuple[int, Any]:
   """``train.microbatches: auto`` resolved: ``auto_microbatches`` on CPU over mimalloc (the limit
   it works around is mimalloc's), else 1.
 

@@ -28,18 +28,22 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-ONEDNN_ENV = "TJAX_ONEDNN"   # "0"/"off"/"false"/"no": leave the steps' products where XLA puts them
+ONEDNN_ENV = "TJAX_ONEDNN"  # "0"/"off"/"false"/"no": leave the steps' products where XLA puts them
 _OFF = ("0", "off", "false", "no")
 
 # XLA:CPU compile options that give each matrix product of a program, one at a time, to oneDNN.
 # One product per oneDNN call ("individual"): XLA's merging mode failed to compile the attention
 # backward with this jaxlib's oneDNN.
-ONEDNN_DOTS = {"xla_cpu_use_onednn": True,
-               "xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+ONEDNN_DOTS = {
+  "xla_cpu_use_onednn": True,
+  "xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
+}
 
 # JAX's warning when the persistent cache cannot write a program with oneDNN products.
-UNCACHEABLE_WARNING = (r"Error writing persistent compilation cache entry .*"
-                       r"ToProto is not implemented for thunk kind: onednn-fusion")
+UNCACHEABLE_WARNING = (
+  r"Error writing persistent compilation cache entry .*"
+  r"ToProto is not implemented for thunk kind: onednn-fusion"
+)
 
 # How many executables built with ONEDNN_DOTS ``hold`` keeps alive: a benchmark's matmul limit
 # compiles a dozen products in a burst.
@@ -83,12 +87,15 @@ def _onednn_compiles() -> bool:
   """Whether this jaxlib's CPU compiler takes ``ONEDNN_DOTS`` (an older or newer one may not know
   them: then the steps compile without, instead of failing)."""
 
-  x = jax.ShapeDtypeStruct((2, 16, 16), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(
-      jax.local_devices(backend="cpu")[0]))
+  x = jax.ShapeDtypeStruct(
+    (2, 16, 16),
+    jnp.float32,
+    sharding=jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0]),
+  )
   try:
     with quiet_uncacheable():
       jax.jit(jnp.matmul).lower(x, x).compile(compiler_options=ONEDNN_DOTS)
-  except Exception:   # noqa: BLE001 - XlaRuntimeError (unknown option) or anything else: not used
+  except Exception:  # noqa: BLE001 - XlaRuntimeError (unknown option) or anything else: not used
     return False
   return True
 
@@ -129,7 +136,7 @@ class QuietFirstCall:
     return out
 
   def __getattr__(self, name):
-    if name in ("fn", "_returned"):   # not set yet (a copy being built)
+    if name in ("fn", "_returned"):  # not set yet (a copy being built)
       raise AttributeError(name)
     return getattr(self.fn, name)
 
@@ -171,10 +178,9 @@ def hold(compiled, options: dict | None):
   """
   if not uses_onednn(options):
     return compiled
-  if callable(compiled) and hasattr(compiled, "lower") and not isinstance(compiled,
-                                                                           QuietFirstCall):
+  if callable(compiled) and hasattr(compiled, "lower") and not isinstance(compiled, QuietFirstCall):
     compiled = QuietFirstCall(compiled)
   if not _HELD:
-    atexit.register(time.sleep, EXIT_WAIT_S)   # runs before JAX's exit hooks (registered earlier)
+    atexit.register(time.sleep, EXIT_WAIT_S)  # runs before JAX's exit hooks (registered earlier)
   _HELD.append(compiled)
   return compiled

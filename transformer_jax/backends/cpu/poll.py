@@ -23,7 +23,7 @@ from typing import Mapping
 
 import jax
 
-POLL_ENV = "TJAX_CPU_POLL"   # "1": tjax generate and tjax bench generate hold the request
+POLL_ENV = "TJAX_CPU_POLL"  # "1": tjax generate and tjax bench generate hold the request
 CPU_DMA_LATENCY = "/dev/cpu_dma_latency"
 _ON = ("1", "on", "true", "yes")
 _OFF = ("", "0", "off", "false", "no")
@@ -38,6 +38,7 @@ class PollRequest:
     reason: why not, when ``held`` is False.
     requested: whether the request was asked for at all (``requested``).
   """
+
   held: bool
   reason: str = ""
   requested: bool = True
@@ -80,12 +81,13 @@ def cpu_poll():
   try:
     fd = os.open(CPU_DMA_LATENCY, os.O_WRONLY)
   except OSError as e:
-    why = ("only root may write it" if isinstance(e, PermissionError)
-           else e.strerror or type(e).__name__)
+    why = (
+      "only root may write it" if isinstance(e, PermissionError) else e.strerror or type(e).__name__
+    )
     yield PollRequest(False, f"cannot open {CPU_DMA_LATENCY}: {why}")
     return
   try:
-    os.write(fd, struct.pack("i", 0))   # one signed 32-bit latency in microseconds
+    os.write(fd, struct.pack("i", 0))  # one signed 32-bit latency in microseconds
   except OSError as e:
     os.close(fd)
     yield PollRequest(False, f"cannot write {CPU_DMA_LATENCY}: {e.strerror or type(e).__name__}")
@@ -101,5 +103,6 @@ def cpu_poll_if(wanted: bool):
   ``PollRequest(False, ..., requested=False)``."""
   if wanted:
     return cpu_poll()
-  return contextlib.nullcontext(PollRequest(
-      False, f"not requested (--cpu-poll or {POLL_ENV}=1 asks for it)", requested=False))
+  return contextlib.nullcontext(
+    PollRequest(False, f"not requested (--cpu-poll or {POLL_ENV}=1 asks for it)", requested=False)
+  )
