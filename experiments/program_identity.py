@@ -8,7 +8,8 @@ names) removed: a moved function changes no fingerprint, a changed instruction d
 
   git worktree add /tmp/old REV
   PYTHONPATH=/tmp/old python experiments/program_identity.py --json /tmp/old.json
-  PYTHONPATH=$PWD python experiments/program_identity.py --json /tmp/new.json --against /tmp/old.json
+  PYTHONPATH=$PWD python experiments/program_identity.py --json /tmp/new.json \
+      --against /tmp/old.json
 
 Writes the fingerprints (and, with ``--against``, which cases differ) to ``--json``.
 """

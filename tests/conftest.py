@@ -1,6 +1,7 @@
 """Test-session options and datasets shared by every test directory.
 
-``TJAX_ATTENTION_IMPL=chunked python -m pytest tests/...`` runs the tests with that attention kernel:
+``TJAX_ATTENTION_IMPL=chunked python -m pytest tests/...`` runs the tests with that attention
+kernel:
 every model config built in this test process (presets, ``get_config``, configs read from Hugging
 Face or a run directory) that leaves ``attention_impl`` at its default None gets it, and tests that
 build layers directly pass ``FORCED_IMPL``. This is a test-session patch of the config classes,
@@ -30,7 +31,8 @@ import pytest
 from transformer_jax.backends.cpu import onednn
 from transformer_jax.models import config as config_lib
 
-# Tests compare float32 results with float64 NumPy and with PyTorch. Left to JAX, NVIDIA GPUs compute
+# Tests compare float32 results with float64 NumPy and with PyTorch. Left to JAX, NVIDIA GPUs
+# compute
 # float32 dots in TensorFloat-32 and TPUs in one bfloat16 pass, so ops and layers called directly
 # run at float32 precision here. Models set it from config.matmul_precision themselves
 # (tests/models/test_families.py checks every dot of their gradients under JAX's own default).

@@ -14,11 +14,11 @@ def __getattr__(name: str):
   make_step``), imported on first use: the checkpoint library loads only for a program that
   reads runs or trains."""
   if name == "train":
-    import importlib
+    import importlib  # noqa: PLC0415 - lazy attribute
 
     return importlib.import_module("transformer_jax.train")
   if name in ("load_run", "load_model"):
-    from transformer_jax import runs
+    from transformer_jax import runs  # noqa: PLC0415 - lazy attribute
 
     return getattr(runs, name)
   raise AttributeError(f"module 'transformer_jax' has no attribute {name!r}")

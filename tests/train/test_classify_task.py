@@ -127,7 +127,10 @@ def test_macro_f1_against_numpy():
   rng = np.random.default_rng(0)
   true, pred = rng.integers(0, 4, 200), rng.integers(0, 4, 200)
   pred[:50] = true[:50]
-  onehot = lambda y: np.eye(5)[y]  # class 4 never occurs: left out of the mean
+
+  def onehot(y):
+    return np.eye(5)[y]  # class 4 never occurs: left out of the mean
+
   sums = {
     "cls_true": onehot(true).sum(0),
     "cls_pred": onehot(pred).sum(0),

@@ -123,8 +123,11 @@ def test_merge_equals_the_unmerged_forward(name):
   assert not lora.has_adapters(model)
   np.testing.assert_allclose(np.asarray(proj.kernel[...]), want, rtol=1e-6, atol=1e-7)
   np.testing.assert_allclose(np.asarray(_forward(model, name)), before, rtol=1e-5, atol=1e-5)
+
   # The merged model is the base architecture: same parameter paths and shapes.
-  shapes = lambda s: jax.tree.map(lambda x: tuple(x.shape), nnx.to_pure_dict(s))
+  def shapes(s):
+    return jax.tree.map(lambda x: tuple(x.shape), nnx.to_pure_dict(s))
+
   assert shapes(nnx.state(model, nnx.Param)) == shapes(models.init_abstract(CONFIGS[name]))
 
 

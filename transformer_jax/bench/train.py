@@ -415,7 +415,7 @@ class Library:
   """
 
   def __init__(self, config, host_batch, task_name: str, lr: float, seed: int):
-    from transformer_jax.train import TrainConfig, make_optimizer, make_step
+    from transformer_jax.train import TrainConfig, make_optimizer, make_step  # noqa: PLC0415 - the library side only
 
     b, t = host_batch["tokens"].shape if "tokens" in host_batch else host_batch["src"].shape
     optimizer = make_optimizer(

@@ -151,7 +151,8 @@ def _stream_fns(graphdef, cache_len, chunk_size, temperature, top_k, top_p):
     return tok_B, tok_B == eos_id, cache
 
   def steps(params, layers, tok_B, done_B, cache: KVCache, start, count, key, opts):
-    """Tokens ``start .. start + count - 1`` (count <= chunk_size), fed ``tok_B`` = token start-1."""
+    """Tokens ``start .. start + count - 1`` (count <= chunk_size), fed ``tok_B`` = token
+    start-1."""
     global trace_count
     trace_count += 1
     suppress_V, eos_id = opts

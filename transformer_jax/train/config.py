@@ -93,13 +93,14 @@ class Experiment:
   kernels: KernelTable = dataclasses.field(default_factory=KernelTable)
 
   def model_config(self, **defaults) -> models.ModelConfig:
-    """The model config: preset, then ``defaults`` (e.g. the dataset's vocab size), then the YAML."""
+    """The model config: preset, then ``defaults`` (e.g. the dataset's vocab size), then the
+    YAML."""
     spec = dict(self.model)
     if self.train.dtype is not None:
       spec.setdefault("dtype", self.train.dtype)
     init_from = spec.pop("init_from", None)
     if init_from is not None:  # the pretrained model's architecture, the YAML's keys on top
-      from transformer_jax.train import finetune
+      from transformer_jax.train import finetune  # noqa: PLC0415 - import cycle
 
       extra = {k: v for k, v in defaults.items() if k != "vocab_size"}
       return finetune.model_config(init_from, {**extra, **spec})
@@ -226,7 +227,8 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
 
 
 def parse_overrides(items: list[str]) -> list[tuple[str, Any]]:
-  """``["train.steps=200", "model.d_model=64"]`` -> ``[("train.steps", 200), ...]`` (YAML values)."""
+  """``["train.steps=200", "model.d_model=64"]`` -> ``[("train.steps", 200), ...]`` (YAML
+  values)."""
   out = []
   for item in items:
     if "=" not in item:

@@ -35,7 +35,7 @@ def progress_bar(start: int, total: int, enabled: bool):
   :class:`NoBar`."""
   if not enabled or jax.process_index() != 0:
     return NoBar()
-  from tqdm import tqdm
+  from tqdm import tqdm  # noqa: PLC0415 - the bar only
 
   return tqdm(
     total=total, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr

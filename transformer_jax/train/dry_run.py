@@ -221,7 +221,9 @@ def _kernel(config, q, k, backend: backends.Backend, sequence_shards: int, parts
 
 
 def format_report(report: dict[str, Any]) -> str:
-  gib = lambda n: f"{n / 2**30:10.3f} GiB"
+  def gib(n):
+    return f"{n / 2**30:10.3f} GiB"
+
   mesh = " x ".join(f"{k}={v}" for k, v in report["mesh"].items())
   b = report["per_device_bytes"]
   lines = [

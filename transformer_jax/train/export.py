@@ -87,9 +87,9 @@ def target(platform: str):
   jax.default_backend = lambda: PLATFORMS[platform]
   try:
     if platform == "cuda":
-      from jax._src.cudnn import fused_attention_stablehlo as cudnn
+      from jax._src.cudnn import fused_attention_stablehlo as cudnn  # noqa: PLC0415 - exporting only
 
-      from transformer_jax.backends import cudnn as cudnn_lib
+      from transformer_jax.backends import cudnn as cudnn_lib  # noqa: PLC0415 - exporting only
 
       want = tuple(int(p) for p in CUDA_TARGET["compute_capability"].split("."))
       for obj, name, value in (
@@ -117,7 +117,7 @@ def target(platform: str):
 def _cudnn_targets() -> list[str]:
   """The custom-call targets of jax's cuDNN attention: the only ones in these steps without
   jax's compatibility guarantee (module docstring)."""
-  from jax._src.cudnn import fused_attention_stablehlo as cudnn
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn  # noqa: PLC0415 - exporting only
 
   return sorted(set(cudnn._custom_name_maps.values()))  # noqa: SLF001 - jax's own table
 

@@ -40,7 +40,7 @@ class MetricsLog:
     if os.path.exists(self.path):  # rewritten whole or not at all; damaged lines dropped
       keep = [r for r in runs.RunDir(run_dir).read_metrics() if r["step"] <= resume_step]
       runs.write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in keep))
-    from tensorboardX import SummaryWriter
+    from tensorboardX import SummaryWriter  # noqa: PLC0415 - optional
 
     self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
     self.file = open(self.path, "a")
@@ -67,10 +67,10 @@ class MetricsLog:
 def plot_loss(run_dir: str) -> str | None:
   """Writes ``loss.png`` (training loss, its moving average, validation loss); returns its path,
   or None when ``metrics.jsonl`` has no training line."""
-  import matplotlib
+  import matplotlib  # noqa: PLC0415 - heavy, pictures only
 
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  import matplotlib.pyplot as plt  # noqa: PLC0415 - heavy, pictures only
 
   train, val = [], []
   for r in runs.RunDir(run_dir).read_metrics():

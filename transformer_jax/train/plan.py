@@ -378,7 +378,7 @@ def ensure_dataset(exp: Experiment, *, prepare: bool = True) -> data_lib.Dataset
         vocab_from=d.vocab_from,
       )
   if jax.process_count() > 1:  # the others wait for process 0's preparation
-    from jax.experimental import multihost_utils
+    from jax.experimental import multihost_utils  # noqa: PLC0415 - multi-process only
 
     multihost_utils.sync_global_devices("tjax dataset")
   dataset = data_lib.load_dataset(path)

@@ -1,6 +1,7 @@
 """Pure, jitted train and eval steps.
 
-NNX meets ``jax.jit`` at one boundary: the model is split once into ``(graphdef, params)``; the steps
+NNX meets ``jax.jit`` at one boundary: the model is split once into ``(graphdef, params)``; the
+steps
 are plain functions of ``(state, batch)`` that ``nnx.merge`` inside. Gradient accumulation runs as a
 ``lax.scan`` over microbatches inside the step, so there is no Python work per microbatch.
 """
@@ -36,7 +37,8 @@ def create_state(params, optimizer: optax.GradientTransformation) -> TrainState:
 
 
 def step_rng(seed: int, step) -> jax.Array:
-  """The dropout key of ``step``: a pure function of (seed, step), so a resumed run draws the same."""
+  """The dropout key of ``step``: a pure function of (seed, step), so a resumed run draws the
+  same."""
   return jax.random.fold_in(jax.random.key(seed), step)
 
 
@@ -134,7 +136,8 @@ def make_eval_step(graphdef: nnx.GraphDef, task) -> Callable:
 
 
 # -------------------------------------------------------------------------------------------------
-# Sharded state and steps on a mesh (data, fsdp, tensor, sequence; see ``transformer_jax.parallel``).
+# Sharded state and steps on a mesh (data, fsdp, tensor, sequence; see
+# ``transformer_jax.parallel``).
 
 
 def state_shardings(state: TrainState, mesh: Mesh, rules: parallel.Rules = parallel.RULES):
@@ -186,7 +189,10 @@ def init_state(
   shardings = jax.tree.map(
     lambda a: a.sharding, abstract_state(model_config, optimizer, mesh, rules)
   )
-  make = lambda k: create_state(models.init(model_config, k), optimizer)
+
+  def make(k):
+    return create_state(models.init(model_config, k), optimizer)
+
   return jax.jit(make, out_shardings=shardings)(key)
 
 
@@ -258,7 +264,8 @@ def jit_eval_step(
 
 
 def shard_batch(batch: dict[str, np.ndarray], mesh: Mesh, keys=None) -> dict[str, jax.Array]:
-  """Places a host batch on the mesh, rows split over the data axes (each process passes its rows)."""
+  """Places a host batch on the mesh, rows split over the data axes (each process passes its
+  rows)."""
   sharding = batch_sharding(mesh)
   keys = batch.keys() if keys is None else keys
   return {k: jax.make_array_from_process_local_data(sharding, np.asarray(batch[k])) for k in keys}

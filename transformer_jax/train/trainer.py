@@ -153,7 +153,7 @@ def report(plan: Plan, outcome: Outcome, resume_hint: str | None) -> dict[str, A
   }
   params = plan.method.base_params(plan.graphdef, state)  # samples and bars: the base model
   if jax.process_count() > 1:  # parameters may span hosts: every process joins the gather
-    from jax.experimental import multihost_utils
+    from jax.experimental import multihost_utils  # noqa: PLC0415 - multi-process only
 
     params = multihost_utils.process_allgather(params, tiled=True)
   if jax.process_index() == 0:

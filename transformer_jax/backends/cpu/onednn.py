@@ -146,7 +146,7 @@ def settle() -> None:
   live array is computed (JAX dispatches calls asynchronously), then ``SETTLE_S`` passes. Call it
   before dropping executables in bulk (``jax.clear_caches`` destroys those behind held ``jax.jit``
   steps too; see ``hold``)."""
-  import jax
+  import jax  # noqa: PLC0415 - loads before jax
 
   for array in jax.live_arrays():
     if not array.is_deleted():
