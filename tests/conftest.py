@@ -32,9 +32,8 @@ from transformer_jax.backends.cpu import onednn
 from transformer_jax.models import config as config_lib
 
 # Tests compare float32 results with float64 NumPy and with PyTorch. Left to JAX, NVIDIA GPUs
-# compute
-# float32 dots in TensorFloat-32 and TPUs in one bfloat16 pass, so ops and layers called directly
-# run at float32 precision here. Models set it from config.matmul_precision themselves
+# compute float32 dots in TensorFloat-32 and TPUs in one bfloat16 pass, so ops and layers called
+# directly run at float32 precision here. Models set it from config.matmul_precision themselves
 # (tests/models/test_families.py checks every dot of their gradients under JAX's own default).
 jax.config.update("jax_default_matmul_precision", "float32")
 
