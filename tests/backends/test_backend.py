@@ -145,6 +145,7 @@ def test_the_table_pads_the_vocabulary_head_on_every_platform(platform):
     assert ("f32[128,8] = pad" in str(jaxpr)) == padded, (v, pad, jaxpr)
 
 
+@pytest.mark.slow
 def test_model_logits_are_unchanged_when_the_table_pads():
   config = models.get_config("gpt2-tiny", vocab_size=97)
   params = models.init(config, jax.random.key(0))

@@ -94,6 +94,7 @@ def test_segment_runs_of_a_lowered_program_are_static_shapes():
   assert np.dtype(lengths.dtype) == np.int32 and np.dtype(starts.dtype) == np.int32
 
 
+@pytest.mark.slow
 def test_the_gpt_train_step_packs_every_layer(hopper):
   # The whole step (GPT task, AdamW) of a model built for a GPU with the lever in its kernel
   # table: each layer's attention, forward and backward, as the packed call and the mask behind a

@@ -110,7 +110,6 @@ LISTED_CYCLES = [
     "transformer_jax.data.loaders",
     "transformer_jax.data.prepare",
   ],
-  ["transformer_jax.train.config", "transformer_jax.train.finetune"],
 ]
 
 

@@ -112,6 +112,7 @@ def check(
     assert_close(a, e, tol, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 def test_causal_and_bidirectional_gqa(causal):
   check(*inputs(0, b=2, n=4, kh=2), causal=causal)
@@ -130,6 +131,7 @@ def test_two_sided_window():
   check(*inputs(3, t=384, s=384, n=2, kh=2), window=100)
 
 
+@pytest.mark.slow
 def test_packed_segments_with_causal_gqa():
   # Document boundaries off the block edges, different per example.
   q_seg = np.zeros((2, 256), np.int32)

@@ -83,6 +83,7 @@ def test_mask_parts_and_alibi_match_float64_reference():
   np.testing.assert_allclose(out, _reference(attn, x, x, allowed, bias), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_relative_bias_table_gets_gradient_through_bias_params():
   attn = _attention()
   fn = ops.RelativeBias(num_buckets=8, max_distance=16, bidirectional=True)
@@ -112,6 +113,7 @@ def test_relative_bias_table_gets_gradient_through_bias_params():
   assert np.all(np.isfinite(grad)) and np.abs(grad).max() > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_kv_heads", [K, 1])
 def test_cached_attention_equals_attention_over_the_sequence(num_kv_heads, batch=3):
   """Prefill then one-token steps (RoPE, GQA/MQA, rows at different lengths) give the outputs of

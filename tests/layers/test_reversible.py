@@ -21,6 +21,7 @@ def _config(**kw):
   )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dropout", [False, True])
 def test_recomputed_gradients_equal_autodiff(dropout):
   config = _config(
@@ -59,6 +60,7 @@ def test_recomputed_gradients_equal_autodiff(dropout):
   )
 
 
+@pytest.mark.slow
 def test_reversible_gpt_decodes_from_a_cache_as_its_full_forward():
   config = _config()
   model = nnx.merge(models.graphdef(config), models.init(config, jax.random.key(2)))

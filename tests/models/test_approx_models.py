@@ -28,6 +28,7 @@ def bert(**kw):
   return models.BERTConfig(**{**base, **kw})
 
 
+@pytest.mark.slow
 def test_bert_linformer_at_identity_rank_equals_softmax_bert():
   softmax = bert()
   lin = bert(attention_kind="linformer", linformer_rows=48, linformer_share_kv=True)
@@ -68,6 +69,7 @@ def _train(config, batches, steps=30):
   return losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["linformer", "sparse"])
 def test_bert_with_the_kind_trains(kind):
   # Reconstructing the (unmasked) tokens: the loss falls from log(64) = 4.2 well below it.
@@ -83,6 +85,7 @@ def test_bert_with_the_kind_trains(kind):
   assert losses[-1] < 0.6 * losses[0], losses
 
 
+@pytest.mark.slow
 def test_sparse_kind_with_a_covering_pattern_equals_softmax():
   pattern = ops.SparsePattern(block=8, local_blocks=8)  # 8 blocks of 8 see all of T <= 64
   tokens = jnp.asarray(np.random.default_rng(2).integers(0, 64, (2, 40)))
@@ -106,6 +109,7 @@ def test_sparse_kind_with_a_covering_pattern_equals_softmax():
     )
 
 
+@pytest.mark.slow
 def test_gpt_sparse_decoding_from_a_cache_equals_the_full_forward():
   config = models.get_config(
     "llama-tiny",
@@ -132,6 +136,7 @@ def test_bad_kind_options_are_named():
     )
 
 
+@pytest.mark.slow
 def test_bigbird_bert_fine_tunes_for_classification():
   # Label: does token 5 occur anywhere in the 48 tokens? Only the global [CLS] block sees them
   # all (blocks of 8: a window of 3 blocks, 1 random block per row).

@@ -82,6 +82,7 @@ def test_gpt_attention_weights_match_a_float64_forward_pass(position):
   np.testing.assert_array_equal(weights[:, 1, :, :, 6:], 0.0)
 
 
+@pytest.mark.slow
 def test_gpt_attention_weights_agree_with_the_ops_return_weights_in_layer_zero():
   config = tiny(
     "gpt2-tiny",

@@ -16,6 +16,7 @@ from tests.backends import only_on
 FAMILIES = ["gpt2-tiny", "llama-tiny", "gpt-alibi-tiny", "bert-tiny", "transformer-tiny", "t5-tiny"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FAMILIES)
 def test_tiny_preset_jits_forward_and_backward(name, tokens):
   config = tiny(name)
@@ -42,6 +43,7 @@ def test_tiny_preset_jits_forward_and_backward(name, tokens):
   assert jit_forward(config)(params, tokens).shape[-1] == VOCAB
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FAMILIES)
 def test_pure_function_form_equals_module(name, tokens):
   config = tiny(name)
@@ -66,6 +68,7 @@ def test_pure_function_form_equals_module(name, tokens):
   assert not all(jax.tree.leaves(jax.tree.map(lambda a, b: bool((a == b).all()), params, other)))
 
 
+@pytest.mark.slow
 def test_pure_function_form_vmaps_over_params(tokens):
   config = tiny("gpt2-tiny")
   keys = jax.random.split(jax.random.key(0), 2)
@@ -76,6 +79,7 @@ def test_pure_function_form_vmaps_over_params(tokens):
     np.testing.assert_allclose(out[i], single, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FAMILIES)
 def test_scanned_stack_equals_unrolled_stack(name, tokens):
   scanned = tiny(name, scan_layers=True)
@@ -86,6 +90,7 @@ def test_scanned_stack_equals_unrolled_stack(name, tokens):
   np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_auto_unrolls_only_bfloat16_cpu_products_of_a_few_layers():
   from transformer_jax.backends import CpuBackend
   from transformer_jax.layers import Stack
@@ -125,6 +130,7 @@ def test_auto_unrolls_a_few_layers_on_gpus_and_scans_on_tpus():
   assert not models.unrolls_layers(deep, gpu)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", ["full", "dots"])
 def test_remat_gives_same_loss_and_gradients(remat, tokens):
   base = tiny("llama-tiny")
@@ -140,6 +146,7 @@ def test_remat_gives_same_loss_and_gradients(remat, tokens):
   jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-6, rtol=1e-5), ga, gb)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2-tiny", "bert-tiny", "t5-tiny", "transformer-tiny"])
 def test_dropout_active_only_with_rng_and_deterministic_per_key(name, tokens):
   config = tiny(name, dropout_rate=0.3)
@@ -154,6 +161,7 @@ def test_dropout_active_only_with_rng_and_deterministic_per_key(name, tokens):
   assert not np.allclose(a, plain) and not np.allclose(a, c)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16"])
 def test_bf16_compute_stays_close_to_fp32(dtype, tokens):
   base = tiny("llama-tiny")
@@ -178,6 +186,7 @@ def test_bert_heads_shapes_and_classification():
     nnx.eval_shape(lambda m, t: m.classify(t), models.abstract(tiny("bert-tiny")), tokens)
 
 
+@pytest.mark.slow
 def test_seq2seq_encode_decode_equal_call(tokens):
   config = tiny("t5-tiny")
   graphdef, params = models.graphdef(config), params_for(config)
@@ -212,6 +221,7 @@ def test_mismatched_mask_shape_is_a_clear_error(tokens):
     model(tokens, None, jnp.ones((2, 5)))
 
 
+@pytest.mark.slow
 @only_on("cpu", "XLA:CPU's bfloat16 products (backends.cpu.matmul)")
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "bert-tiny", "t5-tiny"])
 def test_bf16_cpu_matmuls_compute_what_xla_einsums_do(name, tokens, monkeypatch):

@@ -16,6 +16,7 @@ def tiny(**kw):
   return models.get_config("llama-tiny", attention_kind="linear", linear_chunk=8, **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("decay", [None, 0.9, "retnet"])
 def test_recurrent_decoding_equals_the_parallel_forward(decay):
   config = tiny(linear_decay=decay)
@@ -42,6 +43,7 @@ def test_the_decoding_state_is_the_same_size_for_any_length():
   assert step._cache_size() == 1 and int(cache.lengths[0]) == 5
 
 
+@pytest.mark.slow
 def test_beam_search_and_sampling_run_with_the_state():
   config = tiny(linear_decay="retnet")
   model = nnx.merge(models.graphdef(config), models.init(config, jax.random.key(3)))
@@ -54,6 +56,7 @@ def test_beam_search_and_sampling_run_with_the_state():
   assert np.all(np.isfinite(np.asarray(beams.scores)))
 
 
+@pytest.mark.slow
 def test_a_small_model_learns_from_the_ids_its_row_has_used():
   # Each row draws its tokens from 4 ids of 64, its own: a model that reads its context gets
   # near log(4) = 1.39 nats; one that does not stays at log(64) = 4.16 at best. The bar is their
@@ -97,6 +100,7 @@ def test_a_small_model_learns_from_the_ids_its_row_has_used():
   assert held_out < (np.log(4) + np.log(64)) / 2, held_out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("decay,lengths", [(0.5, (2, 200)), ("retnet", (3, 3000))])
 def test_a_short_row_beside_a_long_one_decodes_as_it_does_alone(decay, lengths):
   """The short row's prefill is padded to the long row's bucket; padding must neither add to nor
@@ -123,6 +127,7 @@ def test_a_short_row_beside_a_long_one_decodes_as_it_does_alone(decay, lengths):
     np.testing.assert_array_equal(both[i], alone, err_msg=f"row {i} of {lengths}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("decay", [None, (0.9, 0.3)])
 def test_linear_attention_weights_are_the_ones_its_output_uses(decay):
   """``Attention.weights`` of a linear layer, with padding and two packed documents: the

@@ -137,6 +137,7 @@ def test_mamba1_channels_split_over_tensor_like_an_mlp():
   )
 
 
+@pytest.mark.slow
 def test_hybrid_layers_follow_layer_types():
   c = config("hybrid-tiny")
   m = model("hybrid-tiny")
@@ -164,6 +165,7 @@ def test_hybrid_layers_follow_layer_types():
   )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_padding_never_changes_a_rows_logits(name):
   """Rows of lengths 12, 5 and 8, right- and left-padded with other tokens, give each row's logits
@@ -205,6 +207,7 @@ def test_changing_a_later_token_leaves_earlier_logits_unchanged(name):
   assert not np.allclose(a[0, 7:], b[0, 7:])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "name,other", [("mamba-tiny", dict(scan_layers=False)), ("mamba2-tiny", dict(remat="full"))]
 )
@@ -223,6 +226,7 @@ def test_scanned_stack_equals_unrolled_stack_and_remat_gives_the_same_gradients(
     assert np.abs(a - b).max() <= 1e-4 * np.abs(b).max()
 
 
+@pytest.mark.slow
 def test_lora_targets_the_mixers_projections():
   cfg = lora.LoRAConfig(rank=2, alpha=4.0, targets=("ssm_in", "ssm_x", "ssm_dt", "ssm_out"))
   c = config("mamba-tiny")
@@ -254,6 +258,7 @@ def test_lora_targets_the_mixers_projections():
   ],
   ids=["chunk1-conv1-huge-dt", "mamba2-tiny-dt", "mamba2-huge-dt"],
 )
+@pytest.mark.slow
 def test_logits_and_states_are_finite_at_the_edges_of_the_config(overrides):
   """Chunks of 1 or 64 positions, a 1-tap convolution, time steps near 0 or in the hundreds
   (every decay underflows to 0): finite logits over 1 to 4 chunks and a finite decoding state."""

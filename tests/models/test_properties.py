@@ -61,6 +61,7 @@ def test_bert_is_bidirectional():
   assert not np.allclose(fn(params, tokens)[:, 0], fn(params, changed)[:, 0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "bert-tiny"])
 def test_padding_does_not_change_real_positions(name):
   config = tiny(name)
@@ -78,6 +79,7 @@ def test_padding_does_not_change_real_positions(name):
   np.testing.assert_allclose(a, b[:, :7], atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["t5-tiny", "transformer-tiny"])
 def test_source_padding_does_not_change_decoder_logits(name):
   config = tiny(name)
@@ -89,6 +91,7 @@ def test_source_padding_does_not_change_decoder_logits(name):
   np.testing.assert_allclose(model(src, tgt), model(src_padded, tgt, src_mask=src_mask), atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "gpt-alibi-tiny"])
 def test_packed_documents_equal_separate_runs(name):
   config = tiny(name)
@@ -237,6 +240,7 @@ def test_gpt2_matches_float64_numpy_reference():
   np.testing.assert_allclose(np.asarray(got), ref, atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2-tiny", "bert-tiny", "t5-tiny"])
 def test_attention_impl_reaches_the_kernel_of_every_attention(name, tokens, monkeypatch):
   """The config's ``attention_impl`` is what every attention call passes to its backend."""

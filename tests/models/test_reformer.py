@@ -29,6 +29,7 @@ CONFIG = models.ReformerConfig(
 )
 
 
+@pytest.mark.slow
 def test_recomputed_gradients_equal_autodiff_and_chunked_ff_changes_nothing():
   config = dataclasses.replace(CONFIG, dropout_rate=0.1)
   params = models.init(config, jax.random.key(0))
@@ -58,6 +59,7 @@ def test_recomputed_gradients_equal_autodiff_and_chunked_ff_changes_nothing():
   )
 
 
+@pytest.mark.slow
 def test_causal_and_it_learns():
   params = models.init(CONFIG, jax.random.key(1))
   tokens = jnp.asarray(np.random.default_rng(1).integers(0, 32, (1, 64)))
@@ -94,6 +96,7 @@ def test_causal_and_it_learns():
   assert losses[-1] < 0.5 * losses[0], losses[::10]
 
 
+@pytest.mark.slow
 def test_bad_configs_are_named():
   with pytest.raises(ValueError, match="attn_layers"):
     dataclasses.replace(CONFIG, attn_layers=("lsh", "dense"))

@@ -58,6 +58,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_float32_matches_the_float64_quadratic_reference(case):
   q, k, v, w = inputs(0)
@@ -75,6 +76,7 @@ def test_float32_matches_the_float64_quadratic_reference(case):
     assert rel_err(g, r) < 1e-5, name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("decay", [None, 0.95])
 def test_recurrence_equals_the_parallel_form_token_for_token(decay):
   q, k, v, _ = inputs(1, t=20)
@@ -100,6 +102,7 @@ def test_recurrence_equals_the_parallel_form_token_for_token(decay):
   )
 
 
+@pytest.mark.slow
 def test_no_position_sees_a_later_one():
   q, k, v, _ = inputs(2, b=1, t=16)
   jac = jax.jacrev(

@@ -49,6 +49,7 @@ def mask(b, t, lengths):
   return np.arange(t)[None] < np.asarray(lengths)[:, None]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [False, True], ids=["encoder", "decoder"])
 @pytest.mark.parametrize("buckets", [4, (2, 4)], ids=["4", "2x4"])
 @pytest.mark.parametrize("padded", [False, True])
@@ -104,6 +105,7 @@ def test_local_matches_transformers(causal, t):
   np.testing.assert_allclose(got[valid], want[valid], atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_lsh_short_sequence_and_causality_by_gradients():
   r = np.random.default_rng(4)
   qk, v = (jnp.asarray(r.standard_normal((1, T, N, H)), jnp.float32) for _ in range(2))

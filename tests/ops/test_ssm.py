@@ -147,6 +147,7 @@ def check_against_reference(op, ref, args, names, **extra):
 # --- Mamba-1 -----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "chunk,method",
   [(8, "associative"), (5, "associative"), (64, "associative"), (5, "sequential")],
@@ -216,6 +217,7 @@ def test_ssd_matches_the_float64_recurrence(chunk):
   check_against_reference(op, ref_ssd, args, ("x", "dt", "A", "B", "C", "D"))
 
 
+@pytest.mark.slow
 def test_ssd_clamps_dt_to_the_time_step_limit():
   args = m2_inputs(4, t=21)
   limit = (0.2, 0.9)
@@ -248,6 +250,7 @@ def test_ssd_with_initial_state_padding_and_segments_matches_the_recurrence():
   check_against_reference(op, ref, [x, dt, A, B, C, D, h0], ("x", "dt", "A", "B", "C", "D", "h0"))
 
 
+@pytest.mark.slow
 def test_ssd_step_equals_the_chunked_form():
   x, dt, A, B, C, D = m2_inputs(6, t=19)
   limit = (0.0, 1.5)
@@ -291,6 +294,7 @@ SCANS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SCANS)
 def test_no_output_depends_on_a_later_position(name):
   make, op = SCANS[name]
@@ -304,6 +308,7 @@ def test_no_output_depends_on_a_later_position(name):
     assert np.all(np.diag(m) > 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SCANS)
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_padding_never_changes_a_rows_result(name, side):
@@ -359,6 +364,7 @@ def _temp_bytes(fn, *args):
   return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_the_whole_sequences_states_are_never_materialised():
   """The scratch memory of a scan and of its gradient grows with T by much less than a
   ``[B, T, E, S]`` float32 array would (O(T E) for the inputs and outputs, plus one state per

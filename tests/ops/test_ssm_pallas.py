@@ -11,6 +11,7 @@ from transformer_jax.ops import ssm_pallas
 from tests.ops.test_ssm import m2_inputs
 
 
+@pytest.mark.slow
 def test_the_kernel_equals_the_pure_form_with_every_mask_and_a_ragged_tail():
   """Groups, a clamp, an initial state, padding, packed segments and 13 positions in chunks of 4:
   outputs, final state and gradients as ``ops.ssd``. (About 15 s on 2 busy cores: the
@@ -53,6 +54,7 @@ def test_the_kernel_equals_the_pure_form_with_every_mask_and_a_ragged_tail():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_mamba2_model_with_the_kernel_computes_what_xla_does():
   config = models.get_config("mamba2-tiny", vocab_size=61, num_layers=1, ssm_chunk=8, init_std=0.3)
   params = models.init(config, jax.random.key(0))
@@ -69,6 +71,7 @@ def test_a_mamba2_model_with_the_kernel_computes_what_xla_does():
   assert ssm_pallas.choose_ssd_implementation("tpu") in ssm_pallas.SSD_IMPLEMENTATIONS
 
 
+@pytest.mark.slow
 def test_bad_shapes_are_refused_by_name():
   x, dt, A, B, C, D = m2_inputs(4, t=8)
   with pytest.raises(ValueError, match="ssd shapes"):

@@ -18,6 +18,7 @@ import yaml
 
 from transformer_jax import models, runs
 from transformer_jax.backends import KernelTable
+from transformer_jax.train import finetune
 from transformer_jax.lora import LoRAConfig
 from transformer_jax.runs.schema import FieldError, build_section, parse_yaml, typed_fields
 
@@ -100,8 +101,6 @@ class Experiment:
       spec.setdefault("dtype", self.train.dtype)
     init_from = spec.pop("init_from", None)
     if init_from is not None:  # the pretrained model's architecture, the YAML's keys on top
-      from transformer_jax.train import finetune  # noqa: PLC0415 - import cycle
-
       extra = {k: v for k, v in defaults.items() if k != "vocab_size"}
       return finetune.model_config(init_from, {**extra, **spec})
     if "family" in spec:  # a complete config, as in a run directory's model.yaml

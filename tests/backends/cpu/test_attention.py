@@ -19,6 +19,7 @@ from tests.ops.test_attention import _grads_f64, make_qkv
 BF16_UNITS = CpuBackend(bf16_units=True)
 
 
+@pytest.mark.slow
 @only_on("cpu", "XLA:CPU's bfloat16 kernel (the row-major core)")
 @pytest.mark.parametrize("n,k,causal,h", [(4, 4, True, 16), (4, 2, True, 12), (4, 1, False, 16)])
 def test_bf16_rowmajor_core_matches_float64(n, k, causal, h):

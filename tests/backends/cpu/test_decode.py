@@ -123,6 +123,7 @@ def test_embed_attend_equals_float64_reference_and_differentiates(rows):
   np.testing.assert_allclose(np.asarray(d_x), (w64 @ table).reshape(b, t, 8), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 @only_on("cpu", "the decoding layout (XLA:CPU's matrix-vector products)")
 def test_split_layers_puts_every_projection_in_decode_layout_and_leaves_the_model_alone():
   model = gpt_model("llama-rope-gqa")
@@ -140,6 +141,7 @@ def test_split_layers_puts_every_projection_in_decode_layout_and_leaves_the_mode
       assert not isinstance(node.kernel, OutInKernel)
 
 
+@pytest.mark.slow
 def test_decode_layers_are_made_once_per_params_and_freed_with_them():
   model = gpt_model("gpt2-learned")
   prompts = random_prompts(3, [4, 7])
@@ -291,6 +293,7 @@ def test_decode_layout_in_pieces_equals_float64_reference(
   assert type(proj16.kernel) is OutInKernel
 
 
+@pytest.mark.slow
 @only_on("cpu", "the decoding layout (XLA:CPU's matrix-vector products)")
 def test_generate_with_kernels_in_pieces_equals_naive_greedy(monkeypatch):
   # Blocks of 13 KiB cut the tiny model's 64 KiB MLP kernels into 5, which "2 threads" do not

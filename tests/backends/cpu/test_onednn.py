@@ -25,6 +25,7 @@ from tests.ops.test_attention import attention_ref
 CPU = backends.for_platform("cpu")
 
 
+@pytest.mark.slow
 @only_on("cpu", "XLA:CPU's oneDNN products")
 def test_steps_with_onednn_products_are_compiled_each_run_without_a_warning(tmp_path):
   """This jaxlib cannot serialize oneDNN products, so the cache cannot keep such a step: every
@@ -95,6 +96,7 @@ def test_asking_for_the_step_options_leaves_the_warning_filters_alone():
   assert warnings.filters == before
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's oneDNN products")
 def test_bfloat16_step_on_bf16_units_has_no_onednn_product_and_serializes(monkeypatch):
   """With bf16 units, every product of a bfloat16 train step (projections, the head, attention's
@@ -182,6 +184,7 @@ def test_onednn_attention_and_its_gradients_match_float64_numpy():
       np.testing.assert_allclose(float(grad[idx]), expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 @only_on("cpu", "XLA:CPU's oneDNN products")
 def test_steps_with_onednn_products_outlive_their_callers(monkeypatch):
   """This jaxlib aborts the process when an executable with oneDNN products dies just after a
