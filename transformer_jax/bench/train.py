@@ -50,31 +50,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import re
-import resource
 import statistics
 import sys
-import tempfile
 import time
-import warnings
 
-from flax import nnx
-import jax
-import numpy as np
-import yaml
-
-from transformer_jax import backends, hardware, models, parallel, runtime
-from transformer_jax import data as data_lib
-from transformer_jax import hf as tjhf
-from transformer_jax.backends import table as table_lib
+from transformer_jax import backends, hardware, models, runtime
 from transformer_jax.bench import machine
-from transformer_jax.bench import profile
-from transformer_jax.hf.configs import default_architecture
-from transformer_jax.models.config import BERTConfig, GPTConfig, MambaConfig, Seq2SeqConfig
-from transformer_jax.train import step as step_lib
-from transformer_jax.train import tasks as tasks_lib
+from transformer_jax.bench.curves import loss_curves
+from transformer_jax.bench.interleave import interleave, profiles, progress, summary
+from transformer_jax.bench.overrides import TABLE_ENTRIES, parse_model_overrides, parse_table
+from transformer_jax.bench.rivals import Torch
+from transformer_jax.bench.train_sides import Library, Ours, random_batch
+from transformer_jax.models.config import GPTConfig, MambaConfig, Seq2SeqConfig
 from transformer_jax.train.config import TrainConfig
-from transformer_jax.train.optim import make_optimizer
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -189,143 +177,6 @@ def resolve_seq_len(args, config) -> int:
   return args.seq_len
 
 
-# The kernel-table entries ``--table`` sets, for the side "ours+table" (backends.KernelTable's
-# integer levers; a name is read in any case, PAD_COLS as pad_cols).
-TABLE_ENTRIES = {name: what for name, (_, _, what) in table_lib.INT_LEVERS.items()}
-
-
-def _pairs(items: list[str], flag: str, expected: str) -> list[tuple[str, str, str]]:
-  """``KEY=VALUE`` items of ``flag`` as ``(item, key, value text)``, each key at most once.
-
-  Raises:
-    ValueError: for an item without ``=`` or a key, or a key given twice.
-  """
-  out, seen = [], set()
-  for item in items:
-    key, sep, text = item.partition("=")
-    key = key.strip()
-    if not sep or not key:
-      raise ValueError(f"{flag} {item!r}: expected {expected}")
-    if key in seen:
-      raise ValueError(f"{flag} {item!r}: {key} is given twice")
-    seen.add(key)
-    out.append((item, key, text))
-  return out
-
-
-def parse_table(items: list[str], platform: str | None = None) -> backends.KernelTable | None:
-  """``--table`` values (``"NAME=N"``) as a kernel table, checked before anything compiles.
-
-  Args:
-    items: the ``--table`` values.
-    platform: the backend the bench runs on: an entry that changes nothing there is refused.
-
-  Returns:
-    The table, or None without items.
-
-  Raises:
-    ValueError: one line naming the item, for an item without ``=``, a name not in
-      ``TABLE_ENTRIES``, a name given twice, a value that is not an integer or out of the
-      entry's range, the entry's default, or an entry that does nothing on ``platform``.
-  """
-  if not items:
-    return None
-  out = {}
-  for item, name, text in _pairs(
-    [i.strip() for i in items], "--table", "NAME=N (e.g. --table pad_cols=128)"
-  ):
-    field = name.lower()
-    if field not in TABLE_ENTRIES:
-      raise ValueError(f"--table {item!r}: {name} is not one of {', '.join(TABLE_ENTRIES)}")
-    if field in out:
-      raise ValueError(f"--table {item!r}: {field} is given twice")
-    out[field] = text.strip()
-    try:
-      table = backends.KernelTable.from_dict({field: out[field]}, where="--table")
-    except ValueError as e:
-      raise ValueError(f"--table {item!r}: {str(e).removeprefix('--table.')}") from None
-    if not table.changed():
-      raise ValueError(
-        f"--table {item!r}: {field}={getattr(table, field)} is the default, so "
-        "ours+table would be ours"
-      )
-    if platform is not None and table.no_effect_on(platform):
-      raise ValueError(
-        f"--table {item!r}: {field} has no effect on {platform} (it applies on "
-        f"{', '.join(table_lib.APPLIES_ON[field])})"
-      )
-  return backends.KernelTable.from_dict(out, where="--table")
-
-
-# Config fields the bench sets itself: its own flags, and no dropout on either side.
-_OWN_FIELDS = {
-  "dtype": "--dtype",
-  "remat": "--remat",
-  "dropout_rate": "no dropout",
-  "attention_dropout_rate": "no dropout",
-}
-_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
-
-
-def parse_model_overrides(items: list[str]) -> dict:
-  """``--model`` values (``"KEY=VALUE"``) as a dict of config overrides.
-
-  Each value is read with ``yaml.safe_load`` (``true``/``false``, ``null``, ints, floats, else the
-  string); an exponent without a dot (``1e-5``, a string to YAML 1.1) is a float.
-
-  Raises:
-    ValueError: for an item without ``=`` or a key, a key given twice, or a field the bench sets
-      itself (``dtype``, ``remat``: their own flags; dropout: off on both sides).
-  """
-
-  out = {}
-  for item, key, text in _pairs(items, "--model", "KEY=VALUE (e.g. --model scan_layers=false)"):
-    if key in _OWN_FIELDS:
-      raise ValueError(f"--model {item!r}: {key} is set by the bench ({_OWN_FIELDS[key]})")
-    value = yaml.safe_load(text)
-    if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
-      value = float(value)
-    out[key] = value
-  return out
-
-
-def random_batch(config, batch: int, seq_len: int, seed: int) -> tuple[dict[str, np.ndarray], str]:
-  """A batch shaped like the loaders' output for ``config``'s family, and the task's name."""
-  rng = np.random.default_rng(seed)
-  ids = lambda: rng.integers(0, config.vocab_size, (batch, seq_len), dtype=np.int32)  # noqa: E731
-  match config:
-    case GPTConfig() | MambaConfig():
-      return {
-        "tokens": ids(),
-        "labels": ids(),
-        "segment_ids": np.ones((batch, seq_len), np.int32),
-        "positions": np.tile(np.arange(seq_len, dtype=np.int32), (batch, 1)),
-        "loss_mask": np.ones((batch, seq_len), bool),
-      }, "gpt"
-    case BERTConfig():
-      token_types = np.zeros((batch, seq_len), np.int32)
-      token_types[:, seq_len // 2 :] = 1
-      mlm_mask = rng.random((batch, seq_len)) < 0.15
-      mlm_mask[:, 0] = True
-      return {
-        "tokens": ids(),
-        "token_types": token_types,
-        "attention_mask": np.ones((batch, seq_len), bool),
-        "mlm_labels": np.where(mlm_mask, ids(), 0).astype(np.int32),
-        "mlm_mask": mlm_mask,
-        "nsp_labels": rng.integers(0, 2, (batch,), dtype=np.int32),
-      }, "bert"
-    case Seq2SeqConfig():
-      return {
-        "src": ids(),
-        "src_mask": np.ones((batch, seq_len), bool),
-        "tgt_in": ids(),
-        "tgt_out": ids(),
-        "tgt_mask": np.ones((batch, seq_len), bool),
-      }, "seq2seq"
-  raise TypeError(f"not a model config: {type(config).__name__}")
-
-
 def step_matmul_shapes(config, tokens: int) -> list[tuple[int, int, int]]:
   """``(m, k, n)`` of the step's projections: attention, feed-forward and vocabulary (a Mamba
   model: its mixers' in- and out-projections)."""
@@ -339,309 +190,6 @@ def step_matmul_shapes(config, tokens: int) -> list[tuple[int, int, int]]:
     (tokens, config.d_ff, d),
     (tokens, d, config.vocab_size),
   ]
-
-
-class Ours:
-  """The project's jitted train step on a one-device mesh."""
-
-  def __init__(
-    self,
-    config,
-    host_batch,
-    task_name: str,
-    lr: float,
-    seed: int,
-    tcfg=None,
-    table: backends.KernelTable | None = None,
-  ):
-    """``table``: the kernel table the model and step are built with (default the library's)."""
-
-    self.config = config
-    mesh = parallel.make_mesh({"data": -1})
-    task = tasks_lib.get_task(task_name)
-    self._shard = lambda batch: step_lib.shard_batch(batch, mesh, task.keys)
-    b, t = host_batch["tokens"].shape if "tokens" in host_batch else host_batch["src"].shape
-    tcfg = tcfg or TrainConfig(
-      steps=1000, batch_size=b, seq_len=t, seed=seed, lr=lr, warmup_steps=0, schedule="constant"
-    )
-    optimizer = make_optimizer(tcfg)
-    self.params = models.init(config, jax.random.key(seed))
-    state = jax.device_put(step_lib.create_state(self.params, optimizer), step_lib.replicated(mesh))
-    self.batch = self._shard(host_batch)
-    backend = backends.current(table)
-    graphdef = models.graphdef(config, mesh, backend)
-    times = {}
-
-    def compile_for(m):  # the step a run would take: train.microbatches' "auto" rule on CPU
-      jitted = step_lib.jit_train_step(
-        step_lib.make_train_step(graphdef, task, optimizer, seed=seed, microbatches=m),
-        mesh,
-        state,
-        backend=backend,
-      )
-      start = time.perf_counter()
-      lowered = jitted.lower(state, self.batch)
-      mid = time.perf_counter()
-      compiled = lowered.compile()
-      times[m] = (mid - start, time.perf_counter() - mid)
-      return compiled
-
-    self.microbatches, self.step_fn = step_lib.pick_microbatches(
-      tcfg.microbatches, compile_for, b, backend=backend
-    )
-    self.trace_s, self.compile_s = times[self.microbatches]
-    # Every count the rule compiled (a step over the limit is compiled whole first).
-    self.compile_s_by_microbatches = {m: c for m, (_, c) in times.items()}
-    # The jitted step is held (jit_train_step); this ahead-of-time executable is another one.
-    backend.hold(self.step_fn, backend.step_compiler_options())
-    # XLA:CPU takes a step's temporaries as one block per call (see backends.cpu.microbatches).
-    self.temp_bytes = runtime.temp_bytes(self.step_fn)
-    self.state = state
-    self.losses: list[float] = []
-
-  def step(self, host_batch=None) -> float:
-    """One training step (on ``host_batch`` if given, else on the batch it was built with)."""
-    batch = self.batch if host_batch is None else self._shard(host_batch)
-    start = time.perf_counter()
-    self.state, metrics = self.step_fn(self.state, batch)
-    loss = float(metrics["loss"])  # blocks until the step is done
-    self.losses.append(loss)
-    return time.perf_counter() - start
-
-
-class Library:
-  """The library user's step: ``train.make_step`` with the optimizer the bench gives ours, a
-  state from ``Step.init``, and the host batch handed to every call (as the README's loop does).
-  """
-
-  def __init__(self, config, host_batch, task_name: str, lr: float, seed: int):
-    from transformer_jax.train import TrainConfig, make_optimizer, make_step  # noqa: PLC0415 - the library side only
-
-    b, t = host_batch["tokens"].shape if "tokens" in host_batch else host_batch["src"].shape
-    optimizer = make_optimizer(
-      TrainConfig(
-        steps=1000, batch_size=b, seq_len=t, seed=seed, lr=lr, warmup_steps=0, schedule="constant"
-      )
-    )
-    self.host_batch = host_batch
-    self.step_fn = make_step(config, optimizer, task=task_name, seed=seed)
-    self.state = self.step_fn.init(jax.random.key(seed))
-    start = time.perf_counter()
-    self.step_fn.compile(self.state, host_batch)
-    self.trace_s, self.compile_s = 0.0, time.perf_counter() - start  # tracing included
-    self.microbatches = self.step_fn.microbatches
-    self.temp_bytes = runtime.temp_bytes(self.step_fn.compiled)
-    self.losses: list[float] = []
-
-  def step(self) -> float:
-    """One training step on the host batch; returns its time."""
-    start = time.perf_counter()
-    self.state, metrics = self.step_fn(self.state, self.host_batch)
-    self.losses.append(float(metrics["loss"]))
-    return time.perf_counter() - start
-
-
-class Torch:
-  """The preset's ``transformers`` causal LM (``hf.save``'s architecture: ``GPT2LMHeadModel``,
-  ``LlamaForCausalLM``, ``MistralForCausalLM``) on the same weights: forward, token-mean
-  cross-entropy, backward, clipping, AdamW, in eager mode (or with the forward+loss
-  ``torch.compile``-d).
-
-  On ``device`` "cpu" everything is float32. On "cuda" the model and batch live on the GPU, the
-  forward+loss runs under ``torch.autocast`` to ``autocast`` when given ("bfloat16"; the weights
-  and optimizer stay float32), AdamW is the fused kernel, and a step synchronizes the device
-  before it reads the clock at either end.
-  """
-
-  def __init__(
-    self,
-    config,
-    params,
-    host_batch,
-    lr: float,
-    weight_decay: float,
-    clip: float,
-    b1: float,
-    b2: float,
-    eps: float,
-    compiled: bool = False,
-    device: str = "cpu",
-    autocast: str | None = None,
-  ):
-
-    import torch  # noqa: PLC0415 - torch is optional (the hf extra)
-    import transformers  # noqa: PLC0415 - transformers is optional (the hf extra)
-
-    if device not in ("cpu", "cuda"):
-      raise ValueError(f"device={device!r}: the PyTorch rival runs on 'cpu' or 'cuda'")
-    if autocast is not None and device != "cuda":
-      raise ValueError(f"autocast={autocast!r} on device={device!r}: autocast is for 'cuda'")
-    self.torch = torch
-    transformers.logging.set_verbosity_error()
-    model = nnx.merge(models.graphdef(config), params)
-    self.architecture = default_architecture(config)
-    with tempfile.TemporaryDirectory() as tmp:
-      tjhf.save(model, config, tmp)
-      # PyTorch's fused attention; Mamba's mixers have no attention to choose.
-      extra = (
-        {}
-        if self.architecture in ("MambaForCausalLM", "Mamba2ForCausalLM")
-        else {"attn_implementation": "sdpa"}
-      )
-      with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        self.model = getattr(transformers, self.architecture).from_pretrained(tmp, **extra).train()
-    self.device, self.autocast = device, autocast
-    self.fused_adamw = device == "cuda"
-    self._sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    self.model.to(device)
-    # No decay on biases and norm scales, as on our side.
-    decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2]
-    rest = [p for n, p in self.model.named_parameters() if p.dim() < 2]
-    self.opt = torch.optim.AdamW(
-      [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}],
-      lr=lr,
-      betas=(b1, b2),
-      eps=eps,
-      **({"fused": True} if self.fused_adamw else {}),
-    )
-    self.clip = clip
-    self.tokens = torch.as_tensor(host_batch["tokens"], dtype=torch.long).to(device)
-    self.labels = torch.as_tensor(host_batch["labels"], dtype=torch.long).to(device)
-
-    def loss_fn(tokens, labels):
-      logits = self.model(tokens).logits
-      return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-
-    if autocast:
-      plain, cast_to = loss_fn, getattr(torch, autocast)
-
-      def loss_fn(tokens, labels):
-        with torch.autocast("cuda", dtype=cast_to):
-          return plain(tokens, labels)
-
-    self.loss_fn = torch.compile(loss_fn) if compiled else loss_fn
-    self.losses: list[float] = []
-
-  def compile(self) -> float:
-    """One forward + backward without an update (``torch.compile`` compiles here), so the weights
-    stay in step with ours; returns its time."""
-    self._sync()
-    start = time.perf_counter()
-    self.loss_fn(self.tokens, self.labels).backward()
-    self.opt.zero_grad(set_to_none=True)
-    self._sync()
-    return time.perf_counter() - start
-
-  def step(self) -> float:
-    """One training step; returns its time."""
-    self._sync()
-    start = time.perf_counter()
-    self.opt.zero_grad(set_to_none=True)
-    loss = self.loss_fn(self.tokens, self.labels)
-    loss.backward()
-    self.torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-    self.opt.step()
-    self.losses.append(float(loss.detach()))
-    self._sync()
-    return time.perf_counter() - start
-
-
-def loss_curves(
-  config, steps: int, batch_size: int, seq_len: int, seed: int, data_dir: str | None = None
-) -> dict:
-  """float32 and bfloat16 each trained ``steps`` steps from the same initial weights on the same
-  batches of real text, with the same schedule (AdamW, 6e-4 peak, linear warmup over a tenth of the
-  steps, cosine decay): the bfloat16 mode's loss curve against float32's.
-
-  The text is the embedded corpus (the Python standard library's sources, ``tjax prepare stdlib``)
-  in cl100k ids renumbered densely by frequency, so they fit the preset's vocabulary; it is
-  prepared once in ``data_dir`` (default ``runs/data/stdlib-VOCAB``). The curves are compared
-  through their 10-step trailing means (single steps' losses swing with their batch):
-  ``max_relative_gap`` is the largest ``|bf16 - fp32| / fp32`` of those means.
-  """
-
-  if not isinstance(config, GPTConfig):
-    raise ValueError(
-      f"--curve-steps trains on text with the GPT task; {type(config).__name__} is not a GPT preset"
-    )
-  out = data_dir or os.path.join("runs", "data", f"stdlib-{config.vocab_size}")
-  # The most frequent ids, plus the separator and the special tokens, fill at most vocab_size.
-  keep = config.vocab_size - len(data_lib.SPECIAL_TOKENS) - 1
-  data_lib.prepare(["stdlib"], out, compact_vocab=keep, progress=False)
-  dataset = data_lib.load_dataset(out)
-  if dataset.vocab_size > config.vocab_size:
-    raise ValueError(f"{out}: {dataset.vocab_size} ids do not fit vocab_size={config.vocab_size}")
-  loader = data_lib.GPTLoader(dataset, batch_size=batch_size, seq_len=seq_len, seed=seed)
-  batches = [loader.batch_at(i) for i in range(steps)]
-  tcfg = TrainConfig(
-    steps=steps,
-    batch_size=batch_size,
-    seq_len=seq_len,
-    seed=seed,
-    lr=6e-4,
-    warmup_steps=max(1, steps // 10),
-    schedule="cosine",
-  )
-  curves = {}
-  for dtype in ("float32", "bfloat16"):
-    side = Ours(
-      dataclasses.replace(config, dtype=dtype), batches[0], "gpt", tcfg.lr, seed, tcfg=tcfg
-    )
-    for batch in batches:
-      side.step(batch)
-    curves[dtype] = side.losses
-    del side
-
-  def mean10(xs):
-    return [statistics.fmean(xs[max(0, i - 9) : i + 1]) for i in range(len(xs))]
-
-  gaps = [abs(b - f) / f for f, b in zip(mean10(curves["float32"]), mean10(curves["bfloat16"]))]
-  return {
-    "steps": steps,
-    "data": out,
-    "ids_used": dataset.vocab_size,
-    "lr": tcfg.lr,
-    "warmup_steps": tcfg.warmup_steps,
-    "schedule": tcfg.schedule,
-    "losses": curves,
-    "relative_gap_10_step_mean": gaps,
-    "max_relative_gap": max(gaps),
-    "final_relative_gap": gaps[-1],
-  }
-
-
-def _summary(times: list[float]) -> dict:
-  return {"median": statistics.median(times), "min": min(times), "all": times}
-
-
-def _progress(text: str) -> None:
-  """One line on stderr as the run goes (a run stopped by a time limit leaves its trace)."""
-  print(f"# {text}", file=sys.stderr, flush=True)
-
-
-def _profiles(sides: dict, steps: int, keep_dir: str | None = None) -> dict:
-  """Each side's device kernels over ``steps`` more steps (``bench.profile``), with the same
-  steps' median wall time; each trace kept in ``keep_dir`` when given."""
-
-  if keep_dir:
-    os.makedirs(keep_dir, exist_ok=True)
-  out = {}
-  for name, side in sides.items():
-    walls: list[float] = []
-    record = lambda side=side, walls=walls: walls.append(side.step())  # noqa: E731
-    keep = os.path.join(keep_dir, f"{name}.trace.json.gz") if keep_dir else None
-    out[name] = (
-      profile.jax_kernels(record, steps, keep)
-      if isinstance(side, (Ours, Library))
-      else profile.torch_kernels(record, steps, keep)
-    )
-    out[name]["wall_ms_per_step"] = 1e3 * statistics.median(walls)
-    _progress(
-      f"{name} profiled: {out[name].get('device_ms_per_step', 0):.1f} ms of kernels "
-      f"in a {out[name]['wall_ms_per_step']:.1f} ms step"
-    )
-  return out
 
 
 def run(args) -> dict:
@@ -685,19 +233,19 @@ def run(args) -> dict:
   )
   if args.dtype == "bfloat16" and (platform != "cpu" or hardware.has_bf16_units()):
     limits["bfloat16"] = machine.run_matmul_limit(shapes, dtype="bfloat16")
-  _progress(f"matmul limit measured in {time.perf_counter() - start:.0f} s")
+  progress(f"matmul limit measured in {time.perf_counter() - start:.0f} s")
 
   start = time.perf_counter()
   sides = {"ours": Ours(config, host_batch, task_name, lr, args.seed)}
-  _progress(f"our step compiled in {time.perf_counter() - start:.0f} s")
+  progress(f"our step compiled in {time.perf_counter() - start:.0f} s")
   if table is not None:
     start = time.perf_counter()
     sides["ours+table"] = Ours(config, host_batch, task_name, lr, args.seed, table=table)
-    _progress(f"our step with {table.changed()} compiled in {time.perf_counter() - start:.0f} s")
+    progress(f"our step with {table.changed()} compiled in {time.perf_counter() - start:.0f} s")
   if getattr(args, "library", False):
     start = time.perf_counter()
     sides["library"] = Library(config, host_batch, task_name, lr, args.seed)
-    _progress(f"the library's step compiled in {time.perf_counter() - start:.0f} s")
+    progress(f"the library's step compiled in {time.perf_counter() - start:.0f} s")
   left_out = {}
   device, why_not = machine.torch_device() if rivals else (None, "")
   autocast = "bfloat16" if device == "cuda" and args.dtype == "bfloat16" else None
@@ -721,10 +269,10 @@ def run(args) -> dict:
         device=device,
         autocast=autocast,
       )
-      _progress(f"{r} built")
+      progress(f"{r} built")
       if r == "torch.compile":
         took = side.compile()
-        _progress(f"torch.compile compiled in {took:.0f} s")
+        progress(f"torch.compile compiled in {took:.0f} s")
         if took > args.compile_timeout:
           left_out[r] = f"torch.compile took {took:.0f} s, over --compile-timeout"
           print(f"# torch.compile took {took:.0f} s: left out", file=sys.stderr)
@@ -733,30 +281,8 @@ def run(args) -> dict:
     except Exception as e:  # noqa: BLE001 - a rival that fails to build is reported, not fatal
       left_out[r] = f"could not run ({type(e).__name__}: {e})"
       print(f"# {r}: could not run ({type(e).__name__}: {e})", file=sys.stderr)
-  first = {name: side.step() for name, side in sides.items()}
-  _progress("first steps: " + ", ".join(f"{name} {t:.2f} s" for name, t in first.items()))
-  for _ in range(args.warmup):
-    for side in sides.values():
-      side.step()
-  times = {name: [] for name in sides}
-  kernel = {name: {"minor_faults": [], "sys_s": []} for name in sides}
-  for _ in range(args.steps):
-    for name, side in sides.items():
-      before = resource.getrusage(resource.RUSAGE_SELF)
-      times[name].append(side.step())
-      after = resource.getrusage(resource.RUSAGE_SELF)
-      # Fresh pages the step faulted in (and the kernel time they cost): memory the allocator
-      # gave back to the kernel and took again.
-      kernel[name]["minor_faults"].append(after.ru_minflt - before.ru_minflt)
-      kernel[name]["sys_s"].append(after.ru_stime - before.ru_stime)
+  first, times, per_step = interleave(sides, args.warmup, args.steps)
   med = {name: statistics.median(t) for name, t in times.items()}
-  per_step = {
-    name: {
-      **{f"{k}_per_step": statistics.median(v) for k, v in kernel[name].items()},
-      **{f"{k}_all": v for k, v in kernel[name].items()},
-    }
-    for name in sides
-  }
 
   tokens = args.batch_size * args.seq_len
   is_s2s = isinstance(config, Seq2SeqConfig)
@@ -775,7 +301,7 @@ def run(args) -> dict:
       "compile_s": side.compile_s,
       "trace_s": side.trace_s,
       "first_step_s": first[name],
-      "step_s": _summary(times[name]),
+      "step_s": summary(times[name]),
       "tokens_per_sec": tokens_per_step / med[name],
       "model_flops_per_sec": step_flops / med[name],
       "mfu": step_flops / med[name] / ref,
@@ -814,7 +340,7 @@ def run(args) -> dict:
       side = sides[name]
       result[name] = {
         "first_step_s": first[name],
-        "step_s": _summary(times[name]),
+        "step_s": summary(times[name]),
         "tokens_per_sec": tokens_per_step / med[name],
         "mfu": step_flops / med[name] / ref,
         **vs_peak(name),
@@ -844,7 +370,7 @@ def run(args) -> dict:
   if left_out:
     result["left_out"] = left_out
   if args.profile:
-    result["profile"] = _profiles(sides, args.profile, getattr(args, "profile_dir", None))
+    result["profile"] = profiles(sides, args.profile, getattr(args, "profile_dir", None))
   if args.curve_steps:
     del sides
     result["loss_curves"] = loss_curves(
