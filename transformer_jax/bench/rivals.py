@@ -1,6 +1,7 @@
 """The PyTorch sides the benchmarks time ours against, on the same weights (written by
 ``transformer_jax.hf.save``): ``Torch``, the ``transformers`` causal LM's training step for
-``tjax bench train`` (eager, or its forward+loss ``torch.compile``-d).
+``tjax bench train`` (eager, or its forward+loss ``torch.compile``-d), and ``Theirs``, Hugging Face
+``generate`` for ``tjax bench generate``; ``hf_device`` says where the latter runs.
 
 torch and transformers are optional (the hf extra): they are imported where they are used.
 """
@@ -11,10 +12,12 @@ import tempfile
 import time
 import warnings
 
+import numpy as np
 from flax import nnx
 
 from transformer_jax import hf as tjhf
 from transformer_jax import models
+from transformer_jax.bench import machine
 from transformer_jax.hf.configs import default_architecture
 
 
@@ -122,3 +125,69 @@ class Torch:
     self.losses.append(float(loss.detach()))
     self._sync()
     return time.perf_counter() - start
+
+
+class Theirs:
+  """Hugging Face ``GPT2LMHeadModel.generate`` with ``threads`` torch threads on CPU, or on
+  ``device`` "cuda" (the model already there; ``threads`` None), synchronizing the GPU at both
+  ends of a call."""
+
+  def __init__(self, hf_model, threads: int | None, device: str = "cpu"):
+    if device not in ("cpu", "cuda"):
+      raise ValueError(f"device={device!r}: Hugging Face runs on 'cpu' or 'cuda' here")
+    if (threads is None) != (device == "cuda"):
+      raise ValueError(
+        f"threads={threads!r} on device={device!r}: a thread count is for 'cpu' "
+        "only, and 'cpu' needs one"
+      )
+    self.model, self.threads, self.device = hf_model, threads, device
+
+  def _sync(self) -> None:
+    if self.device == "cuda":
+      import torch  # noqa: PLC0415 - torch is optional (the hf extra)
+
+      torch.cuda.synchronize()
+
+  def generate(self, prompt_BP: np.ndarray, new_tokens: int) -> np.ndarray:
+    import torch  # noqa: PLC0415 - torch is optional (the hf extra)
+
+    self._sync()
+    ids = torch.as_tensor(prompt_BP, dtype=torch.long)
+    if self.device != "cpu":
+      ids = ids.to(self.device)
+    if self.threads is not None:
+      torch.set_num_threads(self.threads)
+    with torch.inference_mode():
+      out = self.model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+      )
+    self._sync()
+    return out[:, prompt_BP.shape[1] :].cpu().numpy()
+
+  def logits(self, ids_1T: np.ndarray) -> np.ndarray:
+    import torch  # noqa: PLC0415 - torch is optional (the hf extra)
+
+    if self.threads is not None:
+      torch.set_num_threads(self.threads)
+    with torch.inference_mode():
+      out = self.model(torch.as_tensor(ids_1T, dtype=torch.long).to(self.device)).logits[0]
+    return out.float().cpu().numpy()
+
+
+def hf_device() -> str:
+  """Where Hugging Face runs: "cpu" when JAX does, "cuda" when JAX runs on a GPU and torch has
+  CUDA.
+
+  Raises:
+    ValueError: on any other platform (a TPU) or a GPU where torch has no CUDA device.
+  """
+  device, why_not = machine.torch_device()
+  if device is None:
+    raise ValueError(f"bench generate: Hugging Face cannot run beside JAX here: {why_not}")
+  return device
