@@ -85,7 +85,13 @@ from flax import nnx
 import transformer_jax.hf as tjhf
 from transformer_jax import backends, hardware, models
 from transformer_jax.bench import machine
-from transformer_jax.bench.generate_case import Ours, bench_case, paired_fraction, step_time
+from transformer_jax.bench.generate_case import (
+  Ours,
+  bench_case,
+  divergence,
+  paired_fraction,
+  step_time,
+)
 from transformer_jax.bench.rivals import Theirs, hf_device
 from transformer_jax.backends.cpu import poll
 
@@ -98,6 +104,7 @@ __all__ = [
   "add_args",
   "bench_case",
   "check_args",
+  "divergence",
   "fit_lengths",
   "hf_device",
   "main",
