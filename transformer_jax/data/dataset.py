@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from transformer_jax.data.prepare import FORMAT_VERSION, METADATA_FILE, read_metadata
+from transformer_jax.data.layout import FORMAT_VERSION, METADATA_FILE, read_metadata
 from transformer_jax.data.tokenizer import Tokenizer
 
 

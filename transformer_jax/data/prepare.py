@@ -1,73 +1,28 @@
 """Corpus preparation: text / jsonl / tsv / stdlib / synthetic inputs -> a tokenized dataset directory.
 
-Layout of a dataset directory (all token shards are raw little-endian uint32, written with ``ndarray.tofile``)::
-
-    metadata.json            tokenizer, vocab_size, special ids, per-split counts, content hash, ...
-    vocab.json               CompactVocab (only with compact_vocab=True)
-    train_000.bin            text tasks (gpt, bert): concatenated document tokens, no separators
-    train_offsets.npy        int64 [num_docs + 1]: document d is tokens[offsets[d]:offsets[d+1]]
-    val_000.bin, val_offsets.npy
-    train_src_000.bin, train_src_offsets.npy, train_tgt_000.bin, train_tgt_offsets.npy   (seq2seq pairs)
-
-Documents are stored without separators; the GPT loader inserts ``<|endoftext|>`` after every document on the
-fly, so one prepared directory serves both GPT and BERT.
-
-Input names:
-  * a file, a glob (``**`` allowed) or a directory (recursive; hidden entries and binary files skipped);
-    each file is a document, except ``.jsonl`` (one document per line, field ``text_field``) and, for the
-    seq2seq task, ``.tsv`` (one ``source<TAB>target`` example per line).
-  * ``stdlib-tests``: the same Python's own test suite (``Lib/test``), which ``stdlib`` leaves out: a
-    second code corpus (for adapting a model trained on ``stdlib``).
-  * ``stdlib``: the running Python's standard-library ``.py`` files (``sysconfig.get_paths()["stdlib"]``),
-    excluding ``site-packages``/``dist-packages``, test directories (``test``, ``tests``, ``idle_test``),
-    ``__pycache__``, ``config-*`` and the platform-specific ``_sysconfigdata*`` file: about 730 files, 12 MB
-    for CPython 3.11, stable across machines with the same Python version.
-  * ``synthetic:reverse``, ``synthetic:sort``, ``synthetic:add`` (optionally ``synthetic:add:50000``): seq2seq
-    digit tasks generated deterministically from ``seed`` with the character tokenizer
-    ``chars:0123456789+``.
+The input names ``prepare`` takes are expanded by ``data.sources``; the directory it writes (its
+files, ``metadata.json``, the content hash and the train/val split) is ``data.layout``'s.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import glob
-import hashlib
 import json
 import os
-import re
 import sys
-import sysconfig
-import zlib
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from tqdm.auto import tqdm
 
+from transformer_jax.data import layout
+from transformer_jax.data.layout import (COMPACT_VOCAB_FILE, FORMAT_VERSION, METADATA_FILE, SPLITS,
+                                         TASKS, check_output_dir, read_metadata, split_documents)
+from transformer_jax.data.sources import (SYNTHETIC_TOKENIZER, Source, parse_synthetic,
+                                          resolve_inputs, synthetic_examples)
 from transformer_jax.data.tokenizer import CHARS_PREFIX, CompactVocab, Tokenizer
-
-FORMAT_VERSION = 1
-TASKS = ("gpt", "bert", "seq2seq", "classify")
-SPLITS = ("train", "val")
-METADATA_FILE = "metadata.json"
-COMPACT_VOCAB_FILE = "vocab.json"
-SYNTHETIC_PREFIX = "synthetic:"
-SYNTHETIC_TASKS = ("reverse", "sort", "add")
-SYNTHETIC_ALPHABET = "0123456789+"
-SYNTHETIC_TOKENIZER = CHARS_PREFIX + SYNTHETIC_ALPHABET
-DEFAULT_SYNTHETIC_EXAMPLES = 20_000
-SYNTHETIC_MIN_DIGITS, SYNTHETIC_MAX_DIGITS = 3, 12
-_STDLIB_EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
-_BINARY_SNIFF_BYTES = 8192
-
-
-@dataclasses.dataclass(frozen=True)
-class _Source:
-    """One input file."""
-    key: str  # stable name for the train/val hash and content hash: path relative to the inputs' common folder
-    path: str
-    kind: str  # "text" | "jsonl" | "tsv"
 
 
 @dataclasses.dataclass
@@ -77,150 +32,6 @@ class _FileResult:
     tokens: list[np.ndarray]
     targets: list[np.ndarray] | None
     replaced_chars: int
-
-
-# ---- input discovery ----------------------------------------------------------------------------------
-
-def _stdlib_test_sources() -> list[_Source]:
-    """The standard library's own test suite (``Lib/test``): code the ``stdlib`` corpus leaves out."""
-    root = sysconfig.get_paths()["stdlib"]
-    sources = []
-    for dirpath, dirnames, filenames in os.walk(os.path.join(root, "test")):
-        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__" and not d.startswith("."))
-        for name in sorted(filenames):
-            if name.endswith(".py"):
-                path = os.path.join(dirpath, name)
-                rel = os.path.relpath(path, root).replace(os.sep, "/")
-                sources.append(_Source(f"stdlib/{rel}", path, "text"))
-    return sources
-
-
-def _stdlib_sources() -> list[_Source]:
-    root = sysconfig.get_paths()["stdlib"]
-    sources = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames
-                             if d not in _STDLIB_EXCLUDED_DIRS and not d.startswith(("config-", ".")))
-        for name in sorted(filenames):
-            if name.endswith(".py") and not name.startswith("_sysconfigdata"):
-                path = os.path.join(dirpath, name)
-                rel = os.path.relpath(path, root).replace(os.sep, "/")
-                sources.append(_Source(f"stdlib/{rel}", path, "text"))
-    return sources
-
-
-def _is_binary(path: str) -> bool:
-    with open(path, "rb") as f:
-        return b"\0" in f.read(_BINARY_SNIFF_BYTES)
-
-
-def _kind_of(path: str, task: str) -> str:
-    if path.endswith(".jsonl"):
-        return "jsonl"
-    if task == "seq2seq":
-        if not path.endswith(".tsv"):
-            raise ValueError(f"seq2seq inputs must be .tsv files (source<TAB>target) or synthetic:TASK, "
-                             f"got {path!r}")
-        return "tsv"
-    return "text"
-
-
-def files_under(directory: str) -> list[str]:
-    out = []
-    for dirpath, dirnames, filenames in os.walk(directory):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        out.extend(os.path.join(dirpath, f) for f in sorted(filenames) if not f.startswith("."))
-    return [p for p in out if not _is_binary(p)]
-
-
-def _resolve_inputs(inputs: Sequence[str], task: str) -> tuple[list[_Source], list[str]]:
-    """Expands input names into files (sorted, deduplicated) and synthetic task specs."""
-    if not inputs:
-        raise ValueError("no inputs given")
-    sources: dict[str, _Source] = {}
-    files_found: dict[str, str] = {}  # absolute path -> kind
-    synthetic: list[str] = []
-    for name in inputs:
-        if name.startswith(SYNTHETIC_PREFIX):
-            _parse_synthetic(name)  # validate early
-            synthetic.append(name)
-            continue
-        if name in ("stdlib", "stdlib-tests") and not os.path.exists(name):
-            found = _stdlib_sources() if name == "stdlib" else _stdlib_test_sources()
-            if not found:
-                raise FileNotFoundError(f"no .py files found in the stdlib {sysconfig.get_paths()['stdlib']!r}")
-            for s in found:
-                sources.setdefault(s.key, s)
-            continue
-        matches = sorted(glob.glob(name, recursive=True)) if glob.has_magic(name) else (
-            [name] if os.path.exists(name) else [])
-        files = []
-        for m in matches:
-            files.extend(files_under(m) if os.path.isdir(m) else [m])
-        if not files:
-            raise FileNotFoundError(f"no files found for input {name!r}")
-        for path in files:
-            files_found.setdefault(os.path.abspath(path), _kind_of(path, task))
-    if files_found:
-        # Keys are relative to the files' common folder, so the split and content hash survive moving the corpus.
-        root = os.path.commonpath(list(files_found))
-        if len(files_found) == 1:
-            root = os.path.dirname(root)
-        for path, kind in files_found.items():
-            key = os.path.relpath(path, root).replace(os.sep, "/")
-            sources.setdefault(key, _Source(key, path, kind))
-    if synthetic and task != "seq2seq":
-        raise ValueError(f"synthetic inputs {synthetic} are seq2seq tasks; use task='seq2seq'")
-    if synthetic and sources:
-        raise ValueError("synthetic inputs use their own character tokenizer and cannot be mixed with files")
-    return list(sources.values()), synthetic
-
-
-def _parse_synthetic(name: str) -> tuple[str, int]:
-    parts = name[len(SYNTHETIC_PREFIX):].split(":")
-    if parts[0] not in SYNTHETIC_TASKS or len(parts) > 2:
-        raise ValueError(f"unknown synthetic input {name!r}; expected synthetic:TASK[:COUNT] with TASK in "
-                         f"{SYNTHETIC_TASKS}")
-    try:
-        count = int(parts[1]) if len(parts) == 2 else DEFAULT_SYNTHETIC_EXAMPLES
-    except ValueError:
-        raise ValueError(f"bad example count in {name!r}") from None
-    if count <= 0:
-        raise ValueError(f"example count must be positive in {name!r}")
-    return parts[0], count
-
-
-def synthetic_examples(task: str, count: int, seed: int) -> list[tuple[str, str]]:
-    """Generates ``count`` deterministic (source, target) digit-string pairs.
-
-    Args:
-        task: ``"reverse"`` (target = reversed source), ``"sort"`` (target = sorted digits) or ``"add"``
-            (source ``"a+b"`` with operands of 1-6 digits, target the decimal sum).
-        count: Number of examples.
-        seed: Random seed; the same (task, count, seed) always gives the same examples.
-
-    Returns:
-        List of ``(source, target)`` strings over the alphabet ``"0123456789+"``.
-    """
-    rng = np.random.default_rng([seed, zlib.crc32(task.encode())])
-    digits = rng.integers(0, 10, size=(count, SYNTHETIC_MAX_DIGITS))
-    if task in ("reverse", "sort"):
-        lengths = rng.integers(SYNTHETIC_MIN_DIGITS, SYNTHETIC_MAX_DIGITS + 1, size=count)
-        out = []
-        for row, n in zip(digits.tolist(), lengths.tolist()):
-            src = "".join(map(str, row[:n]))
-            out.append((src, src[::-1] if task == "reverse" else "".join(sorted(src))))
-        return out
-    if task == "add":
-        half = SYNTHETIC_MAX_DIGITS // 2
-        lengths = rng.integers(1, half + 1, size=(count, 2))
-        out = []
-        for row, (na, nb) in zip(digits.tolist(), lengths.tolist()):
-            a = int("".join(map(str, row[:na])))
-            b = int("".join(map(str, row[half:half + nb])))
-            out.append((f"{a}+{b}", str(a + b)))
-        return out
-    raise ValueError(f"unknown synthetic task {task!r}; expected one of {SYNTHETIC_TASKS}")
 
 
 # ---- reading and tokenizing ---------------------------------------------------------------------------
@@ -238,7 +49,7 @@ def _as_ids(ids: list[int]) -> np.ndarray:
     return np.asarray(ids, dtype=np.uint32)
 
 
-def _tokenize_source(source: _Source, tokenizer: Tokenizer, text_field: str) -> _FileResult:
+def _tokenize_source(source: Source, tokenizer: Tokenizer, text_field: str) -> _FileResult:
     with open(source.path, "rb") as f:
         text, replaced = _decode(f.read())
     if source.kind == "text":
@@ -264,101 +75,6 @@ def _tokenize_source(source: _Source, tokenizer: Tokenizer, text_field: str) -> 
             targets.append(_as_ids(tokenizer.encode_full(tgt)))
         keys.append(f"{source.key}:{lineno}")
     return _FileResult(keys, tokens, targets if source.kind == "tsv" else None, replaced)
-
-
-def _file_digest(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _content_hash(options: dict[str, Any], sources: list[_Source], workers: int) -> str:
-    h = hashlib.sha256(json.dumps(options, sort_keys=True).encode())
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:  # hashlib releases the GIL on big reads
-        digests = list(pool.map(lambda s: _file_digest(s.path), sources))
-    for source, digest in zip(sources, digests):
-        h.update(f"{source.key}\0{source.kind}\0{digest}\n".encode())
-    return h.hexdigest()
-
-
-# ---- splitting and writing ----------------------------------------------------------------------------
-
-def _split_hash(seed: int, key: str) -> float:
-    digest = hashlib.blake2b(f"{seed}\0{key}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") / 2.0**64
-
-
-def split_documents(keys: Sequence[str], val_fraction: float, seed: int) -> np.ndarray:
-    """Assigns documents to validation by a seeded hash of their keys.
-
-    Args:
-        keys: Stable document names (paths, ``path:line``).
-        val_fraction: Fraction of documents in ``[0, 1)``, or an integer count ``>= 1`` of validation documents.
-        seed: Split seed.
-
-    Returns:
-        Bool array ``[num_docs]``, True for validation. With two or more documents and a non-zero fraction, both
-        splits are non-empty.
-    """
-    n = len(keys)
-    if not val_fraction >= 0 or val_fraction == float("inf"):   # NaN fails the comparison
-        raise ValueError(f"val_fraction must be a finite number >= 0, got {val_fraction}")
-    hashes = np.array([_split_hash(seed, k) for k in keys], dtype=np.float64)
-    if val_fraction >= 1:
-        if val_fraction != int(val_fraction):
-            raise ValueError(f"val_fraction >= 1 must be a whole document count, got {val_fraction}")
-        is_val = np.zeros(n, dtype=bool)
-        is_val[np.argsort(hashes, kind="stable")[:min(int(val_fraction), max(n - 1, 0))]] = True
-        return is_val
-    is_val = hashes < val_fraction
-    if n >= 2 and val_fraction > 0:
-        if not is_val.any():
-            is_val[np.argmin(hashes)] = True
-        if is_val.all():
-            is_val[np.argmax(hashes)] = False
-    return is_val
-
-
-def _write_stream(out: str, prefix: str, arrays: list[np.ndarray]) -> dict[str, Any]:
-    """Writes one token stream (shard + offsets) atomically; returns its metadata entry."""
-    lengths = np.array([len(a) for a in arrays], dtype=np.int64)
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    tokens = np.concatenate(arrays).astype(np.uint32) if arrays else np.zeros(0, np.uint32)
-    shard, offsets_file = f"{prefix}_000.bin", f"{prefix}_offsets.npy"
-    tokens.tofile(os.path.join(out, shard + ".tmp"))
-    os.replace(os.path.join(out, shard + ".tmp"), os.path.join(out, shard))
-    with open(os.path.join(out, offsets_file + ".tmp"), "wb") as f:
-        np.save(f, offsets)
-    os.replace(os.path.join(out, offsets_file + ".tmp"), os.path.join(out, offsets_file))
-    return {"shards": [shard], "offsets": offsets_file, "tokens": int(tokens.size)}
-
-
-def _is_up_to_date(out: str, content_hash: str) -> dict[str, Any] | None:
-    path = os.path.join(out, METADATA_FILE)
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path, "rb") as f:
-            meta = json.loads(f.read())
-    except (OSError, ValueError):  # unreadable, not UTF-8, not JSON: rebuilt
-        return None
-    if not isinstance(meta, dict) or metadata_problem(meta) is not None:
-        return None
-    if meta.get("content_hash") != content_hash:
-        return None
-    files = [f for split in meta["splits"].values() for s in split["streams"].values()
-             for f in [*s["shards"], s["offsets"]]]
-    if meta.get("compact_vocab"):
-        files.append(meta["compact_vocab"])
-    return meta if all(os.path.exists(os.path.join(out, f)) for f in files) else None
-
-
-# The files ``prepare`` writes (and their temporaries): a folder holding anything else is not a
-# dataset, and is not written into.
-_DATASET_FILE = re.compile(r"^(?:(?:train|val)(?:_src|_tgt|_b)?(?:_\d+\.bin|_offsets\.npy|"
-                           r"_labels\.npy)|vocab\.json|metadata\.json)(?:\.tmp)?$")
 
 
 def check_options(*, task: str, val_fraction: float, workers: int, compact_vocab: bool | int,
@@ -387,131 +103,13 @@ def check_options(*, task: str, val_fraction: float, workers: int, compact_vocab
         raise ValueError(f"text_field={text_field!r}: expected a field name")
 
 
-def check_output_dir(out: str) -> None:
-    """Refuses an output path that is not a folder, or a folder that holds files other than a
-    prepared dataset's (a rebuild replaces the dataset's own files; it never writes over others).
-
-    Raises:
-        ValueError: naming the folder and (some of) the other files.
-    """
-    if not os.path.lexists(out):
-        return
-    if not os.path.isdir(out):
-        raise ValueError(f"--out {out} exists and is not a directory")
-    foreign = sorted(e for e in os.listdir(out) if not _DATASET_FILE.match(e))
-    if foreign:
-        more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
-        raise ValueError(f"{out} holds files that are not a prepared dataset's "
-                         f"({', '.join(foreign[:5])}{more}); give a new or empty directory")
-
-
-def read_metadata(path: str) -> dict[str, Any]:
-    """The ``metadata.json`` of the dataset directory ``path``.
-
-    Raises:
-        FileNotFoundError: ``path`` holds no ``metadata.json``.
-        ValueError: The file is damaged (not a JSON object); the message names it and how to rebuild it.
-    """
-    meta_file = os.path.join(path, METADATA_FILE)
-    if not os.path.exists(meta_file):
-        raise FileNotFoundError(f"{path!r} is not a prepared dataset (no {METADATA_FILE}); run `tjax prepare`")
-    with open(meta_file, "rb") as f:
-        raw = f.read()
-    try:
-        meta = json.loads(raw)
-        problem = None if isinstance(meta, dict) else f"a JSON {type(meta).__name__}, not an object"
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        problem = str(e)
-    if problem is None:
-        problem = metadata_problem(meta)
-    if problem is not None:
-        raise ValueError(f"{meta_file} is damaged ({problem}); rebuild the dataset with `tjax prepare "
-                         f"... --out {path}`, or delete {path} for `tjax train` to prepare it again from "
-                         "data.inputs")
-    return meta
-
-
-# The streams each task's splits hold (classify may add "tokens_b", the second texts of pairs).
-_STREAMS = {"gpt": {"tokens"}, "bert": {"tokens"}, "seq2seq": {"src", "tgt"},
-            "classify": {"tokens"}}
-
-
-def _count(value: Any, low: int = 0) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
-
-
-def _file_name(value: Any) -> bool:
-    """A plain file name: the dataset's files all lie in its own folder."""
-    return (isinstance(value, str) and value not in ("", ".", "..") and "/" not in value
-            and os.sep not in value)
-
-
-def metadata_problem(meta: dict[str, Any]) -> str | None:
-    """What is wrong with a ``metadata.json`` object, naming the field (None: nothing). Checks
-    every field a reader uses: ``task``, ``tokenizer``, ``vocab_size``, ``num_regular_tokens``,
-    ``special_tokens`` (ids inside the vocabulary), ``compact_vocab``, the splits' counts and
-    stream files (plain names, inside the dataset's folder) and a classification set's labels."""
-    if meta.get("format_version") != FORMAT_VERSION:
-        return None  # load_dataset names an unsupported version itself
-    task, vocab = meta.get("task"), meta.get("vocab_size")
-    checks = (
-        ("task", task in TASKS, f"one of {', '.join(TASKS)}"),
-        ("tokenizer", isinstance(meta.get("tokenizer"), str), "a tokenizer name"),
-        ("vocab_size", _count(vocab, 1), "an integer >= 1"),
-    )
-    for field, ok, expected in checks:
-        if not ok:
-            return f"{field}={meta.get(field)!r}: expected {expected}"
-    if not (_count(meta.get("num_regular_tokens")) and meta["num_regular_tokens"] <= vocab):
-        return (f"num_regular_tokens={meta.get('num_regular_tokens')!r}: expected an integer in "
-                f"[0, {vocab}]")
-    specials = meta.get("special_tokens")
-    if not isinstance(specials, dict):
-        return f"special_tokens={specials!r}: expected an object (name -> id)"
-    for name, i in specials.items():
-        if not (_count(i) and i < vocab):
-            return f"special_tokens.{name}={i!r}: expected an id in [0, {vocab})"
-    if meta.get("compact_vocab") is not None and not _file_name(meta["compact_vocab"]):
-        return f"compact_vocab={meta['compact_vocab']!r}: expected a file name inside the dataset"
-    splits = meta.get("splits")
-    if not isinstance(splits, dict) or not splits or not set(splits) <= set(SPLITS):
-        return f"splits={splits!r}: expected an object with the splits {', '.join(SPLITS)}"
-    for split, m in splits.items():
-        if not isinstance(m, dict):
-            return f"splits.{split}: expected an object"
-        for key in ("documents", "tokens"):
-            if not _count(m.get(key)):
-                return f"splits.{split}.{key}={m.get(key)!r}: expected an integer >= 0"
-        streams = m.get("streams")
-        want = _STREAMS[task]
-        have = set(streams) if isinstance(streams, dict) else set()
-        if not isinstance(streams, dict) or not want <= have or not have <= want | {"tokens_b"}:
-            return f"splits.{split}.streams: expected the streams {', '.join(sorted(want))}"
-        for name, entry in streams.items():
-            where = f"splits.{split}.streams.{name}"
-            if not isinstance(entry, dict):
-                return f"{where}: expected an object"
-            shards = entry.get("shards")
-            if not (isinstance(shards, list) and shards and all(_file_name(x) for x in shards)):
-                return (f"{where}.shards={shards!r}: expected a list of file names inside the "
-                        "dataset")
-            if not _file_name(entry.get("offsets")):
-                return (f"{where}.offsets={entry.get('offsets')!r}: expected a file name inside "
-                        "the dataset")
-    if task == "classify":
-        labels = meta.get("labels")
-        if not (isinstance(labels, list) and labels and all(isinstance(x, str) for x in labels)):
-            return f"labels={labels!r}: expected a list of label names"
-    return None
-
-
 # ---- entry point --------------------------------------------------------------------------------------
 
 def prepare(inputs: Sequence[str], out: str, *, tokenizer: str = "cl100k_base", compact_vocab: bool | int = False,
             task: str = "gpt", val_fraction: float = 0.05, seed: int = 0, workers: int = 2,
             text_field: str = "text", force: bool = False, progress: bool = True,
             vocab_from: str | None = None) -> dict[str, Any]:
-    """Tokenizes a corpus into a dataset directory (see the module docstring for the layout).
+    """Tokenizes a corpus into a dataset directory (its layout: ``data.layout``).
 
     Args:
         inputs: Files, globs, directories, ``stdlib``, or ``synthetic:TASK[:COUNT]`` (seq2seq only).
@@ -550,7 +148,7 @@ def prepare(inputs: Sequence[str], out: str, *, tokenizer: str = "cl100k_base", 
                                 val_fraction=val_fraction, seed=seed, force=force)
     if vocab_from is not None and task == "seq2seq":
         raise ValueError("vocab_from is for text and classify datasets, not task='seq2seq'")
-    sources, synthetic = _resolve_inputs(inputs, task)
+    sources, synthetic = resolve_inputs(inputs, task)
     if synthetic:
         tokenizer = SYNTHETIC_TOKENIZER
     tok = Tokenizer.from_name(tokenizer)
@@ -567,8 +165,8 @@ def prepare(inputs: Sequence[str], out: str, *, tokenizer: str = "cl100k_base", 
                "val_fraction": val_fraction, "seed": seed,
                "text_field": text_field, "synthetic": synthetic,
                **({"vocab_from": reused.to_json()} if reused is not None else {})}
-    content_hash = _content_hash(options, sources, max(1, workers))
-    if not force and (meta := _is_up_to_date(out, content_hash)) is not None:
+    content_hash = layout.content_hash(options, sources, max(1, workers))
+    if not force and (meta := layout.is_up_to_date(out, content_hash)) is not None:
         print(f"{out} is up to date (content hash {content_hash[:12]}); nothing to do")
         return meta
 
@@ -579,7 +177,7 @@ def prepare(inputs: Sequence[str], out: str, *, tokenizer: str = "cl100k_base", 
         for fut in tqdm(futures, total=len(futures), desc="tokenizing", unit="file", disable=not progress):
             results.append(fut.result())
     for spec in synthetic:
-        name, count = _parse_synthetic(spec)
+        name, count = parse_synthetic(spec)
         pairs = synthetic_examples(name, count, seed)
         results.append(_FileResult([f"{spec}:{i}" for i in range(count)],
                                    [_as_ids(tok.encode_full(s)) for s, _ in pairs],
@@ -632,10 +230,10 @@ def prepare(inputs: Sequence[str], out: str, *, tokenizer: str = "cl100k_base", 
     for split in SPLITS:
         idx = np.flatnonzero(is_val if split == "val" else ~is_val)
         if targets is None:
-            streams = {"tokens": _write_stream(out, split, [docs[i] for i in idx])}
+            streams = {"tokens": layout.write_stream(out, split, [docs[i] for i in idx])}
         else:
-            streams = {"src": _write_stream(out, f"{split}_src", [docs[i] for i in idx]),
-                       "tgt": _write_stream(out, f"{split}_tgt", [targets[i] for i in idx])}
+            streams = {"src": layout.write_stream(out, f"{split}_src", [docs[i] for i in idx]),
+                       "tgt": layout.write_stream(out, f"{split}_tgt", [targets[i] for i in idx])}
         splits[split] = {"documents": int(idx.size), "tokens": sum(s["tokens"] for s in streams.values()),
                          "streams": streams}
     if compact is not None:

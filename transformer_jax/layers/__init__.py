@@ -5,14 +5,8 @@ from transformer_jax.layers.block import Block, BlockConfig
 from transformer_jax.layers.cache import KVCache, LinearCache
 from transformer_jax.layers.dense import Embed, Norm, Projection, RelativePositionBias
 from transformer_jax.layers.mlp import MLP
-from transformer_jax.layers.ssm import (
-  MambaKind,
-  MambaMixer,
-  MixerBlock,
-  MixerBlockConfig,
-  MixerStack,
-  SSMCache,
-)
+from transformer_jax.layers.mamba import MambaKind, MambaMixer
+from transformer_jax.layers.ssm import MixerBlock, MixerBlockConfig, MixerStack, SSMCache
 from transformer_jax.layers.stack import Remat, Stack
 
 __all__ = [

@@ -43,7 +43,8 @@ from transformer_jax.ops.positions import (
   sinusoidal_positions,
 )
 from transformer_jax.ops.reductions import argmax
-from transformer_jax.ops.sparse import SparsePattern, sparse_attention
+from transformer_jax.ops.sparse import sparse_attention
+from transformer_jax.ops.sparse_pattern import SparsePattern
 from transformer_jax.ops.ssm import (
   SSMState,
   causal_conv1d,
