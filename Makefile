@@ -25,7 +25,7 @@ demo: $(STAMP)
 
 # A tour of the model families: each tiny preset's forward pass and `tjax info` for a few presets.
 tour: $(STAMP)
-	$(PY) -m transformer_jax.demo
+	$(PY) -m transformer_jax.cli.demo
 
 # tests/parallel run in their own process: they need 8 simulated devices from the start.
 test: $(STAMP)

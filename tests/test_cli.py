@@ -5,7 +5,7 @@ import json
 import pytest
 
 from tests.train.conftest import run_cli
-from transformer_jax import cli
+from transformer_jax.cli import bench as bench_cli
 
 
 def test_bench_json_never_writes_over_a_file_it_did_not_write(tmp_path, monkeypatch):
@@ -28,7 +28,7 @@ def test_bench_json_refuses_damaged_or_foreign_files(tmp_path, content):
   path = tmp_path / "x.json"
   path.write_bytes(content)
   with pytest.raises(ValueError, match="is not a tjax bench result"):
-    cli._check_bench_out(str(path))
+    bench_cli._check_bench_out(str(path))
 
 
 @pytest.mark.parametrize("flag", ["--seq-len", "--batch-size", "--vocab-size"])

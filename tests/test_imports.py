@@ -75,23 +75,25 @@ def test_no_module_imports_another_modules_private_names():
 
 def test_loading_a_run_is_a_library_call():
   from transformer_jax import runs
-  from transformer_jax.generate import commands
 
   assert tj.load_run is runs.load_run and tj.load_model is runs.load_model
   assert runs.load_run.__module__ == "transformer_jax.runs.load"
-  assert commands.load_run is runs.load_run  # the older import path still works
 
 
-def test_the_library_does_not_import_the_benchmarks():
-  # The benchmarks sit on top of the library; only they and the command line import them.
+def imports_of(target: str, *, outside: tuple[str, ...]) -> list[str]:
+  """``file:line: module`` of each import of the package's ``target`` (``"bench"``: the module or
+  package ``transformer_jax.bench`` and what is under it) by a module outside the folders
+  ``outside``: ``import transformer_jax.bench``, ``from transformer_jax.bench.x import y`` and
+  ``from transformer_jax import bench`` alike."""
+  full = f"transformer_jax.{target}"
   found = []
   for folder, _, files in os.walk(PACKAGE):
     rel_folder = os.path.relpath(folder, PACKAGE).replace(os.sep, "/")
-    if rel_folder == "bench" or rel_folder.startswith("bench/"):
+    if any(rel_folder == o or rel_folder.startswith(o + "/") for o in outside):
       continue
     for name in files:
       rel = f"{rel_folder}/{name}".removeprefix("./")
-      if not name.endswith(".py") or rel == "cli.py":
+      if not name.endswith(".py"):
         continue
       with open(os.path.join(folder, name)) as f:
         tree = ast.parse(f.read())
@@ -103,8 +105,38 @@ def test_the_library_does_not_import_the_benchmarks():
           if isinstance(node, ast.Import)
           else []
         )
-        imported = [n for n in names if n.startswith("transformer_jax.bench")]
+        imported = [n for n in names if n == full or n.startswith(full + ".")]
         if isinstance(node, ast.ImportFrom) and node.module == "transformer_jax":
-          imported += [a.name for a in node.names if a.name == "bench"]
+          imported += [a.name for a in node.names if a.name == target]
         found += [f"transformer_jax/{rel}:{node.lineno}: {n}" for n in imported]
+  return found
+
+
+def test_the_import_scan_finds_every_spelling(tmp_path, monkeypatch):
+  (tmp_path / "lib").mkdir()
+  (tmp_path / "cli").mkdir()
+  (tmp_path / "lib" / "a.py").write_text(
+    "import transformer_jax.cli\nfrom transformer_jax.cli.info import x\n"
+    "from transformer_jax import cli, models\nfrom transformer_jax import client\n"
+    "import transformer_jax.client\n"
+  )
+  (tmp_path / "cli" / "b.py").write_text("from transformer_jax import cli\n")
+  monkeypatch.setattr(f"{__name__}.PACKAGE", str(tmp_path))
+  assert imports_of("cli", outside=("cli",)) == [
+    "transformer_jax/lib/a.py:1: transformer_jax.cli",
+    "transformer_jax/lib/a.py:2: transformer_jax.cli.info",
+    "transformer_jax/lib/a.py:3: cli",
+  ]
+
+
+def test_the_library_does_not_import_the_benchmarks():
+  # The benchmarks sit on top of the library; only they and the command line import them.
+  found = imports_of("bench", outside=("bench", "cli"))
   assert found == [], "the library imports the benchmarks:\n" + "\n".join(found)
+
+
+def test_the_library_does_not_import_the_command_line():
+  # The command line (transformer_jax.cli) sits on top of everything: it holds the arguments, the
+  # printing and the exit codes; what a Python user calls lives below it.
+  found = imports_of("cli", outside=("cli",))
+  assert found == [], "the library imports the command line:\n" + "\n".join(found)

@@ -9,14 +9,8 @@ import numpy as np
 import pytest
 import tiktoken
 
-from transformer_jax.data import (
-    Tokenizer,
-    add_prepare_args,
-    load_dataset,
-    prepare,
-    run_prepare,
-    synthetic_examples,
-)
+from transformer_jax.cli.prepare import add_prepare_args, run_prepare
+from transformer_jax.data import Tokenizer, load_dataset, prepare, synthetic_examples
 from transformer_jax.data.layout import split_documents
 from transformer_jax.data.sources import _stdlib_sources
 

@@ -16,7 +16,9 @@ from flax import nnx
 
 from transformer_jax import cli, data, generate, models
 from transformer_jax.backends.cpu import poll
-from transformer_jax.generate import commands
+from transformer_jax.cli import generate as generate_cli
+from transformer_jax.generate import stream
+from transformer_jax.generate.fill_mask import encode_masked
 from transformer_jax.runs import load_run, save_model
 from tests.generate.conftest import gpt_model, last_logits, random_prompts
 from tests.backends.cpu.test_poll import _fds_on
@@ -100,13 +102,12 @@ def _watch_poll(tmp_path, monkeypatch):
   monkeypatch.setattr(poll, "CPU_DMA_LATENCY", str(device))
   monkeypatch.delenv(poll.POLL_ENV, raising=False)
   held = []
-  commands_stream = commands.stream_generate
 
-  def stream(*a, **kw):
+  def streamed(*a, **kw):
     held.append(_fds_on(device))
-    yield from commands_stream(*a, **kw)
+    yield from stream.stream_generate(*a, **kw)
 
-  monkeypatch.setattr(commands, "stream_generate", stream)
+  monkeypatch.setattr(generate_cli, "stream_generate", streamed)
   return device, held
 
 
@@ -226,11 +227,11 @@ def test_stream_equals_generate_and_compiles_once_per_chunk_size():
   prompts = random_prompts(7, [4, 8])  # as test_generate's sampling test: its compilation
   kw = dict(max_new_tokens=16, temperature=1.0, top_p=0.9, key=jax.random.key(11))
   whole = np.asarray(generate.generate(model, prompts, **kw))
-  before = commands.trace_count
-  chunks = list(commands.stream_generate(model, prompts, chunk_size=6, **kw))
+  before = stream.trace_count
+  chunks = list(stream.stream_generate(model, prompts, chunk_size=6, **kw))
   assert [c.shape[1] for c in chunks] == [1, 6, 6, 3]
   np.testing.assert_array_equal(np.concatenate(chunks, axis=1), whole)
-  assert commands.trace_count - before <= 1  # one trace for every chunk, the short last too
+  assert stream.trace_count - before <= 1  # one trace for every chunk, the short last too
   eos = int(whole[0, next(j for j in range(2, 7) if whole[0, j] not in whole[0, :j])])
   # With EOS: the same tokens up to each row's EOS (same keys), then EOS; the stream stops after
   # the chunk where the last row ends.
@@ -239,7 +240,7 @@ def test_stream_equals_generate_and_compiles_once_per_chunk_size():
     if eos in row.tolist():
       row[row.tolist().index(eos) :] = eos
   streamed = np.concatenate(
-    list(commands.stream_generate(model, prompts, chunk_size=6, eos_id=eos, **kw)), axis=1
+    list(stream.stream_generate(model, prompts, chunk_size=6, eos_id=eos, **kw)), axis=1
   )
   np.testing.assert_array_equal(streamed, want[:, : streamed.shape[1]])
   assert (want[:, streamed.shape[1] :] == eos).all()
@@ -248,11 +249,11 @@ def test_stream_equals_generate_and_compiles_once_per_chunk_size():
   banned = sorted(set(whole.reshape(-1).tolist()))[:4]
   suppressed = np.asarray(generate.generate(model, prompts, suppress_ids=banned, **kw))
   streamed = np.concatenate(
-    list(commands.stream_generate(model, prompts, chunk_size=6, suppress_ids=banned, **kw)), axis=1
+    list(stream.stream_generate(model, prompts, chunk_size=6, suppress_ids=banned, **kw)), axis=1
   )
   np.testing.assert_array_equal(streamed, suppressed)
   assert not np.isin(suppressed, banned).any()
-  assert commands.trace_count - before <= 1
+  assert stream.trace_count - before <= 1
 
 
 def test_fill_mask_prints_top_k_per_mask(runs, capsys):
@@ -268,7 +269,7 @@ def test_fill_mask_prints_top_k_per_mask(runs, capsys):
     + [tok.mask_id]
     + [tok.sep_id]
   )
-  assert commands.encode_masked(tok, text) == ids
+  assert encode_masked(tok, text) == ids
   logits = np.asarray(
     nnx.merge(models.graphdef(config), params)(np.asarray([ids])).mlm_logits, np.float64
   )[0]

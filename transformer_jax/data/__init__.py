@@ -15,7 +15,6 @@ from transformer_jax.data.loaders import (
     seq2seq_eval_batches,
     unigram_cross_entropy,
 )
-from transformer_jax.data.commands import add_prepare_args, run_prepare
 from transformer_jax.data.layout import METADATA_FILE, read_metadata
 # ``prepare`` here is the function; the module is ``transformer_jax.data.prepare`` imported by its
 # full name (``from transformer_jax.data import prepare`` gives the function).
@@ -25,7 +24,7 @@ from transformer_jax.data.tokenizer import SPECIAL_TOKENS, CompactVocab, Tokeniz
 
 __all__ = [
     "SPECIAL_TOKENS", "BertLoader", "ClassifyLoader", "classify_eval_batches", "CompactVocab", "Dataset", "GPTLoader", "Seq2SeqLoader", "Stream",
-    "Tokenizer", "add_prepare_args", "bert_eval_batches", "gpt_eval_batches", "load_dataset", "make_loader",
-    "METADATA_FILE", "prepare", "read_metadata", "run_prepare", "seq2seq_eval_batches",
+    "Tokenizer", "bert_eval_batches", "gpt_eval_batches", "load_dataset", "make_loader",
+    "METADATA_FILE", "prepare", "read_metadata", "seq2seq_eval_batches",
     "synthetic_examples", "unigram_cross_entropy",
 ]

@@ -5,7 +5,8 @@
 never producing ``suppress_ids`` (``special_ids(tokenizer, keep=[eos])``: text without ``[UNK]``);
 ``beam_search`` keeps the best ``num_beams`` hypotheses; ``fill_mask`` ranks a BERT's candidates at
 each ``[MASK]``. ``KVCache``/``init_cache``/``extend`` are the pieces (prefill a prompt in one call,
-then one-token steps).
+then one-token steps). ``generate.stream.stream_generate`` hands out ``generate``'s tokens a chunk
+at a time, as they are produced.
 """
 
 from transformer_jax.generate.beam import BeamSearchOutput, beam_search

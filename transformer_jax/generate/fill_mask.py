@@ -1,7 +1,8 @@
 """``fill_mask``: a BERT's most likely tokens, with probabilities, at every ``[MASK]`` position.
 
 One jitted call encodes the batch and runs the masked-LM head only at the mask positions (their
-number is padded to a power of two, so a new count rarely compiles again).
+number is padded to a power of two, so a new count rarely compiles again). ``encode_masked`` turns
+a text with ``[MASK]`` markers into the ``[CLS] ... [SEP]`` ids it takes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from flax import nnx
 from transformer_jax.generate.decode import split_model
 from transformer_jax.models.common import check_tokens
 from transformer_jax.models.config import BERTConfig
+
+
+MASK_TEXT = "[MASK]"  # what stands for a mask in a text (``encode_masked``)
 
 
 class FillMaskOutput(NamedTuple):
@@ -103,3 +107,25 @@ def _compiled(graphdef, top_k):
     return ids_MK.astype(jnp.int32), probs_MK
 
   return jax.jit(run)
+
+
+def encode_masked(tokenizer, text: str) -> list[int]:
+  """``[CLS] text [SEP]`` ids with each ``[MASK]`` in ``text`` as the mask id.
+
+  Pieces between masks are encoded as plain text. A space just before a mask is left to the mask:
+  BPE tokens carry their leading space (`` self``), so that is the token the mask stands for.
+
+  Raises:
+    ValueError: ``text`` holds no ``[MASK]``.
+  """
+  pieces = text.split(MASK_TEXT)
+  if len(pieces) == 1:
+    raise ValueError(f"the text has no {MASK_TEXT} to fill: {text!r}")
+  ids = [tokenizer.cls_id]
+  for i, piece in enumerate(pieces):
+    if i < len(pieces) - 1 and piece.endswith(" "):
+      piece = piece[:-1]
+    ids += tokenizer.encode(piece)
+    if i < len(pieces) - 1:
+      ids.append(tokenizer.mask_id)
+  return ids + [tokenizer.sep_id]

@@ -125,7 +125,7 @@ def seq2seq_exact_match(run: Plan, params, max_examples: int = 512) -> float:
 def print_samples(run: Plan, params) -> list[str]:
   """Samples a few continuations (``tjax generate``'s sampler: temperature 0.8, top-k 40; special
   tokens such as [UNK] are never drawn), prints them and writes them to ``samples.txt``."""
-  from transformer_jax.generate.commands import stream_generate  # noqa: PLC0415 - a sampling bar only
+  from transformer_jax.generate.stream import stream_generate  # noqa: PLC0415 - a sampling bar only
 
   tok = run.dataset.tokenizer
   prompts_text = ["def ", "import ", "class ", "    return "][: run.exp.train.samples]

@@ -19,7 +19,7 @@ from transformer_jax.backends.cpu import decode as cpu_decode
 from transformer_jax.backends.cpu import matmul
 from transformer_jax.backends.cpu.decode import SKINNY_ROWS, OutInKernel, OutInPieces
 from transformer_jax.generate import decode
-from transformer_jax.generate.commands import stream_generate
+from transformer_jax.generate.stream import stream_generate
 from transformer_jax.layers.dense import Embed, Projection
 from tests.backends import only_on
 from tests.generate.conftest import gpt_model, naive_greedy, random_prompts

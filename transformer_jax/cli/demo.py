@@ -1,4 +1,5 @@
-"""``make demo``: build each family's tiny preset, run a forward pass, print ``tjax info``."""
+"""``make tour`` (``python -m transformer_jax.cli.demo``): build each family's tiny preset, run a
+forward pass, print ``tjax info``."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from transformer_jax import cli, models
+from transformer_jax import models
+from transformer_jax.cli.info import info_text
 
 
 def main() -> None:
@@ -38,7 +40,7 @@ def main() -> None:
     )
   print()
   for preset in ("gpt2-small", "bert-base", "t5-small", "llama3-8b"):
-    print(cli.info_text(preset))
+    print(info_text(preset))
     print()
 
 

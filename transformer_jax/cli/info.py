@@ -1,0 +1,82 @@
+"""``tjax info``: a preset's parameters, training FLOPs per token and memory estimate, or (no
+preset) the table of presets."""
+
+from __future__ import annotations
+
+
+def _human(n: float) -> str:
+  for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+    if abs(n) >= div:
+      return f"{n / div:.2f}{unit}"
+  return f"{n:.0f}"
+
+
+def _bytes(n: float) -> str:
+  for unit, div in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if n >= div:
+      return f"{n / div:.2f} {unit}"
+  return f"{n:.0f} B"
+
+
+def info_text(
+  preset: str, *, vocab_size: int | None = None, batch_size: int = 8, seq_len: int | None = None
+) -> str:
+  """What ``tjax info PRESET`` prints: parameters, training FLOPs per token, memory estimate."""
+  from transformer_jax import models
+
+  overrides = {} if vocab_size is None else {"vocab_size": vocab_size}
+  cfg = models.get_config(preset, **overrides)
+  seq_len = min(cfg.max_len, 1024) if seq_len is None else seq_len
+  pc = models.param_count(cfg)
+  flops = models.train_flops_per_token(cfg, seq_len)
+  mem = models.train_memory_bytes(cfg, batch_size, seq_len)
+  lines = [
+    f"{preset}: {type(cfg).__name__}",
+    f"  parameters        {pc.total:>16,d}  ({_human(pc.total)})",
+    f"  embedding         {pc.embedding:>16,d}",
+    f"  non-embedding     {pc.non_embedding:>16,d}  ({_human(pc.non_embedding)})",
+    f"  train FLOPs/token {flops:>16,.0f}  ({_human(flops)}; 6N + attention at T={seq_len})",
+    f"  memory estimate   batch={batch_size} seq_len={seq_len}, AdamW fp32, dtype={cfg.dtype}:",
+  ]
+  lines += [f"    {k:<12s}{_bytes(v):>14s}" for k, v in mem.items()]
+  return "\n".join(lines)
+
+
+def presets_table() -> str:
+  """What ``tjax info`` prints without a preset: each preset's family and parameter count."""
+  from transformer_jax import models
+
+  rows = [f"{'preset':<18s}{'family':<15s}{'parameters':>16s}"]
+  for name in models.list_presets():
+    cfg = models.get_config(name)
+    rows.append(f"{name:<18s}{type(cfg).__name__:<15s}{models.count_params(cfg):>16,d}")
+  return "\n".join(rows)
+
+
+def _cmd_info(args) -> int:
+  for flag, value in (
+    ("--batch-size", args.batch_size),
+    ("--seq-len", args.seq_len),
+    ("--vocab-size", args.vocab_size),
+  ):
+    if value is not None and value < 1:
+      raise ValueError(f"{flag} {value}: expected an integer >= 1")
+  if args.preset is None:
+    print(presets_table())
+    return 0
+  print(
+    info_text(
+      args.preset, vocab_size=args.vocab_size, batch_size=args.batch_size, seq_len=args.seq_len
+    )
+  )
+  return 0
+
+
+def add_commands(sub, common) -> None:
+  """Adds ``info`` to the ``tjax`` subcommands ``sub`` (see ``build_parser``)."""
+  info = sub.add_parser("info", help="parameters, FLOPs and memory of a preset (no preset: list)")
+  info.add_argument("preset", nargs="?")
+  info.add_argument("--vocab-size", type=int, default=None)
+  info.add_argument("--batch-size", type=int, default=8)
+  info.add_argument("--seq-len", type=int, default=None)
+  info.set_defaults(func=_cmd_info)

@@ -1,0 +1,88 @@
+"""``tjax prepare``: its command-line arguments and the command (``data.prepare`` does the
+work)."""
+
+from __future__ import annotations
+
+import argparse
+
+from transformer_jax.data.prepare import TASKS, prepare
+
+
+def add_prepare_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+  """Adds the ``tjax prepare`` arguments to ``parser``."""
+  parser.add_argument(
+    "inputs",
+    nargs="+",
+    metavar="INPUT",
+    help="files, globs, directories, 'stdlib', synthetic:reverse|sort|add[:COUNT], or (classify) "
+    "stdlib:packages",
+  )
+  parser.add_argument("--out", required=True, help="output dataset directory")
+  parser.add_argument(
+    "--tokenizer", default="cl100k_base", help="tiktoken encoding or chars:ALPHABET"
+  )
+  parser.add_argument(
+    "--compact-vocab",
+    nargs="?",
+    const=True,
+    default=False,
+    type=int,
+    metavar="N",
+    help="keep only the ids the corpus uses (or its N most frequent ids; the rest become [UNK])",
+  )
+  parser.add_argument("--task", choices=TASKS, default="gpt")
+  parser.add_argument(
+    "--val-fraction",
+    type=float,
+    default=0.05,
+    help="fraction of documents for validation, or a whole number >= 1 of documents",
+  )
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--workers", type=int, default=2)
+  parser.add_argument("--text-field", default="text", help="text field of .jsonl inputs")
+  parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
+  parser.add_argument(
+    "--vocab-from",
+    default=None,
+    metavar="DIR",
+    help="classify: reuse the tokenizer and compact vocabulary of this dataset",
+  )
+  return parser
+
+
+def run_prepare(args: argparse.Namespace) -> int:
+  """Runs ``tjax prepare`` from parsed arguments; prints a summary. Returns an exit code.
+
+  Raises:
+    ValueError: bad input (an input that matches no file included), for the CLI's one line and
+      exit 2.
+  """
+  try:
+    meta = prepare(
+      args.inputs,
+      args.out,
+      tokenizer=args.tokenizer,
+      compact_vocab=args.compact_vocab,
+      task=args.task,
+      val_fraction=args.val_fraction,
+      seed=args.seed,
+      workers=args.workers,
+      text_field=args.text_field,
+      force=args.force,
+      vocab_from=args.vocab_from,
+    )
+  except FileNotFoundError as e:
+    if e.errno is not None:  # the system's, naming its path
+      raise
+    raise ValueError(str(e)) from None  # an input that matches nothing: bad input, exit 2
+  parts = [f"{s}: {m['documents']} docs, {m['tokens']} tokens" for s, m in meta["splits"].items()]
+  vocab = f"tokenizer {meta['tokenizer']}, vocab_size {meta['vocab_size']}"
+  print(f"{args.out}: {'; '.join(parts)}; {vocab}")
+  return 0
+
+
+def add_commands(sub, common) -> None:
+  """Adds ``prepare`` to the ``tjax`` subcommands ``sub`` (see ``build_parser``)."""
+  prep = sub.add_parser("prepare", help="tokenize text/jsonl/TSV/stdlib/synthetic into a dataset")
+  add_prepare_args(prep)
+  prep.set_defaults(func=run_prepare)
