@@ -14,8 +14,6 @@ ALLOWED = {
   ("ops/ssm_pallas.py", "_check_mask"),
   ("ops/ssm_pallas.py", "_masked_dt"),
   ("ops/ssm_pallas.py", "_clamped_dt"),
-  ("hf/reformer.py", "_ACTIVATIONS_BACK"),
-  ("hf/reformer.py", "_activation"),
 }
 
 

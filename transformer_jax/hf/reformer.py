@@ -18,7 +18,7 @@ from flax import nnx
 
 from transformer_jax import models
 from transformer_jax.hf import io
-from transformer_jax.hf.configs import _ACTIVATIONS_BACK, _activation
+from transformer_jax.hf.configs import common
 from transformer_jax.hf.errors import CheckpointError, UnsupportedError, listing
 from transformer_jax.models import ReformerConfig
 from transformer_jax.models.reformer import layer_period
@@ -76,7 +76,7 @@ def from_hf(hf: dict) -> ReformerConfig:
     local_chunks_before=hf.get("local_num_chunks_before", 1),
     local_chunks_after=hf.get("local_num_chunks_after", 0),
     ff_chunk=hf.get("chunk_size_feed_forward", 0) or 0,
-    activation=_activation(hf.get("hidden_act", "relu"), "hidden_act"),
+    activation=common.activation(hf.get("hidden_act", "relu"), "hidden_act"),
     norm_eps=hf.get("layer_norm_eps", 1e-12),
     dropout_rate=hf.get("hidden_dropout_prob", 0.05),
     init_std=hf.get("initializer_range", 0.02),
@@ -111,7 +111,7 @@ def to_hf(c: ReformerConfig) -> dict:
     local_num_chunks_before=c.local_chunks_before,
     local_num_chunks_after=c.local_chunks_after,
     chunk_size_feed_forward=c.ff_chunk,
-    hidden_act=_ACTIVATIONS_BACK[c.activation],
+    hidden_act=common.ACTIVATIONS_BACK[c.activation],
     layer_norm_eps=c.norm_eps,
     hidden_dropout_prob=c.dropout_rate,
     lsh_attention_probs_dropout_prob=0.0,

@@ -1,0 +1,180 @@
+"""``GPTConfig``: the decoder-only language model's config (``models.GPT``).
+
+One class covers GPT-2 (learned positions, LayerNorm, GELU, tied embeddings), LLaMA and Mistral
+(RoPE, RMSNorm, gated SiLU, grouped-query heads, a sliding window), ALiBi and sinusoidal
+positions, linear attention (with RetNet's decays) and block-sparse attention. ``__post_init__``
+refuses the combinations the model cannot run; ``block_config``, ``linear_kind`` and
+``approx_kind`` turn the fields into the options ``layers`` takes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from transformer_jax import ops
+from transformer_jax.layers import BlockConfig, LinearKind, Remat
+from transformer_jax.layers.approx import ApproxKind, SparseKind
+from transformer_jax.models.config import checks
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GPTConfig(checks.Heads):
+  """A decoder-only language model: GPT-2 by default, LLaMA with rope/rmsnorm/silu+gated/GQA."""
+
+  vocab_size: int = 50257
+  d_model: int = 768
+  num_layers: int = 12
+  num_heads: int = 12
+  num_kv_heads: int | None = None  # None: as many as num_heads (MHA); 1: MQA
+  head_dim: int | None = None  # None: d_model // num_heads
+  d_ff: int = 3072
+  max_len: int = 1024  # context; size of the learned/sinusoidal position table
+  position: Literal["learned", "sinusoidal", "rope", "alibi", "none"] = "learned"
+  norm: checks.Norm = "layernorm"
+  norm_eps: float = 1e-5
+  activation: ops.Activation = "gelu_tanh"
+  gated: bool = False  # SwiGLU/GeGLU feed-forward (LLaMA)
+  use_bias: bool = True  # biases on projections (GPT-2 yes, LLaMA no)
+  tie_embeddings: bool = True  # output projection = token embedding^T (GPT-2)
+  num_labels: int = 0  # > 0 adds a classification head on the last real token
+  rope_theta: float = 10000.0
+  rope_interleaved: bool = False  # GPT-J pairing; default is LLaMA's rotate-half
+  rope_scaling: ops.RopeScaling | None = None
+  sliding_window: int | None = None  # local attention over the last `sliding_window` tokens
+  # "softmax" attention, "linear" (Katharopoulos et al.: elu+1 features, O(1) decoding state),
+  # or "sparse" (block-sparse softmax under sparse_pattern: ops.sparse).
+  attention_kind: Literal["softmax", "linear", "sparse"] = "softmax"
+  # attention_kind="sparse": an ops.SparsePattern (or its fields as a mapping); None: Child et
+  # al.'s fixed pattern, SparsePattern.fixed() (blocks of 128, 8 summary positions).
+  sparse_pattern: ops.SparsePattern | None = None
+  # Linear attention's decay per position (RetNet's gamma): None, one float for every head, a
+  # tuple of one per head, or "retnet" (head h decays by 1 - 2^(-5 - h), RetNet's schedule).
+  linear_decay: float | tuple[float, ...] | Literal["retnet"] | None = None
+  linear_chunk: int = 64  # positions per chunk of linear attention's parallel form
+  dropout_rate: float = 0.0  # embedding and residual dropout (GPT-2 used 0.1)
+  attention_dropout_rate: float = 0.0
+  init_std: float = 0.02
+  dtype: str = "float32"  # compute dtype
+  param_dtype: str = "float32"
+  # Float32 products: "float32" (as PyTorch/NumPy; GPUs and TPUs then run them at their full-
+  # precision rate), "tensorfloat32", "bfloat16", "default" (JAX's setting). ops/precision.py.
+  matmul_precision: str = "float32"
+  remat: Remat = "none"
+  # True: one lax.scan over the stacked layers; False: an unrolled Python loop over the same
+  # parameters; "auto": see unrolls_layers.
+  scan_layers: bool | Literal["auto"] = "auto"
+  # Reversible residual layers (layers.reversible, the Reformer's): activations recomputed in
+  # the backward pass, so training memory does not grow with num_layers (needs remat "none").
+  reversible: bool = False
+  # Kernel of ops.dot_product_attention: "xla", "chunked", "cudnn", "splash"; None: the
+  # backend's choice (Backend.attention).
+  attention_impl: ops.Implementation | None = None
+
+  def __post_init__(self):
+    self._validate_heads()
+    checks.positive(self, "num_layers")
+    checks.scan_layers(self)
+    checks.num_labels(self)
+    checks.choice(self, "position", ("learned", "sinusoidal", "rope", "alibi", "none"))
+    checks.choice(self, "norm", ("layernorm", "rmsnorm"))
+    checks.choice(self, "activation", checks.ACTIVATIONS)
+    if self.sliding_window is not None:
+      checks.positive(self, "sliding_window")
+    checks.choice(self, "attention_kind", ("softmax", "linear", "sparse"))
+    checks.positive(self, "linear_chunk")
+    checks.sparse_pattern(self, causal=True)
+    if self.attention_kind == "sparse" and (
+      self.sliding_window is not None or self.position == "alibi"
+    ):
+      raise ValueError(
+        f"attention_kind='sparse' takes no sliding_window or ALiBi bias "
+        f"(sliding_window={self.sliding_window!r}, position={self.position!r})"
+      )
+    if self.attention_kind == "linear":
+      if self.sliding_window is not None or self.position == "alibi":
+        raise ValueError(
+          f"attention_kind='linear' takes no sliding_window or ALiBi bias "
+          f"(sliding_window={self.sliding_window!r}, position={self.position!r})"
+        )
+      d = self.linear_decay
+      if isinstance(d, list):  # a YAML sequence: stored as a tuple, so the config hashes
+        d = tuple(d)
+        object.__setattr__(self, "linear_decay", d)
+      gammas = d if isinstance(d, tuple) else (d,)
+      if (
+        d is not None
+        and d != "retnet"
+        and (
+          isinstance(d, tuple)
+          and len(d) != self.num_heads
+          or not gammas
+          or any(
+            isinstance(g, bool) or not isinstance(g, (int, float)) or not 0.0 < g <= 1.0
+            for g in gammas
+          )
+        )
+      ):
+        raise ValueError(
+          f"linear_decay={d!r} must be None, 'retnet', a number in (0, 1] or "
+          f"one such number per head (num_heads={self.num_heads})"
+        )
+    elif self.linear_decay is not None:
+      raise ValueError(f"linear_decay={self.linear_decay!r} needs attention_kind='linear'")
+    if self.position == "rope" and self.head_size % 2:
+      raise ValueError(f"head_dim={self.head_size} must be even for rotary positions")
+    if self.position == "sinusoidal" and self.d_model % 2:
+      raise ValueError(f"d_model={self.d_model} must be even for sinusoidal positions")
+    if not isinstance(self.reversible, bool):
+      raise ValueError(f"reversible={self.reversible!r} must be true or false")
+    if self.reversible and self.remat != "none":
+      raise ValueError(
+        f"reversible=True recomputes activations already: remat={self.remat!r} must be 'none'"
+      )
+
+  def block_config(self) -> BlockConfig:
+    return BlockConfig(
+      d_model=self.d_model,
+      num_heads=self.num_heads,
+      num_kv_heads=self.kv_heads,
+      head_dim=self.head_size,
+      d_ff=self.d_ff,
+      activation=self.activation,
+      gated=self.gated,
+      norm=self.norm,
+      norm_eps=self.norm_eps,
+      pre_norm=True,
+      use_bias=self.use_bias,
+      rope_theta=self.rope_theta if self.position == "rope" else None,
+      rope_interleaved=self.rope_interleaved,
+      rope_scaling=self.rope_scaling,
+      dropout_rate=self.dropout_rate,
+      attention_dropout_rate=self.attention_dropout_rate,
+      init_std=self.init_std,
+      # GPT-2: "scale the weights of residual layers at initialization by 1/sqrt(N)".
+      out_init_std=self.init_std / (2 * self.num_layers) ** 0.5,
+      dtype=self.dtype,
+      param_dtype=self.param_dtype,
+      attention_impl=self.attention_impl,
+      linear=self.linear_kind(),
+      approx=self.approx_kind(),
+    )
+
+  def approx_kind(self) -> ApproxKind | None:
+    """The block-sparse kind (``layers.approx.SparseKind``), or None."""
+    if self.attention_kind != "sparse":
+      return None
+    return SparseKind(self.sparse_pattern or ops.SparsePattern.fixed())
+
+  def linear_kind(self) -> LinearKind | None:
+    """Linear attention's options (``layers.LinearKind``), or None for softmax attention."""
+    if self.attention_kind != "linear":
+      return None
+    decay = self.linear_decay
+    if decay == "retnet":
+      decay = tuple(1.0 - 2.0 ** (-5.0 - h) for h in range(self.num_heads))
+    elif isinstance(decay, tuple):
+      decay = tuple(float(g) for g in decay)
+    elif decay is not None:
+      decay = (float(decay),) * self.num_heads
+    return LinearKind(chunk_size=self.linear_chunk, decay=decay)
