@@ -18,12 +18,15 @@ def labelled(tmp_path_factory):
   root = tmp_path_factory.mktemp("labelled")
   rng = np.random.default_rng(0)
   names = ["spam", "ham", "eggs"]
-  rows = [(f"text number {i} " + " ".join(["word"] * int(rng.integers(1, 9))), names[i % 3])
-          for i in range(60)]
+  rows = [
+    (f"text number {i} " + " ".join(["word"] * int(rng.integers(1, 9))), names[i % 3])
+    for i in range(60)
+  ]
   tsv = _tsv(root / "a.tsv", rows)
   out = str(root / "ds")
-  meta = prepare([tsv], out, task="classify", tokenizer="cl100k_base", val_fraction=0.25,
-                 progress=False)
+  meta = prepare(
+    [tsv], out, task="classify", tokenizer="cl100k_base", val_fraction=0.25, progress=False
+  )
   return tsv, out, meta, rows
 
 
@@ -50,10 +53,14 @@ def test_example_texts_survive_tokenization(labelled):
 
 def test_jsonl_pairs_get_token_types(tmp_path):
   path = tmp_path / "p.jsonl"
-  path.write_text("\n".join(json.dumps({"text": f"first {i}", "text_b": f"second {i} x",
-                                        "label": i % 2}) for i in range(8)) + "\n")
-  meta = prepare([str(path)], str(tmp_path / "ds"), task="classify", val_fraction=2,
-                 progress=False)
+  path.write_text(
+    "\n".join(
+      json.dumps({"text": f"first {i}", "text_b": f"second {i} x", "label": i % 2})
+      for i in range(8)
+    )
+    + "\n"
+  )
+  meta = prepare([str(path)], str(tmp_path / "ds"), task="classify", val_fraction=2, progress=False)
   assert meta["labels"] == ["0", "1"]
   ds = load_dataset(str(tmp_path / "ds"))
   batch = classify.ClassifyLoader(ds, batch_size=4, seq_len=16).batch_at(0)
@@ -63,15 +70,18 @@ def test_jsonl_pairs_get_token_types(tmp_path):
   assert row[0] == ids["[CLS]"] and row[n - 1] == ids["[SEP]"]
   assert np.sum(row[:n] == ids["[SEP]"]) == 2
   first_sep = int(np.flatnonzero(row == ids["[SEP]"])[0])
-  assert (types[:first_sep + 1] == 0).all() and (types[first_sep + 1:n] == 1).all()
+  assert (types[: first_sep + 1] == 0).all() and (types[first_sep + 1 : n] == 1).all()
   assert (row[n:] == ids["[PAD]"]).all()
 
 
-@pytest.mark.parametrize("text, message", [
+@pytest.mark.parametrize(
+  "text, message",
+  [
     ("only text no tab\n", "a.tsv:1: expected 'text<TAB>label'"),
     ("good\tx\nbad\t\n", "a.tsv:2: empty label"),
     ("a\tb\tc\td\n", "a.tsv:1: expected"),
-])
+  ],
+)
 def test_bad_tsv_lines_name_the_line(tmp_path, text, message):
   (tmp_path / "a.tsv").write_text(text)
   with pytest.raises(ValueError, match=message) as e:
@@ -79,12 +89,15 @@ def test_bad_tsv_lines_name_the_line(tmp_path, text, message):
   assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("line, message", [
+@pytest.mark.parametrize(
+  "line, message",
+  [
     ("{not json", "b.jsonl:1: invalid JSON"),
     ('{"text": 3, "label": "x"}', "b.jsonl:1: field 'text' must be a string"),
     ('{"text": "t"}', "b.jsonl:1: field 'label' must be a string or an integer"),
     ('{"text": "t", "label": true}', "b.jsonl:1: field 'label'"),
-])
+  ],
+)
 def test_bad_jsonl_lines_name_the_line(tmp_path, line, message):
   (tmp_path / "b.jsonl").write_text(line + "\n")
   with pytest.raises(ValueError, match=message):

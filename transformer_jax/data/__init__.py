@@ -6,16 +6,17 @@ No Flax here; ``jax`` is only imported lazily for the default process index/coun
 from transformer_jax.data.classify import ClassifyLoader, classify_eval_batches
 from transformer_jax.data.dataset import Dataset, Stream, load_dataset
 from transformer_jax.data.loaders import (
-    BertLoader,
-    GPTLoader,
-    Seq2SeqLoader,
-    bert_eval_batches,
-    gpt_eval_batches,
-    make_loader,
-    seq2seq_eval_batches,
-    unigram_cross_entropy,
+  BertLoader,
+  GPTLoader,
+  Seq2SeqLoader,
+  bert_eval_batches,
+  gpt_eval_batches,
+  make_loader,
+  seq2seq_eval_batches,
+  unigram_cross_entropy,
 )
 from transformer_jax.data.layout import METADATA_FILE, read_metadata
+
 # ``prepare`` here is the function; the module is ``transformer_jax.data.prepare`` imported by its
 # full name (``from transformer_jax.data import prepare`` gives the function).
 from transformer_jax.data.prepare import prepare
@@ -23,8 +24,24 @@ from transformer_jax.data.sources import synthetic_examples
 from transformer_jax.data.tokenizer import SPECIAL_TOKENS, CompactVocab, Tokenizer
 
 __all__ = [
-    "SPECIAL_TOKENS", "BertLoader", "ClassifyLoader", "classify_eval_batches", "CompactVocab", "Dataset", "GPTLoader", "Seq2SeqLoader", "Stream",
-    "Tokenizer", "bert_eval_batches", "gpt_eval_batches", "load_dataset", "make_loader",
-    "METADATA_FILE", "prepare", "read_metadata", "seq2seq_eval_batches",
-    "synthetic_examples", "unigram_cross_entropy",
+  "SPECIAL_TOKENS",
+  "BertLoader",
+  "ClassifyLoader",
+  "classify_eval_batches",
+  "CompactVocab",
+  "Dataset",
+  "GPTLoader",
+  "Seq2SeqLoader",
+  "Stream",
+  "Tokenizer",
+  "bert_eval_batches",
+  "gpt_eval_batches",
+  "load_dataset",
+  "make_loader",
+  "METADATA_FILE",
+  "prepare",
+  "read_metadata",
+  "seq2seq_eval_batches",
+  "synthetic_examples",
+  "unigram_cross_entropy",
 ]

@@ -32,8 +32,18 @@ from transformer_jax.data.sources import Source, files_under
 STDLIB_TASK = "stdlib:packages"
 # Ten top-level packages of CPython 3.11's standard library, each with 13 files or more (so a split
 # by file leaves functions of every package on both sides).
-STDLIB_PACKAGES = ("asyncio", "distutils", "email", "idlelib", "importlib", "lib2to3",
-                   "multiprocessing", "tkinter", "unittest", "xml")
+STDLIB_PACKAGES = (
+  "asyncio",
+  "distutils",
+  "email",
+  "idlelib",
+  "importlib",
+  "lib2to3",
+  "multiprocessing",
+  "tkinter",
+  "unittest",
+  "xml",
+)
 _SKIPPED_DIRS = {"test", "tests", "idle_test", "__pycache__"}
 LABELS_SUFFIX = "_labels.npy"
 
@@ -80,12 +90,15 @@ def read_labelled(path: str, key: str) -> list[Example]:
     elif path.endswith(".tsv"):
       parts = line.split("\t")
       if len(parts) not in (2, 3):
-        raise ValueError(f"{where}: expected 'text<TAB>label' or 'text<TAB>text_b<TAB>label', "
-                         f"got {len(parts)} tab-separated fields")
+        raise ValueError(
+          f"{where}: expected 'text<TAB>label' or 'text<TAB>text_b<TAB>label', "
+          f"got {len(parts)} tab-separated fields"
+        )
       text, text_b, label = parts[0], (parts[1] if len(parts) == 3 else None), parts[-1].strip()
     else:
-      raise ValueError(f"{path}: classification inputs must be .tsv or .jsonl files "
-                       f"(or {STDLIB_TASK})")
+      raise ValueError(
+        f"{path}: classification inputs must be .tsv or .jsonl files (or {STDLIB_TASK})"
+      )
     if not label:
       raise ValueError(f"{where}: empty label")
     out.append(Example(f"{key}:{lineno}", f"{key}:{lineno}", text, text_b, label))
@@ -118,7 +131,7 @@ def stdlib_examples() -> list[Example]:
         for node in ast.walk(tree):
           if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             start = min([node.lineno] + [d.lineno for d in node.decorator_list])
-            text = textwrap.dedent("\n".join(lines[start - 1:node.end_lineno]))
+            text = textwrap.dedent("\n".join(lines[start - 1 : node.end_lineno]))
             out.append(Example(f"{rel}:{start}", rel, text, None, package))
   if not out:
     raise FileNotFoundError(f"none of the packages {STDLIB_PACKAGES} found in {root!r}")
@@ -143,7 +156,9 @@ def majority_baseline(train_labels: np.ndarray, val_labels: np.ndarray) -> dict[
 def labels_of(dataset, split: str) -> np.ndarray:
   """The int32 labels ``[num_docs]`` of a classification dataset's split."""
   if dataset.task != "classify":
-    raise ValueError(f"dataset {dataset.path} was prepared for task {dataset.task!r}, not 'classify'")
+    raise ValueError(
+      f"dataset {dataset.path} was prepared for task {dataset.task!r}, not 'classify'"
+    )
   file = os.path.join(dataset.path, f"{split}{LABELS_SUFFIX}")
   try:
     labels = np.load(file, allow_pickle=False)
@@ -151,25 +166,32 @@ def labels_of(dataset, split: str) -> np.ndarray:
     raise ValueError(f"{file}: not a labels array ({e})") from None
   n = dataset.stream(split).num_docs
   if labels.shape != (n,) or not np.issubdtype(labels.dtype, np.integer):
-    raise ValueError(f"{file}: labels of shape {labels.shape} and dtype {labels.dtype} for {n} "
-                     "examples (expected integers, one per example)")
+    raise ValueError(
+      f"{file}: labels of shape {labels.shape} and dtype {labels.dtype} for {n} "
+      "examples (expected integers, one per example)"
+    )
   num_labels = len(dataset.meta["labels"])
   if labels.size and (labels.min() < 0 or labels.max() >= num_labels):
     bad = int(labels[(labels < 0) | (labels >= num_labels)][0])
-    raise ValueError(f"{file}: label {bad} lies outside the {num_labels} labels of "
-                     f"{dataset.path}/metadata.json")
+    raise ValueError(
+      f"{file}: label {bad} lies outside the {num_labels} labels of {dataset.path}/metadata.json"
+    )
   return labels.astype(np.int32)
 
 
-def _encode_rows(dataset, split: str, idx_B: np.ndarray, seq_len: int, cls_token: bool
-                 ) -> dict[str, np.ndarray]:
+def _encode_rows(
+  dataset, split: str, idx_B: np.ndarray, seq_len: int, cls_token: bool
+) -> dict[str, np.ndarray]:
   """``[CLS] a [SEP] (b [SEP])`` (``cls_token``) or ``a ([SEP] b)`` rows, right-padded to
   ``seq_len`` and cut to fit (pairs share the room, the longer text cut first)."""
   ids = dataset.meta["special_tokens"]
   cls, sep, pad = ids["[CLS]"], ids["[SEP]"], ids["[PAD]"]
   a = dataset.stream(split, "tokens")
-  b = dataset.stream(split, "tokens_b") if "tokens_b" in dataset.meta["splits"][split]["streams"] \
-      else None
+  b = (
+    dataset.stream(split, "tokens_b")
+    if "tokens_b" in dataset.meta["splits"][split]["streams"]
+    else None
+  )
   rows, types = [], []
   for i in idx_B.tolist():
     ta = a.doc(i).astype(np.int64)
@@ -195,11 +217,11 @@ def _encode_rows(dataset, split: str, idx_B: np.ndarray, seq_len: int, cls_token
   token_types = np.zeros((b_, t_), np.int32)
   mask = np.zeros((b_, t_), bool)
   for r, (row, typ) in enumerate(zip(rows, types)):
-    if not row:          # an empty text still needs one real position to pool from
+    if not row:  # an empty text still needs one real position to pool from
       row, typ = [pad], [0]
-    tokens[r, :len(row)] = row
-    token_types[r, :len(typ)] = typ
-    mask[r, :len(row)] = True
+    tokens[r, : len(row)] = row
+    token_types[r, : len(typ)] = typ
+    mask[r, : len(row)] = True
   return {"tokens": tokens, "token_types": token_types, "attention_mask": mask}
 
 
@@ -212,14 +234,26 @@ class ClassifyLoader:
   last real token, the encoder of a seq2seq model its mean).
   """
 
-  def __init__(self, dataset, *, batch_size: int, seq_len: int, seed: int = 0,
-               split: str = "train", cls_token: bool = True, process_index: int | None = None,
-               process_count: int | None = None):
+  def __init__(
+    self,
+    dataset,
+    *,
+    batch_size: int,
+    seq_len: int,
+    seed: int = 0,
+    split: str = "train",
+    cls_token: bool = True,
+    process_index: int | None = None,
+    process_count: int | None = None,
+  ):
     from transformer_jax.data.loaders import process_info
+
     self.process_index, self.process_count = process_info(process_index, process_count)
     if batch_size <= 0 or batch_size % self.process_count:
-      raise ValueError(f"batch_size={batch_size} must be positive and divisible by the "
-                       f"{self.process_count} processes")
+      raise ValueError(
+        f"batch_size={batch_size} must be positive and divisible by the "
+        f"{self.process_count} processes"
+      )
     self.dataset, self.split = dataset, split
     self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
     self.cls_token = cls_token
@@ -268,12 +302,21 @@ class ClassifyLoader:
     return batch
 
 
-def classify_eval_batches(dataset, *, batch_size: int, seq_len: int, split: str = "val",
-                          cls_token: bool = True, max_batches: int | None = None,
-                          process_index: int | None = None, process_count: int | None = None):
+def classify_eval_batches(
+  dataset,
+  *,
+  batch_size: int,
+  seq_len: int,
+  split: str = "val",
+  cls_token: bool = True,
+  max_batches: int | None = None,
+  process_index: int | None = None,
+  process_count: int | None = None,
+):
   """Every example of ``split`` once, in a fixed shuffled order (so ``max_batches`` takes a
   sample of all classes, not the first files); the last batch padded with masked rows."""
   from transformer_jax.data.loaders import process_info
+
   process_index, process_count = process_info(process_index, process_count)
   labels = labels_of(dataset, split)
   n = labels.size
@@ -299,14 +342,18 @@ def classify_eval_batches(dataset, *, batch_size: int, seq_len: int, split: str 
 def collect_examples(inputs: Sequence[str]) -> list[Example]:
   """Examples of every input (``stdlib:packages``, ``.tsv``/``.jsonl`` files, globs, folders)."""
   import glob
+
   out: list[Example] = []
   files = []
   for name in inputs:
     if name == STDLIB_TASK:
       out.extend(stdlib_examples())
       continue
-    matches = sorted(glob.glob(name, recursive=True)) if glob.has_magic(name) else (
-        [name] if os.path.exists(name) else [])
+    matches = (
+      sorted(glob.glob(name, recursive=True))
+      if glob.has_magic(name)
+      else ([name] if os.path.exists(name) else [])
+    )
     found = []
     for m in matches:
       found.extend(files_under(m) if os.path.isdir(m) else [m])
@@ -344,9 +391,16 @@ def source_files(inputs: Sequence[str]) -> list[str]:
   return out
 
 
-def prepare_classify(inputs: Sequence[str], out: str, *, tokenizer: str = "cl100k_base",
-                     vocab_from: str | None = None, val_fraction: float = 0.2, seed: int = 0,
-                     force: bool = False) -> dict[str, Any]:
+def prepare_classify(
+  inputs: Sequence[str],
+  out: str,
+  *,
+  tokenizer: str = "cl100k_base",
+  vocab_from: str | None = None,
+  val_fraction: float = 0.2,
+  seed: int = 0,
+  force: bool = False,
+) -> dict[str, Any]:
   """Tokenizes labelled examples into a classification dataset (see the module docstring).
 
   Args:
@@ -363,18 +417,27 @@ def prepare_classify(inputs: Sequence[str], out: str, *, tokenizer: str = "cl100
     The metadata written to ``out/metadata.json``.
   """
   from transformer_jax.data.tokenizer import CompactVocab, Tokenizer
+
   compact = None
   if vocab_from is not None:
     meta_file = os.path.join(vocab_from, layout.METADATA_FILE)
     if not os.path.exists(meta_file):
-      raise ValueError(f"vocab_from={vocab_from!r} holds no prepared dataset ({layout.METADATA_FILE})")
+      raise ValueError(
+        f"vocab_from={vocab_from!r} holds no prepared dataset ({layout.METADATA_FILE})"
+      )
     src_meta = layout.read_metadata(vocab_from)
     tokenizer = src_meta["tokenizer"]
     if src_meta.get("compact_vocab"):
       compact = CompactVocab.load(os.path.join(vocab_from, src_meta["compact_vocab"]))
-  options = {"format_version": layout.FORMAT_VERSION, "task": "classify", "tokenizer": tokenizer,
-             "compact": None if compact is None else compact.to_json(),
-             "val_fraction": val_fraction, "seed": seed, "inputs": sorted(inputs)}
+  options = {
+    "format_version": layout.FORMAT_VERSION,
+    "task": "classify",
+    "tokenizer": tokenizer,
+    "compact": None if compact is None else compact.to_json(),
+    "val_fraction": val_fraction,
+    "seed": seed,
+    "inputs": sorted(inputs),
+  }
   files = [Source(p, p, "text") for p in source_files(inputs)]
   for name in inputs:
     if name != STDLIB_TASK and os.path.isfile(name):
@@ -404,19 +467,28 @@ def prepare_classify(inputs: Sequence[str], out: str, *, tokenizer: str = "cl100
     if pairs:
       streams["tokens_b"] = layout.write_stream(out, f"{split}_b", [docs_b[i] for i in idx])
     np.save(os.path.join(out, f"{split}{LABELS_SUFFIX}"), labels[idx])
-    splits[split] = {"documents": int(idx.size),
-                     "tokens": sum(s["tokens"] for s in streams.values()), "streams": streams,
-                     "groups": len({examples[i].group for i in idx})}
+    splits[split] = {
+      "documents": int(idx.size),
+      "tokens": sum(s["tokens"] for s in streams.values()),
+      "streams": streams,
+      "groups": len({examples[i].group for i in idx}),
+    }
     counts[split] = label_counts(labels[idx], len(names))
   if compact is not None:
     compact.save(os.path.join(out, layout.COMPACT_VOCAB_FILE))
-  meta = {**{k: v for k, v in options.items() if k != "compact"}, "content_hash": content_hash,
-          "vocab_size": tok.vocab_size, "num_regular_tokens": tok.num_regular,
-          "special_tokens": tok.special_ids,
-          "compact_vocab": layout.COMPACT_VOCAB_FILE if compact is not None else None,
-          "dtype": "uint32", "labels": names, "label_counts": counts,
-          "majority_baseline": majority_baseline(labels[~is_val], labels[is_val]),
-          "splits": splits}
+  meta = {
+    **{k: v for k, v in options.items() if k != "compact"},
+    "content_hash": content_hash,
+    "vocab_size": tok.vocab_size,
+    "num_regular_tokens": tok.num_regular,
+    "special_tokens": tok.special_ids,
+    "compact_vocab": layout.COMPACT_VOCAB_FILE if compact is not None else None,
+    "dtype": "uint32",
+    "labels": names,
+    "label_counts": counts,
+    "majority_baseline": majority_baseline(labels[~is_val], labels[is_val]),
+    "splits": splits,
+  }
   with open(meta_path + ".tmp", "w") as f:
     json.dump(meta, f, indent=2)
   os.replace(meta_path + ".tmp", meta_path)

@@ -36,158 +36,177 @@ SYNTHETIC_ALPHABET = "0123456789+"
 SYNTHETIC_TOKENIZER = CHARS_PREFIX + SYNTHETIC_ALPHABET
 DEFAULT_SYNTHETIC_EXAMPLES = 20_000
 SYNTHETIC_MIN_DIGITS, SYNTHETIC_MAX_DIGITS = 3, 12
-_STDLIB_EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+_STDLIB_EXCLUDED_DIRS = {
+  "site-packages",
+  "dist-packages",
+  "test",
+  "tests",
+  "idle_test",
+  "__pycache__",
+}
 _BINARY_SNIFF_BYTES = 8192
 
 
 @dataclasses.dataclass(frozen=True)
 class Source:
-    """One input file."""
-    key: str  # stable name for the train/val hash and content hash: path relative to the inputs' common folder
-    path: str
-    kind: str  # "text" | "jsonl" | "tsv"
+  """One input file."""
+
+  key: str  # stable name for the train/val hash and content hash: path relative to the inputs' common folder
+  path: str
+  kind: str  # "text" | "jsonl" | "tsv"
 
 
 def _stdlib_test_sources() -> list[Source]:
-    """The standard library's own test suite (``Lib/test``): code the ``stdlib`` corpus leaves out."""
-    root = sysconfig.get_paths()["stdlib"]
-    sources = []
-    for dirpath, dirnames, filenames in os.walk(os.path.join(root, "test")):
-        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__" and not d.startswith("."))
-        for name in sorted(filenames):
-            if name.endswith(".py"):
-                path = os.path.join(dirpath, name)
-                rel = os.path.relpath(path, root).replace(os.sep, "/")
-                sources.append(Source(f"stdlib/{rel}", path, "text"))
-    return sources
+  """The standard library's own test suite (``Lib/test``): code the ``stdlib`` corpus leaves out."""
+  root = sysconfig.get_paths()["stdlib"]
+  sources = []
+  for dirpath, dirnames, filenames in os.walk(os.path.join(root, "test")):
+    dirnames[:] = sorted(d for d in dirnames if d != "__pycache__" and not d.startswith("."))
+    for name in sorted(filenames):
+      if name.endswith(".py"):
+        path = os.path.join(dirpath, name)
+        rel = os.path.relpath(path, root).replace(os.sep, "/")
+        sources.append(Source(f"stdlib/{rel}", path, "text"))
+  return sources
 
 
 def _stdlib_sources() -> list[Source]:
-    root = sysconfig.get_paths()["stdlib"]
-    sources = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames
-                             if d not in _STDLIB_EXCLUDED_DIRS and not d.startswith(("config-", ".")))
-        for name in sorted(filenames):
-            if name.endswith(".py") and not name.startswith("_sysconfigdata"):
-                path = os.path.join(dirpath, name)
-                rel = os.path.relpath(path, root).replace(os.sep, "/")
-                sources.append(Source(f"stdlib/{rel}", path, "text"))
-    return sources
+  root = sysconfig.get_paths()["stdlib"]
+  sources = []
+  for dirpath, dirnames, filenames in os.walk(root):
+    dirnames[:] = sorted(
+      d for d in dirnames if d not in _STDLIB_EXCLUDED_DIRS and not d.startswith(("config-", "."))
+    )
+    for name in sorted(filenames):
+      if name.endswith(".py") and not name.startswith("_sysconfigdata"):
+        path = os.path.join(dirpath, name)
+        rel = os.path.relpath(path, root).replace(os.sep, "/")
+        sources.append(Source(f"stdlib/{rel}", path, "text"))
+  return sources
 
 
 def _is_binary(path: str) -> bool:
-    with open(path, "rb") as f:
-        return b"\0" in f.read(_BINARY_SNIFF_BYTES)
+  with open(path, "rb") as f:
+    return b"\0" in f.read(_BINARY_SNIFF_BYTES)
 
 
 def _kind_of(path: str, task: str) -> str:
-    if path.endswith(".jsonl"):
-        return "jsonl"
-    if task == "seq2seq":
-        if not path.endswith(".tsv"):
-            raise ValueError(f"seq2seq inputs must be .tsv files (source<TAB>target) or synthetic:TASK, "
-                             f"got {path!r}")
-        return "tsv"
-    return "text"
+  if path.endswith(".jsonl"):
+    return "jsonl"
+  if task == "seq2seq":
+    if not path.endswith(".tsv"):
+      raise ValueError(
+        f"seq2seq inputs must be .tsv files (source<TAB>target) or synthetic:TASK, got {path!r}"
+      )
+    return "tsv"
+  return "text"
 
 
 def files_under(directory: str) -> list[str]:
-    """The text files under ``directory``, recursively and sorted; hidden entries and binary files
-    (a NUL byte near the start) are skipped."""
-    out = []
-    for dirpath, dirnames, filenames in os.walk(directory):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        out.extend(os.path.join(dirpath, f) for f in sorted(filenames) if not f.startswith("."))
-    return [p for p in out if not _is_binary(p)]
+  """The text files under ``directory``, recursively and sorted; hidden entries and binary files
+  (a NUL byte near the start) are skipped."""
+  out = []
+  for dirpath, dirnames, filenames in os.walk(directory):
+    dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+    out.extend(os.path.join(dirpath, f) for f in sorted(filenames) if not f.startswith("."))
+  return [p for p in out if not _is_binary(p)]
 
 
 def resolve_inputs(inputs: Sequence[str], task: str) -> tuple[list[Source], list[str]]:
-    """Expands input names into files (sorted, deduplicated) and synthetic task specs."""
-    if not inputs:
-        raise ValueError("no inputs given")
-    sources: dict[str, Source] = {}
-    files_found: dict[str, str] = {}  # absolute path -> kind
-    synthetic: list[str] = []
-    for name in inputs:
-        if name.startswith(SYNTHETIC_PREFIX):
-            parse_synthetic(name)  # validate early
-            synthetic.append(name)
-            continue
-        if name in ("stdlib", "stdlib-tests") and not os.path.exists(name):
-            found = _stdlib_sources() if name == "stdlib" else _stdlib_test_sources()
-            if not found:
-                raise FileNotFoundError(f"no .py files found in the stdlib {sysconfig.get_paths()['stdlib']!r}")
-            for s in found:
-                sources.setdefault(s.key, s)
-            continue
-        matches = sorted(glob.glob(name, recursive=True)) if glob.has_magic(name) else (
-            [name] if os.path.exists(name) else [])
-        files = []
-        for m in matches:
-            files.extend(files_under(m) if os.path.isdir(m) else [m])
-        if not files:
-            raise FileNotFoundError(f"no files found for input {name!r}")
-        for path in files:
-            files_found.setdefault(os.path.abspath(path), _kind_of(path, task))
-    if files_found:
-        # Keys are relative to the files' common folder, so the split and content hash survive moving the corpus.
-        root = os.path.commonpath(list(files_found))
-        if len(files_found) == 1:
-            root = os.path.dirname(root)
-        for path, kind in files_found.items():
-            key = os.path.relpath(path, root).replace(os.sep, "/")
-            sources.setdefault(key, Source(key, path, kind))
-    if synthetic and task != "seq2seq":
-        raise ValueError(f"synthetic inputs {synthetic} are seq2seq tasks; use task='seq2seq'")
-    if synthetic and sources:
-        raise ValueError("synthetic inputs use their own character tokenizer and cannot be mixed with files")
-    return list(sources.values()), synthetic
+  """Expands input names into files (sorted, deduplicated) and synthetic task specs."""
+  if not inputs:
+    raise ValueError("no inputs given")
+  sources: dict[str, Source] = {}
+  files_found: dict[str, str] = {}  # absolute path -> kind
+  synthetic: list[str] = []
+  for name in inputs:
+    if name.startswith(SYNTHETIC_PREFIX):
+      parse_synthetic(name)  # validate early
+      synthetic.append(name)
+      continue
+    if name in ("stdlib", "stdlib-tests") and not os.path.exists(name):
+      found = _stdlib_sources() if name == "stdlib" else _stdlib_test_sources()
+      if not found:
+        raise FileNotFoundError(
+          f"no .py files found in the stdlib {sysconfig.get_paths()['stdlib']!r}"
+        )
+      for s in found:
+        sources.setdefault(s.key, s)
+      continue
+    matches = (
+      sorted(glob.glob(name, recursive=True))
+      if glob.has_magic(name)
+      else ([name] if os.path.exists(name) else [])
+    )
+    files = []
+    for m in matches:
+      files.extend(files_under(m) if os.path.isdir(m) else [m])
+    if not files:
+      raise FileNotFoundError(f"no files found for input {name!r}")
+    for path in files:
+      files_found.setdefault(os.path.abspath(path), _kind_of(path, task))
+  if files_found:
+    # Keys are relative to the files' common folder, so the split and content hash survive moving the corpus.
+    root = os.path.commonpath(list(files_found))
+    if len(files_found) == 1:
+      root = os.path.dirname(root)
+    for path, kind in files_found.items():
+      key = os.path.relpath(path, root).replace(os.sep, "/")
+      sources.setdefault(key, Source(key, path, kind))
+  if synthetic and task != "seq2seq":
+    raise ValueError(f"synthetic inputs {synthetic} are seq2seq tasks; use task='seq2seq'")
+  if synthetic and sources:
+    raise ValueError(
+      "synthetic inputs use their own character tokenizer and cannot be mixed with files"
+    )
+  return list(sources.values()), synthetic
 
 
 def parse_synthetic(name: str) -> tuple[str, int]:
-    """``synthetic:TASK[:COUNT]`` as ``(TASK, COUNT)``; raises ValueError naming a bad one."""
-    parts = name[len(SYNTHETIC_PREFIX):].split(":")
-    if parts[0] not in SYNTHETIC_TASKS or len(parts) > 2:
-        raise ValueError(f"unknown synthetic input {name!r}; expected synthetic:TASK[:COUNT] with TASK in "
-                         f"{SYNTHETIC_TASKS}")
-    try:
-        count = int(parts[1]) if len(parts) == 2 else DEFAULT_SYNTHETIC_EXAMPLES
-    except ValueError:
-        raise ValueError(f"bad example count in {name!r}") from None
-    if count <= 0:
-        raise ValueError(f"example count must be positive in {name!r}")
-    return parts[0], count
+  """``synthetic:TASK[:COUNT]`` as ``(TASK, COUNT)``; raises ValueError naming a bad one."""
+  parts = name[len(SYNTHETIC_PREFIX) :].split(":")
+  if parts[0] not in SYNTHETIC_TASKS or len(parts) > 2:
+    raise ValueError(
+      f"unknown synthetic input {name!r}; expected synthetic:TASK[:COUNT] with TASK in "
+      f"{SYNTHETIC_TASKS}"
+    )
+  try:
+    count = int(parts[1]) if len(parts) == 2 else DEFAULT_SYNTHETIC_EXAMPLES
+  except ValueError:
+    raise ValueError(f"bad example count in {name!r}") from None
+  if count <= 0:
+    raise ValueError(f"example count must be positive in {name!r}")
+  return parts[0], count
 
 
 def synthetic_examples(task: str, count: int, seed: int) -> list[tuple[str, str]]:
-    """Generates ``count`` deterministic (source, target) digit-string pairs.
+  """Generates ``count`` deterministic (source, target) digit-string pairs.
 
-    Args:
-        task: ``"reverse"`` (target = reversed source), ``"sort"`` (target = sorted digits) or ``"add"``
-            (source ``"a+b"`` with operands of 1-6 digits, target the decimal sum).
-        count: Number of examples.
-        seed: Random seed; the same (task, count, seed) always gives the same examples.
+  Args:
+      task: ``"reverse"`` (target = reversed source), ``"sort"`` (target = sorted digits) or ``"add"``
+          (source ``"a+b"`` with operands of 1-6 digits, target the decimal sum).
+      count: Number of examples.
+      seed: Random seed; the same (task, count, seed) always gives the same examples.
 
-    Returns:
-        List of ``(source, target)`` strings over the alphabet ``"0123456789+"``.
-    """
-    rng = np.random.default_rng([seed, zlib.crc32(task.encode())])
-    digits = rng.integers(0, 10, size=(count, SYNTHETIC_MAX_DIGITS))
-    if task in ("reverse", "sort"):
-        lengths = rng.integers(SYNTHETIC_MIN_DIGITS, SYNTHETIC_MAX_DIGITS + 1, size=count)
-        out = []
-        for row, n in zip(digits.tolist(), lengths.tolist()):
-            src = "".join(map(str, row[:n]))
-            out.append((src, src[::-1] if task == "reverse" else "".join(sorted(src))))
-        return out
-    if task == "add":
-        half = SYNTHETIC_MAX_DIGITS // 2
-        lengths = rng.integers(1, half + 1, size=(count, 2))
-        out = []
-        for row, (na, nb) in zip(digits.tolist(), lengths.tolist()):
-            a = int("".join(map(str, row[:na])))
-            b = int("".join(map(str, row[half:half + nb])))
-            out.append((f"{a}+{b}", str(a + b)))
-        return out
-    raise ValueError(f"unknown synthetic task {task!r}; expected one of {SYNTHETIC_TASKS}")
+  Returns:
+      List of ``(source, target)`` strings over the alphabet ``"0123456789+"``.
+  """
+  rng = np.random.default_rng([seed, zlib.crc32(task.encode())])
+  digits = rng.integers(0, 10, size=(count, SYNTHETIC_MAX_DIGITS))
+  if task in ("reverse", "sort"):
+    lengths = rng.integers(SYNTHETIC_MIN_DIGITS, SYNTHETIC_MAX_DIGITS + 1, size=count)
+    out = []
+    for row, n in zip(digits.tolist(), lengths.tolist()):
+      src = "".join(map(str, row[:n]))
+      out.append((src, src[::-1] if task == "reverse" else "".join(sorted(src))))
+    return out
+  if task == "add":
+    half = SYNTHETIC_MAX_DIGITS // 2
+    lengths = rng.integers(1, half + 1, size=(count, 2))
+    out = []
+    for row, (na, nb) in zip(digits.tolist(), lengths.tolist()):
+      a = int("".join(map(str, row[:na])))
+      b = int("".join(map(str, row[half : half + nb])))
+      out.append((f"{a}+{b}", str(a + b)))
+    return out
+  raise ValueError(f"unknown synthetic task {task!r}; expected one of {SYNTHETIC_TASKS}")

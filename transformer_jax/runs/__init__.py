@@ -24,21 +24,72 @@ parameters, models saved alone), ``load`` (a trained run's model and tokenizer: 
 """
 
 from transformer_jax.runs.checkpoints import (
-    CheckpointDamaged, Checkpoints, load_model, restore_params, save_model)
+  CheckpointDamaged,
+  Checkpoints,
+  load_model,
+  restore_params,
+  save_model,
+)
 from transformer_jax.runs.directory import (
-    CHECKPOINTS, CONFIG, DATASET, FINAL, LOCK, METRICS, MODEL, RunDir, RunLocked, check_vocab,
-    dataset_fingerprint, dataset_ref, describe_oserror, load_yaml, model_from_spec, model_spec,
-    read_json, warn, write_atomic)
+  CHECKPOINTS,
+  CONFIG,
+  DATASET,
+  FINAL,
+  LOCK,
+  METRICS,
+  MODEL,
+  RunDir,
+  RunLocked,
+  check_vocab,
+  dataset_fingerprint,
+  dataset_ref,
+  describe_oserror,
+  load_yaml,
+  model_from_spec,
+  model_spec,
+  read_json,
+  warn,
+  write_atomic,
+)
 from transformer_jax.runs.load import load_run
 from transformer_jax.runs.schema import FieldError, parse_yaml
 from transformer_jax.runs.trees import (
-    abstract_target, default_sharding, nonfinite_leaves, verify_tree)
+  abstract_target,
+  default_sharding,
+  nonfinite_leaves,
+  verify_tree,
+)
 
 __all__ = [
-    "CHECKPOINTS", "CONFIG", "CheckpointDamaged", "Checkpoints", "DATASET", "FINAL", "LOCK",
-    "METRICS", "MODEL", "RunDir", "RunLocked", "abstract_target", "check_vocab",
-    "dataset_fingerprint", "dataset_ref", "default_sharding", "describe_oserror", "FieldError",
-    "load_model", "load_run", "load_yaml", "model_from_spec", "model_spec", "nonfinite_leaves",
-    "parse_yaml",
-    "read_json", "restore_params", "save_model", "verify_tree", "warn", "write_atomic",
+  "CHECKPOINTS",
+  "CONFIG",
+  "CheckpointDamaged",
+  "Checkpoints",
+  "DATASET",
+  "FINAL",
+  "LOCK",
+  "METRICS",
+  "MODEL",
+  "RunDir",
+  "RunLocked",
+  "abstract_target",
+  "check_vocab",
+  "dataset_fingerprint",
+  "dataset_ref",
+  "default_sharding",
+  "describe_oserror",
+  "FieldError",
+  "load_model",
+  "load_run",
+  "load_yaml",
+  "model_from_spec",
+  "model_spec",
+  "nonfinite_leaves",
+  "parse_yaml",
+  "read_json",
+  "restore_params",
+  "save_model",
+  "verify_tree",
+  "warn",
+  "write_atomic",
 ]

@@ -36,21 +36,35 @@ class Checkpoints:
     directory = os.path.abspath(directory)
     self.directory = directory
     self.latest = ocp.CheckpointManager(
-        directory, options=ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=async_save, create=True))
+      directory,
+      options=ocp.CheckpointManagerOptions(
+        max_to_keep=keep, enable_async_checkpointing=async_save, create=True
+      ),
+    )
     self.best = ocp.CheckpointManager(
-        os.path.join(directory, "best"), options=ocp.CheckpointManagerOptions(
-            max_to_keep=1, best_fn=lambda m: m["val_loss"], best_mode="min",
-            enable_async_checkpointing=async_save, create=True))
+      os.path.join(directory, "best"),
+      options=ocp.CheckpointManagerOptions(
+        max_to_keep=1,
+        best_fn=lambda m: m["val_loss"],
+        best_mode="min",
+        enable_async_checkpointing=async_save,
+        create=True,
+      ),
+    )
 
   def latest_step(self) -> int | None:
     return self.latest.latest_step()
 
   def save(self, step: int, params, opt_state, meta: dict[str, Any]) -> None:
-    with naming(self.directory):   # a failed earlier async save surfaces here
-      self.latest.save(step, args=ocp.args.Composite(
-          params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
-          meta=ocp.args.JsonSave(meta)))
+    with naming(self.directory):  # a failed earlier async save surfaces here
+      self.latest.save(
+        step,
+        args=ocp.args.Composite(
+          params=ocp.args.StandardSave(params),
+          opt_state=ocp.args.StandardSave(opt_state),
+          meta=ocp.args.JsonSave(meta),
+        ),
+      )
 
   def save_best(self, step: int, params, val_loss: float) -> None:
     # Two managers saving the same step at once would run orbax's multi-host barriers under the
@@ -58,8 +72,11 @@ class Checkpoints:
     with naming(self.directory):
       if jax.process_count() > 1:
         self.latest.wait_until_finished()
-      self.best.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)),
-                     metrics={"val_loss": float(val_loss)})
+      self.best.save(
+        step,
+        args=ocp.args.Composite(params=ocp.args.StandardSave(params)),
+        metrics={"val_loss": float(val_loss)},
+      )
 
   def read_meta(self, step: int) -> dict:
     """The ``meta`` item of ``step``, read from its file: an object whose ``loader`` (the data
@@ -74,10 +91,14 @@ class Checkpoints:
     meta = read_json(path)
     loader = meta.get("loader")
     if loader is not None and not (
-        isinstance(loader, dict) and isinstance(loader.get("step"), int)
-        and not isinstance(loader["step"], bool) and loader["step"] >= 0):
-      raise ValueError(f"{path}: loader={loader!r}: expected null or an object with an integer "
-                       "step >= 0")
+      isinstance(loader, dict)
+      and isinstance(loader.get("step"), int)
+      and not isinstance(loader["step"], bool)
+      and loader["step"] >= 0
+    ):
+      raise ValueError(
+        f"{path}: loader={loader!r}: expected null or an object with an integer step >= 0"
+      )
     return meta
 
   def restore(self, step: int, params, opt_state, *, sharding: Sharding | None = None):
@@ -129,8 +150,9 @@ class Checkpoints:
     """
     target = abstract_target(params, sharding)
     with quiet_aborted_reads():
-      out = self.latest.restore(step, args=ocp.args.Composite(
-          params=ocp.args.StandardRestore(target))).params
+      out = self.latest.restore(
+        step, args=ocp.args.Composite(params=ocp.args.StandardRestore(target))
+      ).params
     verify_tree("params", out, target)
     check_finite(out)
     return out
@@ -154,13 +176,16 @@ class Checkpoints:
       except Exception as e:  # orbax, tensorstore and our checks each have their own errors
         why = reason(e)
         damaged.append((step, why))
-        warn(f"checkpoint step {step} in {self.directory} is damaged ({why}); trying the "
-             "previous step")
+        warn(
+          f"checkpoint step {step} in {self.directory} is damaged ({why}); trying the previous step"
+        )
         continue
       return step, p, o, meta, damaged
     if damaged:
-      raise CheckpointDamaged(f"no intact checkpoint in {self.directory}: " + "; ".join(
-          f"step {s}: {r}" for s, r in damaged))
+      raise CheckpointDamaged(
+        f"no intact checkpoint in {self.directory}: "
+        + "; ".join(f"step {s}: {r}" for s, r in damaged)
+      )
     return None, None, None, None, []
 
   def set_aside(self, steps: list[int], label: str = "damaged") -> None:
@@ -180,6 +205,7 @@ class Checkpoints:
         os.rename(src, dst)
     if jax.process_count() > 1:  # the others reopen once process 0 has moved the steps
       from jax.experimental import multihost_utils
+
       multihost_utils.sync_global_devices(f"tjax set aside {steps}")
     self.latest = ocp.CheckpointManager(self.directory, options=options)
 
@@ -194,8 +220,14 @@ class Checkpoints:
       self.best.close()
 
 
-def restore_params(directory: str, config: models.ModelConfig, *, best: bool = False,
-                   target=None, sharding: Sharding | None = None):
+def restore_params(
+  directory: str,
+  config: models.ModelConfig,
+  *,
+  best: bool = False,
+  target=None,
+  sharding: Sharding | None = None,
+):
   """The verified model parameters of the latest (or best) intact checkpoint, and its step.
 
   Args:
@@ -227,18 +259,22 @@ def restore_params(directory: str, config: models.ModelConfig, *, best: bool = F
     for step in steps:
       try:
         with quiet_aborted_reads():
-          params = manager.restore(step, args=ocp.args.Composite(
-              params=ocp.args.StandardRestore(abstract))).params
+          params = manager.restore(
+            step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract))
+          ).params
         verify_tree("params", params, abstract)
         check_finite(params)
       except Exception as e:  # orbax, tensorstore and our checks each have their own errors
         damaged.append((step, reason(e)))
-        warn(f"checkpoint step {step} in {directory} is damaged ({reason(e)}); trying the "
-             "previous step")
+        warn(
+          f"checkpoint step {step} in {directory} is damaged ({reason(e)}); trying the "
+          "previous step"
+        )
         continue
       return params, step
-    raise CheckpointDamaged(f"no intact checkpoint in {directory}: " + "; ".join(
-        f"step {s}: {r}" for s, r in damaged))
+    raise CheckpointDamaged(
+      f"no intact checkpoint in {directory}: " + "; ".join(f"step {s}: {r}" for s, r in damaged)
+    )
   finally:
     manager.close()
 
@@ -264,9 +300,13 @@ def save_model(run_dir: str, config: models.ModelConfig, params) -> None:
     raise ValueError(f"non-finite parameters in {', '.join(bad[:3])}; nothing written")
   ckpt = Checkpoints(rd.checkpoint_dir, async_save=False)
   try:
-    ckpt.latest.save(0, args=ocp.args.Composite(
+    ckpt.latest.save(
+      0,
+      args=ocp.args.Composite(
         params=ocp.args.StandardSave(params),
-        meta=ocp.args.JsonSave({"step": 0, "loader": None, "params_only": True})))
+        meta=ocp.args.JsonSave({"step": 0, "loader": None, "params_only": True}),
+      ),
+    )
     ckpt.wait()
   finally:
     ckpt.close()

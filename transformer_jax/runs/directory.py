@@ -23,19 +23,39 @@ from transformer_jax import models
 from transformer_jax.runs.schema import parse_yaml, typed_fields
 
 CONFIG, MODEL, DATASET, METRICS, FINAL, LOCK = (
-    "config.yaml", "model.yaml", "dataset.json", "metrics.jsonl", "final.json", ".lock")
+  "config.yaml",
+  "model.yaml",
+  "dataset.json",
+  "metrics.jsonl",
+  "final.json",
+  ".lock",
+)
 CHECKPOINTS = "checkpoints"
 # What a run writes: removed by ``RunDir.clear`` (``--force-new``), nothing else is touched.
-_OWNED = (CONFIG, MODEL, DATASET, METRICS, FINAL, CHECKPOINTS, "tensorboard", "loss.png",
-          "samples.txt", "init_from.json")
+_OWNED = (
+  CONFIG,
+  MODEL,
+  DATASET,
+  METRICS,
+  FINAL,
+  CHECKPOINTS,
+  "tensorboard",
+  "loss.png",
+  "samples.txt",
+  "init_from.json",
+)
 # What a start leaves before its snapshot: the lock, and the dataset prepared into the default
 # ``data.path`` (RUN_DIR/data).
 _STARTED = (LOCK, "data")
 
 
 def _finite(value: Any) -> bool:
-  return (isinstance(value, (int, float)) and not isinstance(value, bool)
-          and value == value and abs(value) != float("inf"))
+  return (
+    isinstance(value, (int, float))
+    and not isinstance(value, bool)
+    and value == value
+    and abs(value) != float("inf")
+  )
 
 
 class RunLocked(ValueError):
@@ -57,8 +77,9 @@ def load_yaml(path: str) -> Any:
   try:
     text = data.decode("utf-8")
   except UnicodeDecodeError as e:
-    raise ValueError(f"{path}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})"
-                     ) from None
+    raise ValueError(
+      f"{path}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})"
+    ) from None
   try:
     return parse_yaml(text)
   except yaml.YAMLError as e:
@@ -140,15 +161,21 @@ def dataset_fingerprint(path: str) -> str:
 def dataset_ref(dataset) -> dict[str, Any]:
   """What ``dataset.json`` records of a loaded ``data.Dataset``."""
   path = os.path.abspath(dataset.path)
-  return {"path": path, "hash": dataset_fingerprint(path), "vocab_size": dataset.vocab_size,
-          "task": dataset.task}
+  return {
+    "path": path,
+    "hash": dataset_fingerprint(path),
+    "vocab_size": dataset.vocab_size,
+    "task": dataset.task,
+  }
 
 
 def check_vocab(dataset_vocab: int, config: models.ModelConfig, where: str) -> None:
   """Refuses a dataset whose ids do not fit the model's vocabulary (or that leaves it unused)."""
   if dataset_vocab != config.vocab_size:
-    raise ValueError(f"the dataset {where} has vocab_size={dataset_vocab} but the model has "
-                     f"vocab_size={config.vocab_size}; use the dataset the model was trained on")
+    raise ValueError(
+      f"the dataset {where} has vocab_size={dataset_vocab} but the model has "
+      f"vocab_size={config.vocab_size}; use the dataset the model was trained on"
+    )
 
 
 def model_spec(config: models.ModelConfig) -> dict[str, Any]:
@@ -224,10 +251,13 @@ class RunDir:
       return
     foreign = [e for e in entries if e not in _STARTED]
     if foreign:
-      listed = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5
-                                         else "")
-      raise ValueError(f"run_dir {self.path} holds files that are not a run's ({listed}); give "
-                       "a new or empty directory")
+      listed = ", ".join(foreign[:5]) + (
+        f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+      )
+      raise ValueError(
+        f"run_dir {self.path} holds files that are not a run's ({listed}); give "
+        "a new or empty directory"
+      )
 
   # Snapshots.
 
@@ -275,8 +305,9 @@ class RunDir:
         raise ValueError(f"{path}: {key}={ref.get(key)!r}: expected a string")
     return ref
 
-  def write_snapshot(self, config: dict | None, model_config: models.ModelConfig,
-                     dataset: dict | None) -> None:
+  def write_snapshot(
+    self, config: dict | None, model_config: models.ModelConfig, dataset: dict | None
+  ) -> None:
     """Writes ``config.yaml``, ``model.yaml`` and ``dataset.json`` (process 0; call it only once
     everything they describe has been checked)."""
     if jax.process_index() != 0:
@@ -298,8 +329,7 @@ class RunDir:
     if not os.path.exists(path):
       return None
     final = read_json(path)
-    if "step" in final and (isinstance(final["step"], bool)
-                            or not isinstance(final["step"], int)):
+    if "step" in final and (isinstance(final["step"], bool) or not isinstance(final["step"], int)):
       raise ValueError(f"{path}: step={final['step']!r}: expected an integer")
     return final
 
@@ -317,9 +347,12 @@ class RunDir:
           record = json.loads(line)
         except ValueError:  # not JSON, not UTF-8
           continue
-        if (isinstance(record, dict) and isinstance(record.get("step"), int)
-            and not isinstance(record["step"], bool)
-            and all(_finite(record[k]) for k in ("loss", "val_loss") if k in record)):
+        if (
+          isinstance(record, dict)
+          and isinstance(record.get("step"), int)
+          and not isinstance(record["step"], bool)
+          and all(_finite(record[k]) for k in ("loss", "val_loss") if k in record)
+        ):
           records.append(record)
     return records
 
@@ -356,6 +389,7 @@ class RunDir:
     no trace).
     """
     import fcntl
+
     created_dir = not os.path.isdir(self.path)
     os.makedirs(self.path, exist_ok=True)
     created_lock = not os.path.lexists(self.file(LOCK))
@@ -367,8 +401,10 @@ class RunDir:
       if created_dir:
         os.rmdir(self.path)
       if os.path.islink(self.file(LOCK)):
-        raise ValueError(f"run_dir {self.path}: {LOCK} is a symbolic link; remove it (a run's "
-                         "lock is a plain file)") from None
+        raise ValueError(
+          f"run_dir {self.path}: {LOCK} is a symbolic link; remove it (a run's "
+          "lock is a plain file)"
+        ) from None
       raise e
     f = os.fdopen(fd, "r+")
     try:
@@ -377,8 +413,10 @@ class RunDir:
       f.seek(0)
       holder = f.read().strip() or "another process"
       f.close()
-      raise RunLocked(f"run_dir {self.path} is in use by {holder} (lock {self.file(LOCK)}); "
-                      "wait for it to finish or use another run_dir") from None
+      raise RunLocked(
+        f"run_dir {self.path} is in use by {holder} (lock {self.file(LOCK)}); "
+        "wait for it to finish or use another run_dir"
+      ) from None
     f.seek(0)
     f.truncate()
     f.write(f"pid {os.getpid()}\n")

@@ -12,8 +12,9 @@ from transformer_jax.runs.directory import DATASET, RunDir, check_vocab
 __all__ = ["load_model", "load_run"]
 
 
-def load_run(run_dir: str, *, best: bool = False, data: str | None = None,
-             check: Callable | None = None):
+def load_run(
+  run_dir: str, *, best: bool = False, data: str | None = None, check: Callable | None = None
+):
   """``(config, params, tokenizer)`` of a run directory's latest (or best) checkpoint.
 
   The tokenizer is the one of the dataset named by ``dataset.json`` (or ``data``).
@@ -29,23 +30,26 @@ def load_run(run_dir: str, *, best: bool = False, data: str | None = None,
     ValueError: not a run directory, no checkpoint, no dataset to read the tokenizer from, or a
       tokenizer whose vocabulary differs from the model's, or no intact checkpoint.
   """
-  from transformer_jax.data import load_dataset   # the tokenizer libraries load only here
+  from transformer_jax.data import load_dataset  # the tokenizer libraries load only here
 
   rd = RunDir(run_dir)
   config = rd.require_model()
   if not rd.checkpoint_steps(best=best):
     look = os.path.join(rd.checkpoint_dir, "best") if best else rd.checkpoint_dir
-    raise ValueError(f"{run_dir} has no {'best ' if best else ''}checkpoint (nothing in "
-                     f"{look}); train it first")
+    raise ValueError(
+      f"{run_dir} has no {'best ' if best else ''}checkpoint (nothing in {look}); train it first"
+    )
   if data is None:
     ref = rd.read_dataset_ref()
-    if ref is not None:   # absolute: the run works from any folder
+    if ref is not None:  # absolute: the run works from any folder
       data = ref["path"]
-    else:                 # a run directory written before dataset.json existed
+    else:  # a run directory written before dataset.json existed
       data = ((rd.read_config() or {}).get("data") or {}).get("path")
     if data is None:
-      raise ValueError(f"{run_dir} names no dataset (no {DATASET}) to read the tokenizer "
-                       "from; give one with --data DIR")
+      raise ValueError(
+        f"{run_dir} names no dataset (no {DATASET}) to read the tokenizer "
+        "from; give one with --data DIR"
+      )
   try:
     tokenizer = load_dataset(data).tokenizer
   except FileNotFoundError as e:

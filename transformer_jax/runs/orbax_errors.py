@@ -38,8 +38,9 @@ def _raised_by_a_read(exc: BaseException | None) -> bool:
 
 def _is_abandoned_read(unraisable) -> bool:
   """An "Exception ignored in coroutine" report of a read orbax abandoned on a damaged step."""
-  return (getattr(unraisable.object, "__qualname__", "").startswith("_read_array")
-          or _raised_by_a_read(unraisable.exc_value))
+  return getattr(unraisable.object, "__qualname__", "").startswith(
+    "_read_array"
+  ) or _raised_by_a_read(unraisable.exc_value)
 
 
 class _DropAbandonedReads(logging.Filter):
@@ -61,9 +62,11 @@ def quiet_aborted_reads():
   nothing else."""
   hook = sys.unraisablehook
   if not getattr(hook, "drops_abandoned_reads", False):
+
     def drop(unraisable, previous=hook):
       if not _is_abandoned_read(unraisable):
         previous(unraisable)
+
     drop.drops_abandoned_reads = True
     sys.unraisablehook = drop
   asyncio_log = logging.getLogger("asyncio")

@@ -39,9 +39,10 @@ class _Loader(yaml.SafeLoader):
 # leaves as strings: "1e6", "2E-2", "1.5e3", ".5e-3". Plain integers stay integers (the int
 # resolver is tried first and matches them whole).
 _Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."))
+  "tag:yaml.org,2002:float",
+  re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+  list("-+0123456789."),
+)
 
 
 def parse_yaml(text: str) -> Any:
@@ -146,8 +147,10 @@ def typed_fields(cls, spec: dict, prefix: str) -> dict:
   (``coerce``); keys that are not fields are kept as they are, for the caller to refuse."""
   hints = typing.get_type_hints(cls)
   infinite = {f.name for f in dataclasses.fields(cls) if f.metadata.get("infinite")}
-  return {k: coerce(f"{prefix}{k}", v, hints[k], infinite=k in infinite) if k in hints else v
-          for k, v in spec.items()}
+  return {
+    k: coerce(f"{prefix}{k}", v, hints[k], infinite=k in infinite) if k in hints else v
+    for k, v in spec.items()
+  }
 
 
 def build_section(cls, name: str, raw: Any):
@@ -168,6 +171,7 @@ def build_section(cls, name: str, raw: Any):
     if key not in fields:
       close = difflib.get_close_matches(str(key), fields, n=1)
       hint = f" (did you mean {close[0]!r}?)" if close else ""
-      raise FieldError(f"{name}.{key}", f"{name}.{key}: unknown key{hint}; expected one of "
-                       f"{', '.join(fields)}")
+      raise FieldError(
+        f"{name}.{key}", f"{name}.{key}: unknown key{hint}; expected one of {', '.join(fields)}"
+      )
   return cls(**typed_fields(cls, raw, f"{name}."))

@@ -41,8 +41,9 @@ def abstract_target(tree, sharding: Sharding | None = None):
 
 @jax.jit
 def _finite_leaves(tree):
-  return [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
-          if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return [
+    jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)
+  ]
 
 
 def leaf_path(path) -> str:
@@ -54,8 +55,11 @@ def leaf_path(path) -> str:
 def nonfinite_leaves(tree) -> list[str]:
   """Paths of the floating-point leaves of ``tree`` holding a NaN or an infinity."""
   flags = jax.device_get(_finite_leaves(tree))
-  paths = [leaf_path(p) for p, x in jax.tree_util.tree_leaves_with_path(tree)
-           if jnp.issubdtype(x.dtype, jnp.inexact)]
+  paths = [
+    leaf_path(p)
+    for p, x in jax.tree_util.tree_leaves_with_path(tree)
+    if jnp.issubdtype(x.dtype, jnp.inexact)
+  ]
   return [p for p, ok in zip(paths, flags) if not ok]
 
 
@@ -66,12 +70,14 @@ def verify_tree(what: str, tree, target) -> None:
     got_paths = {leaf_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)}
     want_paths = {leaf_path(p) for p, _ in jax.tree_util.tree_leaves_with_path(target)}
     missing, extra = sorted(want_paths - got_paths), sorted(got_paths - want_paths)
-    raise ValueError(f"{what}: tree structure differs (missing {missing[:3]}, unexpected "
-                     f"{extra[:3]})")
+    raise ValueError(
+      f"{what}: tree structure differs (missing {missing[:3]}, unexpected {extra[:3]})"
+    )
   for (path, x), t in zip(jax.tree_util.tree_leaves_with_path(tree), jax.tree.leaves(target)):
     if tuple(x.shape) != tuple(t.shape) or jnp.dtype(x.dtype) != jnp.dtype(t.dtype):
-      raise ValueError(f"{what}.{leaf_path(path)}: {x.dtype}{list(x.shape)}, expected "
-                       f"{t.dtype}{list(t.shape)}")
+      raise ValueError(
+        f"{what}.{leaf_path(path)}: {x.dtype}{list(x.shape)}, expected {t.dtype}{list(t.shape)}"
+      )
 
 
 def check_finite(tree) -> None:
