@@ -11,7 +11,8 @@ WORDS = (
 
 
 def write_corpus(root, num_docs: int = 24, seed: int = 0) -> list:
-  """Writes ``num_docs`` code-like text files ``doc_XX.txt``; every line is tagged ``doc{d}-line{k}``."""
+  """Writes ``num_docs`` code-like text files ``doc_XX.txt``; every line is tagged
+  ``doc{d}-line{k}``."""
   rng = random.Random(seed)
   root.mkdir(parents=True, exist_ok=True)
   paths = []

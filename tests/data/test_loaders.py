@@ -34,7 +34,7 @@ def _virtual_stream(ds, split="train"):
   return np.concatenate([np.append(s.doc(d), eot) for d in range(s.num_docs)]).astype(np.int64)
 
 
-# ---- GPT ----------------------------------------------------------------------------------------------
+# ---- GPT -----------------------------------------------------------------------------------------
 
 
 def test_gpt_windows_come_from_the_stream_and_labels_shift(ds):
@@ -148,7 +148,7 @@ def test_gpt_batch_is_one_vectorised_gather_at_any_step(ds, batch_size):
     assert _count_reads(loader, step) == [batch_size * 33]
 
 
-# ---- BERT ---------------------------------------------------------------------------------------------
+# ---- BERT ----------------------------------------------------------------------------------------
 
 
 def _bert_stats(ds, steps=60, batch_size=32, seq_len=64):
@@ -249,7 +249,7 @@ def test_bert_batch_is_one_vectorised_gather_at_any_step(ds, batch_size):
     assert _count_reads(loader, step) == [batch_size * 48]
 
 
-# ---- seq2seq ------------------------------------------------------------------------------------------
+# ---- seq2seq -------------------------------------------------------------------------------------
 
 
 def test_seq2seq_reverse_targets_and_masks(rev):
@@ -299,7 +299,7 @@ def test_seq2seq_eval_covers_each_example_once(rev):
   np.testing.assert_array_equal(first, src.doc(0))
 
 
-# ---- unigram learning bar -----------------------------------------------------------------------------
+# ---- unigram learning bar ------------------------------------------------------------------------
 
 
 def test_unigram_cross_entropy_matches_float64_reference(ds):

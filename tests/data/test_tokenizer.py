@@ -10,7 +10,10 @@ from hypothesis import strategies as st
 
 from transformer_jax.data import SPECIAL_TOKENS, CompactVocab, Tokenizer
 
-TRICKY = "héllo wörld 日本語 🙂 <|endoftext|> [MASK] [CLS] <bos> <eos> [PAD]\n\tdef f(x):\r\n  return x  # ok"
+TRICKY = (
+  "héllo wörld 日本語 🙂 <|endoftext|> [MASK] [CLS] <bos> <eos> [PAD]\n\tdef f(x):\r\n"
+  "  return x  # ok"
+)
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +109,7 @@ def test_tokenizer_with_compact_vocab(enc, tmp_path):
   assert tok.vocab_size == cv.num_used + len(SPECIAL_TOKENS)
   assert tok.pad_id == cv.num_used and tok.eos_id == cv.num_used + 6
   assert tok.eot_id == cv.num_used - 1  # eot is the largest base id kept
+  assert tok.base_eot_id == enc.eot_token  # the base id, not renumbered
   assert tok.encode("zebra") == [tok.unk_id] * len(enc.encode_ordinary("zebra"))
   assert tok.decode([tok.unk_id, tok.mask_id]) == "[UNK][MASK]"
 
@@ -114,6 +118,7 @@ def test_char_tokenizer_and_from_metadata():
   tok = Tokenizer.from_metadata({"tokenizer": "chars:0123456789+", "compact_vocab": None})
   assert tok.encode("12+3") == [1, 2, 10, 3]
   assert tok.pad_id == 11 and tok.vocab_size == 18 and tok.eot_id == tok.eos_id
+  assert tok.base_eot_id is None
   assert tok.decode([tok.bos_id, 3, 2, 1, tok.eos_id]) == "<bos>321<eos>"
   with pytest.raises(ValueError, match="not in the alphabet"):
     tok.encode("1a")
@@ -136,3 +141,14 @@ def test_data_package_does_not_import_flax():
         else []
       )
       assert not any(n.split(".")[0] == "flax" for n in names), f"{path.name} imports flax"
+
+
+def test_newline_table_marks_ordinary_tokens_containing_a_newline(tok, enc):
+  table = tok.newline_table()
+  assert table.shape == (tok.vocab_size,) and table.dtype == bool
+  for text in ("\n", "\n\n", ":\n", " hello", "world"):
+    (i,) = enc.encode_ordinary(text)
+    assert table[i] == ("\n" in text), text
+  assert not table[tok.num_regular :].any()  # specials and unused ids are never lines' ends
+  chars = Tokenizer("chars:a\nb")
+  assert chars.newline_table().tolist() == [False, True, False] + [False] * len(SPECIAL_TOKENS)

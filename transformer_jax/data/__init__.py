@@ -1,6 +1,7 @@
-"""Data layer: tiktoken tokenizer, corpus preparation, memory-mapped datasets, deterministic numpy loaders.
+"""Data layer: tiktoken tokenizer, corpus preparation, memory-mapped datasets, deterministic numpy
+loaders.
 
-No Flax here; ``jax`` is only imported lazily for the default process index/count of the loaders.
+No Flax here; ``jax`` only answers the loaders' default process index and count.
 """
 
 from transformer_jax.data.classify import ClassifyLoader, classify_eval_batches

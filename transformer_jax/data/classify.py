@@ -16,6 +16,7 @@ pairs, ``tokens_b``) plus ``{split}_labels.npy`` (int32, one label a document).
 from __future__ import annotations
 
 import ast
+import glob
 import json
 import os
 import sysconfig
@@ -27,7 +28,9 @@ import numpy as np
 
 from transformer_jax.data import layout
 from transformer_jax.data.layout import split_documents
+from transformer_jax.data.loaders import process_info
 from transformer_jax.data.sources import Source, files_under
+from transformer_jax.data.tokenizer import CompactVocab, Tokenizer
 
 STDLIB_TASK = "stdlib:packages"
 # Ten top-level packages of CPython 3.11's standard library, each with 13 files or more (so a split
@@ -150,7 +153,7 @@ def majority_baseline(train_labels: np.ndarray, val_labels: np.ndarray) -> dict[
   return {"label": top, "val_accuracy": acc}
 
 
-# ---- loading ----------------------------------------------------------------------------------------
+# ---- loading -------------------------------------------------------------------------------------
 
 
 def labels_of(dataset, split: str) -> np.ndarray:
@@ -246,8 +249,6 @@ class ClassifyLoader:
     process_index: int | None = None,
     process_count: int | None = None,
   ):
-    from transformer_jax.data.loaders import process_info
-
     self.process_index, self.process_count = process_info(process_index, process_count)
     if batch_size <= 0 or batch_size % self.process_count:
       raise ValueError(
@@ -261,7 +262,7 @@ class ClassifyLoader:
     if self.labels.size == 0:
       raise ValueError(f"the {split} split of {dataset.path} holds no examples")
     local = batch_size // self.process_count
-    self._rows = slice(self.process_index * local, (self.process_index + 1) * local)
+    self.local_rows = slice(self.process_index * local, (self.process_index + 1) * local)
     self.step = 0
 
   @property
@@ -281,7 +282,7 @@ class ClassifyLoader:
     return out
 
   def batch_at(self, step: int) -> dict[str, np.ndarray]:
-    idx = self.indices_at(step)[self._rows]
+    idx = self.indices_at(step)[self.local_rows]
     batch = _encode_rows(self.dataset, self.split, idx, self.seq_len, self.cls_token)
     batch["labels"] = self.labels[idx]
     batch["label_mask"] = np.ones(idx.size, bool)
@@ -315,8 +316,6 @@ def classify_eval_batches(
 ):
   """Every example of ``split`` once, in a fixed shuffled order (so ``max_batches`` takes a
   sample of all classes, not the first files); the last batch padded with masked rows."""
-  from transformer_jax.data.loaders import process_info
-
   process_index, process_count = process_info(process_index, process_count)
   labels = labels_of(dataset, split)
   n = labels.size
@@ -336,13 +335,11 @@ def classify_eval_batches(
     yield batch
 
 
-# ---- preparation --------------------------------------------------------------------------------------
+# ---- preparation ---------------------------------------------------------------------------------
 
 
 def collect_examples(inputs: Sequence[str]) -> list[Example]:
   """Examples of every input (``stdlib:packages``, ``.tsv``/``.jsonl`` files, globs, folders)."""
-  import glob
-
   out: list[Example] = []
   files = []
   for name in inputs:
@@ -416,8 +413,6 @@ def prepare_classify(
   Returns:
     The metadata written to ``out/metadata.json``.
   """
-  from transformer_jax.data.tokenizer import CompactVocab, Tokenizer
-
   compact = None
   if vocab_from is not None:
     meta_file = os.path.join(vocab_from, layout.METADATA_FILE)

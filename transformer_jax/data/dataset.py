@@ -39,7 +39,8 @@ class Stream:
 class Dataset:
   """A prepared dataset: metadata, tokenizer and per-split streams.
 
-  Text tasks (gpt, bert) have one stream per split, ``"tokens"``; seq2seq has ``"src"`` and ``"tgt"``.
+  Text tasks (gpt, bert) have one stream per split, ``"tokens"``; seq2seq has ``"src"`` and
+  ``"tgt"``.
 
   Attributes:
       path: Dataset directory.
@@ -70,7 +71,8 @@ class Dataset:
     return tuple(self._streams)
 
   def stream(self, split: str, name: str = "tokens") -> Stream:
-    """Returns one stream: ``name`` is ``"tokens"`` for text tasks, ``"src"``/``"tgt"`` for seq2seq."""
+    """Returns one stream: ``name`` is ``"tokens"`` for text tasks, ``"src"``/``"tgt"`` for
+    seq2seq."""
     if split not in self._streams:
       raise KeyError(f"unknown split {split!r}; dataset has {list(self._streams)}")
     if name not in self._streams[split]:
@@ -136,8 +138,9 @@ def load_dataset(path: str | os.PathLike) -> Dataset:
 
   Raises:
       FileNotFoundError: ``path`` has no ``metadata.json``.
-      ValueError: A damaged ``metadata.json`` (named, with how to rebuild it), an unsupported format
-          version, a token id out of range (names the id, file and vocab size), or inconsistent offsets.
+      ValueError: A damaged ``metadata.json`` (named, with how to rebuild it), an unsupported
+          format version, a token id out of range (names the id, file and vocab size), or
+          inconsistent offsets.
   """
   path = os.fspath(path)
   meta_file = os.path.join(path, METADATA_FILE)

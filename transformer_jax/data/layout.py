@@ -2,17 +2,19 @@
 one and that its metadata is sound, the content hash that says it is up to date, the seeded
 train/val split of its documents, and writing one token stream.
 
-Layout of a dataset directory (all token shards are raw little-endian uint32, written with ``ndarray.tofile``)::
+Layout of a dataset directory (all token shards are raw little-endian uint32, written with
+``ndarray.tofile``)::
 
     metadata.json            tokenizer, vocab_size, special ids, per-split counts, content hash, ...
     vocab.json               CompactVocab (only with compact_vocab=True)
     train_000.bin            text tasks (gpt, bert): concatenated document tokens, no separators
     train_offsets.npy        int64 [num_docs + 1]: document d is tokens[offsets[d]:offsets[d+1]]
     val_000.bin, val_offsets.npy
-    train_src_000.bin, train_src_offsets.npy, train_tgt_000.bin, train_tgt_offsets.npy   (seq2seq pairs)
+    train_src_000.bin, train_src_offsets.npy,
+    train_tgt_000.bin, train_tgt_offsets.npy   (seq2seq pairs)
 
-Documents are stored without separators; the GPT loader inserts ``<|endoftext|>`` after every document on the
-fly, so one prepared directory serves both GPT and BERT.
+Documents are stored without separators; the GPT loader inserts ``<|endoftext|>`` after every
+document on the fly, so one prepared directory serves both GPT and BERT.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ METADATA_FILE = "metadata.json"
 COMPACT_VOCAB_FILE = "vocab.json"
 
 
-# ---- content hash -------------------------------------------------------------------------------------
+# ---- content hash --------------------------------------------------------------------------------
 
 
 def _file_digest(path: str) -> str:
@@ -61,7 +63,7 @@ def content_hash(options: dict[str, Any], sources: list[Source], workers: int) -
   return h.hexdigest()
 
 
-# ---- splitting and writing ----------------------------------------------------------------------------
+# ---- splitting and writing -----------------------------------------------------------------------
 
 
 def _split_hash(seed: int, key: str) -> float:
@@ -74,12 +76,13 @@ def split_documents(keys: Sequence[str], val_fraction: float, seed: int) -> np.n
 
   Args:
       keys: Stable document names (paths, ``path:line``).
-      val_fraction: Fraction of documents in ``[0, 1)``, or an integer count ``>= 1`` of validation documents.
+      val_fraction: Fraction of documents in ``[0, 1)``, or an integer count ``>= 1`` of
+          validation documents.
       seed: Split seed.
 
   Returns:
-      Bool array ``[num_docs]``, True for validation. With two or more documents and a non-zero fraction, both
-      splits are non-empty.
+      Bool array ``[num_docs]``, True for validation. With two or more documents and a non-zero
+      fraction, both splits are non-empty.
   """
   n = len(keys)
   if not val_fraction >= 0 or val_fraction == float("inf"):  # NaN fails the comparison
@@ -140,7 +143,7 @@ def is_up_to_date(out: str, content_hash: str) -> dict[str, Any] | None:
   return meta if all(os.path.exists(os.path.join(out, f)) for f in files) else None
 
 
-# ---- the directory's files and metadata --------------------------------------------------------------
+# ---- the directory's files and metadata ----------------------------------------------------------
 
 # The files ``prepare`` writes (and their temporaries): a folder holding anything else is not a
 # dataset, and is not written into.
@@ -175,7 +178,8 @@ def read_metadata(path: str) -> dict[str, Any]:
 
   Raises:
       FileNotFoundError: ``path`` holds no ``metadata.json``.
-      ValueError: The file is damaged (not a JSON object); the message names it and how to rebuild it.
+      ValueError: The file is damaged (not a JSON object); the message names it and how to
+          rebuild it.
   """
   meta_file = os.path.join(path, METADATA_FILE)
   if not os.path.exists(meta_file):

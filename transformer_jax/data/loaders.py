@@ -1,20 +1,23 @@
 """Deterministic numpy batch loaders: GPT packing, BERT MLM + NSP pairs, seq2seq padded pairs.
 
-Every loader is a pure function of ``(seed, step)``: ``batch_at(step)`` always returns the same batch, so
-resuming from a checkpoint is exact. Iterating calls ``batch_at(step)`` with an internal counter exposed by
-``get_state()`` / ``set_state()`` as ``{"step": n}``.
+Every loader is a pure function of ``(seed, step)``: ``batch_at(step)`` always returns the same
+batch, so resuming from a checkpoint is exact. Iterating calls ``batch_at(step)`` with an internal
+counter exposed by ``get_state()`` / ``set_state()`` as ``{"step": n}``.
 
-``batch_size`` is the *global* batch. Randomness is drawn for the whole global batch and process ``i`` of ``n``
-keeps rows ``[i * B / n, (i + 1) * B / n)``, so processes read disjoint shares of the same global batch and
-every process agrees on shapes (seq2seq pads to the longest row of the global batch).
+``batch_size`` is the *global* batch. Randomness is drawn for the whole global batch and process
+``i`` of ``n`` keeps rows ``[i * B / n, (i + 1) * B / n)``, so processes read disjoint shares of the
+same global batch and every process agrees on shapes (seq2seq pads to the longest row of the global
+batch).
 
-Batches are dicts of numpy arrays: ids ``int32``, masks ``bool`` (True = real token / predicted position).
+Batches are dicts of numpy arrays: ids ``int32``, masks ``bool`` (True = real token / predicted
+position).
 
-Why not Grain: Grain's ``MapDataset`` would express the same random-access, (seed, step)-pure pipeline, but
-its transforms run per example in Python, while these loaders build a whole batch with a handful of vectorised
-numpy gathers from memory-mapped shards (a 16 x 256 GPT batch in ~100 us). The batch construction itself is
-the determinism guarantee, so Grain would add a dependency and per-example overhead without adding
-reproducibility; its multi-worker prefetching is not needed at these costs.
+Why not Grain: Grain's ``MapDataset`` would express the same random-access, (seed, step)-pure
+pipeline, but its transforms run per example in Python, while these loaders build a whole batch with
+a handful of vectorised numpy gathers from memory-mapped shards (a 16 x 256 GPT batch in ~100 us).
+The batch construction itself is the determinism guarantee, so Grain would add a dependency and
+per-example overhead without adding reproducibility; its multi-worker prefetching is not needed at
+these costs.
 """
 
 from __future__ import annotations
@@ -23,18 +26,16 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
+import jax
 import numpy as np
 
 from transformer_jax.data.dataset import Dataset
-from transformer_jax.data.tokenizer import newline_token_table
 
 Batch = dict[str, np.ndarray]
 
 
 def process_info(process_index: int | None, process_count: int | None) -> tuple[int, int]:
   if process_index is None or process_count is None:
-    import jax  # pylint: disable=import-outside-toplevel; only needed for the multi-host defaults
-
     process_index = jax.process_index() if process_index is None else process_index
     process_count = jax.process_count() if process_count is None else process_count
   if not 0 <= process_index < process_count:
@@ -62,7 +63,8 @@ class _Loader:
     self.seed = seed
     self.step = 0
     start = self.process_index * self.local_batch_size
-    self._rows = slice(start, start + self.local_batch_size)
+    # This process's rows of a global batch.
+    self.local_rows = slice(start, start + self.local_batch_size)
 
   def batch_at(self, step: int) -> Batch:
     raise NotImplementedError
@@ -98,25 +100,28 @@ def _text_stream(dataset: Dataset, split: str):
   return stream
 
 
-# ---- GPT ----------------------------------------------------------------------------------------------
+# ---- GPT -----------------------------------------------------------------------------------------
 
 
 class GPTLoader(_Loader):
   """Packed next-token windows over the split's documents, each followed by ``<|endoftext|>``.
 
-  The virtual stream ``doc_0 eot doc_1 eot ...`` (eot inserted on the fly, not stored) is cut into windows of
-  ``seq_len + 1`` tokens starting at ``shift_e + w * seq_len``; each epoch ``e`` draws a random shift and a
-  random permutation of the windows from ``(seed, e)``, so each token is seen once per epoch.
+  The virtual stream ``doc_0 eot doc_1 eot ...`` (eot inserted on the fly, not stored) is cut into
+  windows of ``seq_len + 1`` tokens starting at ``shift_e + w * seq_len``; each epoch ``e`` draws a
+  random shift and a random permutation of the windows from ``(seed, e)``, so each token is seen
+  once per epoch.
 
   Batch (local rows ``B``, ``T = seq_len``):
       tokens [B, T] int32; labels [B, T] int32 (tokens shifted by one);
-      segment_ids [B, T] int32: 1 for the first document in the window, +1 at each document start (the token
-          after an eot); 0 marks padding (only in eval batches past the end of the stream);
-      positions [B, T] int32: offset from the start of the token's document *within this window* (a document
-          that began before the window counts from 0 at the window start), so positions stay < T;
-      loss_mask [B, T] bool: label exists; with ``mask_cross_document=True`` also False where the input is an
-          eot (predicting the next document's first token from nothing). The default keeps those
-          positions, as GPT-2 / nanoGPT do.
+      segment_ids [B, T] int32: 1 for the first document in the window, +1 at each document start
+          (the token after an eot); 0 marks padding (only in eval batches past the end of the
+          stream);
+      positions [B, T] int32: offset from the start of the token's document *within this window* (a
+          document that began before the window counts from 0 at the window start), so positions
+          stay < T;
+      loss_mask [B, T] bool: label exists; with ``mask_cross_document=True`` also False where the
+          input is an eot (predicting the next document's first token from nothing). The default
+          keeps those positions, as GPT-2 / nanoGPT do.
   """
 
   def __init__(
@@ -173,7 +178,7 @@ class GPTLoader(_Loader):
     return starts
 
   def batch_at(self, step: int) -> Batch:
-    return self.gather(self.window_starts(step)[self._rows])
+    return self.gather(self.window_starts(step)[self.local_rows])
 
   def gather(self, starts_B: np.ndarray) -> Batch:
     """Builds a batch from virtual window starts (starts >= stream length give all-padding rows)."""
@@ -216,7 +221,8 @@ def gpt_eval_batches(
 ) -> Iterator[Batch]:
   """Finite, fixed-order GPT batches covering the whole split once (consecutive windows, no shift).
 
-  The last batch is padded with rows whose ``loss_mask`` is all False, so every batch has the same shape.
+  The last batch is padded with rows whose ``loss_mask`` is all False, so every batch has the same
+  shape.
   """
   loader = GPTLoader(
     dataset,
@@ -233,26 +239,27 @@ def gpt_eval_batches(
   for b in range(num_batches):
     w = b * batch_size + np.arange(batch_size, dtype=np.int64)
     starts = np.where(w < num_windows, w * seq_len, loader.stream_len)
-    yield loader.gather(starts[loader._rows])  # pylint: disable=protected-access
+    yield loader.gather(starts[loader.local_rows])
 
 
-# ---- BERT ---------------------------------------------------------------------------------------------
+# ---- BERT ----------------------------------------------------------------------------------------
 
 
 class BertLoader(_Loader):
   """BERT pre-training pairs ``[CLS] A [SEP] B [SEP] [PAD]...`` with MLM masking and NSP labels.
 
-  Sentences: a "sentence" is a line (it ends after a token whose text contains a newline, which suits source
-  code); lines longer than ``max_sentence_tokens`` are cut into pieces of that many tokens. Segment A starts at
-  a random sentence that has a successor in its document and extends over whole sentences up to a random
-  target length in ``[1, seq_len - 4]`` (cut mid-sentence only if its first sentence is longer). With
-  probability 1/2, B is the text that follows A in the same document (``nsp_labels`` 0 = IsNext), otherwise it
-  starts at a random sentence of another document (1 = NotNext, as in Hugging Face). B is truncated to fill
-  the remaining ``seq_len - 3 - len(A)`` slots.
+  Sentences: a "sentence" is a line (it ends after a token whose text contains a newline, which
+  suits source code); lines longer than ``max_sentence_tokens`` are cut into pieces of that many
+  tokens. Segment A starts at a random sentence that has a successor in its document and extends
+  over whole sentences up to a random target length in ``[1, seq_len - 4]`` (cut mid-sentence only
+  if its first sentence is longer). With probability 1/2, B is the text that follows A in the same
+  document (``nsp_labels`` 0 = IsNext), otherwise it starts at a random sentence of another document
+  (1 = NotNext, as in Hugging Face). B is truncated to fill the remaining ``seq_len - 3 - len(A)``
+  slots.
 
-  Masking (as in BERT's create_pretraining_data): ``max(1, round(mask_prob * n))`` of the ``n`` real A/B tokens
-  of each row are predicted (none if ``mask_prob == 0``); of those 80% become [MASK], 10% a random ordinary
-  token, 10% stay unchanged.
+  Masking (as in BERT's create_pretraining_data): ``max(1, round(mask_prob * n))`` of the ``n`` real
+  A/B tokens of each row are predicted (none if ``mask_prob == 0``); of those 80% become [MASK], 10%
+  a random ordinary token, 10% stay unchanged.
 
   Batch: tokens, token_types (0 for [CLS] A [SEP], 1 for B [SEP], 0 padding), attention_mask (bool),
   mlm_labels (original id where predicted, else 0), mlm_mask (bool), all [B, T]; nsp_labels [B].
@@ -280,9 +287,7 @@ class BertLoader(_Loader):
     self._tokens = stream.tokens
     self._ids = {name: _special(dataset, name) for name in ("[CLS]", "[SEP]", "[PAD]", "[MASK]")}
     self._num_regular = int(dataset.meta["num_regular_tokens"])
-    self._build_sentences(
-      stream.offsets, newline_token_table(dataset.tokenizer), max_sentence_tokens
-    )
+    self._build_sentences(stream.offsets, dataset.tokenizer.newline_table(), max_sentence_tokens)
 
   def _build_sentences(
     self, offsets: np.ndarray, newline_V: np.ndarray, max_sentence_tokens: int
@@ -350,7 +355,7 @@ class BertLoader(_Loader):
     action_BT = rng.random((B, T))
     random_tok_BT = rng.integers(0, self._num_regular, (B, T))
 
-    r = self._rows
+    r = self.local_rows
     a_start, a_len, b_start, b_len = a_start[r], a_len[r], b_start[r], b_len[r]
     t_T = np.arange(T)
     a_len_B1, b_len_B1 = a_len[:, None], b_len[:, None]
@@ -397,7 +402,8 @@ def bert_eval_batches(
   process_index: int | None = None,
   process_count: int | None = None,
 ) -> Iterator[Batch]:
-  """A fixed, finite set of BERT batches from the validation split: steps ``0..num_batches-1`` of ``seed``."""
+  """A fixed, finite set of BERT batches from the validation split: steps ``0..num_batches-1`` of
+  ``seed``."""
   loader = BertLoader(
     dataset,
     batch_size=batch_size,
@@ -411,7 +417,7 @@ def bert_eval_batches(
     yield loader.batch_at(step)
 
 
-# ---- seq2seq ------------------------------------------------------------------------------------------
+# ---- seq2seq -------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -492,13 +498,13 @@ def _pair_batch(
 class Seq2SeqLoader(_Loader):
   """Length-bucketed, padded (source, target) batches.
 
-  Each epoch (seeded by ``(seed, epoch)``) shuffles the examples, sorts pools of ``pool_batches`` batches by
-  length, cuts them into batches and shuffles the batch order; incomplete final batches are dropped (an epoch
-  smaller than one batch repeats examples). Widths are the longest row of the global batch rounded up to
-  ``length_multiple`` (bounding the number of distinct shapes jit sees).
+  Each epoch (seeded by ``(seed, epoch)``) shuffles the examples, sorts pools of ``pool_batches``
+  batches by length, cuts them into batches and shuffles the batch order; incomplete final batches
+  are dropped (an epoch smaller than one batch repeats examples). Widths are the longest row of the
+  global batch rounded up to ``length_multiple`` (bounding the number of distinct shapes jit sees).
 
-  Batch: src [B, S], src_mask [B, S], tgt_in [B, T] (<bos> + target), tgt_out [B, T] (target + <eos>),
-  tgt_mask [B, T] (True on the target length + 1), padding [PAD].
+  Batch: src [B, S], src_mask [B, S], tgt_in [B, T] (<bos> + target),
+  tgt_out [B, T] (target + <eos>), tgt_mask [B, T] (True on the target length + 1), padding [PAD].
   """
 
   def __init__(
@@ -553,12 +559,17 @@ class Seq2SeqLoader(_Loader):
   def batch_at(self, step: int) -> Batch:
     epoch, b = divmod(step, self.batches_per_epoch)
     ex_B = self._epoch_plan(epoch)[b]
+    return self.pair_batch(ex_B, np.ones(ex_B.size, bool))
+
+  def pair_batch(self, ex_B: np.ndarray, valid_B: np.ndarray) -> Batch:
+    """This process's rows of the padded global batch of examples ``ex_B`` (``[B]`` indices into
+    the split); rows where ``valid_B`` is False get all-False masks."""
     s = self._special
     return _pair_batch(
       self._p,
       ex_B,
-      np.ones(ex_B.size, bool),
-      self._rows,
+      valid_B,
+      self.local_rows,
       s["<bos>"],
       s["<eos>"],
       s["[PAD]"],
@@ -577,7 +588,8 @@ def seq2seq_eval_batches(
   process_index: int | None = None,
   process_count: int | None = None,
 ) -> Iterator[Batch]:
-  """Every example of ``split`` once, in stored order; the last batch is padded with all-False-mask rows."""
+  """Every example of ``split`` once, in stored order; the last batch is padded with all-False-mask
+  rows."""
   loader = Seq2SeqLoader(
     dataset,
     batch_size=batch_size,
@@ -588,31 +600,22 @@ def seq2seq_eval_batches(
     process_index=process_index,
     process_count=process_count,
   )
-  p, s, n = loader._p, loader._special, loader.num_examples  # pylint: disable=protected-access
+  n = loader.num_examples
   for start in range(0, n, batch_size):
     ex_B = start + np.arange(batch_size)
     valid_B = ex_B < n
-    rows = loader._rows  # pylint: disable=protected-access
-    yield _pair_batch(
-      p,
-      np.where(valid_B, ex_B, 0),
-      valid_B,
-      rows,
-      s["<bos>"],
-      s["<eos>"],
-      s["[PAD]"],
-      length_multiple,
-    )
+    yield loader.pair_batch(np.where(valid_B, ex_B, 0), valid_B)
 
 
-# ---- learning bar -------------------------------------------------------------------------------------
+# ---- learning bar --------------------------------------------------------------------------------
 
 
 def unigram_cross_entropy(dataset: Dataset, split: str = "val") -> float:
-  """Cross-entropy (nats/token) of ``split`` under the train split's add-one-smoothed unigram distribution.
+  """Cross-entropy (nats/token) of ``split`` under the train split's add-one-smoothed unigram
+  distribution.
 
-  Both streams are counted as the GPT loader sees them: each document followed by ``<|endoftext|>``. A GPT
-  that has learned anything beats this number.
+  Both streams are counted as the GPT loader sees them: each document followed by ``<|endoftext|>``.
+  A GPT that has learned anything beats this number.
   """
   V = dataset.vocab_size
   eot = _special(dataset, "<|endoftext|>")
@@ -629,7 +632,8 @@ def unigram_cross_entropy(dataset: Dataset, split: str = "val") -> float:
 
 
 def make_loader(kind: str, dataset: Dataset, **kwargs: Any) -> _Loader:
-  """Returns ``GPTLoader`` / ``BertLoader`` / ``Seq2SeqLoader`` for ``kind`` in gpt | bert | seq2seq."""
+  """Returns ``GPTLoader`` / ``BertLoader`` / ``Seq2SeqLoader`` for ``kind`` in gpt | bert |
+  seq2seq."""
   match kind:
     case "gpt":
       return GPTLoader(dataset, **kwargs)

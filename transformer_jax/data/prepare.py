@@ -1,4 +1,5 @@
-"""Corpus preparation: text / jsonl / tsv / stdlib / synthetic inputs -> a tokenized dataset directory.
+"""Corpus preparation: text / jsonl / tsv / stdlib / synthetic inputs -> a tokenized dataset
+directory.
 
 The input names ``prepare`` takes are expanded by ``data.sources``; the directory it writes (its
 files, ``metadata.json``, the content hash and the train/val split) is ``data.layout``'s.
@@ -18,6 +19,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from transformer_jax.data import layout
+from transformer_jax.data.classify import prepare_classify
 from transformer_jax.data.layout import (
   COMPACT_VOCAB_FILE,
   FORMAT_VERSION,
@@ -35,7 +37,7 @@ from transformer_jax.data.sources import (
   resolve_inputs,
   synthetic_examples,
 )
-from transformer_jax.data.tokenizer import CHARS_PREFIX, CompactVocab, Tokenizer
+from transformer_jax.data.tokenizer import CompactVocab, Tokenizer
 
 
 @dataclasses.dataclass
@@ -48,11 +50,12 @@ class _FileResult:
   replaced_chars: int
 
 
-# ---- reading and tokenizing ---------------------------------------------------------------------------
+# ---- reading and tokenizing ----------------------------------------------------------------------
 
 
 def _decode(data: bytes) -> tuple[str, int]:
-  """UTF-8 decode; undecodable bytes become U+FFFD. Returns (text, number of replacement characters added)."""
+  """UTF-8 decode; undecodable bytes become U+FFFD. Returns (text, number of replacement
+  characters added)."""
   try:
     return data.decode("utf-8"), 0
   except UnicodeDecodeError:
@@ -123,7 +126,7 @@ def check_options(
     raise ValueError(f"text_field={text_field!r}: expected a field name")
 
 
-# ---- entry point --------------------------------------------------------------------------------------
+# ---- entry point ---------------------------------------------------------------------------------
 
 
 def prepare(
@@ -146,18 +149,19 @@ def prepare(
   Args:
       inputs: Files, globs, directories, ``stdlib``, or ``synthetic:TASK[:COUNT]`` (seq2seq only).
       out: Output directory (created if needed).
-      tokenizer: Tokenizer name (tiktoken encoding or ``chars:ALPHABET``); synthetic inputs always use
-          ``chars:0123456789+``.
-      compact_vocab: Re-number the ids the corpus uses (train and val) into a dense range (saves embedding
-          rows); stored as ``vocab.json``. An integer ``N`` keeps only the ``N`` most frequent ids of the
-          training documents (the rest become ``[UNK]``): for small CPU runs the softmax over the
-          vocabulary dominates the step.
+      tokenizer: Tokenizer name (tiktoken encoding or ``chars:ALPHABET``); synthetic inputs always
+          use ``chars:0123456789+``.
+      compact_vocab: Re-number the ids the corpus uses (train and val) into a dense range (saves
+          embedding rows); stored as ``vocab.json``. An integer ``N`` keeps only the ``N`` most
+          frequent ids of the training documents (the rest become ``[UNK]``): for small CPU runs the
+          softmax over the vocabulary dominates the step.
       task: ``"gpt"``, ``"bert"`` (same on-disk format), ``"seq2seq"`` (pairs) or ``"classify"``
           (labelled examples, see ``data.classify``).
-      val_fraction: Fraction of documents for validation, or a whole number ``>= 1`` of validation documents.
+      val_fraction: Fraction of documents for validation, or a whole number ``>= 1`` of validation
+          documents.
       seed: Seed of the train/val split and of synthetic data.
-      workers: Threads for reading and tokenizing (tiktoken's BPE releases the GIL, so threads use all
-          cores without process start-up cost or fork-after-JAX hazards).
+      workers: Threads for reading and tokenizing (tiktoken's BPE releases the GIL, so threads use
+          all cores without process start-up cost or fork-after-JAX hazards).
       text_field: Field holding the text in ``.jsonl`` inputs.
       force: Rebuild even if the directory is up to date.
       progress: Show a tqdm progress bar.
@@ -180,8 +184,6 @@ def prepare(
   )
   check_output_dir(out)
   if task == "classify":
-    from transformer_jax.data.classify import prepare_classify
-
     return prepare_classify(
       inputs,
       out,
@@ -253,7 +255,8 @@ def prepare(
     raise ValueError(f"empty corpus: inputs {list(inputs)} contain no text")
   if replaced:
     print(
-      f"warning: {replaced} undecodable byte sequences in {bad_docs} file(s) were replaced by U+FFFD",
+      f"warning: {replaced} undecodable byte sequences in {bad_docs} file(s) were replaced by "
+      "U+FFFD",
       file=sys.stderr,
     )
 
@@ -263,10 +266,8 @@ def prepare(
     docs = [reused.to_compact(a).astype(np.uint32) for a in docs]
     tok = Tokenizer(tok.name, reused)
   if compact_vocab:
-    if tok.name.startswith(CHARS_PREFIX):
-      base_eot = []
-    else:
-      base_eot = [tok._backend.eot_token]  # pylint: disable=protected-access; GPT separator always kept
+    # The GPT separator is always kept.
+    base_eot = [] if tok.base_eot_id is None else [tok.base_eot_id]
     if compact_vocab is True:
       kept = np.unique(np.concatenate([np.unique(a) for a in docs + (targets or [])]))
     else:

@@ -3,18 +3,20 @@
 seq2seq digit tasks.
 
 Input names:
-  * a file, a glob (``**`` allowed) or a directory (recursive; hidden entries and binary files skipped);
-    each file is a document, except ``.jsonl`` (one document per line, field ``text_field``) and, for the
-    seq2seq task, ``.tsv`` (one ``source<TAB>target`` example per line).
-  * ``stdlib-tests``: the same Python's own test suite (``Lib/test``), which ``stdlib`` leaves out: a
-    second code corpus (for adapting a model trained on ``stdlib``).
-  * ``stdlib``: the running Python's standard-library ``.py`` files (``sysconfig.get_paths()["stdlib"]``),
-    excluding ``site-packages``/``dist-packages``, test directories (``test``, ``tests``, ``idle_test``),
-    ``__pycache__``, ``config-*`` and the platform-specific ``_sysconfigdata*`` file: about 730 files, 12 MB
-    for CPython 3.11, stable across machines with the same Python version.
-  * ``synthetic:reverse``, ``synthetic:sort``, ``synthetic:add`` (optionally ``synthetic:add:50000``): seq2seq
-    digit tasks generated deterministically from ``seed`` with the character tokenizer
-    ``chars:0123456789+``.
+  * a file, a glob (``**`` allowed) or a directory (recursive; hidden entries and binary files
+    skipped); each file is a document, except ``.jsonl`` (one document per line, field
+    ``text_field``) and, for the seq2seq task, ``.tsv`` (one ``source<TAB>target`` example per
+    line).
+  * ``stdlib-tests``: the same Python's own test suite (``Lib/test``), which ``stdlib`` leaves
+    out: a second code corpus (for adapting a model trained on ``stdlib``).
+  * ``stdlib``: the running Python's standard-library ``.py`` files
+    (``sysconfig.get_paths()["stdlib"]``), excluding ``site-packages``/``dist-packages``, test
+    directories (``test``, ``tests``, ``idle_test``), ``__pycache__``, ``config-*`` and the
+    platform-specific ``_sysconfigdata*`` file: about 730 files, 12 MB for CPython 3.11, stable
+    across machines with the same Python version.
+  * ``synthetic:reverse``, ``synthetic:sort``, ``synthetic:add`` (optionally
+    ``synthetic:add:50000``): seq2seq digit tasks generated deterministically from ``seed`` with the
+    character tokenizer ``chars:0123456789+``.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ _BINARY_SNIFF_BYTES = 8192
 class Source:
   """One input file."""
 
-  key: str  # stable name for the train/val hash and content hash: path relative to the inputs' common folder
+  # Stable name for the train/val hash and content hash: path relative to the inputs' common folder.
+  key: str
   path: str
   kind: str  # "text" | "jsonl" | "tsv"
 
@@ -146,7 +149,8 @@ def resolve_inputs(inputs: Sequence[str], task: str) -> tuple[list[Source], list
     for path in files:
       files_found.setdefault(os.path.abspath(path), _kind_of(path, task))
   if files_found:
-    # Keys are relative to the files' common folder, so the split and content hash survive moving the corpus.
+    # Keys are relative to the files' common folder, so the split and content hash survive moving
+    # the corpus.
     root = os.path.commonpath(list(files_found))
     if len(files_found) == 1:
       root = os.path.dirname(root)
@@ -183,8 +187,8 @@ def synthetic_examples(task: str, count: int, seed: int) -> list[tuple[str, str]
   """Generates ``count`` deterministic (source, target) digit-string pairs.
 
   Args:
-      task: ``"reverse"`` (target = reversed source), ``"sort"`` (target = sorted digits) or ``"add"``
-          (source ``"a+b"`` with operands of 1-6 digits, target the decimal sum).
+      task: ``"reverse"`` (target = reversed source), ``"sort"`` (target = sorted digits) or
+          ``"add"`` (source ``"a+b"`` with operands of 1-6 digits, target the decimal sum).
       count: Number of examples.
       seed: Random seed; the same (task, count, seed) always gives the same examples.
 

@@ -1,16 +1,19 @@
-"""Tokenizers: tiktoken BPE (default ``cl100k_base``, loaded offline) and a tiny character vocabulary.
+"""Tokenizers: tiktoken BPE (default ``cl100k_base``, loaded offline) and a tiny character
+vocabulary.
 
 Id layout of the model-facing vocabulary::
 
-    [0, n_base)                 the base vocabulary (tiktoken ranks incl. its own specials, or the characters)
-    n_base + 0 .. n_base + 6    [PAD] [CLS] [SEP] [MASK] [UNK] <bos> <eos>   (``SPECIAL_TOKENS`` order)
+    [0, n_base)                 the base vocabulary (tiktoken ranks incl. its own specials, or
+                                the characters)
+    n_base + 0 .. n_base + 6    [PAD] [CLS] [SEP] [MASK] [UNK] <bos> <eos>
+                                (``SPECIAL_TOKENS`` order)
 
-With a ``CompactVocab`` the base part is replaced by the dense range of ids a corpus actually uses and the
-specials follow it, so embedding tables stay small.
+With a ``CompactVocab`` the base part is replaced by the dense range of ids a corpus actually uses
+and the specials follow it, so embedding tables stay small.
 
-User text is always encoded as *ordinary* text: the strings ``"<|endoftext|>"`` or ``"[MASK]"`` inside a
-document become their plain BPE pieces, never control ids. Control ids are only ever inserted by code
-(loaders, preparation).
+User text is always encoded as *ordinary* text: the strings ``"<|endoftext|>"`` or ``"[MASK]"``
+inside a document become their plain BPE pieces, never control ids. Control ids are only ever
+inserted by code (loaders, preparation).
 """
 
 from __future__ import annotations
@@ -112,7 +115,8 @@ class CompactVocab:
     return self.num_used + SPECIAL_TOKENS.index("[UNK]")
 
   def to_compact(self, full_ids: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Maps full ids (base + specials) to compact ids; unseen or out-of-range ids become ``[UNK]``."""
+    """Maps full ids (base + specials) to compact ids; unseen or out-of-range ids become
+    ``[UNK]``."""
     ids = np.asarray(full_ids, dtype=np.int64)
     in_range = (ids >= 0) & (ids < len(self._to_compact))
     return np.where(in_range, self._to_compact[np.where(in_range, ids, 0)], self.unk_id)
@@ -220,6 +224,8 @@ class Tokenizer:
       pad_id, cls_id, sep_id, mask_id, unk_id, bos_id, eos_id: Ids of ``SPECIAL_TOKENS``.
       eot_id: Document separator: the encoding's own ``<|endoftext|>`` (``eos_id`` for character
           vocabularies, which have none).
+      base_eot_id: The encoding's own ``<|endoftext|>`` as a base id (before any compact
+          renumbering); None for character vocabularies.
   """
 
   def __init__(self, name: str = "cl100k_base", compact: CompactVocab | None = None):
@@ -245,13 +251,15 @@ class Tokenizer:
     full_special = {s: self.base_vocab_size + k for k, s in enumerate(SPECIAL_TOKENS)}
     for s, full_id in full_special.items():
       setattr(self, _ATTR_OF_SPECIAL[s], self._from_full_scalar(full_id))
+    self.base_eot_id: int | None = base_eot
     self.eot_id = self.eos_id if base_eot is None else self._from_full_scalar(base_eot)
     self._special_names = {self._from_full_scalar(i): s for s, i in full_special.items()}
 
-  # ---- construction -------------------------------------------------------------------------------
+  # ---- construction ------------------------------------------------------------------------------
   @classmethod
   def from_name(cls, name: str, compact: CompactVocab | None = None) -> Tokenizer:
-    """Builds a tokenizer by name: a tiktoken encoding (``cl100k_base`` offline) or ``chars:ALPHABET``."""
+    """Builds a tokenizer by name: a tiktoken encoding (``cl100k_base`` offline) or
+    ``chars:ALPHABET``."""
     return cls(name, compact)
 
   @classmethod
@@ -272,7 +280,7 @@ class Tokenizer:
       compact = CompactVocab.load(os.path.join(directory, meta["compact_vocab"]), base)
     return cls(meta["tokenizer"], compact)
 
-  # ---- sizes ----------------------------------------------------------------------------------------
+  # ---- sizes -------------------------------------------------------------------------------------
   @property
   def vocab_size(self) -> int:
     """Size of the model-facing vocabulary (embedding rows)."""
@@ -295,7 +303,7 @@ class Tokenizer:
   def _from_full_scalar(self, full_id: int) -> int:
     return int(self.compact.to_compact([full_id])[0]) if self.compact else int(full_id)
 
-  # ---- encode / decode ------------------------------------------------------------------------------
+  # ---- encode / decode ---------------------------------------------------------------------------
   def encode_full(self, text: str) -> list[int]:
     """Encodes with the base vocabulary, ignoring any compact vocab (used to build one)."""
     return self._backend.encode_ordinary(text)
@@ -340,25 +348,24 @@ class Tokenizer:
     flush()
     return "".join(pieces)
 
+  def newline_table(self) -> np.ndarray:
+    """Bool array ``[vocab_size]``: True for ordinary tokens whose text contains a newline.
+
+    Used to cut documents into lines ("sentences" for BERT's next-sentence pairs).
+    """
+    table = np.zeros(self.vocab_size, dtype=bool)
+    n = self.num_regular
+    base_ids = self.compact.base_ids[:n].tolist() if self.compact else range(n)
+    backend = self._backend
+    if isinstance(backend, _CharBackend):
+      for i, base in enumerate(base_ids):
+        table[i] = backend.alphabet[base] == "\n"
+    else:
+      for i, base in enumerate(base_ids):
+        if _is_valid_token(backend, base):
+          table[i] = b"\n" in backend.decode_single_token_bytes(base)
+    return table
+
   def __repr__(self) -> str:
     extra = f", compact={self.compact.size}" if self.compact else ""
     return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size}{extra})"
-
-
-def newline_token_table(tokenizer: Tokenizer) -> np.ndarray:
-  """Bool array ``[vocab_size]``: True for ordinary tokens whose text contains a newline.
-
-  Used to cut documents into lines ("sentences" for BERT's next-sentence pairs).
-  """
-  table = np.zeros(tokenizer.vocab_size, dtype=bool)
-  n = tokenizer.num_regular
-  base_ids = tokenizer.compact.base_ids[:n].tolist() if tokenizer.compact else range(n)
-  backend = tokenizer._backend  # pylint: disable=protected-access
-  if isinstance(backend, _CharBackend):
-    for i, base in enumerate(base_ids):
-      table[i] = backend.alphabet[base] == "\n"
-  else:
-    for i, base in enumerate(base_ids):
-      if _is_valid_token(backend, base):
-        table[i] = b"\n" in backend.decode_single_token_bytes(base)
-  return table

@@ -173,7 +173,7 @@ class Checkpoints:
       try:
         with quiet_aborted_reads():
           p, o, meta = self.restore(step, params, opt_state, sharding=sharding)
-      except Exception as e:  # orbax, tensorstore and our checks each have their own errors
+      except Exception as e:  # noqa: BLE001 - orbax, tensorstore and our checks each raise theirs
         why = reason(e)
         damaged.append((step, why))
         warn(
@@ -204,7 +204,7 @@ class Checkpoints:
           shutil.rmtree(dst)
         os.rename(src, dst)
     if jax.process_count() > 1:  # the others reopen once process 0 has moved the steps
-      from jax.experimental import multihost_utils
+      from jax.experimental import multihost_utils  # noqa: PLC0415 - multi-process only
 
       multihost_utils.sync_global_devices(f"tjax set aside {steps}")
     self.latest = ocp.CheckpointManager(self.directory, options=options)
@@ -264,7 +264,7 @@ def restore_params(
           ).params
         verify_tree("params", params, abstract)
         check_finite(params)
-      except Exception as e:  # orbax, tensorstore and our checks each have their own errors
+      except Exception as e:  # noqa: BLE001 - orbax, tensorstore and our checks each raise theirs
         damaged.append((step, reason(e)))
         warn(
           f"checkpoint step {step} in {directory} is damaged ({reason(e)}); trying the "

@@ -388,7 +388,7 @@ class RunDir:
     directory when the lock made it and nothing else was written into it (a refused start leaves
     no trace).
     """
-    import fcntl
+    import fcntl  # noqa: PLC0415 - POSIX only; reading a run takes no lock
 
     created_dir = not os.path.isdir(self.path)
     os.makedirs(self.path, exist_ok=True)

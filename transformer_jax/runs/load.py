@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from typing import Callable
 
+from transformer_jax.data import load_dataset
 from transformer_jax.runs.checkpoints import load_model, restore_params
 from transformer_jax.runs.directory import DATASET, RunDir, check_vocab
 
@@ -30,8 +31,6 @@ def load_run(
     ValueError: not a run directory, no checkpoint, no dataset to read the tokenizer from, or a
       tokenizer whose vocabulary differs from the model's, or no intact checkpoint.
   """
-  from transformer_jax.data import load_dataset  # the tokenizer libraries load only here
-
   rd = RunDir(run_dir)
   config = rd.require_model()
   if not rd.checkpoint_steps(best=best):

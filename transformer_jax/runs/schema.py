@@ -14,6 +14,7 @@ for a tuple, nothing else is converted, and a float must be finite. Each refusal
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 import types
@@ -160,8 +161,6 @@ def build_section(cls, name: str, raw: Any):
     FieldError: ``raw`` is not a mapping, a key is not a field of ``cls`` (with the closest
       name), or a value does not fit its field.
   """
-  import difflib
-
   if raw is None:
     raw = {}
   if not isinstance(raw, dict):
