@@ -94,7 +94,7 @@ def test_a_small_model_learns_from_the_ids_its_row_has_used():
     updates, o = optimizer.update(g, o, p)
     return optax.apply_updates(p, updates), o, loss
 
-  for _ in range(200):
+  for _ in range(120):  # held-out loss about 2.5 by then
     params, opt_state, _ = step(params, opt_state, batch(32))
   held_out = float(jax.jit(loss_fn)(params, batch(256)))
   assert held_out < (np.log(4) + np.log(64)) / 2, held_out
