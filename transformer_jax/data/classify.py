@@ -28,7 +28,7 @@ import numpy as np
 
 from transformer_jax.data import layout
 from transformer_jax.data.layout import split_documents
-from transformer_jax.data.loaders import process_info
+from transformer_jax.data.loader_base import process_info
 from transformer_jax.data.sources import Source, files_under
 from transformer_jax.data.tokenizer import CompactVocab, Tokenizer
 
