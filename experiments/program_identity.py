@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import optax
 
 import transformer_jax as tj
+from transformer_jax import generate as generate_lib
 from transformer_jax import hardware, parallel
 from transformer_jax.train import step as step_lib
 from transformer_jax.train import tasks as tasks_lib
@@ -92,6 +93,34 @@ def logits_text(preset: str, dtype: str, seq: int, layers: int) -> str:
   )
 
 
+def decode_text(preset: str, dtype: str, prompt: int, new_tokens: int, layers: int) -> str:
+  """Batch-1 greedy decoding as ``tjax generate`` runs it (``generate.generate`` on a ``(config,
+  params)`` pair): every program it compiles (the layer split, the decode loop), in call order."""
+  config = tj.models.get_config(preset, dtype=dtype, num_layers=layers)
+  params = tj.models.init(config, jax.random.key(0))
+  texts, real_jit = [], jax.jit
+
+  def recording_jit(fun, *a, **kw):
+    jitted = real_jit(fun, *a, **kw)
+
+    def call(*args, **kwargs):
+      texts.append(jitted.lower(*args, **kwargs).compile().as_text())
+      return jitted(*args, **kwargs)
+
+    return call
+
+  jax.jit = recording_jit
+  try:
+    ids = jnp.arange(1, prompt + 1, dtype=jnp.int32)[None]
+    out = generate_lib.generate((config, params), ids, max_new_tokens=new_tokens)
+    jax.block_until_ready(out)
+  finally:
+    jax.jit = real_jit
+  if not texts:
+    raise RuntimeError("generate compiled no program through jax.jit")
+  return "\n".join(texts)
+
+
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--preset", default="gpt2-small")
@@ -101,7 +130,9 @@ def main(argv=None) -> dict:
   p.add_argument("--json", required=True)
   p.add_argument("--against", help="an earlier output of this script to compare with")
   p.add_argument("--dump", help="a folder to write each case's stripped HLO text to (for a diff)")
-  p.add_argument("--cases", default="train_step,forward")
+  p.add_argument("--prompt-len", type=int, default=64, help="decode: the prompt's length")
+  p.add_argument("--new-tokens", type=int, default=32, help="decode: tokens generated")
+  p.add_argument("--cases", default="train_step,forward,decode")
   args = p.parse_args(argv)
   cases = {}
   build = {
@@ -109,6 +140,9 @@ def main(argv=None) -> dict:
       args.preset, dtype, args.batch_size, args.seq_len, args.layers
     ),
     "forward": lambda dtype: logits_text(args.preset, dtype, args.seq_len, args.layers),
+    "decode": lambda dtype: decode_text(
+      args.preset, dtype, args.prompt_len, args.new_tokens, args.layers
+    ),
   }
   for dtype in ("float32", "bfloat16"):
     for kind in args.cases.split(","):
