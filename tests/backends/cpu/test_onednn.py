@@ -205,10 +205,14 @@ def test_steps_with_onednn_products_outlive_their_callers(monkeypatch):
   gc.collect()
   assert alive() is not None
   assert onednn._HELD.maxlen == onednn.HELD_LIMIT == 16
+  settled = []
+  monkeypatch.setattr(onednn, "settle", lambda: settled.append(alive() is not None))
   for _ in range(onednn.HELD_LIMIT):
     onednn.hold(object(), onednn.ONEDNN_DOTS)
   gc.collect()
   assert alive() is None
+  assert settled and settled[0]  # the step had settled before it was let go
+  monkeypatch.undo()
 
   monkeypatch.setenv("TJAX_ONEDNN", "0")
   step = step_lib.jit_eval_step(eval_step, mesh, {})
@@ -220,13 +224,15 @@ def test_steps_with_onednn_products_outlive_their_callers(monkeypatch):
 
 
 def test_held_steps_get_a_moment_at_exit_before_they_are_destroyed(monkeypatch):
-  registered = []
+  registered, settled = [], []
   monkeypatch.setattr(onednn, "_HELD", collections.deque(maxlen=2))
   monkeypatch.setattr(onednn.atexit, "register", lambda *args: registered.append(args))
+  monkeypatch.setattr(onednn, "settle", lambda: settled.append(list(onednn._HELD)))
   for obj in ("a", "b", "c"):
     assert onednn.hold(obj, onednn.ONEDNN_DOTS) == obj
   assert onednn.hold("d", None) == "d"  # built without the options: not held
   assert list(onednn._HELD) == ["b", "c"]
+  assert settled == [["a", "b"]]  # once, before "a" was let go
   assert registered == [(time.sleep, onednn.EXIT_WAIT_S)]  # once
 
 

@@ -159,7 +159,8 @@ _HELD: collections.deque = collections.deque(maxlen=HELD_LIMIT)
 
 
 def hold(compiled, options: dict | None):
-  """Keeps an executable built with oneDNN products alive until ``HELD_LIMIT`` more are held.
+  """Keeps an executable built with oneDNN products alive until ``HELD_LIMIT`` more are held
+  (the oldest is let go after ``settle``).
 
   Why: this jaxlib aborts the process when such an executable is destroyed just after a call
   (``Check failed: available_.size() == num_created_`` in XLA's ``ObjectPool``; see the module's
@@ -182,5 +183,7 @@ def hold(compiled, options: dict | None):
     compiled = QuietFirstCall(compiled)
   if not _HELD:
     atexit.register(time.sleep, EXIT_WAIT_S)  # runs before JAX's exit hooks (registered earlier)
+  if len(_HELD) == _HELD.maxlen:
+    settle()  # the oldest, which the append lets go, may have been called just now
   _HELD.append(compiled)
   return compiled
