@@ -159,8 +159,8 @@ _HELD: collections.deque = collections.deque(maxlen=HELD_LIMIT)
 
 
 def hold(compiled, options: dict | None):
-  """Keeps an executable built with oneDNN products alive until ``HELD_LIMIT`` more are held
-  (the oldest is let go after ``settle``).
+  """Keeps an executable built with oneDNN products alive until ``HELD_LIMIT`` more are held:
+  when the limit is reached, ``settle`` and the older half are let go (one wait per half).
 
   Why: this jaxlib aborts the process when such an executable is destroyed just after a call
   (``Check failed: available_.size() == num_created_`` in XLA's ``ObjectPool``; see the module's
@@ -184,6 +184,8 @@ def hold(compiled, options: dict | None):
   if not _HELD:
     atexit.register(time.sleep, EXIT_WAIT_S)  # runs before JAX's exit hooks (registered earlier)
   if len(_HELD) == _HELD.maxlen:
-    settle()  # the oldest, which the append lets go, may have been called just now
+    settle()  # the oldest may have been called just now; one wait lets the older half go
+    for _ in range(max(1, _HELD.maxlen // 2)):
+      _HELD.popleft()
   _HELD.append(compiled)
   return compiled
