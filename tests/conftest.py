@@ -12,7 +12,7 @@ applied here; the library itself has no such switch (the kernel is always the co
 import os
 import random
 
-from tests.xla_flags import xla_knows
+from tests.xla_flags import OLDER_EMITTERS, xla_knows
 
 # The tests' programs are tiny and run a few times each: XLA:CPU's LLVM optimisation passes cost
 # more than they save (about half of every compilation). Set before JAX starts its backend; commands
@@ -32,7 +32,8 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"] and xla_knows(
   "xla_cpu_use_fusion_emitters"
 ):
-  os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
+  os.environ["XLA_FLAGS"] += " " + OLDER_EMITTERS
+
 # On a GPU, XLA may pick kernels that differ in the last bits between runs and processes (atomic
 # scatter-adds, autotuned gemms): tests that expect a resumed run to equal an uninterrupted one to
 # the last bit ask for deterministic ones. No effect on CPU.

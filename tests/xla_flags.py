@@ -5,6 +5,9 @@ import importlib.util
 import mmap
 import os
 
+# XLA:CPU's older elemental emitters: the harness compiles with them (tests/conftest.py says why).
+OLDER_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+
 
 def xla_knows(flag: str) -> bool:
   """Whether this jaxlib's XLA defines ``flag``: XLA aborts the process on a flag it does not know,

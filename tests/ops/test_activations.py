@@ -29,6 +29,7 @@ from transformer_jax.ops import (
   swiglu,
 )
 from tests.backends import only_on
+from tests.xla_flags import OLDER_EMITTERS
 
 X = np.linspace(-6.0, 6.0, 241)
 
@@ -182,11 +183,11 @@ def test_activation_forward_mode_equals_reverse_mode(name):
 
 SECOND_DERIVATIVES = """
 import json, sys
-import jax, jax.numpy as jnp, numpy as np
-from transformer_jax.ops import gelu, gelu_tanh, silu
-x = jnp.asarray(np.linspace(-6.0, 6.0, 241)[::10], jnp.float32)
-out = {f.__name__: jax.vmap(jax.grad(jax.grad(f)))(x).tolist() for f in (gelu, gelu_tanh, silu)}
-json.dump(out, sys.stdout)
+import jax, jax.numpy as jnp
+from transformer_jax import ops
+names, x = json.load(sys.stdin)
+x = jnp.asarray(x, jnp.float32)
+json.dump({n: jax.vmap(jax.grad(jax.grad(getattr(ops, n))))(x).tolist() for n in names}, sys.stdout)
 """
 
 
@@ -196,9 +197,10 @@ def second_derivatives():
   in a fresh process with XLA's default emitters. Near saturation the second derivative is a
   difference of nearly equal terms, and the older emitters this harness compiles with
   (tests/conftest.py) round tanh's tail differently (errors ~5e-5 there)."""
-  flags = os.environ.get("XLA_FLAGS", "").replace("--xla_cpu_use_fusion_emitters=false", "")
+  flags = os.environ.get("XLA_FLAGS", "").replace(OLDER_EMITTERS, "")
   res = subprocess.run(
     [sys.executable, "-c", SECOND_DERIVATIVES],
+    input=json.dumps([list(SMOOTH), X[::10].tolist()]),
     env={**os.environ, "XLA_FLAGS": flags},
     capture_output=True,
     text=True,
