@@ -42,6 +42,13 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
   parser.add_argument("--text-field", default="text", help="text field of .jsonl inputs")
   parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
   parser.add_argument(
+    "--allow-undecodable",
+    action="store_true",
+    help="replace undecodable bytes by U+FFFD however many (by default over 0.1%% of a file's "
+    "bytes is an error naming it)",
+  )
+  parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+  parser.add_argument(
     "--vocab-from",
     default=None,
     metavar="DIR",
@@ -70,6 +77,8 @@ def run_prepare(args: argparse.Namespace) -> int:
       text_field=args.text_field,
       force=args.force,
       vocab_from=args.vocab_from,
+      allow_undecodable=args.allow_undecodable,
+      progress=not args.no_progress,
     )
   except FileNotFoundError as e:
     if e.errno is not None:  # the system's, naming its path

@@ -40,6 +40,11 @@ from transformer_jax.data.sources import (
 from transformer_jax.data.tokenizer import CompactVocab, Tokenizer
 
 
+# Above this fraction of a file's bytes, undecodable bytes mean the file is not UTF-8 text (a
+# binary, compressed or other-encoding file): an error naming it, unless the caller allows them.
+MAX_UNDECODABLE_FRACTION = 0.001
+
+
 @dataclasses.dataclass
 class _FileResult:
   """Tokenized documents of one file: keys and token arrays (one array per document, or a pair)."""
@@ -67,9 +72,22 @@ def _as_ids(ids: list[int]) -> np.ndarray:
   return np.asarray(ids, dtype=np.uint32)
 
 
-def _tokenize_source(source: Source, tokenizer: Tokenizer, text_field: str) -> _FileResult:
+def _check_undecodable(path: str, replaced: int, size: int, allow: bool) -> None:
+  if not allow and replaced > MAX_UNDECODABLE_FRACTION * size:
+    raise ValueError(
+      f"{path}: {replaced} undecodable byte sequences in {size} bytes (over "
+      f"{MAX_UNDECODABLE_FRACTION:.1%}): not UTF-8 text; --allow-undecodable replaces them by "
+      "U+FFFD"
+    )
+
+
+def _tokenize_source(
+  source: Source, tokenizer: Tokenizer, text_field: str, allow_undecodable: bool = False
+) -> _FileResult:
   with open(source.path, "rb") as f:
-    text, replaced = _decode(f.read())
+    data = f.read()
+  text, replaced = _decode(data)
+  _check_undecodable(source.path, replaced, len(data), allow_undecodable)
   if source.kind == "text":
     return _FileResult([source.key], [_as_ids(tokenizer.encode_full(text))], None, replaced)
   keys, tokens, targets = [], [], []
@@ -143,6 +161,7 @@ def prepare(
   force: bool = False,
   progress: bool = True,
   vocab_from: str | None = None,
+  allow_undecodable: bool = False,
 ) -> dict[str, Any]:
   """Tokenizes a corpus into a dataset directory (its layout: ``data.layout``).
 
@@ -167,13 +186,16 @@ def prepare(
       progress: Show a tqdm progress bar.
       vocab_from: ``classify`` only: a prepared dataset whose tokenizer and compact vocabulary to
           reuse (the ids of a model pretrained on it).
+      allow_undecodable: Replace undecodable bytes by U+FFFD however many there are; by default
+          a file where they are over ``MAX_UNDECODABLE_FRACTION`` of its bytes is an error.
 
   Returns:
       The metadata dict written to ``out/metadata.json``.
 
   Raises:
       FileNotFoundError: An input name matches no files.
-      ValueError: Bad options, malformed jsonl/tsv lines, or an empty corpus.
+      ValueError: Bad options, a file that is not text (compressed, columnar, binary, or more
+          undecodable bytes than allowed), malformed jsonl/tsv lines, or an empty corpus.
   """
   check_options(
     task=task,
@@ -226,7 +248,9 @@ def prepare(
   # Tokenize: one result per file, in input order.
   results: list[_FileResult] = []
   with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
-    futures = [pool.submit(_tokenize_source, s, tok, text_field) for s in sources]
+    futures = [
+      pool.submit(_tokenize_source, s, tok, text_field, allow_undecodable) for s in sources
+    ]
     for fut in tqdm(
       futures, total=len(futures), desc="tokenizing", unit="file", disable=not progress
     ):

@@ -47,6 +47,20 @@ _STDLIB_EXCLUDED_DIRS = {
   "__pycache__",
 }
 _BINARY_SNIFF_BYTES = 8192
+# Leading bytes of the compressed, columnar and archive formats a corpus comes in: such a file is
+# refused by name (its bytes are not the text), never tokenized.
+_MAGIC = (
+  (b"\x1f\x8b", "gzip"),
+  (b"\x28\xb5\x2f\xfd", "zstd"),
+  (b"PAR1", "Parquet"),
+  (b"ARROW1", "Arrow"),
+  (b"\xff\xff\xff\xff", "Arrow stream"),
+  (b"BZh", "bzip2"),
+  (b"\xfd7zXZ\x00", "xz"),
+  (b"PK\x03\x04", "zip"),
+)
+# The files ``datasets.save_to_disk`` writes next to its Arrow shards.
+_DATASETS_MARKERS = ("state.json", "dataset_dict.json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,9 +102,26 @@ def _stdlib_sources() -> list[Source]:
   return sources
 
 
-def _is_binary(path: str) -> bool:
+def binary_format(path: str) -> str | None:
+  """The name of the non-text format of the file ``path`` (``"gzip"``, ``"Parquet"``, ...,
+  ``"binary"`` for NUL bytes near the start), or None for a file that may be text."""
   with open(path, "rb") as f:
-    return b"\0" in f.read(_BINARY_SNIFF_BYTES)
+    head = f.read(_BINARY_SNIFF_BYTES)
+  for magic, name in _MAGIC:
+    if head.startswith(magic):
+      return name
+  return "binary" if b"\0" in head else None
+
+
+def _refuse_binary(path: str, fmt: str) -> None:
+  raise ValueError(
+    f"{path}: a {fmt} file, not text; give text, .jsonl or .tsv files (decompress or export "
+    "the corpus first)"
+  )
+
+
+def _is_datasets_folder(directory: str) -> bool:
+  return any(os.path.isfile(os.path.join(directory, m)) for m in _DATASETS_MARKERS)
 
 
 def _kind_of(path: str, task: str) -> str:
@@ -107,12 +138,29 @@ def _kind_of(path: str, task: str) -> str:
 
 def files_under(directory: str) -> list[str]:
   """The text files under ``directory``, recursively and sorted; hidden entries and binary files
-  (a NUL byte near the start) are skipped."""
+  (a NUL byte near the start) are skipped.
+
+  Raises:
+      ValueError: naming a ``datasets`` folder, or a compressed or columnar file (gzip, zstd,
+          Parquet, Arrow, ...) under ``directory``: such bytes are never read as text.
+  """
   out = []
   for dirpath, dirnames, filenames in os.walk(directory):
+    if _is_datasets_folder(dirpath):
+      raise ValueError(
+        f"{dirpath}: a `datasets` folder (Arrow files), not text; export its text column to "
+        ".jsonl first"
+      )
     dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
     out.extend(os.path.join(dirpath, f) for f in sorted(filenames) if not f.startswith("."))
-  return [p for p in out if not _is_binary(p)]
+  kept = []
+  for path in out:
+    fmt = binary_format(path)
+    if fmt is None:
+      kept.append(path)
+    elif fmt != "binary":
+      _refuse_binary(path, fmt)
+  return kept
 
 
 def resolve_inputs(inputs: Sequence[str], task: str) -> tuple[list[Source], list[str]]:
@@ -143,6 +191,8 @@ def resolve_inputs(inputs: Sequence[str], task: str) -> tuple[list[Source], list
     )
     files = []
     for m in matches:
+      if not os.path.isdir(m) and (fmt := binary_format(m)) is not None:
+        _refuse_binary(m, fmt)  # a file named (or matched) on its own is meant to be read
       files.extend(files_under(m) if os.path.isdir(m) else [m])
     if not files:
       raise FileNotFoundError(f"no files found for input {name!r}")
