@@ -91,7 +91,7 @@ def _dataset_files(out):
   return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.name != "metadata.json"}
 
 
-def test_every_format_gives_the_same_dataset(tmp_path):
+def test_every_format_gives_the_same_dataset(tmp_path, capsys):
   inputs = _write_formats(tmp_path)
   reference = None
   for name, given in inputs.items():
@@ -115,6 +115,12 @@ def test_every_format_gives_the_same_dataset(tmp_path):
     for f in files:
       assert files[f] == reference[f], f"{name}: {f} differs"
   assert len(inputs) >= 4  # txt, jsonl, json.gz, glob: the core formats at least
+  for name in ("jsonl.gz glob", "memory:// glob"):  # a second prepare is a no-op
+    if name in inputs:
+      capsys.readouterr()
+      out = tmp_path / ("out-" + "".join(c if c.isalnum() else "_" for c in name))
+      prepare(inputs[name], str(out), val_fraction=0.1, compact_vocab=True, progress=False)
+      assert "up to date" in capsys.readouterr().out, name
 
 
 def test_split_follows_content_not_order_or_file(tmp_path):
