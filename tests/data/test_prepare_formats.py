@@ -161,3 +161,33 @@ def test_parquet_is_read_by_row_groups(tmp_path, monkeypatch):
   monkeypatch.setattr(pq, "read_table", whole_file)
   meta = prepare([str(tmp_path / "c.parquet")], str(tmp_path / "o"), val_fraction=0, progress=False)
   assert meta["splits"]["train"]["documents"] == 100
+
+
+@pytest.mark.slow  # ~6 s: tracemalloc slows every allocation of tokenizing 1 M tokens
+def test_memory_holds_batches_not_the_corpus(tmp_path, monkeypatch):
+  import importlib
+  import tracemalloc
+
+  from transformer_jax.data import shards
+
+  prepare_module = importlib.import_module("transformer_jax.data.prepare")  # not the function
+
+  rng = random.Random(3)
+  docs = [" ".join(rng.choice(WORDS[:10]) for _ in range(400)) for _ in range(2000)]
+  path = tmp_path / "c.jsonl"
+  path.write_bytes(_jsonl(docs))  # ~5 MB of text, ~0.9 M tokens (3.6 MB as uint32)
+  monkeypatch.setattr(prepare_module, "_BATCH_DOCS", 8)
+  monkeypatch.setattr(shards, "CHUNK_TOKENS", 1 << 14)
+  prepare([str(path)], str(tmp_path / "warm"), progress=False)  # loads the tokenizer's tables
+  tracemalloc.start()
+  try:
+    meta = prepare([str(path)], str(tmp_path / "o"), progress=False, workers=1, seed=1)
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  tokens = sum(s["tokens"] for s in meta["splits"].values())
+  # Holding the corpus costs its text (5 MB) plus its tokens (4 bytes each, 3.8 MB). The stream
+  # holds the content hash's two 1 MiB read blocks, a few batches of 8 documents (~0.1 MB as
+  # Python int lists), one 16 Ki-token chunk (~0.3 MB with its gather indices) and 16 bytes a
+  # document: under 3 MB.
+  assert tokens > 900_000 and peak < 3_000_000, (peak, tokens)
