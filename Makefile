@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,dev,hf,cpu]'
+	$(PY) -m pip install -q -e '.[test,dev,hf,cpu,data]'
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -137,3 +137,12 @@ def test_loader_is_a_function_of_step(labelled):
   n = classify.labels_of(ds, "train").size
   idx = np.concatenate([a.indices_at(s) for s in range(n // 8)])
   assert len(set(idx.tolist())) == idx.size
+
+
+def test_a_compressed_labelled_file_is_refused_by_name(tmp_path):
+  import gzip
+
+  path = tmp_path / "pairs.tsv"
+  path.write_bytes(gzip.compress(b"good film\tpos\nbad film\tneg\n" * 10))
+  with pytest.raises(ValueError, match=rf"{path}: a gzip file, not text"):
+    prepare([str(path)], str(tmp_path / "o"), task="classify", progress=False)

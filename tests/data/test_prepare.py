@@ -112,7 +112,13 @@ def test_not_a_dataset(tmp_path):
 def test_undecodable_bytes_are_replaced_and_counted(tmp_path, capsys):
   (tmp_path / "a.txt").write_bytes(b"good text \xff\xfe and more\n")
   (tmp_path / "b.txt").write_text("plain\n")
-  meta = prepare([str(tmp_path / "*.txt")], str(tmp_path / "out"), val_fraction=0, progress=False)
+  meta = prepare(
+    [str(tmp_path / "*.txt")],
+    str(tmp_path / "out"),
+    val_fraction=0,
+    progress=False,
+    allow_undecodable=True,  # 2 in 24 bytes: far over the default fraction
+  )
   assert meta["undecodable"] == {"files": 1, "replacement_chars": 2}
   assert "undecodable" in capsys.readouterr().err
   assert meta["splits"]["train"]["tokens"] == len(

@@ -14,7 +14,8 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     "inputs",
     nargs="+",
     metavar="INPUT",
-    help="files, globs, directories, 'stdlib', synthetic:reverse|sort|add[:COUNT], or (classify) "
+    help="files (text, .jsonl[.gz|.zst], .parquet, .arrow), globs, directories, datasets "
+    "folders, fsspec URLs, 'stdlib', synthetic:reverse|sort|add[:COUNT], or (classify) "
     "stdlib:packages",
   )
   parser.add_argument("--out", required=True, help="output dataset directory")
@@ -39,8 +40,23 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
   )
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--workers", type=int, default=2)
-  parser.add_argument("--text-field", default="text", help="text field of .jsonl inputs")
+  parser.add_argument(
+    "--text-field", default="text", help="text field (column) of JSON lines, Parquet, Arrow inputs"
+  )
   parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
+  parser.add_argument(
+    "--allow-undecodable",
+    action="store_true",
+    help="replace undecodable bytes by U+FFFD however many (by default over 0.1%% of a file's "
+    "bytes is an error naming it)",
+  )
+  parser.add_argument(
+    "--skip-bad",
+    action="store_true",
+    help="skip and count bad input (undecodable file, empty document, missing text field, "
+    "corrupt gzip/zstd stream or Parquet row group) instead of stopping at the first",
+  )
+  parser.add_argument("--no-progress", action="store_true", help="no progress bar")
   parser.add_argument(
     "--vocab-from",
     default=None,
@@ -70,6 +86,9 @@ def run_prepare(args: argparse.Namespace) -> int:
       text_field=args.text_field,
       force=args.force,
       vocab_from=args.vocab_from,
+      allow_undecodable=args.allow_undecodable,
+      skip_bad=args.skip_bad,
+      progress=not args.no_progress,
     )
   except FileNotFoundError as e:
     if e.errno is not None:  # the system's, naming its path

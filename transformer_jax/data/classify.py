@@ -29,6 +29,7 @@ import numpy as np
 from transformer_jax.data import layout
 from transformer_jax.data.layout import split_documents
 from transformer_jax.data.loader_base import process_info
+from transformer_jax.data.files import sniff
 from transformer_jax.data.sources import Source, files_under
 from transformer_jax.data.tokenizer import CompactVocab, Tokenizer
 
@@ -67,7 +68,12 @@ def read_labelled(path: str, key: str) -> list[Example]:
   Args:
     path: The file.
     key: Its stable name (relative path) for the split hash.
+
+  Raises:
+    ValueError: a malformed line, or a file that is not text (compressed, columnar, binary).
   """
+  if (fmt := sniff(path)) is not None:
+    raise ValueError(f"{path}: a {fmt} file, not text; labelled examples are .tsv or .jsonl text")
   with open(path, encoding="utf-8", errors="replace") as f:
     lines = f.read().splitlines()
   out = []

@@ -10,6 +10,7 @@ Layout of a dataset directory (all token shards are raw little-endian uint32, wr
     train_000.bin            text tasks (gpt, bert): concatenated document tokens, no separators
     train_offsets.npy        int64 [num_docs + 1]: document d is tokens[offsets[d]:offsets[d+1]]
     val_000.bin, val_offsets.npy
+    all_000.bin.tmp          (while preparing) every document's tokens in arrival order
     train_src_000.bin, train_src_offsets.npy,
     train_tgt_000.bin, train_tgt_offsets.npy   (seq2seq pairs)
 
@@ -29,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from transformer_jax.data.sources import Source
+from transformer_jax.data.files import Source, open_binary
 
 FORMAT_VERSION = 1
 TASKS = ("gpt", "bert", "seq2seq", "classify")
@@ -43,7 +44,7 @@ COMPACT_VOCAB_FILE = "vocab.json"
 
 def _file_digest(path: str) -> str:
   h = hashlib.sha256()
-  with open(path, "rb") as f:
+  with open_binary(path) as f:
     for block in iter(lambda: f.read(1 << 20), b""):
       h.update(block)
   return h.hexdigest()
@@ -59,7 +60,8 @@ def content_hash(options: dict[str, Any], sources: list[Source], workers: int) -
   ) as pool:  # hashlib releases the GIL on big reads
     digests = list(pool.map(lambda s: _file_digest(s.path), sources))
   for source, digest in zip(sources, digests):
-    h.update(f"{source.key}\0{source.kind}\0{digest}\n".encode())
+    packed = f"\0{source.compression}" if source.compression else ""
+    h.update(f"{source.key}\0{source.kind}{packed}\0{digest}\n".encode())
   return h.hexdigest()
 
 
@@ -72,22 +74,28 @@ def _split_hash(seed: int, key: str) -> float:
 
 
 def split_documents(keys: Sequence[str], val_fraction: float, seed: int) -> np.ndarray:
-  """Assigns documents to validation by a seeded hash of their keys.
+  """Assigns documents to validation by a seeded hash of their keys (``split_by_hash``).
 
   Args:
       keys: Stable document names (paths, ``path:line``).
       val_fraction: Fraction of documents in ``[0, 1)``, or an integer count ``>= 1`` of
           validation documents.
       seed: Split seed.
+  """
+  return split_by_hash(np.array([_split_hash(seed, k) for k in keys], np.float64), val_fraction)
+
+
+def split_by_hash(hashes: np.ndarray, val_fraction: float) -> np.ndarray:
+  """Assigns documents to validation by their hashes (uniform in ``[0, 1)``, one a document):
+  those below ``val_fraction``, or the ``val_fraction`` lowest for a whole count ``>= 1``.
 
   Returns:
       Bool array ``[num_docs]``, True for validation. With two or more documents and a non-zero
       fraction, both splits are non-empty.
   """
-  n = len(keys)
+  n = len(hashes)
   if not val_fraction >= 0 or val_fraction == float("inf"):  # NaN fails the comparison
     raise ValueError(f"val_fraction must be a finite number >= 0, got {val_fraction}")
-  hashes = np.array([_split_hash(seed, k) for k in keys], dtype=np.float64)
   if val_fraction >= 1:
     if val_fraction != int(val_fraction):
       raise ValueError(f"val_fraction >= 1 must be a whole document count, got {val_fraction}")
@@ -148,7 +156,7 @@ def is_up_to_date(out: str, content_hash: str) -> dict[str, Any] | None:
 # The files ``prepare`` writes (and their temporaries): a folder holding anything else is not a
 # dataset, and is not written into.
 _DATASET_FILE = re.compile(
-  r"^(?:(?:train|val)(?:_src|_tgt|_b)?(?:_\d+\.bin|_offsets\.npy|"
+  r"^(?:(?:train|val|all)(?:_src|_tgt|_b)?(?:_\d+\.bin|_offsets\.npy|"
   r"_labels\.npy)|vocab\.json|metadata\.json)(?:\.tmp)?$"
 )
 

@@ -1,14 +1,18 @@
-"""Corpus preparation: text / jsonl / tsv / stdlib / synthetic inputs -> a tokenized dataset
-directory.
+"""Corpus preparation: text / JSON lines / Parquet / Arrow / tsv / stdlib / synthetic inputs ->
+a tokenized dataset directory, as a stream.
 
-The input names ``prepare`` takes are expanded by ``data.sources``; the directory it writes (its
-files, ``metadata.json``, the content hash and the train/val split) is ``data.layout``'s.
+The input names ``prepare`` takes are expanded by ``data.sources`` (files and URLs: ``data.files``)
+and read a record at a time by ``data.readers``; batches of documents are tokenized on a thread
+pool and appended to pending files as they come (``data.shards``), then copied into the train and
+val streams. The directory it writes (its files, ``metadata.json``, the content hash and the
+train/val split) is ``data.layout``'s. A document's split is a seeded hash of its text: the same
+documents give the same dataset in any input format and file layout.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
-import dataclasses
 import json
 import os
 import sys
@@ -28,8 +32,10 @@ from transformer_jax.data.layout import (
   TASKS,
   check_output_dir,
   read_metadata,
-  split_documents,
+  split_by_hash,
 )
+from transformer_jax.data.readers import Record, read_records
+from transformer_jax.data.shards import PendingDocs, document_hash, id_counts, write_split
 from transformer_jax.data.sources import (
   SYNTHETIC_TOKENIZER,
   Source,
@@ -40,59 +46,113 @@ from transformer_jax.data.sources import (
 from transformer_jax.data.tokenizer import CompactVocab, Tokenizer
 
 
-@dataclasses.dataclass
-class _FileResult:
-  """Tokenized documents of one file: keys and token arrays (one array per document, or a pair)."""
-
-  keys: list[str]
-  tokens: list[np.ndarray]
-  targets: list[np.ndarray] | None
-  replaced_chars: int
+_BATCH_DOCS = 512  # documents tokenized together (split among the workers)
+_BATCH_CHARS = 1 << 22  # ... or fewer, when their text reaches 4 Mi characters
+_SHOWN_PROBLEMS = 10  # skipped problems printed one a line; the rest are counted
 
 
-# ---- reading and tokenizing ----------------------------------------------------------------------
+class _Pipeline:
+  """Records in, tokenized documents appended to ``PendingDocs`` in arrival order: batches are
+  tokenized on a thread pool (tiktoken releases the GIL) with at most ``workers`` batches in
+  flight, so memory holds a few batches, never the corpus."""
+
+  def __init__(self, pool, workers: int, tok: Tokenizer, seed: int, pending: PendingDocs):
+    self.pool, self.workers, self.tok, self.seed, self.pending = pool, workers, tok, seed, pending
+    self.batch: list[Record] = []
+    self.chars = 0
+    self.added = 0  # records handed in (written, in flight or batched)
+    self.in_flight: collections.deque = collections.deque()
+
+  def _tokenize(self, records: list[Record]) -> list[tuple[list[np.ndarray], int]]:
+    return [
+      (
+        [np.asarray(self.tok.encode_full(t), np.uint32) for t in r.texts],
+        document_hash(r.texts, self.seed),
+      )
+      for r in records
+    ]
+
+  def add(self, record: Record) -> None:
+    self.batch.append(record)
+    self.added += 1
+    self.chars += sum(len(t) for t in record.texts)
+    if len(self.batch) >= _BATCH_DOCS or self.chars >= _BATCH_CHARS:
+      self.submit()
+
+  def submit(self) -> None:
+    if self.batch:
+      step = -(-len(self.batch) // self.workers)
+      parts = [self.batch[i : i + step] for i in range(0, len(self.batch), step)]
+      self.in_flight.append([self.pool.submit(self._tokenize, part) for part in parts])
+      self.batch, self.chars = [], 0
+    while len(self.in_flight) > self.workers:
+      self._write_oldest()
+
+  def _write_oldest(self) -> None:
+    for future in self.in_flight.popleft():
+      for arrays, doc_hash in future.result():
+        self.pending.append(arrays, doc_hash)
+
+  def drain(self) -> None:
+    self.submit()
+    while self.in_flight:
+      self._write_oldest()
+
+  def rollback(self, mark: int) -> None:
+    """Drops every record handed in after the first ``mark``."""
+    self.drain()
+    self.pending.truncate(mark)
+    self.added = mark
 
 
-def _decode(data: bytes) -> tuple[str, int]:
-  """UTF-8 decode; undecodable bytes become U+FFFD. Returns (text, number of replacement
-  characters added)."""
-  try:
-    return data.decode("utf-8"), 0
-  except UnicodeDecodeError:
-    text = data.decode("utf-8", errors="replace")
-    return text, text.count("\ufffd") - data.decode("utf-8", errors="ignore").count("\ufffd")
+def _synthetic_records(specs: list[str], seed: int):
+  for spec in specs:
+    name, count = parse_synthetic(spec)
+    for i, pair in enumerate(synthetic_examples(name, count, seed)):
+      yield Record(pair, f"{spec}:{i}")
 
 
-def _as_ids(ids: list[int]) -> np.ndarray:
-  return np.asarray(ids, dtype=np.uint32)
-
-
-def _tokenize_source(source: Source, tokenizer: Tokenizer, text_field: str) -> _FileResult:
-  with open(source.path, "rb") as f:
-    text, replaced = _decode(f.read())
-  if source.kind == "text":
-    return _FileResult([source.key], [_as_ids(tokenizer.encode_full(text))], None, replaced)
-  keys, tokens, targets = [], [], []
-  for lineno, line in enumerate(text.splitlines(), start=1):
-    if not line.strip():
-      continue
-    where = f"{source.path}:{lineno}"
-    if source.kind == "jsonl":
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
-      if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-        raise ValueError(f"{where}: expected an object with a string field {text_field!r}")
-      tokens.append(_as_ids(tokenizer.encode_full(record[text_field])))
-    else:  # tsv
-      if "\t" not in line:
-        raise ValueError(f"{where}: expected 'source<TAB>target'")
-      src, tgt = line.split("\t", 1)
-      tokens.append(_as_ids(tokenizer.encode_full(src)))
-      targets.append(_as_ids(tokenizer.encode_full(tgt)))
-    keys.append(f"{source.key}:{lineno}")
-  return _FileResult(keys, tokens, targets if source.kind == "tsv" else None, replaced)
+def _stream_corpus(
+  sources: list[Source],
+  synthetic: list[str],
+  pipeline: _Pipeline,
+  *,
+  text_field: str,
+  allow_undecodable: bool,
+  skip_bad: bool,
+  seed: int,
+  progress: bool,
+) -> dict[str, Any]:
+  """Reads every record into ``pipeline``; returns the counts of what was replaced and
+  skipped. A problem raises ``ValueError`` naming its place unless ``skip_bad``."""
+  stats = {"undecodable_files": 0, "replaced": 0, "bad_records": 0, "bad_files": 0}
+  inputs = [(s.path, read_records(s, text_field, allow_undecodable)) for s in sources]
+  if synthetic:
+    inputs.append(("synthetic", _synthetic_records(synthetic, seed)))
+  bar = tqdm(desc="tokenizing", unit="doc", disable=not progress)
+  for _, records in inputs:
+    mark, replaced = pipeline.added, 0
+    for item in records:
+      if isinstance(item, Record):
+        pipeline.add(item)
+        replaced += item.replaced
+        bar.update()
+        continue
+      if not skip_bad:
+        raise ValueError(f"{item}; --skip-bad skips and counts such input")
+      if stats["bad_records"] + stats["bad_files"] < _SHOWN_PROBLEMS:
+        print(f"skipped: {item}", file=sys.stderr)
+      if item.whole_file:
+        pipeline.rollback(mark)
+        stats["bad_files"] += 1
+        replaced = 0
+      else:
+        stats["bad_records"] += 1
+    stats["replaced"] += replaced
+    stats["undecodable_files"] += replaced > 0
+  pipeline.drain()
+  bar.close()
+  return stats
 
 
 def check_options(
@@ -143,6 +203,8 @@ def prepare(
   force: bool = False,
   progress: bool = True,
   vocab_from: str | None = None,
+  allow_undecodable: bool = False,
+  skip_bad: bool = False,
 ) -> dict[str, Any]:
   """Tokenizes a corpus into a dataset directory (its layout: ``data.layout``).
 
@@ -160,20 +222,27 @@ def prepare(
       val_fraction: Fraction of documents for validation, or a whole number ``>= 1`` of validation
           documents.
       seed: Seed of the train/val split and of synthetic data.
-      workers: Threads for reading and tokenizing (tiktoken's BPE releases the GIL, so threads use
+      workers: Threads for tokenizing (tiktoken's BPE releases the GIL, so threads use
           all cores without process start-up cost or fork-after-JAX hazards).
-      text_field: Field holding the text in ``.jsonl`` inputs.
+      text_field: Field (column) holding the text in JSON lines, Parquet and Arrow inputs.
       force: Rebuild even if the directory is up to date.
       progress: Show a tqdm progress bar.
       vocab_from: ``classify`` only: a prepared dataset whose tokenizer and compact vocabulary to
           reuse (the ids of a model pretrained on it).
+      allow_undecodable: Replace undecodable bytes by U+FFFD however many there are; by default
+          a file where they are over ``readers.MAX_UNDECODABLE_FRACTION`` of its bytes is an error.
+      skip_bad: Skip and count bad input (an undecodable file, an empty document, a missing text
+          field, invalid JSON, a corrupt gzip/zstd stream or Parquet row group: the spoilt file
+          is dropped whole) instead of stopping at the first, named by file and line, row group
+          or record batch.
 
   Returns:
       The metadata dict written to ``out/metadata.json``.
 
   Raises:
       FileNotFoundError: An input name matches no files.
-      ValueError: Bad options, malformed jsonl/tsv lines, or an empty corpus.
+      ValueError: Bad options, a file that is not text (compressed, columnar, binary, or more
+          undecodable bytes than allowed), malformed jsonl/tsv lines, or an empty corpus.
   """
   check_options(
     task=task,
@@ -216,6 +285,9 @@ def prepare(
     "seed": seed,
     "text_field": text_field,
     "synthetic": synthetic,
+    "split_by": "content",  # a document's side is a hash of its text and the seed
+    **({"allow_undecodable": True} if allow_undecodable else {}),
+    **({"skip_bad": True} if skip_bad else {}),
     **({"vocab_from": reused.to_json()} if reused is not None else {}),
   }
   content_hash = layout.content_hash(options, sources, max(1, workers))
@@ -223,107 +295,122 @@ def prepare(
     print(f"{out} is up to date (content hash {content_hash[:12]}); nothing to do")
     return meta
 
-  # Tokenize: one result per file, in input order.
-  results: list[_FileResult] = []
-  with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
-    futures = [pool.submit(_tokenize_source, s, tok, text_field) for s in sources]
-    for fut in tqdm(
-      futures, total=len(futures), desc="tokenizing", unit="file", disable=not progress
-    ):
-      results.append(fut.result())
-  for spec in synthetic:
-    name, count = parse_synthetic(spec)
-    pairs = synthetic_examples(name, count, seed)
-    results.append(
-      _FileResult(
-        [f"{spec}:{i}" for i in range(count)],
-        [_as_ids(tok.encode_full(s)) for s, _ in pairs],
-        [_as_ids(tok.encode_full(t)) for _, t in pairs],
-        0,
-      )
-    )
-
-  keys = [k for r in results for k in r.keys]
-  docs = [a for r in results for a in r.tokens]
-  targets = [a for r in results for a in r.targets] if task == "seq2seq" else None
-  replaced = sum(r.replaced_chars for r in results)
-  bad_docs = sum(r.replaced_chars > 0 for r in results)
-  if targets is None:  # empty documents carry nothing for text tasks
-    keep = [i for i, d in enumerate(docs) if len(d)]
-    keys, docs = [keys[i] for i in keep], [docs[i] for i in keep]
-  if not docs or sum(len(d) for d in docs) + sum(len(t) for t in targets or []) == 0:
-    raise ValueError(f"empty corpus: inputs {list(inputs)} contain no text")
-  if replaced:
-    print(
-      f"warning: {replaced} undecodable byte sequences in {bad_docs} file(s) were replaced by "
-      "U+FFFD",
-      file=sys.stderr,
-    )
-
-  is_val = split_documents(keys, val_fraction, seed)
-  compact = reused
-  if reused is not None:
-    docs = [reused.to_compact(a).astype(np.uint32) for a in docs]
-    tok = Tokenizer(tok.name, reused)
-  if compact_vocab:
-    # The GPT separator is always kept.
-    base_eot = [] if tok.base_eot_id is None else [tok.base_eot_id]
-    if compact_vocab is True:
-      kept = np.unique(np.concatenate([np.unique(a) for a in docs + (targets or [])]))
-    else:
-      # Capped: the `compact_vocab` most frequent ids of the training documents; the rest -> [UNK].
-      train_docs = [a for a, v in zip(docs, is_val) if not v]
-      counts = np.bincount(
-        np.concatenate(train_docs + [np.zeros(0, np.uint32)]).astype(np.int64),
-        minlength=tok.base_vocab_size,
-      )
-      order = np.argsort(-counts, kind="stable")
-      kept = order[: int(compact_vocab)][counts[order[: int(compact_vocab)]] > 0]
-    compact = CompactVocab(
-      np.unique(np.concatenate([kept, np.array(base_eot, np.int64)])), tok.base_vocab_size
-    )
-    docs = [compact.to_compact(a).astype(np.uint32) for a in docs]
-    targets = (
-      [compact.to_compact(a).astype(np.uint32) for a in targets] if targets is not None else None
-    )
-    tok = Tokenizer(tok.name, compact)
-
   os.makedirs(out, exist_ok=True)
   meta_path = os.path.join(out, METADATA_FILE)
   if os.path.exists(meta_path):
     os.remove(meta_path)  # a half-rewritten directory must never look up to date
-  splits = {}
-  for split in SPLITS:
-    idx = np.flatnonzero(is_val if split == "val" else ~is_val)
-    if targets is None:
-      streams = {"tokens": layout.write_stream(out, split, [docs[i] for i in idx])}
-    else:
-      streams = {
-        "src": layout.write_stream(out, f"{split}_src", [docs[i] for i in idx]),
-        "tgt": layout.write_stream(out, f"{split}_tgt", [targets[i] for i in idx]),
-      }
-    splits[split] = {
-      "documents": int(idx.size),
-      "tokens": sum(s["tokens"] for s in streams.values()),
-      "streams": streams,
-    }
-  if compact is not None:
-    compact.save(os.path.join(out, COMPACT_VOCAB_FILE))
-
+  streams = ("src", "tgt") if task == "seq2seq" else ("tokens",)
+  pending = PendingDocs(out, streams)
+  try:
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+      stats = _stream_corpus(
+        sources,
+        synthetic,
+        _Pipeline(pool, workers, tok, seed, pending),
+        text_field=text_field,
+        allow_undecodable=allow_undecodable,
+        skip_bad=skip_bad,
+        seed=seed,
+        progress=progress,
+      )
+    offsets = pending.close()
+    tokens = {s: pending.tokens(s) for s in streams}
+    lengths = sum(np.diff(offsets[s]) for s in streams)
+    # Empty documents carry nothing for text tasks (a seq2seq pair keeps an empty side).
+    kept = np.flatnonzero(lengths > 0) if task != "seq2seq" else np.arange(len(lengths))
+    if kept.size == 0 or int(lengths.sum()) == 0:
+      raise ValueError(f"empty corpus: inputs {list(inputs)} contain no text")
+    hashes = np.frombuffer(pending.hashes, dtype=np.uint64)[kept]
+    is_val = split_by_hash(hashes / 2.0**64, val_fraction)
+    meta = _write_dataset(
+      out, task, tok, streams, tokens, offsets, kept, is_val, compact_vocab, reused
+    )
+  finally:
+    pending.remove()
+  if stats["replaced"]:
+    print(
+      f"warning: {stats['replaced']} undecodable byte sequences in {stats['undecodable_files']} "
+      "file(s) were replaced by U+FFFD",
+      file=sys.stderr,
+    )
+  if stats["bad_records"] or stats["bad_files"]:
+    print(
+      f"warning: skipped {stats['bad_records']} bad record(s) and {stats['bad_files']} bad file(s)",
+      file=sys.stderr,
+    )
   meta = {
     **options,
     "content_hash": content_hash,
-    "vocab_size": tok.vocab_size,
-    "num_regular_tokens": tok.num_regular,
-    "special_tokens": tok.special_ids,
-    "compact_vocab": COMPACT_VOCAB_FILE if compact is not None else None,
+    **meta,
     "dtype": "uint32",
     "inputs": list(inputs),
     "num_files": len(sources),
-    "undecodable": {"files": int(bad_docs), "replacement_chars": int(replaced)},
-    "splits": splits,
+    "undecodable": {
+      "files": stats["undecodable_files"],
+      "replacement_chars": stats["replaced"],
+    },
+    "skipped": {
+      "records": stats["bad_records"],
+      "files": stats["bad_files"],
+      "empty_documents": int(len(lengths) - kept.size),
+    },
   }
   with open(meta_path + ".tmp", "w") as f:
     json.dump(meta, f, indent=2)
   os.replace(meta_path + ".tmp", meta_path)
   return meta
+
+
+def _write_dataset(
+  out: str,
+  task: str,
+  tok: Tokenizer,
+  streams: tuple[str, ...],
+  tokens: dict[str, np.ndarray],
+  offsets: dict[str, np.ndarray],
+  kept: np.ndarray,
+  is_val: np.ndarray,
+  compact_vocab: bool | int,
+  reused: CompactVocab | None,
+) -> dict[str, Any]:
+  """Copies the pending documents ``kept`` into the train and val streams, re-numbered by the
+  compact vocabulary (``reused``, or one built here); returns the metadata it settles."""
+  compact = reused
+  if compact_vocab:
+    # The GPT separator is always kept.
+    base_eot = [] if tok.base_eot_id is None else [tok.base_eot_id]
+    size = tok.base_vocab_size
+    if compact_vocab is True:
+      used = sum(id_counts(tokens[s], offsets[s], kept, size) for s in streams)
+      ids = np.flatnonzero(used)
+    else:
+      # Capped: the `compact_vocab` most frequent ids of the training documents; the rest -> [UNK].
+      counts = id_counts(tokens[streams[0]], offsets[streams[0]], kept[~is_val], size)
+      order = np.argsort(-counts, kind="stable")[: int(compact_vocab)]
+      ids = order[counts[order] > 0]
+    compact = CompactVocab(np.unique(np.concatenate([ids, np.array(base_eot, np.int64)])), size)
+  remap = compact.to_compact if compact is not None else None
+  splits = {}
+  for split in SPLITS:
+    docs = kept[is_val] if split == "val" else kept[~is_val]
+    written = {
+      s: write_split(
+        out, split if s == "tokens" else f"{split}_{s}", tokens[s], offsets[s], docs, remap
+      )
+      for s in streams
+    }
+    splits[split] = {
+      "documents": int(docs.size),
+      "tokens": sum(w["tokens"] for w in written.values()),
+      "streams": written,
+    }
+  if compact is not None:
+    compact.save(os.path.join(out, COMPACT_VOCAB_FILE))
+    tok = Tokenizer(tok.name, compact)
+  return {
+    "vocab_size": tok.vocab_size,
+    "num_regular_tokens": tok.num_regular,
+    "special_tokens": tok.special_ids,
+    "compact_vocab": COMPACT_VOCAB_FILE if compact is not None else None,
+    "splits": splits,
+  }

@@ -3,10 +3,11 @@
 seq2seq digit tasks.
 
 Input names:
-  * a file, a glob (``**`` allowed) or a directory (recursive; hidden entries and binary files
-    skipped); each file is a document, except ``.jsonl`` (one document per line, field
-    ``text_field``) and, for the seq2seq task, ``.tsv`` (one ``source<TAB>target`` example per
-    line).
+  * a file, a glob (``**`` allowed), a directory (recursive; hidden entries and binary files
+    skipped), a ``datasets`` folder, or an fsspec URL of one of these; each file is a document,
+    except the record formats of ``data.files`` (JSON lines, Parquet, Arrow: one document a
+    record, its text in ``text_field``) and, for the seq2seq task, ``.tsv`` (one
+    ``source<TAB>target`` example per line).
   * ``stdlib-tests``: the same Python's own test suite (``Lib/test``), which ``stdlib`` leaves
     out: a second code corpus (for adapting a model trained on ``stdlib``).
   * ``stdlib``: the running Python's standard-library ``.py`` files
@@ -21,8 +22,6 @@ Input names:
 
 from __future__ import annotations
 
-import dataclasses
-import glob
 import os
 import sysconfig
 import zlib
@@ -30,7 +29,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from transformer_jax.data.files import Source, describe, expand, files_under
 from transformer_jax.data.tokenizer import CHARS_PREFIX
+
+__all__ = ["Source", "files_under", "resolve_inputs", "parse_synthetic", "synthetic_examples"]
 
 SYNTHETIC_PREFIX = "synthetic:"
 SYNTHETIC_TASKS = ("reverse", "sort", "add")
@@ -46,17 +48,6 @@ _STDLIB_EXCLUDED_DIRS = {
   "idle_test",
   "__pycache__",
 }
-_BINARY_SNIFF_BYTES = 8192
-
-
-@dataclasses.dataclass(frozen=True)
-class Source:
-  """One input file."""
-
-  # Stable name for the train/val hash and content hash: path relative to the inputs' common folder.
-  key: str
-  path: str
-  kind: str  # "text" | "jsonl" | "tsv"
 
 
 def _stdlib_test_sources() -> list[Source]:
@@ -88,39 +79,12 @@ def _stdlib_sources() -> list[Source]:
   return sources
 
 
-def _is_binary(path: str) -> bool:
-  with open(path, "rb") as f:
-    return b"\0" in f.read(_BINARY_SNIFF_BYTES)
-
-
-def _kind_of(path: str, task: str) -> str:
-  if path.endswith(".jsonl"):
-    return "jsonl"
-  if task == "seq2seq":
-    if not path.endswith(".tsv"):
-      raise ValueError(
-        f"seq2seq inputs must be .tsv files (source<TAB>target) or synthetic:TASK, got {path!r}"
-      )
-    return "tsv"
-  return "text"
-
-
-def files_under(directory: str) -> list[str]:
-  """The text files under ``directory``, recursively and sorted; hidden entries and binary files
-  (a NUL byte near the start) are skipped."""
-  out = []
-  for dirpath, dirnames, filenames in os.walk(directory):
-    dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-    out.extend(os.path.join(dirpath, f) for f in sorted(filenames) if not f.startswith("."))
-  return [p for p in out if not _is_binary(p)]
-
-
 def resolve_inputs(inputs: Sequence[str], task: str) -> tuple[list[Source], list[str]]:
   """Expands input names into files (sorted, deduplicated) and synthetic task specs."""
   if not inputs:
     raise ValueError("no inputs given")
   sources: dict[str, Source] = {}
-  files_found: dict[str, str] = {}  # absolute path -> kind
+  paths: list[str] = []
   synthetic: list[str] = []
   for name in inputs:
     if name.startswith(SYNTHETIC_PREFIX):
@@ -136,27 +100,12 @@ def resolve_inputs(inputs: Sequence[str], task: str) -> tuple[list[Source], list
       for s in found:
         sources.setdefault(s.key, s)
       continue
-    matches = (
-      sorted(glob.glob(name, recursive=True))
-      if glob.has_magic(name)
-      else ([name] if os.path.exists(name) else [])
-    )
-    files = []
-    for m in matches:
-      files.extend(files_under(m) if os.path.isdir(m) else [m])
+    files = expand(name)
     if not files:
       raise FileNotFoundError(f"no files found for input {name!r}")
-    for path in files:
-      files_found.setdefault(os.path.abspath(path), _kind_of(path, task))
-  if files_found:
-    # Keys are relative to the files' common folder, so the split and content hash survive moving
-    # the corpus.
-    root = os.path.commonpath(list(files_found))
-    if len(files_found) == 1:
-      root = os.path.dirname(root)
-    for path, kind in files_found.items():
-      key = os.path.relpath(path, root).replace(os.sep, "/")
-      sources.setdefault(key, Source(key, path, kind))
+    paths.extend(files)
+  for s in describe(paths, task):
+    sources.setdefault(s.key, s)
   if synthetic and task != "seq2seq":
     raise ValueError(f"synthetic inputs {synthetic} are seq2seq tasks; use task='seq2seq'")
   if synthetic and sources:

@@ -1,0 +1,235 @@
+"""Reading corpus files as a stream of records, one reader per format (``data.files``).
+
+A reader yields ``Record`` (the texts of one document, or of one seq2seq pair) and ``Problem``
+(what is wrong, and where: file, line, row group or record batch). It never raises for bad data
+and never holds more than one document, line, row group or record batch: ``prepare`` decides
+whether a problem stops it or is skipped and counted.
+
+A problem with ``whole_file`` set (a corrupt compressed stream, an unreadable Parquet row group,
+too many undecodable bytes, a missing column) spoils the file: the records it yielded before are
+dropped with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import io
+import json
+import zlib
+from collections.abc import Iterator
+from typing import IO
+
+from transformer_jax.data.files import Source, need, open_binary
+
+# Above this fraction of a file's bytes, undecodable bytes mean the file is not UTF-8 text (a
+# binary, compressed or other-encoding file): an error naming it, unless the caller allows them.
+MAX_UNDECODABLE_FRACTION = 0.001
+_ROWS_PER_BATCH = 1024  # Arrow record batches read from a Parquet row group
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+  """One document (``texts == (text,)``) or seq2seq pair (``(source, target)``)."""
+
+  texts: tuple[str, ...]
+  where: str
+  replaced: int = 0  # undecodable byte sequences replaced by U+FFFD
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  where: str
+  message: str
+  whole_file: bool = False
+
+  def __str__(self) -> str:
+    return f"{self.where}: {self.message}"
+
+
+def decode(data: bytes) -> tuple[str, int]:
+  """UTF-8 decode; undecodable bytes become U+FFFD. Returns (text, number of replacement
+  characters added)."""
+  try:
+    return data.decode("utf-8"), 0
+  except UnicodeDecodeError:
+    text = data.decode("utf-8", errors="replace")
+    return text, text.count("\ufffd") - data.decode("utf-8", errors="ignore").count("\ufffd")
+
+
+def _too_many(replaced: int, size: int, allow: bool) -> str | None:
+  if allow or replaced <= MAX_UNDECODABLE_FRACTION * size:
+    return None
+  return (
+    f"{replaced} undecodable byte sequences in {size} bytes (over "
+    f"{MAX_UNDECODABLE_FRACTION:.1%}): not UTF-8 text; --allow-undecodable replaces them by U+FFFD"
+  )
+
+
+def _stream_errors() -> tuple[type[BaseException], ...]:
+  errors: tuple[type[BaseException], ...] = (OSError, EOFError, zlib.error)
+  try:
+    import zstandard  # noqa: PLC0415  (optional)
+
+    errors += (zstandard.ZstdError,)
+  except ImportError:
+    pass
+  return errors
+
+
+def _decompressed(raw: IO[bytes], source: Source) -> IO[bytes]:
+  if source.compression == "gzip":
+    return gzip.GzipFile(fileobj=raw)
+  if source.compression == "zstd":
+    zstandard = need("zstandard", source.path)
+    return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw))
+  return raw
+
+
+def _text_records(source: Source, data: bytes, allow: bool) -> Iterator[Record | Problem]:
+  text, replaced = decode(data)
+  if (message := _too_many(replaced, len(data), allow)) is not None:
+    yield Problem(source.path, message, whole_file=True)
+  else:
+    yield Record((text,), source.path, replaced)
+
+
+def _line_record(source: Source, where: str, text: str, field: str) -> Record | Problem | None:
+  if not text.strip():
+    return None
+  if source.kind == "tsv":
+    if "\t" not in text:
+      return Problem(where, "expected 'source<TAB>target'")
+    return Record(tuple(text.split("\t", 1)), where)
+  try:
+    record = json.loads(text)
+  except json.JSONDecodeError as e:
+    return Problem(where, f"invalid JSON ({e.msg})")
+  if not isinstance(record, dict) or field not in record:
+    return Problem(where, f"expected an object with a string field {field!r}")
+  value = record[field]
+  if not isinstance(value, str):
+    return Problem(where, f"field {field!r} is {type(value).__name__}, expected a string")
+  if not value:
+    return Problem(where, f"empty document (field {field!r} is '')")
+  return Record((value,), where)
+
+
+def _line_records(
+  source: Source, stream: IO[bytes], field: str, allow: bool
+) -> Iterator[Record | Problem]:
+  size = replaced = 0
+  for lineno, raw in enumerate(stream, start=1):
+    text, bad = decode(raw.rstrip(b"\r\n"))
+    size, replaced = size + len(raw), replaced + bad
+    item = _line_record(source, f"{source.path}:{lineno}", text, field)
+    if isinstance(item, Record):
+      item = dataclasses.replace(item, replaced=bad)
+    if item is not None:
+      yield item
+  if (message := _too_many(replaced, size, allow)) is not None:
+    yield Problem(source.path, message, whole_file=True)
+
+
+def _text_column(source: Source, schema, field: str, what: str) -> Problem | None:
+  pa = need("pyarrow", source.path)
+  if field not in schema.names:
+    return Problem(
+      source.path,
+      f"no {what} {field!r} (it has {', '.join(schema.names) or 'none'}); give --text-field",
+      whole_file=True,
+    )
+  kind = schema.field(field).type
+  if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+    return Problem(source.path, f"{what} {field!r} is of type {kind}, not text", whole_file=True)
+  return None
+
+
+def _column_records(where: str, values: list, field: str) -> Iterator[Record | Problem]:
+  for row, value in enumerate(values):
+    if value is None:
+      yield Problem(f"{where}, row {row}", f"{field!r} is null")
+    elif not value:
+      yield Problem(f"{where}, row {row}", f"empty document ({field!r} is '')")
+    else:
+      yield Record((value,), f"{where}, row {row}")
+
+
+def _parquet_records(source: Source, raw: IO[bytes], field: str) -> Iterator[Record | Problem]:
+  pa = need("pyarrow", source.path)
+  pq = need("pyarrow.parquet", source.path)
+  try:
+    parquet = pq.ParquetFile(raw)
+  except (pa.ArrowException, OSError) as e:
+    yield Problem(source.path, f"not a readable Parquet file ({e})", whole_file=True)
+    return
+  if (problem := _text_column(source, parquet.schema_arrow, field, "column")) is not None:
+    yield problem
+    return
+  for group in range(parquet.num_row_groups):
+    where = f"{source.path}: row group {group}"
+    try:
+      values = parquet.read_row_group(group, columns=[field]).column(0).to_pylist()
+    except (pa.ArrowException, OSError) as e:
+      yield Problem(where, f"unreadable ({e})", whole_file=True)
+      return
+    yield from _column_records(where, values, field)
+
+
+def _arrow_records(source: Source, raw: IO[bytes], field: str) -> Iterator[Record | Problem]:
+  pa = need("pyarrow", source.path)
+  ipc = need("pyarrow.ipc", source.path)
+  try:
+    head = raw.read(6)
+    raw.seek(0)
+    reader = ipc.open_file(raw) if head == b"ARROW1" else ipc.open_stream(raw)
+  except (pa.ArrowException, OSError) as e:
+    yield Problem(source.path, f"not a readable Arrow file ({e})", whole_file=True)
+    return
+  if (problem := _text_column(source, reader.schema, field, "column")) is not None:
+    yield problem
+    return
+  index = reader.schema.get_field_index(field)
+  count = reader.num_record_batches if head == b"ARROW1" else None
+  batch_no = 0
+  while count is None or batch_no < count:
+    where = f"{source.path}: record batch {batch_no}"
+    try:
+      batch = reader.get_batch(batch_no) if count is not None else reader.read_next_batch()
+    except StopIteration:
+      return
+    except (pa.ArrowException, OSError) as e:
+      yield Problem(where, f"unreadable ({e})", whole_file=True)
+      return
+    yield from _column_records(where, batch.column(index).to_pylist(), field)
+    batch_no += 1
+
+
+def read_records(
+  source: Source, text_field: str, allow_undecodable: bool
+) -> Iterator[Record | Problem]:
+  """The records of ``source`` in file order, and the problems met on the way (see the module
+  docstring). An unreadable file (a missing file, a lost connection) raises ``OSError``."""
+  with open_binary(source.path) as raw:
+    if source.kind == "parquet":
+      yield from _parquet_records(source, raw, text_field)
+      return
+    if source.kind == "arrow":
+      yield from _arrow_records(source, raw, text_field)
+      return
+    errors = _stream_errors() if source.compression else ()
+    stream = _decompressed(raw, source)
+    lineno = 0
+    try:
+      if source.kind == "text":
+        data = stream.read()
+        yield from _text_records(source, data, allow_undecodable)
+        return
+      for item in _line_records(source, stream, text_field, allow_undecodable):
+        if isinstance(item, Record):
+          lineno = int(item.where.rsplit(":", 1)[1])
+        yield item
+    except errors as e:
+      where = f"{source.path}:{lineno + 1}" if source.kind != "text" else source.path
+      message = f"corrupt {source.compression} stream ({type(e).__name__}: {e})"
+      yield Problem(where, message, whole_file=True)

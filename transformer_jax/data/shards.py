@@ -1,0 +1,141 @@
+"""Writing token shards in bounded memory: documents are appended to pending files as they are
+tokenized (``PendingDocs``), then copied into the train and val streams a chunk at a time
+(``write_split``), re-numbered by a compact vocabulary on the way.
+
+What is held in memory is 8 bytes a document and stream (its length) and 8 for its split hash,
+plus one chunk of tokens: never the corpus.
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+CHUNK_TOKENS = 1 << 22  # tokens read at a time (16 MiB of uint32, 64 MiB of gather indices)
+
+
+def document_hash(texts: Sequence[str], seed: int) -> int:
+  """The seeded 64-bit hash of a document's content (the texts of a pair joined by NUL): what
+  puts it in train or val, whatever file or format it came from."""
+  h = hashlib.blake2b(digest_size=8, key=str(seed).encode())
+  h.update("\0".join(texts).encode("utf-8", errors="surrogatepass"))
+  return int.from_bytes(h.digest(), "little")
+
+
+def pending_file(out: str, stream: str) -> str:
+  return os.path.join(out, "all_000.bin.tmp" if stream == "tokens" else f"all_{stream}_000.bin.tmp")
+
+
+class PendingDocs:
+  """Documents in arrival order, one pending token file per stream (``tokens``, or ``src`` and
+  ``tgt``) in ``out``; lengths and split hashes in compact arrays."""
+
+  def __init__(self, out: str, streams: Sequence[str]):
+    self.out, self.streams = out, tuple(streams)
+    self.files = {s: open(pending_file(out, s), "wb") for s in self.streams}
+    self.lengths = {s: array.array("q") for s in self.streams}
+    self.hashes = array.array("Q")
+
+  @property
+  def num_docs(self) -> int:
+    return len(self.hashes)
+
+  def append(self, arrays: Sequence[np.ndarray], doc_hash: int) -> None:
+    for stream, a in zip(self.streams, arrays):
+      a.astype(np.uint32, copy=False).tofile(self.files[stream])
+      self.lengths[stream].append(len(a))
+    self.hashes.append(doc_hash)
+
+  def truncate(self, num_docs: int) -> None:
+    """Drops the documents after the first ``num_docs`` (those of a file found spoilt)."""
+    for stream in self.streams:
+      lengths = self.lengths[stream]
+      keep = sum(lengths[:num_docs])
+      del lengths[num_docs:]
+      f = self.files[stream]
+      f.flush()
+      f.truncate(4 * keep)
+      f.seek(4 * keep)
+    del self.hashes[num_docs:]
+
+  def close(self) -> dict[str, np.ndarray]:
+    """Closes the pending files; returns each stream's document offsets (int64 ``[n + 1]``)."""
+    offsets = {}
+    for stream in self.streams:
+      self.files[stream].close()
+      lengths = np.frombuffer(self.lengths[stream], dtype=np.int64)
+      offsets[stream] = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    return offsets
+
+  def tokens(self, stream: str) -> np.ndarray:
+    """The pending tokens of ``stream`` (after ``close``), memory-mapped."""
+    path = pending_file(self.out, stream)
+    if os.path.getsize(path) == 0:
+      return np.zeros(0, np.uint32)
+    return np.memmap(path, dtype=np.uint32, mode="r")
+
+  def remove(self) -> None:
+    for stream in self.streams:
+      if not self.files[stream].closed:
+        self.files[stream].close()
+      if os.path.exists(pending_file(self.out, stream)):
+        os.remove(pending_file(self.out, stream))
+
+
+def _chunks(offsets: np.ndarray, docs: np.ndarray) -> Iterator[np.ndarray]:
+  """``docs`` (sorted indices) in runs of about ``CHUNK_TOKENS`` tokens (at least one doc)."""
+  start, ends = 0, offsets[docs + 1]
+  while start < len(docs):
+    limit = offsets[docs[start]] + CHUNK_TOKENS
+    end = max(start + 1, int(np.searchsorted(ends, limit, side="right")))
+    yield docs[start:end]
+    start = end
+
+
+def _gather(tokens: np.ndarray, offsets: np.ndarray, docs: np.ndarray) -> np.ndarray:
+  """The tokens of ``docs`` (sorted indices), concatenated; reads their span only."""
+  lo, hi = int(offsets[docs[0]]), int(offsets[docs[-1] + 1])
+  span = np.asarray(tokens[lo:hi])
+  lengths = offsets[docs + 1] - offsets[docs]
+  if hi - lo == int(lengths.sum()):
+    return span
+  starts = np.repeat(offsets[docs] - lo - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths)
+  return span[np.arange(int(lengths.sum())) + starts]
+
+
+def id_counts(tokens: np.ndarray, offsets: np.ndarray, docs: np.ndarray, size: int) -> np.ndarray:
+  """How often each id in ``[0, size)`` occurs in the documents ``docs``, a chunk at a time."""
+  counts = np.zeros(size, np.int64)
+  for chunk in _chunks(offsets, docs):
+    counts += np.bincount(_gather(tokens, offsets, chunk).astype(np.int64), minlength=size)[:size]
+  return counts
+
+
+def write_split(
+  out: str,
+  prefix: str,
+  tokens: np.ndarray,
+  offsets: np.ndarray,
+  docs: np.ndarray,
+  remap: Callable[[np.ndarray], np.ndarray] | None,
+) -> dict[str, Any]:
+  """Writes the documents ``docs`` (sorted indices into ``offsets``) as the stream ``prefix``
+  (one shard + offsets, each written to a temporary and renamed); returns its metadata entry."""
+  shard, offsets_file = f"{prefix}_000.bin", f"{prefix}_offsets.npy"
+  total = 0
+  with open(os.path.join(out, shard + ".tmp"), "wb") as f:
+    for chunk in _chunks(offsets, docs):
+      part = _gather(tokens, offsets, chunk)
+      (remap(part) if remap is not None else part).astype(np.uint32).tofile(f)
+      total += part.size
+  os.replace(os.path.join(out, shard + ".tmp"), os.path.join(out, shard))
+  lengths = offsets[docs + 1] - offsets[docs]
+  with open(os.path.join(out, offsets_file + ".tmp"), "wb") as f:
+    np.save(f, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+  os.replace(os.path.join(out, offsets_file + ".tmp"), os.path.join(out, offsets_file))
+  return {"shards": [shard], "offsets": offsets_file, "tokens": int(total)}
