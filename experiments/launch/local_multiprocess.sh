@@ -6,11 +6,11 @@
 #   experiments/launch/local_multiprocess.sh [CONFIG.yaml [key=value ...]]
 # Default: experiments/gpt_tiny.yaml for 20 steps into runs/gpt_tiny_2proc, without its learning bar
 # (too few steps to reach it). A CONFIG without a run_dir=DIR override runs in a folder of its own,
-# runs/NAME_Nproc (NAME: the config's file name, N: NUM_PROCESSES), never in the single-process
-# run's folder (which a finished run would leave untouched). Process 0 prints to the terminal,
-# process 1 logs to
-# $RUN_LOG_DIR/process1.log. Environment: PYTHON (default .venv/bin/python when it exists),
-# NUM_PROCESSES (2), DEVICES_PER_PROCESS (4), PORT (default: a free one), RUN_LOG_DIR (runs).
+# $RUN_LOG_DIR/NAME_Nproc (NAME: the config's file name, N: NUM_PROCESSES), never in the
+# single-process run's folder (which a finished run would leave untouched). Process 0 prints to the
+# terminal, process 1 logs to $RUN_LOG_DIR/process1.log. Environment: PYTHON (default
+# .venv/bin/python when it exists), NUM_PROCESSES (2), DEVICES_PER_PROCESS (4), PORT (default: a
+# free one), RUN_LOG_DIR (runs).
 set -euo pipefail
 
 cd "$(dirname "$0")/../.."
@@ -30,7 +30,7 @@ CONFIG=$1
 shift
 if [[ " $* " != *" run_dir="* ]]; then
   name=$(basename "$CONFIG")
-  set -- "$@" "run_dir=runs/${name%.*}_${NUM_PROCESSES}proc"
+  set -- "$@" "run_dir=$RUN_LOG_DIR/${name%.*}_${NUM_PROCESSES}proc"
   echo "local_multiprocess: ${*: -1} (give run_dir=DIR to choose)" >&2
 fi
 
@@ -39,7 +39,7 @@ fi
 "$PYTHON" - "$CONFIG" "$@" <<'PY'
 import sys
 from transformer_jax.train import load_experiment
-from transformer_jax.train.trainer import ensure_dataset
+from transformer_jax.train.checks import ensure_dataset
 ensure_dataset(load_experiment(sys.argv[1], sys.argv[2:]))
 PY
 

@@ -1,10 +1,13 @@
 """``tjax``'s own guards: what a command would write over is checked before it runs."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
-from tests.train.conftest import run_cli
+from tests.train.conftest import REPO, run_cli
 from transformer_jax.cli import bench as bench_cli
 
 
@@ -35,3 +38,42 @@ def test_bench_json_refuses_damaged_or_foreign_files(tmp_path, content):
 def test_info_refuses_sizes_below_one(flag):
   code, _, err = run_cli("info", "gpt2-tiny", flag, "0")
   assert code == 2 and err == f"tjax info: error: {flag} 0: expected an integer >= 1\n"
+
+
+def test_the_presets_table_keeps_its_columns_apart():
+  from transformer_jax import models
+
+  code, out, _ = run_cli("info")
+  rows = out.splitlines()
+  assert code == 0 and rows[0].split() == ["preset", "family", "parameters"]
+  assert [row.split() for row in rows[1:]] == [
+    [
+      name,
+      type(models.get_config(name)).__name__,
+      f"{models.count_params(models.get_config(name)):,}",
+    ]
+    for name in models.list_presets()
+  ]
+  start = rows[0].index("family")  # every family starts under its heading, after a space
+  assert all(row[start - 1] == " " and row[start:].split()[0] != "" for row in rows[1:])
+
+
+def test_generate_checks_its_options_before_loading_the_run_or_its_libraries(tmp_path):
+  """A refused option is answered before the checkpoint library (orbax) or the training stack
+  load, let alone the model: in a fresh interpreter, as the command starts."""
+  script = (
+    "import sys\n"
+    "from transformer_jax import cli\n"
+    "code = cli.main(['generate', sys.argv[1], '--prompt', 'x', '--top-p', '1.5'])\n"
+    "heavy = ('orbax.checkpoint', 'transformer_jax.runs', 'transformer_jax.train')\n"
+    "print(code, [m for m in heavy if m in sys.modules])\n"
+  )
+  done = subprocess.run(
+    [sys.executable, "-c", script, str(tmp_path / "no-run")],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env={**os.environ, "PYTHONPATH": REPO},
+  )
+  assert done.stdout == "2 []\n", done.stderr
+  assert done.stderr == "tjax generate: error: --top-p 1.5 must be in (0, 1]\n"

@@ -205,6 +205,15 @@ def test_a_folder_that_is_not_a_run_is_not_written_into(tmp_path, text_dataset):
   assert (folder / "config.yaml").read_text() == "mine: true\n"
 
 
+def test_a_run_from_before_the_marker_is_resumed_and_started_over(finished, tmp_path, text_dataset):
+  assert runs.RunDir(finished["run"]).is_marked()
+  run_dir = _copy(finished, tmp_path)
+  os.remove(os.path.join(run_dir, runs.MARKER))  # as a run written before markers existed
+  assert train(_exp(run_dir, text_dataset), progress=False)["finished_before"]
+  assert train(_exp(run_dir, text_dataset, steps=2), progress=False, force_new=True)["step"] == 2
+  assert runs.RunDir(run_dir).is_marked()
+
+
 def test_a_dataset_smaller_than_one_batch_is_refused(tmp_path, text_dataset):
   from transformer_jax.data import GPTLoader, load_dataset
 

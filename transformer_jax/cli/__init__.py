@@ -19,9 +19,15 @@ DESCRIPTION = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
   """The ``tjax`` parser: each command module adds its subcommands, in the order ``--help`` lists
-  them; ``common`` holds the options every subcommand also takes after its name."""
+  them; ``common`` holds the options every subcommand also takes after its name.
+
+  Args:
+    command: the command the parser is for (None: any). Another command than ``bench`` gets the
+      benchmarks' kinds without their arguments, which import the training stack: its own
+      options are then checked before anything heavy loads.
+  """
   from transformer_jax.cli import bench, convert, generate, info, prepare, report, train
 
   parser = argparse.ArgumentParser(prog="tjax", description=DESCRIPTION)
@@ -42,9 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
 
   sub.add_parser = add_parser
 
-  for commands in (info, prepare, train, generate, convert, bench, report):
+  for commands in (info, prepare, train, generate, convert, report):
     commands.add_commands(sub, common)
+  bench.add_commands(sub, common, with_args=command in (None, "bench"))
   return parser
+
+
+def _command_of(argv: list[str]) -> str | None:
+  """The command ``argv`` names (its first word that is not an option), or None."""
+  return next((a for a in argv if not a.startswith("-")), None)
 
 
 # Subcommands whose positional ``key=value`` overrides may come after options.
@@ -54,12 +66,12 @@ _error_reported = False  # main caught an exception and reported it in one line 
 
 def _one_line(e: BaseException) -> str:
   """A one-line description of an error, naming the file for I/O errors."""
-  from transformer_jax.runs import describe_oserror
-
   seen = source = e
   while seen is not None and not isinstance(seen, ValueError):  # an OSError wrapped by a library
     if isinstance(seen, OSError):
       if seen.errno is not None:
+        from transformer_jax.runs import describe_oserror  # here: it loads orbax
+
         return describe_oserror(seen)
       source = seen  # a library's OSError without an errno: its (multi-line) text says what failed
       break
@@ -95,9 +107,10 @@ def main(argv: list[str] | None = None) -> int:
   the traceback."""
   global _error_reported
   _error_reported = False
-  parser = build_parser()
-  args, rest = parser.parse_known_args(argv)
-  args.raw_argv = list(sys.argv[1:] if argv is None else argv)
+  raw_argv = list(sys.argv[1:] if argv is None else argv)
+  parser = build_parser(_command_of(raw_argv))
+  args, rest = parser.parse_known_args(raw_argv)
+  args.raw_argv = raw_argv
   if rest:  # ``tjax train CONFIG --no-progress key=value``: overrides after options
     if args.command in _OVERRIDES and not any(r.startswith("-") for r in rest):
       args.overrides = list(args.overrides) + rest

@@ -50,9 +50,11 @@ def _bench_args(kind: str, p: argparse.ArgumentParser) -> None:
   add_args(p)
 
 
-def add_commands(sub, common) -> None:
+def add_commands(sub, common, *, with_args: bool = True) -> None:
   """Adds ``bench`` and its kinds to the ``tjax`` subcommands ``sub`` (see ``build_parser``);
-  each kind's parser also takes ``common``'s options."""
+  each kind's parser also takes ``common``'s options. Without ``with_args`` the kinds are listed
+  without their arguments: those import the benchmarks and the training stack, which another
+  command does not need to parse its own."""
   bench = sub.add_parser("bench", help="benchmarks against PyTorch and the machine's limits")
   kinds = bench.add_subparsers(dest="kind", required=True)
   from transformer_jax.bench import KINDS
@@ -69,6 +71,8 @@ def add_commands(sub, common) -> None:
       parents=[common],
       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    if not with_args:
+      continue
     _bench_args(kind, kp)
     kp.add_argument(
       "--json",

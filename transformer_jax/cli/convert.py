@@ -1,7 +1,50 @@
 """``tjax convert``: a Hugging Face checkpoint to a run directory, or a run directory to one
-(``hf.convert`` does the work)."""
+(``hf.convert`` does the work).
+
+The conversion is written into a temporary folder next to ``--out`` and renamed to ``--out`` once
+it is whole: a conversion that fails leaves ``--out`` as it was (absent or empty), so the same
+command can run again.
+"""
 
 from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from typing import Iterator
+
+
+@contextlib.contextmanager
+def _written_whole(out: str) -> Iterator[str]:
+  """A new temporary folder next to ``out`` for the body to write into, renamed to ``out`` when
+  the body returns and removed when it fails.
+
+  Raises:
+    ValueError: ``out`` exists and is not an empty directory (before anything is read).
+  """
+  out = os.path.abspath(out)
+  if os.path.lexists(out) and not (os.path.isdir(out) and not os.listdir(out)):
+    raise ValueError(f"--out {out} exists and is not empty; give a new directory")
+  parent = os.path.dirname(out)
+  missing, folder = [], parent  # the folders above ``out`` made here, innermost first
+  while not os.path.exists(folder):
+    missing.append(folder)
+    folder = os.path.dirname(folder)
+  os.makedirs(parent, exist_ok=True)
+  tmp = os.path.join(parent, f".{os.path.basename(out)}.converting-{os.getpid()}")
+  if os.path.lexists(tmp):  # left by a killed conversion of this pid: never another's files
+    shutil.rmtree(tmp)
+  done = False
+  try:
+    yield tmp
+    os.rename(tmp, out)  # replaces an empty directory; refused by the OS if one appeared meanwhile
+    done = True
+  finally:
+    if os.path.lexists(tmp):
+      shutil.rmtree(tmp)
+    for folder in [] if done else missing:
+      with contextlib.suppress(OSError):
+        os.rmdir(folder)
 
 
 def _cmd_convert(args) -> int:
@@ -9,10 +52,11 @@ def _cmd_convert(args) -> int:
 
   if (args.from_hf is None) == (args.to_hf is None):
     raise ValueError("give exactly one of --from-hf HF_DIR or --to-hf RUN_DIR")
-  if args.from_hf is not None:
-    convert.from_hf(args.from_hf, args.out)
-  else:
-    convert.to_hf(args.to_hf, args.out)
+  with _written_whole(args.out) as tmp:
+    if args.from_hf is not None:
+      convert.from_hf(args.from_hf, tmp)
+    else:
+      convert.to_hf(args.to_hf, tmp)
   print(f"wrote {args.out}")
   return 0
 

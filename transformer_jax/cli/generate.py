@@ -24,7 +24,6 @@ from transformer_jax.generate.decode import generate, special_ids
 from transformer_jax.generate.fill_mask import MASK_TEXT, encode_masked, fill_mask
 from transformer_jax.generate.stream import stream_generate
 from transformer_jax.models.config import BERTConfig, GPTConfig, MambaConfig, Seq2SeqConfig
-from transformer_jax.runs import load_run
 
 
 def _family(config) -> str:
@@ -167,6 +166,9 @@ def run_generate(args, out: TextIO | None = None) -> int:
         + ("" if seq2seq else f" and the prompt takes {len(ids)} of them")
       )
 
+  # Imported once the options passed: the checkpoint library alone takes a second or more.
+  from transformer_jax.runs import load_run
+
   config, params, tok = load_run(args.run_dir, best=args.best, data=args.data, check=check)
   with poll.cpu_poll_if(wants_poll) as request:
     if request.requested and not request.held:
@@ -287,6 +289,8 @@ def run_fill_mask(args, out: TextIO | None = None) -> int:
         f"the text is {n} tokens with [CLS] and [SEP], longer than the model's "
         f"context max_len={config.max_len}"
       )
+
+  from transformer_jax.runs import load_run  # once the options passed (see run_generate)
 
   config, params, tok = load_run(args.run_dir, best=args.best, data=args.data, check=check)
   ids = encode_masked(tok, args.text)

@@ -46,10 +46,15 @@ def presets_table() -> str:
   """What ``tjax info`` prints without a preset: each preset's family and parameter count."""
   from transformer_jax import models
 
-  rows = [f"{'preset':<18s}{'family':<15s}{'parameters':>16s}"]
-  for name in models.list_presets():
-    cfg = models.get_config(name)
-    rows.append(f"{name:<18s}{type(cfg).__name__:<15s}{models.count_params(cfg):>16,d}")
+  names = models.list_presets()
+  families = {name: type(models.get_config(name)).__name__ for name in names}
+  # Each column as wide as its longest entry, two spaces apart.
+  w_name = max(map(len, ["preset", *names])) + 2
+  w_family = max(map(len, ["family", *families.values()])) + 2
+  rows = [f"{'preset':<{w_name}s}{'family':<{w_family}s}{'parameters':>16s}"]
+  for name in names:
+    count = models.count_params(models.get_config(name))
+    rows.append(f"{name:<{w_name}s}{families[name]:<{w_family}s}{count:>16,d}")
   return "\n".join(rows)
 
 

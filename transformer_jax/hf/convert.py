@@ -15,6 +15,7 @@ from flax import nnx
 from transformer_jax import models, runs
 from transformer_jax.data import Tokenizer
 from transformer_jax.hf import configs
+from transformer_jax.hf import reformer as reformer_hf
 from transformer_jax.hf.api import load, save
 from transformer_jax.train import method
 
@@ -24,9 +25,15 @@ def from_hf(hf_dir: str | os.PathLike, out_run_dir: str | os.PathLike) -> str:
 
   if not runs.RunDir(out_run_dir).is_empty():  # before the (slow) read of the checkpoint
     raise ValueError(f"--out {out_run_dir} exists and is not empty; give a new directory")
-  config, model = load(hf_dir)
+  config, model = load(hf_dir)  # refuses what it cannot read, naming the file and field
+  hf = json.loads((Path(hf_dir) / "config.json").read_text())  # read and checked by load
+  architecture = (  # before anything is written; the Reformer has a reader of its own
+    reformer_hf.ARCHITECTURE
+    if hf.get("model_type") == reformer_hf.MODEL_TYPE
+    else configs.architecture_of(hf)
+  )
   runs.save_model(out_run_dir, config, nnx.state(model, nnx.Param))
-  return configs.architecture_of(json.loads((Path(hf_dir) / "config.json").read_text()))
+  return architecture
 
 
 def to_hf(

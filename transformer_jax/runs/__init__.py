@@ -10,6 +10,8 @@ RUN_DIR/
   metrics.jsonl    one JSON object a line (training lines: step, loss, ...; eval lines: val_loss)
   final.json       the last metrics and learning-bar results of a finished run
   .lock            held (flock) by the trainer that owns the directory
+  .tjax-run        the marker, written first: only a directory carrying it (or an older run's
+                   files, ``RunDir.is_unmarked_run``) is trained in, resumed or cleared
 ```
 
 Every snapshot file is written atomically (temporary file + rename), and only once the caller has
@@ -36,6 +38,7 @@ from transformer_jax.runs.directory import (
   DATASET,
   FINAL,
   LOCK,
+  MARKER,
   METRICS,
   MODEL,
   RunDir,
@@ -68,6 +71,7 @@ __all__ = [
   "DATASET",
   "FINAL",
   "LOCK",
+  "MARKER",
   "METRICS",
   "MODEL",
   "RunDir",

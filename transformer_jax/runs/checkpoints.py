@@ -298,6 +298,7 @@ def save_model(run_dir: str, config: models.ModelConfig, params) -> None:
   bad = nonfinite_leaves(params)
   if bad:
     raise ValueError(f"non-finite parameters in {', '.join(bad[:3])}; nothing written")
+  rd.mark()  # first: whatever follows is this run's
   ckpt = Checkpoints(rd.checkpoint_dir, async_save=False)
   try:
     ckpt.latest.save(

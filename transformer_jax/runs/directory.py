@@ -22,15 +22,18 @@ import yaml
 from transformer_jax import models
 from transformer_jax.runs.schema import parse_yaml, typed_fields
 
-CONFIG, MODEL, DATASET, METRICS, FINAL, LOCK = (
+CONFIG, MODEL, DATASET, METRICS, FINAL, LOCK, MARKER = (
   "config.yaml",
   "model.yaml",
   "dataset.json",
   "metrics.jsonl",
   "final.json",
   ".lock",
+  ".tjax-run",
 )
 CHECKPOINTS = "checkpoints"
+# What the marker says to a reader who finds it.
+_MARKER_TEXT = "A transformer_jax run directory: tjax writes, resumes and clears what it made.\n"
 # What a run writes: removed by ``RunDir.clear`` (``--force-new``), nothing else is touched.
 _OWNED = (
   CONFIG,
@@ -234,30 +237,66 @@ class RunDir:
     if os.path.isdir(self.path) and not os.access(self.path, os.R_OK):
       raise ValueError(f"run_dir {self.path} is not readable (permission denied)")
 
+  def is_marked(self) -> bool:
+    """Whether the directory carries the marker (``.tjax-run``) every run and converted model
+    writes first."""
+    return os.path.isfile(self.file(MARKER))
+
+  def mark(self) -> None:
+    """Writes the marker (process 0), creating the directory: call it once the directory is known
+    to be new, empty or a run's (``check_owned``)."""
+    if jax.process_index() == 0 and not self.is_marked():
+      os.makedirs(self.path, exist_ok=True)
+      write_atomic(self.file(MARKER), _MARKER_TEXT)
+
   def check_owned(self) -> None:
     """Refuses a directory that holds something other than a run: a run writes ``config.yaml``,
-    ``metrics.jsonl`` and more, and must not replace files of the same names it did not create.
+    ``checkpoints/`` and more, and must neither replace nor (``--force-new``) delete files of the
+    same names it did not create.
 
-    A directory is a run's when it is empty, holds ``model.yaml`` or ``checkpoints/`` (a run, or
-    a model ``tjax convert`` wrote), or holds only what a start leaves (``.lock``, ``data/``).
+    A directory is a run's when it is empty, carries the marker (``.tjax-run``), holds only what a
+    start leaves (``.lock``, ``data/``), or is a run written before the marker existed
+    (``is_unmarked_run``).
 
     Raises:
       ValueError: naming the directory and (some of) the entries that are not a run's.
     """
-    if not os.path.isdir(self.path):
+    if not os.path.isdir(self.path) or self.is_marked():
       return
     entries = sorted(os.listdir(self.path))
-    if os.path.isfile(self.file(MODEL)) or os.path.isdir(self.checkpoint_dir):
-      return
     foreign = [e for e in entries if e not in _STARTED]
-    if foreign:
-      listed = ", ".join(foreign[:5]) + (
-        f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+    if not foreign or self.is_unmarked_run():
+      return
+    listed = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+    hint = ""
+    if any(e in _OWNED for e in foreign):
+      hint = (
+        f"; if transformer_jax wrote them (before runs carried {MARKER}), create "
+        f"{self.file(MARKER)} to take the directory as its run"
       )
-      raise ValueError(
-        f"run_dir {self.path} holds files that are not a run's ({listed}); give "
-        "a new or empty directory"
-      )
+    raise ValueError(
+      f"run_dir {self.path} holds files that are not a run's ({listed}): it has no {MARKER}; "
+      f"give a new or empty directory{hint}"
+    )
+
+  def is_unmarked_run(self) -> bool:
+    """Whether the directory is a run written before runs carried the marker: a ``model.yaml``
+    that reads as a model config, and either a ``config.yaml`` laid out as an experiment (a
+    ``run_dir`` and ``model``, ``data`` and ``train`` sections) with ``metrics.jsonl`` or a
+    committed checkpoint, or no ``config.yaml`` and a committed checkpoint (a converted model)."""
+    try:
+      if self.read_model() is None:
+        return False
+      config = self.read_config()
+    except (ValueError, OSError):
+      return False
+    steps = self.checkpoint_steps()
+    if config is None:
+      return bool(steps)
+    experiment = isinstance(config.get("run_dir"), str) and all(
+      isinstance(config.get(k), dict) for k in ("model", "data", "train")
+    )
+    return experiment and (bool(steps) or os.path.isfile(self.file(METRICS)))
 
   # Snapshots.
 
@@ -312,7 +351,7 @@ class RunDir:
     everything they describe has been checked)."""
     if jax.process_index() != 0:
       return
-    os.makedirs(self.path, exist_ok=True)
+    self.mark()
     if config is not None:
       write_atomic(self.file(CONFIG), yaml.safe_dump(config, sort_keys=False))
     write_atomic(self.file(MODEL), yaml.safe_dump(model_spec(model_config), sort_keys=False))
@@ -361,7 +400,13 @@ class RunDir:
       write_atomic(self.file(FINAL), json.dumps(final, indent=2) + "\n")
 
   def clear(self) -> None:
-    """Removes what a run wrote (``--force-new``); other files in the directory stay."""
+    """Removes what a run wrote (``--force-new``); other files in the directory, and the marker,
+    stay.
+
+    Raises:
+      ValueError: the directory is not a run's (``check_owned``); nothing is removed.
+    """
+    self.check_owned()
     for name in _OWNED:
       path = self.file(name)
       if os.path.isdir(path):

@@ -6,8 +6,9 @@ YAML 1.1 reads the first three as strings. Experiment files, dotted overrides, `
 and ``model.yaml`` all go through it.
 
 ``coerce`` checks a value against a dataclass field's annotation (``int``, ``float``, ``bool``,
-``str``, ``Literal``, unions, tuples, nested dataclasses): an int is taken for a float and a list
-for a tuple, nothing else is converted, and a float must be finite. Each refusal is a
+``str``, ``Literal``, unions, tuples, nested dataclasses): an int is taken for a float, an
+integral float (``1e3``) for an int (``integral``) and a list for a tuple, nothing else is
+converted, and a float must be finite. Each refusal is a
 :class:`FieldError` naming the dotted key and the value.
 """
 
@@ -77,9 +78,10 @@ def coerce(name: str, value: Any, annotation, *, infinite: bool = False) -> Any:
       ``time_step_limit``: ``metadata={"infinite": True}`` on the dataclass field); NaN never.
 
   Returns:
-    The value, with an int made a float for a float field, a list a tuple for a tuple field, a
-    mapping the nested dataclass for a dataclass field, and a numeric string a float for a float
-    field ("1e-3" quoted).
+    The value, with an int made a float for a float field, an integral float (or a string
+    holding an integer) an int for an int field, a list a tuple for a tuple field, a mapping the
+    nested dataclass for a dataclass field, and a numeric string a float for a float field
+    ("1e-3" quoted).
 
   Raises:
     FieldError: the value does not fit (the message names ``name`` and the value).
@@ -119,9 +121,10 @@ def coerce(name: str, value: Any, annotation, *, infinite: bool = False) -> Any:
       return value
     raise FieldError(name, f"{name}={value!r}: expected true or false")
   if annotation is int:
-    if isinstance(value, int) and not isinstance(value, bool):
-      return value
-    raise FieldError(name, f"{name}={value!r}: expected an integer")
+    number = integral(value)
+    if number is None:
+      raise FieldError(name, f"{name}={value!r}: expected an integer")
+    return number
   if annotation is float:
     number = None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -141,6 +144,30 @@ def coerce(name: str, value: Any, annotation, *, infinite: bool = False) -> Any:
       return value
     raise FieldError(name, f"{name}={value!r}: expected a string")
   return value
+
+
+def integral(value: Any) -> int | None:
+  """``value`` as an int, or None: the one rule for an integer field, whatever the file or
+  section (``backends.KernelTable``'s levers follow it too). An int; a finite float with an
+  integral value (``1e3``, ``1000.0``: YAML reads ``1e6`` as a float); a string holding either (a
+  quoted number, as a float field takes one). Never a bool."""
+  if isinstance(value, bool):
+    return None
+  if isinstance(value, int):
+    return value
+  if isinstance(value, str):
+    text = value.strip()
+    try:
+      return int(text)
+    except ValueError:
+      pass
+    try:
+      value = float(text)
+    except ValueError:
+      return None
+  if isinstance(value, float) and math.isfinite(value) and value == int(value):
+    return int(value)
+  return None
 
 
 def typed_fields(cls, spec: dict, prefix: str) -> dict:

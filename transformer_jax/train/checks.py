@@ -13,9 +13,11 @@ import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from transformer_jax import data as data_lib
 from transformer_jax import hardware, models
+from transformer_jax.backends.table import OPTION_FIELDS
 from transformer_jax.train.config import Experiment
 
 
@@ -141,4 +143,30 @@ def check_memory(exp: Experiment, model_config: models.ModelConfig) -> None:
       f"the model's {models.count_params(model_config):,} parameters need "
       f"{need / 2**30:.1f} GiB for parameters, gradients and AdamW moments, more "
       f"than the {free / 2**30:.1f} GiB of memory this machine has free"
+    )
+
+
+def check_compile_options(exp: Experiment) -> None:
+  """Refuses the XLA options of ``kernels.step_options`` and ``kernels.decode_options`` that this
+  jaxlib's compiler does not take (an unknown name, a value of the wrong kind), before the steps
+  compile: each is tried on a one-element program, compiled for this process's default devices.
+
+  Raises:
+    ValueError: listing every refused option with XLA's reason.
+  """
+  options = [(f, n, v) for f in OPTION_FIELDS for n, v in getattr(exp.kernels, f)]
+  if not options:
+    return
+  lowered = jax.jit(lambda: jnp.zeros(())).lower()
+  refused = []
+  for field, name, value in options:
+    try:
+      lowered.compile(compiler_options={name: value})
+    except jax.errors.JaxRuntimeError as e:
+      reason = str(e).split(": ", 1)[-1]  # "INVALID_ARGUMENT: No such compile option: 'x'"
+      refused.append(f"kernels.{field}.{name}={value!r} ({reason})")
+  if refused:
+    raise ValueError(
+      f"XLA's compiler on {jax.devices()[0].platform} does not take "
+      f"{'; '.join(refused)}; see XLA's DebugOptions for the names it knows"
     )

@@ -17,6 +17,7 @@ a resumed run's model and data unchanged                     x       x        x
 ``train.steps`` not below the run's last checkpoint          x
 the task fits the model; its learning bars                   x       x        x      x
 the window fits the model's positions                        x       x        x      x
+the kernel table's XLA options are ones the compiler takes   x       x               x
 the training state fits the host memory (on CPU)             x
 the model and the batch fit the mesh                         x       x        x      x
 the dataset: prepared for the task, its vocabulary the       x                       x
@@ -42,6 +43,7 @@ from transformer_jax import backends, models, parallel, runs
 from transformer_jax.train import step as step_lib
 from transformer_jax.train import tasks as tasks_lib
 from transformer_jax.train.checks import (
+  check_compile_options,
   check_dataset_unchanged,
   check_memory,
   check_window,
@@ -188,6 +190,8 @@ def make_plan(
   # What can be checked before the data: a preparation may take hours.
   model_config, note = _model_before_data(exp, resume, rd, purpose)
   check_window(exp, model_config, tasks_lib.TASKS[exp.data.task])
+  if purpose != "export":  # an export lowers for its own, maybe absent, devices
+    check_compile_options(exp)
   if purpose == "train":
     check_memory(exp, model_config)
   dataset = ref = None

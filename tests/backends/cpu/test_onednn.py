@@ -31,10 +31,10 @@ def test_steps_with_onednn_products_are_compiled_each_run_without_a_warning(tmp_
   """This jaxlib cannot serialize oneDNN products, so the cache cannot keep such a step: every
   run compiles it again (a jaxlib that can would fail this test, and the docs in
   ``backends.cpu.onednn`` and experiments/PERFORMANCE.md would want updating). JAX's warning about
-  the failed write is silenced where such a step compiles (a held step's first call, a compile in
-  ``quiet_uncacheable``), and only there: asking for the options leaves the process's warning
-  filters as they were, and the same program compiled outside those scopes still warns. Other
-  programs are still cached."""
+  the failed write is silenced where such a step compiles (a held step's calls with new shapes, a
+  compile in ``quiet_uncacheable``), and only there: asking for the options leaves the process's
+  warning filters as they were, and the same program compiled outside those scopes still warns.
+  Other programs are still cached."""
   script = textwrap.dedent("""
       import jax, jax.numpy as jnp, sys, warnings
       from transformer_jax import backends, runtime
@@ -59,7 +59,9 @@ def test_steps_with_onednn_products_are_compiled_each_run_without_a_warning(tmp_
       x = jnp.ones((8, 32, 32))
       with warnings.catch_warnings(record=True) as caught:   # JAX's UserWarning shows by default
         warnings.simplefilter("always")
-        onednn.hold(jax.jit(onednn_product, compiler_options=options), options)(x)
+        held = onednn.hold(jax.jit(onednn_product, compiler_options=options), options)
+        held(x)
+        held(jnp.ones((4, 16, 16)))  # another shape compiles again (a Seq2Seq bucket)
         with onednn.quiet_uncacheable():
           jax.jit(compiled_ahead).lower(x).compile(compiler_options=options)(x)
         jax.jit(plain)(x).block_until_ready()
@@ -236,11 +238,11 @@ def test_held_steps_get_a_moment_at_exit_before_they_are_destroyed(monkeypatch):
   assert registered == [(time.sleep, onednn.EXIT_WAIT_S)]  # once
 
 
-def test_a_held_jit_function_is_the_function_with_a_quiet_first_call(monkeypatch):
+def test_a_held_jit_function_is_the_function_with_quiet_compiles(monkeypatch):
   monkeypatch.setattr(onednn, "_HELD", collections.deque(maxlen=2))
   fn = jax.jit(lambda x: x * 2)
   held = onednn.hold(fn, onednn.ONEDNN_DOTS)
-  assert isinstance(held, onednn.QuietFirstCall) and held.fn is fn and list(onednn._HELD) == [held]
+  assert isinstance(held, onednn.QuietCompiles) and held.fn is fn and list(onednn._HELD) == [held]
   assert onednn.hold(held, onednn.ONEDNN_DOTS) is held  # not wrapped twice
   assert held.lower(1.0).compile()(3.0) == 6.0 and held(2.0) == 4.0 and held(5.0) == 10.0
   assert onednn.hold(fn, None) is fn and onednn.hold(fn, compile_lib.GPU_STEP_OPTIONS) is fn

@@ -114,10 +114,22 @@ def quiet_uncacheable():
     yield
 
 
-class QuietFirstCall:
-  """A ``jax.jit`` function compiled with oneDNN products, whose calls run inside
-  ``quiet_uncacheable()`` until one has returned (the first call compiles it); every attribute
-  (``lower``, ``trace``, ...) is the function's.
+def _signature(args, kwargs) -> tuple:
+  """What decides whether a ``jax.jit`` call compiles: the arguments' tree and each leaf's shape
+  and dtype (a Python scalar: its type)."""
+  leaves, tree = jax.tree.flatten((args, kwargs))
+  return tree, tuple(
+    (x.shape, str(x.dtype)) if hasattr(x, "shape") and hasattr(x, "dtype") else type(x)
+    for x in leaves
+  )
+
+
+class QuietCompiles:
+  """A ``jax.jit`` function compiled with oneDNN products, whose calls with arguments of a shape
+  not seen before (the ones that compile it: the first, and each new bucket of a Seq2Seq batch)
+  run inside ``quiet_uncacheable()``; every attribute (``lower``, ``trace``, ...) is the
+  function's. The filter is not entered on the other calls: each entry resets Python's record of
+  the warnings already shown.
 
   Attributes:
     fn: the jitted function.
@@ -125,18 +137,19 @@ class QuietFirstCall:
 
   def __init__(self, fn):
     self.fn = fn
-    self._returned = False
+    self._seen: set = set()
 
   def __call__(self, *args, **kwargs):
-    if self._returned:
+    signature = _signature(args, kwargs)
+    if signature in self._seen:
       return self.fn(*args, **kwargs)
     with quiet_uncacheable():
       out = self.fn(*args, **kwargs)
-    self._returned = True
+    self._seen.add(signature)
     return out
 
   def __getattr__(self, name):
-    if name in ("fn", "_returned"):  # not set yet (a copy being built)
+    if name in ("fn", "_seen"):  # not set yet (a copy being built)
       raise AttributeError(name)
     return getattr(self.fn, name)
 
@@ -173,14 +186,13 @@ def hold(compiled, options: dict | None):
 
   Returns:
     ``compiled`` itself when ``options`` do not use oneDNN (nothing is held) or it is already
-    compiled; a ``jax.jit`` function comes back as a ``QuietFirstCall`` around it, so that its
-    first call, which compiles it, does not warn about the cache. What is returned is what is
-    held.
+    compiled; a ``jax.jit`` function comes back as a ``QuietCompiles`` around it, so that the
+    calls that compile it do not warn about the cache. What is returned is what is held.
   """
   if not uses_onednn(options):
     return compiled
-  if callable(compiled) and hasattr(compiled, "lower") and not isinstance(compiled, QuietFirstCall):
-    compiled = QuietFirstCall(compiled)
+  if callable(compiled) and hasattr(compiled, "lower") and not isinstance(compiled, QuietCompiles):
+    compiled = QuietCompiles(compiled)
   if not _HELD:
     atexit.register(time.sleep, EXIT_WAIT_S)  # runs before JAX's exit hooks (registered earlier)
   if len(_HELD) == _HELD.maxlen:
