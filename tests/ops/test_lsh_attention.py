@@ -131,3 +131,54 @@ def test_bad_options_are_named():
     lsh.lsh_attention(x, x, n_buckets=4, chunk_length=5)
   with pytest.raises(ValueError, match="rotations must be"):
     lsh.lsh_attention(x, x, n_buckets=4, chunk_length=4, rotations=jnp.zeros((N, H, 1, 3)))
+
+
+def test_sort_order_matches_an_int64_reference_past_int32():
+  # 12 rounds of (64, 128) buckets over T = 24,576: n_hashes * (buckets + 1) * T passes 2**31,
+  # where a packed int32 (round, bucket, position) key overflowed. The reference packs the same
+  # key in int64; the order is a permutation of integers, so it must match exactly.
+  n_hashes, t, nb = 12, 24_576, 64 * 128
+  assert n_hashes * (nb + 1) * t > 2**31
+  buckets = np.random.default_rng(5).integers(0, nb + 1, (1, 2, n_hashes, t))
+  got = lsh.sort_order(jnp.asarray(buckets, jnp.int32), nb)
+  rounds = np.arange(n_hashes, dtype=np.int64)[:, None]
+  key = ((rounds * (nb + 1) + buckets.astype(np.int64)) * t + np.arange(t)).reshape(1, 2, -1)
+  np.testing.assert_array_equal(np.asarray(got), np.argsort(key, axis=-1, kind="stable"))
+
+
+def test_lsh_matches_transformers_where_int32_keys_overflowed():
+  # 2**22 buckets (22 factors of 2) over T = 1024: (buckets + 1) * T passes 2**31, so half the
+  # positions' packed int32 sort keys overflowed. transformers sorts int64 keys.
+  t, factors = 1024, [2] * 22
+  assert (2**22 + 1) * t > 2**31
+  config = hf_config(num_hashes=1, num_buckets=factors, lsh_attn_chunk_length=64, is_decoder=True)
+  torch.manual_seed(6)
+  layer = reformer.LSHSelfAttention(config, layer_idx=0).eval()
+  x = np.random.default_rng(7).standard_normal((1, t, D)).astype(np.float32)
+  with torch.no_grad():
+    want = layer(torch.from_numpy(x)).hidden_states.numpy()
+  qk, v = (heads(x, getattr(layer, k).weight.detach().numpy()) for k in ("query_key", "value"))
+  got = lsh.lsh_attention(
+    qk,
+    v,
+    n_buckets=tuple(factors),
+    n_hashes=1,
+    chunk_length=64,
+    causal=True,
+    rotations=jnp.asarray(hf_rotations(config)),
+  )
+  # The tolerance of test_lsh_matches_transformers: float32 attention over the same chunks.
+  np.testing.assert_allclose(np.asarray(got).reshape(1, t, N * H), want, atol=1e-5, rtol=1e-4)
+
+
+def test_sizes_past_int32_are_named():
+  with pytest.raises(ValueError, match=r"n_hashes \* T = 2 \* 1073741824"):
+    lsh.check_sizes(2**30, 2, 4)
+  with pytest.raises(ValueError, match=r"n_hashes \* \(buckets \+ 1\)"):
+    lsh.check_sizes(64, 2, (2,) * 31)
+  lsh.check_sizes(2**30, 1, (2,) * 30)  # 2**30 entries, 2**30 + 1 keys: fits
+  # The Reformer's config refuses them at construction, for its max_len.
+  from transformer_jax.models import ReformerConfig as Config
+
+  with pytest.raises(ValueError, match=r"n_hashes \* T = 4 \* 1073741824"):
+    Config(max_len=2**30, n_hashes=4, axial_pos_shape=(2**15, 2**15))

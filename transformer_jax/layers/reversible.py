@@ -11,6 +11,16 @@ and its inputs follow from its outputs: ``x2 = y2 - g(y1)``, ``x1 = y1 - f(x2)``
 reverse, rebuilding each layer's inputs and taking its vector-Jacobian products, so only one
 layer's activations exist at a time.
 
+The streams are float32 (or wider) whatever the branches compute in, each carried as a pair
+``(hi, lo)`` whose ``lo`` keeps the adds' rounding error (Knuth's two-sum): the backward's
+subtraction then returns each layer's inputs to about ``2**-44`` of the activations, so the
+branches see the float32 inputs they saw in the forward (``hi``; ``lo`` never reaches them).
+Plain float32 adds would lose ``2**-24`` of the activations per layer, and bfloat16 adds
+``2**-8``, which the inversion amplifies layer by layer into wrong gradients. What is left
+differs from ordinary autodiff only where XLA compiles a branch's recomputation differently
+from its forward: less than the branches' own rounding puts in the gradient
+(``tests/layers/test_reversible.py``; docs/approximations.md).
+
 ``Stack(reversible=True)`` runs its blocks this way: ``f`` is a pre-norm block's attention branch
 and ``g`` its feed-forward branch; the stack's input feeds both streams and its output is their
 mean (``models/reformer.py`` keeps both streams instead, as the Reformer does).
@@ -35,12 +45,34 @@ from transformer_jax.ops import precision
 Branch = Callable[[Any, jax.Array, Any, Any], jax.Array]
 
 
+def stream_dtype(dtype) -> jnp.dtype:
+  """The residual streams' dtype for inputs of ``dtype``: float32 at least."""
+  return jnp.promote_types(dtype, jnp.float32)
+
+
 def _tree_add(a, b):
   return jax.tree.map(jnp.add, a, b)
 
 
 def _slice(a, j):
   return None if a is None else jax.tree.map(lambda x: x[j], a)
+
+
+def _add(x, a):
+  """``x + a`` for a stream ``x = (hi, lo)`` (the value ``hi + lo``, ``|lo|`` at most half an ulp
+  of ``hi``) and a branch output ``a``: Knuth's two-sum keeps the add's rounding error in ``lo``,
+  so ``_add(_add(x, a), -a)`` gives ``x`` back to about ``2**-44`` of the values (float32)."""
+  hi, lo = x
+  a = a.astype(hi.dtype)
+  s = hi + a
+  bb = s - hi
+  e = (hi - (s - bb)) + (a - bb) + lo  # the add's rounding error, exactly, plus the old lo
+  hi = s + e
+  return hi, e - (hi - s)
+
+
+def _stream(x):
+  return x, jnp.zeros_like(x)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -54,20 +86,25 @@ def _run(
   shared,
   per_layer,
 ):
+  y1, y2 = _run_streams(fs, gs, params, x1, x2, shared, per_layer)
+  return y1[0], y2[0]
+
+
+def _run_streams(fs, gs, params, x1, x2, shared, per_layer):
   def body(carry, step):
     x1, x2 = carry
     ps, a = step
     for j, (f, g) in enumerate(zip(fs, gs)):
-      x1 = x1 + f(ps[j], x2, shared, _slice(a, j))
-      x2 = x2 + g(ps[j], x1, shared, _slice(a, j))
+      x1 = _add(x1, f(ps[j], x2[0], shared, _slice(a, j)))
+      x2 = _add(x2, g(ps[j], x1[0], shared, _slice(a, j)))
     return (x1, x2), None
 
-  return jax.lax.scan(body, (x1, x2), (params, per_layer))[0]
+  return jax.lax.scan(body, (_stream(x1), _stream(x2)), (params, per_layer))[0]
 
 
 def _run_fwd(fs, gs, matmul_precision, params, x1, x2, shared, per_layer):
-  y1, y2 = _run(fs, gs, matmul_precision, params, x1, x2, shared, per_layer)
-  return (y1, y2), (params, y1, y2, shared, per_layer)
+  y1, y2 = _run_streams(fs, gs, params, x1, x2, shared, per_layer)
+  return (y1[0], y2[0]), (params, y1, y2, shared, per_layer)
 
 
 def _run_bwd(fs, gs, matmul_precision, res, cotangents):
@@ -80,13 +117,13 @@ def _run_bwd(fs, gs, matmul_precision, res, cotangents):
     dps = [None] * len(fs)
     for j in reversed(range(len(fs))):
       f, g, p, aj = fs[j], gs[j], ps[j], _slice(a, j)
-      gy1, g_vjp = jax.vjp(lambda p, y: g(p, y, shared, aj), p, y1)
-      x2 = y2 - gy1
-      dp_g, dy1_g = g_vjp(dy2)
+      gy1, g_vjp = jax.vjp(lambda p, y: g(p, y, shared, aj), p, y1[0])
+      x2 = _add(y2, -gy1)
+      dp_g, dy1_g = g_vjp(dy2.astype(gy1.dtype))
       dy1 = dy1 + dy1_g
-      fx2, f_vjp = jax.vjp(lambda p, x: f(p, x, shared, aj), p, x2)
-      dp_f, dx2_f = f_vjp(dy1)
-      y1, y2, dy2 = y1 - fx2, x2, dy2 + dx2_f
+      fx2, f_vjp = jax.vjp(lambda p, x: f(p, x, shared, aj), p, x2[0])
+      dp_f, dx2_f = f_vjp(dy1.astype(fx2.dtype))
+      y1, y2, dy2 = _add(y1, -fx2), x2, dy2 + dx2_f
       dps[j] = _tree_add(dp_f, dp_g)
     return (y1, y2, dy1, dy2), tuple(dps)
 
@@ -128,15 +165,19 @@ def reversible_layers(
       (every layer's activations saved), for comparisons.
 
   Returns:
-    ``(y1, y2)`` after the last layer. Its gradients wrt ``params``, ``x1`` and ``x2`` equal
-    those of the same layers under ordinary autodiff up to rounding, from one layer's
+    ``(y1, y2)`` after the last layer, in ``stream_dtype(x1.dtype)`` (float32 at least). Its
+    gradients wrt ``params``, ``x1`` and ``x2`` equal those of the same layers under ordinary
+    autodiff up to the branches' rounding (see the module docstring), from one layer's
     activations at a time.
   """
   if not isinstance(f, tuple):
     f, g, params = (f,), (g,), (params,)
     per_layer = None if per_layer is None else jax.tree.map(lambda a: a[:, None], per_layer)
+  stream = stream_dtype(x1.dtype)
   run = _run if recompute else _run.fun
-  return run(f, g, precision.current(), params, x1, x2, shared, per_layer)
+  return run(
+    f, g, precision.current(), params, x1.astype(stream), x2.astype(stream), shared, per_layer
+  )
 
 
 def _block_kwargs(kw: dict) -> dict:
@@ -163,7 +204,10 @@ def _attention_branch(graphdef, p, x, shared, key, *, static):
   r_attn, r_attn_w = split_key(key, 2)
   kw = {**static, **shared}
   out, _ = block.attn(
-    block.attn_norm(x), dropout_rate=block.cfg.attention_dropout_rate, dropout_rng=r_attn_w, **kw
+    block.attn_norm(x).astype(block.cfg.dtype),
+    dropout_rate=block.cfg.attention_dropout_rate,
+    dropout_rng=r_attn_w,
+    **kw,
   )
   return ops.dropout(out, block.cfg.dropout_rate, r_attn)
 
@@ -172,7 +216,11 @@ def _mlp_branch(graphdef, p, x, shared, key, *, static):
   del shared, static
   block: Block = nnx.merge(graphdef, p)
   r_mlp, r_mlp_in = split_key(None if key is None else jax.random.fold_in(key, 1), 2)
-  out = block.mlp(block.mlp_norm(x), dropout_rate=block.cfg.ffn_dropout_rate, dropout_rng=r_mlp_in)
+  out = block.mlp(
+    block.mlp_norm(x).astype(block.cfg.dtype),
+    dropout_rate=block.cfg.ffn_dropout_rate,
+    dropout_rng=r_mlp_in,
+  )
   return ops.dropout(out, block.cfg.dropout_rate, r_mlp)
 
 
@@ -215,18 +263,18 @@ def run_blocks(
   y1, y2 = reversible_layers(
     f, g, params, x_BTD, x_BTD, shared=shared, per_layer=keys, recompute=recompute
   )
-  return (y1 + y2) * jnp.asarray(0.5, y1.dtype)
+  return ((y1 + y2) * 0.5).astype(x_BTD.dtype)
 
 
 def run_blocks_cached(blocks: list[Block], x_BTD: jax.Array, caches: list, **block_kwargs):
   """Decoding (no gradients): the blocks one after another on the two streams, each reading and
   writing its cache. Returns ``(mean of the streams, new caches)``."""
   kw = _block_kwargs(block_kwargs)
-  x1 = x2 = x_BTD
+  x1 = x2 = _stream(x_BTD.astype(stream_dtype(x_BTD.dtype)))
   new = []
   for block, cache in zip(blocks, caches):
-    out, cache = block.attn(block.attn_norm(x2), cache=cache, **kw)
-    x1 = x1 + out
-    x2 = x2 + block.mlp(block.mlp_norm(x1))
+    out, cache = block.attn(block.attn_norm(x2[0]).astype(block.cfg.dtype), cache=cache, **kw)
+    x1 = _add(x1, out)
+    x2 = _add(x2, block.mlp(block.mlp_norm(x1[0]).astype(block.cfg.dtype)))
     new.append(cache)
-  return (x1 + x2) * jnp.asarray(0.5, x1.dtype), new
+  return ((x1[0] + x2[0]) * 0.5).astype(x_BTD.dtype), new

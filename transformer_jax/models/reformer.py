@@ -352,7 +352,8 @@ class Reformer(nnx.Module):
       per_layer=per_layer,
       recompute=recompute,
     )
-    h_BTE = self.final_norm(jnp.concatenate([y1, y2], axis=-1))
+    # The streams come back float32 (layers.reversible); the norm reads them so.
+    h_BTE = self.final_norm(jnp.concatenate([y1, y2], axis=-1)).astype(c.dtype)
     return ops.dropout(h_BTE, c.dropout_rate, keys[2])[:, :t]
 
   @with_matmul_precision

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 MASKED_LOGIT = -1e9  # a masked key (padding, the future)
 SELF_LOGIT = -1e5  # the query's own position: above every masked key, below any real logit
+_INT32_MAX = 2**31 - 1
 
 
 def rotation_size(n_buckets: int | tuple[int, ...]) -> int:
@@ -69,6 +70,41 @@ def hash_buckets(
     buckets = digit if buckets is None else buckets + product * digit
     start, product = start + f // 2, product * f
   return buckets.astype(jnp.int32)
+
+
+def check_sizes(t: int, n_hashes: int, n_buckets: int | tuple[int, ...]) -> None:
+  """Raises ``ValueError`` where ``sort_order``'s int32 keys or indices would overflow: the
+  ``n_hashes * T`` sorted entries, or ``n_hashes * (buckets + 1)`` round-bucket keys, past
+  ``2**31 - 1``."""
+  entries, keys = n_hashes * t, n_hashes * (total_buckets(n_buckets) + 1)
+  if entries > _INT32_MAX:
+    raise ValueError(
+      f"n_hashes * T = {n_hashes} * {t} = {entries} entries exceed int32 indices (2**31 - 1)"
+    )
+  if keys > _INT32_MAX:
+    raise ValueError(
+      f"n_hashes * (buckets + 1) = {n_hashes} * {total_buckets(n_buckets) + 1} = {keys} "
+      "exceeds int32 sort keys (2**31 - 1)"
+    )
+
+
+def sort_order(buckets_BNhT: jax.Array, n_buckets: int) -> jax.Array:
+  """The permutation ``[B, N, n_hashes * T]`` sorting the entries ``round * T + position`` by
+  (round, bucket, position), for bucket ids ``[B, N, n_hashes, T]`` in ``[0, n_buckets]``
+  (``n_buckets`` itself: padding).
+
+  Two int32 sort keys, (round, bucket) and the entry index, rather than one packed
+  ``(round * (n_buckets + 1) + bucket) * T + position``, which overflows int32 once
+  ``n_hashes * (n_buckets + 1) * T`` passes ``2**31`` (JAX has no int64 by default). Within one
+  (round, bucket) the entry index orders by position. ``check_sizes`` bounds the rest.
+  """
+  b, n, n_hashes, t = buckets_BNhT.shape
+  rounds = jnp.arange(n_hashes, dtype=jnp.int32)[:, None]
+  bucket_key_BNM = (rounds * (n_buckets + 1) + buckets_BNhT.astype(jnp.int32)).reshape(
+    b, n, n_hashes * t
+  )
+  entry_BNM = jax.lax.broadcasted_iota(jnp.int32, bucket_key_BNM.shape, 2)
+  return jax.lax.sort((bucket_key_BNM, entry_BNM), dimension=2, num_keys=2)[1]
 
 
 def _look_adjacent(x, before: int, after: int):
@@ -143,7 +179,7 @@ def lsh_attention(
 
   Raises:
     ValueError: for mismatched shapes, odd bucket counts, a length that is not a multiple of
-      ``chunk_length``, or rotations of the wrong shape.
+      ``chunk_length``, rotations of the wrong shape, or sizes past int32 (``check_sizes``).
   """
   if qk.ndim != 4 or v.shape != qk.shape:
     raise ValueError(f"qk and v must be one [B, T, N, H] shape; got {qk.shape} and {v.shape}")
@@ -155,6 +191,7 @@ def lsh_attention(
     raise ValueError(f"n_hashes={n_hashes} must be >= 1")
   _chunks(t, chunk_length)
   _check("kv_valid", kv_valid, b, t)
+  check_sizes(t, n_hashes, n_buckets)
   r = rotation_size(n_buckets)
   if rotations is None:
     rotations = random_rotations(jax.random.key(seed), n, h, n_hashes, n_buckets)
@@ -178,10 +215,7 @@ def lsh_attention(
   buckets_BNhT = hash_buckets(qk_BNTH, rotations, n_buckets)
   if kv_valid is not None:
     buckets_BNhT = jnp.where(kv_valid.astype(bool)[:, None, None, :], buckets_BNhT, nb)
-  # Sort by (round, bucket, position): one key per entry of the n_hashes * T sequence.
-  rounds = jnp.arange(n_hashes, dtype=jnp.int32)[:, None]
-  key_BNM = ((rounds * (nb + 1) + buckets_BNhT) * t + pos).reshape(b, n, n_hashes * t)
-  order_BNM = jnp.argsort(key_BNM, axis=-1)
+  order_BNM = sort_order(buckets_BNhT, nb)
   undo_BNM = jnp.argsort(order_BNM, axis=-1)
   pos_BNM = order_BNM % t
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from transformer_jax import ops
+from transformer_jax.ops import lsh
 from transformer_jax.models.config import checks
 
 _REFORMER_KINDS = ("lsh", "local")
@@ -94,6 +95,8 @@ class ReformerConfig:
       raise ValueError(
         f"n_buckets={self.n_buckets!r} must be an even integer >= 2 or a list of them"
       )
+    if "lsh" in self.attn_layers:  # LSH's int32 sort keys over max_len positions
+      lsh.check_sizes(self.max_len, self.n_hashes, self.n_buckets)
     if self.axial_pos_shape is not None:
       shape, dims = self.axial_pos_shape, self.axial_pos_dims
       if len(shape) != 2 or any(not isinstance(x, int) or x < 1 for x in shape):
