@@ -135,3 +135,21 @@ def test_mamba2_with_the_pallas_scan_exports_its_kernel_for_tpu_and_is_refused_f
   assert "cpu" not in tpu_info.registry  # the stand-in chip is gone after the export
   with pytest.raises(ValueError, match=r"--export-for cuda: model\.ssm_impl: pallas .* set "):
     export.export_train_step(exp, "cuda")
+
+
+def test_the_serialized_module_is_written_and_reads_back(tmp_path):
+  import jax
+
+  step = _exported(MAMBA, "tpu")
+  report = export.write(step, str(tmp_path), "mamba_tiny")
+  path = tmp_path / "mamba_tiny.tpu.jax_exported"
+  assert "serialized" not in report and str(path) in report["files"]
+  back = jax.export.deserialize(path.read_bytes())
+  assert back.platforms == ("tpu",) and back.mlir_module() == step.text
+  for got, want in (
+    (back.in_avals, step.exported.in_avals),
+    (back.out_avals, step.exported.out_avals),
+  ):
+    assert [(a.shape, a.dtype) for a in got] == [(a.shape, a.dtype) for a in want]
+  assert back.module_kept_var_idx == step.exported.module_kept_var_idx
+  assert back.in_tree.num_leaves == len(step.exported.in_avals)

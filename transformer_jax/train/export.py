@@ -26,6 +26,9 @@ How the target is stood in for while tracing:
 
 The module holds the inputs the step reads: ``jax.jit`` drops the others (a Mamba model reads no
 ``positions``), and the report names them (``unused_inputs``); ``Exported.call`` takes them all.
+The serialized module (``STEM.PLATFORM.jax_exported``, :func:`serialize`) needs the
+``flatbuffers`` package, a dependency of this one; it takes and returns its arrays flat, in the
+module's order.
 """
 
 from __future__ import annotations
@@ -338,10 +341,29 @@ def inspect(step: ExportedStep) -> dict[str, Any]:
   }
 
 
+def serialize(step: ExportedStep) -> bytes:
+  """The exported step as ``jax.export.serialize`` writes it, taking and returning flat tuples of
+  arrays: jax serializes only the pytree types registered with it, and the state's flax variables
+  and optax states are not. ``jax.export.deserialize`` reads it back; ``call(*inputs)`` takes the
+  state's leaves, then the batch's (``jax.tree.leaves((state, batch))``), and returns the new
+  state's leaves, then the metrics'.
+
+  Raises:
+    ImportError: the ``flatbuffers`` package is missing.
+  """
+  exported = step.exported
+  flat = dataclasses.replace(
+    exported,
+    in_tree=jax.tree.structure((tuple(range(len(exported.in_avals))), {})),
+    out_tree=jax.tree.structure(tuple(range(len(exported.out_avals)))),
+  )
+  return flat.serialize()
+
+
 def write(step: ExportedStep, out_dir: str, stem: str) -> dict[str, Any]:
   """Writes ``STEM.PLATFORM.mlir`` (the StableHLO text), ``STEM.PLATFORM.json`` (:func:`inspect`
-  with ``files``) and, where jax can serialize (it needs the ``flatbuffers`` package),
-  ``STEM.PLATFORM.jax_exported`` (``jax.export.deserialize`` reads it); returns the report."""
+  with ``files``) and ``STEM.PLATFORM.jax_exported`` (:func:`serialize`; where ``flatbuffers`` is
+  missing, the report says why it is not written); returns the report."""
   os.makedirs(out_dir, exist_ok=True)
   base = os.path.join(out_dir, f"{stem}.{step.platform}")
   with open(base + ".mlir", "w") as f:
@@ -349,8 +371,8 @@ def write(step: ExportedStep, out_dir: str, stem: str) -> dict[str, Any]:
   report = inspect(step)
   report["files"] = [base + ".mlir", base + ".json"]
   try:
-    blob = step.exported.serialize()
-  except ImportError as e:  # jax serializes with flatbuffers, an optional dependency
+    blob = serialize(step)
+  except ImportError as e:  # jax serializes with flatbuffers (a dependency of transformer-jax)
     report["serialized"] = f"not written: {e}"
   else:
     with open(base + ".jax_exported", "wb") as f:
