@@ -124,7 +124,8 @@ def test_mamba_experiments_export_without_the_positions_they_do_not_read(path, p
 def test_mamba2_with_the_pallas_scan_exports_its_kernel_for_tpu_and_is_refused_for_cuda():
   from jax._src.pallas.mosaic import tpu_info
 
-  exp = load_experiment(MAMBA, ["model.mixer=mamba2", "model.ssm_impl=pallas"])
+  pallas = ["model.mixer=mamba2", "model.ssm_impl=pallas"]
+  exp = load_experiment(MAMBA, [*pallas, "mesh.data=1"])
   step = export.export_train_step(exp, "tpu")
   report = export.inspect(step)
   # The layers are scanned on a TPU: the kernel's forward once in the loop body (its gradient is
@@ -135,6 +136,10 @@ def test_mamba2_with_the_pallas_scan_exports_its_kernel_for_tpu_and_is_refused_f
   assert "cpu" not in tpu_info.registry  # the stand-in chip is gone after the export
   with pytest.raises(ValueError, match=r"--export-for cuda: model\.ssm_impl: pallas .* set "):
     export.export_train_step(exp, "cuda")
+  # XLA cannot partition a Mosaic kernel: over a mesh, the export says so before tracing.
+  wide = load_experiment(MAMBA, [*pallas, "mesh.data=8"])
+  with pytest.raises(ValueError, match=r"pallas on a mesh of 8 devices: .* set model\.ssm_impl"):
+    export.export_train_step(wide, "tpu")
 
 
 def test_the_serialized_module_is_written_and_reads_back(tmp_path):

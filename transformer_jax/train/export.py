@@ -183,16 +183,23 @@ def _named(tree, prefix: str = "") -> list[tuple[str, Any]]:
   ]
 
 
-def check_kernels(model_config, platform: str) -> None:
+def check_kernels(model_config, platform: str, devices: int) -> None:
   """Refuses, before anything is traced, a model asking for a kernel ``platform`` cannot run:
   Mamba-2's Pallas scan (``model.ssm_impl: pallas``) is a TPU kernel, which elsewhere runs in
-  Pallas' TPU interpreter, on the host.
+  Pallas' TPU interpreter, on the host; and XLA cannot partition it over a mesh of ``devices`` > 1
+  (the layer calls it outside ``shard_map``).
 
   Raises:
     ValueError: naming the setting to change.
   """
-  if platform != "tpu" and getattr(model_config, "ssm_impl", None) == "pallas":
-    if getattr(model_config, "mixer", None) == "mamba2":
+  if getattr(model_config, "ssm_impl", None) == "pallas" and model_config.mixer == "mamba2":
+    if platform == "tpu" and devices > 1:
+      raise ValueError(
+        f"--export-for tpu: model.ssm_impl: pallas on a mesh of {devices} devices: XLA cannot "
+        f"partition the Pallas kernel (Mosaic) and the layer calls it outside shard_map; set "
+        f"model.ssm_impl: xla (or auto), or a 1-device mesh"
+      )
+    if platform != "tpu":
       raise ValueError(
         f"--export-for {platform}: model.ssm_impl: pallas is a Pallas TPU kernel (Mamba-2's "
         f"chunked scan, ops.ssm_pallas), which off a TPU runs in Pallas' interpreter on the "
@@ -222,7 +229,7 @@ def export_train_step(exp: Experiment, platform: str) -> ExportedStep:
         f"{jax.device_count()}: `tjax train CONFIG --export-for cuda` simulates them"
       )
     plan = make_plan(exp, purpose="export", mesh=mesh)
-    check_kernels(plan.model_config, platform)
+    check_kernels(plan.model_config, platform, mesh.size)
     t = plan.exp.train
     state = plan.method.abstract_state(plan.optimizer, mesh)
     shardings = step_lib.state_shardings(state, mesh)
