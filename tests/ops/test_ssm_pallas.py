@@ -76,3 +76,26 @@ def test_bad_shapes_are_refused_by_name():
   x, dt, A, B, C, D = m2_inputs(4, t=8)
   with pytest.raises(ValueError, match="ssd shapes"):
     ssm_pallas.ssd(x, dt[:, :, :3], A, B, C, D, interpret=True)
+
+
+@pytest.mark.slow
+def test_the_kernel_differentiates_inside_a_scan_with_traced_masks():
+  """Layers scanned (``jax.lax.scan``, what a TPU does with a stack of layers) with the masks
+  traced in the loop: the gradient of two steps of the kernel equals the pure form's."""
+  x, dt, A, B, C, D = m2_inputs(5, b=1, t=8, n=2, hd=3, g=1, s=4)
+  seg = np.zeros((1, 8), np.int32)
+  seg[0, 5:] = 1
+
+  def loss(fn):
+    def f(x, seg, valid):
+      def body(h, _):
+        y = fn(h, dt, A, B, C, D, chunk_size=4, valid=valid, segment_ids=seg)
+        return jnp.tanh(y), None
+
+      return jnp.sum(jax.lax.scan(body, x, None, length=2)[0] ** 2)
+
+    return jax.jit(jax.grad(f))
+
+  valid = np.ones((1, 8), bool)
+  got = loss(lambda *a, **k: ssm_pallas.ssd(*a, interpret=True, **k))(x, seg, valid)
+  np.testing.assert_allclose(got, loss(ops.ssd)(x, seg, valid), rtol=1e-5, atol=1e-5)

@@ -147,6 +147,29 @@ def test_macro_f1_against_numpy():
   assert report["per_class"]["true"] == np.bincount(true, minlength=5).tolist()
 
 
+def test_macro_f1_counts_only_classes_present_in_the_split():
+  # Class 2 has no example in the split but is predicted (the stdlib task's validation split has
+  # no tkinter function): its F1 is undefined and stays out of the mean, as the classes with
+  # neither; the wrong predictions still cost the true classes their recall.
+  true = np.array([0, 0, 0, 1, 1, 3, 3, 3])
+  pred = np.array([0, 2, 0, 1, 2, 3, 0, 3])
+  eye = np.eye(5)
+  sums = {
+    "cls_true": eye[true].sum(0),
+    "cls_pred": eye[pred].sum(0),
+    "cls_hit": (eye[true] * eye[pred]).sum(0),
+  }
+  f1s = []
+  for c in np.unique(true):  # an independent computation: the classes the split holds
+    tp = np.sum((pred == c) & (true == c))
+    prec, rec = tp / max(np.sum(pred == c), 1), tp / np.sum(true == c)
+    f1s.append(0.0 if tp == 0 else 2 * prec * rec / (prec + rec))
+  report = tasks.ClassifyTask.report(sums)
+  assert report["macro_f1"] == pytest.approx(np.mean(f1s))
+  assert report["macro_f1"] == pytest.approx((2 / 3 + 2 / 3 + 0.8) / 3)  # classes 0, 1, 3
+  assert report["accuracy"] == pytest.approx(5 / 8)
+
+
 def test_classify_needs_a_head():
   cfg = CONFIGS["gpt"].__class__(
     vocab_size=50, d_model=32, num_layers=1, num_heads=2, d_ff=64, max_len=16

@@ -6,6 +6,7 @@ CUDA steps need devices behind the mesh: tests/parallel/test_export_cuda.py expo
 simulated devices.
 """
 
+import functools
 import os
 import re
 
@@ -93,3 +94,67 @@ def test_cuda_needs_the_mesh_devices(monkeypatch):
     export.export_train_step(load_experiment(XL, []), "cuda")
   with pytest.raises(ValueError, match=r"--export-for 'rocm': must be one of tpu, cuda"):
     export.export_train_step(load_experiment(XL, []), "rocm")
+
+
+MAMBA = os.path.join(REPO, "experiments", "mamba_tiny.yaml")
+HYBRID = os.path.join(REPO, "experiments", "hybrid_tiny.yaml")
+
+
+@functools.cache
+def _exported(path: str, platform: str):
+  """The experiment's step exported once per test process (about 3 s each)."""
+  return export.export_train_step(load_experiment(path, []), platform)
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("path", [MAMBA, HYBRID], ids=["mamba_tiny", "hybrid_tiny"])
+def test_mamba_experiments_export_without_the_positions_they_do_not_read(path, platform):
+  # A Mamba model reads no positions: jax.jit leaves that batch input out of the module, and the
+  # plan the report checks against leaves it out too.
+  step = _exported(path, platform)
+  report = export.inspect(step)
+  assert report["sharding_mismatches"] == [] and report["host_transfers"] == []
+  assert export.holds(report)
+  assert step.unused_inputs == ("batch['positions']",)
+  args = _args(step.text)
+  assert "batch['positions']" not in args and "batch['tokens']" in args
+  assert report["inputs"] == len(step.planned) == len(step.exported.in_avals) - 1
+
+
+def test_mamba2_with_the_pallas_scan_exports_its_kernel_for_tpu_and_is_refused_for_cuda():
+  from jax._src.pallas.mosaic import tpu_info
+
+  pallas = ["model.mixer=mamba2", "model.ssm_impl=pallas"]
+  exp = load_experiment(MAMBA, [*pallas, "mesh.data=1"])
+  step = export.export_train_step(exp, "tpu")
+  report = export.inspect(step)
+  # The layers are scanned on a TPU: the kernel's forward once in the loop body (its gradient is
+  # the pure form's).
+  assert report["custom_calls"] == {"tpu_custom_call": 1}
+  assert report["kernels"] == {"ssd_chunked_scan": 1}
+  assert export.holds(report)
+  assert "cpu" not in tpu_info.registry  # the stand-in chip is gone after the export
+  with pytest.raises(ValueError, match=r"--export-for cuda: model\.ssm_impl: pallas .* set "):
+    export.export_train_step(exp, "cuda")
+  # XLA cannot partition a Mosaic kernel: over a mesh, the export says so before tracing.
+  wide = load_experiment(MAMBA, [*pallas, "mesh.data=8"])
+  with pytest.raises(ValueError, match=r"pallas on a mesh of 8 devices: .* set model\.ssm_impl"):
+    export.export_train_step(wide, "tpu")
+
+
+def test_the_serialized_module_is_written_and_reads_back(tmp_path):
+  import jax
+
+  step = _exported(MAMBA, "tpu")
+  report = export.write(step, str(tmp_path), "mamba_tiny")
+  path = tmp_path / "mamba_tiny.tpu.jax_exported"
+  assert "serialized" not in report and str(path) in report["files"]
+  back = jax.export.deserialize(path.read_bytes())
+  assert back.platforms == ("tpu",) and back.mlir_module() == step.text
+  for got, want in (
+    (back.in_avals, step.exported.in_avals),
+    (back.out_avals, step.exported.out_avals),
+  ):
+    assert [(a.shape, a.dtype) for a in got] == [(a.shape, a.dtype) for a in want]
+  assert back.module_kept_var_idx == step.exported.module_kept_var_idx
+  assert back.in_tree.num_leaves == len(step.exported.in_avals)

@@ -132,6 +132,7 @@ def _forward(x, dt32, A, B, C, h0, seg_BT, q, interpret):
     scratch_shapes=[pltpu.VMEM((hd, s), jnp.float32)],
     compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
     interpret=pltpu.InterpretParams() if interpret else False,
+    name="ssd_chunked_scan",
   )(x_c, dt_c, b_c, c_c, seg, seg_in, h0, a_n11)
   y = jnp.moveaxis(y.reshape(b, n, z * q, hd), 1, 2)[:, :t]
   return y, h_end
@@ -184,7 +185,7 @@ def ssd(
   q = min(chunk_size, t)
   limit = tuple(float(v) for v in time_step_limit)
 
-  def pure(x, dt, A, B, C, D, h0):
+  def pure(x, dt, A, B, C, D, h0, valid, segment_ids):
     return ssm_ops.ssd(
       x,
       dt,
@@ -200,8 +201,11 @@ def ssd(
       segment_ids=segment_ids,
     )
 
+  # The masks are arguments, not closed over: a custom_vjp closing over traced arrays leaves them
+  # as constants of its jaxpr, which no lowering takes once it sits in a scan (layers scanned,
+  # ``jax.lax.scan``): "No constant handler for type: DynamicJaxprTracer".
   @jax.custom_vjp
-  def run(x, dt, A, B, C, D, h0):
+  def run(x, dt, A, B, C, D, h0, valid, segment_ids, seg_BT):
     dt32 = ssm_ops._masked_dt(ssm_ops._clamped_dt(dt, limit), valid, b, t)  # noqa: SLF001
     y, h_end = _forward(x, dt32, A, B, C, h0, seg_BT, q, interpret)
     if D is not None:
@@ -211,9 +215,11 @@ def ssd(
   def fwd(*args):
     return run(*args), args
 
-  def bwd(args, cotangents):  # the gradient of the pure form, recomputed
-    return jax.vjp(pure, *args)[1](cotangents)
+  def bwd(args, cotangents):  # the gradient of the pure form, recomputed; none for the masks
+    *diff, valid, segment_ids, _ = args
+    grads = jax.vjp(lambda *d: pure(*d, valid, segment_ids), *diff)[1](cotangents)
+    return (*grads, None, None, None)
 
   run.defvjp(fwd, bwd)
-  y, h_end = run(x, dt, A, B, C, D, h0)
+  y, h_end = run(x, dt, A, B, C, D, h0, valid, segment_ids, seg_BT)
   return (y, h_end) if return_state else y

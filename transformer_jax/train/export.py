@@ -16,10 +16,19 @@ How the target is stood in for while tracing:
   cuDNN 9.10, where it asks the local GPU otherwise. jax gives cuDNN's attention calls no
   compatibility guarantee across jax versions, so they are exported with that check disabled by
   name: load the module with the jax version that wrote it.
+* For ``tpu``, on a host without a TPU, Pallas' Mosaic lowering (``model.ssm_impl: pallas``) reads
+  the chip from a TPU v5e (``TPU_TARGET``): the generation and the 8 x 128 vector registers, the
+  same on every TPU since v4.
 * The mesh: the process's own devices when it has as many as the mesh (``tjax train`` simulates
   them on CPU, as ``--dry-run`` does), else a ``jax.sharding.AbstractMesh`` of the same axes. The
   TPU step lowers on either; the CUDA step needs devices (jax partitions a cuDNN call against
   them while lowering).
+
+The module holds the inputs the step reads: ``jax.jit`` drops the others (a Mamba model reads no
+``positions``), and the report names them (``unused_inputs``); ``Exported.call`` takes them all.
+The serialized module (``STEM.PLATFORM.jax_exported``, :func:`serialize`) needs the
+``flatbuffers`` package, a dependency of this one; it takes and returns its arrays flat, in the
+module's order.
 """
 
 from __future__ import annotations
@@ -50,6 +59,9 @@ HOST_OPS = ("stablehlo.send", "stablehlo.recv", "stablehlo.infeed", "stablehlo.o
 # The compute capability and cuDNN version the CUDA export assumes (Hopper, cuDNN 9.10).
 CUDA_TARGET = {"compute_capability": "9.0", "cudnn": 91000}
 
+# The chip Pallas' Mosaic lowering reads when the TPU export runs on a host without one.
+TPU_TARGET = {"chip": "TPU_V5E", "cores": 1}
+
 
 @dataclasses.dataclass(frozen=True)
 class ExportedStep:
@@ -63,6 +75,7 @@ class ExportedStep:
     planned: ``(name, PartitionSpec)`` per input, in the module's order: the state's shardings
       from the rules table, then the batch split over ``data`` and ``fsdp``.
     planned_outputs: the same per output: the new state's, then the metrics replicated.
+    unused_inputs: the inputs the step does not read, which the module leaves out.
   """
 
   exported: Any
@@ -71,6 +84,7 @@ class ExportedStep:
   abstract_mesh: bool
   planned: tuple[tuple[str, PartitionSpec], ...]
   planned_outputs: tuple[tuple[str, PartitionSpec], ...]
+  unused_inputs: tuple[str, ...] = ()
 
   @property
   def text(self) -> str:
@@ -108,10 +122,31 @@ def target(platform: str):
       ):  # Hopper and later
         saved.append((obj, name, getattr(obj, name)))
         setattr(obj, name, value)
-    yield
+    with _tpu_chip() if platform == "tpu" else contextlib.nullcontext():
+      yield
   finally:
     for obj, name, value in reversed(saved):
       setattr(obj, name, value)
+
+
+@contextlib.contextmanager
+def _tpu_chip():
+  """Inside, Pallas' Mosaic lowering reads a ``TPU_TARGET`` chip where this host has no TPU (it
+  looks the local device's kind up in its table of chips, then in ``tpu_info.registry``)."""
+  from jax._src.pallas.mosaic import tpu_info  # noqa: PLC0415 - exporting only
+
+  kind = jax.local_devices()[0].device_kind
+  if tpu_info.chip_version_from_device_kind(kind) is not None or kind in tpu_info.registry:
+    yield
+    return
+  chip = tpu_info.ChipVersion[TPU_TARGET["chip"]]
+  tpu_info.registry[kind] = lambda: tpu_info.get_tpu_info_for_chip(chip, TPU_TARGET["cores"])
+  tpu_info.get_tpu_info.cache_clear()
+  try:
+    yield
+  finally:
+    del tpu_info.registry[kind]
+    tpu_info.get_tpu_info.cache_clear()
 
 
 def _cudnn_targets() -> list[str]:
@@ -139,11 +174,37 @@ def _mesh(exp: Experiment):
   return parallel.make_mesh(shape)
 
 
-def _named(tree) -> list[tuple[str, Any]]:
+def _named(tree, prefix: str = "") -> list[tuple[str, Any]]:
+  """``(name, leaf)`` per leaf of ``tree``, named as jax names a jitted function's arguments
+  (``state.params['embed']['embedding'].value``) after ``prefix``."""
   return [
-    (jax.tree_util.keystr(path), leaf)
+    (prefix + jax.tree_util.keystr(path), leaf)
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
   ]
+
+
+def check_kernels(model_config, platform: str, devices: int) -> None:
+  """Refuses, before anything is traced, a model asking for a kernel ``platform`` cannot run:
+  Mamba-2's Pallas scan (``model.ssm_impl: pallas``) is a TPU kernel, which elsewhere runs in
+  Pallas' TPU interpreter, on the host; and XLA cannot partition it over a mesh of ``devices`` > 1
+  (the layer calls it outside ``shard_map``).
+
+  Raises:
+    ValueError: naming the setting to change.
+  """
+  if getattr(model_config, "ssm_impl", None) == "pallas" and model_config.mixer == "mamba2":
+    if platform == "tpu" and devices > 1:
+      raise ValueError(
+        f"--export-for tpu: model.ssm_impl: pallas on a mesh of {devices} devices: XLA cannot "
+        f"partition the Pallas kernel (Mosaic) and the layer calls it outside shard_map; set "
+        f"model.ssm_impl: xla (or auto), or a 1-device mesh"
+      )
+    if platform != "tpu":
+      raise ValueError(
+        f"--export-for {platform}: model.ssm_impl: pallas is a Pallas TPU kernel (Mamba-2's "
+        f"chunked scan, ops.ssm_pallas), which off a TPU runs in Pallas' interpreter on the "
+        f"host: set model.ssm_impl: xla (or auto) to export for {platform}"
+      )
 
 
 def export_train_step(exp: Experiment, platform: str) -> ExportedStep:
@@ -168,6 +229,7 @@ def export_train_step(exp: Experiment, platform: str) -> ExportedStep:
         f"{jax.device_count()}: `tjax train CONFIG --export-for cuda` simulates them"
       )
     plan = make_plan(exp, purpose="export", mesh=mesh)
+    check_kernels(plan.model_config, platform, mesh.size)
     t = plan.exp.train
     state = plan.method.abstract_state(plan.optimizer, mesh)
     shardings = step_lib.state_shardings(state, mesh)
@@ -190,8 +252,11 @@ def export_train_step(exp: Experiment, platform: str) -> ExportedStep:
     exported = jax.export.export(jitted, platforms=(platform,), disabled_checks=checks)(
       state, batch
     )
-  inputs = _named((shardings, {k: batch_sharding for k in batch}))
-  state_out = _named(shardings)
+  inputs = _named(shardings, "state") + _named({k: batch_sharding for k in batch}, "batch")
+  if len(inputs) != len(exported.in_avals):
+    raise AssertionError(f"{len(exported.in_avals)} inputs exported, {len(inputs)} named")
+  kept = set(exported.module_kept_var_idx)
+  state_out = _named(shardings, "state")
   metrics = len(exported.out_avals) - len(state_out)
   outputs = state_out + [(f"metrics[{i}]", parallel.replicated(mesh)) for i in range(metrics)]
   return ExportedStep(
@@ -199,8 +264,9 @@ def export_train_step(exp: Experiment, platform: str) -> ExportedStep:
     platform=platform,
     mesh=dict(mesh.shape),
     abstract_mesh=abstract,
-    planned=tuple((n, s.spec) for n, s in inputs),
+    planned=tuple((n, s.spec) for i, (n, s) in enumerate(inputs) if i in kept),
     planned_outputs=tuple((n, s.spec) for n, s in outputs),
+    unused_inputs=tuple(n for i, (n, _) in enumerate(inputs) if i not in kept),
   )
 
 
@@ -276,15 +342,35 @@ def inspect(step: ExportedStep) -> dict[str, Any]:
     "kernels": dict(kernels),
     "host_transfers": host,
     "inputs": len(args),
+    "unused_inputs": list(step.unused_inputs),
     "outputs": len(results),
     "sharding_mismatches": mismatches,
   }
 
 
+def serialize(step: ExportedStep) -> bytes:
+  """The exported step as ``jax.export.serialize`` writes it, taking and returning flat tuples of
+  arrays: jax serializes only the pytree types registered with it, and the state's flax variables
+  and optax states are not. ``jax.export.deserialize`` reads it back; ``call(*inputs)`` takes the
+  state's leaves, then the batch's (``jax.tree.leaves((state, batch))``), and returns the new
+  state's leaves, then the metrics'.
+
+  Raises:
+    ImportError: the ``flatbuffers`` package is missing.
+  """
+  exported = step.exported
+  flat = dataclasses.replace(
+    exported,
+    in_tree=jax.tree.structure((tuple(range(len(exported.in_avals))), {})),
+    out_tree=jax.tree.structure(tuple(range(len(exported.out_avals)))),
+  )
+  return flat.serialize()
+
+
 def write(step: ExportedStep, out_dir: str, stem: str) -> dict[str, Any]:
   """Writes ``STEM.PLATFORM.mlir`` (the StableHLO text), ``STEM.PLATFORM.json`` (:func:`inspect`
-  with ``files``) and, where jax can serialize (it needs the ``flatbuffers`` package),
-  ``STEM.PLATFORM.jax_exported`` (``jax.export.deserialize`` reads it); returns the report."""
+  with ``files``) and ``STEM.PLATFORM.jax_exported`` (:func:`serialize`; where ``flatbuffers`` is
+  missing, the report says why it is not written); returns the report."""
   os.makedirs(out_dir, exist_ok=True)
   base = os.path.join(out_dir, f"{stem}.{step.platform}")
   with open(base + ".mlir", "w") as f:
@@ -292,8 +378,8 @@ def write(step: ExportedStep, out_dir: str, stem: str) -> dict[str, Any]:
   report = inspect(step)
   report["files"] = [base + ".mlir", base + ".json"]
   try:
-    blob = step.exported.serialize()
-  except ImportError as e:  # jax serializes with flatbuffers, an optional dependency
+    blob = serialize(step)
+  except ImportError as e:  # jax serializes with flatbuffers (a dependency of transformer-jax)
     report["serialized"] = f"not written: {e}"
   else:
     with open(base + ".jax_exported", "wb") as f:
@@ -321,6 +407,10 @@ def format_report(report: dict[str, Any]) -> str:
   if report["kernels"]:
     lines.append(
       "  kernels: " + ", ".join(f"{k} x{v}" for k, v in sorted(report["kernels"].items()))
+    )
+  if report.get("unused_inputs"):
+    lines.append(
+      "  inputs the step does not read (not in the module): " + ", ".join(report["unused_inputs"])
     )
   lines.append("  host transfers: " + (", ".join(report["host_transfers"]) or "none"))
   bad = report["sharding_mismatches"]

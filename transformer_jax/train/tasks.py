@@ -401,12 +401,12 @@ class ClassifyTask(_Task):
 
   @staticmethod
   def report(sums) -> dict:
-    """Accuracy, macro-F1 (classes with no example and no prediction left out) and per-class
-    counts from summed eval metrics."""
+    """Accuracy, macro-F1 and per-class counts from summed eval metrics. The macro-F1 averages
+    the classes present in the split (at least one example): a class without one has no recall,
+    and its wrong predictions already cost the present classes theirs."""
     true, pred, hit = (np.asarray(sums[k], np.float64) for k in ("cls_true", "cls_pred", "cls_hit"))
-    denom = true + pred
-    present = denom > 0
-    f1 = np.where(present, 2 * hit / np.maximum(denom, 1), 0.0)
+    present = true > 0
+    f1 = np.where(present, 2 * hit / np.maximum(true + pred, 1), 0.0)
     return {
       "accuracy": float(hit.sum() / max(true.sum(), 1)),
       "macro_f1": float(f1[present].mean()) if present.any() else 0.0,
