@@ -5,6 +5,11 @@ references they are compared with.
 Parameters are drawn with NumPy (no initialisation program to compile) at a scale that makes logits
 O(1) apart, so a wrong mask, position or cache slot shows far above the tolerances and greedy
 argmaxes do not tie.
+
+Two programs that compute the same function (a batch and a row alone, packed and separate
+documents, a cache and the full pass) differ by rounding only; ``bound`` says by how much at most, from the
+model's size and the reference's scale, and holds on every CPU (AVX2 or AVX-512 vector widths,
+any matmul blocking).
 """
 
 from __future__ import annotations
@@ -21,7 +26,37 @@ from tests.conformance.kinds import DECODER, ENCODER, SEQ2SEQ, VOCAB, Kind
 
 WIDTH = 16  # columns of every padded batch the suite builds
 ROWS = 3  # rows of every batch
-ATOL = 2e-5  # float32 logits of the same function on differently shaped inputs
+EPS32 = float(np.finfo(np.float32).eps)  # 2^-23: one float32 rounding is off by <= EPS32 / 2
+
+
+def depth(config: models.ModelConfig) -> int:
+  """The layers between an id and a logit, plus the output projection (Seq2Seq: both stacks,
+  the encoder's output feeding every decoder layer)."""
+  fields = ("num_layers", "num_encoder_layers", "num_decoder_layers")
+  return 1 + sum(getattr(config, f, 0) or 0 for f in fields)
+
+
+def longest_reduction(config: models.ModelConfig) -> int:
+  """n, the most terms any one sum of the model adds: over positions (attention, the scans: at
+  most WIDTH here), the width, the MLP's hidden width, Mamba's inner width."""
+  d = config.d_model
+  return max(WIDTH, d, getattr(config, "d_ff", 0) or 0, d * (getattr(config, "expand", 1) or 1))
+
+
+def bound(config: models.ModelConfig, reference) -> float:
+  """How far two float32 programs of the same function may differ: ``depth * n^1.5 * EPS32 *
+  max|reference|``.
+
+  A float32 sum of n terms is off by at most ``n * EPS32 / 2 * sum|terms|`` in any order
+  (Higham's gamma_n), so two orders (a shape's matmul blocking, a CPU's vector width, a scan's
+  chunk boundaries) differ by up to ``n * EPS32 * sum|terms|``. With random weights the terms
+  have random signs: ``sum|terms|`` is about ``sqrt(n)`` times the sum, whose scale is that of
+  the logits (``max|reference|``). Each layer on the way adds its own (``depth``). For the
+  suite's tiny configs this is about 3e-4 at logits of 4: far below the O(1) change of a wrong
+  mask, position or cache slot.
+  """
+  n = longest_reduction(config)
+  return depth(config) * n**1.5 * EPS32 * float(np.max(np.abs(reference)))
 
 
 @functools.lru_cache(maxsize=None)
