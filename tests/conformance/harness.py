@@ -7,9 +7,9 @@ O(1) apart, so a wrong mask, position or cache slot shows far above the toleranc
 argmaxes do not tie.
 
 Two programs that compute the same function (a batch and a row alone, packed and separate
-documents, a cache and the full pass) differ by rounding only; ``bound`` says by how much at most, from the
-model's size and the reference's scale, and holds on every CPU (AVX2 or AVX-512 vector widths,
-any matmul blocking).
+documents, a cache and the full pass) differ by rounding only; ``bound`` (float32) and
+``bound_bf16`` (bfloat16 compute) say by how much at most, from the model's size and the
+reference's scale, and hold on every CPU (AVX2 or AVX-512 vector widths, any matmul blocking).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from tests.conformance.kinds import DECODER, ENCODER, SEQ2SEQ, VOCAB, Kind
 WIDTH = 16  # columns of every padded batch the suite builds
 ROWS = 3  # rows of every batch
 EPS32 = float(np.finfo(np.float32).eps)  # 2^-23: one float32 rounding is off by <= EPS32 / 2
+U_BF16 = 2.0**-8  # bfloat16 keeps 8 significant bits: one rounding is off by <= 2^-8 relative
 
 
 def depth(config: models.ModelConfig) -> int:
@@ -57,6 +58,20 @@ def bound(config: models.ModelConfig, reference) -> float:
   """
   n = longest_reduction(config)
   return depth(config) * n**1.5 * EPS32 * float(np.max(np.abs(reference)))
+
+
+def bound_bf16(config: models.ModelConfig, reference) -> float:
+  """How far two programs of the same function in bfloat16 compute may differ: ``8 * depth *
+  U_BF16 * max|reference|``.
+
+  Products accumulate in float32 (``bound``: negligible here), but every activation is then
+  rounded to 8 significant bits: where two programs' float32 values differ in their last bits, a
+  rounding can land one bfloat16 unit apart, ``U_BF16`` relative to values of the logits' scale.
+  A block rounds about 8 times on its way to the logits (the normed input, the mixer's
+  projections and output, the residual sum, the MLP's hidden, activation and output), and the
+  blocks' changes add up (``depth``).
+  """
+  return 8 * depth(config) * U_BF16 * float(np.max(np.abs(reference)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,6 +143,22 @@ def forward(
   )
 
 
+def decoded(kind: Kind, config, m, cache_len: int, prompt_BP, lengths_B, steps_BS, src, src_mask):
+  """``decode_fn``'s computation with the model ``m``: ``(prefill logits [B, P, V], step logits
+  [B, S, V], cache)``."""
+  cache = generate.init_cache(config, prompt_BP.shape[0], cache_len)
+  if kind.has(SEQ2SEQ):
+    cache = generate.with_encoder(m, cache, m.encode(src, src_mask), src_mask)
+  prefill_BPV, cache = generate.extend(m, prompt_BP, cache, num_valid=lengths_B)
+
+  def step(cache, tok_B):
+    logits_B1V, cache = generate.extend(m, tok_B[:, None], cache)
+    return cache, logits_B1V[:, 0]
+
+  cache, steps_SBV = jax.lax.scan(step, cache, steps_BS.T)
+  return prefill_BPV, steps_SBV.swapaxes(0, 1), cache
+
+
 @functools.lru_cache(maxsize=None)
 def decode_fn(kind: Kind, config: models.ModelConfig, cache_len: int):
   """Jitted ``(params, prompt [B, P], lengths [B], steps [B, S], src, src_mask) ->
@@ -139,17 +170,7 @@ def decode_fn(kind: Kind, config: models.ModelConfig, cache_len: int):
 
   def run(p, prompt_BP, lengths_B, steps_BS, src=None, src_mask=None):
     m = nnx.merge(graphdef, p)
-    cache = generate.init_cache(config, prompt_BP.shape[0], cache_len)
-    if kind.has(SEQ2SEQ):
-      cache = generate.with_encoder(m, cache, m.encode(src, src_mask), src_mask)
-    prefill_BPV, cache = generate.extend(m, prompt_BP, cache, num_valid=lengths_B)
-
-    def step(cache, tok_B):
-      logits_B1V, cache = generate.extend(m, tok_B[:, None], cache)
-      return cache, logits_B1V[:, 0]
-
-    cache, steps_SBV = jax.lax.scan(step, cache, steps_BS.T)
-    return prefill_BPV, steps_SBV.swapaxes(0, 1), cache
+    return decoded(kind, config, m, cache_len, prompt_BP, lengths_B, steps_BS, src, src_mask)
 
   return jax.jit(run)
 
