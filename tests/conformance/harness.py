@@ -66,10 +66,10 @@ def bound_bf16(config: models.ModelConfig, reference) -> float:
 
   Products accumulate in float32 (``bound``: negligible here), but every activation is then
   rounded to 8 significant bits: where two programs' float32 values differ in their last bits, a
-  rounding can land one bfloat16 unit apart, ``U_BF16`` relative to values of the logits' scale.
-  A block rounds about 8 times on its way to the logits (the normed input, the mixer's
-  projections and output, the residual sum, the MLP's hidden, activation and output), and the
-  blocks' changes add up (``depth``).
+  rounding can land one bfloat16 unit apart, up to ``2 * U_BF16`` relative to values of the
+  logits' scale. A block's path to the logits passes about four such roundings (the normed
+  input, the mixer's output, the MLP's output, the residual sum), and the blocks' changes add up
+  (``depth``, the last being the logits' own rounding).
   """
   return 8 * depth(config) * U_BF16 * float(np.max(np.abs(reference)))
 
