@@ -11,9 +11,9 @@ import numpy as np
 from flax import nnx
 
 from transformer_jax import models
-from transformer_jax.hf import configs, io, params
+from transformer_jax.hf import checked, configs, io, params
 from transformer_jax.hf import reformer as reformer_hf
-from transformer_jax.hf.errors import CheckpointError, UnsupportedError, listing
+from transformer_jax.hf.errors import CheckpointError, UnsupportedError
 from transformer_jax.models import ModelConfig
 from transformer_jax.parallel import axes as ax
 
@@ -88,62 +88,28 @@ def _check_marian_extras(config, tensors: dict) -> None:
 
 
 def _convert(config: ModelConfig, arch: str, tensors: dict) -> tuple[dict, list[str]]:
-  """Our flat parameters from Hugging Face tensors; one ``CheckpointError`` lists every problem."""
+  """Our flat parameters from Hugging Face tensors, read through ``checked.read`` (one
+  ``CheckpointError`` lists every problem); the heads ``arch`` lacks are filled."""
   t = params.table(config, arch)
   d = params.dims(config)
   _, state = nnx.split(models.abstract(config))
   expected = _flat_params(state)
-  tensors = dict(tensors)
-  problems_tied = []
-  for alias, canon in t.aliases.items():
-    if alias not in tensors:
-      continue
-    value = tensors.pop(alias)
-    if canon not in tensors:
-      tensors[canon] = value
-    elif value.shape != tensors[canon].shape or not np.array_equal(value, tensors[canon]):
-      problems_tied.append(f"{alias} (tied to {canon} but different)")
-  tensors = {k: v for k, v in tensors.items() if not params.matches_ignored(k, t)}
-
-  out, missing, misshaped, consumed, mistyped = {}, [], [], set(), []
+  shapes = {}
   for rule in t.rules:
     per_layer = tuple(
       expected[p].get_value().shape[1 if rule.num_layers else 0 :] for p in rule.ours
     )
-    want = params.hf_shape(rule.transform, per_layer)
-    layers = []
     for i in range(rule.num_layers or 1):
-      name = rule.hf.format(i=i)
-      if name not in tensors:
-        missing.append(name)
-        continue
-      consumed.add(name)
-      got = tuple(tensors[name].shape)
-      if got != want:
-        misshaped.append(f"{name}: shape {got}, expected {want}")
-        continue
-      dtype = np.asarray(tensors[name]).dtype
-      if not jnp.issubdtype(dtype, jnp.floating):  # an int/bool weight would be cast silently
-        mistyped.append(f"{name}: dtype {dtype}, expected a floating-point type")
-        continue
-      layers.append(params.to_ours(rule.transform, np.asarray(tensors[name]), d))
-    if len(layers) == (rule.num_layers or 1):
-      for j, path in enumerate(rule.ours):
-        out[path] = np.stack([x[j] for x in layers]) if rule.num_layers else layers[0][j]
-  unexpected = sorted(set(tensors) - consumed)
-  if missing or unexpected or misshaped or mistyped or problems_tied:
-    parts = [f"checkpoint does not match {arch} with this config.json:"]
-    for title, items in (
-      ("missing tensors", missing),
-      ("unexpected tensors", unexpected),
-      ("tensors with the wrong shape", misshaped),
-      ("tensors with a non-float dtype", mistyped),
-      ("tied tensors that differ", problems_tied),
-    ):
-      if items:
-        parts.append(listing(title, items))
-    raise CheckpointError("\n".join(parts))
-
+      shapes[rule.hf.format(i=i)] = params.hf_shape(rule.transform, per_layer)
+  read = checked.read(tensors, checked.Expected(shapes, t.aliases, t.ignore), arch)
+  out = {}
+  for rule in t.rules:
+    layers = [
+      params.to_ours(rule.transform, read[rule.hf.format(i=i)], d)
+      for i in range(rule.num_layers or 1)
+    ]
+    for j, path in enumerate(rule.ours):
+      out[path] = np.stack([x[j] for x in layers]) if rule.num_layers else layers[0][j]
   filled = []
   for path, var in expected.items():
     if path not in out:
@@ -186,13 +152,16 @@ def load(
     dtype: compute dtype (default float32).
 
   Returns:
-    ``(config, model)``: a GPTConfig / BERTConfig / Seq2SeqConfig and the NNX module. Weights are
-    written into an abstract (``nnx.eval_shape``) model: no random initialisation is materialised.
+    ``(config, model)``: a GPTConfig / BERTConfig / Seq2SeqConfig / MambaConfig /
+    ReformerConfig and the NNX module (BigBird: a ``models.BERT``, whose call returns a
+    ``BERTOutput``). Weights are written into an abstract (``nnx.eval_shape``) model: no random
+    initialisation is materialised.
 
   Raises:
     UnsupportedError: the architecture, ``model_type`` or a config option is not supported (named).
-    CheckpointError: missing, unexpected or mis-shaped tensors (all listed), tied tensors that
-      differ, or a truncated/corrupt file.
+    CheckpointError: missing, unexpected or mis-shaped tensors, non-float dtypes, NaN or
+      infinite values (all listed, ``checked.read``), tied tensors that differ, a config field of
+      the wrong type (named with its value), or a truncated/corrupt file.
   """
   if isinstance(path_or_model, (str, os.PathLike)):
     hf, tensors = io.read_directory(path_or_model)

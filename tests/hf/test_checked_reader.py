@@ -1,0 +1,163 @@
+"""Every Hugging Face reader takes its tensors through ``hf.checked.read`` and its config fields by
+type: NaN or infinite weights, a shape other than the expected one (a transposed matrix), integer
+weights and wrong-typed fields are refused by name in every family, the Reformer's included."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import hf_cases as hc
+import transformer_jax.hf as tjhf
+from transformer_jax.hf import io
+
+_TINY_SSM = dict(vocab_size=40, hidden_size=16, num_hidden_layers=2, state_size=4, expand=2)
+
+# One tiny transformers model per family the readers support (built offline, random weights).
+_FAMILIES = {
+  "gpt2": lambda: hc.build("gpt2-base"),
+  "llama": lambda: hc.build("llama-gqa"),
+  "mistral": lambda: hc.build("mistral-window"),
+  "bert": lambda: hc.build("bert-pretraining"),
+  "t5": lambda: hc.build("t5-v1.0"),
+  "marian": lambda: hc.build("marian"),
+  "bigbird": lambda: transformers.BigBirdForMaskedLM(
+    transformers.BigBirdConfig(
+      vocab_size=50,
+      hidden_size=16,
+      num_attention_heads=2,
+      intermediate_size=32,
+      num_hidden_layers=2,
+      max_position_embeddings=256,
+      block_size=16,
+      num_random_blocks=2,
+    )
+  ),
+  "mamba": lambda: transformers.MambaForCausalLM(transformers.MambaConfig(**_TINY_SSM)),
+  "mamba2": lambda: transformers.Mamba2ForCausalLM(
+    transformers.Mamba2Config(**_TINY_SSM, num_heads=4, head_dim=8, n_groups=1, chunk_size=8)
+  ),
+  "reformer": lambda: _reformer(),
+}
+
+
+def _reformer(**kw):
+  config = transformers.ReformerConfig(
+    vocab_size=61,
+    hidden_size=16,
+    num_attention_heads=2,
+    attention_head_size=4,
+    feed_forward_size=24,
+    attn_layers=["local", "lsh"],
+    axial_pos_shape=(8, 8),
+    axial_pos_embds_dim=(6, 10),
+    max_position_embeddings=64,
+    is_decoder=True,
+    num_buckets=4,
+    lsh_attn_chunk_length=8,
+    local_attn_chunk_length=4,
+    hash_seed=5,
+    **kw,
+  )
+  return transformers.ReformerModelWithLMHead(config).eval()
+
+
+def _second_layer_weight(model) -> str:
+  """A weight of the second layer: every family has one, and it is read by the layer stack."""
+  return next(n for n, _ in model.named_parameters() if ".1." in n and n.endswith("weight"))
+
+
+@pytest.mark.parametrize("family", list(_FAMILIES))
+@pytest.mark.parametrize("value", [float("nan"), float("-inf")], ids=["nan", "inf"])
+def test_non_finite_weights_are_refused_by_name_in_every_family(family, value):
+  torch.manual_seed(0)
+  model = _FAMILIES[family]()
+  name = _second_layer_weight(model)
+  with torch.no_grad():
+    dict(model.named_parameters())[name].view(-1)[[0, 3]] = value
+  with pytest.raises(tjhf.CheckpointError) as e:
+    tjhf.load(model)
+  msg = str(e.value)
+  assert "tensors with non-finite values (1)" in msg, msg
+  assert f"{name}: 2 of " in msg and "values are NaN or infinite" in msg, msg
+
+
+@pytest.fixture(scope="module")
+def reformer_dir(tmp_path_factory):
+  path = tmp_path_factory.mktemp("reformer") / "hf"
+  torch.manual_seed(0)
+  _reformer().save_pretrained(path)
+  return path
+
+
+def _copy(src, tmp_path, config=None, tensors=None):
+  folder = tmp_path / "copy"
+  shutil.copytree(src, folder)
+  if config:
+    hf = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**hf, **config}))
+  if tensors:
+    t = {k: v.copy() for k, v in io.read_safetensors(folder / "model.safetensors").items()}
+    tensors(t)
+    io.write_safetensors(folder / "model.safetensors", t)
+  return folder
+
+
+def test_reformer_transposed_head_is_refused_not_reshaped(reformer_dir, tmp_path):
+  # [V, 2D] = [61, 32] stored as [32, 61]: the old reader transposed and reshaped it to fit.
+  def transpose(t):
+    t["lm_head.decoder.weight"] = np.ascontiguousarray(t["lm_head.decoder.weight"].T)
+
+  folder = _copy(reformer_dir, tmp_path, tensors=transpose)
+  with pytest.raises(tjhf.CheckpointError) as e:
+    tjhf.load(folder)
+  assert "lm_head.decoder.weight: shape (32, 61), expected (61, 32)" in str(e.value), e.value
+
+
+def test_reformer_integer_weights_are_refused(reformer_dir, tmp_path):
+  def to_int(t):
+    t["reformer.encoder.layer_norm.weight"] = t["reformer.encoder.layer_norm.weight"].astype(
+      np.int32
+    )
+
+  folder = _copy(reformer_dir, tmp_path, tensors=to_int)
+  with pytest.raises(tjhf.CheckpointError, match="non-float dtype") as e:
+    tjhf.load(folder)
+  assert "reformer.encoder.layer_norm.weight: dtype int32" in str(e.value)
+
+
+@pytest.mark.parametrize(
+  "changes, named",
+  [
+    ({"is_decoder": "false"}, "is_decoder='false': expected true or false"),
+    ({"num_hashes": "2"}, "num_hashes='2': expected an integer"),
+    ({"num_buckets": [2, "2"]}, "num_buckets[1]='2': expected an integer"),
+    ({"attn_layers": ["local", 3]}, "attn_layers=['local', 3]: expected a list of strings"),
+    ({"axial_pos_shape": "8x8"}, "axial_pos_shape='8x8': expected a list of integers"),
+    ({"layer_norm_eps": None}, "layer_norm_eps=None: expected a number"),
+  ],
+)
+def test_reformer_config_fields_are_read_by_type(reformer_dir, tmp_path, changes, named):
+  folder = _copy(reformer_dir, tmp_path, config=changes)
+  with pytest.raises(tjhf.CheckpointError) as e:
+    tjhf.load(folder)
+  assert str(e.value).startswith(f"{folder / 'config.json'}: ") and named in str(e.value), e.value
+
+
+@pytest.mark.parametrize(
+  "field, value, named",
+  [
+    ("block_size", "16", "block_size='16': expected an integer"),
+    ("num_random_blocks", 2.5, "num_random_blocks=2.5: expected an integer"),
+    ("attention_type", 3, "attention_type=3: expected a string"),
+  ],
+)
+def test_bigbird_config_fields_are_read_by_type(tmp_path, field, value, named):
+  _FAMILIES["bigbird"]().save_pretrained(tmp_path / "hf")
+  folder = _copy(tmp_path / "hf", tmp_path, config={field: value})
+  with pytest.raises(tjhf.CheckpointError) as e:
+    tjhf.load(folder)
+  assert str(e.value).startswith(f"{folder / 'config.json'}: ") and named in str(e.value), e.value
