@@ -1,16 +1,21 @@
 """Every Hugging Face reader takes its tensors through ``hf.checked.read`` and its config fields by
 type: NaN or infinite weights, a shape other than the expected one (a transposed matrix), integer
-weights and wrong-typed fields are refused by name in every family, the Reformer's included."""
+weights and wrong-typed fields are refused by name in every family, the Reformer's included. And
+what ``save`` writes: strict JSON, Mamba-2's open time-step limit boxed as transformers boxes it."""
 
 import json
+import math
 import shutil
 
+import jax
 import numpy as np
 import pytest
 import torch
 import transformers
+from flax import nnx
 
 import hf_cases as hc
+import transformer_jax as tj
 import transformer_jax.hf as tjhf
 from transformer_jax.hf import io
 
@@ -161,3 +166,21 @@ def test_bigbird_config_fields_are_read_by_type(tmp_path, field, value, named):
   with pytest.raises(tjhf.CheckpointError) as e:
     tjhf.load(folder)
   assert str(e.value).startswith(f"{folder / 'config.json'}: ") and named in str(e.value), e.value
+
+
+def test_mamba2_config_json_is_strict_json_that_transformers_reads(tmp_path):
+  config = tj.models.get_config("mamba2-tiny")
+  assert config.time_step_limit[1] == math.inf
+  _, state = nnx.split(tj.models.abstract(config))  # zeros: only config.json is looked at
+  tjhf.save(jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), state), config, tmp_path)
+  text = (tmp_path / "config.json").read_text()
+
+  def refuse(constant):
+    raise AssertionError(f"{constant} is not strict JSON")
+
+  written = json.loads(text, parse_constant=refuse)
+  assert written["time_step_limit"] == [0.0, {"__float__": "Infinity"}]
+  theirs = transformers.Mamba2Config.from_pretrained(tmp_path)
+  assert tuple(theirs.time_step_limit) == (0.0, math.inf)
+  back, _ = tjhf.load(tmp_path)
+  assert back.time_step_limit == config.time_step_limit
