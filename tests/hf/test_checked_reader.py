@@ -1,7 +1,8 @@
 """Every Hugging Face reader takes its tensors through ``hf.checked.read`` and its config fields by
 type: NaN or infinite weights, a shape other than the expected one (a transposed matrix), integer
 weights and wrong-typed fields are refused by name in every family, the Reformer's included. And
-what ``save`` writes: strict JSON, Mamba-2's open time-step limit boxed as transformers boxes it."""
+what ``save`` writes: strict JSON (Mamba-2's open time-step limit boxed as transformers boxes it)
+with the special-token ids of the checkpoint it was loaded from."""
 
 import json
 import math
@@ -143,6 +144,7 @@ def test_reformer_integer_weights_are_refused(reformer_dir, tmp_path):
     ({"attn_layers": ["local", 3]}, "attn_layers=['local', 3]: expected a list of strings"),
     ({"axial_pos_shape": "8x8"}, "axial_pos_shape='8x8': expected a list of integers"),
     ({"layer_norm_eps": None}, "layer_norm_eps=None: expected a number"),
+    ({"eos_token_id": "2"}, "eos_token_id='2': expected an integer"),
   ],
 )
 def test_reformer_config_fields_are_read_by_type(reformer_dir, tmp_path, changes, named):
@@ -184,3 +186,29 @@ def test_mamba2_config_json_is_strict_json_that_transformers_reads(tmp_path):
   assert tuple(theirs.time_step_limit) == (0.0, math.inf)
   back, _ = tjhf.load(tmp_path)
   assert back.time_step_limit == config.time_step_limit
+
+
+def test_round_trip_keeps_the_special_ids(tmp_path):
+  arch, kw = hc.CASES["llama-gqa"]
+  hf_config = transformers.LlamaConfig(**kw, bos_token_id=3, eos_token_id=[4, 5], pad_token_id=6)
+  transformers.LlamaForCausalLM(hf_config).save_pretrained(tmp_path / "hf")
+  config, model = tjhf.load(tmp_path / "hf")
+  tjhf.save(model, config, tmp_path / "back")
+  written = json.loads((tmp_path / "back" / "config.json").read_text())
+  ids = {"bos_token_id": 3, "eos_token_id": [4, 5], "pad_token_id": 6}
+  assert {k: written[k] for k in ids} == ids
+  back = transformers.AutoConfig.from_pretrained(tmp_path / "back")
+  assert (back.bos_token_id, back.eos_token_id, back.pad_token_id) == (3, [4, 5], 6)
+  # Through nnx.split / merge too (the ids are a static attribute of the model).
+  graphdef, state = nnx.split(model)
+  tjhf.save(nnx.merge(graphdef, state), config, tmp_path / "merged")
+  assert json.loads((tmp_path / "merged" / "config.json").read_text())["eos_token_id"] == [4, 5]
+
+
+def test_reformer_round_trip_keeps_the_special_ids(reformer_dir, tmp_path):
+  before = json.loads((reformer_dir / "config.json").read_text())
+  config, model = tjhf.load(reformer_dir)
+  tjhf.save(model, config, tmp_path / "back")
+  after = json.loads((tmp_path / "back" / "config.json").read_text())
+  ids = [k for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in before]
+  assert ids and all(after[k] == before[k] for k in ids), (before, after)

@@ -139,6 +139,23 @@ def _build(config: ModelConfig, flat: dict[str, np.ndarray]) -> nnx.Module:
   return nnx.merge(graphdef, state)
 
 
+def _with_ids(model: nnx.Module, hf: dict, where: str) -> nnx.Module:
+  """``model`` carrying the checkpoint's special-token ids (``configs.special_ids``) as
+  ``hf_token_ids``, a static attribute that ``save`` writes back."""
+  try:
+    ids = configs.special_ids(hf)
+  except CheckpointError as e:
+    raise CheckpointError(f"{where}: {e}") from None
+  model.hf_token_ids = tuple((k, v) for k, v in ids.items())
+  return model
+
+
+def _recorded_ids(model) -> dict:
+  """The special-token ids ``load`` recorded on ``model`` (none on an ``nnx.State``)."""
+  ids = getattr(model, "hf_token_ids", None) or ()
+  return {k: list(v) if isinstance(v, tuple) else v for k, v in ids}
+
+
 def load(
   path_or_model, *, param_dtype: str | None = None, dtype: str | None = None
 ) -> tuple[ModelConfig, nnx.Module]:
@@ -155,7 +172,9 @@ def load(
     ``(config, model)``: a GPTConfig / BERTConfig / Seq2SeqConfig / MambaConfig /
     ReformerConfig and the NNX module (BigBird: a ``models.BERT``, whose call returns a
     ``BERTOutput``). Weights are written into an abstract (``nnx.eval_shape``) model: no random
-    initialisation is materialised.
+    initialisation is materialised. The model carries the checkpoint's special-token ids
+    (``bos_token_id``, ``eos_token_id``, ``pad_token_id``, ``decoder_start_token_id``, those it
+    names) in ``model.hf_token_ids``, which ``save`` writes back.
 
   Raises:
     UnsupportedError: the architecture, ``model_type`` or a config option is not supported (named).
@@ -174,7 +193,8 @@ def load(
       f"load() takes a directory or a transformers model, not {type(path_or_model).__name__}"
     )
   if hf.get("model_type") == reformer_hf.MODEL_TYPE:
-    return reformer_hf.load(hf, tensors, param_dtype=param_dtype, dtype=dtype, where=where)
+    config, model = reformer_hf.load(hf, tensors, param_dtype=param_dtype, dtype=dtype, where=where)
+    return config, _with_ids(model, hf, where)
   try:
     arch = configs.architecture_of(hf)
     config = configs.from_hf(hf, arch)
@@ -196,7 +216,7 @@ def load(
       "scales to ones)",
       stacklevel=2,
     )
-  return config, _build(config, flat)
+  return config, _with_ids(_build(config, flat), hf, where)
 
 
 def save(
@@ -220,7 +240,8 @@ def save(
     tokenizer: the tokenizer the model was trained with (``transformer_jax.data.Tokenizer``, e.g.
       ``data.load_dataset(DIR).tokenizer``): its special ids go into ``config.json``
       (``bos_token_id``/``eos_token_id`` for a GPT, ``pad_token_id`` for BERT, and
-      ``decoder_start_token_id`` too for a Seq2Seq model; ``configs.token_ids``). Without it a
+      ``decoder_start_token_id`` too for a Seq2Seq model; ``configs.token_ids``). Without it,
+      the ids of a model ``load`` read (``model.hf_token_ids``) are written back; otherwise a
       GPT's ``bos_token_id``/``eos_token_id`` are written as ``null``: unknown.
 
   Returns:
@@ -239,9 +260,11 @@ def save(
         f"{reformer_hf.ARCHITECTURE} goes with a ReformerConfig; got "
         f"{type(config).__name__} as {architecture!r}"
       )
-    return reformer_hf.save(model, config, path)
+    return reformer_hf.save(model, config, path, _recorded_ids(model) if tokenizer is None else {})
   arch = architecture or configs.default_architecture(config)
   hf = configs.to_hf(config, arch, tokenizer)
+  if tokenizer is None:
+    hf.update(_recorded_ids(model))
   state = model if isinstance(model, nnx.State) else nnx.state(model, nnx.Param)
   variables = _flat_params(state)
   flat = {p: np.asarray(v.get_value()) for p, v in variables.items()}

@@ -302,8 +302,11 @@ def load(
   return config, nnx.merge(graphdef, state)
 
 
-def save(model, config: ReformerConfig, path: str | os.PathLike) -> str:
-  """Writes ``config.json`` + ``model.safetensors`` for transformers (``tj.hf.save``)."""
+def save(
+  model, config: ReformerConfig, path: str | os.PathLike, token_ids: dict | None = None
+) -> str:
+  """Writes ``config.json`` + ``model.safetensors`` for transformers (``tj.hf.save``), with the
+  special-token fields ``token_ids`` (``bos_token_id``, ...) where given."""
   state = model if isinstance(model, nnx.State) else nnx.state(model, nnx.Param)
   flat = {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(state)}
   if "lsh_rotations" in flat:
@@ -322,5 +325,5 @@ def save(model, config: ReformerConfig, path: str | os.PathLike) -> str:
     x = flat[ours] if step is None else flat[ours][step]
     tensors[theirs] = np.ascontiguousarray(_to_hf(how, x))
   tensors["lm_head.bias"] = tensors["lm_head.decoder.bias"].copy()
-  io.write_directory(path, to_hf(config), tensors)
+  io.write_directory(path, {**to_hf(config), **(token_ids or {})}, tensors)
   return ARCHITECTURE
