@@ -212,3 +212,10 @@ def test_reformer_round_trip_keeps_the_special_ids(reformer_dir, tmp_path):
   after = json.loads((tmp_path / "back" / "config.json").read_text())
   ids = [k for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in before]
   assert ids and all(after[k] == before[k] for k in ids), (before, after)
+
+
+def test_package_docstring_lists_every_supported_architecture():
+  doc = tjhf.__doc__
+  for arch in [*tjhf.ARCHITECTURES, "ReformerModelWithLMHead"]:
+    assert arch in doc, arch
+  assert "BERTOutput" in doc  # what BigBird's model returns
