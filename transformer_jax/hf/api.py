@@ -150,7 +150,7 @@ def _with_ids(model: nnx.Module, hf: dict, where: str) -> nnx.Module:
   return model
 
 
-def _recorded_ids(model) -> dict:
+def recorded_ids(model) -> dict:
   """The special-token ids ``load`` recorded on ``model`` (none on an ``nnx.State``)."""
   ids = getattr(model, "hf_token_ids", None) or ()
   return {k: list(v) if isinstance(v, tuple) else v for k, v in ids}
@@ -226,6 +226,7 @@ def save(
   *,
   architecture: str | None = None,
   tokenizer=None,
+  special_ids: dict | None = None,
 ) -> str:
   """Writes ``config.json`` + ``model.safetensors`` that ``transformers`` ``from_pretrained`` loads.
 
@@ -243,6 +244,8 @@ def save(
       ``decoder_start_token_id`` too for a Seq2Seq model; ``configs.token_ids``). Without it,
       the ids of a model ``load`` read (``model.hf_token_ids``) are written back; otherwise a
       GPT's ``bos_token_id``/``eos_token_id`` are written as ``null``: unknown.
+    special_ids: without a tokenizer, the special ids to write in place of the model's recorded
+      ones (``recorded_ids``), e.g. those ``tjax convert --from-hf`` kept in a run directory.
 
   Returns:
     The architecture written.
@@ -260,11 +263,12 @@ def save(
         f"{reformer_hf.ARCHITECTURE} goes with a ReformerConfig; got "
         f"{type(config).__name__} as {architecture!r}"
       )
-    return reformer_hf.save(model, config, path, _recorded_ids(model) if tokenizer is None else {})
+    ids = (recorded_ids(model) if special_ids is None else special_ids) if tokenizer is None else {}
+    return reformer_hf.save(model, config, path, ids)
   arch = architecture or configs.default_architecture(config)
   hf = configs.to_hf(config, arch, tokenizer)
   if tokenizer is None:
-    hf.update(_recorded_ids(model))
+    hf.update(recorded_ids(model) if special_ids is None else special_ids)
   state = model if isinstance(model, nnx.State) else nnx.state(model, nnx.Param)
   variables = _flat_params(state)
   flat = {p: np.asarray(v.get_value()) for p, v in variables.items()}
