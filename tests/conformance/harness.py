@@ -5,6 +5,11 @@ references they are compared with.
 Parameters are drawn with NumPy (no initialisation program to compile) at a scale that makes logits
 O(1) apart, so a wrong mask, position or cache slot shows far above the tolerances and greedy
 argmaxes do not tie.
+
+Two programs that compute the same function (a batch and a row alone, packed and separate
+documents, a cache and the full pass) differ by rounding only; ``bound`` (float32) and
+``bound_bf16`` (bfloat16 compute) say by how much at most, from the model's size and the
+reference's scale, and hold on every CPU (AVX2 or AVX-512 vector widths, any matmul blocking).
 """
 
 from __future__ import annotations
@@ -21,7 +26,52 @@ from tests.conformance.kinds import DECODER, ENCODER, SEQ2SEQ, VOCAB, Kind
 
 WIDTH = 16  # columns of every padded batch the suite builds
 ROWS = 3  # rows of every batch
-ATOL = 2e-5  # float32 logits of the same function on differently shaped inputs
+EPS32 = float(np.finfo(np.float32).eps)  # 2^-23: one float32 rounding is off by <= EPS32 / 2
+U_BF16 = 2.0**-8  # bfloat16 keeps 8 significant bits: one rounding is off by <= 2^-8 relative
+
+
+def depth(config: models.ModelConfig) -> int:
+  """The layers between an id and a logit, plus the output projection (Seq2Seq: both stacks,
+  the encoder's output feeding every decoder layer)."""
+  fields = ("num_layers", "num_encoder_layers", "num_decoder_layers")
+  return 1 + sum(getattr(config, f, 0) or 0 for f in fields)
+
+
+def longest_reduction(config: models.ModelConfig) -> int:
+  """n, the most terms any one sum of the model adds: over positions (attention, the scans: at
+  most WIDTH here), the width, the MLP's hidden width, Mamba's inner width."""
+  d = config.d_model
+  return max(WIDTH, d, getattr(config, "d_ff", 0) or 0, d * (getattr(config, "expand", 1) or 1))
+
+
+def bound(config: models.ModelConfig, reference) -> float:
+  """How far two float32 programs of the same function may differ: ``depth * n^1.5 * EPS32 *
+  max|reference|``.
+
+  A float32 sum of n terms is off by at most ``n * EPS32 / 2 * sum|terms|`` in any order
+  (Higham's gamma_n), so two orders (a shape's matmul blocking, a CPU's vector width, a scan's
+  chunk boundaries) differ by up to ``n * EPS32 * sum|terms|``. With random weights the terms
+  have random signs: ``sum|terms|`` is about ``sqrt(n)`` times the sum, whose scale is that of
+  the logits (``max|reference|``). Each layer on the way adds its own (``depth``). For the
+  suite's tiny configs this is about 3e-4 at logits of 4: far below the O(1) change of a wrong
+  mask, position or cache slot.
+  """
+  n = longest_reduction(config)
+  return depth(config) * n**1.5 * EPS32 * float(np.max(np.abs(reference)))
+
+
+def bound_bf16(config: models.ModelConfig, reference) -> float:
+  """How far two programs of the same function in bfloat16 compute may differ: ``8 * depth *
+  U_BF16 * max|reference|``.
+
+  Products accumulate in float32 (``bound``: negligible here), but every activation is then
+  rounded to 8 significant bits: where two programs' float32 values differ in their last bits, a
+  rounding can land one bfloat16 unit apart, up to ``2 * U_BF16`` relative to values of the
+  logits' scale. A block's path to the logits passes about four such roundings (the normed
+  input, the mixer's output, the MLP's output, the residual sum), and the blocks' changes add up
+  (``depth``, the last being the logits' own rounding).
+  """
+  return 8 * depth(config) * U_BF16 * float(np.max(np.abs(reference)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,6 +143,22 @@ def forward(
   )
 
 
+def decoded(kind: Kind, config, m, cache_len: int, prompt_BP, lengths_B, steps_BS, src, src_mask):
+  """``decode_fn``'s computation with the model ``m``: ``(prefill logits [B, P, V], step logits
+  [B, S, V], cache)``."""
+  cache = generate.init_cache(config, prompt_BP.shape[0], cache_len)
+  if kind.has(SEQ2SEQ):
+    cache = generate.with_encoder(m, cache, m.encode(src, src_mask), src_mask)
+  prefill_BPV, cache = generate.extend(m, prompt_BP, cache, num_valid=lengths_B)
+
+  def step(cache, tok_B):
+    logits_B1V, cache = generate.extend(m, tok_B[:, None], cache)
+    return cache, logits_B1V[:, 0]
+
+  cache, steps_SBV = jax.lax.scan(step, cache, steps_BS.T)
+  return prefill_BPV, steps_SBV.swapaxes(0, 1), cache
+
+
 @functools.lru_cache(maxsize=None)
 def decode_fn(kind: Kind, config: models.ModelConfig, cache_len: int):
   """Jitted ``(params, prompt [B, P], lengths [B], steps [B, S], src, src_mask) ->
@@ -104,17 +170,7 @@ def decode_fn(kind: Kind, config: models.ModelConfig, cache_len: int):
 
   def run(p, prompt_BP, lengths_B, steps_BS, src=None, src_mask=None):
     m = nnx.merge(graphdef, p)
-    cache = generate.init_cache(config, prompt_BP.shape[0], cache_len)
-    if kind.has(SEQ2SEQ):
-      cache = generate.with_encoder(m, cache, m.encode(src, src_mask), src_mask)
-    prefill_BPV, cache = generate.extend(m, prompt_BP, cache, num_valid=lengths_B)
-
-    def step(cache, tok_B):
-      logits_B1V, cache = generate.extend(m, tok_B[:, None], cache)
-      return cache, logits_B1V[:, 0]
-
-    cache, steps_SBV = jax.lax.scan(step, cache, steps_BS.T)
-    return prefill_BPV, steps_SBV.swapaxes(0, 1), cache
+    return decoded(kind, config, m, cache_len, prompt_BP, lengths_B, steps_BS, src, src_mask)
 
   return jax.jit(run)
 

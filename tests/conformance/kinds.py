@@ -5,7 +5,8 @@ a tiny config of it (a few layers of width 16, so that each property compiles in
 and the capabilities that say which properties apply. Nothing else in the suite changes: each test
 module is parametrized over ``KINDS`` and skips, with the capability as the reason, what a kind does
 not claim. A kind that claims a capability must pass every property that comes with it; one that
-does not claim ``MASK`` must refuse an ``attention_mask`` with an error naming it.
+does not claim ``MASK`` must refuse an ``attention_mask`` with an error naming it. Every kind also
+runs with ``dtype`` and ``param_dtype`` bfloat16 and its layers scanned (``test_bfloat16``).
 
 Capabilities (which calling convention the suite uses, and what the kind promises):
 

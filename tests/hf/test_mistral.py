@@ -8,6 +8,7 @@ import torch
 
 import hf_cases as hc
 import transformer_jax as tj
+import transformer_jax.generate  # a submodule `import transformer_jax` does not load
 import transformer_jax.hf as tjhf
 
 

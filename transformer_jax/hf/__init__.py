@@ -5,10 +5,21 @@ back.
     transformer_jax.hf.save(model, config, "out_dir")                  # config.json + safetensors
     transformer_jax.hf.save(model, config, "out_dir", tokenizer=tok)   # with its special ids
 
-Supported architectures: GPT2LMHeadModel; BertForPreTraining, BertForMaskedLM,
-BertForSequenceClassification, BertModel; T5ForConditionalGeneration (v1.0 and v1.1);
-LlamaForCausalLM; MarianMTModel (our Vaswani-style Seq2Seq). Nothing here imports torch or
-transformers at import time; only ``pytorch_model.bin`` files and in-memory models need torch.
+Supported architectures (``ARCHITECTURES``, plus the Reformer):
+
+- GPT2LMHeadModel -> ``models.GPT``
+- LlamaForCausalLM, MistralForCausalLM (sliding window) -> ``models.GPT``
+- BertForPreTraining, BertForMaskedLM, BertForSequenceClassification, BertModel -> ``models.BERT``
+- BigBirdForPreTraining, BigBirdForMaskedLM, BigBirdModel -> ``models.BERT`` with block-sparse
+  attention (``attention_kind="sparse"``); like any BERT its call returns a ``BERTOutput``
+- T5ForConditionalGeneration (v1.0 and v1.1), MarianMTModel -> ``models.Seq2Seq``
+- MambaForCausalLM, Mamba2ForCausalLM -> ``models.Mamba``
+- ReformerModelWithLMHead -> ``models.Reformer``
+
+Every reader takes its tensors through ``checked.read`` (names, exact shapes, floating dtypes,
+finite values) and its config fields by type (``configs.common.Fields``). Nothing here imports
+torch or transformers at import time; only ``pytorch_model.bin`` files, in-memory models and the
+Reformer's LSH rotations need torch.
 """
 
 from transformer_jax.hf.api import load, save

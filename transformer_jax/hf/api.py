@@ -11,9 +11,9 @@ import numpy as np
 from flax import nnx
 
 from transformer_jax import models
-from transformer_jax.hf import configs, io, params
+from transformer_jax.hf import checked, configs, io, params
 from transformer_jax.hf import reformer as reformer_hf
-from transformer_jax.hf.errors import CheckpointError, UnsupportedError, listing
+from transformer_jax.hf.errors import CheckpointError, UnsupportedError
 from transformer_jax.models import ModelConfig
 from transformer_jax.parallel import axes as ax
 
@@ -88,62 +88,28 @@ def _check_marian_extras(config, tensors: dict) -> None:
 
 
 def _convert(config: ModelConfig, arch: str, tensors: dict) -> tuple[dict, list[str]]:
-  """Our flat parameters from Hugging Face tensors; one ``CheckpointError`` lists every problem."""
+  """Our flat parameters from Hugging Face tensors, read through ``checked.read`` (one
+  ``CheckpointError`` lists every problem); the heads ``arch`` lacks are filled."""
   t = params.table(config, arch)
   d = params.dims(config)
   _, state = nnx.split(models.abstract(config))
   expected = _flat_params(state)
-  tensors = dict(tensors)
-  problems_tied = []
-  for alias, canon in t.aliases.items():
-    if alias not in tensors:
-      continue
-    value = tensors.pop(alias)
-    if canon not in tensors:
-      tensors[canon] = value
-    elif value.shape != tensors[canon].shape or not np.array_equal(value, tensors[canon]):
-      problems_tied.append(f"{alias} (tied to {canon} but different)")
-  tensors = {k: v for k, v in tensors.items() if not params.matches_ignored(k, t)}
-
-  out, missing, misshaped, consumed, mistyped = {}, [], [], set(), []
+  shapes = {}
   for rule in t.rules:
     per_layer = tuple(
       expected[p].get_value().shape[1 if rule.num_layers else 0 :] for p in rule.ours
     )
-    want = params.hf_shape(rule.transform, per_layer)
-    layers = []
     for i in range(rule.num_layers or 1):
-      name = rule.hf.format(i=i)
-      if name not in tensors:
-        missing.append(name)
-        continue
-      consumed.add(name)
-      got = tuple(tensors[name].shape)
-      if got != want:
-        misshaped.append(f"{name}: shape {got}, expected {want}")
-        continue
-      dtype = np.asarray(tensors[name]).dtype
-      if not jnp.issubdtype(dtype, jnp.floating):  # an int/bool weight would be cast silently
-        mistyped.append(f"{name}: dtype {dtype}, expected a floating-point type")
-        continue
-      layers.append(params.to_ours(rule.transform, np.asarray(tensors[name]), d))
-    if len(layers) == (rule.num_layers or 1):
-      for j, path in enumerate(rule.ours):
-        out[path] = np.stack([x[j] for x in layers]) if rule.num_layers else layers[0][j]
-  unexpected = sorted(set(tensors) - consumed)
-  if missing or unexpected or misshaped or mistyped or problems_tied:
-    parts = [f"checkpoint does not match {arch} with this config.json:"]
-    for title, items in (
-      ("missing tensors", missing),
-      ("unexpected tensors", unexpected),
-      ("tensors with the wrong shape", misshaped),
-      ("tensors with a non-float dtype", mistyped),
-      ("tied tensors that differ", problems_tied),
-    ):
-      if items:
-        parts.append(listing(title, items))
-    raise CheckpointError("\n".join(parts))
-
+      shapes[rule.hf.format(i=i)] = params.hf_shape(rule.transform, per_layer)
+  read = checked.read(tensors, checked.Expected(shapes, t.aliases, t.ignore), arch)
+  out = {}
+  for rule in t.rules:
+    layers = [
+      params.to_ours(rule.transform, read[rule.hf.format(i=i)], d)
+      for i in range(rule.num_layers or 1)
+    ]
+    for j, path in enumerate(rule.ours):
+      out[path] = np.stack([x[j] for x in layers]) if rule.num_layers else layers[0][j]
   filled = []
   for path, var in expected.items():
     if path not in out:
@@ -173,6 +139,23 @@ def _build(config: ModelConfig, flat: dict[str, np.ndarray]) -> nnx.Module:
   return nnx.merge(graphdef, state)
 
 
+def _with_ids(model: nnx.Module, hf: dict, where: str) -> nnx.Module:
+  """``model`` carrying the checkpoint's special-token ids (``configs.special_ids``) as
+  ``hf_token_ids``, a static attribute that ``save`` writes back."""
+  try:
+    ids = configs.special_ids(hf)
+  except CheckpointError as e:
+    raise CheckpointError(f"{where}: {e}") from None
+  model.hf_token_ids = tuple((k, v) for k, v in ids.items())
+  return model
+
+
+def recorded_ids(model) -> dict:
+  """The special-token ids ``load`` recorded on ``model`` (none on an ``nnx.State``)."""
+  ids = getattr(model, "hf_token_ids", None) or ()
+  return {k: list(v) if isinstance(v, tuple) else v for k, v in ids}
+
+
 def load(
   path_or_model, *, param_dtype: str | None = None, dtype: str | None = None
 ) -> tuple[ModelConfig, nnx.Module]:
@@ -186,13 +169,18 @@ def load(
     dtype: compute dtype (default float32).
 
   Returns:
-    ``(config, model)``: a GPTConfig / BERTConfig / Seq2SeqConfig and the NNX module. Weights are
-    written into an abstract (``nnx.eval_shape``) model: no random initialisation is materialised.
+    ``(config, model)``: a GPTConfig / BERTConfig / Seq2SeqConfig / MambaConfig /
+    ReformerConfig and the NNX module (BigBird: a ``models.BERT``, whose call returns a
+    ``BERTOutput``). Weights are written into an abstract (``nnx.eval_shape``) model: no random
+    initialisation is materialised. The model carries the checkpoint's special-token ids
+    (``bos_token_id``, ``eos_token_id``, ``pad_token_id``, ``decoder_start_token_id``, those it
+    names) in ``model.hf_token_ids``, which ``save`` writes back.
 
   Raises:
     UnsupportedError: the architecture, ``model_type`` or a config option is not supported (named).
-    CheckpointError: missing, unexpected or mis-shaped tensors (all listed), tied tensors that
-      differ, or a truncated/corrupt file.
+    CheckpointError: missing, unexpected or mis-shaped tensors, non-float dtypes, NaN or
+      infinite values (all listed, ``checked.read``), tied tensors that differ, a config field of
+      the wrong type (named with its value), or a truncated/corrupt file.
   """
   if isinstance(path_or_model, (str, os.PathLike)):
     hf, tensors = io.read_directory(path_or_model)
@@ -205,7 +193,8 @@ def load(
       f"load() takes a directory or a transformers model, not {type(path_or_model).__name__}"
     )
   if hf.get("model_type") == reformer_hf.MODEL_TYPE:
-    return reformer_hf.load(hf, tensors, param_dtype=param_dtype, dtype=dtype, where=where)
+    config, model = reformer_hf.load(hf, tensors, param_dtype=param_dtype, dtype=dtype, where=where)
+    return config, _with_ids(model, hf, where)
   try:
     arch = configs.architecture_of(hf)
     config = configs.from_hf(hf, arch)
@@ -227,7 +216,7 @@ def load(
       "scales to ones)",
       stacklevel=2,
     )
-  return config, _build(config, flat)
+  return config, _with_ids(_build(config, flat), hf, where)
 
 
 def save(
@@ -237,6 +226,7 @@ def save(
   *,
   architecture: str | None = None,
   tokenizer=None,
+  special_ids: dict | None = None,
 ) -> str:
   """Writes ``config.json`` + ``model.safetensors`` that ``transformers`` ``from_pretrained`` loads.
 
@@ -251,8 +241,11 @@ def save(
     tokenizer: the tokenizer the model was trained with (``transformer_jax.data.Tokenizer``, e.g.
       ``data.load_dataset(DIR).tokenizer``): its special ids go into ``config.json``
       (``bos_token_id``/``eos_token_id`` for a GPT, ``pad_token_id`` for BERT, and
-      ``decoder_start_token_id`` too for a Seq2Seq model; ``configs.token_ids``). Without it a
+      ``decoder_start_token_id`` too for a Seq2Seq model; ``configs.token_ids``). Without it,
+      the ids of a model ``load`` read (``model.hf_token_ids``) are written back; otherwise a
       GPT's ``bos_token_id``/``eos_token_id`` are written as ``null``: unknown.
+    special_ids: without a tokenizer, the special ids to write in place of the model's recorded
+      ones (``recorded_ids``), e.g. those ``tjax convert --from-hf`` kept in a run directory.
 
   Returns:
     The architecture written.
@@ -270,9 +263,12 @@ def save(
         f"{reformer_hf.ARCHITECTURE} goes with a ReformerConfig; got "
         f"{type(config).__name__} as {architecture!r}"
       )
-    return reformer_hf.save(model, config, path)
+    ids = (recorded_ids(model) if special_ids is None else special_ids) if tokenizer is None else {}
+    return reformer_hf.save(model, config, path, ids)
   arch = architecture or configs.default_architecture(config)
   hf = configs.to_hf(config, arch, tokenizer)
+  if tokenizer is None:
+    hf.update(recorded_ids(model) if special_ids is None else special_ids)
   state = model if isinstance(model, nnx.State) else nnx.state(model, nnx.Param)
   variables = _flat_params(state)
   flat = {p: np.asarray(v.get_value()) for p, v in variables.items()}

@@ -6,8 +6,9 @@ from __future__ import annotations
 class CheckpointError(ValueError):
   """A checkpoint cannot be read as the model it claims to be.
 
-  Raised for missing, unexpected or mis-shaped tensors (all of them listed in one message), tied
-  tensors that disagree, and unreadable or truncated files.
+  Raised for missing, unexpected or mis-shaped tensors, non-float dtypes and NaN or infinite
+  values (all of them listed in one message, ``checked.read``), tied tensors that disagree, config
+  fields of the wrong type (named with their value), and unreadable or truncated files.
   """
 
 

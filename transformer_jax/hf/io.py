@@ -167,10 +167,43 @@ def torch_to_numpy(state) -> dict[str, np.ndarray]:
   return out
 
 
+# transformers writes a non-finite float of a config as {"__float__": "Infinity"} (also
+# "-Infinity", "NaN"), so that config.json stays strict JSON, and reads it back as the float.
+_FLOAT_TAG = "__float__"
+_FLOAT_TAGS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def encode_floats(obj):
+  """``obj`` with every non-finite float boxed as transformers boxes it in ``config.json``."""
+  if isinstance(obj, float) and not math.isfinite(obj):
+    return {_FLOAT_TAG: "NaN" if math.isnan(obj) else ("Infinity" if obj > 0 else "-Infinity")}
+  if isinstance(obj, dict):
+    return {k: encode_floats(v) for k, v in obj.items()}
+  if isinstance(obj, (list, tuple)):
+    return [encode_floats(v) for v in obj]
+  return obj
+
+
+def decode_floats(obj):
+  """Inverse of ``encode_floats`` (what transformers' ``from_pretrained`` reads back)."""
+  if isinstance(obj, dict):
+    if (
+      set(obj) == {_FLOAT_TAG}
+      and isinstance(obj[_FLOAT_TAG], str)
+      and obj[_FLOAT_TAG] in _FLOAT_TAGS
+    ):
+      return _FLOAT_TAGS[obj[_FLOAT_TAG]]
+    return {k: decode_floats(v) for k, v in obj.items()}
+  if isinstance(obj, list):
+    return [decode_floats(v) for v in obj]
+  return obj
+
+
 def _read_json_object(path: Path) -> dict:
-  """The JSON object in ``path``; a ``CheckpointError`` naming the file otherwise."""
+  """The JSON object in ``path`` (boxed floats unboxed); a ``CheckpointError`` naming the file
+  otherwise."""
   try:
-    value = json.loads(path.read_bytes().decode("utf-8"))
+    value = decode_floats(json.loads(path.read_bytes().decode("utf-8")))
   except UnicodeDecodeError as e:
     raise CheckpointError(f"{path}: not UTF-8 text (offset {e.start})") from None
   except json.JSONDecodeError as e:
@@ -243,8 +276,12 @@ def read_directory(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]
 
 
 def write_directory(path: str | os.PathLike, config: dict, tensors: dict[str, np.ndarray]) -> None:
-  """Writes ``config.json`` and ``model.safetensors`` into ``path`` (created if needed)."""
+  """Writes ``config.json`` and ``model.safetensors`` into ``path`` (created if needed).
+
+  ``config.json`` is strict JSON: a non-finite float (Mamba-2's open ``time_step_limit``) is
+  written boxed, ``{"__float__": "Infinity"}``, as transformers writes and reads it."""
+  text = json.dumps(encode_floats(config), indent=2, sort_keys=True, allow_nan=False) + "\n"
   path = Path(path)
   path.mkdir(parents=True, exist_ok=True)
-  (path / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+  (path / CONFIG).write_text(text)
   write_safetensors(path / SAFETENSORS, tensors)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import re
 
 import numpy as np
 
@@ -438,10 +437,6 @@ def table(config: ModelConfig, arch: str) -> Table:
 
 def dims(config: ModelConfig) -> Dims:
   return Dims(config.num_heads, config.kv_heads, config.head_size)
-
-
-def matches_ignored(name: str, t: Table) -> bool:
-  return any(re.search(p, name) for p in t.ignore)
 
 
 # Marian's sinusoid is [sin(p w_0), ..., sin(p w_{D/2-1}), cos(p w_0), ...] where ours interleaves

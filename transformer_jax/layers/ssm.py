@@ -248,6 +248,9 @@ class MixerStack(nnx.Module):
         f"remat={remat!r} must be one of 'none', {', '.join(map(repr, _REMAT_POLICIES))}"
       )
     self.layer_types = tuple(layer_types)
+    # Every block returns its residual stream in float32 then (MixerBlock): the scan over the
+    # layers carries it in float32 from the first layer on, whatever the embedding's dtype.
+    self.residual_in_fp32 = cfg.residual_in_fp32
     self.remat = remat
     self.unroll = unroll
     self.mesh = mesh
@@ -318,6 +321,8 @@ class MixerStack(nnx.Module):
         body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.remat], prevent_cse=False)
       return body
 
+    if self.residual_in_fp32:  # the carry's dtype is the blocks' output dtype
+      x_BTD = x_BTD.astype(jnp.float32)
     if len(kinds) == 1 and not self.unroll:
       ((kind, (_, params)),) = kinds.items()
       x_BTD, _ = jax.lax.scan(body_for(kind), x_BTD, (params, keys))

@@ -32,6 +32,8 @@ CONFIG, MODEL, DATASET, METRICS, FINAL, LOCK, MARKER = (
   ".tjax-run",
 )
 CHECKPOINTS = "checkpoints"
+# A model converted from Hugging Face: the checkpoint's special-token ids (``hf.convert``).
+HF_SPECIAL_IDS = "hf_special_ids.json"
 # What the marker says to a reader who finds it.
 _MARKER_TEXT = "A transformer_jax run directory: tjax writes, resumes and clears what it made.\n"
 # What a run writes: removed by ``RunDir.clear`` (``--force-new``), nothing else is touched.
@@ -46,6 +48,7 @@ _OWNED = (
   "loss.png",
   "samples.txt",
   "init_from.json",
+  HF_SPECIAL_IDS,
 )
 # What a start leaves before its snapshot: the lock, and the dataset prepared into the default
 # ``data.path`` (RUN_DIR/data).

@@ -14,6 +14,7 @@ from transformer_jax.hf.configs.architectures import (
   architecture_of,
   default_architecture,
   from_hf,
+  special_ids,
   to_hf,
   token_ids,
 )
@@ -23,6 +24,7 @@ __all__ = [
   "architecture_of",
   "default_architecture",
   "from_hf",
+  "special_ids",
   "to_hf",
   "token_ids",
 ]

@@ -161,6 +161,25 @@ def token_ids(arch: str, tokenizer=None) -> dict:
   }
 
 
+# The special-token fields of a config.json that a round trip keeps (``special_ids``).
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
+def special_ids(hf: dict) -> dict:
+  """The special-token ids ``hf`` holds, of those in ``SPECIAL_IDS`` it names: each an integer,
+  ``null``, or a list of integers (LLaMA 3's several ``eos_token_id``), read by type.
+
+  Raises:
+    CheckpointError: a field of another type (``eos_token_id='2'``), named with its value.
+  """
+  f = common.Fields(hf)
+  return {
+    key: f.ints(key) if isinstance(hf[key], list) else f.int(key, null=True)
+    for key in SPECIAL_IDS
+    if key in hf
+  }
+
+
 def to_hf(config: ModelConfig, arch: str, tokenizer=None) -> dict:
   """The Hugging Face config dict for ``config`` as ``arch``.
 

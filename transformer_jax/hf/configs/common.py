@@ -40,6 +40,10 @@ def require(hf: dict, field: str, expected, default=None) -> None:
     raise UnsupportedError(f"{field}={value!r} is not supported (only {expected!r})")
 
 
+def _is_list(v) -> bool:
+  return isinstance(v, (list, tuple))
+
+
 class Fields:
   """Typed reads of a ``config.json`` mapping: each value is checked against the type the field
   has in transformers, never coerced (``sliding_window: 4.7`` is refused, not read as 4). A key
@@ -100,6 +104,25 @@ class Fields:
 
   def str(self, field: str, default=None, *, null: bool = False) -> str | None:
     return self._get(field, default, null, "a string", lambda v: isinstance(v, str))
+
+  def ints(self, field: str, default=None) -> tuple[int, ...] | None:
+    """A list of integers (``[64, 64]``), as a tuple; each item checked as ``int`` does."""
+    value = self._get(field, default, False, "a list of integers", _is_list)
+    if value is None:
+      return None
+    items = Fields({f"{field}[{i}]": v for i, v in enumerate(value)}, self.prefix)
+    return tuple(items.int(key) for key in items.hf)
+
+  def strs(self, field: str, default=None) -> tuple[str, ...] | None:
+    """A list of strings (``["local", "lsh"]``), as a tuple."""
+    value = self._get(
+      field,
+      default,
+      False,
+      "a list of strings",
+      lambda v: _is_list(v) and all(isinstance(x, str) for x in v),
+    )
+    return None if value is None else tuple(value)
 
   def object(self, field: str, *, null: bool = True) -> dict:
     """A nested object (absent or null: empty)."""

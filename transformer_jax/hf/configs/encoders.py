@@ -81,13 +81,14 @@ def bigbird_from(hf: dict, arch: str) -> BERTConfig:
   common.require(hf, "rescale_embeddings", False, False)
   common.require(hf, "use_bias", True, True)
   base = bert_from({"hidden_act": "gelu_new", "max_position_embeddings": 4096, **hf}, "BertModel")
-  attention = hf.get("attention_type", "block_sparse")
+  f = common.Fields(hf)
+  attention = f.str("attention_type", "block_sparse")
   match attention:
     case "original_full":
       return base
     case "block_sparse":
       pattern = ops.SparsePattern.bigbird(
-        hf.get("block_size", 64), hf.get("num_random_blocks", 3), eval_mode=True
+        f.int("block_size", 64), f.int("num_random_blocks", 3), eval_mode=True
       )
       return dataclasses.replace(
         base, attention_kind="sparse", sparse_pattern=pattern, attention_dropout_rate=0.0
