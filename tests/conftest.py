@@ -11,8 +11,6 @@ applied here; the library itself has no such switch (the kernel is always the co
 
 import os
 import random
-import shutil
-import tempfile
 
 from tests.xla_flags import OLDER_EMITTERS, xla_knows
 
@@ -56,23 +54,10 @@ jax.config.update("jax_default_matmul_precision", "float32")
 
 FORCED_IMPL = os.environ.get("TJAX_ATTENTION_IMPL") or None
 
-# One persistent compilation cache for the whole test run, in a temporary folder that the run
-# removes at its end (never the user's cache folder): many tests compile the same tiny programs
-# (the same config's train step in-process, in each xdist worker and in `tjax` subprocesses), and
-# the second compilation becomes a load. The controller makes the folder before the workers start;
-# they and every subprocess inherit it through the environment. TJAX_TEST_CACHE=0 compiles afresh
-# everywhere. tests/test_runtime.py checks the cache itself in folders of its own.
-_OWN_TEST_CACHE = False
-if "TJAX_TEST_CACHE" not in os.environ:
-  os.environ["TJAX_TEST_CACHE"] = tempfile.mkdtemp(prefix="tjax-test-xla-")
-  _OWN_TEST_CACHE = True
-if os.environ["TJAX_TEST_CACHE"] != "0":
-  os.environ["TJAX_COMPILATION_CACHE"] = os.environ["TJAX_TEST_CACHE"]
-  jax.config.update("jax_compilation_cache_dir", os.environ["TJAX_TEST_CACHE"])
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-else:
-  os.environ["TJAX_COMPILATION_CACHE"] = "0"
+# Tests compile afresh and leave no files in the user's cache folder (tests/test_runtime.py checks
+# the persistent compilation cache itself, tests/test_hardware.py the matmul limits, in temporary
+# folders).
+os.environ.setdefault("TJAX_COMPILATION_CACHE", "0")
 os.environ.setdefault("TJAX_MATMUL_LIMIT_CACHE", "0")  # matmul limits: tests/test_hardware.py
 
 
@@ -190,9 +175,3 @@ def pytest_terminal_summary(terminalreporter):
     f"machine: {machine.cpu_name()} ({machine.cpu_family()}), {os.cpu_count()} CPUs, "
     f"flags: {' '.join(machine.cpu_flags())}; jax {jax.__version__}"
   )
-
-
-def pytest_unconfigure(config):
-  """The run's compilation cache goes with the process that made it (the controller)."""
-  if _OWN_TEST_CACHE:
-    shutil.rmtree(os.environ["TJAX_TEST_CACHE"], ignore_errors=True)
