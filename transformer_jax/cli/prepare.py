@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from transformer_jax.data.prepare import TASKS, prepare
+from transformer_jax.data.prepare import TASKS, available_cores, prepare
 
 
 def add_prepare_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -39,7 +39,12 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     help="fraction of documents for validation, or a whole number >= 1 of documents",
   )
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--workers", type=int, default=2)
+  parser.add_argument(
+    "--workers",
+    type=int,
+    default=None,
+    help=f"tokenizing threads (default: all cores this process may use, {available_cores()} here)",
+  )
   parser.add_argument(
     "--text-field", default="text", help="text field (column) of JSON lines, Parquet, Arrow inputs"
   )

@@ -66,7 +66,7 @@ class _Pipeline:
   def _tokenize(self, records: list[Record]) -> list[tuple[list[np.ndarray], int]]:
     return [
       (
-        [np.asarray(self.tok.encode_full(t), np.uint32) for t in r.texts],
+        [self.tok.encode_full_array(t) for t in r.texts],
         document_hash(r.texts, self.seed),
       )
       for r in records
@@ -90,8 +90,7 @@ class _Pipeline:
 
   def _write_oldest(self) -> None:
     for future in self.in_flight.popleft():
-      for arrays, doc_hash in future.result():
-        self.pending.append(arrays, doc_hash)
+      self.pending.extend(future.result())
 
   def drain(self) -> None:
     self.submit()
@@ -155,8 +154,22 @@ def _stream_corpus(
   return stats
 
 
+def available_cores() -> int:
+  """The cores this process may run on (its CPU affinity; ``os.cpu_count()`` where the system
+  does not say): ``--workers``' default."""
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:  # macOS, Windows
+    return os.cpu_count() or 1
+
+
 def check_options(
-  *, task: str, val_fraction: float, workers: int, compact_vocab: bool | int, text_field: str
+  *,
+  task: str,
+  val_fraction: float,
+  workers: int | None,
+  compact_vocab: bool | int,
+  text_field: str,
 ) -> None:
   """Refuses options ``prepare`` cannot honour, before any file is read.
 
@@ -176,7 +189,9 @@ def check_options(
     )
   if val_fraction >= 1 and val_fraction != int(val_fraction):
     raise ValueError(f"val_fraction={val_fraction}: a value >= 1 is a whole document count")
-  if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+  if workers is not None and (
+    isinstance(workers, bool) or not isinstance(workers, int) or workers < 1
+  ):
     raise ValueError(f"workers={workers}: expected an integer >= 1")
   if not isinstance(compact_vocab, bool) and (
     not isinstance(compact_vocab, int) or compact_vocab < 1
@@ -198,7 +213,7 @@ def prepare(
   task: str = "gpt",
   val_fraction: float = 0.05,
   seed: int = 0,
-  workers: int = 2,
+  workers: int | None = None,
   text_field: str = "text",
   force: bool = False,
   progress: bool = True,
@@ -223,7 +238,8 @@ def prepare(
           documents.
       seed: Seed of the train/val split and of synthetic data.
       workers: Threads for tokenizing (tiktoken's BPE releases the GIL, so threads use
-          all cores without process start-up cost or fork-after-JAX hazards).
+          all cores without process start-up cost or fork-after-JAX hazards); None: one a core
+          this process may run on (``available_cores``).
       text_field: Field (column) holding the text in JSON lines, Parquet and Arrow inputs.
       force: Rebuild even if the directory is up to date.
       progress: Show a tqdm progress bar.
@@ -252,6 +268,7 @@ def prepare(
     text_field=text_field,
   )
   check_output_dir(out)
+  workers = available_cores() if workers is None else workers
   if task == "classify":
     return prepare_classify(
       inputs,

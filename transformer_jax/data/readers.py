@@ -123,7 +123,7 @@ def _line_records(
     text, bad = decode(raw.rstrip(b"\r\n"))
     size, replaced = size + len(raw), replaced + bad
     item = _line_record(source, f"{source.path}:{lineno}", text, field)
-    if isinstance(item, Record):
+    if bad and isinstance(item, Record):
       item = dataclasses.replace(item, replaced=bad)
     if item is not None:
       yield item

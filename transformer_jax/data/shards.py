@@ -45,11 +45,15 @@ class PendingDocs:
   def num_docs(self) -> int:
     return len(self.hashes)
 
-  def append(self, arrays: Sequence[np.ndarray], doc_hash: int) -> None:
-    for stream, a in zip(self.streams, arrays):
-      a.astype(np.uint32, copy=False).tofile(self.files[stream])
-      self.lengths[stream].append(len(a))
-    self.hashes.append(doc_hash)
+  def extend(self, docs: Sequence[tuple[Sequence[np.ndarray], int]]) -> None:
+    """Appends ``(arrays, doc_hash)`` documents with one write a stream."""
+    if not docs:
+      return
+    for k, stream in enumerate(self.streams):
+      arrays = [d[0][k] for d in docs]
+      np.concatenate(arrays).astype(np.uint32, copy=False).tofile(self.files[stream])
+      self.lengths[stream].extend(len(a) for a in arrays)
+    self.hashes.extend(h for _, h in docs)
 
   def truncate(self, num_docs: int) -> None:
     """Drops the documents after the first ``num_docs`` (those of a file found spoilt)."""
@@ -98,14 +102,16 @@ def _chunks(offsets: np.ndarray, docs: np.ndarray) -> Iterator[np.ndarray]:
 
 
 def _gather(tokens: np.ndarray, offsets: np.ndarray, docs: np.ndarray) -> np.ndarray:
-  """The tokens of ``docs`` (sorted indices), concatenated; reads their span only."""
+  """The tokens of ``docs`` (sorted indices), concatenated; reads their span only, and copies
+  runs of consecutive documents as whole slices."""
   lo, hi = int(offsets[docs[0]]), int(offsets[docs[-1] + 1])
   span = np.asarray(tokens[lo:hi])
-  lengths = offsets[docs + 1] - offsets[docs]
-  if hi - lo == int(lengths.sum()):
+  breaks = np.flatnonzero(np.diff(docs) != 1) + 1
+  if breaks.size == 0:
     return span
-  starts = np.repeat(offsets[docs] - lo - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths)
-  return span[np.arange(int(lengths.sum())) + starts]
+  firsts = offsets[docs[np.concatenate([[0], breaks])]] - lo
+  ends = offsets[docs[np.concatenate([breaks - 1, [len(docs) - 1]])] + 1] - lo
+  return np.concatenate([span[a:b] for a, b in zip(firsts.tolist(), ends.tolist())])
 
 
 def id_counts(tokens: np.ndarray, offsets: np.ndarray, docs: np.ndarray, size: int) -> np.ndarray:
