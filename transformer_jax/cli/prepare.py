@@ -4,8 +4,22 @@ work)."""
 from __future__ import annotations
 
 import argparse
+import re
 
-from transformer_jax.data.prepare import TASKS, available_cores, prepare
+from transformer_jax.data.prepare import DEFAULT_SHARD_BYTES, TASKS, available_cores, prepare
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*(?:([KMGT])(?:I?B)?|B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+  """``4096``, ``64KiB``, ``512M``, ``1GiB``, ``1.5GB`` as a whole number of bytes (K, M, G, T are
+  powers of 1024)."""
+  match = _SIZE.match(text)
+  if match is None:
+    raise argparse.ArgumentTypeError(f"{text!r}: expected a size: bytes, or with KiB, MiB, GiB")
+  power = " KMGT".index(match[2].upper()) if match[2] else 0
+  return int(float(match[1]) * 1024**power)
 
 
 def add_prepare_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -47,6 +61,14 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
   )
   parser.add_argument(
     "--text-field", default="text", help="text field (column) of JSON lines, Parquet, Arrow inputs"
+  )
+  parser.add_argument(
+    "--shard-size",
+    type=parse_size,
+    default=DEFAULT_SHARD_BYTES,
+    metavar="SIZE",
+    help="a token shard's size limit: bytes, or with KiB, MiB, GiB (default 1GiB); a longer "
+    "stream is written as several shards, read as one",
   )
   parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
   parser.add_argument(
@@ -93,6 +115,7 @@ def run_prepare(args: argparse.Namespace) -> int:
       vocab_from=args.vocab_from,
       allow_undecodable=args.allow_undecodable,
       skip_bad=args.skip_bad,
+      shard_bytes=args.shard_size,
       progress=not args.no_progress,
     )
   except FileNotFoundError as e:

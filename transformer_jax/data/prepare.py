@@ -46,6 +46,7 @@ from transformer_jax.data.sources import (
 from transformer_jax.data.tokenizer import CompactVocab, Tokenizer
 
 
+DEFAULT_SHARD_BYTES = 1 << 30  # a token shard's size limit (1 GiB)
 _BATCH_DOCS = 512  # documents tokenized together (split among the workers)
 _BATCH_CHARS = 1 << 22  # ... or fewer, when their text reaches 4 Mi characters
 _SHOWN_PROBLEMS = 10  # skipped problems printed one a line; the rest are counted
@@ -170,12 +171,14 @@ def check_options(
   workers: int | None,
   compact_vocab: bool | int,
   text_field: str,
+  shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> None:
   """Refuses options ``prepare`` cannot honour, before any file is read.
 
   Raises:
       ValueError: an unknown task, a ``val_fraction`` that is negative, not finite or a fraction
-          above 1, fewer than one worker, a ``compact_vocab`` count below 1, or no text field.
+          above 1, fewer than one worker, a ``compact_vocab`` count below 1, no text field, or a
+          shard size limit below one token (4 bytes).
   """
   if task not in TASKS:
     raise ValueError(f"task must be one of {TASKS}, got {task!r}")
@@ -199,6 +202,8 @@ def check_options(
     raise ValueError(f"compact_vocab={compact_vocab}: expected true, false or a count of ids >= 1")
   if not isinstance(text_field, str) or not text_field:
     raise ValueError(f"text_field={text_field!r}: expected a field name")
+  if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes < 4:
+    raise ValueError(f"shard_bytes={shard_bytes}: expected an integer >= 4 (one uint32 token)")
 
 
 # ---- entry point ---------------------------------------------------------------------------------
@@ -220,6 +225,7 @@ def prepare(
   vocab_from: str | None = None,
   allow_undecodable: bool = False,
   skip_bad: bool = False,
+  shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> dict[str, Any]:
   """Tokenizes a corpus into a dataset directory (its layout: ``data.layout``).
 
@@ -251,6 +257,9 @@ def prepare(
           field, invalid JSON, a corrupt gzip/zstd stream or Parquet row group: the spoilt file
           is dropped whole) instead of stopping at the first, named by file and line, row group
           or record batch.
+      shard_bytes: A token shard's size limit: a stream longer than that is written as several
+          shards (``train_000.bin``, ``train_001.bin``, ...), listed with their token counts in
+          the metadata; the loaders read them as one stream.
 
   Returns:
       The metadata dict written to ``out/metadata.json``.
@@ -266,6 +275,7 @@ def prepare(
     workers=workers,
     compact_vocab=compact_vocab,
     text_field=text_field,
+    shard_bytes=shard_bytes,
   )
   check_output_dir(out)
   workers = available_cores() if workers is None else workers
@@ -305,6 +315,7 @@ def prepare(
     "split_by": "content",  # a document's side is a hash of its text and the seed
     **({"allow_undecodable": True} if allow_undecodable else {}),
     **({"skip_bad": True} if skip_bad else {}),
+    **({"shard_bytes": shard_bytes} if shard_bytes != DEFAULT_SHARD_BYTES else {}),
     **({"vocab_from": reused.to_json()} if reused is not None else {}),
   }
   content_hash = layout.content_hash(options, sources, max(1, workers))
@@ -340,7 +351,7 @@ def prepare(
     hashes = np.frombuffer(pending.hashes, dtype=np.uint64)[kept]
     is_val = split_by_hash(hashes / 2.0**64, val_fraction)
     meta = _write_dataset(
-      out, task, tok, streams, tokens, offsets, kept, is_val, compact_vocab, reused
+      out, task, tok, streams, tokens, offsets, kept, is_val, compact_vocab, reused, shard_bytes
     )
   finally:
     pending.remove()
@@ -375,6 +386,7 @@ def prepare(
   with open(meta_path + ".tmp", "w") as f:
     json.dump(meta, f, indent=2)
   os.replace(meta_path + ".tmp", meta_path)
+  layout.remove_unlisted_shards(out, meta)
   return meta
 
 
@@ -389,6 +401,7 @@ def _write_dataset(
   is_val: np.ndarray,
   compact_vocab: bool | int,
   reused: CompactVocab | None,
+  shard_bytes: int,
 ) -> dict[str, Any]:
   """Copies the pending documents ``kept`` into the train and val streams, re-numbered by the
   compact vocabulary (``reused``, or one built here); returns the metadata it settles."""
@@ -412,7 +425,13 @@ def _write_dataset(
     docs = kept[is_val] if split == "val" else kept[~is_val]
     written = {
       s: write_split(
-        out, split if s == "tokens" else f"{split}_{s}", tokens[s], offsets[s], docs, remap
+        out,
+        split if s == "tokens" else f"{split}_{s}",
+        tokens[s],
+        offsets[s],
+        docs,
+        remap,
+        shard_bytes,
       )
       for s in streams
     }

@@ -122,6 +122,51 @@ def id_counts(tokens: np.ndarray, offsets: np.ndarray, docs: np.ndarray, size: i
   return counts
 
 
+class ShardWriter:
+  """Writes one token stream as shards of at most ``shard_bytes`` bytes (``PREFIX_000.bin``,
+  ``PREFIX_001.bin``, ...; a document may continue in the next shard), each to a temporary that is
+  renamed when full: a shard file that exists is complete."""
+
+  def __init__(self, out: str, prefix: str, shard_bytes: int):
+    self.out, self.prefix = out, prefix
+    self.limit = max(1, shard_bytes // 4)  # tokens a shard
+    self.names: list[str] = []
+    self.counts: list[int] = []
+    self.file = None
+
+  def _open(self) -> None:
+    self.names.append(f"{self.prefix}_{len(self.names):03d}.bin")
+    self.counts.append(0)
+    self.file = open(os.path.join(self.out, self.names[-1] + ".tmp"), "wb")
+
+  def _seal(self) -> None:
+    self.file.close()
+    name = os.path.join(self.out, self.names[-1])
+    os.replace(name + ".tmp", name)
+    self.file = None
+
+  def write(self, tokens: np.ndarray) -> None:
+    tokens = tokens.astype(np.uint32, copy=False)
+    while tokens.size:
+      if self.file is None:
+        self._open()
+      room = self.limit - self.counts[-1]
+      tokens[:room].tofile(self.file)
+      self.counts[-1] += min(room, tokens.size)
+      tokens = tokens[room:]
+      if self.counts[-1] == self.limit:
+        self._seal()
+
+  def close(self) -> tuple[list[str], list[int]]:
+    """Seals the last shard (an empty stream gets one empty shard); returns the names and
+    token counts of the shards."""
+    if self.file is None and not self.names:
+      self._open()
+    if self.file is not None:
+      self._seal()
+    return self.names, self.counts
+
+
 def write_split(
   out: str,
   prefix: str,
@@ -129,19 +174,19 @@ def write_split(
   offsets: np.ndarray,
   docs: np.ndarray,
   remap: Callable[[np.ndarray], np.ndarray] | None,
+  shard_bytes: int,
 ) -> dict[str, Any]:
   """Writes the documents ``docs`` (sorted indices into ``offsets``) as the stream ``prefix``
-  (one shard + offsets, each written to a temporary and renamed); returns its metadata entry."""
-  shard, offsets_file = f"{prefix}_000.bin", f"{prefix}_offsets.npy"
-  total = 0
-  with open(os.path.join(out, shard + ".tmp"), "wb") as f:
-    for chunk in _chunks(offsets, docs):
-      part = _gather(tokens, offsets, chunk)
-      (remap(part) if remap is not None else part).astype(np.uint32).tofile(f)
-      total += part.size
-  os.replace(os.path.join(out, shard + ".tmp"), os.path.join(out, shard))
+  (shards of at most ``shard_bytes`` and the document offsets, each written to a temporary and
+  renamed); returns its metadata entry, whose ``shard_tokens`` is the shards' index."""
+  writer = ShardWriter(out, prefix, shard_bytes)
+  for chunk in _chunks(offsets, docs):
+    part = _gather(tokens, offsets, chunk)
+    writer.write(remap(part) if remap is not None else part)
+  shards, counts = writer.close()
+  offsets_file = f"{prefix}_offsets.npy"
   lengths = offsets[docs + 1] - offsets[docs]
   with open(os.path.join(out, offsets_file + ".tmp"), "wb") as f:
     np.save(f, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
   os.replace(os.path.join(out, offsets_file + ".tmp"), os.path.join(out, offsets_file))
-  return {"shards": [shard], "offsets": offsets_file, "tokens": int(total)}
+  return {"shards": shards, "offsets": offsets_file, "tokens": sum(counts), "shard_tokens": counts}
