@@ -42,14 +42,14 @@ def test_workers_default_to_every_available_core(corpus_dir, tmp_path, monkeypat
   args = add_prepare_args(argparse.ArgumentParser()).parse_args(["x", "--out", "y"])
   assert args.workers is None
   seen = []
-  real = prepare_module._Pipeline.__init__
+  real = prepare_module.Pipeline.__init__
 
   def spy(self, pool, workers, *rest):
     seen.append(workers)
     real(self, pool, workers, *rest)
 
   monkeypatch.setattr(prepare_module, "available_cores", lambda: 3)
-  monkeypatch.setattr(prepare_module._Pipeline, "__init__", spy)
+  monkeypatch.setattr(prepare_module.Pipeline, "__init__", spy)
   prepare([str(corpus_dir)], str(tmp_path / "o"), progress=False)
   assert seen == [3]
 
@@ -152,3 +152,135 @@ def test_a_rebuild_with_bigger_shards_removes_the_extra_ones(corpus_dir, tmp_pat
   meta = prepare([str(corpus_dir)], str(out), val_fraction=4, progress=False)
   assert meta["splits"]["train"]["streams"]["tokens"]["shards"] == ["train_000.bin"]
   assert sorted(p.name for p in out.glob("train_*.bin")) == ["train_000.bin"]
+
+
+# ---- progress and resumption ---------------------------------------------------------------------
+
+
+def _jsonl_corpus(root, files=6, docs=400, words=300, seed=0):
+  import json
+  import random
+
+  rng = random.Random(seed)
+  vocab = "alpha beta gamma delta return import class def self value index total node".split()
+  root.mkdir(parents=True, exist_ok=True)
+  for f in range(files):
+    lines = [
+      json.dumps({"text": f"{f}-{d} " + " ".join(rng.choice(vocab) for _ in range(words))})
+      for d in range(docs)
+    ]
+    (root / f"part_{f}.jsonl").write_text("\n".join(lines) + "\n")
+  return root
+
+
+def _same_dataset(a, b):
+  import json
+
+  names = sorted(p.name for p in a.iterdir())
+  assert names == sorted(p.name for p in b.iterdir())
+  for name in names:
+    if name == "metadata.json":
+      assert json.loads((a / name).read_text()) == json.loads((b / name).read_text())
+    else:
+      assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def test_an_interrupted_prepare_resumes_from_its_checkpoint(tmp_path, monkeypatch, capsys):
+  from transformer_jax.data import stream
+
+  corpus = _jsonl_corpus(tmp_path / "c", files=3, docs=40, words=20)
+  kw = dict(val_fraction=0.2, progress=False, workers=2, shard_bytes=4096)
+  prepare([str(corpus)], str(tmp_path / "whole"), **kw)
+  monkeypatch.setattr(stream, "BATCH_DOCS", 7)
+  monkeypatch.setattr(stream, "CHECKPOINT_SECONDS", 0.0)
+  written = []
+  real = stream.PendingDocs.extend
+
+  def interrupt_after_five_batches(self, docs):
+    written.append(len(docs))
+    if sum(1 for n in written if n) > 10:  # a batch is split in two parts (two workers)
+      raise KeyboardInterrupt
+    real(self, docs)
+
+  monkeypatch.setattr(stream.PendingDocs, "extend", interrupt_after_five_batches)
+  out = tmp_path / "out"
+  with pytest.raises(KeyboardInterrupt):
+    prepare([str(corpus)], str(out), **kw)
+  assert "the same command resumes" in capsys.readouterr().err
+  assert (out / "progress.json").exists() and not (out / "metadata.json").exists()
+  monkeypatch.setattr(stream.PendingDocs, "extend", real)
+  prepare([str(corpus)], str(out), **kw)
+  assert "resuming" in capsys.readouterr().err
+  _same_dataset(tmp_path / "whole", out)
+
+
+def test_a_resumed_run_keeps_the_counts_of_skipped_records(tmp_path, monkeypatch):
+  from transformer_jax.data import stream
+
+  corpus = _jsonl_corpus(tmp_path / "c", files=2, docs=30, words=10)
+  with open(corpus / "part_0.jsonl", "a") as f:
+    f.write("not json\n" + '{"text": "after the bad line"}\n' * 20)
+  kw = dict(val_fraction=0.2, progress=False, workers=1, skip_bad=True)
+  whole = prepare([str(corpus)], str(tmp_path / "whole"), **kw)
+  monkeypatch.setattr(stream, "BATCH_DOCS", 5)
+  monkeypatch.setattr(stream, "CHECKPOINT_SECONDS", 0.0)
+  real, calls = stream.PendingDocs.extend, []
+
+  def interrupt(self, docs):
+    calls.append(1)
+    if len(calls) == 9:  # past the bad line (document 31)
+      raise KeyboardInterrupt
+    real(self, docs)
+
+  monkeypatch.setattr(stream.PendingDocs, "extend", interrupt)
+  with pytest.raises(KeyboardInterrupt):
+    prepare([str(corpus)], str(tmp_path / "out"), **kw)
+  monkeypatch.setattr(stream.PendingDocs, "extend", real)
+  resumed = prepare([str(corpus)], str(tmp_path / "out"), **kw)
+  assert resumed["skipped"] == whole["skipped"] and resumed["skipped"]["records"] == 1
+  _same_dataset(tmp_path / "whole", tmp_path / "out")
+
+
+@pytest.mark.slow  # ~10 s: a real `tjax prepare` process, killed, then the rerun
+def test_a_killed_prepare_process_resumes_and_never_looks_complete(tmp_path, capsys):
+  import os
+  import signal
+  import subprocess
+  import sys
+  import time
+
+  from transformer_jax.data import load_dataset
+
+  corpus = _jsonl_corpus(tmp_path / "c", files=8, docs=1500, words=300)
+  out = tmp_path / "out"
+  args = [str(corpus), "--out", str(out), "--val-fraction", "0.1", "--no-progress"]
+  env = {**os.environ, "PYTHONPATH": os.getcwd()}
+  process = subprocess.Popen(
+    [sys.executable, "-m", "transformer_jax.cli", "prepare", *args], env=env
+  )
+  deadline = time.monotonic() + 120
+  while not (out / "progress.json").exists() and process.poll() is None:
+    assert time.monotonic() < deadline
+    time.sleep(0.01)
+  process.send_signal(signal.SIGKILL)
+  process.wait()
+  assert process.returncode == -signal.SIGKILL, "the run ended before it was killed"
+  assert not (out / "metadata.json").exists()
+  with pytest.raises(FileNotFoundError):
+    load_dataset(str(out))
+  meta = prepare([str(corpus)], str(out), val_fraction=0.1, progress=False)
+  err = capsys.readouterr().err
+  assert "resuming" in err and int(err.split(": ")[1].split()[0]) > 0, err
+  assert meta["splits"]["train"]["documents"] + meta["splits"]["val"]["documents"] == 12_000
+  prepare([str(corpus)], str(tmp_path / "whole"), val_fraction=0.1, progress=False)
+  _same_dataset(tmp_path / "whole", out)
+
+
+def test_the_progress_bar_counts_bytes_documents_and_tokens(tmp_path, capsys):
+  corpus = _jsonl_corpus(tmp_path / "c", files=2, docs=30, words=10)
+  meta = prepare([str(corpus)], str(tmp_path / "o"), val_fraction=0, workers=1)
+  last = capsys.readouterr().err.strip().split("\r")[-1]
+  tokens = meta["splits"]["train"]["tokens"]
+  size = sum(p.stat().st_size for p in corpus.iterdir()) / 1000
+  assert f"60 docs, {tokens:,} tokens" in last and "B/s" in last, last
+  assert f"100%|██████████| {size:.3g}k/{size:.3g}k" in last, last

@@ -14,6 +14,9 @@ Layout of a dataset directory (all token shards are raw little-endian uint32, wr
                              (positions in the stream, its shards concatenated)
     val_000.bin, val_offsets.npy
     all_000.bin.tmp          (while preparing) every document's tokens in arrival order
+    all_index.bin.tmp        (while preparing) each document's length and split hash
+    progress.json            (while preparing) how far the pending files are good: an
+                             interrupted run resumes from it (``data.stream``)
     train_src_000.bin, train_src_offsets.npy,
     train_tgt_000.bin, train_tgt_offsets.npy   (seq2seq pairs)
 
@@ -181,7 +184,7 @@ def is_up_to_date(out: str, content_hash: str) -> dict[str, Any] | None:
 _SHARD = re.compile(r"^(?:train|val)(?:_src|_tgt|_b)?_\d+\.bin$")
 _DATASET_FILE = re.compile(
   r"^(?:(?:train|val|all)(?:_src|_tgt|_b)?(?:_\d+\.bin|_offsets\.npy|"
-  r"_labels\.npy)|vocab\.json|metadata\.json)(?:\.tmp)?$"
+  r"_labels\.npy)|all_index\.bin|progress\.json|vocab\.json|metadata\.json)(?:\.tmp)?$"
 )
 
 

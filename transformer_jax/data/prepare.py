@@ -11,7 +11,6 @@ documents give the same dataset in any input format and file layout.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import json
 import os
@@ -20,8 +19,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from tqdm.auto import tqdm
-
 from transformer_jax.data import layout
 from transformer_jax.data.classify import prepare_classify
 from transformer_jax.data.layout import (
@@ -34,125 +31,13 @@ from transformer_jax.data.layout import (
   read_metadata,
   split_by_hash,
 )
-from transformer_jax.data.readers import Record, read_records
-from transformer_jax.data.shards import PendingDocs, document_hash, id_counts, write_split
-from transformer_jax.data.sources import (
-  SYNTHETIC_TOKENIZER,
-  Source,
-  parse_synthetic,
-  resolve_inputs,
-  synthetic_examples,
-)
+from transformer_jax.data.shards import PendingDocs, id_counts, write_split
+from transformer_jax.data.sources import SYNTHETIC_TOKENIZER, resolve_inputs
+from transformer_jax.data.stream import Pipeline, load_checkpoint, remove_checkpoint, stream_corpus
 from transformer_jax.data.tokenizer import CompactVocab, Tokenizer
 
 
 DEFAULT_SHARD_BYTES = 1 << 30  # a token shard's size limit (1 GiB)
-_BATCH_DOCS = 512  # documents tokenized together (split among the workers)
-_BATCH_CHARS = 1 << 22  # ... or fewer, when their text reaches 4 Mi characters
-_SHOWN_PROBLEMS = 10  # skipped problems printed one a line; the rest are counted
-
-
-class _Pipeline:
-  """Records in, tokenized documents appended to ``PendingDocs`` in arrival order: batches are
-  tokenized on a thread pool (tiktoken releases the GIL) with at most ``workers`` batches in
-  flight, so memory holds a few batches, never the corpus."""
-
-  def __init__(self, pool, workers: int, tok: Tokenizer, seed: int, pending: PendingDocs):
-    self.pool, self.workers, self.tok, self.seed, self.pending = pool, workers, tok, seed, pending
-    self.batch: list[Record] = []
-    self.chars = 0
-    self.added = 0  # records handed in (written, in flight or batched)
-    self.in_flight: collections.deque = collections.deque()
-
-  def _tokenize(self, records: list[Record]) -> list[tuple[list[np.ndarray], int]]:
-    return [
-      (
-        [self.tok.encode_full_array(t) for t in r.texts],
-        document_hash(r.texts, self.seed),
-      )
-      for r in records
-    ]
-
-  def add(self, record: Record) -> None:
-    self.batch.append(record)
-    self.added += 1
-    self.chars += sum(len(t) for t in record.texts)
-    if len(self.batch) >= _BATCH_DOCS or self.chars >= _BATCH_CHARS:
-      self.submit()
-
-  def submit(self) -> None:
-    if self.batch:
-      step = -(-len(self.batch) // self.workers)
-      parts = [self.batch[i : i + step] for i in range(0, len(self.batch), step)]
-      self.in_flight.append([self.pool.submit(self._tokenize, part) for part in parts])
-      self.batch, self.chars = [], 0
-    while len(self.in_flight) > self.workers:
-      self._write_oldest()
-
-  def _write_oldest(self) -> None:
-    for future in self.in_flight.popleft():
-      self.pending.extend(future.result())
-
-  def drain(self) -> None:
-    self.submit()
-    while self.in_flight:
-      self._write_oldest()
-
-  def rollback(self, mark: int) -> None:
-    """Drops every record handed in after the first ``mark``."""
-    self.drain()
-    self.pending.truncate(mark)
-    self.added = mark
-
-
-def _synthetic_records(specs: list[str], seed: int):
-  for spec in specs:
-    name, count = parse_synthetic(spec)
-    for i, pair in enumerate(synthetic_examples(name, count, seed)):
-      yield Record(pair, f"{spec}:{i}")
-
-
-def _stream_corpus(
-  sources: list[Source],
-  synthetic: list[str],
-  pipeline: _Pipeline,
-  *,
-  text_field: str,
-  allow_undecodable: bool,
-  skip_bad: bool,
-  seed: int,
-  progress: bool,
-) -> dict[str, Any]:
-  """Reads every record into ``pipeline``; returns the counts of what was replaced and
-  skipped. A problem raises ``ValueError`` naming its place unless ``skip_bad``."""
-  stats = {"undecodable_files": 0, "replaced": 0, "bad_records": 0, "bad_files": 0}
-  inputs = [(s.path, read_records(s, text_field, allow_undecodable)) for s in sources]
-  if synthetic:
-    inputs.append(("synthetic", _synthetic_records(synthetic, seed)))
-  bar = tqdm(desc="tokenizing", unit="doc", disable=not progress)
-  for _, records in inputs:
-    mark, replaced = pipeline.added, 0
-    for item in records:
-      if isinstance(item, Record):
-        pipeline.add(item)
-        replaced += item.replaced
-        bar.update()
-        continue
-      if not skip_bad:
-        raise ValueError(f"{item}; --skip-bad skips and counts such input")
-      if stats["bad_records"] + stats["bad_files"] < _SHOWN_PROBLEMS:
-        print(f"skipped: {item}", file=sys.stderr)
-      if item.whole_file:
-        pipeline.rollback(mark)
-        stats["bad_files"] += 1
-        replaced = 0
-      else:
-        stats["bad_records"] += 1
-    stats["replaced"] += replaced
-    stats["undecodable_files"] += replaced > 0
-  pipeline.drain()
-  bar.close()
-  return stats
 
 
 def available_cores() -> int:
@@ -328,18 +213,19 @@ def prepare(
   if os.path.exists(meta_path):
     os.remove(meta_path)  # a half-rewritten directory must never look up to date
   streams = ("src", "tgt") if task == "seq2seq" else ("tokens",)
-  pending = PendingDocs(out, streams)
+  pending, start = _open_pending(out, streams, content_hash, force)
   try:
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-      stats = _stream_corpus(
+      stats = stream_corpus(
         sources,
         synthetic,
-        _Pipeline(pool, workers, tok, seed, pending),
+        Pipeline(pool, workers, tok, seed, pending, content_hash),
         text_field=text_field,
         allow_undecodable=allow_undecodable,
         skip_bad=skip_bad,
         seed=seed,
         progress=progress,
+        start=start,
       )
     offsets = pending.close()
     tokens = {s: pending.tokens(s) for s in streams}
@@ -353,8 +239,13 @@ def prepare(
     meta = _write_dataset(
       out, task, tok, streams, tokens, offsets, kept, is_val, compact_vocab, reused, shard_bytes
     )
-  finally:
+  except ValueError:  # bad input: what was read is of no use to a rerun on other input
     pending.remove()
+    remove_checkpoint(out)
+    raise
+  except KeyboardInterrupt:
+    print(f"\ninterrupted: the same command resumes {out} where it stopped", file=sys.stderr)
+    raise
   if stats["replaced"]:
     print(
       f"warning: {stats['replaced']} undecodable byte sequences in {stats['undecodable_files']} "
@@ -385,9 +276,29 @@ def prepare(
   }
   with open(meta_path + ".tmp", "w") as f:
     json.dump(meta, f, indent=2)
+  pending.remove()
+  remove_checkpoint(out)
   os.replace(meta_path + ".tmp", meta_path)
   layout.remove_unlisted_shards(out, meta)
   return meta
+
+
+def _open_pending(
+  out: str, streams: tuple[str, ...], content_hash: str, force: bool
+) -> tuple[PendingDocs, dict[str, Any] | None]:
+  """The pending files: those an interrupted run on the same content left, truncated to its
+  checkpoint (which is returned), or new ones."""
+  start = None if force else load_checkpoint(out, content_hash)
+  if start is not None:
+    try:
+      pending = PendingDocs(out, streams, resume_docs=start["docs"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      print(f"not resuming {out} ({e}); starting over", file=sys.stderr)
+    else:
+      print(f"resuming {out}: {pending.num_docs} documents already tokenized", file=sys.stderr)
+      return pending, start
+  remove_checkpoint(out)
+  return PendingDocs(out, streams), None
 
 
 def _write_dataset(

@@ -31,45 +31,82 @@ def pending_file(out: str, stream: str) -> str:
   return os.path.join(out, "all_000.bin.tmp" if stream == "tokens" else f"all_{stream}_000.bin.tmp")
 
 
+INDEX_FILE = "all_index.bin.tmp"  # uint64 a document and stream (its length), then its hash
+
+
 class PendingDocs:
   """Documents in arrival order, one pending token file per stream (``tokens``, or ``src`` and
-  ``tgt``) in ``out``; lengths and split hashes in compact arrays."""
+  ``tgt``) in ``out``, and their lengths and split hashes both in compact arrays and in an index
+  file beside them: ``resume`` reopens the files an interrupted run left."""
 
-  def __init__(self, out: str, streams: Sequence[str]):
+  def __init__(self, out: str, streams: Sequence[str], resume_docs: int | None = None):
     self.out, self.streams = out, tuple(streams)
-    self.files = {s: open(pending_file(out, s), "wb") for s in self.streams}
     self.lengths = {s: array.array("q") for s in self.streams}
     self.hashes = array.array("Q")
+    index_path = os.path.join(out, INDEX_FILE)
+    if resume_docs is None:
+      self.files = {s: open(pending_file(out, s), "wb") for s in self.streams}
+      self.index = open(index_path, "wb")
+      return
+    width = len(self.streams) + 1
+    rows = np.fromfile(index_path, np.uint64)[: resume_docs * width].reshape(-1, width)
+    if len(rows) != resume_docs:
+      raise ValueError(f"{index_path}: {len(rows)} documents, the checkpoint says {resume_docs}")
+    self.files = {s: open(pending_file(out, s), "r+b") for s in self.streams}
+    self.index = open(index_path, "r+b")
+    for k, stream in enumerate(self.streams):
+      self.lengths[stream].frombytes(rows[:, k].astype(np.int64).tobytes())
+    self.hashes.frombytes(rows[:, -1].tobytes())
+    self.truncate(resume_docs)
 
   @property
   def num_docs(self) -> int:
     return len(self.hashes)
 
+  @property
+  def num_tokens(self) -> int:
+    return sum(f.tell() for f in self.files.values()) // 4
+
   def extend(self, docs: Sequence[tuple[Sequence[np.ndarray], int]]) -> None:
     """Appends ``(arrays, doc_hash)`` documents with one write a stream."""
     if not docs:
       return
+    rows = np.empty((len(docs), len(self.streams) + 1), np.uint64)
     for k, stream in enumerate(self.streams):
       arrays = [d[0][k] for d in docs]
       np.concatenate(arrays).astype(np.uint32, copy=False).tofile(self.files[stream])
-      self.lengths[stream].extend(len(a) for a in arrays)
-    self.hashes.extend(h for _, h in docs)
+      rows[:, k] = [len(a) for a in arrays]
+      self.lengths[stream].frombytes(rows[:, k].astype(np.int64).tobytes())
+    rows[:, -1] = [h for _, h in docs]
+    self.hashes.frombytes(rows[:, -1].tobytes())
+    rows.tofile(self.index)
+
+  def flush(self) -> None:
+    for f in (*self.files.values(), self.index):
+      f.flush()
 
   def truncate(self, num_docs: int) -> None:
-    """Drops the documents after the first ``num_docs`` (those of a file found spoilt)."""
+    """Drops the documents after the first ``num_docs`` (those of a file found spoilt, or
+    written after the checkpoint a run resumes from)."""
     for stream in self.streams:
-      lengths = self.lengths[stream]
-      keep = sum(lengths[:num_docs])
-      del lengths[num_docs:]
+      keep = int(np.frombuffer(self.lengths[stream], np.int64)[:num_docs].sum())
+      del self.lengths[stream][num_docs:]
       f = self.files[stream]
       f.flush()
+      if os.fstat(f.fileno()).st_size < 4 * keep:
+        raise ValueError(f"{f.name}: shorter than the {keep} tokens its index lists")
       f.truncate(4 * keep)
       f.seek(4 * keep)
     del self.hashes[num_docs:]
+    size = 8 * (len(self.streams) + 1) * num_docs
+    self.index.flush()
+    self.index.truncate(size)
+    self.index.seek(size)
 
   def close(self) -> dict[str, np.ndarray]:
     """Closes the pending files; returns each stream's document offsets (int64 ``[n + 1]``)."""
     offsets = {}
+    self.index.close()
     for stream in self.streams:
       self.files[stream].close()
       lengths = np.frombuffer(self.lengths[stream], dtype=np.int64)
@@ -84,9 +121,11 @@ class PendingDocs:
     return np.memmap(path, dtype=np.uint32, mode="r")
 
   def remove(self) -> None:
+    """Closes and deletes the pending files."""
+    self.index.close()
+    os.remove(self.index.name)
     for stream in self.streams:
-      if not self.files[stream].closed:
-        self.files[stream].close()
+      self.files[stream].close()
       if os.path.exists(pending_file(self.out, stream)):
         os.remove(pending_file(self.out, stream))
 
