@@ -284,3 +284,38 @@ def test_the_progress_bar_counts_bytes_documents_and_tokens(tmp_path, capsys):
   size = sum(p.stat().st_size for p in corpus.iterdir()) / 1000
   assert f"60 docs, {tokens:,} tokens" in last and "B/s" in last, last
   assert f"100%|██████████| {size:.3g}k/{size:.3g}k" in last, last
+
+
+# ---- how big, before the work --------------------------------------------------------------------
+
+
+def test_prepare_dry_run_counts_and_estimates_without_writing(tmp_path):
+  from tests.train.conftest import run_cli
+
+  corpus = _jsonl_corpus(tmp_path / "c", files=5, docs=200, words=60)
+  size = sum(p.stat().st_size for p in corpus.iterdir())
+  code, out, err = run_cli("prepare", str(corpus), "--out", str(tmp_path / "o"), "--dry-run")
+  assert code == 0, err
+  assert not (tmp_path / "o").exists()
+  assert out.splitlines()[0] == f"5 files (5 jsonl), {size / 1e3:.1f} KB", out
+  estimated = int(out.split("estimate: ")[1].split(" tokens")[0].replace(",", ""))
+  meta = prepare([str(corpus)], str(tmp_path / "o"), progress=False)
+  tokens = sum(s["tokens"] for s in meta["splits"].values())
+  assert abs(estimated - tokens) < 0.1 * tokens, (estimated, tokens)
+
+
+def test_dataset_facts_count_tokens_shards_bytes_and_epochs(corpus_dir, tmp_path):
+  from transformer_jax.data import GPTLoader, load_dataset
+  from transformer_jax.data.estimate import dataset_facts, describe_facts
+
+  out = tmp_path / "ds"
+  meta = prepare([str(corpus_dir)], str(out), val_fraction=4, progress=False, shard_bytes=400)
+  facts = dataset_facts(out, steps=30, batch_size=4, seq_len=32)
+  files = [p for p in out.iterdir() if p.name.endswith((".bin", ".npy"))]
+  assert facts["bytes"] == sum(p.stat().st_size for p in files)
+  assert facts["shards"] == sum(p.name.endswith(".bin") for p in files) > 2
+  assert facts["tokens"] == sum(s["tokens"] for s in meta["splits"].values())
+  loader = GPTLoader(load_dataset(str(out)), batch_size=4, seq_len=32)
+  assert facts["epochs"] == pytest.approx(30 * 4 / loader.num_windows)
+  assert f"{facts['tokens']:,} tokens" in describe_facts(facts) and "epoch" in describe_facts(facts)
+  assert "epochs" not in dataset_facts(out)

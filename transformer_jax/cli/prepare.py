@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import re
 
+from transformer_jax.data.estimate import describe_estimate, estimate_corpus
 from transformer_jax.data.prepare import DEFAULT_SHARD_BYTES, TASKS, available_cores, prepare
 
 
@@ -85,6 +86,12 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
   )
   parser.add_argument("--no-progress", action="store_true", help="no progress bar")
   parser.add_argument(
+    "--dry-run",
+    action="store_true",
+    help="count the input files and bytes, estimate the tokens and the time from a timed sample, "
+    "and write nothing",
+  )
+  parser.add_argument(
     "--vocab-from",
     default=None,
     metavar="DIR",
@@ -100,6 +107,21 @@ def run_prepare(args: argparse.Namespace) -> int:
     ValueError: bad input (an input that matches no file included), for the CLI's one line and
       exit 2.
   """
+  if args.dry_run:
+    workers = args.workers or available_cores()
+    print(
+      describe_estimate(
+        estimate_corpus(
+          args.inputs,
+          task=args.task,
+          tokenizer=args.tokenizer,
+          text_field=args.text_field,
+          workers=workers,
+        ),
+        workers,
+      )
+    )
+    return 0
   try:
     meta = prepare(
       args.inputs,
