@@ -319,3 +319,36 @@ def test_dataset_facts_count_tokens_shards_bytes_and_epochs(corpus_dir, tmp_path
   assert facts["epochs"] == pytest.approx(30 * 4 / loader.num_windows)
   assert f"{facts['tokens']:,} tokens" in describe_facts(facts) and "epoch" in describe_facts(facts)
   assert "epochs" not in dataset_facts(out)
+
+
+@pytest.mark.slow  # ~10 s: writes, hashes and tokenizes 10,000 files under tracemalloc
+def test_ten_thousand_files_prepare_without_holding_their_documents(tmp_path, monkeypatch):
+  import random
+  import tracemalloc
+
+  from transformer_jax.data import shards, stream
+
+  rng = random.Random(0)
+  words = "alpha beta gamma delta return import class def self value index total node".split()
+  root = tmp_path / "c"
+  for d in range(10_000):
+    sub = root / f"{d // 1000:02d}"
+    sub.mkdir(parents=True, exist_ok=True)
+    text = f"doc {d} " + " ".join(rng.choice(words) for _ in range(180))  # ~1 KB
+    (sub / f"{d:05d}.txt").write_text(text)
+  monkeypatch.setattr(stream, "BATCH_DOCS", 64)
+  monkeypatch.setattr(shards, "CHUNK_TOKENS", 1 << 16)
+  prepare([str(root / "00" / "00000.txt")], str(tmp_path / "warm"), progress=False)  # tokenizer
+  tracemalloc.start()
+  try:
+    meta = prepare([str(root)], str(tmp_path / "o"), progress=False, workers=2)
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  assert meta["num_files"] == 10_000
+  assert sum(s["documents"] for s in meta["splits"].values()) == 10_000
+  text_bytes = sum(p.stat().st_size for p in root.rglob("*.txt"))
+  # The documents are ~10 MB of text. What is held is the list of files (~0.26 KB a file, 2.6 MB),
+  # the content hash's read blocks (1 MiB a thread), a few batches of 64 documents, one chunk of
+  # 64 Ki tokens and 16 bytes a document: ~5 MB.
+  assert text_bytes > 10_000_000 and peak < 0.7 * text_bytes, (peak, text_bytes)

@@ -61,13 +61,15 @@ def content_hash(options: dict[str, Any], sources: list[Source], workers: int) -
   ``workers`` threads): ``metadata.json``'s ``content_hash``, equal exactly when a rebuild would
   write the same dataset."""
   h = hashlib.sha256(json.dumps(options, sort_keys=True).encode())
-  with concurrent.futures.ThreadPoolExecutor(
-    workers
-  ) as pool:  # hashlib releases the GIL on big reads
-    digests = list(pool.map(lambda s: _file_digest(s.path), sources))
-  for source, digest in zip(sources, digests):
-    packed = f"\0{source.compression}" if source.compression else ""
-    h.update(f"{source.key}\0{source.kind}{packed}\0{digest}\n".encode())
+  # hashlib releases the GIL on big reads. A few files at a time: a future a file would cost
+  # memory in proportion to the number of files.
+  step = 64 * workers
+  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    for i in range(0, len(sources), step):
+      part = sources[i : i + step]
+      for source, digest in zip(part, pool.map(lambda s: _file_digest(s.path), part)):
+        packed = f"\0{source.compression}" if source.compression else ""
+        h.update(f"{source.key}\0{source.kind}{packed}\0{digest}\n".encode())
   return h.hexdigest()
 
 

@@ -31,7 +31,7 @@ from transformer_jax.data.layout import (
   read_metadata,
   split_by_hash,
 )
-from transformer_jax.data.shards import PendingDocs, id_counts, write_split
+from transformer_jax.data.shards import FileTokens, PendingDocs, id_counts, write_split
 from transformer_jax.data.sources import SYNTHETIC_TOKENIZER, resolve_inputs
 from transformer_jax.data.stream import Pipeline, load_checkpoint, remove_checkpoint, stream_corpus
 from transformer_jax.data.tokenizer import CompactVocab, Tokenizer
@@ -306,7 +306,7 @@ def _write_dataset(
   task: str,
   tok: Tokenizer,
   streams: tuple[str, ...],
-  tokens: dict[str, np.ndarray],
+  tokens: dict[str, FileTokens],
   offsets: dict[str, np.ndarray],
   kept: np.ndarray,
   is_val: np.ndarray,

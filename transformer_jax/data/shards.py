@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-CHUNK_TOKENS = 1 << 22  # tokens read at a time (16 MiB of uint32, 64 MiB of gather indices)
+CHUNK_TOKENS = 1 << 20  # tokens read at a time (4 MiB of uint32)
 
 
 def document_hash(texts: Sequence[str], seed: int) -> int:
@@ -32,6 +32,24 @@ def pending_file(out: str, stream: str) -> str:
 
 
 INDEX_FILE = "all_index.bin.tmp"  # uint64 a document and stream (its length), then its hash
+
+
+class FileTokens:
+  """A uint32 token file whose slices are read when asked for: unlike a memory map, the pages
+  read do not stay in the process's memory, so copying a file a chunk at a time holds one
+  chunk."""
+
+  def __init__(self, path: str):
+    self.path = path
+    self.size = os.path.getsize(path) // 4
+
+  def __getitem__(self, key: slice) -> np.ndarray:
+    start, stop, step = key.indices(self.size)
+    if step != 1:
+      raise ValueError("FileTokens reads contiguous slices")
+    with open(self.path, "rb") as f:
+      f.seek(4 * start)
+      return np.fromfile(f, np.uint32, max(stop - start, 0))
 
 
 class PendingDocs:
@@ -113,12 +131,9 @@ class PendingDocs:
       offsets[stream] = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     return offsets
 
-  def tokens(self, stream: str) -> np.ndarray:
-    """The pending tokens of ``stream`` (after ``close``), memory-mapped."""
-    path = pending_file(self.out, stream)
-    if os.path.getsize(path) == 0:
-      return np.zeros(0, np.uint32)
-    return np.memmap(path, dtype=np.uint32, mode="r")
+  def tokens(self, stream: str) -> FileTokens:
+    """The pending tokens of ``stream`` (after ``close``), read a slice at a time."""
+    return FileTokens(pending_file(self.out, stream))
 
   def remove(self) -> None:
     """Closes and deletes the pending files."""
@@ -140,7 +155,7 @@ def _chunks(offsets: np.ndarray, docs: np.ndarray) -> Iterator[np.ndarray]:
     start = end
 
 
-def _gather(tokens: np.ndarray, offsets: np.ndarray, docs: np.ndarray) -> np.ndarray:
+def _gather(tokens: np.ndarray | FileTokens, offsets: np.ndarray, docs: np.ndarray) -> np.ndarray:
   """The tokens of ``docs`` (sorted indices), concatenated; reads their span only, and copies
   runs of consecutive documents as whole slices."""
   lo, hi = int(offsets[docs[0]]), int(offsets[docs[-1] + 1])
@@ -153,7 +168,9 @@ def _gather(tokens: np.ndarray, offsets: np.ndarray, docs: np.ndarray) -> np.nda
   return np.concatenate([span[a:b] for a, b in zip(firsts.tolist(), ends.tolist())])
 
 
-def id_counts(tokens: np.ndarray, offsets: np.ndarray, docs: np.ndarray, size: int) -> np.ndarray:
+def id_counts(
+  tokens: np.ndarray | FileTokens, offsets: np.ndarray, docs: np.ndarray, size: int
+) -> np.ndarray:
   """How often each id in ``[0, size)`` occurs in the documents ``docs``, a chunk at a time."""
   counts = np.zeros(size, np.int64)
   for chunk in _chunks(offsets, docs):
@@ -209,7 +226,7 @@ class ShardWriter:
 def write_split(
   out: str,
   prefix: str,
-  tokens: np.ndarray,
+  tokens: np.ndarray | FileTokens,
   offsets: np.ndarray,
   docs: np.ndarray,
   remap: Callable[[np.ndarray], np.ndarray] | None,
