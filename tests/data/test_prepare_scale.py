@@ -352,3 +352,8 @@ def test_ten_thousand_files_prepare_without_holding_their_documents(tmp_path, mo
   # the content hash's read blocks (1 MiB a thread), a few batches of 64 documents, one chunk of
   # 64 Ki tokens and 16 bytes a document: ~5 MB.
   assert text_bytes > 10_000_000 and peak < 0.7 * text_bytes, (peak, text_bytes)
+
+
+def test_an_unknown_engine_is_named(corpus_dir, tmp_path):
+  with pytest.raises(ValueError, match="engine='spark': expected one of threads, ray"):
+    prepare([str(corpus_dir)], str(tmp_path / "o"), engine="spark")

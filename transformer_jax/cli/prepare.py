@@ -7,7 +7,13 @@ import argparse
 import re
 
 from transformer_jax.data.estimate import describe_estimate, estimate_corpus
-from transformer_jax.data.prepare import DEFAULT_SHARD_BYTES, TASKS, available_cores, prepare
+from transformer_jax.data.prepare import (
+  DEFAULT_SHARD_BYTES,
+  ENGINES,
+  TASKS,
+  available_cores,
+  prepare,
+)
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*(?:([KMGT])(?:I?B)?|B)?\s*$", re.IGNORECASE)
@@ -70,6 +76,13 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     metavar="SIZE",
     help="a token shard's size limit: bytes, or with KiB, MiB, GiB (default 1GiB); a longer "
     "stream is written as several shards, read as one",
+  )
+  parser.add_argument(
+    "--engine",
+    choices=ENGINES,
+    default="threads",
+    help="threads: this process's thread pool; ray: a Ray Data job (optional extra 'ray'), the "
+    "same dataset byte for byte",
   )
   parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
   parser.add_argument(
@@ -138,6 +151,7 @@ def run_prepare(args: argparse.Namespace) -> int:
       allow_undecodable=args.allow_undecodable,
       skip_bad=args.skip_bad,
       shard_bytes=args.shard_size,
+      engine=args.engine,
       progress=not args.no_progress,
     )
   except FileNotFoundError as e:

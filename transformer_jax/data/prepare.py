@@ -38,6 +38,16 @@ from transformer_jax.data.tokenizer import CompactVocab, Tokenizer
 
 
 DEFAULT_SHARD_BYTES = 1 << 30  # a token shard's size limit (1 GiB)
+ENGINES = ("threads", "ray")
+
+
+def _ray_stream():
+  from transformer_jax.data.ray_job import stream_corpus_ray  # noqa: PLC0415 (imports Ray's glue)
+
+  return stream_corpus_ray
+
+
+_ENGINE_STREAM = {"threads": lambda: stream_corpus, "ray": _ray_stream}
 
 
 def available_cores() -> int:
@@ -57,13 +67,14 @@ def check_options(
   compact_vocab: bool | int,
   text_field: str,
   shard_bytes: int = DEFAULT_SHARD_BYTES,
+  engine: str = "threads",
 ) -> None:
   """Refuses options ``prepare`` cannot honour, before any file is read.
 
   Raises:
       ValueError: an unknown task, a ``val_fraction`` that is negative, not finite or a fraction
           above 1, fewer than one worker, a ``compact_vocab`` count below 1, no text field, or a
-          shard size limit below one token (4 bytes).
+          shard size limit below one token (4 bytes), or an unknown engine.
   """
   if task not in TASKS:
     raise ValueError(f"task must be one of {TASKS}, got {task!r}")
@@ -87,6 +98,8 @@ def check_options(
     raise ValueError(f"compact_vocab={compact_vocab}: expected true, false or a count of ids >= 1")
   if not isinstance(text_field, str) or not text_field:
     raise ValueError(f"text_field={text_field!r}: expected a field name")
+  if engine not in ENGINES:
+    raise ValueError(f"engine={engine!r}: expected one of {', '.join(ENGINES)}")
   if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes < 4:
     raise ValueError(f"shard_bytes={shard_bytes}: expected an integer >= 4 (one uint32 token)")
 
@@ -111,6 +124,7 @@ def prepare(
   allow_undecodable: bool = False,
   skip_bad: bool = False,
   shard_bytes: int = DEFAULT_SHARD_BYTES,
+  engine: str = "threads",
 ) -> dict[str, Any]:
   """Tokenizes a corpus into a dataset directory (its layout: ``data.layout``).
 
@@ -145,6 +159,8 @@ def prepare(
       shard_bytes: A token shard's size limit: a stream longer than that is written as several
           shards (``train_000.bin``, ``train_001.bin``, ...), listed with their token counts in
           the metadata; the loaders read them as one stream.
+      engine: ``"threads"`` (this process's thread pool) or ``"ray"`` (a Ray Data job reads and
+          tokenizes the files, ``data.ray_job``; the same dataset, byte for byte).
 
   Returns:
       The metadata dict written to ``out/metadata.json``.
@@ -161,6 +177,7 @@ def prepare(
     compact_vocab=compact_vocab,
     text_field=text_field,
     shard_bytes=shard_bytes,
+    engine=engine,
   )
   check_output_dir(out)
   workers = available_cores() if workers is None else workers
@@ -216,7 +233,7 @@ def prepare(
   pending, start = _open_pending(out, streams, content_hash, force)
   try:
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-      stats = stream_corpus(
+      stats = _ENGINE_STREAM[engine]()(
         sources,
         synthetic,
         Pipeline(pool, workers, tok, seed, pending, content_hash),
