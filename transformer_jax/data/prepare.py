@@ -3,10 +3,11 @@ a tokenized dataset directory, as a stream.
 
 The input names ``prepare`` takes are expanded by ``data.sources`` (files and URLs: ``data.files``)
 and read a record at a time by ``data.readers``; batches of documents are tokenized on a thread
-pool and appended to pending files as they come (``data.shards``), then copied into the train and
-val streams. The directory it writes (its files, ``metadata.json``, the content hash and the
-train/val split) is ``data.layout``'s. A document's split is a seeded hash of its text: the same
-documents give the same dataset in any input format and file layout.
+pool (``data.stream``, which also checkpoints for resumption; or by a Ray Data job,
+``data.ray_job``) and appended to pending files as they come (``data.shards``), then copied into
+the train and val shards. The directory it writes (its files, ``metadata.json``, the content hash
+and the train/val split) is ``data.layout``'s. A document's split is a seeded hash of its text:
+the same documents give the same dataset in any input format and file layout.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
 from transformer_jax.data import layout
 from transformer_jax.data.classify import prepare_classify
 from transformer_jax.data.layout import (
