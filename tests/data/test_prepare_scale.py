@@ -192,7 +192,7 @@ def test_an_interrupted_prepare_resumes_from_its_checkpoint(tmp_path, monkeypatc
   kw = dict(val_fraction=0.2, progress=False, workers=2, shard_bytes=4096)
   prepare([str(corpus)], str(tmp_path / "whole"), **kw)
   monkeypatch.setattr(stream, "BATCH_DOCS", 7)
-  monkeypatch.setattr(stream, "CHECKPOINT_SECONDS", 0.0)
+  monkeypatch.setattr(stream, "CHECKPOINT_SECONDS", 1e9)  # no checkpoint but Ctrl-C's
   written = []
   real = stream.PendingDocs.extend
 
@@ -210,7 +210,8 @@ def test_an_interrupted_prepare_resumes_from_its_checkpoint(tmp_path, monkeypatc
   assert (out / "progress.json").exists() and not (out / "metadata.json").exists()
   monkeypatch.setattr(stream.PendingDocs, "extend", real)
   prepare([str(corpus)], str(out), **kw)
-  assert "resuming" in capsys.readouterr().err
+  # Ctrl-C checkpoints what was written: the five whole batches of seven documents.
+  assert "resuming " + str(out) + ": 35 documents" in capsys.readouterr().err
   _same_dataset(tmp_path / "whole", out)
 
 

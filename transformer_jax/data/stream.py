@@ -80,6 +80,7 @@ class Pipeline:
     self.added = pending.num_docs  # records handed in (written, in flight or batched)
     self.in_flight: collections.deque = collections.deque()
     self.saved_at = 0.0
+    self.written: dict[str, Any] | None = None  # the place of the last batch written
 
   def _tokenize(self, records: list[Record]) -> list[tuple[list[np.ndarray], int]]:
     return [
@@ -109,6 +110,7 @@ class Pipeline:
     futures, place = self.in_flight.popleft()
     for future in futures:
       self.pending.extend(future.result())
+    self.written = place
     if time.monotonic() - self.saved_at >= CHECKPOINT_SECONDS:
       self.checkpoint(place)
 
@@ -131,7 +133,8 @@ class Pipeline:
     self.drain(place)
     self.pending.truncate(mark)
     self.added = mark
-    self.checkpoint({**place, "docs": mark})
+    self.written = {**place, "docs": mark}
+    self.checkpoint(self.written)
 
 
 def _synthetic_records(specs: list[str], seed: int) -> Iterator[Record]:
@@ -185,6 +188,19 @@ def stream_corpus(
   """Reads every record into ``pipeline``, from the checkpoint ``start`` when given; returns the
   counts of what was replaced and skipped. A problem raises ``ValueError`` naming its place
   unless ``skip_bad``."""
+  try:
+    return _stream(
+      sources, synthetic, pipeline, text_field, allow_undecodable, skip_bad, seed, progress, start
+    )
+  except KeyboardInterrupt:  # what is written is kept: the rerun reads on after it
+    if pipeline.written is not None:
+      pipeline.checkpoint(pipeline.written)
+    raise
+
+
+def _stream(
+  sources, synthetic, pipeline, text_field, allow_undecodable, skip_bad, seed, progress, start
+):
   start = start or {"source": 0, "items": 0, "mark": 0, "replaced": 0, "stats": new_stats()}
   stats = dict(start["stats"])
   sizes: list[int | None] = [size_of(s.path) for s in sources] + ([None] if synthetic else [])
