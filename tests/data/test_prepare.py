@@ -250,6 +250,7 @@ def test_prepare_refuses_a_folder_that_is_not_a_dataset(corpus_dir, tmp_path):
     (["--val-fraction", "-1"], "val_fraction=-1.0: expected a fraction"),
     (["--val-fraction", "2.5"], "val_fraction=2.5: a value >= 1 is a whole document count"),
     (["--workers", "-3"], "workers=-3: expected an integer >= 1"),
+    (["--shard-size", "2"], "shard_bytes=2: expected an integer >= 4"),
     (["--compact-vocab", "0"], "compact_vocab=0: expected true, false or a count"),
     (["--text-field", ""], "text_field='': expected a field name"),
   ],

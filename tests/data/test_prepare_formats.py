@@ -165,18 +165,15 @@ def test_parquet_is_read_by_row_groups(tmp_path, monkeypatch):
 
 @pytest.mark.slow  # ~6 s: tracemalloc slows every allocation of tokenizing 1 M tokens
 def test_memory_holds_batches_not_the_corpus(tmp_path, monkeypatch):
-  import importlib
   import tracemalloc
 
-  from transformer_jax.data import shards
-
-  prepare_module = importlib.import_module("transformer_jax.data.prepare")  # not the function
+  from transformer_jax.data import shards, stream
 
   rng = random.Random(3)
   docs = [" ".join(rng.choice(WORDS[:10]) for _ in range(400)) for _ in range(2000)]
   path = tmp_path / "c.jsonl"
   path.write_bytes(_jsonl(docs))  # ~5 MB of text, ~0.9 M tokens (3.6 MB as uint32)
-  monkeypatch.setattr(prepare_module, "_BATCH_DOCS", 8)
+  monkeypatch.setattr(stream, "BATCH_DOCS", 8)
   monkeypatch.setattr(shards, "CHUNK_TOKENS", 1 << 14)
   prepare([str(path)], str(tmp_path / "warm"), progress=False)  # loads the tokenizer's tables
   tracemalloc.start()

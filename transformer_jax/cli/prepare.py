@@ -4,8 +4,29 @@ work)."""
 from __future__ import annotations
 
 import argparse
+import re
 
-from transformer_jax.data.prepare import TASKS, prepare
+from transformer_jax.data.estimate import describe_estimate, estimate_corpus
+from transformer_jax.data.prepare import (
+  DEFAULT_SHARD_BYTES,
+  ENGINES,
+  TASKS,
+  available_cores,
+  prepare,
+)
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*(?:([KMGT])(?:I?B)?|B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+  """``4096``, ``64KiB``, ``512M``, ``1GiB``, ``1.5GB`` as a whole number of bytes (K, M, G, T are
+  powers of 1024)."""
+  match = _SIZE.match(text)
+  if match is None:
+    raise argparse.ArgumentTypeError(f"{text!r}: expected a size: bytes, or with KiB, MiB, GiB")
+  power = " KMGT".index(match[2].upper()) if match[2] else 0
+  return int(float(match[1]) * 1024**power)
 
 
 def add_prepare_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -39,9 +60,29 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     help="fraction of documents for validation, or a whole number >= 1 of documents",
   )
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--workers", type=int, default=2)
+  parser.add_argument(
+    "--workers",
+    type=int,
+    default=None,
+    help=f"tokenizing threads (default: all cores this process may use, {available_cores()} here)",
+  )
   parser.add_argument(
     "--text-field", default="text", help="text field (column) of JSON lines, Parquet, Arrow inputs"
+  )
+  parser.add_argument(
+    "--shard-size",
+    type=parse_size,
+    default=DEFAULT_SHARD_BYTES,
+    metavar="SIZE",
+    help="a token shard's size limit: bytes, or with KiB, MiB, GiB (default 1GiB); a longer "
+    "stream is written as several shards, read as one",
+  )
+  parser.add_argument(
+    "--engine",
+    choices=ENGINES,
+    default="threads",
+    help="threads: this process's thread pool; ray: a Ray Data job (optional extra 'ray'), the "
+    "same dataset byte for byte",
   )
   parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
   parser.add_argument(
@@ -58,6 +99,12 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
   )
   parser.add_argument("--no-progress", action="store_true", help="no progress bar")
   parser.add_argument(
+    "--dry-run",
+    action="store_true",
+    help="count the input files and bytes, estimate the tokens and the time from a timed sample, "
+    "and write nothing",
+  )
+  parser.add_argument(
     "--vocab-from",
     default=None,
     metavar="DIR",
@@ -73,6 +120,21 @@ def run_prepare(args: argparse.Namespace) -> int:
     ValueError: bad input (an input that matches no file included), for the CLI's one line and
       exit 2.
   """
+  if args.dry_run:
+    workers = args.workers or available_cores()
+    print(
+      describe_estimate(
+        estimate_corpus(
+          args.inputs,
+          task=args.task,
+          tokenizer=args.tokenizer,
+          text_field=args.text_field,
+          workers=workers,
+        ),
+        workers,
+      )
+    )
+    return 0
   try:
     meta = prepare(
       args.inputs,
@@ -88,6 +150,8 @@ def run_prepare(args: argparse.Namespace) -> int:
       vocab_from=args.vocab_from,
       allow_undecodable=args.allow_undecodable,
       skip_bad=args.skip_bad,
+      shard_bytes=args.shard_size,
+      engine=args.engine,
       progress=not args.no_progress,
     )
   except FileNotFoundError as e:

@@ -6,6 +6,7 @@ No Flax here; ``jax`` only answers the loaders' default process index and count.
 
 from transformer_jax.data.classify import ClassifyLoader, classify_eval_batches
 from transformer_jax.data.dataset import Dataset, Stream, load_dataset
+from transformer_jax.data.estimate import dataset_facts, estimate_corpus
 from transformer_jax.data.loaders import (
   BertLoader,
   GPTLoader,
@@ -29,6 +30,8 @@ __all__ = [
   "BertLoader",
   "ClassifyLoader",
   "classify_eval_batches",
+  "dataset_facts",
+  "estimate_corpus",
   "CompactVocab",
   "Dataset",
   "GPTLoader",

@@ -12,12 +12,68 @@ from transformer_jax.data.layout import FORMAT_VERSION, METADATA_FILE, read_meta
 from transformer_jax.data.tokenizer import Tokenizer
 
 
+class ShardedTokens:
+  """Several uint32 shards read as one array: ``size``, ``len``, ``np.asarray`` and indexing by an
+  integer, a slice or an integer array give what the concatenated shards would, while only the
+  indexed tokens are read (each shard stays memory-mapped)."""
+
+  dtype = np.dtype(np.uint32)
+  ndim = 1
+
+  def __init__(self, shards: list[np.ndarray]):
+    self.shards = shards
+    sizes = np.array([s.size for s in shards], np.int64)
+    self.starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    self.size = int(self.starts[-1])
+    self.shape = (self.size,)
+
+  def __len__(self) -> int:
+    return self.size
+
+  def __array__(self, dtype=None, copy=None) -> np.ndarray:
+    whole = np.concatenate(self.shards) if self.shards else np.zeros(0, np.uint32)
+    return whole if dtype is None else whole.astype(dtype)
+
+  def _take(self, index: np.ndarray) -> np.ndarray:
+    index = np.where(index < 0, index + self.size, index)
+    if index.size and (index.min() < 0 or index.max() >= self.size):
+      raise IndexError(f"index out of range for {self.size} tokens")
+    shard = np.searchsorted(self.starts, index, side="right") - 1
+    out = np.empty(index.shape, np.uint32)
+    for k in np.unique(shard):
+      sel = shard == k
+      out[sel] = self.shards[k][index[sel] - self.starts[k]]
+    return out
+
+  def __getitem__(self, key):
+    if isinstance(key, slice):
+      start, stop, step = key.indices(self.size)
+      if step != 1:
+        return self._take(np.arange(start, stop, step, dtype=np.int64))
+      if stop <= start:
+        return np.zeros(0, np.uint32)
+      first = int(np.searchsorted(self.starts, start, side="right")) - 1
+      last = int(np.searchsorted(self.starts, stop, side="left"))
+      pieces = [
+        self.shards[k][max(start - self.starts[k], 0) : stop - self.starts[k]]
+        for k in range(first, last)
+      ]
+      return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+    if isinstance(key, (int, np.integer)):
+      return self._take(np.array([key], np.int64))[0]
+    return self._take(np.asarray(key, np.int64))
+
+  def max(self) -> int:
+    return max(int(s.max()) for s in self.shards if s.size)
+
+
 @dataclasses.dataclass(frozen=True)
 class Stream:
   """A token stream cut into documents (or into the sources / targets of pairs).
 
   Attributes:
-      tokens: uint32 ``[num_tokens]`` (a read-only memmap for single-shard streams).
+      tokens: uint32 ``[num_tokens]``: a read-only memmap for a single-shard stream, a
+          ``ShardedTokens`` over the shards' memmaps for several.
       offsets: int64 ``[num_docs + 1]``; document ``d`` is ``tokens[offsets[d]:offsets[d + 1]]``.
   """
 
@@ -91,11 +147,17 @@ class Dataset:
 
 def _load_stream(path: str, entry: dict[str, Any], vocab_size: int) -> Stream:
   shards = []
-  for shard in entry["shards"]:
+  index = entry.get("shard_tokens")
+  for k, shard in enumerate(entry["shards"]):
     file = os.path.join(path, shard)
     size = os.path.getsize(file)
     if size % 4:
       raise ValueError(f"{file}: size {size} is not a whole number of uint32 tokens")
+    if index is not None and size != 4 * index[k]:
+      raise ValueError(
+        f"{file}: {size // 4} tokens, the shard index in {METADATA_FILE} says {index[k]}; "
+        "rebuild the dataset with `tjax prepare --force`"
+      )
     tokens = np.memmap(file, dtype=np.uint32, mode="r") if size else np.zeros(0, np.uint32)
     if tokens.size:
       top = int(tokens.max())  # one vectorised pass over the shard
@@ -107,7 +169,7 @@ def _load_stream(path: str, entry: dict[str, Any], vocab_size: int) -> Stream:
           f"vocab_size {vocab_size}"
         )
     shards.append(tokens)
-  tokens = shards[0] if len(shards) == 1 else np.concatenate(shards)
+  tokens = shards[0] if len(shards) == 1 else ShardedTokens(shards)
   offsets_file = os.path.join(path, entry["offsets"])
   try:
     offsets = np.load(offsets_file, allow_pickle=False)

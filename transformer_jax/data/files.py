@@ -235,6 +235,22 @@ def expand(name: str) -> list[str]:
   return _url_files(name) if is_url(name) else _local_files(name)
 
 
+def _common_folder(names: list[str]) -> str:
+  """``os.path.commonpath(names)`` ("" for absolute and relative names together), a name at a
+  time: commonpath splits every name at once, a list of parts a file."""
+  if not names or len({os.path.isabs(n) for n in names}) > 1:
+    return ""
+  common = os.path.normpath(names[0]).split(os.sep)
+  for name in names[1:]:
+    parts = os.path.normpath(name).split(os.sep)
+    n = 0
+    while n < min(len(common), len(parts)) and common[n] == parts[n]:
+      n += 1
+    del common[n:]
+  root = os.sep.join(common)
+  return root or (os.sep if os.path.isabs(names[0]) else "")
+
+
 def describe(paths: list[str], task: str) -> list[Source]:
   """Sources for ``paths`` (deduplicated), keyed relative to their common folder so that the
   content hash survives moving the corpus.
@@ -250,10 +266,7 @@ def describe(paths: list[str], task: str) -> list[Source]:
   if not found:
     return []
   names = [p.split("://", 1)[-1] for p in found]
-  try:
-    root = os.path.commonpath(names)
-  except ValueError:  # absolute and relative names (URLs of several kinds)
-    root = ""
+  root = _common_folder(names)
   if len(found) == 1 or root in names:
     root = os.path.dirname(root)
   sources = []

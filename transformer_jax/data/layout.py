@@ -8,9 +8,15 @@ Layout of a dataset directory (all token shards are raw little-endian uint32, wr
     metadata.json            tokenizer, vocab_size, special ids, per-split counts, content hash, ...
     vocab.json               CompactVocab (only with compact_vocab=True)
     train_000.bin            text tasks (gpt, bert): concatenated document tokens, no separators
+    train_001.bin, ...       the stream's next shards, when it is longer than the shard size limit
+                             (``shard_tokens`` in its metadata entry: the tokens of each shard)
     train_offsets.npy        int64 [num_docs + 1]: document d is tokens[offsets[d]:offsets[d+1]]
+                             (positions in the stream, its shards concatenated)
     val_000.bin, val_offsets.npy
     all_000.bin.tmp          (while preparing) every document's tokens in arrival order
+    all_index.bin.tmp        (while preparing) each document's length and split hash
+    progress.json            (while preparing) how far the pending files are good: an
+                             interrupted run resumes from it (``data.stream``)
     train_src_000.bin, train_src_offsets.npy,
     train_tgt_000.bin, train_tgt_offsets.npy   (seq2seq pairs)
 
@@ -55,13 +61,15 @@ def content_hash(options: dict[str, Any], sources: list[Source], workers: int) -
   ``workers`` threads): ``metadata.json``'s ``content_hash``, equal exactly when a rebuild would
   write the same dataset."""
   h = hashlib.sha256(json.dumps(options, sort_keys=True).encode())
-  with concurrent.futures.ThreadPoolExecutor(
-    workers
-  ) as pool:  # hashlib releases the GIL on big reads
-    digests = list(pool.map(lambda s: _file_digest(s.path), sources))
-  for source, digest in zip(sources, digests):
-    packed = f"\0{source.compression}" if source.compression else ""
-    h.update(f"{source.key}\0{source.kind}{packed}\0{digest}\n".encode())
+  # hashlib releases the GIL on big reads. A few files at a time: a future a file would cost
+  # memory in proportion to the number of files.
+  step = 64 * workers
+  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    for i in range(0, len(sources), step):
+      part = sources[i : i + step]
+      for source, digest in zip(part, pool.map(lambda s: _file_digest(s.path), part)):
+        packed = f"\0{source.compression}" if source.compression else ""
+        h.update(f"{source.key}\0{source.kind}{packed}\0{digest}\n".encode())
   return h.hexdigest()
 
 
@@ -125,6 +133,25 @@ def write_stream(out: str, prefix: str, arrays: list[np.ndarray]) -> dict[str, A
   return {"shards": [shard], "offsets": offsets_file, "tokens": int(tokens.size)}
 
 
+def _shard_files(meta: dict[str, Any]) -> list[tuple[str, int | None]]:
+  """Every shard ``meta`` lists, with its token count where the shard index gives one."""
+  out = []
+  for split in meta["splits"].values():
+    for s in split["streams"].values():
+      counts = s.get("shard_tokens") or [None] * len(s["shards"])
+      out.extend(zip(s["shards"], counts))
+  return out
+
+
+def remove_unlisted_shards(out: str, meta: dict[str, Any]) -> None:
+  """Deletes the token shards in ``out`` that ``meta`` does not list (left by an earlier build
+  with more shards)."""
+  listed = {name for name, _ in _shard_files(meta)}
+  for entry in os.listdir(out):
+    if _SHARD.match(entry) and entry not in listed:
+      os.remove(os.path.join(out, entry))
+
+
 def is_up_to_date(out: str, content_hash: str) -> dict[str, Any] | None:
   """The metadata of the dataset in ``out`` when it was built with ``content_hash`` and all its
   files are there; None when it must be (re)built (missing, damaged or another content)."""
@@ -140,24 +167,26 @@ def is_up_to_date(out: str, content_hash: str) -> dict[str, Any] | None:
     return None
   if meta.get("content_hash") != content_hash:
     return None
-  files = [
-    f
-    for split in meta["splits"].values()
-    for s in split["streams"].values()
-    for f in [*s["shards"], s["offsets"]]
-  ]
+  files = [s["offsets"] for split in meta["splits"].values() for s in split["streams"].values()]
   if meta.get("compact_vocab"):
     files.append(meta["compact_vocab"])
-  return meta if all(os.path.exists(os.path.join(out, f)) for f in files) else None
+  if not all(os.path.exists(os.path.join(out, f)) for f in files):
+    return None
+  for name, count in _shard_files(meta):
+    path = os.path.join(out, name)
+    if not os.path.exists(path) or (count is not None and os.path.getsize(path) != 4 * count):
+      return None
+  return meta
 
 
 # ---- the directory's files and metadata ----------------------------------------------------------
 
 # The files ``prepare`` writes (and their temporaries): a folder holding anything else is not a
 # dataset, and is not written into.
+_SHARD = re.compile(r"^(?:train|val)(?:_src|_tgt|_b)?_\d+\.bin$")
 _DATASET_FILE = re.compile(
   r"^(?:(?:train|val|all)(?:_src|_tgt|_b)?(?:_\d+\.bin|_offsets\.npy|"
-  r"_labels\.npy)|vocab\.json|metadata\.json)(?:\.tmp)?$"
+  r"_labels\.npy)|all_index\.bin|progress\.json|vocab\.json|metadata\.json)(?:\.tmp)?$"
 )
 
 
@@ -284,6 +313,11 @@ def metadata_problem(meta: dict[str, Any]) -> str | None:
       shards = entry.get("shards")
       if not (isinstance(shards, list) and shards and all(_file_name(x) for x in shards)):
         return f"{where}.shards={shards!r}: expected a list of file names inside the dataset"
+      index = entry.get("shard_tokens")
+      if index is not None and not (
+        isinstance(index, list) and len(index) == len(shards) and all(_count(n) for n in index)
+      ):
+        return f"{where}.shard_tokens={index!r}: expected a token count for each shard"
       if not _file_name(entry.get("offsets")):
         return f"{where}.offsets={entry.get('offsets')!r}: expected a file name inside the dataset"
   if task == "classify":

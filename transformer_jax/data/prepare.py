@@ -3,15 +3,15 @@ a tokenized dataset directory, as a stream.
 
 The input names ``prepare`` takes are expanded by ``data.sources`` (files and URLs: ``data.files``)
 and read a record at a time by ``data.readers``; batches of documents are tokenized on a thread
-pool and appended to pending files as they come (``data.shards``), then copied into the train and
-val streams. The directory it writes (its files, ``metadata.json``, the content hash and the
-train/val split) is ``data.layout``'s. A document's split is a seeded hash of its text: the same
-documents give the same dataset in any input format and file layout.
+pool (``data.stream``, which also checkpoints for resumption; or by a Ray Data job,
+``data.ray_job``) and appended to pending files as they come (``data.shards``), then copied into
+the train and val shards. The directory it writes (its files, ``metadata.json``, the content hash
+and the train/val split) is ``data.layout``'s. A document's split is a seeded hash of its text:
+the same documents give the same dataset in any input format and file layout.
 """
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import json
 import os
@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from transformer_jax.data import layout
 from transformer_jax.data.classify import prepare_classify
@@ -34,135 +33,50 @@ from transformer_jax.data.layout import (
   read_metadata,
   split_by_hash,
 )
-from transformer_jax.data.readers import Record, read_records
-from transformer_jax.data.shards import PendingDocs, document_hash, id_counts, write_split
-from transformer_jax.data.sources import (
-  SYNTHETIC_TOKENIZER,
-  Source,
-  parse_synthetic,
-  resolve_inputs,
-  synthetic_examples,
-)
+from transformer_jax.data.shards import FileTokens, PendingDocs, id_counts, write_split
+from transformer_jax.data.sources import SYNTHETIC_TOKENIZER, resolve_inputs
+from transformer_jax.data.stream import Pipeline, load_checkpoint, remove_checkpoint, stream_corpus
 from transformer_jax.data.tokenizer import CompactVocab, Tokenizer
 
 
-_BATCH_DOCS = 512  # documents tokenized together (split among the workers)
-_BATCH_CHARS = 1 << 22  # ... or fewer, when their text reaches 4 Mi characters
-_SHOWN_PROBLEMS = 10  # skipped problems printed one a line; the rest are counted
+DEFAULT_SHARD_BYTES = 1 << 30  # a token shard's size limit (1 GiB)
+ENGINES = ("threads", "ray")
 
 
-class _Pipeline:
-  """Records in, tokenized documents appended to ``PendingDocs`` in arrival order: batches are
-  tokenized on a thread pool (tiktoken releases the GIL) with at most ``workers`` batches in
-  flight, so memory holds a few batches, never the corpus."""
+def _ray_stream():
+  from transformer_jax.data.ray_job import stream_corpus_ray  # noqa: PLC0415 (imports Ray's glue)
 
-  def __init__(self, pool, workers: int, tok: Tokenizer, seed: int, pending: PendingDocs):
-    self.pool, self.workers, self.tok, self.seed, self.pending = pool, workers, tok, seed, pending
-    self.batch: list[Record] = []
-    self.chars = 0
-    self.added = 0  # records handed in (written, in flight or batched)
-    self.in_flight: collections.deque = collections.deque()
-
-  def _tokenize(self, records: list[Record]) -> list[tuple[list[np.ndarray], int]]:
-    return [
-      (
-        [np.asarray(self.tok.encode_full(t), np.uint32) for t in r.texts],
-        document_hash(r.texts, self.seed),
-      )
-      for r in records
-    ]
-
-  def add(self, record: Record) -> None:
-    self.batch.append(record)
-    self.added += 1
-    self.chars += sum(len(t) for t in record.texts)
-    if len(self.batch) >= _BATCH_DOCS or self.chars >= _BATCH_CHARS:
-      self.submit()
-
-  def submit(self) -> None:
-    if self.batch:
-      step = -(-len(self.batch) // self.workers)
-      parts = [self.batch[i : i + step] for i in range(0, len(self.batch), step)]
-      self.in_flight.append([self.pool.submit(self._tokenize, part) for part in parts])
-      self.batch, self.chars = [], 0
-    while len(self.in_flight) > self.workers:
-      self._write_oldest()
-
-  def _write_oldest(self) -> None:
-    for future in self.in_flight.popleft():
-      for arrays, doc_hash in future.result():
-        self.pending.append(arrays, doc_hash)
-
-  def drain(self) -> None:
-    self.submit()
-    while self.in_flight:
-      self._write_oldest()
-
-  def rollback(self, mark: int) -> None:
-    """Drops every record handed in after the first ``mark``."""
-    self.drain()
-    self.pending.truncate(mark)
-    self.added = mark
+  return stream_corpus_ray
 
 
-def _synthetic_records(specs: list[str], seed: int):
-  for spec in specs:
-    name, count = parse_synthetic(spec)
-    for i, pair in enumerate(synthetic_examples(name, count, seed)):
-      yield Record(pair, f"{spec}:{i}")
+_ENGINE_STREAM = {"threads": lambda: stream_corpus, "ray": _ray_stream}
 
 
-def _stream_corpus(
-  sources: list[Source],
-  synthetic: list[str],
-  pipeline: _Pipeline,
-  *,
-  text_field: str,
-  allow_undecodable: bool,
-  skip_bad: bool,
-  seed: int,
-  progress: bool,
-) -> dict[str, Any]:
-  """Reads every record into ``pipeline``; returns the counts of what was replaced and
-  skipped. A problem raises ``ValueError`` naming its place unless ``skip_bad``."""
-  stats = {"undecodable_files": 0, "replaced": 0, "bad_records": 0, "bad_files": 0}
-  inputs = [(s.path, read_records(s, text_field, allow_undecodable)) for s in sources]
-  if synthetic:
-    inputs.append(("synthetic", _synthetic_records(synthetic, seed)))
-  bar = tqdm(desc="tokenizing", unit="doc", disable=not progress)
-  for _, records in inputs:
-    mark, replaced = pipeline.added, 0
-    for item in records:
-      if isinstance(item, Record):
-        pipeline.add(item)
-        replaced += item.replaced
-        bar.update()
-        continue
-      if not skip_bad:
-        raise ValueError(f"{item}; --skip-bad skips and counts such input")
-      if stats["bad_records"] + stats["bad_files"] < _SHOWN_PROBLEMS:
-        print(f"skipped: {item}", file=sys.stderr)
-      if item.whole_file:
-        pipeline.rollback(mark)
-        stats["bad_files"] += 1
-        replaced = 0
-      else:
-        stats["bad_records"] += 1
-    stats["replaced"] += replaced
-    stats["undecodable_files"] += replaced > 0
-  pipeline.drain()
-  bar.close()
-  return stats
+def available_cores() -> int:
+  """The cores this process may run on (its CPU affinity; ``os.cpu_count()`` where the system
+  does not say): ``--workers``' default."""
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:  # macOS, Windows
+    return os.cpu_count() or 1
 
 
 def check_options(
-  *, task: str, val_fraction: float, workers: int, compact_vocab: bool | int, text_field: str
+  *,
+  task: str,
+  val_fraction: float,
+  workers: int | None,
+  compact_vocab: bool | int,
+  text_field: str,
+  shard_bytes: int = DEFAULT_SHARD_BYTES,
+  engine: str = "threads",
 ) -> None:
   """Refuses options ``prepare`` cannot honour, before any file is read.
 
   Raises:
       ValueError: an unknown task, a ``val_fraction`` that is negative, not finite or a fraction
-          above 1, fewer than one worker, a ``compact_vocab`` count below 1, or no text field.
+          above 1, fewer than one worker, a ``compact_vocab`` count below 1, no text field, or a
+          shard size limit below one token (4 bytes), or an unknown engine.
   """
   if task not in TASKS:
     raise ValueError(f"task must be one of {TASKS}, got {task!r}")
@@ -176,7 +90,9 @@ def check_options(
     )
   if val_fraction >= 1 and val_fraction != int(val_fraction):
     raise ValueError(f"val_fraction={val_fraction}: a value >= 1 is a whole document count")
-  if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+  if workers is not None and (
+    isinstance(workers, bool) or not isinstance(workers, int) or workers < 1
+  ):
     raise ValueError(f"workers={workers}: expected an integer >= 1")
   if not isinstance(compact_vocab, bool) and (
     not isinstance(compact_vocab, int) or compact_vocab < 1
@@ -184,6 +100,10 @@ def check_options(
     raise ValueError(f"compact_vocab={compact_vocab}: expected true, false or a count of ids >= 1")
   if not isinstance(text_field, str) or not text_field:
     raise ValueError(f"text_field={text_field!r}: expected a field name")
+  if engine not in ENGINES:
+    raise ValueError(f"engine={engine!r}: expected one of {', '.join(ENGINES)}")
+  if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes < 4:
+    raise ValueError(f"shard_bytes={shard_bytes}: expected an integer >= 4 (one uint32 token)")
 
 
 # ---- entry point ---------------------------------------------------------------------------------
@@ -198,13 +118,15 @@ def prepare(
   task: str = "gpt",
   val_fraction: float = 0.05,
   seed: int = 0,
-  workers: int = 2,
+  workers: int | None = None,
   text_field: str = "text",
   force: bool = False,
   progress: bool = True,
   vocab_from: str | None = None,
   allow_undecodable: bool = False,
   skip_bad: bool = False,
+  shard_bytes: int = DEFAULT_SHARD_BYTES,
+  engine: str = "threads",
 ) -> dict[str, Any]:
   """Tokenizes a corpus into a dataset directory (its layout: ``data.layout``).
 
@@ -223,7 +145,8 @@ def prepare(
           documents.
       seed: Seed of the train/val split and of synthetic data.
       workers: Threads for tokenizing (tiktoken's BPE releases the GIL, so threads use
-          all cores without process start-up cost or fork-after-JAX hazards).
+          all cores without process start-up cost or fork-after-JAX hazards); None: one a core
+          this process may run on (``available_cores``).
       text_field: Field (column) holding the text in JSON lines, Parquet and Arrow inputs.
       force: Rebuild even if the directory is up to date.
       progress: Show a tqdm progress bar.
@@ -235,6 +158,11 @@ def prepare(
           field, invalid JSON, a corrupt gzip/zstd stream or Parquet row group: the spoilt file
           is dropped whole) instead of stopping at the first, named by file and line, row group
           or record batch.
+      shard_bytes: A token shard's size limit: a stream longer than that is written as several
+          shards (``train_000.bin``, ``train_001.bin``, ...), listed with their token counts in
+          the metadata; the loaders read them as one stream.
+      engine: ``"threads"`` (this process's thread pool) or ``"ray"`` (a Ray Data job reads and
+          tokenizes the files, ``data.ray_job``; the same dataset, byte for byte).
 
   Returns:
       The metadata dict written to ``out/metadata.json``.
@@ -250,8 +178,11 @@ def prepare(
     workers=workers,
     compact_vocab=compact_vocab,
     text_field=text_field,
+    shard_bytes=shard_bytes,
+    engine=engine,
   )
   check_output_dir(out)
+  workers = available_cores() if workers is None else workers
   if task == "classify":
     return prepare_classify(
       inputs,
@@ -288,6 +219,7 @@ def prepare(
     "split_by": "content",  # a document's side is a hash of its text and the seed
     **({"allow_undecodable": True} if allow_undecodable else {}),
     **({"skip_bad": True} if skip_bad else {}),
+    **({"shard_bytes": shard_bytes} if shard_bytes != DEFAULT_SHARD_BYTES else {}),
     **({"vocab_from": reused.to_json()} if reused is not None else {}),
   }
   content_hash = layout.content_hash(options, sources, max(1, workers))
@@ -300,18 +232,19 @@ def prepare(
   if os.path.exists(meta_path):
     os.remove(meta_path)  # a half-rewritten directory must never look up to date
   streams = ("src", "tgt") if task == "seq2seq" else ("tokens",)
-  pending = PendingDocs(out, streams)
+  pending, start = _open_pending(out, streams, content_hash, force)
   try:
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-      stats = _stream_corpus(
+      stats = _ENGINE_STREAM[engine]()(
         sources,
         synthetic,
-        _Pipeline(pool, workers, tok, seed, pending),
+        Pipeline(pool, workers, tok, seed, pending, content_hash),
         text_field=text_field,
         allow_undecodable=allow_undecodable,
         skip_bad=skip_bad,
         seed=seed,
         progress=progress,
+        start=start,
       )
     offsets = pending.close()
     tokens = {s: pending.tokens(s) for s in streams}
@@ -323,10 +256,15 @@ def prepare(
     hashes = np.frombuffer(pending.hashes, dtype=np.uint64)[kept]
     is_val = split_by_hash(hashes / 2.0**64, val_fraction)
     meta = _write_dataset(
-      out, task, tok, streams, tokens, offsets, kept, is_val, compact_vocab, reused
+      out, task, tok, streams, tokens, offsets, kept, is_val, compact_vocab, reused, shard_bytes
     )
-  finally:
+  except ValueError:  # bad input: what was read is of no use to a rerun on other input
     pending.remove()
+    remove_checkpoint(out)
+    raise
+  except KeyboardInterrupt:
+    print(f"\ninterrupted: the same command resumes {out} where it stopped", file=sys.stderr)
+    raise
   if stats["replaced"]:
     print(
       f"warning: {stats['replaced']} undecodable byte sequences in {stats['undecodable_files']} "
@@ -357,8 +295,29 @@ def prepare(
   }
   with open(meta_path + ".tmp", "w") as f:
     json.dump(meta, f, indent=2)
+  pending.remove()
+  remove_checkpoint(out)
   os.replace(meta_path + ".tmp", meta_path)
+  layout.remove_unlisted_shards(out, meta)
   return meta
+
+
+def _open_pending(
+  out: str, streams: tuple[str, ...], content_hash: str, force: bool
+) -> tuple[PendingDocs, dict[str, Any] | None]:
+  """The pending files: those an interrupted run on the same content left, truncated to its
+  checkpoint (which is returned), or new ones."""
+  start = None if force else load_checkpoint(out, content_hash)
+  if start is not None:
+    try:
+      pending = PendingDocs(out, streams, resume_docs=start["docs"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      print(f"not resuming {out} ({e}); starting over", file=sys.stderr)
+    else:
+      print(f"resuming {out}: {pending.num_docs} documents already tokenized", file=sys.stderr)
+      return pending, start
+  remove_checkpoint(out)
+  return PendingDocs(out, streams), None
 
 
 def _write_dataset(
@@ -366,12 +325,13 @@ def _write_dataset(
   task: str,
   tok: Tokenizer,
   streams: tuple[str, ...],
-  tokens: dict[str, np.ndarray],
+  tokens: dict[str, FileTokens],
   offsets: dict[str, np.ndarray],
   kept: np.ndarray,
   is_val: np.ndarray,
   compact_vocab: bool | int,
   reused: CompactVocab | None,
+  shard_bytes: int,
 ) -> dict[str, Any]:
   """Copies the pending documents ``kept`` into the train and val streams, re-numbered by the
   compact vocabulary (``reused``, or one built here); returns the metadata it settles."""
@@ -395,7 +355,13 @@ def _write_dataset(
     docs = kept[is_val] if split == "val" else kept[~is_val]
     written = {
       s: write_split(
-        out, split if s == "tokens" else f"{split}_{s}", tokens[s], offsets[s], docs, remap
+        out,
+        split if s == "tokens" else f"{split}_{s}",
+        tokens[s],
+        offsets[s],
+        docs,
+        remap,
+        shard_bytes,
       )
       for s in streams
     }

@@ -17,7 +17,7 @@ import gzip
 import io
 import json
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import IO
 
 from transformer_jax.data.files import Source, need, open_binary
@@ -123,7 +123,7 @@ def _line_records(
     text, bad = decode(raw.rstrip(b"\r\n"))
     size, replaced = size + len(raw), replaced + bad
     item = _line_record(source, f"{source.path}:{lineno}", text, field)
-    if isinstance(item, Record):
+    if bad and isinstance(item, Record):
       item = dataclasses.replace(item, replaced=bad)
     if item is not None:
       yield item
@@ -206,11 +206,17 @@ def _arrow_records(source: Source, raw: IO[bytes], field: str) -> Iterator[Recor
 
 
 def read_records(
-  source: Source, text_field: str, allow_undecodable: bool
+  source: Source,
+  text_field: str,
+  allow_undecodable: bool,
+  opened: Callable[[IO[bytes]], None] | None = None,
 ) -> Iterator[Record | Problem]:
   """The records of ``source`` in file order, and the problems met on the way (see the module
-  docstring). An unreadable file (a missing file, a lost connection) raises ``OSError``."""
+  docstring); ``opened`` is given the file's byte stream (its ``tell()`` is how far it is read).
+  An unreadable file (a missing file, a lost connection) raises ``OSError``."""
   with open_binary(source.path) as raw:
+    if opened is not None:
+      opened(raw)
     if source.kind == "parquet":
       yield from _parquet_records(source, raw, text_field)
       return

@@ -308,6 +308,18 @@ class Tokenizer:
     """Encodes with the base vocabulary, ignoring any compact vocab (used to build one)."""
     return self._backend.encode_ordinary(text)
 
+  def encode_full_array(self, text: str) -> np.ndarray:
+    """``encode_full`` as a uint32 array, built from tiktoken's token buffer without a Python list
+    (which costs as much as the encoding itself on long documents)."""
+    core = getattr(self._backend, "_core_bpe", None)
+    if core is not None and hasattr(core, "encode_to_tiktoken_buffer"):
+      try:
+        # No allowed specials: special-token strings are ordinary text, as in encode_ordinary.
+        return np.frombuffer(core.encode_to_tiktoken_buffer(text, set()), np.uint32)
+      except UnicodeEncodeError:  # lone surrogates: encode_ordinary replaces them
+        pass
+    return np.asarray(self._backend.encode_ordinary(text), np.uint32)
+
   def encode(self, text: str) -> list[int]:
     """Encodes text as ordinary text (special-token strings are not interpreted)."""
     ids = self._backend.encode_ordinary(text)

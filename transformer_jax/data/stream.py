@@ -1,0 +1,256 @@
+"""Streaming a corpus into the pending files of ``data.shards``: records read one at a time,
+tokenized in batches on a thread pool, the progress bar (bytes read, documents, tokens), and the
+checkpoint that lets an interrupted ``prepare`` resume.
+
+The checkpoint (``progress.json`` in the output folder, replaced atomically) says how far the
+pending files are good: the documents written, and the place in the inputs (file, and records of
+that file) the next document comes from, with the counts of what was skipped so far. It is written
+after the pending files are flushed, so what it names is on disk; a rerun with the same content
+hash truncates the pending files to it and reads on from there.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from transformer_jax.data.files import size_of
+from transformer_jax.data.readers import Record, read_records
+from transformer_jax.data.shards import PendingDocs, document_hash
+from transformer_jax.data.sources import Source, parse_synthetic, synthetic_examples
+from transformer_jax.data.tokenizer import Tokenizer
+
+PROGRESS_FILE = "progress.json"
+BATCH_DOCS = 512  # documents tokenized together (split among the workers)
+BATCH_CHARS = 1 << 22  # ... or fewer, when their text reaches 4 Mi characters
+CHECKPOINT_SECONDS = 2.0  # the checkpoint is rewritten at most this often
+_SHOWN_PROBLEMS = 10  # skipped problems printed one a line; the rest are counted
+_PROGRESS_EVERY = 256  # records between progress bar updates
+
+
+def new_stats() -> dict[str, int]:
+  return {"undecodable_files": 0, "replaced": 0, "bad_records": 0, "bad_files": 0}
+
+
+def load_checkpoint(out: str, content_hash: str) -> dict[str, Any] | None:
+  """The checkpoint an interrupted run left in ``out`` for the same content hash, else None."""
+  try:
+    with open(os.path.join(out, PROGRESS_FILE)) as f:
+      state = json.load(f)
+  except (OSError, ValueError):
+    return None
+  if not isinstance(state, dict) or state.get("content_hash") != content_hash:
+    return None
+  return state
+
+
+def remove_checkpoint(out: str) -> None:
+  for name in (PROGRESS_FILE, PROGRESS_FILE + ".tmp"):
+    if os.path.exists(os.path.join(out, name)):
+      os.remove(os.path.join(out, name))
+
+
+class Pipeline:
+  """Records in, tokenized documents appended to ``PendingDocs`` in arrival order: batches are
+  tokenized on a thread pool (tiktoken releases the GIL) with at most ``workers`` batches in
+  flight, so memory holds a few batches, never the corpus. Each batch carries the place in the
+  inputs after its last record; once it is written, that place is checkpointed."""
+
+  def __init__(
+    self,
+    pool,
+    workers: int,
+    tok: Tokenizer,
+    seed: int,
+    pending: PendingDocs,
+    content_hash: str,
+  ):
+    self.pool, self.workers, self.tok, self.seed, self.pending = pool, workers, tok, seed, pending
+    self.content_hash = content_hash
+    self.batch: list[Record] = []
+    self.chars = 0
+    self.added = pending.num_docs  # records handed in (written, in flight or batched)
+    self.in_flight: collections.deque = collections.deque()
+    self.saved_at = 0.0
+    self.written: dict[str, Any] | None = None  # the place of the last batch written
+
+  def _tokenize(self, records: list[Record]) -> list[tuple[list[np.ndarray], int]]:
+    return [
+      ([self.tok.encode_full_array(t) for t in r.texts], document_hash(r.texts, self.seed))
+      for r in records
+    ]
+
+  def add(self, record: Record) -> bool:
+    """Batches ``record``; True when the batch is full (``submit`` it)."""
+    self.batch.append(record)
+    self.added += 1
+    self.chars += sum(len(t) for t in record.texts)
+    return len(self.batch) >= BATCH_DOCS or self.chars >= BATCH_CHARS
+
+  def submit(self, place: dict[str, Any]) -> None:
+    """Sends the batch to the pool; ``place`` is where the inputs stand after it."""
+    if self.batch:
+      step = -(-len(self.batch) // self.workers)
+      parts = [self.batch[i : i + step] for i in range(0, len(self.batch), step)]
+      futures = [self.pool.submit(self._tokenize, part) for part in parts]
+      self.in_flight.append((futures, {**place, "docs": self.added}))
+      self.batch, self.chars = [], 0
+    while len(self.in_flight) > self.workers:
+      self._write_oldest()
+
+  def _write_oldest(self) -> None:
+    futures, place = self.in_flight.popleft()
+    for future in futures:
+      self.pending.extend(future.result())
+    self.written = place
+    if time.monotonic() - self.saved_at >= CHECKPOINT_SECONDS:
+      self.checkpoint(place)
+
+  def checkpoint(self, place: dict[str, Any]) -> None:
+    """Records ``place`` (whose documents are all written) as the point to resume from."""
+    self.pending.flush()
+    path = os.path.join(self.pending.out, PROGRESS_FILE)
+    with open(path + ".tmp", "w") as f:
+      json.dump({"content_hash": self.content_hash, **place}, f)
+    os.replace(path + ".tmp", path)
+    self.saved_at = time.monotonic()
+
+  def drain(self, place: dict[str, Any]) -> None:
+    self.submit(place)
+    while self.in_flight:
+      self._write_oldest()
+
+  def rollback(self, mark: int, place: dict[str, Any]) -> None:
+    """Drops every record handed in after the first ``mark``; checkpoints ``place``."""
+    self.drain(place)
+    self.pending.truncate(mark)
+    self.added = mark
+    self.written = {**place, "docs": mark}
+    self.checkpoint(self.written)
+
+
+def _synthetic_records(specs: list[str], seed: int) -> Iterator[Record]:
+  for spec in specs:
+    name, count = parse_synthetic(spec)
+    for i, pair in enumerate(synthetic_examples(name, count, seed)):
+      yield Record(pair, f"{spec}:{i}")
+
+
+class _Bar:
+  """The progress bar: input bytes read (its rate in MB/s), documents and tokens written."""
+
+  def __init__(self, sizes: list[int | None], enabled: bool, pending: PendingDocs):
+    known = None if None in sizes else sum(sizes)
+    self.bar = tqdm(
+      total=known, desc="preparing", unit="B", unit_scale=True, disable=not enabled, smoothing=0.1
+    )
+    self.pending, self.done, self.raw = pending, 0, None
+
+  def opened(self, raw) -> None:
+    self.raw = raw
+
+  def update(self, base: int) -> None:
+    """Bytes read: ``base`` before this file, and where its file handle stands."""
+    try:
+      at = base + self.raw.tell() if self.raw is not None else base
+    except (OSError, ValueError):  # closed, or not seekable
+      at = base
+    if at > self.done:
+      self.bar.update(at - self.done)
+      self.done = at
+    docs, tokens = self.pending.num_docs, self.pending.num_tokens
+    self.bar.set_postfix_str(f"{docs:,} docs, {tokens:,} tokens", refresh=False)
+
+  def close(self) -> None:
+    self.bar.close()
+
+
+def stream_corpus(
+  sources: list[Source],
+  synthetic: list[str],
+  pipeline: Pipeline,
+  *,
+  text_field: str,
+  allow_undecodable: bool,
+  skip_bad: bool,
+  seed: int,
+  progress: bool,
+  start: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+  """Reads every record into ``pipeline``, from the checkpoint ``start`` when given; returns the
+  counts of what was replaced and skipped. A problem raises ``ValueError`` naming its place
+  unless ``skip_bad``."""
+  try:
+    return _stream(
+      sources, synthetic, pipeline, text_field, allow_undecodable, skip_bad, seed, progress, start
+    )
+  except KeyboardInterrupt:  # what is written is kept: the rerun reads on after it
+    if pipeline.written is not None:
+      pipeline.checkpoint(pipeline.written)
+    raise
+
+
+def _stream(
+  sources, synthetic, pipeline, text_field, allow_undecodable, skip_bad, seed, progress, start
+):
+  start = start or {"source": 0, "items": 0, "mark": 0, "replaced": 0, "stats": new_stats()}
+  stats = dict(start["stats"])
+  sizes: list[int | None] = [size_of(s.path) for s in sources] + ([None] if synthetic else [])
+  bar = _Bar(sizes, progress, pipeline.pending)
+  opened = bar.opened
+
+  def reader(i: int) -> Iterator:
+    if i == len(sources):
+      return _synthetic_records(synthetic, seed)
+    return read_records(sources[i], text_field, allow_undecodable, opened=opened)
+
+  base = sum(sizes[: start["source"]] or [0]) if None not in sizes[: start["source"]] else 0
+  for i in range(start["source"], len(sizes)):
+    resumed = i == start["source"]
+    mark = start["mark"] if resumed else pipeline.added
+    replaced = start["replaced"] if resumed else 0
+    skip = start["items"] if resumed else 0
+    bar.raw = None
+
+    def place(k: int) -> dict[str, Any]:
+      return {"source": i, "items": k, "mark": mark, "replaced": replaced, "stats": dict(stats)}
+
+    for k, item in enumerate(reader(i), start=1):
+      if k <= skip:
+        continue
+      if k % _PROGRESS_EVERY == 0:
+        bar.update(base)
+      if isinstance(item, Record):
+        replaced += item.replaced
+        if pipeline.add(item):
+          pipeline.submit(place(k))
+        continue
+      if not skip_bad:
+        raise ValueError(f"{item}; --skip-bad skips and counts such input")
+      if stats["bad_records"] + stats["bad_files"] < _SHOWN_PROBLEMS:
+        print(f"skipped: {item}", file=sys.stderr)
+      if item.whole_file:
+        stats["bad_files"] += 1
+        replaced = 0
+        pipeline.rollback(mark, place(k))
+      else:
+        stats["bad_records"] += 1
+    stats["replaced"] += replaced
+    stats["undecodable_files"] += replaced > 0
+    base += sizes[i] or 0
+    bar.raw = None
+    bar.update(base)
+  end = {"source": len(sizes), "items": 0, "mark": pipeline.added, "replaced": 0, "stats": stats}
+  pipeline.drain(end)
+  pipeline.checkpoint(end)
+  bar.update(base)
+  bar.close()
+  return stats
