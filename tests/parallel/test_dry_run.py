@@ -193,3 +193,30 @@ def test_a_dry_run_over_an_existing_run_refuses_another_model(tmp_path):
     r"attention_kind: 'softmax' -> 'linear'\); a run would refuse it",
   ):
     make_plan(changed, purpose="dry_run")
+
+
+def test_dry_run_says_how_big_the_dataset_is_and_how_many_epochs_the_steps_read(
+  tmp_path, text_dataset
+):
+  """Tokens, documents and shards from the dataset's metadata (no shard is read); the epochs are
+  the steps' tokens over the train split's tokens (each document with its end-of-text token)."""
+  import json
+
+  exp = load_experiment(
+    _config(tmp_path, {"data": 8}, steps=40, seq_len=32, batch_size=8),
+    [f"data.path={text_dataset}"],
+  )
+  report = dry.dry_run(exp)
+  ds = report["dataset"]
+  with open(os.path.join(text_dataset, "metadata.json")) as f:
+    splits = json.load(f)["splits"]
+  assert ds["tokens"] == sum(s["tokens"] for s in splits.values())
+  assert ds["documents"] == sum(s["documents"] for s in splits.values())
+  train = splits["train"]
+  want = 40 * 8 * 32 / (train["tokens"] + train["documents"])
+  assert abs(ds["epochs"] - want) <= 0.05 * want
+  text = dry.format_report(report)
+  assert f"dataset {text_dataset}: {ds['tokens']:,} tokens in {ds['documents']:,} documents" in text
+  assert "epoch(s) of train" in text
+  missing = dry.dataset_report(load_experiment(_config(tmp_path, {"data": 8})))
+  assert "not a prepared dataset" in missing["missing"]

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 
 from transformer_jax import backends, models, parallel
+from transformer_jax.data import estimate
 from transformer_jax.ops import ssm as ssm_ops
 from transformer_jax.ops import ssm_pallas
 from transformer_jax.train.config import Experiment
@@ -97,7 +98,22 @@ def dry_run(exp: Experiment) -> dict[str, Any]:
     config, dict(mesh.shape), t.batch_size, t.seq_len, packed=task.packed, kernels=exp.kernels
   )
   report["mixers"] = mixer_kernels(config, t.seq_len)
+  report["dataset"] = dataset_report(exp)
   return report
+
+
+def dataset_report(exp: Experiment) -> dict[str, Any]:
+  """The prepared dataset's size and the epochs the configured steps read
+  (``data.dataset_facts``); ``{}`` without ``data.path``; ``{"path": ..., "missing": reason}``
+  when it is not prepared yet."""
+  path, t = exp.data.path, exp.train
+  if not path:
+    return {}
+  try:
+    facts = estimate.dataset_facts(path, steps=t.steps, batch_size=t.batch_size, seq_len=t.seq_len)
+  except (FileNotFoundError, ValueError) as e:
+    return {"path": path, "missing": str(e)}
+  return {"path": path, **facts}
 
 
 def mixer_kernels(config, seq_len: int) -> list[dict[str, Any]]:
@@ -240,6 +256,10 @@ def format_report(report: dict[str, Any]) -> str:
     f"({gib(b['aliased']).strip()} donated)",
     f"    peak estimate           {gib(b['peak_estimate'])}",
   ]
+  ds = report.get("dataset")
+  if ds:
+    what = ds["missing"] if "missing" in ds else estimate.describe_facts(ds)
+    lines.append(f"  dataset {ds['path']}: {what}")
   for m in report.get("mixers") or ():
     lines.append(
       f"  layers {', '.join(map(str, m['layers']))}: {m['mixer']} mixer, {m['op']}: "
