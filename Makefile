@@ -4,13 +4,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo tour test test-fast lint format venv clean
+.PHONY: demo tour test test-fast test-lower lint format venv clean
 
 # (Re)create the virtual environment when it is missing or pyproject.toml changed.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,dev,hf,cpu,data]'
+	$(PY) -m pip install -q -e '.[test,dev,hf,cpu,data,ray]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -37,6 +37,15 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest tests/ops tests/layers tests/models tests/backends -n 2 -m "not slow"
 
+# The lowest versions pyproject.toml admits of jax, flax, optax, orbax and chex
+# (.ci/lower-bounds.txt), in a venv of their own: the core's and the trainer's fast tests.
+LOWER := .venv-lower
+test-lower:
+	test -x $(LOWER)/bin/python || $(PYTHON) -m venv $(LOWER)
+	$(LOWER)/bin/python -m pip install -q -c .ci/lower-bounds.txt -e '.[test,cpu]'
+	$(LOWER)/bin/python -m pytest tests/ops tests/layers tests/models tests/backends tests/train \
+	  -n 2 -m "not slow"
+
 # What CI checks: the lint rules and the formatting (configured in pyproject.toml).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -48,4 +57,4 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) runs report
+	rm -rf $(VENV) $(LOWER) runs report
