@@ -1,0 +1,128 @@
+"""experiments/efficient_attention.py: the LSH and masked-LM rows at matched sizes, and a run of
+the new rows at a tiny size whose JSON the picture and ``tjax report`` read."""
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import types
+
+import pytest
+
+from transformer_jax import report, viz
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "experiments"))
+
+import efficient_attention as ea  # noqa: E402
+import efficient_attention_rows as rows  # noqa: E402
+
+DEFAULTS = types.SimpleNamespace(  # the script's defaults for the sizes
+  d_model=128, layers=3, heads=4, lsh_chunk=64, lsh_buckets=8, bigbird_block=64, linformer_rows=128
+)
+
+
+def test_the_lsh_row_has_the_gpts_size_and_the_encoders_share_their_weights():
+  vocab = 4104
+  gpt = rows.num_params(rows.config_for(DEFAULTS, vocab))
+  lsh = rows.lsh_config(DEFAULTS, vocab)
+  assert lsh.attn_layers == ("lsh",) * 3 and lsh.d_ff % 8 == 0
+  assert abs(rows.num_params(lsh) / gpt - 1) < 0.02
+  for other in (lsh.d_ff - 8, lsh.d_ff + 8):  # the nearest width
+    assert abs(rows.num_params(dataclasses.replace(lsh, d_ff=other)) - gpt) > abs(
+      rows.num_params(lsh) - gpt
+    )
+  enc = rows.encoder_configs(DEFAULTS, vocab, max_len=1024)
+  full, bigbird, linformer = (
+    rows.num_params(enc[k]) for k in ("mlm-full", "mlm-bigbird", "mlm-linformer")
+  )
+  assert full == bigbird
+  assert linformer == full + 128 * 1024 * 3  # one [rows, max_len] projection per layer
+  assert {rows.task_of(c) for c in enc.values()} == {"masked"}
+  assert rows.task_of(lsh) == "causal"
+
+
+def test_speedups_are_against_each_tasks_baseline_at_the_same_length():
+  result = {
+    "learning": {
+      "softmax": {},
+      "lsh": {"task": "causal"},
+      "mlm-full": {"task": "masked"},
+      "mlm-bigbird": {"task": "masked"},
+    },
+    "train_step": {
+      "softmax": {"512": {"step_s": 2.0}},
+      "lsh": {"512": {"step_s": 1.0}, "1024": {"step_s": 3.0}},
+      "mlm-full": {"512": {"step_s": 3.0}},
+      "mlm-bigbird": {"512": {"step_s": 1.5}},
+    },
+  }
+  got = viz.attention_speedups(result, "train_step", "step_s")
+  assert got == {
+    "softmax": {"512": 1.0},
+    "lsh": {"512": 2.0},  # no softmax at 1024: left out
+    "mlm-full": {"512": 1.0},
+    "mlm-bigbird": {"512": 2.0},
+  }
+
+
+TINY = [
+  "--steps=2",
+  "--train-len=64",
+  "--batch-size=2",
+  "--d-model=32",
+  "--layers=1",
+  "--heads=2",
+  "--lsh-chunk=16",
+  "--lsh-buckets=4",
+  "--mlm-train-len=128",
+  "--mlm-batch-size=2",
+  "--bigbird-block=16",
+  "--linformer-rows=16",
+  "--eval-batches=1",
+  "--mlm-eval-batches=2",
+  "--kernel-lengths=64",
+  "--kernel-window=16",
+  "--lengths=128,256",
+  "--mlm-lengths=128,256",
+  "--decode-lengths=32,64",
+  "--reps=1",
+  "--rows=lsh,mlm-bigbird,mlm-linformer",
+]
+
+
+@pytest.mark.slow
+def test_a_tiny_run_of_the_new_rows_gives_every_number_the_page_draws(tmp_path, text_dataset):
+  path = tmp_path / "ea.json"
+  ea.main([*TINY, f"--data={text_dataset}", f"--json={path}"])
+  result = report.read_attention_result(str(path))
+  assert json.loads(path.read_text()) == result
+  learning = result["learning"]
+  assert set(learning) == {"softmax", "lsh", "mlm-full", "mlm-bigbird", "mlm-linformer"}
+  assert {k: r["task"] for k, r in learning.items() if r["task"] == "masked"}.keys() == {
+    "mlm-full",
+    "mlm-bigbird",
+    "mlm-linformer",
+  }
+  assert all(math.isfinite(r["val_loss"]) and r["val_tokens"] > 0 for r in learning.values())
+  steps = result["train_step"]
+  assert set(steps["lsh"]) == {"128", "256"} and set(steps["mlm-bigbird"]) == {"128", "256"}
+  for kind, by_length in steps.items():
+    for t, row in by_length.items():
+      assert row["step_s"] > 0 and row["temp_bytes"] > 0
+      base = steps[ea.BASELINES[learning[kind]["task"]]][t]["step_s"]
+      assert row["speedup"] == pytest.approx(base / row["step_s"])
+  assert steps["softmax"]["256"]["speedup"] == 1.0 == steps["mlm-full"]["256"]["speedup"]
+  assert set(result["decode"]) == {"softmax"}  # the Reformer does not decode here
+  machine = result["machine"]
+  assert machine["cores"] == os.cpu_count() and {"start", "end"} <= set(machine["load_average"])
+  assert "load average" in result["conditions"]
+  assert result["setup"]["lsh_d_ff"] % 8 == 0
+  assert (tmp_path / "ea.png").stat().st_size > 1000
+
+
+def test_an_unknown_row_is_refused(tmp_path, text_dataset):
+  with pytest.raises(SystemExit):
+    ea.main(["--rows=lsh,nope", f"--data={text_dataset}", f"--json={tmp_path / 'x.json'}"])
+  assert not (tmp_path / "x.json").exists()
