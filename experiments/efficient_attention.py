@@ -362,6 +362,7 @@ def main(argv=None) -> dict:
       "lr": args.lr,
       "seed": args.seed,
       "vocab_size": vocab,
+      "unigram_val_loss": data.unigram_cross_entropy(dataset),  # a model that learnt no context
       "windows": windows,
       "lsh": {"chunk": args.lsh_chunk, "buckets": args.lsh_buckets, "hashes": 1},
       "lsh_d_ff": configs["lsh"].d_ff if "lsh" in configs else None,
