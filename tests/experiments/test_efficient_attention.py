@@ -126,3 +126,35 @@ def test_an_unknown_row_is_refused(tmp_path, text_dataset):
   with pytest.raises(SystemExit):
     ea.main(["--rows=lsh,nope", f"--data={text_dataset}", f"--json={tmp_path / 'x.json'}"])
   assert not (tmp_path / "x.json").exists()
+
+
+def test_the_report_gives_each_kind_its_ratios_memory_and_task(tmp_path):
+  from transformer_jax import cli
+
+  result = {
+    "machine": {"cpu": "Some CPU", "cores": 2, "device": "cpu"},
+    "conditions": "shared with others",
+    "setup": {"steps": 3, "train_len": 64, "mlm_train_len": 128},
+    "learning": {
+      "softmax": {"task": "causal", "val_loss": 5.0, "params": 10},
+      "lsh": {"task": "causal", "val_loss": 5.5, "params": 11},
+      "mlm-full": {"task": "masked", "val_loss": 6.0, "params": 8},
+      "mlm-bigbird": {"task": "masked", "val_loss": 6.25, "params": 8},
+    },
+    "train_step": {
+      "softmax": {"512": {"step_s": 0.9, "temp_bytes": 2**21}},
+      "lsh": {"512": {"step_s": 0.3, "temp_bytes": 2**20}},
+      "mlm-full": {"512": {"step_s": 1.0, "temp_bytes": 3 * 2**20}},
+      "mlm-bigbird": {"512": {"step_s": 0.4, "temp_bytes": 2**20}},
+    },
+    "decode": {"softmax": {"1024": {"step_ms": 2.0, "cache_bytes": 2**20}}},
+  }
+  path = tmp_path / "ea.json"
+  path.write_text(json.dumps(result))
+  assert cli.main(["report", "--experiment", str(path), "--out", str(tmp_path / "r")]) == 0
+  page = (tmp_path / "r" / "index.html").read_text()
+  assert "Some CPU, 2, cpu; shared with others" in page
+  assert "<th>train step x full, 512</th>" in page and "<th>temp MiB, 512</th>" in page
+  # lsh: 3x softmax's speed and 1 MiB; mlm-bigbird: 2.5x mlm-full's (not softmax's)
+  assert "<td>lsh</td><td>causal</td><td>5.5</td><td>11</td><td>3</td><td>1</td>" in page
+  assert "<td>mlm-bigbird</td><td>masked</td><td>6.25</td><td>8</td><td>2.5</td><td>1</td>" in page
