@@ -383,7 +383,7 @@ def main(argv=None) -> dict:
   causal = {
     n: c for n, c in configs.items() if task_of(c) == "causal" and n != f"window-{windows[0]}"
   }
-  encoders = encoder_configs(args, vocab, max(ints(args.mlm_lengths)))
+  encoders = encoder_configs(args, vocab, max(ints(args.mlm_lengths), default=args.mlm_train_len))
   encoders = {n: c for n, c in encoders.items() if n in configs}
   result["train_step"] = {}
   for rows, lengths in ((causal, args.lengths), (encoders, args.mlm_lengths)):

@@ -375,6 +375,9 @@ def efficient_attention(result: Mapping[str, Any]) -> Figure:
     ),
   )
   for ax, values, ylabel, title in panels:
+    if not any(values.values()):  # nothing timed (a run that left this out)
+      ax.set_axis_off()
+      continue
     lengths = set()
     for name, rows in values.items():
       xs = sorted(int(x) for x in rows)
@@ -390,8 +393,7 @@ def efficient_attention(result: Mapping[str, Any]) -> Figure:
       ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
       ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
       ax.yaxis.set_minor_formatter(NullFormatter())
-    if values:
-      ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, ncol=2)
   fig.tight_layout()
   return fig
 

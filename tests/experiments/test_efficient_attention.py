@@ -158,3 +158,15 @@ def test_the_report_gives_each_kind_its_ratios_memory_and_task(tmp_path):
   # lsh: 3x softmax's speed and 1 MiB; mlm-bigbird: 2.5x mlm-full's (not softmax's)
   assert "<td>lsh</td><td>causal</td><td>5.5</td><td>11</td><td>3</td><td>1</td>" in page
   assert "<td>mlm-bigbird</td><td>masked</td><td>6.25</td><td>8</td><td>2.5</td><td>1</td>" in page
+
+
+@pytest.mark.slow
+def test_a_run_may_leave_out_every_timing(tmp_path, text_dataset):
+  path = tmp_path / "ea.json"
+  blank = ["--kernel-lengths=", "--lengths=", "--mlm-lengths=", "--decode-lengths="]
+  args = [a for a in TINY if a.split("=")[0] not in {b[:-1] for b in blank} | {"--rows"}]
+  ea.main([*args, *blank, "--rows=mlm-bigbird", f"--data={text_dataset}", f"--json={path}"])
+  result = report.read_attention_result(str(path))
+  assert set(result["learning"]) == {"mlm-full", "mlm-bigbird"}
+  assert result["train_step"] == {"mlm-full": {}, "mlm-bigbird": {}} and result["decode"] == {}
+  assert result["attention_kernel"] == []
