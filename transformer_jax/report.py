@@ -381,13 +381,32 @@ def _experiment_picture(path: str) -> tuple[dict, _Picture]:
 
 
 def _experiment_html(path: str, result: dict, picture: _Picture) -> str:
-  rows = [
-    (kind, {"val_loss": r["val_loss"], "params": r["params"]})
-    for kind, r in result["learning"].items()
-  ]
+  """Per kind: task, validation loss, parameters; train step speed against full attention's (its
+  task's baseline, same run) and temporaries (MiB) at each length; decoding at the longest."""
+  speed = {s: viz.attention_speedups(result, s, k) for s, k in _COSTS.items()}
+  lengths = {s: sorted({int(t) for r in result[s].values() for t in r}) for s in _COSTS}
+  rows = []
+  for kind, r in result["learning"].items():
+    row = {"task": r.get("task", "causal"), "val_loss": r["val_loss"], "params": r["params"]}
+    for section, ts in (("train_step", lengths["train_step"]), ("decode", lengths["decode"][-1:])):
+      name, memory = ("train step", "temp_bytes") if section == "train_step" else _DECODE
+      for t in map(str, ts):
+        row[f"{name} x full, {t}"] = speed[section].get(kind, {}).get(t)
+        mem = result[section].get(kind, {}).get(t, {}).get(memory)
+        row[f"{memory[:-6]} MiB, {t}"] = None if mem is None else mem / 2**20
+    rows.append((kind, row))
+  machine = result.get("machine", {})
+  where = ", ".join(str(machine[k]) for k in ("cpu", "cores", "device") if k in machine)
+  note = f"{where}; {result['conditions']}" if result.get("conditions") else where
   return (
-    f"<h2>{html.escape(os.path.basename(path))}</h2>" + _table(rows, "attention") + _img(picture)
+    f"<h2>{html.escape(os.path.basename(path))}</h2><p>{html.escape(note)}</p>"
+    + _table(rows, "attention")
+    + _img(picture)
   )
+
+
+_COSTS = {"train_step": "step_s", "decode": "step_ms"}  # section -> the time its speeds compare
+_DECODE = ("decode", "cache_bytes")
 
 
 def _unique_files(pictures: list[_Picture]) -> None:

@@ -16,7 +16,9 @@ from typing import Any
 
 import jax
 import numpy as np
+from matplotlib import colormaps
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from transformer_jax import ops
 
@@ -297,66 +299,108 @@ def parameter_breakdown(params: Any, *, depth: int = 2, title: str | None = None
   return fig
 
 
+_ATTENTION_BASELINES = {"causal": "softmax", "masked": "mlm-full"}
+
+
+def attention_speedups(result: Mapping[str, Any], section: str, key: str) -> dict[str, dict]:
+  """``experiments/efficient_attention.py``'s speeds as ratios: kind -> length -> the time
+  ``key`` of its task's baseline (``setup.baselines``; causal: softmax, masked LM: mlm-full) at
+  that length over its own, in ``section`` (``train_step``, ``decode``). Kinds whose baseline
+  was not timed at a length are left out there."""
+  baselines = result.get("setup", {}).get("baselines", _ATTENTION_BASELINES)
+  out = {}
+  for name, rows in result.get(section, {}).items():
+    task = result["learning"].get(name, {}).get("task", "causal")
+    base = result[section].get(baselines.get(task, ""), {})
+    out[name] = {t: base[t][key] / r[key] for t, r in rows.items() if t in base and r[key] > 0}
+  return out
+
+
 def efficient_attention(result: Mapping[str, Any]) -> Figure:
-  """The four panels of ``experiments/efficient_attention.py``'s result: validation loss per
-  attention kind; train step time against the context length; decoding time per token and the
-  cache's size against the generated length."""
-  fig = Figure(figsize=(12, 8.5))
-  axes = fig.subplots(2, 2)
+  """The six panels of ``experiments/efficient_attention.py``'s result: validation loss of the
+  causal and the masked-LM kinds; the train step's speed relative to full attention (the task's
+  baseline, same run) and its compiled temporaries against the context length (encoders dashed);
+  decoding speed relative to softmax and the cache's size against the generated length."""
+  fig = Figure(figsize=(16, 8.5))
+  axes = fig.subplots(2, 3)
   names = list(result["learning"])
-  ax = axes[0][0]
-  vals = [result["learning"][n]["val_loss"] for n in names]
-  ax.bar(names, vals, color=[f"C{i}" for i in range(len(names))])
-  ax.set_ylim(min(vals) * 0.95, max(vals) * 1.03)
-  ax.set_ylabel("validation loss (nats/token)")
-  ax.set_title(
-    f"learning: {result['setup']['steps']} steps at {result['setup']['train_len']} tokens"
-  )
-  ax.tick_params(axis="x", rotation=20)
-  panels = (  # (axes, section, value, scale, loglog, x label, y label, title)
+  task = {n: result["learning"][n].get("task", "causal") for n in names}
+  order = [*range(0, 20, 2), *range(1, 20, 2)]  # tab20's ten dark colours, then the light ones
+
+  def colour(name: str):
+    return colormaps["tab20"](order[names.index(name) % 20]) if name in names else None
+
+  setup = result["setup"]
+  for ax, kind, title in (
+    (axes[0][0], "causal", f"causal LM: {setup['steps']} steps at {setup['train_len']} tokens"),
     (
       axes[0][1],
-      "train_step",
-      "step_s",
-      1.0,
-      True,
-      "context length (tokens)",
-      "train step (s, one row)",
-      "train step time against context length",
+      "masked",
+      f"masked LM: {setup['steps']} steps at {setup.get('mlm_train_len', '?')} tokens",
+    ),
+  ):
+    shown = [n for n in names if task[n] == kind]
+    if not shown:
+      ax.set_axis_off()
+      continue
+    vals = [result["learning"][n]["val_loss"] for n in shown]
+    ax.bar(shown, vals, color=[colour(n) for n in shown])
+    ax.set_ylim(min(vals) * 0.95, max(vals) * 1.03)
+    ax.set(ylabel="validation loss (nats/token)", title=title)
+    ax.tick_params(axis="x", rotation=30)
+  panels = (  # (axes, values per kind and length, y label, title)
+    (
+      axes[0][2],
+      attention_speedups(result, "train_step", "step_s"),
+      "train step speed (x full attention's)",
+      "train step speed against context length",
     ),
     (
       axes[1][0],
-      "decode",
-      "step_ms",
-      1.0,
-      False,
-      "generated length (tokens)",
-      "decoding step (ms/token)",
-      "decoding time per token",
+      _values(result, "train_step", "temp_bytes", 2.0**-20),
+      "train step temporaries (MiB)",
+      "train step memory against context length",
     ),
     (
       axes[1][1],
-      "decode",
-      "cache_bytes",
-      2.0**-20,
-      True,
-      "generated length (tokens)",
+      attention_speedups(result, "decode", "step_ms"),
+      "decoding speed (x softmax's)",
+      "decoding speed per token against generated length",
+    ),
+    (
+      axes[1][2],
+      _values(result, "decode", "cache_bytes", 2.0**-20),
       "decoding cache (MiB)",
-      "decoding memory",
+      "decoding memory against generated length",
     ),
   )
-  for ax, section, value, scale, loglog, xlabel, ylabel, title in panels:
-    plot = ax.loglog if loglog else ax.semilogx
-    for name, rows in result[section].items():
-      xs = [int(x) for x in rows]
-      plot(
-        xs,
-        [rows[str(x)][value] * scale for x in xs],
-        "o-",
-        color=f"C{names.index(name)}",
-        label=name,
-      )
+  for ax, values, ylabel, title in panels:
+    if not any(values.values()):  # nothing timed (a run that left this out)
+      ax.set_axis_off()
+      continue
+    lengths = set()
+    for name, rows in values.items():
+      xs = sorted(int(x) for x in rows)
+      lengths.update(xs)
+      style = "s--" if task.get(name) == "masked" else "o-"
+      ax.loglog(xs, [rows[str(x)] for x in xs], style, color=colour(name), label=name)
+    xlabel = "generated length (tokens)" if "decod" in ylabel else "context length (tokens)"
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
-    ax.legend(fontsize=8)
+    ticks = sorted(lengths)
+    ax.set_xticks(ticks, [f"{x // 1024}k" if x % 1024 == 0 else str(x) for x in ticks])
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    if "speed" in ylabel:
+      ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+      ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+      ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.legend(fontsize=7, ncol=2)
   fig.tight_layout()
   return fig
+
+
+def _values(result: Mapping[str, Any], section: str, key: str, scale: float) -> dict[str, dict]:
+  """kind -> length -> ``key`` times ``scale`` in ``section``, where the value is a number."""
+  return {
+    name: {t: r[key] * scale for t, r in rows.items() if isinstance(r.get(key), (int, float))}
+    for name, rows in result.get(section, {}).items()
+  }
