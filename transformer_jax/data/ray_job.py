@@ -18,6 +18,7 @@ job resumes too.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -102,7 +103,10 @@ def stream_corpus_ray(
   ray = need("ray", "engine='ray'")
   need("ray.data", "engine='ray'")
   started = not ray.is_initialized()
-  if started:
+  if started and os.environ.get("RAY_ADDRESS"):
+    # A cluster started by `ray start` (RAY_ADDRESS=auto, or HOST:PORT): join it as it is.
+    ray.init(log_to_driver=False, configure_logging=False)
+  elif started:
     ray.init(
       num_cpus=pipeline.workers,
       include_dashboard=False,
