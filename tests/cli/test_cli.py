@@ -77,3 +77,24 @@ def test_generate_checks_its_options_before_loading_the_run_or_its_libraries(tmp
   )
   assert done.stdout == "2 []\n", done.stderr
   assert done.stderr == "tjax generate: error: --top-p 1.5 must be in (0, 1]\n"
+
+
+def test_prepare_runs_without_starting_itself_again_over_mimalloc(monkeypatch, capsys):
+  """Only commands that compute on JAX's allocations restart over mimalloc: `prepare` tokenizes."""
+  from transformer_jax import cli
+  from transformer_jax.backends.cpu import allocator
+
+  execs = []
+
+  def execve(path, argv, env):
+    execs.append(argv)
+    raise OSError("not started again in a test")  # launch then runs on in this process
+
+  monkeypatch.setattr(allocator, "allocator_env", lambda: {"LD_PRELOAD": "libmimalloc.so"})
+  monkeypatch.setattr(os, "execve", execve)
+  for command in ("prepare", "info"):
+    monkeypatch.setattr(sys, "argv", ["tjax", command, "--help"])
+    with pytest.raises(SystemExit):
+      cli.launch()
+  capsys.readouterr()
+  assert [argv[3] for argv in execs] == ["info"]

@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def launch() -> None:
-  """The ``tjax`` program: when it will compute on CPU, runs itself again over mimalloc
+  """The ``tjax`` program: when it will compute on CPU (any command but ``prepare``), runs itself
+  again over mimalloc
   (``backends.cpu.allocator.allocator_env``; ``TJAX_MALLOC=0`` keeps the system allocator) or,
   without mimalloc installed, says once on stderr that it runs on the system allocator
   (``backends.cpu.allocator.system_allocator_notice``); then ``main``."""
@@ -155,8 +156,11 @@ def launch() -> None:
 
   from transformer_jax.backends.cpu import allocator
 
+  # Tokenizing computes nothing on JAX's allocations: for `prepare`, a second interpreter start
+  # would only cost time (about a second, next to tiktoken's rate of a few MB/s a core).
+  computes = sys.argv[1:2] != ["prepare"]
   try:
-    env = allocator.allocator_env()
+    env = allocator.allocator_env() if computes else None
   except ValueError as e:  # a bad TJAX_MALLOC: one line, before anything runs
     print(f"tjax: error: {e}", file=sys.stderr)
     sys.exit(2)
@@ -165,7 +169,7 @@ def launch() -> None:
       os.execve(sys.executable, [sys.executable, "-m", "transformer_jax.cli", *sys.argv[1:]], env)
     except OSError:
       pass  # run on as we are
-  elif (notice := allocator.system_allocator_notice()) is not None:
+  elif computes and (notice := allocator.system_allocator_notice()) is not None:
     print(notice, file=sys.stderr)
   global _error_reported
   _error_reported = False
