@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 
 import transformer_jax as tj  # noqa: E402
 from transformer_jax import cli, runs  # noqa: E402
+from tests.hf.tiny_configs import TINY_REFORMER  # noqa: E402
 
 
 def _tjax(*argv):
@@ -27,23 +28,7 @@ def _tjax(*argv):
 @pytest.fixture(scope="module")
 def reformer_dir(tmp_path_factory):
   """A tiny transformers ReformerModelWithLMHead (local and LSH layers), saved."""
-  config = transformers.ReformerConfig(
-    vocab_size=61,
-    hidden_size=16,
-    num_attention_heads=2,
-    attention_head_size=4,
-    feed_forward_size=24,
-    attn_layers=["local", "lsh"],
-    axial_pos_shape=(8, 8),
-    axial_pos_embds_dim=(6, 10),
-    max_position_embeddings=64,
-    is_decoder=True,
-    num_buckets=4,
-    num_hashes=2,
-    lsh_attn_chunk_length=8,
-    local_attn_chunk_length=4,
-    hash_seed=5,
-  )
+  config = transformers.ReformerConfig(**TINY_REFORMER)
   torch.manual_seed(0)
   path = tmp_path_factory.mktemp("hf") / "reformer"
   transformers.ReformerModelWithLMHead(config).save_pretrained(path)

@@ -19,6 +19,7 @@ import hf_cases as hc
 import transformer_jax as tj
 import transformer_jax.hf as tjhf
 from transformer_jax.hf import io
+from tests.hf.tiny_configs import TINY_REFORMER
 
 _TINY_SSM = dict(vocab_size=40, hidden_size=16, num_hidden_layers=2, state_size=4, expand=2)
 
@@ -51,23 +52,7 @@ _FAMILIES = {
 
 
 def _reformer(**kw):
-  config = transformers.ReformerConfig(
-    vocab_size=61,
-    hidden_size=16,
-    num_attention_heads=2,
-    attention_head_size=4,
-    feed_forward_size=24,
-    attn_layers=["local", "lsh"],
-    axial_pos_shape=(8, 8),
-    axial_pos_embds_dim=(6, 10),
-    max_position_embeddings=64,
-    is_decoder=True,
-    num_buckets=4,
-    lsh_attn_chunk_length=8,
-    local_attn_chunk_length=4,
-    hash_seed=5,
-    **kw,
-  )
+  config = transformers.ReformerConfig(**{**TINY_REFORMER, "num_hashes": 1, **kw})
   return transformers.ReformerModelWithLMHead(config).eval()
 
 

@@ -10,25 +10,13 @@ from transformers import ReformerConfig, ReformerModelWithLMHead
 
 import transformer_jax as tj
 from transformer_jax.hf.errors import UnsupportedError
+from tests.hf.tiny_configs import TINY_REFORMER
 
 
 def hf_model(**kw):
   base = dict(
-    vocab_size=61,
-    hidden_size=16,
-    num_attention_heads=2,
-    attention_head_size=4,
-    feed_forward_size=24,
+    TINY_REFORMER,
     attn_layers=["local", "lsh", "local", "lsh"],
-    axial_pos_shape=(8, 8),
-    axial_pos_embds_dim=(6, 10),
-    max_position_embeddings=64,
-    is_decoder=True,
-    num_buckets=4,
-    num_hashes=2,
-    lsh_attn_chunk_length=8,
-    local_attn_chunk_length=4,
-    hash_seed=5,
     hidden_dropout_prob=0.0,
     lsh_attention_probs_dropout_prob=0.0,
     local_attention_probs_dropout_prob=0.0,
