@@ -19,7 +19,6 @@ job resumes too.
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any
 
 import numpy as np
@@ -28,11 +27,10 @@ from transformer_jax.data.files import need
 from transformer_jax.data.readers import Problem, Record, read_records
 from transformer_jax.data.shards import document_hash
 from transformer_jax.data.sources import Source
-from transformer_jax.data.stream import Pipeline, new_stats
+from transformer_jax.data.stream import Pipeline, count_problem, first_place
 from transformer_jax.data.tokenizer import Tokenizer
 
 _DOC, _PROBLEM, _END = 0, 1, 2
-_SHOWN_PROBLEMS = 10
 _WRITE_DOCS = 512  # documents the driver appends at a time
 
 
@@ -126,7 +124,7 @@ def _run(ray, sources, pipeline, text_field, allow, skip_bad, seed, progress, st
   context = ray.data.DataContext.get_current()
   context.execution_options.preserve_order = True  # the documents in input order
   context.enable_progress_bars = progress
-  start = start or {"source": 0, "items": 0, "mark": 0, "replaced": 0, "stats": new_stats()}
+  start = start or first_place()
   stats = dict(start["stats"])
   files = [
     {
@@ -172,16 +170,10 @@ def _run(ray, sources, pipeline, text_field, allow, skip_bad, seed, progress, st
       pipeline.checkpoint({**place, "stats": dict(stats), "docs": pending.num_docs})
       continue
     problem = Problem(str(row["where"]), str(row["message"]), bool(row["whole_file"]))
-    if not skip_bad:
-      raise ValueError(f"{problem}; --skip-bad skips and counts such input")
-    if stats["bad_records"] + stats["bad_files"] < _SHOWN_PROBLEMS:
-      print(f"skipped: {problem}", file=sys.stderr)
+    count_problem(problem, stats, skip_bad)
     if problem.whole_file:
-      stats["bad_files"] += 1
       replaced = 0
       pending.truncate(mark)
-    else:
-      stats["bad_records"] += 1
   pending.extend(docs)
   end = {"source": len(sources), "items": 0, "mark": pending.num_docs, "replaced": 0}
   pipeline.checkpoint({**end, "stats": stats, "docs": pending.num_docs})

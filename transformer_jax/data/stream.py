@@ -40,6 +40,21 @@ def new_stats() -> dict[str, int]:
   return {"undecodable_files": 0, "replaced": 0, "bad_records": 0, "bad_files": 0}
 
 
+def first_place() -> dict[str, Any]:
+  """Where a new preparation starts: the first input, nothing read, nothing counted."""
+  return {"source": 0, "items": 0, "mark": 0, "replaced": 0, "stats": new_stats()}
+
+
+def count_problem(problem, stats: dict[str, int], skip_bad: bool) -> None:
+  """Raises ``ValueError`` naming ``problem`` (a ``readers.Problem``) unless ``skip_bad``; else
+  prints the first few and counts it in ``stats``, as a bad file or a bad record."""
+  if not skip_bad:
+    raise ValueError(f"{problem}; --skip-bad skips and counts such input")
+  if stats["bad_records"] + stats["bad_files"] < _SHOWN_PROBLEMS:
+    print(f"skipped: {problem}", file=sys.stderr)
+  stats["bad_files" if problem.whole_file else "bad_records"] += 1
+
+
 def load_checkpoint(out: str, content_hash: str) -> dict[str, Any] | None:
   """The checkpoint an interrupted run left in ``out`` for the same content hash, else None."""
   try:
@@ -201,7 +216,7 @@ def stream_corpus(
 def _stream(
   sources, synthetic, pipeline, text_field, allow_undecodable, skip_bad, seed, progress, start
 ):
-  start = start or {"source": 0, "items": 0, "mark": 0, "replaced": 0, "stats": new_stats()}
+  start = start or first_place()
   stats = dict(start["stats"])
   sizes: list[int | None] = [size_of(s.path) for s in sources] + ([None] if synthetic else [])
   bar = _Bar(sizes, progress, pipeline.pending)
@@ -233,16 +248,10 @@ def _stream(
         if pipeline.add(item):
           pipeline.submit(place(k))
         continue
-      if not skip_bad:
-        raise ValueError(f"{item}; --skip-bad skips and counts such input")
-      if stats["bad_records"] + stats["bad_files"] < _SHOWN_PROBLEMS:
-        print(f"skipped: {item}", file=sys.stderr)
+      count_problem(item, stats, skip_bad)
       if item.whole_file:
-        stats["bad_files"] += 1
         replaced = 0
         pipeline.rollback(mark, place(k))
-      else:
-        stats["bad_records"] += 1
     stats["replaced"] += replaced
     stats["undecodable_files"] += replaced > 0
     base += sizes[i] or 0
