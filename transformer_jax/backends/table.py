@@ -57,28 +57,36 @@ APPLIES_ON: dict[str, tuple[str, ...]] = {
 OPTION_FIELDS = ("step_options", "decode_options")
 
 
-def _integer(name: str, value: Any) -> int:
-  """``value`` as an int: an int, or a float or numeric string (YAML 1.1 reads ``1e3`` as a
-  string) with an integral finite value. Raises ``ValueError`` naming ``name`` otherwise."""
+def integral(value: Any) -> int | None:
+  """``value`` as an int, or None: the one rule for an integer field, whatever the file or
+  section (kernel levers here, every integer field of an experiment through ``runs.schema``). An
+  int; a finite float with an integral value (``1000.0``, ``1.0e+3``); a string holding either
+  (PyYAML reads ``1e3`` and ``1.0e3`` as strings; a quoted number too). Never a bool."""
   if isinstance(value, bool):
-    raise ValueError(f"{name}={value!r}: expected an integer")
+    return None
   if isinstance(value, int):
     return value
-  number = value
   if isinstance(value, str):
+    text = value.strip()
     try:
-      return int(value.strip())
+      return int(text)
     except ValueError:
       pass
     try:
-      number = float(value.strip())
+      value = float(text)
     except ValueError:
-      raise ValueError(f"{name}={value!r}: expected an integer") from None
-  if isinstance(number, float):
-    if not math.isfinite(number) or number != int(number):
-      raise ValueError(f"{name}={value!r}: expected an integer")
-    return int(number)
-  raise ValueError(f"{name}={value!r}: expected an integer")
+      return None
+  if isinstance(value, float) and math.isfinite(value) and value == int(value):
+    return int(value)
+  return None
+
+
+def _integer(name: str, value: Any) -> int:
+  """``integral(value)``; raises ``ValueError`` naming ``name`` where it is None."""
+  number = integral(value)
+  if number is None:
+    raise ValueError(f"{name}={value!r}: expected an integer")
+  return number
 
 
 def _options(name: str, value: Any) -> tuple[tuple[str, OptionValue], ...]:

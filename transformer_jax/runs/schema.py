@@ -24,6 +24,8 @@ from typing import Any, Literal
 
 import yaml
 
+from transformer_jax.backends.table import integral  # the one rule for integer fields
+
 
 class FieldError(ValueError):
   """A value that does not fit its field; ``key`` is the dotted key (``train.lr``)."""
@@ -144,30 +146,6 @@ def coerce(name: str, value: Any, annotation, *, infinite: bool = False) -> Any:
       return value
     raise FieldError(name, f"{name}={value!r}: expected a string")
   return value
-
-
-def integral(value: Any) -> int | None:
-  """``value`` as an int, or None: the one rule for an integer field, whatever the file or
-  section (``backends.KernelTable``'s levers follow it too). An int; a finite float with an
-  integral value (``1e3``, ``1000.0``: YAML reads ``1e6`` as a float); a string holding either (a
-  quoted number, as a float field takes one). Never a bool."""
-  if isinstance(value, bool):
-    return None
-  if isinstance(value, int):
-    return value
-  if isinstance(value, str):
-    text = value.strip()
-    try:
-      return int(text)
-    except ValueError:
-      pass
-    try:
-      value = float(text)
-    except ValueError:
-      return None
-  if isinstance(value, float) and math.isfinite(value) and value == int(value):
-    return int(value)
-  return None
 
 
 def typed_fields(cls, spec: dict, prefix: str) -> dict:
