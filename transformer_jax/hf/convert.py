@@ -20,14 +20,10 @@ from transformer_jax.hf.api import load, recorded_ids, save
 from transformer_jax.train import method
 
 
-# The checkpoint's special-token ids (bos/eos/pad/decoder start), kept beside a converted model:
-# the model configs have no place for them, and ``to_hf`` writes them back.
-SPECIAL_IDS = runs.HF_SPECIAL_IDS
-
-
 def from_hf(hf_dir: str | os.PathLike, out_run_dir: str | os.PathLike) -> str:
   """Converts the checkpoint in ``hf_dir`` into a run directory; returns the architecture read.
-  The checkpoint's special-token ids go into the run's ``SPECIAL_IDS`` file."""
+  The checkpoint's special-token ids go into the run's ``runs.HF_SPECIAL_IDS`` file: the model
+  configs have no place for them, and ``to_hf`` writes them back."""
 
   if not runs.RunDir(out_run_dir).is_empty():  # before the (slow) read of the checkpoint
     raise ValueError(f"--out {out_run_dir} exists and is not empty; give a new directory")
@@ -41,7 +37,7 @@ def from_hf(hf_dir: str | os.PathLike, out_run_dir: str | os.PathLike) -> str:
   runs.save_model(out_run_dir, config, nnx.state(model, nnx.Param))
   ids = recorded_ids(model)
   if ids:
-    (Path(out_run_dir) / SPECIAL_IDS).write_text(json.dumps(ids, indent=2) + "\n")
+    runs.write_atomic(os.path.join(out_run_dir, runs.HF_SPECIAL_IDS), json.dumps(ids, indent=2))
   return architecture
 
 
@@ -52,7 +48,7 @@ def to_hf(
 
   A LoRA run (``train.lora``) is written with its adapters merged into the base weights. The
   special-token ids come from the run's tokenizer (``run_tokenizer``), when its dataset is there;
-  else, for a run converted from Hugging Face, from its ``SPECIAL_IDS`` file."""
+  else, for a run converted from Hugging Face, from its ``runs.HF_SPECIAL_IDS`` file."""
 
   if not runs.RunDir(out_dir).is_empty():  # before reading the run
     raise ValueError(f"--out {out_dir} exists and is not empty; give a new directory")
@@ -63,8 +59,8 @@ def to_hf(
     nnx.replace_by_pure_dict(state, params)
     params = state
   tokenizer = run_tokenizer(run_dir_path)
-  kept = Path(run_dir_path) / SPECIAL_IDS
-  special_ids = json.loads(kept.read_text()) if tokenizer is None and kept.is_file() else None
+  kept = os.path.join(run_dir_path, runs.HF_SPECIAL_IDS)
+  special_ids = runs.read_json(kept) if tokenizer is None and os.path.isfile(kept) else None
   return save(
     params,
     config,
