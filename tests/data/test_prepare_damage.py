@@ -85,6 +85,19 @@ def test_corrupt_zstd_stream_spoils_its_file(tmp_path):
   )
 
 
+def test_truncated_zstd_stream_spoils_its_file(tmp_path):
+  """A zstd frame cut short decodes to nothing without an error of zstd's own: the reader checks
+  that the frame ended."""
+  zstandard = pytest.importorskip("zstandard", reason="the 'data' extra (zstandard) is missing")
+  whole = zstandard.ZstdCompressor().compress(_jsonl([f"lost {i}\n" for i in range(500)]))
+  bad = tmp_path / "a.jsonl.zst"
+  bad.write_bytes(whole[: len(whole) // 2])
+  (tmp_path / "b.jsonl").write_bytes(_jsonl(GOOD))
+  _check(
+    tmp_path, [str(bad), str(tmp_path / "b.jsonl")], rf"{bad}:\d+: corrupt zstd stream", files=1
+  )
+
+
 def test_corrupt_parquet_row_group_spoils_its_file(tmp_path):
   pa = pytest.importorskip("pyarrow", reason="the 'data' extra (pyarrow) is missing")
   import pyarrow.parquet as pq

@@ -53,6 +53,11 @@ def _write_formats(root):
 
     (root / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(_jsonl(DOCS)))
     inputs["jsonl.zst"] = [str(root / "c.jsonl.zst")]
+    frames = [
+      zstandard.ZstdCompressor().compress(_jsonl(DOCS[k * 100 : k * 100 + 100])) for k in range(3)
+    ]
+    (root / "f.jsonl.zst").write_bytes(b"".join(frames))  # several frames, as zstd -T writes
+    inputs["jsonl.zst, 3 frames"] = [str(root / "f.jsonl.zst")]
   except ImportError:
     pass
   try:

@@ -77,12 +77,44 @@ def _stream_errors() -> tuple[type[BaseException], ...]:
   return errors
 
 
+class _ZstdFrames(io.RawIOBase):
+  """The decompressed bytes of a stream of zstd frames. Where the stream ends inside a frame (a
+  cut file) it raises ``EOFError``, as ``gzip`` does: zstandard's own reader ends there silently,
+  which would read a cut file as empty."""
+
+  def __init__(self, raw: IO[bytes], zstandard):
+    self._raw, self._new = raw, zstandard.ZstdDecompressor().decompressobj
+    self._frame, self._out, self._at, self._started = self._new(), b"", 0, False
+
+  def readable(self) -> bool:
+    return True
+
+  def readinto(self, buffer) -> int:
+    while self._at == len(self._out):
+      chunk = self._raw.read(1 << 20)
+      if not chunk:
+        if self._started and not self._frame.eof:
+          raise EOFError("the stream ends inside a zstd frame")
+        return 0
+      parts = []
+      while chunk:
+        if self._frame.eof:  # the next frame of a multi-frame file
+          self._frame = self._new()
+        self._started = True
+        parts.append(self._frame.decompress(chunk))
+        chunk = self._frame.unused_data if self._frame.eof else b""
+      self._out, self._at = b"".join(parts), 0
+    n = min(len(buffer), len(self._out) - self._at)
+    buffer[:n] = memoryview(self._out)[self._at : self._at + n]
+    self._at += n
+    return n
+
+
 def _decompressed(raw: IO[bytes], source: Source) -> IO[bytes]:
   if source.compression == "gzip":
     return gzip.GzipFile(fileobj=raw)
   if source.compression == "zstd":
-    zstandard = need("zstandard", source.path)
-    return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw))
+    return io.BufferedReader(_ZstdFrames(raw, need("zstandard", source.path)))
   return raw
 
 
