@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import jax
 import numpy as np
 
 from transformer_jax.data.dataset import Dataset
@@ -17,6 +16,8 @@ Batch = dict[str, np.ndarray]
 def process_info(process_index: int | None, process_count: int | None) -> tuple[int, int]:
   """``(index, count)`` of this process, JAX's where not given; the index checked against count."""
   if process_index is None or process_count is None:
+    import jax  # noqa: PLC0415 - only here: preparing data never loads JAX
+
     process_index = jax.process_index() if process_index is None else process_index
     process_count = jax.process_count() if process_count is None else process_count
   if not 0 <= process_index < process_count:
