@@ -76,6 +76,23 @@ def test_the_command_tokenizes_in_forked_processes_without_loading_jax(corpus_di
     _same_dataset(tmp_path / "cli", tmp_path / other)
 
 
+@pytest.mark.parametrize("parts", [1, 2, 3, 7])
+def test_a_batch_is_shared_among_workers_by_characters_in_order(parts):
+  from transformer_jax.data.stream import split_by_size
+
+  rng = np.random.default_rng(parts)
+  docs = [("x" * int(n),) for n in rng.integers(1, 2000, size=50)] + [("", "y" * 5)]
+  shares = split_by_size(docs, parts)
+  assert [d for s in shares for d in s] == docs and all(shares) and len(shares) <= parts
+  chars = [
+    sum(len(t) + 1 for d in s for t in d[:1]) + sum(len(t) for d in s for t in d[1:])
+    for s in shares
+  ]
+  # Each share is within one document of an equal share of the characters.
+  assert max(chars) - sum(chars) / len(chars) <= 2001, chars
+  assert split_by_size(docs[:1], parts) == [docs[:1]]
+
+
 def test_workers_default_to_every_available_core(corpus_dir, tmp_path, monkeypatch):
   args = add_prepare_args(argparse.ArgumentParser()).parse_args(["x", "--out", "y"])
   assert args.workers is None

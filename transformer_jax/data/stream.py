@@ -138,6 +138,15 @@ def tokenizer_pool(workers: int, tok: Tokenizer) -> concurrent.futures.Executor:
   return pool
 
 
+def split_by_size(documents: list[tuple[str, ...]], parts: int) -> list[list[tuple[str, ...]]]:
+  """``documents`` cut in order into at most ``parts`` runs of about equal characters (the
+  tokenizer's work), none empty: each worker's share of a batch."""
+  sizes = np.cumsum([sum(len(t) for t in texts) + 1 for texts in documents])
+  cuts = np.searchsorted(sizes, sizes[-1] * np.arange(1, parts) / parts, side="right")
+  bounds = [0, *sorted({int(c) for c in cuts if 0 < c < len(documents)}), len(documents)]
+  return [documents[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
 class Pipeline:
   """Records in, tokenized documents appended to ``PendingDocs`` in arrival order: each batch is
   split among the ``workers`` of ``pool`` (``tokenizer_pool``) with at most ``workers`` batches
@@ -172,11 +181,9 @@ class Pipeline:
   def submit(self, place: dict[str, Any]) -> None:
     """Sends the batch to the pool; ``place`` is where the inputs stand after it."""
     if self.batch:
-      step = -(-len(self.batch) // self.workers)
-      parts = [self.batch[i : i + step] for i in range(0, len(self.batch), step)]
       futures = [
-        self.pool.submit(tokenize_documents, self.tok.name, self.seed, [r.texts for r in part])
-        for part in parts
+        self.pool.submit(tokenize_documents, self.tok.name, self.seed, part)
+        for part in split_by_size([r.texts for r in self.batch], self.workers)
       ]
       self.in_flight.append((futures, {**place, "docs": self.added}))
       self.batch, self.chars = [], 0
