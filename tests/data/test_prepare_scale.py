@@ -84,10 +84,7 @@ def test_a_batch_is_shared_among_workers_by_characters_in_order(parts):
   docs = [("x" * int(n),) for n in rng.integers(1, 2000, size=50)] + [("", "y" * 5)]
   shares = split_by_size(docs, parts)
   assert [d for s in shares for d in s] == docs and all(shares) and len(shares) <= parts
-  chars = [
-    sum(len(t) + 1 for d in s for t in d[:1]) + sum(len(t) for d in s for t in d[1:])
-    for s in shares
-  ]
+  chars = [sum(len(t) for d in share for t in d) for share in shares]
   # Each share is within one document of an equal share of the characters.
   assert max(chars) - sum(chars) / len(chars) <= 2001, chars
   assert split_by_size(docs[:1], parts) == [docs[:1]]
