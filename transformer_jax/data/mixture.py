@@ -21,8 +21,8 @@ step), resume and topology changes stay exact. Within a block, the rows are shuf
 Process ``i`` of ``n`` keeps rows ``[i * B / n, (i + 1) * B / n)`` of the shuffled block and gathers
 only those windows.
 
-A source that runs out starts its next epoch (a new permutation) with a notice; ``max_epochs``
-refuses to start epoch ``max_epochs + 1`` of any source.
+A source that runs out starts its next epoch (a new permutation) with a notice on stderr;
+``max_epochs`` refuses to start epoch ``max_epochs + 1`` of any source.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import dataclasses
 import difflib
 import math
 import os
+import sys
 from collections.abc import Sequence
 from fractions import Fraction
 
@@ -318,6 +319,7 @@ class MixtureLoader(Loader):
         print(
           f"data: mixture source {self.names[s]!r} runs out at step {step} and repeats: epoch "
           f"{epoch + 1} of its {loader.num_windows} windows",
+          file=sys.stderr,
           flush=True,
         )
     return source_B, index_B
@@ -334,9 +336,10 @@ class MixtureLoader(Loader):
 
   def check_steps(self, steps: int) -> None:
     """Refuses, before training, a run of ``steps`` steps that needs more epochs of a source
-    than ``max_epochs`` (naming the step where it would start the next one)."""
+    than ``max_epochs`` (naming the source and the step where it would start the next one)."""
     if self.max_epochs is None or steps <= 0:
       return
+    first = None  # (step, source) of the earliest source past its limit
     for s, loader in enumerate(self.loaders):
       limit = self.max_epochs * loader.num_windows
       if self.schedule.consumed(steps)[s] <= limit:
@@ -348,7 +351,9 @@ class MixtureLoader(Loader):
           hi = mid
         else:
           lo = mid + 1
-      self._check_epoch(s, self.max_epochs, lo)
+      first = min(first or (lo, s), (lo, s))
+    if first is not None:
+      self._check_epoch(first[1], self.max_epochs, first[0])
 
   def tokens_consumed(self, step: int) -> dict[str, int]:
     """Tokens (``seq_len`` a row) each source gave the steps before ``step``, all processes."""

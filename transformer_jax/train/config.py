@@ -21,7 +21,7 @@ from transformer_jax.backends import KernelTable
 from transformer_jax.data.mixture import MixtureError, MixtureSource, MixtureStage, check_mixture
 from transformer_jax.train import finetune
 from transformer_jax.lora import LoRAConfig
-from transformer_jax.runs.schema import FieldError, build_section, parse_yaml, typed_fields
+from transformer_jax.runs.schema import FieldError, build_section, coerce, parse_yaml, typed_fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,7 +350,7 @@ def _build(raw: dict, overrides: list[tuple[str, Any]], path: str | None) -> Exp
   exp = Experiment(
     run_dir=run_dir,
     model=model_section(dict(model or {})),
-    data=build_section(DataConfig, "data", raw.get("data")),
+    data=build_section(DataConfig, "data", _indexed(raw.get("data"))),
     train=build_section(TrainConfig, "train", raw.get("train")),
     mesh=build_section(MeshConfig, "mesh", raw.get("mesh")),
     bars=dict(bars or {}),
@@ -488,6 +488,16 @@ def _validate(exp: Experiment) -> None:
       "model.preset (or a full model with model.family) is "
       "required; see `tjax info` for the presets",
     )
+
+
+def _indexed(data: Any) -> Any:
+  """``data``, its mixture and stage entries checked first with their index in the error
+  (``data.mixture[1].weight=inf: ...``)."""
+  for key, cls in (("mixture", MixtureSource), ("stages", MixtureStage)):
+    items = data.get(key) if isinstance(data, dict) else None
+    for i, item in enumerate(items if isinstance(items, list) else ()):
+      coerce(f"data.{key}[{i}]", item, cls)
+  return data
 
 
 def _validate_mixture(d: DataConfig) -> None:
