@@ -11,6 +11,7 @@ import yaml
 from tests.data.conftest import write_corpus
 from tests.data.test_mixture import reference_counts
 from tests.train.conftest import run_cli
+from transformer_jax import viz
 from transformer_jax.data import GPTLoader, load_dataset, prepare
 
 B, T = 8, 32
@@ -164,3 +165,7 @@ def test_a_mixture_run_records_its_tokens_per_source(paths):
   assert [r["step"] for r in train_lines] == [1, 2, 3, 4]
   assert train_lines[-1]["tokens/web"] == final["tokens_per_source"]["web"]
   assert train_lines[0]["tokens/web"] + train_lines[0]["tokens/code"] == B * T
+  # tjax report's picture draws exactly these counts, one line per source.
+  ax = viz.source_tokens(train_lines).axes[0]
+  drawn = {line.get_label(): list(line.get_ydata()) for line in ax.lines}
+  assert drawn == {n: [r[f"tokens/{n}"] for r in train_lines] for n in ("code", "web")}
