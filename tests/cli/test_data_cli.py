@@ -139,20 +139,26 @@ def test_train_refuses_a_run_past_max_epochs_before_it_starts(paths):
   assert not os.path.exists(os.path.join(str(paths["root"] / "run_limited"), "checkpoints"))
 
 
-@pytest.mark.slow
-def test_a_mixture_run_records_its_tokens_per_source(paths):
+TRAIN = ("--no-progress", "train.eval_batches=1", "train.samples=0", "train.warmup_steps=1")
+
+
+def train_lines(run_dir: str) -> list[dict]:
+  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    return [r for r in map(json.loads, f) if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def trained(paths):
+  """A 4-step mixture run (tiny model): its config and run directory."""
   path = config(paths, "train")
-  code, _, err = run_cli(
-    "train",
-    path,
-    "--no-progress",
-    "train.log_every=2",
-    "train.eval_batches=1",
-    "train.samples=0",
-    "train.warmup_steps=1",
-  )
+  code, _, err = run_cli("train", path, *TRAIN, "train.log_every=2")
   assert code == 0, err
-  run_dir = str(paths["root"] / "run_train")
+  return path, str(paths["root"] / "run_train")
+
+
+@pytest.mark.slow
+def test_a_mixture_run_records_its_tokens_per_source(trained):
+  path, run_dir = trained
   with open(os.path.join(run_dir, "final.json")) as f:
     final = json.load(f)
   lines = data_json(path, "--steps", "0:4")
@@ -160,12 +166,22 @@ def test_a_mixture_run_records_its_tokens_per_source(paths):
     name: sum(r["source"] == name for x in lines for r in x["rows"]) for name in ("web", "code")
   }
   assert final["tokens_per_source"] == {name: n * T for name, n in rows.items()}
-  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-    train_lines = [r for r in map(json.loads, f) if "loss" in r]
-  assert [r["step"] for r in train_lines] == [1, 2, 3, 4]
-  assert train_lines[-1]["tokens/web"] == final["tokens_per_source"]["web"]
-  assert train_lines[0]["tokens/web"] + train_lines[0]["tokens/code"] == B * T
+  records = train_lines(run_dir)
+  assert [r["step"] for r in records] == [1, 2, 3, 4]
+  assert records[-1]["tokens/web"] == final["tokens_per_source"]["web"]
+  assert records[0]["tokens/web"] + records[0]["tokens/code"] == B * T
   # tjax report's picture draws exactly these counts, one line per source.
-  ax = viz.source_tokens(train_lines).axes[0]
+  ax = viz.source_tokens(records).axes[0]
   drawn = {line.get_label(): list(line.get_ydata()) for line in ax.lines}
-  assert drawn == {n: [r[f"tokens/{n}"] for r in train_lines] for n in ("code", "web")}
+  assert drawn == {n: [r[f"tokens/{n}"] for r in records] for n in ("code", "web")}
+
+
+@pytest.mark.slow
+def test_a_resumed_mixture_run_reads_the_same_batches(paths, trained):
+  path = config(paths, "resumed")
+  for steps in (2, 4):  # stopped after step 2 (its checkpoint), then continued
+    code, _, err = run_cli("train", path, *TRAIN, f"train.steps={steps}")
+    assert code == 0, err
+  keys = ("step", "batch_hash", "tokens/web", "tokens/code")
+  resumed = [{k: r[k] for k in keys} for r in train_lines(str(paths["root"] / "run_resumed"))]
+  assert resumed == [{k: r[k] for k in keys} for r in train_lines(trained[1])]
