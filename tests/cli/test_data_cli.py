@@ -139,6 +139,14 @@ def test_train_refuses_a_run_past_max_epochs_before_it_starts(paths):
   assert not os.path.exists(os.path.join(str(paths["root"] / "run_limited"), "checkpoints"))
 
 
+def test_train_refuses_an_evaluation_dataset_of_another_vocabulary(paths, tmp_path):
+  write_corpus(tmp_path / "text", num_docs=4, seed=5)
+  other = str(tmp_path / "ds")
+  prepare([str(tmp_path / "text")], other, compact_vocab=True, progress=False)
+  code, _, err = run_cli("train", config(paths, "other_vocab", path=other), "--no-progress")
+  assert code == 2 and f"data.path={other!r} ({other}) has another tokenizer or vocabulary" in err
+
+
 TRAIN = ("--no-progress", "train.eval_batches=1", "train.samples=0", "train.warmup_steps=1")
 
 

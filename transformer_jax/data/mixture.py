@@ -274,14 +274,9 @@ class MixtureLoader(Loader):
     stage_specs = [MixtureStage(step, dict(w)) for step, w in stages]
     check_mixture(specs, stage_specs, max_epochs)
     self.names = [n for n, _, _ in sources]
-    first = sources[0][1]
-    for name, dataset, _ in sources[1:]:
-      if not _same_vocabulary(first, dataset):
-        raise ValueError(
-          f"mixture source {name!r} ({dataset.path}) has another tokenizer or vocabulary than "
-          f"{self.names[0]!r} ({first.path}); prepare every source with the same tokenizer "
-          "(and vocab_from=the first source with compact_vocab)"
-        )
+    self.datasets = [d for _, d, _ in sources]
+    for name, dataset in zip(self.names[1:], self.datasets[1:]):
+      self.check_vocabulary(dataset, f"mixture source {name!r}")
     self.seq_len, self.max_epochs = seq_len, max_epochs
     self.loaders = [
       GPTLoader(
@@ -298,6 +293,17 @@ class MixtureLoader(Loader):
     ]
     self.schedule = Schedule(*stage_weights(specs, stage_specs), batch_size)
     self._noticed: set[tuple[int, int]] = set()
+
+  def check_vocabulary(self, dataset: Dataset, what: str = "the evaluation dataset") -> None:
+    """Refuses ``dataset`` (a source, or the dataset a run evaluates on) when its tokenizer or
+    vocabulary is not the first source's."""
+    first = self.datasets[0]
+    if not _same_vocabulary(first, dataset):
+      raise ValueError(
+        f"{what} ({dataset.path}) has another tokenizer or vocabulary than mixture source "
+        f"{self.names[0]!r} ({first.path}); prepare every dataset with the same tokenizer "
+        "(and --vocab-from the first source with --compact-vocab)"
+      )
 
   @property
   def examples_per_epoch(self) -> tuple[int, str]:

@@ -357,7 +357,8 @@ def make_train_loader(plan: Plan):
   exp, dataset = plan.exp, plan.dataset
   loader = plan.task.loader(dataset, exp)
   count, unit = loader.examples_per_epoch
-  if exp.data.mixture:  # a source past data.max_epochs is refused before the run starts
+  if exp.data.mixture:  # refused before the run starts: another vocabulary, data.max_epochs
+    loader.check_vocabulary(dataset, f"data.path={dataset.path!r}")
     loader.check_steps(exp.train.steps)
   if count < exp.train.batch_size:
     raise ValueError(
