@@ -114,14 +114,22 @@ class GPTLoader(Loader):
 
   def window_starts(self, step: int) -> np.ndarray:
     """Virtual start positions of the global batch's windows at ``step``, shape ``[batch_size]``."""
-    g = step * self.batch_size + np.arange(self.batch_size, dtype=np.int64)
-    epochs, within = np.divmod(g, self.num_windows)
-    starts = np.empty(self.batch_size, dtype=np.int64)
+    return self.starts_of(step * self.batch_size + np.arange(self.batch_size, dtype=np.int64))
+
+  def starts_of(self, index: np.ndarray) -> np.ndarray:
+    """Virtual start positions of the windows with sequence indices ``index`` (row ``g`` of the
+    loader's whole sequence: epoch ``g // num_windows``)."""
+    epochs, within = np.divmod(np.asarray(index, np.int64), self.num_windows)
+    starts = np.empty(epochs.shape, dtype=np.int64)
     for epoch in np.unique(epochs):  # a batch spans at most two epochs
       shift, perm = self._epoch_plan(int(epoch))
       sel = epochs == epoch
       starts[sel] = shift + perm[within[sel]] * self.seq_len
     return starts
+
+  def documents_at(self, starts: np.ndarray) -> np.ndarray:
+    """The document (index in the split) where each window starting at ``starts`` begins."""
+    return np.searchsorted(self._vstarts, np.asarray(starts, np.int64), side="right") - 1
 
   def batch_at(self, step: int) -> Batch:
     return self.gather(self.window_starts(step)[self.local_rows])

@@ -47,7 +47,7 @@ def ensure_dataset(exp: Experiment, *, prepare: bool = True) -> data_lib.Dataset
       dataset, or one prepared for another task.
   """
   d = exp.data
-  path = d.path or os.path.join(exp.run_dir, "data")
+  path = d.dataset_path or os.path.join(exp.run_dir, "data")
   meta = os.path.join(path, "metadata.json")
   if not os.path.exists(meta):
     if not prepare:

@@ -201,8 +201,11 @@ def make_plan(
       model_config = exp.model_config(**tasks_lib.TASKS[exp.data.task].model_defaults(dataset))
     runs.check_vocab(dataset.vocab_size, model_config, dataset.path)
     ref = runs.dataset_ref(dataset)
+    if exp.data.mixture:  # every source's content, checked on resume
+      ref["mixture"] = {m.name: runs.dataset_fingerprint(m.path) for m in exp.data.mixture}
     if purpose == "train":
       check_dataset_unchanged(ref, resume.dataset_ref, resuming=True)
+      check_mixture_unchanged(ref, resume.dataset_ref)
     else:
       check_dataset_unchanged(ref, rd.read_dataset_ref(), resuming=False)
   task = tasks_lib.for_experiment(exp, model_config)
@@ -336,7 +339,7 @@ def _model_before_data(
   stored = rd.require_model() if purpose == "eval" else resume.model
   if stored is not None:
     return stored, f"vocabulary {stored.vocab_size} from {rd.file(runs.MODEL)}"
-  path = exp.data.path
+  path = exp.data.dataset_path
   if path is not None and os.path.exists(os.path.join(path, data_lib.METADATA_FILE)):
     vocab = data_lib.read_metadata(path)["vocab_size"]
     return exp.model_config(vocab_size=vocab), f"vocabulary {vocab} from {path}"
@@ -354,6 +357,9 @@ def make_train_loader(plan: Plan):
   exp, dataset = plan.exp, plan.dataset
   loader = plan.task.loader(dataset, exp)
   count, unit = loader.examples_per_epoch
+  if exp.data.mixture:  # refused before the run starts: another vocabulary, data.max_epochs
+    loader.check_vocabulary(dataset, f"data.path={dataset.path!r}")
+    loader.check_steps(exp.train.steps)
   if count < exp.train.batch_size:
     raise ValueError(
       f"the train split of {dataset.path} holds {count} {unit}, fewer than "
@@ -361,6 +367,19 @@ def make_train_loader(plan: Plan):
       f"prepare more data or give train.batch_size <= {count}"
     )
   return loader
+
+
+def check_mixture_unchanged(ref: dict, old: dict | None) -> None:
+  """Refuses to resume a mixture run whose sources' contents changed (named, with both hashes)."""
+  if old is None or "mixture" not in ref:
+    return
+  for name, fingerprint in ref["mixture"].items():
+    before = (old.get("mixture") or {}).get(name)
+    if before is not None and before != fingerprint:
+      raise ValueError(
+        f"mixture source {name!r} changed since this run started (content hash {before[:12]} "
+        f"-> {fingerprint[:12]}); use the same data, or --force-new / another run_dir"
+      )
 
 
 def _platform(mesh, purpose: str) -> str:

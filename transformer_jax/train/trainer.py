@@ -151,6 +151,8 @@ def report(plan: Plan, outcome: Outcome, resume_hint: str | None) -> dict[str, A
     **plan.method.summary(state),
     **plan.task.final_summary(plan.dataset, outcome.per_class),
   }
+  if hasattr(plan.loader, "tokens_consumed"):  # a mixture: the tokens each source gave
+    final["tokens_per_source"] = plan.loader.tokens_consumed(exp.train.steps)
   params = plan.method.base_params(plan.graphdef, state)  # samples and bars: the base model
   if jax.process_count() > 1:  # parameters may span hosts: every process joins the gather
     from jax.experimental import multihost_utils  # noqa: PLC0415 - multi-process only
