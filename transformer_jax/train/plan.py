@@ -257,7 +257,8 @@ def make_plan(
   if purpose == "train":
     plan = dataclasses.replace(plan, loader=make_train_loader(plan))
     stored = resume.stored.train.batch_size if resume.stored is not None else None
-    if stored not in (None, exp.train.batch_size) and not plan.loader.sequence_offsets:
+    offsets = getattr(plan.loader, "sequence_offsets", False)
+    if stored not in (None, exp.train.batch_size) and not offsets:
       raise ValueError(
         f"train.batch_size: {stored} -> {exp.train.batch_size}: the {exp.data.task} task's "
         "loader draws its batches per step, so it cannot continue at the first sequence not "
