@@ -225,3 +225,19 @@ def test_a_changed_dataset_is_refused_unless_accepted(run8, tmp_path, text_datas
   with open(ref_file) as f:
     assert json.load(f)["hash"] == real  # the run now records the data it continued on
   assert _meta(run_dir, 3)["loader"] == {"step": 3, "sequences": 24}
+
+
+def test_a_bert_run_refuses_another_batch_size(tmp_path, text_dataset):
+  """BERT draws each step's pairs as a whole: a changed batch size is refused before anything is
+  restored or rewritten."""
+  raw = _raw(tmp_path / "bert", text_dataset)
+  raw["model"] = {"preset": "bert-tiny", "d_model": 32, "num_heads": 2, "d_ff": 64, "max_len": 32}
+  raw["data"]["task"] = "bert"
+  raw["train"]["steps"] = 1
+  raw["train"]["checkpoint_every"] = 1
+  train(load_experiment(None, raw=raw), progress=False)
+  config = (tmp_path / "bert" / "config.yaml").read_text()
+  raw["train"].update(steps=2, batch_size=16)
+  with pytest.raises(ValueError, match=r"train.batch_size: 8 -> 16: the bert task's loader draws"):
+    train(load_experiment(None, raw=raw), progress=False)
+  assert (tmp_path / "bert" / "config.yaml").read_text() == config
