@@ -187,3 +187,29 @@ def test_the_report_shows_where_the_time_went(run, tmp_path):
   for part in goodput.ALL_PARTS:
     assert f"<td>{part}</td>" in page
 
+
+def test_the_dry_run_sets_the_loader_rate_a_step_time_needs_beside_the_measured_one(
+  tmp_path, text_dataset
+):
+  from transformer_jax.train import dry_run as dry
+
+  exp = _exp(tmp_path / "r", text_dataset, "train.target_step_time=0.25")
+  report = dry.dry_run(exp)
+  ld = report["loader"]
+  assert ld["hosts"] == 1 and ld["tokens_per_step"] == 4 * 32  # this host: the global batch
+  assert ld["need"] == 4 * 32 / 0.25 and ld["measured"] > 0
+  text = dry.format_report(report)
+  assert "loader: 128 tokens a step per host (1 here); needs 512 tokens/s" in text
+  assert f"measured {ld['measured']:,.0f} tokens/s (batch_at, {dry.LOADER_STEPS} steps)" in text
+  missing = dry.loader_report(
+    _exp(tmp_path / "r", str(tmp_path / "none")).absolute(), report_task(exp)
+  )
+  assert "holds no prepared dataset" in missing["missing"]
+  with pytest.raises(FieldError, match=r"train\.target_step_time=0\.0 must lie in \(0\.0, inf\)"):
+    _exp(tmp_path / "r", text_dataset, "train.target_step_time=0")
+
+
+def report_task(exp):
+  from transformer_jax.train import tasks
+
+  return tasks.for_experiment(exp, exp.model_config(vocab_size=64))
