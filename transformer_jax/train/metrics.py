@@ -3,9 +3,10 @@ bar or one plain line per ``train.log_every`` steps, and ``loss.png`` at the end
 
 A training line holds ``step``, ``loss``, ``tokens_per_sec``, ``lr``, ``grad_norm``,
 ``batch_hash`` (CRC-32 of the host batch: resumed runs read the same data), ``mfu`` (where the
-model's FLOPs per token are known), the task's ``*_loss`` / ``*_accuracy`` terms and, with
-``data.mixture``, ``tokens/NAME``: the tokens each source gave up to that step; an eval line
-holds ``step`` and ``val_*``.
+model's FLOPs per token are known), the task's ``*_loss`` / ``*_accuracy`` terms, with
+``data.mixture`` ``tokens/NAME`` (the tokens each source gave up to that step), and on the last
+line of each write the ``time_*`` seconds since the previous write (``goodput``); an eval line
+holds ``step`` and ``val_*``; a line of ``time_*`` fields opens and one closes each attempt.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 The run directory's format belongs to :mod:`transformer_jax.runs`: ``config.yaml``, ``model.yaml``,
 ``dataset.json``, ``checkpoints/`` (orbax: last N plus ``best/``), ``metrics.jsonl``, TensorBoard
-events in ``tensorboard/``, ``loss.png`` and ``final.json`` (last metrics and learning bars).
+events in ``tensorboard/``, ``loss.png`` and ``final.json`` (last metrics, learning bars and where
+the time went: ``goodput``).
 
 :func:`train` is config -> plan -> state -> loop: ``plan.make_plan`` checks and resolves
 everything (a refused experiment leaves the directory as it was), ``state.restore_or_init`` gives
