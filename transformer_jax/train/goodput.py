@@ -24,8 +24,8 @@ first batch request (the plan: data loaded, the step compiled (``compile``, a pa
 the checkpoint restored); ``lost`` is the ``data`` and ``step`` time of the steps an earlier
 attempt logged past the checkpoint this one resumes from (their lines are dropped and the steps
 run again). A last line (``{"step", "time_*"}``) holds what follows the last write: the final
-evaluation and checkpoint. Interpreter start-up and imports before ``trainer.train`` are not
-counted.
+evaluation and checkpoint. Not counted: interpreter start-up and imports before
+``trainer.train``, the time between attempts, and what a killed attempt spent after its last line.
 
 ``summary`` adds the fields of every line into the run's totals: goodput is the ``step`` time over
 the whole (every attempt's counted time plus the lost time).
