@@ -24,6 +24,7 @@ from matplotlib.figure import Figure
 
 from transformer_jax import models, ops, runs, viz
 from transformer_jax.data import load_dataset
+from transformer_jax.train import goodput
 from transformer_jax.train.config import load_experiment
 from transformer_jax.train.optim import learning_rate_schedule
 
@@ -74,6 +75,8 @@ def _read_final(rd: runs.RunDir) -> dict:
   samples = final.get("samples", [])
   if not isinstance(samples, list) or not all(isinstance(x, str) for x in samples):
     raise ValueError(f"{where}: samples: expected a list of strings")
+  if "goodput" in final:
+    goodput.check_summary(final["goodput"], where)
   return final
 
 
@@ -235,6 +238,7 @@ def _summary(run: _Run) -> dict[str, Any]:
     "train loss": _last(run.records, "loss"),
     "val loss": run.final.get("val_loss", _last(run.records, "val_loss")),
     "tokens/s": _last(run.records, "tokens_per_sec"),
+    "goodput": (run.final.get("goodput") or {}).get("goodput"),
     "bars": ", ".join(f"{k}: {'passed' if v.get('passed') else 'FAILED'}" for k, v in bars.items())
     or "-",
   }
@@ -290,7 +294,7 @@ def _run_html(run: _Run) -> str:
   if run.raw_config:
     rest = {k: v for k, v in run.raw_config.items() if k != "model"}
     parts.append(f"<pre>{html.escape(yaml.safe_dump(rest, sort_keys=False))}</pre>")
-  final = {k: v for k, v in run.final.items() if k not in ("samples", "bars")}
+  final = {k: v for k, v in run.final.items() if k not in ("samples", "bars", "goodput")}
   if final:
     parts.append(
       "<h3>Final metrics</h3>" + _table([(k, {"value": v}) for k, v in final.items()], "metric")
@@ -308,6 +312,10 @@ def _run_html(run: _Run) -> str:
       for k, v in bars.items()
     ]
     parts.append("<h3>Learning bars</h3>" + _table(rows, "bar"))
+  if run.final.get("goodput"):
+    g = run.final["goodput"]
+    head = f"<h3>Where the time went</h3><p>goodput {100 * g['goodput']:.1f}% of "
+    parts.append(head + f"{g['total_seconds']:.1f} s</p>" + _table(goodput.table(g), "part"))
   if run.samples:
     parts.append("<h3>Samples</h3>" + "".join(f"<pre>{html.escape(s)}</pre>" for s in run.samples))
   parts.append("<h3>Pictures</h3>" + "".join(_img(p) for p in run.pictures))

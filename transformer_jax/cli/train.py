@@ -125,7 +125,7 @@ def add_commands(sub, common) -> None:
     "--dry-run",
     action="store_true",
     help="compile the train step for the configured mesh on simulated CPU devices "
-    "and print per-device memory; trains nothing, reads no data",
+    "and print per-device memory; trains nothing, reads only a few batches to time the loader",
   )
   train.add_argument(
     "--devices",

@@ -71,6 +71,10 @@ class TrainConfig:
   loss_head: Literal["logits", "fused"] = "logits"
   dtype: str | None = None  # compute dtype override (e.g. bfloat16); params stay fp32
   log_every: int = 10
+  # [a, b]: a profiler trace of steps a + 1 to b in RUN_DIR/profile/ (train.profile).
+  profile_steps: tuple[int, ...] | None = None
+  # Seconds a step is meant to take: the dry run prints the loader rate it needs.
+  target_step_time: float | None = None
   eval_every: int = 200
   eval_batches: int = 20
   checkpoint_every: int = 200
@@ -129,6 +133,8 @@ class Experiment:
     out["data"]["inputs"] = list(self.data.inputs)
     out["data"]["mixture"] = [dataclasses.asdict(m) for m in self.data.mixture]
     out["data"]["stages"] = [dataclasses.asdict(m) for m in self.data.stages]
+    if self.train.profile_steps is not None:
+      out["train"]["profile_steps"] = list(self.train.profile_steps)
     if out["train"]["lora"] is not None:
       out["train"]["lora"]["targets"] = list(self.train.lora.targets)
     out["kernels"] = self.kernels.to_dict()
@@ -411,6 +417,18 @@ def _check_range(name: str, value, lo, hi, lo_in: bool, hi_in: bool) -> None:
     raise FieldError(name, f"{name}={value} must lie in {interval}")
 
 
+def _check_profile_steps(t: TrainConfig) -> None:
+  p = t.profile_steps
+  if p is None:
+    return
+  if len(p) != 2 or not 0 <= p[0] < p[1] <= t.steps:
+    raise FieldError(
+      "train.profile_steps",
+      f"train.profile_steps={list(p)}: expected [a, b] with 0 <= a < b <= "
+      f"train.steps={t.steps} (the trace covers steps a + 1 to b)",
+    )
+
+
 def _validate(exp: Experiment) -> None:
   t = exp.train
   for name in (
@@ -433,6 +451,7 @@ def _validate(exp: Experiment) -> None:
       "train.microbatches",
       f"train.microbatches={t.microbatches} does not divide train.batch_size={t.batch_size}",
     )
+  _check_profile_steps(t)
   ranges = {  # name: (low, high, low included, high included)
     "lr": (0.0, math.inf, False, False),
     "min_lr_ratio": (0.0, 1.0, True, True),
@@ -450,6 +469,8 @@ def _validate(exp: Experiment) -> None:
     _check_range(f"train.{name}", getattr(t, name), lo, hi, lo_in, hi_in)
   if t.clip_norm is not None:
     _check_range("train.clip_norm", t.clip_norm, 0.0, math.inf, False, False)
+  if t.target_step_time is not None:
+    _check_range("train.target_step_time", t.target_step_time, 0.0, math.inf, False, False)
   d = exp.data
   _check_range("data.mask_prob", d.mask_prob, 0.0, 1.0, False, False)
   if not isinstance(d.compact_vocab, bool) and d.compact_vocab < 1:

@@ -3,13 +3,14 @@
 Plans the run as a real run does (``plan.make_plan``: the same checks, the same model, task, mesh,
 method and step, ``train.microbatches`` resolved), compiling the step for the configured mesh on
 simulated host devices against ``ShapeDtypeStruct`` parameters, optimizer state and batch (nothing
-is allocated, no data is read), and reports per-device memory from the sharding of the state and
-from the compiled executable.
+is allocated), and reports per-device memory from the sharding of the state and from the compiled
+executable. Of the data it reads only the few batches that time the loader (``loader_report``).
 The CLI sets the number of simulated CPU devices before JAX starts (``simulate_devices``).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import jax
@@ -18,13 +19,16 @@ from transformer_jax import backends, models, parallel
 from transformer_jax.data import estimate
 from transformer_jax.ops import ssm as ssm_ops
 from transformer_jax.ops import ssm_pallas
+from transformer_jax.train import checks
 from transformer_jax.train.config import Experiment
+from transformer_jax.train.metrics import batch_tokens
 from transformer_jax.train.plan import make_plan
 
 # XLA:CPU compiles a program for at most 2048 devices in one process ("Multiprocess computations
 # aren't implemented on the CPU backend" past it); each simulated device also costs about 1 MiB
 # of host memory while the step compiles.
 MAX_SIMULATED_DEVICES = 2048
+LOADER_STEPS = 4  # batches the dry run times the loader on (after a first one)
 
 
 def simulate_devices(exp: Experiment, num_devices: int | None) -> int:
@@ -99,7 +103,39 @@ def dry_run(exp: Experiment) -> dict[str, Any]:
   )
   report["mixers"] = mixer_kernels(config, t.seq_len)
   report["dataset"] = dataset_report(exp)
+  report["loader"] = loader_report(plan.exp, task)
   return report
+
+
+def loader_report(exp: Experiment, task, steps: int = LOADER_STEPS) -> dict[str, Any]:
+  """The tokens per second this host's loader must deliver and the rate it does.
+
+  ``need``: the tokens of this host's rows of a batch (``jax.process_count()`` hosts; one in a
+  dry run, which reads the whole global batch) over ``train.target_step_time`` (None without
+  one). ``measured``: ``task.loader(...).batch_at`` timed on ``steps`` batches of the prepared
+  ``data.path`` after a first one (which opens the shards), on this machine; ``missing`` instead
+  when the dataset is not prepared.
+  """
+  out: dict[str, Any] = {
+    "hosts": jax.process_count(),
+    "target_step_time": exp.train.target_step_time,
+  }
+  try:
+    loader = task.loader(checks.ensure_dataset(exp, prepare=False), exp)
+  except (FileNotFoundError, ValueError) as e:
+    return {**out, "missing": str(e)}
+  tokens = batch_tokens(loader.batch_at(0))
+  t0 = time.perf_counter()
+  read = sum(batch_tokens(loader.batch_at(s)) for s in range(1, steps + 1))
+  seconds = time.perf_counter() - t0
+  target = exp.train.target_step_time
+  return {
+    **out,
+    "tokens_per_step": tokens,
+    "need": None if target is None else tokens / target,
+    "measured": read / seconds,
+    "steps_timed": steps,
+  }
 
 
 def dataset_report(exp: Experiment) -> dict[str, Any]:
@@ -260,6 +296,9 @@ def format_report(report: dict[str, Any]) -> str:
   if ds:
     what = ds["missing"] if "missing" in ds else estimate.describe_facts(ds)
     lines.append(f"  dataset {ds['path']}: {what}")
+  ld = report.get("loader")
+  if ld:
+    lines.append(_loader_line(ld))
   for m in report.get("mixers") or ():
     lines.append(
       f"  layers {', '.join(map(str, m['layers']))}: {m['mixer']} mixer, {m['op']}: "
@@ -273,3 +312,19 @@ def format_report(report: dict[str, Any]) -> str:
         f"    {a['attention']:<24s}[{', '.join(map(str, a['shape']))}] {a['dtype']}: {kernels}"
       )
   return "\n".join(lines)
+
+
+def _loader_line(ld: dict[str, Any]) -> str:
+  if "missing" in ld:
+    return f"  loader: not timed ({ld['missing']})"
+  per = f"{ld['tokens_per_step']:,} tokens a step per host ({ld['hosts']} here)"
+  got = f"measured {ld['measured']:,.0f} tokens/s (batch_at, {ld['steps_timed']} steps)"
+  if ld["need"] is None:
+    fastest = ld["tokens_per_step"] / ld["measured"]
+    return f"  loader: {per}; {got}: feeds steps of {fastest:.3g} s or more"
+  ratio = ld["measured"] / ld["need"]
+  verdict = "enough" if ratio >= 1 else f"{1 / ratio:.3g}x too slow"
+  return (
+    f"  loader: {per}; needs {ld['need']:,.0f} tokens/s at train.target_step_time="
+    f"{ld['target_step_time']} s; {got}: {verdict}"
+  )

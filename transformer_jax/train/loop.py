@@ -15,6 +15,7 @@ import threading
 from typing import Any
 
 from transformer_jax import runs, runtime
+from transformer_jax.train import goodput, profile
 from transformer_jax.train import step as step_lib
 from transformer_jax.train import tasks as tasks_lib
 from transformer_jax.train.console import log0
@@ -35,6 +36,7 @@ class Outcome:
   last_eval: dict[str, float]  # {"step", "val_*"}: of ``step`` unless interrupted
   per_class: dict[str, Any] | None  # classify: the last evaluation's per-label report
   stopped_by: str | None  # SIGINT/SIGTERM, when it stopped before train.steps
+  goodput: dict[str, Any] | None = None  # goodput.summary of the run's metrics.jsonl (process 0)
 
 
 class StopFlag:
@@ -64,14 +66,24 @@ class StopFlag:
         signal.signal(s, h)
 
 
-def loop(plan: Plan, ckpt: runs.Checkpoints, start: Start, *, progress: bool) -> Outcome:
+def loop(
+  plan: Plan,
+  ckpt: runs.Checkpoints,
+  start: Start,
+  *,
+  progress: bool,
+  started: float | None = None,
+) -> Outcome:
   """Trains from ``start`` to ``train.steps`` with the plan's step; ``progress``: a tqdm bar,
-  else one plain line per ``train.log_every`` steps.
+  else one plain line per ``train.log_every`` steps; ``started``: the ``time.perf_counter()`` at
+  which the run began (its start-up is counted from there; default now).
 
   Every ``train.log_every`` steps (and before an evaluation or a checkpoint) the metrics of the
   steps since are fetched, checked finite and written; every ``train.eval_every`` steps and at the
   end the parameters are evaluated; every ``train.checkpoint_every`` steps and at the end they are
   saved (and as ``best/`` when evaluated). SIGINT/SIGTERM save at the end of the step and stop.
+  Where the time goes is written with the lines (``goodput``); ``train.profile_steps`` writes a
+  profiler trace (``profile``).
 
   Raises:
     TrainingDiverged: a non-finite loss, parameter or validation loss (the checkpoints left are
@@ -92,6 +104,10 @@ def loop(plan: Plan, ckpt: runs.Checkpoints, start: Start, *, progress: bool) ->
   )
   guard = Guard(plan, ckpt, eval_step)
   log = TrainLog(plan, plan.run_dir.path, start, progress)
+  clock = goodput.Clock()
+  began = clock.mark if started is None else started
+  log.write_times(startup_record(plan, start, log, clock.mark - began))
+  tracer = profile.Tracer(t.profile_steps, plan.run_dir.path, start)
   stop = StopFlag()
   pending: list[StepMetrics] = []
   last_eval: dict[str, float] = {}
@@ -100,47 +116,73 @@ def loop(plan: Plan, ckpt: runs.Checkpoints, start: Start, *, progress: bool) ->
   try:
     with stop.installed():
       for s in range(start, t.steps):
-        host = loader.batch_at(s)
-        tasks_lib.check_token_ids(plan.task, host, plan.model_config.vocab_size)
+        with clock.timing("log"):
+          tracer.before(s)
+        with clock.timing("data"):
+          host = loader.batch_at(s)
+          tasks_lib.check_token_ids(plan.task, host, plan.model_config.vocab_size)
         loader.set_state({"step": s + 1})
         state, metrics = train_step(state, step_lib.shard_batch(host, plan.mesh, plan.task.keys))
         if s == start and notice:
           log0(notice)
         done = s + 1
+        with clock.timing("log"):
+          tracer.after(done, state)
         pending.append(StepMetrics.of(done, metrics, host))
         is_last = done == t.steps
         eval_due = done % t.eval_every == 0 or is_last
         ckpt_due = done % t.checkpoint_every == 0 or is_last
         if done % t.log_every == 0 or eval_due or ckpt_due or stop.signal:
-          write_steps(log, pending, guard, state)  # checks each loss before anything is saved
+          write_steps(log, pending, guard, state, clock)  # checks each loss before a save
           pending = []
         if eval_due:
-          metrics, per_class = evaluate(plan, all_params(state), eval_step)
-          guard.check_eval(metrics, state, done)
-          last_eval = {"step": done, **metrics}
-          log.write_eval(last_eval)
+          with clock.timing("eval"):
+            metrics, per_class = evaluate(plan, all_params(state), eval_step)
+            guard.check_eval(metrics, state, done)
+            last_eval = {"step": done, **metrics}
+            log.write_eval(last_eval)
         if ckpt_due or stop.signal:
-          save(ckpt, guard, state, done, loader, last_eval)
+          with clock.timing("checkpoint"):
+            save(ckpt, guard, state, done, loader, last_eval)
         if stop.signal and not is_last:
           break
   finally:
+    tracer.close()
     log.close_bar()
     try:
-      ckpt.wait()
+      with clock.timing("checkpoint"):
+        ckpt.wait()
+      log.write_times({"step": done, **clock.lap()})
     finally:
       log.close()
+  summary = goodput.summary(plan.run_dir.read_metrics()) if log.log.enabled else None
   if stop.signal and done < t.steps:
-    return Outcome(state, done, last_eval, per_class, stop.signal)
+    return Outcome(state, done, last_eval, per_class, stop.signal, summary)
   if not last_eval:  # resumed at the end (the previous run stopped before its final report)
     metrics, per_class = evaluate(plan, all_params(state), eval_step)
     last_eval = {"step": done, **metrics}
-  return Outcome(state, done, last_eval, per_class, None)
+  return Outcome(state, done, last_eval, per_class, None, summary)
 
 
-def write_steps(log: TrainLog, pending: list[StepMetrics], guard: Guard, state) -> None:
+def startup_record(plan: Plan, start: int, log: TrainLog, seconds: float) -> dict[str, Any]:
+  """The line that opens an attempt: its start-up (``compile``: the plan's part of it) and what
+  it runs again of an earlier attempt (``goodput.lost``)."""
+  steps, lost = log.log.lost
+  return {
+    "step": start,
+    "time_startup": round(seconds, 6),
+    "time_compile": round(plan.compile_seconds or 0.0, 6),
+    "time_lost": round(lost, 6),
+    "steps_lost": steps,
+  }
+
+
+def write_steps(
+  log: TrainLog, pending: list[StepMetrics], guard: Guard, state, clock: goodput.Clock
+) -> None:
   """Writes the lines of ``pending``; raises ``TrainingDiverged`` at the first non-finite loss
   (whose step's parameters, the checkpoint before it, gave it)."""
-  bad = log.write_steps(pending)
+  bad = log.write_steps(pending, clock)
   if bad is not None:
     step, loss = bad
     raise guard.error(f"loss became {loss} at step {step}; stopping", step - 1, state)

@@ -3,9 +3,10 @@ bar or one plain line per ``train.log_every`` steps, and ``loss.png`` at the end
 
 A training line holds ``step``, ``loss``, ``tokens_per_sec``, ``lr``, ``grad_norm``,
 ``batch_hash`` (CRC-32 of the host batch: resumed runs read the same data), ``mfu`` (where the
-model's FLOPs per token are known), the task's ``*_loss`` / ``*_accuracy`` terms and, with
-``data.mixture``, ``tokens/NAME``: the tokens each source gave up to that step; an eval line
-holds ``step`` and ``val_*``.
+model's FLOPs per token are known), the task's ``*_loss`` / ``*_accuracy`` terms, with
+``data.mixture`` ``tokens/NAME`` (the tokens each source gave up to that step), and on the last
+line of each write the ``time_*`` seconds since the previous write (``goodput``); an eval line
+holds ``step`` and ``val_*``; a line of ``time_*`` fields opens and one closes each attempt.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import jax
 import numpy as np
 
 from transformer_jax import hardware, models, runs
+from transformer_jax.train import goodput
 from transformer_jax.train.console import log0, progress_bar
 from transformer_jax.train.optim import learning_rate_schedule
 
@@ -36,10 +38,13 @@ class MetricsLog:
   def __init__(self, run_dir: str, resume_step: int):
     self.enabled = jax.process_index() == 0
     self.path = os.path.join(run_dir, "metrics.jsonl")
+    self.lost = (0, 0.0)  # goodput.lost: the steps past resume_step logged, run again
     if not self.enabled:
       return
     if os.path.exists(self.path):  # rewritten whole or not at all; damaged lines dropped
-      keep = [r for r in runs.RunDir(run_dir).read_metrics() if r["step"] <= resume_step]
+      records = runs.RunDir(run_dir).read_metrics()
+      self.lost = goodput.lost(records, resume_step)
+      keep = [r for r in records if r["step"] <= resume_step]
       runs.write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in keep))
     from tensorboardX import SummaryWriter  # noqa: PLC0415 - optional
 
@@ -102,6 +107,14 @@ def plot_loss(run_dir: str) -> str | None:
   return path
 
 
+def batch_tokens(host_batch: dict[str, np.ndarray]) -> int:
+  """The tokens of a host batch that ``tokens_per_sec`` counts (Seq2Seq: source and decoder
+  input)."""
+  if "src" in host_batch:
+    return int(host_batch["src"].size + host_batch["tgt_in"].size)
+  return int(host_batch["tokens"].size)
+
+
 @dataclasses.dataclass
 class StepMetrics:
   """A dispatched step whose metrics are still on the device."""
@@ -114,10 +127,7 @@ class StepMetrics:
   @classmethod
   def of(cls, step: int, metrics: dict, host_batch: dict[str, np.ndarray]) -> "StepMetrics":
     """The record of ``step`` for ``host_batch`` (this process's rows of a global batch)."""
-    if "src" in host_batch:
-      tokens = int(host_batch["src"].size + host_batch["tgt_in"].size)
-    else:
-      tokens = int(host_batch["tokens"].size)
+    tokens = batch_tokens(host_batch)
     crc = 0
     for key in sorted(host_batch):
       crc = zlib.crc32(np.ascontiguousarray(host_batch[key]).tobytes(), crc)
@@ -179,9 +189,12 @@ class TrainLog:
     self.source_tokens = getattr(run.loader, "tokens_consumed", None)
     self.since = time.perf_counter()
 
-  def write_steps(self, pending: list[StepMetrics]) -> tuple[int, float] | None:
+  def write_steps(
+    self, pending: list[StepMetrics], clock: goodput.Clock
+  ) -> tuple[int, float] | None:
     """Fetches the metrics of ``pending`` and writes their lines in order, up to the first whose
-    loss is not finite.
+    loss is not finite. The last line carries ``clock``'s interval, closed once the metrics are
+    fetched; the writing counts as the next interval's ``log``.
 
     Returns:
       ``(step, loss)`` of that first non-finite loss (its line and the later ones unwritten), or
@@ -190,6 +203,11 @@ class TrainLog:
     if not pending:
       return None
     fetched = jax.device_get([p.metrics for p in pending])
+    times = clock.lap()
+    with clock.timing("log"):
+      return self._write_fetched(pending, fetched, times)
+
+  def _write_fetched(self, pending, fetched, times: dict[str, float]) -> tuple[int, float] | None:
     elapsed = time.perf_counter() - self.since
     tokens = sum(p.tokens for p in pending)
     for p, m in zip(pending, fetched):
@@ -209,6 +227,8 @@ class TrainLog:
       record.update({k: float(v) for k, v in m.items() if k.endswith(("_loss", "_accuracy"))})
       if self.source_tokens is not None:
         record.update({f"tokens/{k}": v for k, v in self.source_tokens(p.step).items()})
+      if p is pending[-1]:
+        record.update(times)
       self.log.write(record)
     self.bar.update(len(pending))
     mfu = f"  MFU {100 * record['mfu']:.1f}%" if "mfu" in record else ""
@@ -234,6 +254,11 @@ class TrainLog:
       f"step {record['step']}: "
       + ", ".join(f"{k}={v:.4f}" for k, v in record.items() if k != "step")
     )
+
+  def write_times(self, record: dict[str, Any]) -> None:
+    """Writes a line of ``goodput`` time fields (``step`` and ``time_*``)."""
+    self.log.write(record, prefix="time")
+    self.log.flush()
 
   def close_bar(self) -> None:
     self.bar.close()

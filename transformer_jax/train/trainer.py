@@ -2,7 +2,8 @@
 
 The run directory's format belongs to :mod:`transformer_jax.runs`: ``config.yaml``, ``model.yaml``,
 ``dataset.json``, ``checkpoints/`` (orbax: last N plus ``best/``), ``metrics.jsonl``, TensorBoard
-events in ``tensorboard/``, ``loss.png`` and ``final.json`` (last metrics and learning bars).
+events in ``tensorboard/``, ``loss.png`` and ``final.json`` (last metrics, learning bars and where
+the time went: ``goodput``).
 
 :func:`train` is config -> plan -> state -> loop: ``plan.make_plan`` checks and resolves
 everything (a refused experiment leaves the directory as it was), ``state.restore_or_init`` gives
@@ -17,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from typing import Any, Iterator
 
 import jax
@@ -63,6 +65,7 @@ def train(
     RunLocked: another trainer holds the run directory.
   """
   pretrain_first(exp.absolute(), progress)
+  started = time.perf_counter()  # this run's start-up counts from here (train.goodput)
   runtime.enable_compilation_cache()
   plan = make_plan(exp, force_new=force_new, accept_data_change=accept_data_change)
   if plan.finished:
@@ -70,7 +73,11 @@ def train(
   with claimed(plan) as ckpt:
     start = restore_or_init(plan, ckpt)
     outcome = loop(
-      plan, ckpt, start, progress=sys.stderr.isatty() if progress is None else progress
+      plan,
+      ckpt,
+      start,
+      progress=sys.stderr.isatty() if progress is None else progress,
+      started=started,
     )
   return report(plan, outcome, resume_hint)
 
@@ -155,6 +162,8 @@ def report(plan: Plan, outcome: Outcome, resume_hint: str | None) -> dict[str, A
   }
   if hasattr(plan.loader, "tokens_consumed"):  # a mixture: the tokens each source gave
     final["tokens_per_source"] = plan.loader.tokens_consumed(exp.train.steps)
+  if outcome.goodput is not None:
+    final["goodput"] = outcome.goodput
   params = plan.method.base_params(plan.graphdef, state)  # samples and bars: the base model
   if jax.process_count() > 1:  # parameters may span hosts: every process joins the gather
     from jax.experimental import multihost_utils  # noqa: PLC0415 - multi-process only

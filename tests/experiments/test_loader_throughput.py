@@ -1,0 +1,35 @@
+"""experiments/loader_throughput.py in a tiny mode: the figures it writes follow from the batch
+times it keeps, for one host's share of the global batch."""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(REPO, "experiments", "loader_throughput.py")
+
+
+def test_one_hosts_share_is_timed_and_its_rates_follow_from_the_times(tmp_path):
+  out = tmp_path / "loader.json"
+  args = ["--mb", "0.2", "--batch-size", "8", "--seq-len", "32", "--hosts", "2"]
+  subprocess.run(
+    [sys.executable, SCRIPT, *args, "--warmup", "1", "--steps", "4", "--json", str(out)],
+    check=True,
+    capture_output=True,
+    cwd=REPO,
+    env={**os.environ, "PYTHONPATH": REPO},
+  )
+  result = json.loads(out.read_text())
+  ours = result["sides"]["ours"]
+  assert result["config"]["rows_per_host"] == 4
+  assert ours["tokens_per_batch"] == 4 * 32  # half the rows of each global batch
+  times = ours["batch_seconds_all"]
+  assert len(times) == 4 and all(t > 0 for t in times)
+  assert ours["tokens_per_sec_median"] == 4 * 32 / statistics.median(times)
+  assert ours["tokens_per_sec_best"] == 4 * 32 / min(times)
+  assert len(result["load_average_before"]) == 3 and "cpu" in result["machine"]
+  assert isinstance(result["grain"]["available"], bool)
+  if not result["grain"]["available"]:
+    assert "grain" in result["grain"]["reason"]
