@@ -30,6 +30,10 @@ def test_one_hosts_share_is_timed_and_its_rates_follow_from_the_times(tmp_path):
   assert ours["tokens_per_sec_median"] == 4 * 32 / statistics.median(times)
   assert ours["tokens_per_sec_best"] == 4 * 32 / min(times)
   assert len(result["load_average_before"]) == 3 and "cpu" in result["machine"]
-  assert isinstance(result["grain"]["available"], bool)
-  if not result["grain"]["available"]:
-    assert "grain" in result["grain"]["reason"]
+  # Grain's side reads the same share: as many tokens a batch, its rates from its own times.
+  for grain in (result["sides"]["grain"], result["grain_workers"]):
+    assert grain["tokens_per_batch"] == 4 * 32 and len(grain["batch_seconds_all"]) == 4
+    assert grain["tokens_per_sec_median"] == 4 * 32 / statistics.median(grain["batch_seconds_all"])
+  assert result["ratios"]["ours_over_grain"] == (
+    ours["tokens_per_sec_median"] / result["sides"]["grain"]["tokens_per_sec_median"]
+  )
