@@ -139,7 +139,6 @@ class Norm(nnx.Module):
     param_dtype: jnp.dtype,
     rngs: nnx.Rngs,
     offset: float = 0.0,
-    axes: tuple[str, ...] = (ax.EMBED,),
   ):
     match kind:
       case "layernorm" | "rmsnorm":
@@ -151,7 +150,7 @@ class Norm(nnx.Module):
     self.kind = kind
     self.eps = eps
     self.offset = offset
-    self.scale = param(rngs, zeros if offset else ones, (features,), axes, param_dtype)
+    self.scale = param(rngs, zeros if offset else ones, (features,), (ax.EMBED,), param_dtype)
     self.bias = (
       param(rngs, zeros, (features,), (ax.EMBED,), param_dtype) if kind == "layernorm" else None
     )
