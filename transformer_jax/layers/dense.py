@@ -138,8 +138,10 @@ class Norm(nnx.Module):
     eps: float,
     param_dtype: jnp.dtype,
     rngs: nnx.Rngs,
+    axis: str = ax.EMBED,
     offset: float = 0.0,
   ):
+    """``axis``: the logical name of the normalised axis (``head_dim`` for a per-head norm)."""
     match kind:
       case "layernorm" | "rmsnorm":
         pass
@@ -150,9 +152,9 @@ class Norm(nnx.Module):
     self.kind = kind
     self.eps = eps
     self.offset = offset
-    self.scale = param(rngs, zeros if offset else ones, (features,), (ax.EMBED,), param_dtype)
+    self.scale = param(rngs, zeros if offset else ones, (features,), (axis,), param_dtype)
     self.bias = (
-      param(rngs, zeros, (features,), (ax.EMBED,), param_dtype) if kind == "layernorm" else None
+      param(rngs, zeros, (features,), (axis,), param_dtype) if kind == "layernorm" else None
     )
 
   def __call__(self, x: jax.Array) -> jax.Array:
