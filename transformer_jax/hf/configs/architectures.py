@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from transformer_jax.hf.configs import common, decoders, encoders, seq2seq, ssm
+from transformer_jax.hf.configs import common, decoders, encoders, gemma, seq2seq, ssm
 from transformer_jax.hf.errors import CheckpointError, UnsupportedError
 from transformer_jax.models import BERTConfig, GPTConfig, MambaConfig, ModelConfig, Seq2SeqConfig
 
@@ -26,6 +26,8 @@ ARCHITECTURES = {
   "T5ForConditionalGeneration": ("t5", "t5"),
   "LlamaForCausalLM": ("llama", "llama"),
   "MistralForCausalLM": ("mistral", "mistral"),
+  "Gemma2ForCausalLM": ("gemma2", "gemma2"),
+  "Gemma3ForCausalLM": ("gemma3", "gemma3_text"),
   "MarianMTModel": ("marian", "marian"),
   "BigBirdModel": ("bigbird", "big_bird"),
   "BigBirdForMaskedLM": ("bigbird", "big_bird"),
@@ -90,6 +92,8 @@ def from_hf(hf: dict, arch: str) -> ModelConfig:
       return decoders.llama_from(hf)
     case "mistral":
       return decoders.mistral_from(hf)
+    case "gemma2" | "gemma3":
+      return gemma.gemma_from(hf, ARCHITECTURES[arch][1])
     case "bert":
       return encoders.bert_from(hf, arch)
     case "t5":
@@ -107,6 +111,8 @@ def from_hf(hf: dict, arch: str) -> ModelConfig:
 def default_architecture(config: ModelConfig) -> str:
   """The architecture ``save`` writes when none is given."""
   match config:
+    case GPTConfig(norm_offset=offset, qk_norm=qk_norm) if offset:
+      return "Gemma3ForCausalLM" if qk_norm else "Gemma2ForCausalLM"
     case GPTConfig(position="rope", sliding_window=None):
       return "LlamaForCausalLM"
     case GPTConfig(position="rope"):
@@ -147,7 +153,7 @@ def token_ids(arch: str, tokenizer=None) -> dict:
       ``transformer_jax.data.Tokenizer``), or None.
   """
   family = ARCHITECTURES[arch][0]
-  if family in ("gpt2", "llama", "mistral", "mamba", "mamba2"):
+  if family in ("gpt2", "llama", "mistral", "gemma2", "gemma3", "mamba", "mamba2"):
     eot = None if tokenizer is None else int(tokenizer.eot_id)
     return {"bos_token_id": eot, "eos_token_id": eot}
   if tokenizer is None:
@@ -197,6 +203,8 @@ def to_hf(config: ModelConfig, arch: str, tokenizer=None) -> dict:
     "gpt2": (GPTConfig, decoders.gpt2_to),
     "llama": (GPTConfig, decoders.llama_to),
     "mistral": (GPTConfig, decoders.mistral_to),
+    "gemma2": (GPTConfig, lambda c: gemma.gemma_to(c, "gemma2")),
+    "gemma3": (GPTConfig, lambda c: gemma.gemma_to(c, "gemma3_text")),
     "bert": (BERTConfig, encoders.bert_to),
     "t5": (Seq2SeqConfig, seq2seq.t5_to),
     "bigbird": (BERTConfig, encoders.bigbird_to),

@@ -196,3 +196,9 @@ def mistral_from(hf: dict) -> GPTConfig:
 def mistral_to(c: GPTConfig) -> dict:
   """Mistral's ``config.json`` fields for ``c``: LLaMA's plus ``sliding_window``."""
   return {**llama_to(c), "model_type": "mistral", "sliding_window": c.sliding_window}
+
+
+def rope_of(hf: dict) -> tuple[float, ops.RopeScaling | None]:
+  """The RoPE base and scaling of a LLaMA-style ``config.json`` dict, in either spelling (what
+  ``llama_from`` reads; Gemma reads each layer type's this way)."""
+  return _llama_rope(hf)
