@@ -265,7 +265,13 @@ def hf_outputs(model, arch: str, x: dict, tgt: dict | None = None) -> dict[str, 
 
   with torch.no_grad():
     match arch:
-      case "GPT2LMHeadModel" | "LlamaForCausalLM" | "MistralForCausalLM":
+      case (
+        "GPT2LMHeadModel"
+        | "LlamaForCausalLM"
+        | "MistralForCausalLM"
+        | "Gemma2ForCausalLM"
+        | "Gemma3ForCausalLM"
+      ):
         out = model(
           input_ids=tt(x["ids"]), attention_mask=tt(x["mask"]), position_ids=tt(x["positions"])
         )
@@ -307,7 +313,13 @@ def our_outputs(model, arch: str, x: dict, tgt: dict | None = None) -> dict[str,
   """The same outputs from the transformer_jax model."""
   ids, mask = np.asarray(x["ids"]), np.asarray(x["mask"]).astype(bool)
   match arch:
-    case "GPT2LMHeadModel" | "LlamaForCausalLM" | "MistralForCausalLM":
+    case (
+      "GPT2LMHeadModel"
+      | "LlamaForCausalLM"
+      | "MistralForCausalLM"
+      | "Gemma2ForCausalLM"
+      | "Gemma3ForCausalLM"
+    ):
       res = {"logits": model(ids, positions=np.asarray(x["positions"]), attention_mask=mask)}
     case "MambaForCausalLM" | "Mamba2ForCausalLM":
       res = {"logits": model(ids, attention_mask=mask)}
