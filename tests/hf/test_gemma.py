@@ -147,3 +147,19 @@ def test_gemma3_attention_softcap_is_refused_by_name():
   hf.update(architectures=["Gemma3ForCausalLM"], attn_logit_softcapping=3.0)
   with pytest.raises(tjhf.UnsupportedError, match="attn_logit_softcapping=3.0"):
     tjhf.configs.from_hf(hf, "Gemma3ForCausalLM")
+
+
+def test_convert_to_a_run_directory_and_back(tmp_path):
+  """``tjax convert``'s two directions (``hf.convert``): a Gemma 3 checkpoint into a run
+  directory and back out reloads in transformers to the same logits."""
+  from transformer_jax.hf import convert
+
+  hf_model = build("gemma3")
+  hf_model.save_pretrained(tmp_path / "hf")
+  assert convert.from_hf(tmp_path / "hf", tmp_path / "run") == "Gemma3ForCausalLM"
+  convert.to_hf(tmp_path / "run", tmp_path / "back")
+  back = transformers.AutoModelForCausalLM.from_pretrained(
+    tmp_path / "back", attn_implementation="eager"
+  )
+  ids = _ids(97, 1, 12, seed=6)
+  np.testing.assert_allclose(_hf_logits(back, ids), _hf_logits(hf_model, ids), rtol=0, atol=1e-5)
