@@ -189,3 +189,21 @@ def test_offset_needs_rmsnorm_and_local_theta_needs_layer_types():
     models.get_config("gemma2-tiny", norm="layernorm")
   with pytest.raises(ValueError, match="rope_local_theta=10000.0 needs layer_types"):
     models.get_config("gemma3-tiny", layer_types=None)
+
+
+def test_dry_run_lists_each_layer_window_and_no_fused_kernel_under_softcap():
+  from transformer_jax.train import dry_run
+
+  c = models.get_config("gemma2-tiny", dtype="bfloat16")
+  rows = dry_run.attention_kernels(c, {"data": 1}, 8, 256, packed=False)
+  assert [r["attention"] for r in rows] == [
+    "self-attention (window None)",
+    "self-attention (window 16)",
+  ]
+  for r in rows:
+    assert r["kernels"]["gpu"] == "xla" and r["kernels"]["tpu"] == "xla"
+  # Without the soft-cap the same shapes go to cuDNN on a GPU.
+  plain = dry_run.attention_kernels(
+    dataclasses.replace(c, attn_softcap=None), {"data": 1}, 8, 256, packed=False
+  )
+  assert plain[0]["kernels"]["gpu"] == "cudnn"
