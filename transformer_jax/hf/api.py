@@ -24,6 +24,8 @@ _EMBEDDING = {
   "mistral": "model.embed_tokens.weight",
   "gemma2": "model.embed_tokens.weight",
   "gemma3": "model.embed_tokens.weight",
+  "qwen2": "model.embed_tokens.weight",
+  "qwen3": "model.embed_tokens.weight",
   "t5": "shared.weight",
   "mamba": "backbone.embeddings.weight",
   "mamba2": "backbone.embeddings.weight",

@@ -28,6 +28,8 @@ ARCHITECTURES = {
   "MistralForCausalLM": ("mistral", "mistral"),
   "Gemma2ForCausalLM": ("gemma2", "gemma2"),
   "Gemma3ForCausalLM": ("gemma3", "gemma3_text"),
+  "Qwen2ForCausalLM": ("qwen2", "qwen2"),
+  "Qwen3ForCausalLM": ("qwen3", "qwen3"),
   "MarianMTModel": ("marian", "marian"),
   "BigBirdModel": ("bigbird", "big_bird"),
   "BigBirdForMaskedLM": ("bigbird", "big_bird"),
@@ -94,6 +96,10 @@ def from_hf(hf: dict, arch: str) -> ModelConfig:
       return decoders.mistral_from(hf)
     case "gemma2" | "gemma3":
       return gemma.gemma_from(hf, ARCHITECTURES[arch][1])
+    case "qwen2":
+      return decoders.qwen2_from(hf)
+    case "qwen3":
+      return decoders.qwen3_from(hf)
     case "bert":
       return encoders.bert_from(hf, arch)
     case "t5":
@@ -113,6 +119,10 @@ def default_architecture(config: ModelConfig) -> str:
   match config:
     case GPTConfig(norm_offset=offset, qk_norm=qk_norm) if offset:
       return "Gemma3ForCausalLM" if qk_norm else "Gemma2ForCausalLM"
+    case GPTConfig(position="rope", qk_norm=True):
+      return "Qwen3ForCausalLM"
+    case GPTConfig(position="rope", use_bias=False, qkv_bias=True, out_bias=None | False):
+      return "Qwen2ForCausalLM"
     case GPTConfig(position="rope", sliding_window=None):
       return "LlamaForCausalLM"
     case GPTConfig(position="rope"):
@@ -153,7 +163,17 @@ def token_ids(arch: str, tokenizer=None) -> dict:
       ``transformer_jax.data.Tokenizer``), or None.
   """
   family = ARCHITECTURES[arch][0]
-  if family in ("gpt2", "llama", "mistral", "gemma2", "gemma3", "mamba", "mamba2"):
+  if family in (
+    "gpt2",
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3",
+    "mamba",
+    "mamba2",
+  ):
     eot = None if tokenizer is None else int(tokenizer.eot_id)
     return {"bos_token_id": eot, "eos_token_id": eot}
   if tokenizer is None:
@@ -205,6 +225,8 @@ def to_hf(config: ModelConfig, arch: str, tokenizer=None) -> dict:
     "mistral": (GPTConfig, decoders.mistral_to),
     "gemma2": (GPTConfig, lambda c: gemma.gemma_to(c, "gemma2")),
     "gemma3": (GPTConfig, lambda c: gemma.gemma_to(c, "gemma3_text")),
+    "qwen2": (GPTConfig, decoders.qwen2_to),
+    "qwen3": (GPTConfig, decoders.qwen3_to),
     "bert": (BERTConfig, encoders.bert_to),
     "t5": (Seq2SeqConfig, seq2seq.t5_to),
     "bigbird": (BERTConfig, encoders.bigbird_to),
@@ -246,10 +268,13 @@ def to_hf(config: ModelConfig, arch: str, tokenizer=None) -> dict:
       max_len=config.max_len,
     )
 
-  def value(c, name):  # head counts compare by their effective values (None = the default)
+  def value(c, name):  # head counts and biases compare by their effective values (None = default)
     return {
       "head_dim": lambda: c.head_size,
       "num_kv_heads": lambda: c.kv_heads,
+      "qkv_bias": lambda: c.use_bias if c.qkv_bias is None else c.qkv_bias,
+      "out_bias": lambda: c.use_bias if c.out_bias is None else c.out_bias,
+      "mlp_bias": lambda: c.use_bias if c.mlp_bias is None else c.mlp_bias,
       "sparse_pattern": lambda: encoders.bigbird_shape(c.sparse_pattern),
     }.get(name, lambda: getattr(c, name))()
 
