@@ -1,6 +1,7 @@
 """Soft-capped attention logits (Gemma 2: ``c * tanh(x / c)`` before the bias and the mask) in the
-"xla" and "chunked" kernels, forward and backward, against a float64 NumPy reference whose
-gradients are written out; and the kernel table's fall-back for kernels without a soft-cap."""
+"xla" and "chunked" kernels and splash attention (Pallas interpret mode off TPU), forward and
+backward, against a float64 NumPy reference whose gradients are written out; and the kernel
+table's fall-back from cuDNN, which takes no soft-cap."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from transformer_jax import backends, ops
+from transformer_jax.backends import splash
 
 # Float32 kernels against float64: max |error| / max |reference| per array (float32 products
 # over H = 8 and softmax over S <= 37 lose a few ulps; 1e-5 is ~100 float32 ulps).
@@ -116,15 +118,27 @@ def _shapes(t, dtype, h=64):
   return q, jax.ShapeDtypeStruct((1, t, 4, h), dtype)
 
 
-@pytest.mark.parametrize(
-  "platform, t, dtype, fused",
-  [("gpu", 1024, jnp.bfloat16, "cudnn"), ("tpu", 1024, jnp.bfloat16, "splash")],
-)
-def test_table_falls_back_from_fused_kernels_under_softcap(platform, t, dtype, fused):
-  q, k = _shapes(t, dtype)
-  assert ops.choose_implementation(q, k, k, platform=platform, causal=True) == fused
-  got = ops.choose_implementation(q, k, k, platform=platform, causal=True, softcap=True)
-  assert got == "xla"
+def test_table_falls_back_from_cudnn_and_keeps_splash_under_softcap():
+  q, k = _shapes(1024, jnp.bfloat16)
+  assert ops.choose_implementation(q, k, k, platform="gpu", causal=True) == "cudnn"
+  assert ops.choose_implementation(q, k, k, platform="gpu", causal=True, softcap=True) == "xla"
+  assert ops.choose_implementation(q, k, k, platform="tpu", causal=True, softcap=True) == "splash"
+
+
+def test_splash_softcap_matches_float64_reference_with_gradients():
+  """Splash's ``attn_logits_soft_cap`` through the backend's call: 256 = two blocks of 128."""
+  q, k, v, do = _inputs(t=256, n=2, kh=1, h=8, big=2.0)
+  q, k, v, do = (x[:1] for x in (q, k, v, do))
+  valid = np.tril(np.ones((256, 256), bool))[None, None]
+  ref = reference(q, k, v, do, cap=5.0, valid=valid)[:4]
+
+  def f(q, k, v):
+    out = splash.attention(q, k, v, causal=True, softcap=5.0)
+    return jnp.sum(out * do), out
+
+  grads, out = jax.jit(jax.grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+  for got, want in zip((out, *grads), ref):
+    assert _rel(got, want) < TOL
 
 
 def test_table_takes_no_ring_under_softcap():
@@ -136,11 +150,10 @@ def test_table_takes_no_ring_under_softcap():
   )
 
 
-@pytest.mark.parametrize("impl", ["cudnn", "splash"])
-def test_backend_refuses_a_fused_kernel_with_softcap(impl):
+def test_backend_refuses_cudnn_with_softcap():
   q, k, v, _ = _inputs(t=4)
   with pytest.raises(ValueError, match="soft-cap"):
-    backends.current().attention(q, k, v, softcap=5.0, implementation=impl)
+    backends.current().attention(q, k, v, softcap=5.0, implementation="cudnn")
 
 
 def test_backend_passes_softcap_to_its_kernel():

@@ -126,8 +126,8 @@ class Backend:
         attention (``parallel.ring``), and splash runs per device where it splits the batch or
         heads.
       self_attention: the call is self-attention without a cache (ring attention may take it).
-      softcap: the logits' soft-cap (``ops.dot_product_attention``); only "xla" and "chunked"
-        take one, and asking another kernel for it is refused by name.
+      softcap: the logits' soft-cap (``ops.dot_product_attention``); "xla", "chunked" and
+        "splash" take one, and asking cuDNN for it is refused by name.
 
     Returns:
       ``[B, T, N, H]`` in q's dtype.
@@ -149,7 +149,7 @@ class Backend:
       softcap=softcap is not None,
     )
     kernel = implementation or choice
-    if softcap is not None and kernel not in ("xla", "chunked"):
+    if softcap is not None and kernel not in ("xla", "chunked", "splash"):
       raise ValueError(
         f"implementation={kernel!r} takes no attention soft-cap (softcap={softcap!r}): use "
         "'xla' or 'chunked', or None for the table's choice"
@@ -197,14 +197,14 @@ class Backend:
           return per_device.attention(
             mesh,
             lambda q, k, v, seg: splash.attention(
-              q, k, v, causal=causal, window=window, q_segment_ids=seg, scale=scale
+              q, k, v, causal=causal, window=window, q_segment_ids=seg, scale=scale, softcap=softcap
             ),
             q,
             k,
             v,
             q_segment_ids,
           )
-        return splash.attention(q, k, v, **parts)
+        return splash.attention(q, k, v, **parts, softcap=softcap)
       case "cudnn":
         from transformer_jax.backends import cudnn  # noqa: PLC0415 - cuDNN's module, on GPUs
 

@@ -12,9 +12,9 @@ backend, read top to bottom (the first rule that applies wins):
   ========  =====================================================================================
   any       ``"ring"`` when the sequence is sharded over a mesh axis (self-attention without a
             bias, window, soft-cap or dropout); ``"xla"`` when the weights are asked for; with
-            a logits soft-cap (Gemma 2), ``"xla"`` or ``"chunked"`` as by ``DENSE_MAX_BYTES``
-            on GPU/TPU (cuDNN's fused kernel has no soft-cap, and the splash call here passes
-            none; splash's ``attn_logits_soft_cap`` is not wired) and by the CPU row below
+            a logits soft-cap (Gemma 2) on GPU, ``"xla"`` or ``"chunked"`` as by
+            ``DENSE_MAX_BYTES`` (cuDNN's fused kernel has no soft-cap; splash takes one, as
+            ``attn_logits_soft_cap``)
   gpu       ``"cudnn"`` for bfloat16/float16 with head dim <= 128 (a multiple of 8): causal or
             bidirectional, MHA/MQA/GQA, padding, segment ids, a causal sliding window; past that
             (float32, dropout, a position bias, decoding with T != S, a two-sided window):
@@ -172,7 +172,7 @@ def choose_implementation(
     sequence_shards: how many devices the sequence is split over (a mesh's ``sequence`` axis).
     rowmajor_core: on CPU, the row-major dense core takes these inputs (bfloat16 on a CPU with
       bf16 units: ``backends.cpu.attention.rowmajor_core_takes``, which the CPU backend asks).
-    softcap: the attention logits are soft-capped (only "xla" and "chunked" take a soft-cap).
+    softcap: the attention logits are soft-capped ("xla", "chunked" and "splash" take one).
 
   Returns:
     ``"xla"``, ``"chunked"``, ``"cudnn"``, ``"splash"`` or ``"ring"`` (``parallel.ring``).
@@ -196,7 +196,7 @@ def choose_implementation(
   parts = dict(
     causal=causal, window=window, bias=bias, dropout=dropout, mask=mask, q_positions=q_positions
   )
-  if softcap and platform != "cpu":
+  if softcap and platform == "gpu":
     return dense_or_chunked(q, k)
   match platform:
     case "gpu":
