@@ -240,6 +240,34 @@ KINDS += [
   ),
 ]
 
+# Gemma 2 and 3: the (1 + w) norm, sandwich norms, scaled embeddings and layer_types mixing
+# sliding (WINDOW) and full layers in one scanned stack; Gemma 2 soft-caps both logits, Gemma 3
+# normalises queries and keys and gives the sliding layers their own RoPE base.
+_GEMMA = dict(**SMALL, sliding_window=WINDOW, query_pre_attn_scalar=8.0, head_dim=8)
+_LOCAL, _GLOBAL = "sliding_attention", "full_attention"
+KINDS += [
+  Kind(
+    "gemma2",
+    lambda: models.get_config(
+      "gemma2-tiny", **_GEMMA, num_layers=2, layer_types=(_LOCAL, _GLOBAL), num_kv_heads=1
+    ),
+    _DECODER,
+    "Gemma2ForCausalLM",
+    extremes=({"attn_softcap": 1e-3, "final_softcap": 1e-3, "sliding_window": 1},),
+  ),
+  Kind(
+    "gemma3",
+    lambda: models.get_config(
+      "gemma3-tiny", **_GEMMA, num_layers=3, layer_types=(_LOCAL, _GLOBAL, _LOCAL), num_kv_heads=2
+    ),
+    _DECODER,
+    "Gemma3ForCausalLM",
+    extremes=(
+      {"sliding_window": 1, "rope_theta": 1e6, "rope_local_theta": 1.5, "norm_eps": 1e-12},
+    ),
+  ),
+]
+
 BY_NAME = {k.name: k for k in KINDS}
 
 

@@ -345,6 +345,8 @@ def hf_outputs(model, arch: str, x: dict, tgt: dict | None = None) -> dict[str, 
         "GPT2LMHeadModel"
         | "LlamaForCausalLM"
         | "MistralForCausalLM"
+        | "Gemma2ForCausalLM"
+        | "Gemma3ForCausalLM"
         | "Qwen2ForCausalLM"
         | "Qwen3ForCausalLM"
       ):
@@ -393,6 +395,8 @@ def our_outputs(model, arch: str, x: dict, tgt: dict | None = None) -> dict[str,
       "GPT2LMHeadModel"
       | "LlamaForCausalLM"
       | "MistralForCausalLM"
+      | "Gemma2ForCausalLM"
+      | "Gemma3ForCausalLM"
       | "Qwen2ForCausalLM"
       | "Qwen3ForCausalLM"
     ):

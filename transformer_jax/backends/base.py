@@ -108,6 +108,7 @@ class Backend:
     implementation: ops.Implementation | None = None,
     mesh: Mesh | None = None,
     self_attention: bool = False,
+    softcap: float | None = None,
   ) -> jax.Array:
     """``softmax(scale * q k^T + bias, masked) v`` by the kernel the table chooses for these
     inputs here (or ``implementation``): chosen and called in one place.
@@ -125,6 +126,8 @@ class Backend:
         attention (``parallel.ring``), and splash runs per device where it splits the batch or
         heads.
       self_attention: the call is self-attention without a cache (ring attention may take it).
+      softcap: the logits' soft-cap (``ops.dot_product_attention``); "xla", "chunked" and
+        "splash" take one, and asking cuDNN for it is refused by name.
 
     Returns:
       ``[B, T, N, H]`` in q's dtype.
@@ -143,8 +146,14 @@ class Backend:
       kv_valid=kv_valid is not None,
       q_positions=q_positions is not None,
       sequence_shards=shards,
+      softcap=softcap is not None,
     )
     kernel = implementation or choice
+    if softcap is not None and kernel not in ("xla", "chunked", "splash"):
+      raise ValueError(
+        f"implementation={kernel!r} takes no attention soft-cap (softcap={softcap!r}): use "
+        "'xla' or 'chunked', or None for the table's choice"
+      )
     parts = dict(
       causal=causal,
       window=window,
@@ -181,20 +190,21 @@ class Backend:
           dense_core=self.dense_core(q, k, v),
           block_q=block,
           block_k=block,
+          **({} if softcap is None else {"softcap": softcap}),
         )
       case "splash":
         if per_device.mesh_splits(mesh, q):
           return per_device.attention(
             mesh,
             lambda q, k, v, seg: splash.attention(
-              q, k, v, causal=causal, window=window, q_segment_ids=seg, scale=scale
+              q, k, v, causal=causal, window=window, q_segment_ids=seg, scale=scale, softcap=softcap
             ),
             q,
             k,
             v,
             q_segment_ids,
           )
-        return splash.attention(q, k, v, **parts)
+        return splash.attention(q, k, v, **parts, softcap=softcap)
       case "cudnn":
         from transformer_jax.backends import cudnn  # noqa: PLC0415 - cuDNN's module, on GPUs
 

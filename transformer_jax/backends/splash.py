@@ -170,8 +170,10 @@ def splash_attention(
   scale: float | None = None,
   block_sizes=None,
   interpret: bool | None = None,
+  softcap: float | None = None,
 ) -> jax.Array:
-  """``softmax(scale * q k^T, masked) v`` by the Pallas splash-attention kernel.
+  """``softmax(cap(scale * q k^T), masked) v`` by the Pallas splash-attention kernel (``cap``:
+  the identity, or with ``softcap`` c, ``c * tanh(x / c)``: splash's ``attn_logits_soft_cap``).
 
   The mask is given by parts, ANDed; a pair (query, key) is attended (True) when every part allows
   it. Key ``j`` sits at position ``j`` and query ``i`` at ``S - T + i``.
@@ -242,7 +244,10 @@ def splash_attention(
   splash_kernel, splash_mask = _splash_modules()
   sizes = _block_sizes(splash_kernel, block_sizes, t, s)
   kernel = splash_kernel.make_splash_mha_single_device(
-    _mask(splash_mask, t, s, n, causal, window), block_sizes=sizes, interpret=bool(interpret)
+    _mask(splash_mask, t, s, n, causal, window),
+    block_sizes=sizes,
+    interpret=bool(interpret),
+    attn_logits_soft_cap=None if softcap is None else float(softcap),
   )
 
   scale = h**-0.5 if scale is None else float(scale)
@@ -282,6 +287,7 @@ def attention(
   window=None,
   q_positions=None,
   bias_fn=None,
+  softcap=None,
   **_,
 ) -> jax.Array:
   """``ops.dot_product_attention``'s call through splash attention, which takes the causal,
@@ -328,4 +334,5 @@ def attention(
     q_segment_ids=q_segment_ids,
     kv_segment_ids=kv_segment_ids,
     scale=scale,
+    softcap=softcap,
   )

@@ -244,6 +244,35 @@ def _llama(c) -> Table:
   return Table(rules, aliases, (r"rotary_emb\.inv_freq$",), P)
 
 
+def _gemma(c) -> Table:
+  """Gemma 2 / 3: LLaMA's names plus the sandwich norms (and Gemma 3's per-head q/k norms)."""
+  L, P, B = c.num_layers, "model.", "blocks.layers"
+  h = f"{P}layers.{{i}}"
+  rules = [
+    Rule(f"{P}embed_tokens.weight", ("embed.embedding",)),
+    *_attention(
+      f"{h}.self_attn", f"{B}.attn", ("q_proj", "k_proj", "v_proj", "o_proj"), bool(c.qkv_bias), L
+    ),
+    *_linear(f"{h}.mlp.gate_proj", f"{B}.mlp.gate", False, L=L),
+    *_linear(f"{h}.mlp.up_proj", f"{B}.mlp.up", False, L=L),
+    *_linear(f"{h}.mlp.down_proj", f"{B}.mlp.down", False, L=L),
+    *_norm(f"{h}.input_layernorm", f"{B}.attn_norm", False, L),
+    *_norm(f"{h}.post_attention_layernorm", f"{B}.attn_post_norm", False, L),
+    *_norm(f"{h}.pre_feedforward_layernorm", f"{B}.mlp_norm", False, L),
+    *_norm(f"{h}.post_feedforward_layernorm", f"{B}.mlp_post_norm", False, L),
+    *_norm(f"{P}norm", "final_norm", False),
+  ]
+  if c.qk_norm:
+    rules += _norm(f"{h}.self_attn.q_norm", f"{B}.attn.q_norm", False, L)
+    rules += _norm(f"{h}.self_attn.k_norm", f"{B}.attn.k_norm", False, L)
+  aliases = {}
+  if c.tie_embeddings:
+    aliases["lm_head.weight"] = f"{P}embed_tokens.weight"
+  else:
+    rules.append(Rule("lm_head.weight", ("lm_head.kernel",), Transform.LINEAR))
+  return Table(rules, aliases, (r"rotary_emb(_local)?\.inv_freq$",), P)
+
+
 def _bert(c, arch: str) -> Table:
   L, B = c.num_layers, "blocks.layers"
   P = "" if arch == "BertModel" else "bert."
@@ -434,6 +463,8 @@ def table(config: ModelConfig, arch: str) -> Table:
       return _gpt2(config)
     case "llama" | "mistral" | "qwen2" | "qwen3":
       return _llama(config)
+    case "gemma2" | "gemma3":
+      return _gemma(config)
     case "bert":
       return _bert(config, arch)
     case "bigbird":

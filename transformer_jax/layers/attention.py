@@ -58,6 +58,9 @@ class Attention(nnx.Module):
     out_bias: bool | None = None,
     qk_norm: Literal["layernorm", "rmsnorm"] | None = None,
     qk_norm_eps: float = 1e-6,
+    softcap: float | None = None,
+    local_rope_theta: float | None = None,
+    norm_offset: float = 0.0,
   ):
     """``qkv_bias``/``out_bias``: biases on the query/key/value and output projections (None:
     ``use_bias``). ``qk_norm``: a norm of that kind (epsilon ``qk_norm_eps``) over the head
@@ -66,7 +69,10 @@ class Attention(nnx.Module):
     backend's choice). ``mesh``: the mesh the model runs on; self-attention runs as ring attention
     when it has a ``sequence`` axis of size > 1 (see ``__call__``). ``linear``: causal linear
     attention instead of softmax (its decoding cache is a ``LinearCache``). ``backend``: the
-    kernels (``Backend.attention`` and its products; default ``backends.current()``)."""
+    kernels (``Backend.attention`` and its products; default ``backends.current()``).
+    ``softcap``: the logits' soft-cap (Gemma 2). ``local_rope_theta``: the RoPE base of calls
+    with ``local=True`` (Gemma 3's sliding layers), without ``rope_scaling``. ``norm_offset``:
+    the ``qk_norm``'s scale offset (Gemma 3: 1.0, see ``Norm``)."""
     if num_heads % num_kv_heads:
       raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     d, n, k, h = d_model, num_heads, num_kv_heads, head_dim
@@ -113,6 +119,8 @@ class Attention(nnx.Module):
       self.q_norm = self.k_norm = None
     else:
       norm = dict(kind=qk_norm, eps=qk_norm_eps, param_dtype=param_dtype, rngs=rngs)
+      if norm_offset:
+        norm["offset"] = norm_offset
       self.q_norm = Norm(h, axis=ax.HEAD_DIM, **norm)
       self.k_norm = Norm(h, axis=ax.HEAD_DIM, **norm)
     self.rope_theta = rope_theta
@@ -122,6 +130,8 @@ class Attention(nnx.Module):
     self.implementation = implementation
     self.mesh = mesh
     self.linear = linear
+    self.softcap = softcap
+    self.local_rope_theta = local_rope_theta
 
   def __call__(
     self,
@@ -138,6 +148,7 @@ class Attention(nnx.Module):
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     cache: KVCache | None = None,
+    local: bool = False,
   ) -> tuple[jax.Array, KVCache | None]:
     """Self-attention over ``x`` or, with ``kv_BSD`` (or a read-only ``cache``), cross-attention.
 
@@ -159,6 +170,7 @@ class Attention(nnx.Module):
         attend to the whole cache. A rolling cache (``KVCache.window``) holds the last W
         positions in a ring; the queries attend to them and to the new tokens. A read-only cache
         supplies the keys/values (``kv_BSD`` unused) and its ``kv_valid``.
+      local: a local (sliding) layer's call: RoPE by ``local_rope_theta`` where the layer has one.
 
     Returns:
       ``(out [B, T, D], cache)``: the cache with the new entries written (None without one).
@@ -180,7 +192,7 @@ class Attention(nnx.Module):
       k_BSKH, v_BSKH = self.key(kv_BSD), self.value(kv_BSD)
       if cache is not None:
         positions = q_positions = cache.positions(x_BTD.shape[1])
-      q_BTNH, k_BSKH = self._rope(q_BTNH, k_BSKH, positions)
+      q_BTNH, k_BSKH = self._rope(q_BTNH, k_BSKH, positions, local)
       if cache is not None and cache.window is not None:
         # A rolling cache: the W cached keys in position order, then the T new ones, so key j
         # sits at position lengths - W + j for every row; the queries' positions are given in
@@ -214,14 +226,16 @@ class Attention(nnx.Module):
       implementation=self.implementation,
       mesh=self.mesh,
       self_attention=cache is None and kv_BSD is x_BTD,
+      **({} if self.softcap is None else {"softcap": self.softcap}),
     )
     if cache is not None:
       return self._out_merged(out_BTNH), cache
     return self.out(out_BTNH), None
 
-  def _rope(self, q_BTNH, k_BTKH, positions):
+  def _rope(self, q_BTNH, k_BTKH, positions, local=False):
     """Queries and keys normalised per head (if the layer has ``qk_norm``), then rotated by RoPE
-    (if it has it) at ``positions`` (default ``0..T-1``)."""
+    (if it has it) at ``positions`` (default ``0..T-1``); ``local``: by ``local_rope_theta``
+    unscaled, where the layer has one."""
     if self.q_norm is not None:
       q_BTNH = self.q_norm(q_BTNH)
       k_BTKH = self.k_norm(k_BTKH)
@@ -229,6 +243,8 @@ class Attention(nnx.Module):
       return q_BTNH, k_BTKH
     positions = jnp.arange(q_BTNH.shape[1]) if positions is None else positions
     rope = dict(theta=self.rope_theta, interleaved=self.rope_interleaved, scaling=self.rope_scaling)
+    if local and self.local_rope_theta is not None:
+      rope.update(theta=self.local_rope_theta, scaling=None)
     return ops.apply_rope(q_BTNH, positions, **rope), ops.apply_rope(k_BTKH, positions, **rope)
 
   def _rotated(self, x_BTD, positions):
@@ -293,12 +309,13 @@ class Attention(nnx.Module):
     window: int | None = None,
     bias_fn: Callable[..., jax.Array] | None = None,
     bias_params: Any = None,
+    local: bool = False,
   ) -> jax.Array:
     """The self-attention weights ``[B, N, T, S]`` (float32) that ``__call__`` on ``x`` uses,
     with the same mask and bias parts (no cache, no dropout): for pictures and inspection."""
     if self.linear is not None:
       return self._linear_weights(x_BTD, positions, kv_valid, segment_ids)
-    q_BTNH, k_BSKH = self._rope(self.query(x_BTD), self.key(x_BTD), positions)
+    q_BTNH, k_BSKH = self._rope(self.query(x_BTD), self.key(x_BTD), positions, local)
     # The values do not change the weights; the keys stand in for them.
     _, weights_BNTS = ops.dot_product_attention(
       q_BTNH,
@@ -313,6 +330,7 @@ class Attention(nnx.Module):
       scale=self.scale,
       return_weights=True,
       implementation="xla",
+      softcap=self.softcap,
     )
     return weights_BNTS
 

@@ -58,6 +58,10 @@ class BlockConfig:
   out_init_std: float = 0.02  # output projections (GPT-2 scales by 1/sqrt(2L))
   dtype: str = "float32"
   param_dtype: str = "float32"
+  norm_offset: float = 0.0  # RMSNorm scale (offset + w) (Gemma: 1.0)
+  post_norms: bool = False  # a norm on each sub-layer's output before the residual add (Gemma)
+  attn_softcap: float | None = None  # self-attention logits soft-cap (Gemma 2)
+  rope_local_theta: float | None = None  # RoPE base of the layer's local (sliding) calls
 
 
 class Block(nnx.Module):
@@ -78,6 +82,8 @@ class Block(nnx.Module):
     backend = backend or backends.current()
     dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     norm = dict(kind=cfg.norm, eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
+    if cfg.norm_offset:
+      norm["offset"] = cfg.norm_offset
     attn = dict(
       use_bias=cfg.use_bias,
       init_std=cfg.init_std,
@@ -107,6 +113,9 @@ class Block(nnx.Module):
       qk_norm_eps=cfg.norm_eps,
       **self_kind,
       **attn,
+      **({} if cfg.attn_softcap is None else {"softcap": cfg.attn_softcap}),
+      **({} if cfg.rope_local_theta is None else {"local_rope_theta": cfg.rope_local_theta}),
+      **({"norm_offset": cfg.norm_offset} if cfg.qk_norm and cfg.norm_offset else {}),
     )
     if cfg.cross_attention:
       self.cross_norm = Norm(cfg.d_model, **norm)
@@ -118,6 +127,8 @@ class Block(nnx.Module):
     else:
       self.cross_norm = self.cross_attn = None
     self.mlp_norm = Norm(cfg.d_model, **norm)
+    if cfg.post_norms:
+      self.attn_post_norm, self.mlp_post_norm = Norm(cfg.d_model, **norm), Norm(cfg.d_model, **norm)
     self.mlp = MLP(
       cfg.d_model,
       cfg.d_ff,
@@ -132,9 +143,12 @@ class Block(nnx.Module):
       backend=backend,
     )
 
-  def _residual(self, x, norm, fn, rng):
-    """One sub-layer with its residual connection, dropout and norm in the configured place."""
+  def _residual(self, x, norm, fn, rng, post=None):
+    """One sub-layer with its residual connection, dropout and norm in the configured place
+    (``post``: a norm on the sub-layer's output, Gemma's sandwich)."""
     rate = self.cfg.dropout_rate
+    if post is not None:
+      return x + ops.dropout(post(fn(norm(x))), rate, rng)
     if self.cfg.pre_norm:
       return x + ops.dropout(fn(norm(x)), rate, rng)
     return norm(x + ops.dropout(fn(x), rate, rng))
@@ -154,6 +168,7 @@ class Block(nnx.Module):
     encoder_valid: jax.Array | None = None,
     dropout_rng: jax.Array | None = None,
     cache: KVCache | None = None,
+    local: bool = False,
   ) -> tuple[jax.Array, KVCache | None]:
     """The block on ``x`` ``[B, T, D]``.
 
@@ -161,7 +176,8 @@ class Block(nnx.Module):
     ``segment_ids``, ``window``, ``bias_fn``/``bias_params``: see ``Attention``); cross-attention
     attends to ``encoder_out`` ``[B, S, D]`` with ``encoder_valid`` ``[B, S]`` marking its padding.
     ``cache`` (decoding) is one layer of a ``KVCache``: self-attention writes into it, and
-    cross-attention reads ``cache.cross`` (``encoder_out`` is then unused).
+    cross-attention reads ``cache.cross`` (``encoder_out`` is then unused). ``local``: this is
+    a sliding (local) layer: its RoPE base is ``rope_local_theta`` where the config has one.
 
     Returns:
       ``(x [B, T, D], cache)``, the cache with this step's keys/values (None without one).
@@ -184,10 +200,12 @@ class Block(nnx.Module):
         dropout_rate=attn_drop,
         dropout_rng=r_attn_w,
         cache=cache,
+        **({"local": True} if local else {}),
       )
       return out
 
-    x = self._residual(x_BTD, self.attn_norm, self_attn, r_attn)
+    posts = (self.attn_post_norm, self.mlp_post_norm) if cfg.post_norms else (None, None)
+    x = self._residual(x_BTD, self.attn_norm, self_attn, r_attn, posts[0])
     if self.cross_attn is not None:
       cross = None if cache is None else cache.cross
       if encoder_out is None and cross is None:
@@ -213,6 +231,7 @@ class Block(nnx.Module):
       self.mlp_norm,
       lambda h: self.mlp(h, dropout_rate=cfg.ffn_dropout_rate, dropout_rng=r_mlp_in),
       r_mlp,
+      posts[1],
     )
     return x, cache
 
@@ -220,7 +239,9 @@ class Block(nnx.Module):
     """The self-attention weights ``[B, N, T, S]`` of this block on its input ``x`` (the mask and
     bias parts as in ``__call__``; see ``Attention.weights``)."""
     h_BTD = self.attn_norm(x_BTD) if self.cfg.pre_norm else x_BTD
-    return self.attn.weights(h_BTD, **mask_parts)
+    if not mask_parts.pop("local", False):
+      return self.attn.weights(h_BTD, **mask_parts)
+    return self.attn.weights(h_BTD, **mask_parts, local=True)
 
   def project_cross_kv(self, encoder_out_BSD: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Cross-attention keys/values ``[B, S, K, H]`` of the encoder output, computed once."""

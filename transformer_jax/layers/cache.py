@@ -39,6 +39,9 @@ class KVCache:
   # [B] how many of the tokens being written are real (right padding after them), while a call
   # writes them: a rolling cache drops the padding instead of letting it overwrite real entries.
   new_valid: jax.Array | None = None
+  # Per layer (a stack of local and global layers): each layer's rolling window, None for a layer
+  # of max_len slots; ``layer(i)`` gives layer i its own ``window``.
+  windows: tuple[int | None, ...] | None = flax.struct.field(pytree_node=False, default=None)
 
   @classmethod
   def zeros(
@@ -50,9 +53,25 @@ class KVCache:
     head_dim: int,
     dtype: jnp.dtype,
     window: int | None = None,
+    windows: tuple[int | None, ...] | None = None,
   ) -> KVCache:
     """An empty self-attention cache for ``max_len`` tokens per row: ``max_len`` slots, or with
-    a sliding ``window`` shorter than that, a rolling cache of ``window`` slots."""
+    a sliding ``window`` shorter than that, a rolling cache of ``window`` slots. ``windows``
+    (instead of ``window``): one per layer, for a stack of local and global layers."""
+    if windows is not None:
+      if window is not None or len(windows) != num_layers:
+        raise ValueError(
+          f"windows needs one entry per layer ({len(windows)} for num_layers={num_layers}) "
+          "and no window"
+        )
+      rolls = tuple(w if w is not None and w < max_len else None for w in windows)
+      slots = [max_len if w is None else w for w in rolls]
+      k, v = (
+        tuple(jnp.zeros((batch_size * kv_heads, n, head_dim), dtype) for n in slots)
+        for _ in range(2)
+      )
+      lengths = jnp.zeros((batch_size,), jnp.int32)
+      return cls(k, v, lengths, kv_heads, windows=rolls if any(rolls) else None)
     rolling = window is not None and window < max_len
     slots = window if rolling else max_len
 
@@ -95,9 +114,12 @@ class KVCache:
 
   def layer(self, i: int) -> KVCache:
     """Layer ``i`` alone (with its cross-attention layer)."""
-    return self.replace(
-      k=(self.k[i],), v=(self.v[i],), cross=None if self.cross is None else self.cross.layer(i)
-    )
+    cross = None if self.cross is None else self.cross.layer(i)
+    if self.windows is not None:
+      return self.replace(
+        k=(self.k[i],), v=(self.v[i],), cross=cross, window=self.windows[i], windows=None
+      )
+    return self.replace(k=(self.k[i],), v=(self.v[i],), cross=cross)
 
   def read(self) -> tuple[jax.Array, jax.Array]:
     """A one-layer cache's keys and values ``[B, S, K, H]`` (a transpose XLA folds into the

@@ -127,7 +127,8 @@ class Embed(nnx.Module):
 
 
 class Norm(nnx.Module):
-  """LayerNorm (scale and bias) or RMSNorm (scale only), statistics in float32."""
+  """LayerNorm (scale and bias) or RMSNorm (scale only), statistics in float32. An RMSNorm
+  ``offset`` (Gemma's 1.0) multiplies by ``offset + scale`` in float32, the scale starting at 0."""
 
   def __init__(
     self,
@@ -138,6 +139,7 @@ class Norm(nnx.Module):
     param_dtype: jnp.dtype,
     rngs: nnx.Rngs,
     axis: str = ax.EMBED,
+    offset: float = 0.0,
   ):
     """``axis``: the logical name of the normalised axis (``head_dim`` for a per-head norm)."""
     match kind:
@@ -145,9 +147,12 @@ class Norm(nnx.Module):
         pass
       case _:
         raise ValueError(f"norm kind {kind!r} must be 'layernorm' or 'rmsnorm'")
+    if offset and kind != "rmsnorm":
+      raise ValueError(f"a norm offset ({offset!r}) needs kind 'rmsnorm', not {kind!r}")
     self.kind = kind
     self.eps = eps
-    self.scale = param(rngs, ones, (features,), (axis,), param_dtype)
+    self.offset = offset
+    self.scale = param(rngs, zeros if offset else ones, (features,), (axis,), param_dtype)
     self.bias = (
       param(rngs, zeros, (features,), (axis,), param_dtype) if kind == "layernorm" else None
     )
@@ -155,6 +160,8 @@ class Norm(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     if self.kind == "layernorm":
       return ops.layer_norm(x, self.scale[...], self.bias[...], self.eps)
+    if self.offset:
+      return ops.rms_norm(x, self.scale[...].astype(jnp.float32) + self.offset, self.eps)
     return ops.rms_norm(x, self.scale[...], self.eps)
 
 

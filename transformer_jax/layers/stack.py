@@ -47,12 +47,15 @@ class Stack(nnx.Module):
     mesh: Mesh | None = None,
     reversible: bool = False,
     backend: backends.Backend | None = None,
+    local_layers: tuple[bool, ...] | None = None,
   ):
     """``mesh``: where the model runs (activations are pinned to it at block boundaries and
     self-attention may run as ring attention); None on one device. ``reversible``: the blocks
     run as reversible residual layers (``layers.reversible``: activations recomputed in the
     backward pass; pre-norm blocks without cross-attention, no remat). ``backend``: the blocks'
-    kernels (default ``backends.current()``)."""
+    kernels (default ``backends.current()``). ``local_layers``: per layer, True for a local
+    (sliding) layer, which attends within the ``window`` of the call, False for a global one,
+    which attends to every earlier key (Gemma's ``layer_types``); None: every layer alike."""
     backend = backend or backends.current()
     if remat != "none" and remat not in _REMAT_POLICIES:
       raise ValueError(
@@ -70,6 +73,14 @@ class Stack(nnx.Module):
     self.unroll = unroll
     self.mesh = mesh
     self.backend = backend
+    if local_layers is not None:
+      if reversible or len(local_layers) != num_layers:
+        raise ValueError(
+          f"local_layers needs one flag per layer ({len(local_layers)} for num_layers="
+          f"{num_layers}) and plain (not reversible) layers"
+        )
+      local_layers = tuple(bool(f) for f in local_layers)
+    self.local_layers = local_layers
 
     @nnx.split_rngs(splits=num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: ax.LAYERS})
@@ -112,26 +123,55 @@ class Stack(nnx.Module):
         layer_params = self.split_layers()
       layers = []
       for i, p in enumerate(layer_params):
-        x_BTD, new = nnx.merge(graphdef, p)(x_BTD, cache=cache.layer(i), **block_kwargs)
+        kw = self._layer_kwargs(block_kwargs, i)
+        x_BTD, new = nnx.merge(graphdef, p)(x_BTD, cache=cache.layer(i), **kw)
         layers.append(new)
       return x_BTD, cache.joined(layers, x_BTD.shape[1])
 
     keys = None if dropout_rng is None else jax.random.split(dropout_rng, self.num_layers)
 
-    def body(x, layer):
-      layer_params, key = layer
-      # Block boundary: under a mesh, activations split over batch (and length), width whole.
-      x = constrain(x, ACTIVATION_BTD, self.mesh)
-      return nnx.merge(graphdef, layer_params)(x, dropout_rng=key, **block_kwargs)[0], None
+    def layer_fn(kwargs):
+      def run(x, layer_params, key):
+        # Block boundary: under a mesh, activations split over batch (and length), width whole.
+        x = constrain(x, ACTIVATION_BTD, self.mesh)
+        return nnx.merge(graphdef, layer_params)(x, dropout_rng=key, **kwargs)[0]
 
-    if self.remat != "none":
-      body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.remat], prevent_cse=False)
+      if self.remat != "none":
+        return jax.checkpoint(run, policy=_REMAT_POLICIES[self.remat], prevent_cse=False)
+      return run
+
     if self.unroll:
       for i in range(self.num_layers):
-        x_BTD, _ = body(x_BTD, jax.tree.map(lambda a: a[i], (params, keys)))
+        layer = jax.tree.map(lambda a: a[i], (params, keys))
+        x_BTD = layer_fn(self._layer_kwargs(block_kwargs, i))(x_BTD, *layer)
+    elif self._mixed():  # local and global layers: one branch each, chosen per layer
+      local_fn = layer_fn(self._layer_kwargs(block_kwargs, local=True))
+      global_fn = layer_fn(self._layer_kwargs(block_kwargs, local=False))
+
+      def mixed_body(x, layer):
+        layer_params, key, local = layer
+        return jax.lax.cond(local, local_fn, global_fn, x, layer_params, key), None
+
+      flags = jax.numpy.asarray(self.local_layers)
+      x_BTD, _ = jax.lax.scan(mixed_body, x_BTD, (params, keys, flags))
     else:
-      x_BTD, _ = jax.lax.scan(body, x_BTD, (params, keys))
+      fn = layer_fn(self._layer_kwargs(block_kwargs, 0))
+      x_BTD, _ = jax.lax.scan(lambda x, layer: (fn(x, *layer), None), x_BTD, (params, keys))
     return constrain(x_BTD, ACTIVATION_BTD, self.mesh), None
+
+  def _mixed(self) -> bool:
+    """Whether the stack has both local and global layers."""
+    return self.local_layers is not None and len(set(self.local_layers)) == 2
+
+  def _layer_kwargs(self, block_kwargs: dict, i: int = 0, *, local: bool | None = None) -> dict:
+    """The block arguments of layer ``i`` (or of a layer that is ``local`` or not): a global
+    layer of a stack with ``local_layers`` attends without the window."""
+    if self.local_layers is None:
+      return block_kwargs
+    local = self.local_layers[i] if local is None else local
+    if local:
+      return {**block_kwargs, "local": True}
+    return {**block_kwargs, "window": None}
 
   def _reversible(self, x_BTD, dropout_rng, cache, layer_params, block_kwargs):
     """``__call__`` of a reversible stack (``layers.reversible``)."""
@@ -157,17 +197,25 @@ class Stack(nnx.Module):
       ``(x [B, T, D], weights [L, B, N, T, S])``: the stack's output and each layer's weights.
     """
     graphdef, params = nnx.split(self.layers)
-    parts = {
-      k: v
-      for k, v in block_kwargs.items()
-      if k in ("positions", "causal", "kv_valid", "segment_ids", "window", "bias_fn", "bias_params")
-    }
+    names = ("positions", "causal", "kv_valid", "segment_ids", "window", "bias_fn", "bias_params")
 
-    def body(x, layer_params):
+    def run(x, layer_params, kwargs):
       block = nnx.merge(graphdef, layer_params)
-      return block(x, **block_kwargs)[0], block.attention_weights(x, **parts)
+      parts = {k: v for k, v in kwargs.items() if k in (*names, "local")}
+      return block(x, **kwargs)[0], block.attention_weights(x, **parts)
 
-    return jax.lax.scan(body, x_BTD, params)
+    def body(x, layer):
+      layer_params, local = layer
+      if self._mixed():
+        return jax.lax.cond(
+          local,
+          lambda: run(x, layer_params, self._layer_kwargs(block_kwargs, local=True)),
+          lambda: run(x, layer_params, self._layer_kwargs(block_kwargs, local=False)),
+        )
+      return run(x, layer_params, self._layer_kwargs(block_kwargs, 0))
+
+    flags = None if not self._mixed() else jax.numpy.asarray(self.local_layers)
+    return jax.lax.scan(body, x_BTD, (params, flags))
 
   def split_layers(self) -> tuple[nnx.State, ...]:
     """This stack's parameters as one state per layer, for decoding: each array sliced out of the

@@ -67,7 +67,7 @@ def param_count(config: ModelConfig) -> ParamCount:
     case GPTConfig():
       qkv, out, mlp = (c.use_bias if b is None else b for b in (c.qkv_bias, c.out_bias, c.mlp_bias))
       attn = _attention(c, qkv, out, _norm(1, c.norm) if c.qk_norm else 0)
-      block = attn + _mlp(c, c.gated, mlp) + 2 * _norm(c.d_model, c.norm)
+      block = attn + _mlp(c, c.gated, mlp) + (4 if c.post_norms else 2) * _norm(c.d_model, c.norm)
       tables = c.vocab_size * c.d_model + (c.max_len * c.d_model if c.position == "learned" else 0)
       head = 0 if c.tie_embeddings else c.d_model * c.vocab_size
       head += c.d_model * c.num_labels + c.num_labels

@@ -75,9 +75,19 @@ class GPT(nnx.Module):
       rngs=rngs,
       mesh=mesh,
       backend=backend,
+      **(
+        {}
+        if c.layer_types is None
+        else {"local_layers": tuple(k == "sliding_attention" for k in c.layer_types)}
+      ),
     )
     self.final_norm = Norm(
-      c.d_model, kind=c.norm, eps=c.norm_eps, param_dtype=param_dtype, rngs=rngs
+      c.d_model,
+      kind=c.norm,
+      eps=c.norm_eps,
+      param_dtype=param_dtype,
+      rngs=rngs,
+      **({"offset": float(c.norm_offset)} if c.norm_offset else {}),
     )
     self.lm_head, self.classifier = output_heads(
       c, dtype=dtype, param_dtype=param_dtype, rngs=rngs, backend=backend
@@ -226,6 +236,8 @@ class GPT(nnx.Module):
     embed_rng, blocks_rng = (None, None) if dropout_rng is None else jax.random.split(dropout_rng)
 
     x_BTD = self.embed(tokens)
+    if c.embed_scale:  # Gemma: sqrt(d_model) rounded to the compute dtype, as transformers does
+      x_BTD = x_BTD * jnp.asarray(c.d_model**0.5, x_BTD.dtype)
     if self.pos_embed is not None:
       x_BTD = x_BTD + self.pos_embed(positions)
     elif c.position == "sinusoidal":
@@ -279,9 +291,21 @@ class GPT(nnx.Module):
   def init_cache(config: GPTConfig, batch_size: int, max_len: int, dtype: jnp.dtype) -> KVCache:
     """An empty cache for ``max_len`` tokens per row for a model of ``config``: a ``KVCache`` of
     ``max_len`` slots, or a rolling one of ``sliding_window`` slots when the window is shorter;
-    for linear attention a ``LinearCache``, whose size does not depend on ``max_len``."""
+    for linear attention a ``LinearCache``, whose size does not depend on ``max_len``. With
+    ``layer_types``, each sliding layer's cache is rolling (W slots) and each full one has
+    ``max_len``."""
     if config.attention_kind == "linear":
       return LinearCache.zeros(config.num_layers, batch_size, config.num_heads, config.head_size)
+    if config.layer_types is not None:
+      return KVCache.zeros(
+        config.num_layers,
+        batch_size,
+        max_len,
+        config.kv_heads,
+        config.head_size,
+        dtype,
+        windows=config.layer_windows(),
+      )
     return KVCache.zeros(
       config.num_layers,
       batch_size,
@@ -325,12 +349,23 @@ class GPT(nnx.Module):
       the tokens whose label has the largest logit.
     """
     x_BTD = self.hidden_states(tokens, positions, segment_ids, dropout_rng=dropout_rng)
+    if self.config.final_softcap is not None:  # the fused loss takes no cap: through the logits
+      logits_BTV = self.logits(x_BTD)
+      loss, count = ops.cross_entropy(
+        logits_BTV, labels, mask=weights, label_smoothing=label_smoothing, z_loss=z_loss
+      )
+      hits_BT = (jnp.argmax(logits_BTV, -1) == labels).astype(jnp.float32)
+      return loss * count, jnp.sum(hits_BT * weights.astype(jnp.float32))
     return hidden_lm_loss(
       self, x_BTD, labels, weights, label_smoothing=label_smoothing, z_loss=z_loss
     )
 
   @with_matmul_precision
   def logits(self, x_BTD: jax.Array) -> jax.Array:
-    """Output projection (tied to the embedding unless ``tie_embeddings=False``), float32."""
+    """Output projection (tied to the embedding unless ``tie_embeddings=False``), float32, soft-
+    capped by ``final_softcap`` where the config has one."""
     logits_BTV = self.embed.attend(x_BTD) if self.lm_head is None else self.lm_head(x_BTD)
+    cap = self.config.final_softcap
+    if cap is not None:
+      return jnp.tanh(logits_BTV.astype(jnp.float32) / cap) * cap
     return logits_BTV.astype(jnp.float32)

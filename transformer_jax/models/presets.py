@@ -45,6 +45,36 @@ def _llama(**kw) -> GPTConfig:
   return GPTConfig(**{**_LLAMA, **kw})
 
 
+def _gemma(gen: int, num_layers: int, **kw) -> GPTConfig:
+  """Gemma ``gen`` 2 or 3: LLaMA's layers with the (1 + w) norm, sandwich norms, scaled
+  embeddings, tied heads, tanh-GELU gates and head_dim 256; every second layer (Gemma 2) or
+  five of six (Gemma 3) sliding."""
+  pattern = 2 if gen == 2 else 6
+  types = tuple(
+    "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)
+  )
+  base = dict(
+    position="rope",
+    norm="rmsnorm",
+    norm_eps=1e-6,
+    activation="gelu_tanh",
+    gated=True,
+    use_bias=False,
+    tie_embeddings=True,
+    head_dim=256,
+    query_pre_attn_scalar=256.0,
+    norm_offset=1.0,
+    post_norms=True,
+    embed_scale=True,
+    layer_types=types,
+  )
+  if gen == 2:
+    base.update(attn_softcap=50.0, final_softcap=30.0, max_len=8192, sliding_window=4096)
+  else:
+    base.update(qk_norm=True, rope_theta=1_000_000.0, rope_local_theta=10_000.0)
+  return GPTConfig(num_layers=num_layers, **{**base, **kw})
+
+
 def _qwen(**kw) -> GPTConfig:
   # Qwen2/2.5 and Qwen3 (Yang et al. 2024, 2025): rope_theta 1e6, RMSNorm eps 1e-6.
   return _llama(**{"rope_theta": 1000000.0, "norm_eps": 1e-6, **kw})
@@ -179,6 +209,63 @@ PRESETS: dict[str, ModelConfig] = {
     d_ff=176,
     max_len=256,
     norm_eps=1e-5,
+    sliding_window=16,
+  ),
+  # --- Gemma 2 (Gemma Team 2024; google/gemma-2-2b, gemma-2-9b config.json) and Gemma 3 text
+  # (2025; google/gemma-3-1b-pt, the text half of gemma-3-4b-pt).
+  "gemma2-2b": _gemma(
+    2, 26, vocab_size=256000, d_model=2304, num_heads=8, num_kv_heads=4, d_ff=9216
+  ),
+  "gemma2-9b": _gemma(
+    2, 42, vocab_size=256000, d_model=3584, num_heads=16, num_kv_heads=8, d_ff=14336
+  ),
+  "gemma3-1b": _gemma(
+    3,
+    26,
+    vocab_size=262144,
+    d_model=1152,
+    num_heads=4,
+    num_kv_heads=1,
+    d_ff=6912,
+    max_len=32768,
+    sliding_window=512,
+  ),
+  "gemma3-4b": _gemma(
+    3,
+    34,
+    vocab_size=262208,
+    d_model=2560,
+    num_heads=8,
+    num_kv_heads=4,
+    d_ff=10240,
+    max_len=131072,
+    sliding_window=1024,
+    rope_scaling=ops.RopeScaling("linear", factor=8.0),
+  ),
+  "gemma2-tiny": _gemma(
+    2,
+    4,
+    vocab_size=512,
+    d_model=64,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    query_pre_attn_scalar=16.0,
+    d_ff=176,
+    max_len=256,
+    sliding_window=16,
+  ),
+  "gemma3-tiny": _gemma(
+    3,
+    6,
+    vocab_size=512,
+    d_model=64,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    query_pre_attn_scalar=16.0,
+    d_ff=176,
+    max_len=256,
     sliding_window=16,
   ),
   # --- Qwen2.5 (Qwen2ForCausalLM): LLaMA's layers with biases on the query/key/value

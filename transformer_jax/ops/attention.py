@@ -186,8 +186,10 @@ def dot_product_attention(
   block_q: int | None = None,
   block_k: int | None = None,
   dense_core: DenseCore | None = None,
+  softcap: float | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
-  """softmax(scale * q k^T + bias, masked) v, with multi-, multi-query and grouped-query heads.
+  """softmax(cap(scale * q k^T) + bias, masked) v, with multi-, multi-query and grouped-query
+  heads; ``cap`` is the identity, or with ``softcap`` c, ``c * tanh(x / c)`` (Gemma 2).
 
   The mask may be given densely (``mask``) and/or by its parts (``causal``, ``window``,
   ``kv_valid``, segment ids); the parts are ANDed. Key ``j`` sits at position ``j``; query ``i`` at
@@ -223,7 +225,9 @@ def dot_product_attention(
       evened out: ``ceil(T / ceil(T / block_q))``).
     block_k: the most keys per block of the "chunked" kernel (default ``DEFAULT_BLOCK_K``).
     dense_core: the core of the "xla" kernel without dropout or weights (see ``DenseCore``;
-      default the heads-major core).
+      default the heads-major core). Unused with a ``softcap``: the heads-major core takes it.
+    softcap: the attention logits' soft-cap c > 0 (Gemma 2's ``attn_logit_softcapping``): the
+      scaled logits become ``c * tanh(logits / c)`` before the bias and the mask.
 
   Returns:
     ``[B, T, N, H]`` in q's dtype (and the weights if asked). A query row whose every key is
@@ -234,6 +238,8 @@ def dot_product_attention(
       implementation.
   """
   _check_inputs(q, k, v, mask)
+  if softcap is not None and not softcap > 0:
+    raise ValueError(f"softcap={softcap!r} must be a positive number (or None)")
   b, t, _, _ = q.shape
   s = k.shape[1]
   _check_parts(
@@ -275,6 +281,7 @@ def dot_product_attention(
         dropout_rng=dropout_rng,
         return_weights=return_weights,
         dense_core=dense_core,
+        softcap=softcap,
       )
     case "chunked":
       if return_weights:
@@ -301,6 +308,7 @@ def dot_product_attention(
         dropout_rng=dropout_rng,
         block_q=block_q,
         block_k=block_k,
+        softcap=softcap,
       )
     case "cudnn" | "splash":
       raise ValueError(
@@ -312,9 +320,17 @@ def dot_product_attention(
       raise ValueError(f"implementation={implementation!r} must be None, 'xla' or 'chunked'")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
 def _dense_core(
-  q_BKMH, k_BKSH, v_BKSH, bias, mask, scale: float, t: int, matmul_precision: str | None
+  q_BKMH,
+  k_BKSH,
+  v_BKSH,
+  bias,
+  mask,
+  scale: float,
+  t: int,
+  matmul_precision: str | None,
+  softcap: float | None = None,
 ):
   """Softmax attention on heads-major operands: ``M = G * T`` query rows per key/value head.
 
@@ -322,9 +338,19 @@ def _dense_core(
   the backward is written out (FlashAttention's formulas on the dense weights, ``dS = P * (dP -
   rowsum(dO * O))``): it reads the saved weights once instead of replaying softmax's pieces
   (experiments/PERFORMANCE.md, "Dense attention core"). ``bias``/``mask`` broadcast to
-  ``[B, N, T, S]``; masked weights are exactly 0 and a fully masked row gives zeros.
+  ``[B, N, T, S]``; masked weights are exactly 0 and a fully masked row gives zeros. A
+  ``softcap`` c maps the scaled logits to ``c * tanh(logits / c)``; its backward recomputes the
+  logits (one more product) rather than keep a second ``[B, N, T, S]`` array.
   """
-  return _dense_core_fwd(q_BKMH, k_BKSH, v_BKSH, bias, mask, scale, t, matmul_precision)[0]
+  return _dense_core_fwd(q_BKMH, k_BKSH, v_BKSH, bias, mask, scale, t, matmul_precision, softcap)[0]
+
+
+def _capped(logits, softcap):
+  """``softcap * tanh(logits / softcap)`` (the identity for None), in the logits' dtype."""
+  if softcap is None:
+    return logits
+  c = jnp.asarray(softcap, logits.dtype)
+  return jnp.tanh(logits / c) * c
 
 
 def _acc_dtype(x: jax.Array) -> jnp.dtype:
@@ -351,12 +377,13 @@ def _masked_softmax(
   return weights_BNTS if mask is None else jnp.where(mask, weights_BNTS, 0.0)
 
 
-def _dense_core_fwd(q_BKMH, k_BKSH, v_BKSH, bias, mask, scale, t, matmul_precision):
+def _dense_core_fwd(q_BKMH, k_BKSH, v_BKSH, bias, mask, scale, t, matmul_precision, softcap):
   b, kh, m, _ = q_BKMH.shape
   s = k_BKSH.shape[2]
   acc = _acc_dtype(q_BKMH)
   logits_BKMS = jnp.einsum("BKMH,BKSH->BKMS", q_BKMH, k_BKSH, preferred_element_type=acc)
-  weights_BNTS = _masked_softmax(_bnts(logits_BKMS, t) * jnp.asarray(scale, acc), bias, mask)
+  logits_BNTS = _capped(_bnts(logits_BKMS, t) * jnp.asarray(scale, acc), softcap)
+  weights_BNTS = _masked_softmax(logits_BNTS, bias, mask)
   p_BKMS = weights_BNTS.reshape(b, kh, m, s)
   out_BKMH = jnp.einsum(
     "BKMS,BKSH->BKMH", p_BKMS.astype(v_BKSH.dtype), v_BKSH, preferred_element_type=acc
@@ -365,12 +392,12 @@ def _dense_core_fwd(q_BKMH, k_BKSH, v_BKSH, bias, mask, scale, t, matmul_precisi
   return out_BKMH, (*saved, bias, mask)
 
 
-def _dense_core_bwd(scale, t, matmul_precision, res, dout_BKMH):
+def _dense_core_bwd(scale, t, matmul_precision, softcap, res, dout_BKMH):
   with jax.default_matmul_precision(matmul_precision):  # the forward's (ops/precision.py)
-    return _dense_core_grads(scale, t, res, dout_BKMH)
+    return _dense_core_grads(scale, t, res, dout_BKMH, softcap)
 
 
-def _dense_core_grads(scale, t, res, dout_BKMH):
+def _dense_core_grads(scale, t, res, dout_BKMH, softcap=None):
   *saved, bias, mask = res
   q_BKMH, k_BKSH, v_BKSH, p_BKMS, out_BKMH = (residuals.unpacked(x) for x in saved)
   acc = _acc_dtype(q_BKMH)
@@ -381,6 +408,9 @@ def _dense_core_grads(scale, t, res, dout_BKMH):
   delta_BKM1 = output_delta(dout_BKMH, out_BKMH, acc, keepdims=True)
   ds_BKMS = p_BKMS * (dp_BKMS - delta_BKM1)  # d(logits); masked entries have p = 0
   dbias = None if bias is None else sum_to(_bnts(ds_BKMS, t), bias.shape).astype(bias.dtype)
+  if softcap is not None:  # through the cap: d(c tanh(x / c)) / dx = 1 - tanh(x / c)^2
+    raw_BKMS = jnp.einsum("BKMH,BKSH->BKMS", q_BKMH, k_BKSH, preferred_element_type=acc)
+    ds_BKMS = ds_BKMS * (1.0 - jnp.square(jnp.tanh(raw_BKMS * jnp.asarray(scale / softcap, acc))))
   ds_BKMS = (ds_BKMS * jnp.asarray(scale, acc)).astype(q_BKMH.dtype)
   dq_BKMH = jnp.einsum("BKMS,BKSH->BKMH", ds_BKMS, k_BKSH, preferred_element_type=acc)
   dk_BKSH = jnp.einsum("BKMS,BKMH->BKSH", ds_BKMS, q_BKMH, preferred_element_type=acc)
@@ -397,18 +427,22 @@ def _dense_core_grads(scale, t, res, dout_BKMH):
 _dense_core.defvjp(_dense_core_fwd, _dense_core_bwd)
 
 
-def dense_attention(q, k, v, *, bias, mask, scale):
-  """The heads-major dense core on ``[B, T, N, H]`` inputs (a ``DenseCore``)."""
+def dense_attention(q, k, v, *, bias, mask, scale, softcap=None):
+  """The heads-major dense core on ``[B, T, N, H]`` inputs (a ``DenseCore``; it alone takes a
+  ``softcap``)."""
   b, t, n, h = q.shape
   kh = k.shape[2]
   q_BKMH = q.reshape(b, t, kh, n // kh, h).transpose(0, 2, 3, 1, 4).reshape(b, kh, -1, h)
   k_BKSH, v_BKSH = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-  out_BKMH = _dense_core(q_BKMH, k_BKSH, v_BKSH, bias, mask, float(scale), t, precision.current())
+  cap = None if softcap is None else float(softcap)
+  out_BKMH = _dense_core(
+    q_BKMH, k_BKSH, v_BKSH, bias, mask, float(scale), t, precision.current(), cap
+  )
   return out_BKMH.reshape(b, kh, n // kh, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
 def _xla_attention(
-  q, k, v, *, bias, mask, scale, dropout_rate, dropout_rng, return_weights, dense_core
+  q, k, v, *, bias, mask, scale, dropout_rate, dropout_rng, return_weights, dense_core, softcap
 ):
   """The dense kernel: the whole ``[B, N, T, S]`` score matrix at once."""
   b, t, n, h = q.shape
@@ -416,12 +450,15 @@ def _xla_attention(
   g = n // kh
   scale = h**-0.5 if scale is None else scale
   if not return_weights and not (dropout_rate > 0.0 and dropout_rng is not None):
+    if softcap is not None:
+      return dense_attention(q, k, v, bias=bias, mask=mask, scale=scale, softcap=softcap)
     core = dense_attention if dense_core is None else dense_core
     return core(q, k, v, bias=bias, mask=mask, scale=scale)
 
   q_BTKGH = q.reshape(b, t, kh, g, h)
   logits_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k, preferred_element_type=jnp.float32)
-  weights_BNTS = _masked_softmax(logits_BKGTS.reshape(b, n, t, s) * jnp.float32(scale), bias, mask)
+  logits_BNTS = _capped(logits_BKGTS.reshape(b, n, t, s) * jnp.float32(scale), softcap)
+  weights_BNTS = _masked_softmax(logits_BNTS, bias, mask)
 
   probs_BNTS = weights_BNTS
   if dropout_rate > 0.0 and dropout_rng is not None:

@@ -52,6 +52,7 @@ class Static:
   s_len: int | None = None  # keys at positions >= s_len are padding added by the kernel
   bias_fn: Any = None
   dropout_rate: float = 0.0
+  softcap: float | None = None  # logits -> softcap * tanh(logits / softcap), before bias and mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,16 +131,25 @@ def block_scores(
   q_BtKGH: jax.Array, k_BsKH: jax.Array, blk: Block, st: Static
 ) -> tuple[jax.Array, jax.Array | None]:
   """Masked float32 logits ``[B, K, G, t, s]`` of one block, and its validity (or None)."""
+  return _scores(q_BtKGH, k_BsKH, blk, st)[:2]
+
+
+def _scores(q_BtKGH, k_BsKH, blk: Block, st: Static):
+  """``block_scores`` and the soft-cap's derivative ``1 - tanh^2`` (None without a soft-cap)."""
   kh = k_BsKH.shape[2]
   logits = jnp.einsum("BTKGH,BSKH->BKGTS", q_BtKGH, k_BsKH, preferred_element_type=jnp.float32)
   logits = logits * jnp.float32(st.scale)
+  dcap = None
+  if st.softcap is not None:
+    capped = jnp.tanh(logits / jnp.float32(st.softcap))
+    logits, dcap = capped * jnp.float32(st.softcap), 1.0 - jnp.square(capped)
   bias = block_bias(blk, st, kh)
   if bias is not None:
     logits = logits + bias
   valid = block_valid(blk, st, kh)
   if valid is not None:
     logits = jnp.where(valid, logits, MASK_VALUE)
-  return logits, valid
+  return logits, valid, dcap
 
 
 def _probs(logits, valid, shift):
@@ -215,8 +225,8 @@ def block_grads(q_BtKGH, k_BsKH, v_BsKH, do_BtKGH, lse_BKGt, delta_BKGt, blk: Bl
   """Gradients of one block (the backward block step), recomputing its scores from the lse.
 
   Returns ``(dq [B,t,K,G,H], dk [B,s,K,H], dv [B,s,K,H], ds [B,K,G,t,s])`` float32, where ``ds``
-  is the gradient of the (scaled, biased) logits: the gradient of an additive bias."""
-  logits, valid = block_scores(q_BtKGH, k_BsKH, blk, st)
+  is the gradient of the (scaled, soft-capped, biased) logits: the gradient of an additive bias."""
+  logits, valid, dcap = _scores(q_BtKGH, k_BsKH, blk, st)
   p = _probs(logits, valid, lse_BKGt)
   pd = _dropped(p, blk.keep, st.dropout_rate)
   dt = jnp.float32
@@ -224,8 +234,9 @@ def block_grads(q_BtKGH, k_BsKH, v_BsKH, do_BtKGH, lse_BKGt, delta_BKGt, blk: Bl
   dp = jnp.einsum("BTKGH,BSKH->BKGTS", do_BtKGH.astype(dt), v_BsKH.astype(dt))
   dp = _dropped(dp, blk.keep, st.dropout_rate)
   ds = p * (dp - delta_BKGt[..., None])
-  dq = jnp.einsum("BKGTS,BSKH->BTKGH", ds, k_BsKH.astype(dt)) * st.scale
-  dk = jnp.einsum("BKGTS,BTKGH->BSKH", ds, q_BtKGH.astype(dt)) * st.scale
+  ds_raw = ds if dcap is None else ds * dcap  # through the soft-cap to the scaled products
+  dq = jnp.einsum("BKGTS,BSKH->BTKGH", ds_raw, k_BsKH.astype(dt)) * st.scale
+  dk = jnp.einsum("BKGTS,BTKGH->BSKH", ds_raw, q_BtKGH.astype(dt)) * st.scale
   return dq, dk, dv, ds
 
 
@@ -451,6 +462,7 @@ def chunked_attention(
   dropout_rng=None,
   block_q=None,
   block_k=None,
+  softcap=None,
 ):
   """The "chunked" kernel (see the module docstring); arguments as ``ops.dot_product_attention``,
   already checked, with ``q_pos`` the ``[B|1, T]`` int32 query positions. ``block_q`` and
@@ -486,6 +498,7 @@ def chunked_attention(
     s_len=s if sp != s else None,
     bias_fn=bias_fn,
     dropout_rate=dropout_rate if drop else 0.0,
+    softcap=softcap,
   )
 
   # Pad the lengths to whole blocks; padded keys are masked (s_len), padded query rows dropped.

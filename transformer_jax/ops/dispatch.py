@@ -11,7 +11,10 @@ backend, read top to bottom (the first rule that applies wins):
   backend   kernel
   ========  =====================================================================================
   any       ``"ring"`` when the sequence is sharded over a mesh axis (self-attention without a
-            bias, window or dropout); ``"xla"`` when the weights are asked for
+            bias, window, soft-cap or dropout); ``"xla"`` when the weights are asked for; with
+            a logits soft-cap (Gemma 2) on GPU, ``"xla"`` or ``"chunked"`` as by
+            ``DENSE_MAX_BYTES`` (cuDNN's fused kernel has no soft-cap; splash takes one, as
+            ``attn_logits_soft_cap``)
   gpu       ``"cudnn"`` for bfloat16/float16 with head dim <= 128 (a multiple of 8): causal or
             bidirectional, MHA/MQA/GQA, padding, segment ids, a causal sliding window; past that
             (float32, dropout, a position bias, decoding with T != S, a two-sided window):
@@ -148,6 +151,7 @@ def choose_implementation(
   q_positions: bool = False,
   sequence_shards: int = 1,
   rowmajor_core: bool = False,
+  softcap: bool = False,
 ) -> Choice:
   """The attention kernel for these inputs on ``platform`` (see the module's table).
 
@@ -168,6 +172,7 @@ def choose_implementation(
     sequence_shards: how many devices the sequence is split over (a mesh's ``sequence`` axis).
     rowmajor_core: on CPU, the row-major dense core takes these inputs (bfloat16 on a CPU with
       bf16 units: ``backends.cpu.attention.rowmajor_core_takes``, which the CPU backend asks).
+    softcap: the attention logits are soft-capped ("xla", "chunked" and "splash" take one).
 
   Returns:
     ``"xla"``, ``"chunked"``, ``"cudnn"``, ``"splash"`` or ``"ring"`` (``parallel.ring``).
@@ -185,11 +190,14 @@ def choose_implementation(
     and not (bias or mask or dropout)
     and window is None
     and not q_positions
+    and not softcap
   ):
     return "ring"
   parts = dict(
     causal=causal, window=window, bias=bias, dropout=dropout, mask=mask, q_positions=q_positions
   )
+  if softcap and platform == "gpu":
+    return dense_or_chunked(q, k)
   match platform:
     case "gpu":
       if _cudnn_takes(q, k, **parts):

@@ -225,14 +225,19 @@ def attention_kernels(
           ("self-attention", seq_len, seq_len, dict(causal=True, segment_ids=packed, bias=False))
         )
     case "GPTConfig":
-      calls.append(
-        (
-          "self-attention",
-          seq_len,
-          seq_len,
-          dict(causal=True, window=config.sliding_window, segment_ids=packed, bias=bias),
+      # Each distinct layer window (layer_types: sliding and full layers) is its own call.
+      cap = dict(softcap=True) if config.attn_softcap is not None else {}
+      windows = sorted(set(config.layer_windows()), key=lambda w: -1 if w is None else w)
+      for w in windows:
+        name = "self-attention" if len(windows) == 1 else f"self-attention (window {w})"
+        calls.append(
+          (
+            name,
+            seq_len,
+            seq_len,
+            dict(causal=True, window=w, segment_ids=packed, bias=bias, **cap),
+          )
         )
-      )
     case "BERTConfig":
       calls.append(("self-attention", seq_len, seq_len, dict(kv_valid=True)))
     case _:

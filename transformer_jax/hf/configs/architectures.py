@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from transformer_jax.hf.configs import common, decoders, encoders, seq2seq, ssm
+from transformer_jax.hf.configs import common, decoders, encoders, gemma, seq2seq, ssm
 from transformer_jax.hf.errors import CheckpointError, UnsupportedError
 from transformer_jax.models import BERTConfig, GPTConfig, MambaConfig, ModelConfig, Seq2SeqConfig
 
@@ -26,6 +26,8 @@ ARCHITECTURES = {
   "T5ForConditionalGeneration": ("t5", "t5"),
   "LlamaForCausalLM": ("llama", "llama"),
   "MistralForCausalLM": ("mistral", "mistral"),
+  "Gemma2ForCausalLM": ("gemma2", "gemma2"),
+  "Gemma3ForCausalLM": ("gemma3", "gemma3_text"),
   "Qwen2ForCausalLM": ("qwen2", "qwen2"),
   "Qwen3ForCausalLM": ("qwen3", "qwen3"),
   "MarianMTModel": ("marian", "marian"),
@@ -92,6 +94,8 @@ def from_hf(hf: dict, arch: str) -> ModelConfig:
       return decoders.llama_from(hf)
     case "mistral":
       return decoders.mistral_from(hf)
+    case "gemma2" | "gemma3":
+      return gemma.gemma_from(hf, ARCHITECTURES[arch][1])
     case "qwen2":
       return decoders.qwen2_from(hf)
     case "qwen3":
@@ -113,6 +117,8 @@ def from_hf(hf: dict, arch: str) -> ModelConfig:
 def default_architecture(config: ModelConfig) -> str:
   """The architecture ``save`` writes when none is given."""
   match config:
+    case GPTConfig(norm_offset=offset, qk_norm=qk_norm) if offset:
+      return "Gemma3ForCausalLM" if qk_norm else "Gemma2ForCausalLM"
     case GPTConfig(position="rope", qk_norm=True):
       return "Qwen3ForCausalLM"
     case GPTConfig(position="rope", use_bias=False, qkv_bias=True, out_bias=None | False):
@@ -157,7 +163,17 @@ def token_ids(arch: str, tokenizer=None) -> dict:
       ``transformer_jax.data.Tokenizer``), or None.
   """
   family = ARCHITECTURES[arch][0]
-  if family in ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mamba", "mamba2"):
+  if family in (
+    "gpt2",
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3",
+    "mamba",
+    "mamba2",
+  ):
     eot = None if tokenizer is None else int(tokenizer.eot_id)
     return {"bos_token_id": eot, "eos_token_id": eot}
   if tokenizer is None:
@@ -207,6 +223,8 @@ def to_hf(config: ModelConfig, arch: str, tokenizer=None) -> dict:
     "gpt2": (GPTConfig, decoders.gpt2_to),
     "llama": (GPTConfig, decoders.llama_to),
     "mistral": (GPTConfig, decoders.mistral_to),
+    "gemma2": (GPTConfig, lambda c: gemma.gemma_to(c, "gemma2")),
+    "gemma3": (GPTConfig, lambda c: gemma.gemma_to(c, "gemma3_text")),
     "qwen2": (GPTConfig, decoders.qwen2_to),
     "qwen3": (GPTConfig, decoders.qwen3_to),
     "bert": (BERTConfig, encoders.bert_to),

@@ -301,3 +301,9 @@ def qwen3_to(c: GPTConfig) -> dict:
     "attention_bias": qkv_bias,
     **_qwen_window_fields(c),
   }
+
+
+def rope_of(hf: dict) -> tuple[float, ops.RopeScaling | None]:
+  """The RoPE base and scaling of a LLaMA-style ``config.json`` dict, in either spelling (what
+  ``llama_from`` reads; Gemma reads each layer type's this way)."""
+  return _llama_rope(hf)

@@ -17,6 +17,8 @@ from transformer_jax.layers import BlockConfig, LinearKind, Remat
 from transformer_jax.layers.approx import ApproxKind, SparseKind
 from transformer_jax.models.config import checks
 
+LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names for the layer kinds
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class GPTConfig(checks.Heads):
@@ -77,6 +79,20 @@ class GPTConfig(checks.Heads):
   # Kernel of ops.dot_product_attention: "xla", "chunked", "cudnn", "splash"; None: the
   # backend's choice (Backend.attention).
   attention_impl: ops.Implementation | None = None
+  # Gemma 2 / 3 (every default leaves the other families' programs as they were):
+  # RMSNorm's scale is (norm_offset + w), in float32, w initialised to 0 when the offset is not.
+  norm_offset: float = 0.0
+  post_norms: bool = False  # a norm on each sub-layer's output before its residual add
+  embed_scale: bool = False  # token embeddings times sqrt(d_model), in the compute dtype
+  attn_softcap: float | None = None  # attention logits -> c * tanh(logits / c) (Gemma 2: 50)
+  final_softcap: float | None = None  # output logits -> c * tanh(logits / c) (Gemma 2: 30)
+  query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(it); None: 1/sqrt(head_dim)
+  # Per layer "sliding_attention" (over the last sliding_window tokens) or "full_attention", as
+  # transformers' layer_types; None: every layer as sliding_window says.
+  layer_types: tuple[str, ...] | None = None
+  # The sliding layers' RoPE base, without rope_scaling (Gemma 3's rope_local_base_freq); None:
+  # every layer uses rope_theta and rope_scaling.
+  rope_local_theta: float | None = None
 
   def __post_init__(self):
     self._validate_heads()
@@ -138,12 +154,68 @@ class GPTConfig(checks.Heads):
       raise ValueError(f"head_dim={self.head_size} must be even for rotary positions")
     if self.position == "sinusoidal" and self.d_model % 2:
       raise ValueError(f"d_model={self.d_model} must be even for sinusoidal positions")
+    self._validate_gemma()
     if not isinstance(self.reversible, bool):
       raise ValueError(f"reversible={self.reversible!r} must be true or false")
     if self.reversible and self.remat != "none":
       raise ValueError(
         f"reversible=True recomputes activations already: remat={self.remat!r} must be 'none'"
       )
+
+  def _validate_gemma(self):
+    """The Gemma fields: each refused by name when out of range or meaningless here."""
+    for name in ("post_norms", "embed_scale"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name}={getattr(self, name)!r} must be true or false")
+    off = self.norm_offset
+    if isinstance(off, bool) or not isinstance(off, (int, float)):
+      raise ValueError(f"norm_offset={off!r} must be a number (Gemma: 1.0)")
+    if off and self.norm != "rmsnorm":
+      raise ValueError(f"norm_offset={off!r} needs norm='rmsnorm' (norm={self.norm!r})")
+    for name in ("attn_softcap", "final_softcap", "query_pre_attn_scalar", "rope_local_theta"):
+      v = getattr(self, name)
+      if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
+        raise ValueError(f"{name}={v!r} must be a positive number or None")
+    if self.attn_softcap is not None and self.attention_kind != "softmax":
+      raise ValueError(
+        f"attn_softcap={self.attn_softcap!r} needs attention_kind='softmax' "
+        f"(attention_kind={self.attention_kind!r})"
+      )
+    types = self.layer_types
+    if types is None:
+      if self.rope_local_theta is not None:
+        raise ValueError(f"rope_local_theta={self.rope_local_theta!r} needs layer_types")
+      return
+    if isinstance(types, (list, str)):  # a YAML sequence: stored as a tuple, so the config hashes
+      types = tuple(types) if isinstance(types, list) else (types,)
+      object.__setattr__(self, "layer_types", types)
+    if len(types) != self.num_layers:
+      raise ValueError(
+        f"layer_types has {len(types)} entries: it needs one per layer (num_layers="
+        f"{self.num_layers})"
+      )
+    for i, kind in enumerate(types):
+      if kind not in LAYER_TYPES:
+        raise ValueError(
+          f"layer_types[{i}]={kind!r} must be one of {', '.join(map(repr, LAYER_TYPES))}"
+        )
+    if "sliding_attention" in types and self.sliding_window is None:
+      raise ValueError("layer_types has 'sliding_attention' layers: set sliding_window")
+    if self.attention_kind != "softmax" or self.reversible:
+      raise ValueError(
+        f"layer_types needs softmax attention in plain layers (attention_kind="
+        f"{self.attention_kind!r}, reversible={self.reversible!r})"
+      )
+    if self.rope_local_theta is not None and self.position != "rope":
+      raise ValueError(f"rope_local_theta needs position='rope' (position={self.position!r})")
+
+  def layer_windows(self) -> tuple[int | None, ...]:
+    """Each layer's attention window (None: every earlier token)."""
+    if self.layer_types is None:
+      return (self.sliding_window,) * self.num_layers
+    return tuple(
+      self.sliding_window if kind == "sliding_attention" else None for kind in self.layer_types
+    )
 
   def block_config(self) -> BlockConfig:
     return BlockConfig(
@@ -175,7 +247,20 @@ class GPTConfig(checks.Heads):
       attention_impl=self.attention_impl,
       linear=self.linear_kind(),
       approx=self.approx_kind(),
+      **self._gemma_block_fields(),
     )
+
+  def _gemma_block_fields(self) -> dict:
+    """The Gemma ``BlockConfig`` fields that differ from their defaults (none for the others)."""
+    fields = dict(
+      norm_offset=float(self.norm_offset) if self.norm_offset else None,
+      post_norms=self.post_norms or None,
+      attn_softcap=self.attn_softcap,
+      rope_local_theta=self.rope_local_theta if self.position == "rope" else None,
+    )
+    if self.query_pre_attn_scalar is not None:
+      fields["attention_scale"] = float(self.query_pre_attn_scalar) ** -0.5
+    return {k: v for k, v in fields.items() if v is not None}
 
   def approx_kind(self) -> ApproxKind | None:
     """The block-sparse kind (``layers.approx.SparseKind``), or None."""
