@@ -428,6 +428,12 @@ def test_ten_thousand_files_prepare_without_holding_their_documents(tmp_path, mo
   assert text_bytes > 10_000_000 and peak < 0.7 * text_bytes, (peak, text_bytes)
 
 
+def test_the_local_engines_earlier_name_is_still_read(corpus_dir, tmp_path):
+  a = prepare([str(corpus_dir)], str(tmp_path / "a"), progress=False, engine="threads")
+  b = prepare([str(corpus_dir)], str(tmp_path / "b"), progress=False, engine="local")
+  assert a["content_hash"] == b["content_hash"] and a["splits"] == b["splits"]
+
+
 def test_an_unknown_engine_is_named(corpus_dir, tmp_path):
-  with pytest.raises(ValueError, match="engine='spark': expected one of threads, ray"):
+  with pytest.raises(ValueError, match="engine='spark': expected one of local, ray"):
     prepare([str(corpus_dir)], str(tmp_path / "o"), engine="spark")

@@ -64,7 +64,8 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     "--workers",
     type=int,
     default=None,
-    help=f"tokenizing threads (default: all cores this process may use, {available_cores()} here)",
+    help="tokenizing workers, processes when more than one (default: all cores this process may "
+    f"use, {available_cores()} here)",
   )
   parser.add_argument(
     "--text-field", default="text", help="text field (column) of JSON lines, Parquet, Arrow inputs"
@@ -79,10 +80,10 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
   )
   parser.add_argument(
     "--engine",
-    choices=ENGINES,
-    default="threads",
-    help="threads: this process's thread pool; ray: a Ray Data job (optional extra 'ray'), the "
-    "same dataset byte for byte",
+    choices=(*ENGINES, "threads"),
+    default="local",
+    help="local: --workers processes on this machine ('threads' is its earlier name); ray: a Ray "
+    "Data job (optional extra 'ray'), the same dataset byte for byte",
   )
   parser.add_argument("--force", action="store_true", help="rebuild even if up to date")
   parser.add_argument(

@@ -12,6 +12,7 @@ the same documents give the same dataset in any input format and file layout.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -45,7 +46,8 @@ from transformer_jax.data.tokenizer import CompactVocab, Tokenizer
 
 
 DEFAULT_SHARD_BYTES = 1 << 30  # a token shard's size limit (1 GiB)
-ENGINES = ("threads", "ray")
+ENGINES = ("local", "ray")
+_ENGINE_ALIASES = {"threads": "local"}  # the local engine's earlier name
 
 
 def _ray_stream():
@@ -54,7 +56,7 @@ def _ray_stream():
   return stream_corpus_ray
 
 
-_ENGINE_STREAM = {"threads": lambda: stream_corpus, "ray": _ray_stream}
+_ENGINE_STREAM = {"local": lambda: stream_corpus, "ray": _ray_stream}
 
 
 def available_cores() -> int:
@@ -74,7 +76,7 @@ def check_options(
   compact_vocab: bool | int,
   text_field: str,
   shard_bytes: int = DEFAULT_SHARD_BYTES,
-  engine: str = "threads",
+  engine: str = "local",
 ) -> None:
   """Refuses options ``prepare`` cannot honour, before any file is read.
 
@@ -105,7 +107,7 @@ def check_options(
     raise ValueError(f"compact_vocab={compact_vocab}: expected true, false or a count of ids >= 1")
   if not isinstance(text_field, str) or not text_field:
     raise ValueError(f"text_field={text_field!r}: expected a field name")
-  if engine not in ENGINES:
+  if _ENGINE_ALIASES.get(engine, engine) not in ENGINES:
     raise ValueError(f"engine={engine!r}: expected one of {', '.join(ENGINES)}")
   if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes < 4:
     raise ValueError(f"shard_bytes={shard_bytes}: expected an integer >= 4 (one uint32 token)")
@@ -131,7 +133,7 @@ def prepare(
   allow_undecodable: bool = False,
   skip_bad: bool = False,
   shard_bytes: int = DEFAULT_SHARD_BYTES,
-  engine: str = "threads",
+  engine: str = "local",
 ) -> dict[str, Any]:
   """Tokenizes a corpus into a dataset directory (its layout: ``data.layout``).
 
@@ -165,8 +167,9 @@ def prepare(
       shard_bytes: A token shard's size limit: a stream longer than that is written as several
           shards (``train_000.bin``, ``train_001.bin``, ...), listed with their token counts in
           the metadata; the loaders read them as one stream.
-      engine: ``"threads"`` (this process's thread pool) or ``"ray"`` (a Ray Data job reads and
-          tokenizes the files, ``data.ray_job``; the same dataset, byte for byte).
+      engine: ``"local"`` (this machine's tokenizing workers, ``stream.tokenizer_pool``;
+          ``"threads"`` is its earlier name) or ``"ray"`` (a Ray Data job reads and tokenizes the
+          files, ``data.ray_job``; the same dataset, byte for byte).
 
   Returns:
       The metadata dict written to ``out/metadata.json``.
@@ -186,6 +189,7 @@ def prepare(
     engine=engine,
   )
   check_output_dir(out)
+  engine = _ENGINE_ALIASES.get(engine, engine)
   workers = available_cores() if workers is None else workers
   if task == "classify":
     return prepare_classify(
@@ -238,7 +242,8 @@ def prepare(
   streams = ("src", "tgt") if task == "seq2seq" else ("tokens",)
   pending, start = _open_pending(out, streams, content_hash, force)
   try:
-    with tokenizer_pool(workers, tok) as pool:
+    # Ray's tasks tokenize for the ray engine: no local workers.
+    with tokenizer_pool(workers, tok) if engine == "local" else contextlib.nullcontext() as pool:
       stats = _ENGINE_STREAM[engine]()(
         sources,
         synthetic,
