@@ -19,6 +19,7 @@ from transformer_jax.layers.cache import KVCache
 from transformer_jax.layers.common import split_key
 from transformer_jax.layers.dense import Norm
 from transformer_jax.layers.mlp import MLP
+from transformer_jax.layers.moe import MoE, MoEKind
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -53,6 +54,7 @@ class BlockConfig:
   out_init_std: float = 0.02  # output projections (GPT-2 scales by 1/sqrt(2L))
   dtype: str = "float32"
   param_dtype: str = "float32"
+  moe: MoEKind | None = None  # the feed-forward as a mixture of experts (layers.moe)
 
 
 class Block(nnx.Module):
@@ -109,19 +111,33 @@ class Block(nnx.Module):
     else:
       self.cross_norm = self.cross_attn = None
     self.mlp_norm = Norm(cfg.d_model, **norm)
-    self.mlp = MLP(
-      cfg.d_model,
-      cfg.d_ff,
-      activation=cfg.activation,
-      gated=cfg.gated,
-      use_bias=cfg.use_bias,
-      init_std=cfg.init_std,
-      out_init_std=cfg.out_init_std,
-      dtype=dtype,
-      param_dtype=param_dtype,
-      rngs=rngs,
-      backend=backend,
-    )
+    if cfg.moe is not None:
+      self.mlp = MoE(
+        cfg.d_model,
+        cfg.moe,
+        activation=cfg.activation,
+        init_std=cfg.init_std,
+        out_init_std=cfg.out_init_std,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        rngs=rngs,
+        backend=backend,
+        mesh=mesh,
+      )
+    else:
+      self.mlp = MLP(
+        cfg.d_model,
+        cfg.d_ff,
+        activation=cfg.activation,
+        gated=cfg.gated,
+        use_bias=cfg.use_bias,
+        init_std=cfg.init_std,
+        out_init_std=cfg.out_init_std,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        rngs=rngs,
+        backend=backend,
+      )
 
   def _residual(self, x, norm, fn, rng):
     """One sub-layer with its residual connection, dropout and norm in the configured place."""
@@ -145,6 +161,7 @@ class Block(nnx.Module):
     encoder_valid: jax.Array | None = None,
     dropout_rng: jax.Array | None = None,
     cache: KVCache | None = None,
+    moe_stats: list | None = None,
   ) -> tuple[jax.Array, KVCache | None]:
     """The block on ``x`` ``[B, T, D]``.
 
@@ -152,7 +169,8 @@ class Block(nnx.Module):
     ``segment_ids``, ``window``, ``bias_fn``/``bias_params``: see ``Attention``); cross-attention
     attends to ``encoder_out`` ``[B, S, D]`` with ``encoder_valid`` ``[B, S]`` marking its padding.
     ``cache`` (decoding) is one layer of a ``KVCache``: self-attention writes into it, and
-    cross-attention reads ``cache.cross`` (``encoder_out`` is then unused).
+    cross-attention reads ``cache.cross`` (``encoder_out`` is then unused). ``moe_stats``: a list
+    a mixture-of-experts block appends its router statistics to (``layers.moe.MoE``).
 
     Returns:
       ``(x [B, T, D], cache)``, the cache with this step's keys/values (None without one).
@@ -199,13 +217,16 @@ class Block(nnx.Module):
         )[0],
         r_cross,
       )
-    x = self._residual(
-      x,
-      self.mlp_norm,
-      lambda h: self.mlp(h, dropout_rate=cfg.ffn_dropout_rate, dropout_rng=r_mlp_in),
-      r_mlp,
-    )
+    x = self._residual(x, self.mlp_norm, lambda h: self._ffn(h, r_mlp_in, moe_stats), r_mlp)
     return x, cache
+
+  def _ffn(self, h_BTD, dropout_rng, moe_stats):
+    if self.cfg.moe is None:
+      return self.mlp(h_BTD, dropout_rate=self.cfg.ffn_dropout_rate, dropout_rng=dropout_rng)
+    y_BTD, stats = self.mlp(h_BTD)
+    if moe_stats is not None:
+      moe_stats.append(stats)
+    return y_BTD
 
   def attention_weights(self, x_BTD: jax.Array, **mask_parts) -> jax.Array:
     """The self-attention weights ``[B, N, T, S]`` of this block on its input ``x`` (the mask and

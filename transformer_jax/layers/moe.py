@@ -16,6 +16,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from transformer_jax import backends, ops
 from transformer_jax.layers.common import normal, param
@@ -23,6 +24,7 @@ from transformer_jax.layers.dense import Projection
 from transformer_jax.layers.mlp import MLP
 from transformer_jax.ops import moe as moe_ops
 from transformer_jax.parallel import axes as ax
+from transformer_jax.parallel import experts as expert_parallel
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -58,9 +60,13 @@ class MoE(nnx.Module):
     param_dtype: jnp.dtype,
     rngs: nnx.Rngs,
     backend: backends.Backend | None = None,
+    mesh: Mesh | None = None,
   ):
+    """``mesh``: where the layer runs; with an ``expert`` axis the experts are split over it and
+    the tokens exchanged by all-to-all (``parallel.experts``)."""
     ops.get_activation(activation)
     self.kind = kind
+    self.mesh = mesh
     self.activation = activation
     self.dtype = dtype
     self.backend = backend = backend or backends.current()
@@ -138,15 +144,22 @@ class MoE(nnx.Module):
     }
     return y_BTD, stats
 
-  def _experts(self, x_MD, group_sizes_E) -> jax.Array:
-    """The SwiGLU experts on rows sorted by expert: ``[M, D]``."""
+  def _experts(self, x_MD, group_sizes_E, weights=None) -> jax.Array:
+    """The SwiGLU experts on rows sorted by expert: ``[M, D]`` (``weights``: (gate, up, down),
+    default this layer's)."""
+    gate, up, down = weights or (self.gate, self.up, self.down)
     gmm = self.backend.grouped_matmul
-    g_MF = gmm(x_MD, self.gate, group_sizes_E, dtype=self.dtype)
-    u_MF = gmm(x_MD, self.up, group_sizes_E, dtype=self.dtype)
+    g_MF = gmm(x_MD, gate, group_sizes_E, dtype=self.dtype)
+    u_MF = gmm(x_MD, up, group_sizes_E, dtype=self.dtype)
     h_MF = self.backend.activate(self.activation, g_MF, u_MF, dtype=self.dtype)
-    return gmm(h_MF, self.down, group_sizes_E, dtype=self.dtype)
+    return gmm(h_MF, down, group_sizes_E, dtype=self.dtype)
 
   def _dropless(self, x_ND, r: moe_ops.Routing) -> jax.Array:
+    if expert_parallel.expert_shards(self.mesh) > 1:
+      weights = tuple(getattr(self, n)[...] for n in ("gate", "up", "down"))
+      return expert_parallel.expert_parallel_ffn(
+        x_ND, r.experts_Nk, r.weights_Nk, weights, mesh=self.mesh, experts_fn=self._experts
+      )
     srt = moe_ops.sort_by_expert(r.experts_Nk, self.kind.num_experts)
     y_MD = self._experts(moe_ops.permute(x_ND, srt, self.kind.top_k), srt.group_sizes_E)
     return moe_ops.unsort(y_MD, srt, r.weights_Nk)

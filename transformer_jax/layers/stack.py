@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -85,6 +86,7 @@ class Stack(nnx.Module):
     dropout_rng: jax.Array | None = None,
     cache: KVCache | None = None,
     layer_params: tuple[nnx.State, ...] | None = None,
+    moe_stats: list | None = None,
     **block_kwargs,
   ) -> tuple[jax.Array, KVCache | None]:
     """Runs every block on ``x``; ``block_kwargs`` (mask parts, bias, positions, encoder output)
@@ -100,6 +102,8 @@ class Stack(nnx.Module):
       layer_params: this stack's parameters split per layer (``split_layers``), for a decoding
         loop: split once outside the loop, each step reads every layer's weights where they are
         instead of slicing (copying) them out of the stacked arrays.
+      moe_stats: a list that mixture-of-experts layers' router statistics are appended to, as one
+        dict of arrays with a leading ``[L]`` axis (training and eval; not with a cache).
 
     Returns:
       ``(x [B, T, D], cache)``: the updated cache, or None without one.
@@ -122,15 +126,22 @@ class Stack(nnx.Module):
       layer_params, key = layer
       # Block boundary: under a mesh, activations split over batch (and length), width whole.
       x = constrain(x, ACTIVATION_BTD, self.mesh)
-      return nnx.merge(graphdef, layer_params)(x, dropout_rng=key, **block_kwargs)[0], None
+      stats = []  # a mixture of experts' router statistics, the scan's per-layer output
+      x = nnx.merge(graphdef, layer_params)(x, dropout_rng=key, moe_stats=stats, **block_kwargs)[0]
+      return x, (stats[0] if stats else None)
 
     if self.remat != "none":
       body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.remat], prevent_cse=False)
     if self.unroll:
+      per_layer = []
       for i in range(self.num_layers):
-        x_BTD, _ = body(x_BTD, jax.tree.map(lambda a: a[i], (params, keys)))
+        x_BTD, stats = body(x_BTD, jax.tree.map(lambda a: a[i], (params, keys)))
+        per_layer.append(stats)
+      stats = None if per_layer[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
     else:
-      x_BTD, _ = jax.lax.scan(body, x_BTD, (params, keys))
+      x_BTD, stats = jax.lax.scan(body, x_BTD, (params, keys))
+    if moe_stats is not None and stats is not None:
+      moe_stats.append(stats)
     return constrain(x_BTD, ACTIVATION_BTD, self.mesh), None
 
   def _reversible(self, x_BTD, dropout_rng, cache, layer_params, block_kwargs):

@@ -204,6 +204,8 @@ class TrainLog:
       if self.mfu is not None:
         record["mfu"] = self.mfu(record["tokens_per_sec"])
       record.update({k: float(v) for k, v in m.items() if k.endswith(("_loss", "_accuracy"))})
+      # A mixture of experts' counts: tokens per expert [L, E] as lists, the dropped fraction.
+      record.update({k: np.asarray(v).tolist() for k, v in m.items() if k.startswith("moe_")})
       self.log.write(record)
     self.bar.update(len(pending))
     mfu = f"  MFU {100 * record['mfu']:.1f}%" if "mfu" in record else ""
