@@ -37,7 +37,7 @@ Rules = tuple[tuple[str, MeshAxes], ...]
 
 RULES: Rules = (
   # Activations.
-  (ax.BATCH, ("data", "fsdp")),
+  (ax.BATCH, ("data", "fsdp", "expert")),
   (ax.LENGTH, "sequence"),
   # Vocabulary: embedding rows and logits.
   (ax.VOCAB, "tensor"),

@@ -35,7 +35,7 @@ def simulate_devices(exp: Experiment, num_devices: int | None) -> int:
     ValueError: the mesh has a -1 axis and no device count was given, or the count lies outside
       ``[1, MAX_SIMULATED_DEVICES]``.
   """
-  sizes = [exp.mesh.data, exp.mesh.fsdp, exp.mesh.tensor, exp.mesh.sequence]
+  sizes = [exp.mesh.data, exp.mesh.fsdp, exp.mesh.tensor, exp.mesh.sequence, exp.mesh.expert]
   if num_devices is None:
     if -1 in sizes:
       raise ValueError(

@@ -164,7 +164,13 @@ def _mesh(exp: Experiment):
     ValueError: the mesh has a -1 axis and too few devices to resolve it.
   """
   m = exp.mesh
-  shape = {"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor, "sequence": m.sequence}
+  shape = {
+    "data": m.data,
+    "fsdp": m.fsdp,
+    "tensor": m.tensor,
+    "sequence": m.sequence,
+    "expert": m.expert,
+  }
   if -1 not in shape.values():
     wanted = 1
     for size in shape.values():

@@ -69,6 +69,7 @@ EVAL_KEYS = (
   "mesh.fsdp",
   "mesh.tensor",
   "mesh.sequence",
+  "mesh.expert",
 )
 
 
