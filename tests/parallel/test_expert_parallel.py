@@ -116,3 +116,19 @@ def test_experts_must_divide_over_the_expert_axis():
   )
   with pytest.raises(ValueError, match="num_experts=6 is not divisible by mesh.expert=8"):
     parallel.check_config(cfg, mesh)
+
+
+def test_dry_run_shows_the_expert_exchange(tmp_path):
+  from tests.parallel.test_dry_run import _config, _tjax  # noqa: PLC0415
+
+  moe = {"gated": True, "activation": "silu", "num_experts": 8, "expert_d_ff": 64}
+  config = _config(tmp_path, {"data": 2, "expert": 4}, moe)
+  out = _tjax("train", config, "--dry-run")
+  assert out.returncode == 0, out.stderr
+  assert "mesh data=2 x fsdp=1 x tensor=1 x sequence=1 x expert=4 on 8 simulated devices" in (
+    out.stdout
+  )
+  # 16 x 64 tokens over 8 devices: 128 each, 2 copies each, 4 chunks of 256 rows.
+  assert "experts: 8 (2 per device), top-2 of 128 tokens per device; all-to-all of [4, 256, D]" in (
+    out.stdout
+  )

@@ -104,3 +104,32 @@ def expert_parallel_ffn(
   return jax.shard_map(
     device, mesh=mesh, in_specs=(tok, tok, tok, w_specs), out_specs=tok, check_vma=False
   )(x_ND, experts_Nk, weights_Nk, tuple(weights))
+
+
+def exchange_report(config, mesh_shape: dict[str, int], batch_size: int, seq_len: int) -> dict:
+  """What a train step's mixture-of-experts layers hold and send per device (the dry run's
+  ``experts`` entry); ``{}`` for a model without experts.
+
+  ``tokens``: a device's tokens per layer; ``send_rows``: the rows of its all-to-all send buffer
+  ``[ep, n * k, D]`` (1 device: no exchange); ``exchange_bytes``: that buffer, sent and received
+  once forward and once back per layer (and again in the backward pass).
+  """
+  e = getattr(config, "num_experts", 0)
+  if not e:
+    return {}
+  ep = mesh_shape.get(EXPERT, 1)
+  token_shards = 1
+  for a in TOKEN_AXES:
+    token_shards *= mesh_shape.get(a, 1)
+  n = batch_size * seq_len // max(token_shards, 1)
+  rows = ep * n * config.experts_per_token if ep > 1 else 0
+  width = jax.numpy.dtype(config.dtype).itemsize * config.d_model
+  return {
+    "experts": e,
+    "per_device": e // ep,
+    "expert_shards": ep,
+    "top_k": config.experts_per_token,
+    "tokens": n,
+    "send_rows": rows,
+    "exchange_bytes": rows * width,
+  }

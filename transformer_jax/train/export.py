@@ -402,7 +402,7 @@ def holds(report: dict[str, Any]) -> bool:
 
 
 def format_report(report: dict[str, Any]) -> str:
-  mesh = " x ".join(f"{k}={v}" for k, v in report["mesh"].items())
+  mesh = " x ".join(f"{k}={v}" for k, v in report["mesh"].items() if k != "expert" or v > 1)
   kind = "abstract mesh" if report["abstract_mesh"] else "simulated devices"
   calls = ", ".join(f"{k} x{v}" for k, v in sorted(report["custom_calls"].items())) or "none"
   lines = [
