@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 import transformer_jax as tj
+from tests.parallel.test_dry_run import _config, _tjax
 from transformer_jax import parallel
 from transformer_jax.layers.moe import MoE, MoEKind
 from transformer_jax.train import step as step_lib
@@ -119,8 +120,6 @@ def test_experts_must_divide_over_the_expert_axis():
 
 
 def test_dry_run_shows_the_expert_exchange(tmp_path):
-  from tests.parallel.test_dry_run import _config, _tjax  # noqa: PLC0415
-
   moe = {"gated": True, "activation": "silu", "num_experts": 8, "expert_d_ff": 64}
   config = _config(tmp_path, {"data": 2, "expert": 4}, moe)
   out = _tjax("train", config, "--dry-run")
