@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 
 from transformer_jax import backends, ops
 from transformer_jax.layers.cache import KVCache
-from transformer_jax.layers.dense import Projection
+from transformer_jax.layers.dense import Norm, Projection
 from transformer_jax.parallel import axes as ax
 from transformer_jax.ops.linear_attn import EPS as LINEAR_EPS
 from transformer_jax.ops.linear_attn import feature_map as linear_feature_map
@@ -54,15 +54,24 @@ class Attention(nnx.Module):
     mesh: Mesh | None = None,
     linear: LinearKind | None = None,
     backend: backends.Backend | None = None,
+    qkv_bias: bool | None = None,
+    out_bias: bool | None = None,
+    qk_norm: Literal["layernorm", "rmsnorm"] | None = None,
+    qk_norm_eps: float = 1e-6,
   ):
-    """``implementation``: the attention kernel (None: the backend's choice). ``mesh``: the mesh
-    the model runs on; self-attention runs as ring attention when it has a ``sequence`` axis of
-    size > 1 (see ``__call__``). ``linear``: causal linear attention instead of softmax (its
-    decoding cache is a ``LinearCache``). ``backend``: the kernels (``Backend.attention`` and its
-    products; default ``backends.current()``)."""
+    """``qkv_bias``/``out_bias``: biases on the query/key/value and output projections (None:
+    ``use_bias``). ``qk_norm``: a norm of that kind (epsilon ``qk_norm_eps``) over the head
+    dimension of each query and key head before RoPE, one ``[head_dim]`` scale for the queries
+    and one for the keys (Qwen3); None: none. ``implementation``: the attention kernel (None: the
+    backend's choice). ``mesh``: the mesh the model runs on; self-attention runs as ring attention
+    when it has a ``sequence`` axis of size > 1 (see ``__call__``). ``linear``: causal linear
+    attention instead of softmax (its decoding cache is a ``LinearCache``). ``backend``: the
+    kernels (``Backend.attention`` and its products; default ``backends.current()``)."""
     if num_heads % num_kv_heads:
       raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     d, n, k, h = d_model, num_heads, num_kv_heads, head_dim
+    qkv_bias = use_bias if qkv_bias is None else qkv_bias
+    out_bias = use_bias if out_bias is None else out_bias
     self.backend = backend = backend or backends.current()
     common = dict(
       init_std=init_std, dtype=dtype, param_dtype=param_dtype, rngs=rngs, backend=backend
@@ -71,7 +80,7 @@ class Attention(nnx.Module):
       "BTD,DNH->BTNH",
       (d, n, h),
       (ax.EMBED, ax.HEADS, ax.HEAD_DIM),
-      bias_shape=(n, h) if use_bias else None,
+      bias_shape=(n, h) if qkv_bias else None,
       bias_axes=(ax.HEADS, ax.HEAD_DIM),
       **common,
     )
@@ -79,7 +88,7 @@ class Attention(nnx.Module):
       "BSD,DKH->BSKH",
       (d, k, h),
       (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM),
-      bias_shape=(k, h) if use_bias else None,
+      bias_shape=(k, h) if qkv_bias else None,
       bias_axes=(ax.KV_HEADS, ax.HEAD_DIM),
       **common,
     )
@@ -87,7 +96,7 @@ class Attention(nnx.Module):
       "BSD,DKH->BSKH",
       (d, k, h),
       (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM),
-      bias_shape=(k, h) if use_bias else None,
+      bias_shape=(k, h) if qkv_bias else None,
       bias_axes=(ax.KV_HEADS, ax.HEAD_DIM),
       **common,
     )
@@ -96,10 +105,16 @@ class Attention(nnx.Module):
       "BTNH,NHD->BTD",
       (n, h, d),
       (ax.HEADS, ax.HEAD_DIM, ax.EMBED),
-      bias_shape=(d,) if use_bias else None,
+      bias_shape=(d,) if out_bias else None,
       bias_axes=(ax.EMBED,),
       **common,
     )
+    if qk_norm is None:
+      self.q_norm = self.k_norm = None
+    else:
+      norm = dict(kind=qk_norm, eps=qk_norm_eps, param_dtype=param_dtype, rngs=rngs)
+      self.q_norm = Norm(h, axis=ax.HEAD_DIM, **norm)
+      self.k_norm = Norm(h, axis=ax.HEAD_DIM, **norm)
     self.rope_theta = rope_theta
     self.rope_interleaved = rope_interleaved
     self.rope_scaling = rope_scaling
@@ -205,8 +220,11 @@ class Attention(nnx.Module):
     return self.out(out_BTNH), None
 
   def _rope(self, q_BTNH, k_BTKH, positions):
-    """Queries and keys rotated by RoPE (if the layer has it) at ``positions`` (default
-    ``0..T-1``)."""
+    """Queries and keys normalised per head (if the layer has ``qk_norm``), then rotated by RoPE
+    (if it has it) at ``positions`` (default ``0..T-1``)."""
+    if self.q_norm is not None:
+      q_BTNH = self.q_norm(q_BTNH)
+      k_BTKH = self.k_norm(k_BTKH)
     if self.rope_theta is None:
       return q_BTNH, k_BTKH
     positions = jnp.arange(q_BTNH.shape[1]) if positions is None else positions

@@ -37,6 +37,11 @@ class BlockConfig:
   norm_eps: float
   pre_norm: bool  # pre-LN (GPT-2, T5, LLaMA) or post-LN (BERT, Vaswani)
   use_bias: bool  # biases on the attention and MLP projections
+  # Biases per projection group (None: use_bias): query/key/value, attention output, MLP.
+  qkv_bias: bool | None = None
+  out_bias: bool | None = None
+  mlp_bias: bool | None = None
+  qk_norm: bool = False  # the block's norm over head_dim on queries and keys (before RoPE)
   cross_attention: bool = False  # decoder blocks of an encoder-decoder
   rope_theta: float | None = None  # None: no rotary embedding
   rope_interleaved: bool = False
@@ -98,6 +103,10 @@ class Block(nnx.Module):
       rope_interleaved=cfg.rope_interleaved,
       rope_scaling=cfg.rope_scaling,
       linear=cfg.linear,
+      qkv_bias=cfg.qkv_bias,
+      out_bias=cfg.out_bias,
+      qk_norm=cfg.norm if cfg.qk_norm else None,
+      qk_norm_eps=cfg.norm_eps,
       **self_kind,
       **attn,
     )
@@ -130,7 +139,7 @@ class Block(nnx.Module):
         cfg.d_ff,
         activation=cfg.activation,
         gated=cfg.gated,
-        use_bias=cfg.use_bias,
+        use_bias=cfg.use_bias if cfg.mlp_bias is None else cfg.mlp_bias,
         init_std=cfg.init_std,
         out_init_std=cfg.out_init_std,
         dtype=dtype,

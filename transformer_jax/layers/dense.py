@@ -137,7 +137,9 @@ class Norm(nnx.Module):
     eps: float,
     param_dtype: jnp.dtype,
     rngs: nnx.Rngs,
+    axis: str = ax.EMBED,
   ):
+    """``axis``: the logical name of the normalised axis (``head_dim`` for a per-head norm)."""
     match kind:
       case "layernorm" | "rmsnorm":
         pass
@@ -145,9 +147,9 @@ class Norm(nnx.Module):
         raise ValueError(f"norm kind {kind!r} must be 'layernorm' or 'rmsnorm'")
     self.kind = kind
     self.eps = eps
-    self.scale = param(rngs, ones, (features,), (ax.EMBED,), param_dtype)
+    self.scale = param(rngs, ones, (features,), (axis,), param_dtype)
     self.bias = (
-      param(rngs, zeros, (features,), (ax.EMBED,), param_dtype) if kind == "layernorm" else None
+      param(rngs, zeros, (features,), (axis,), param_dtype) if kind == "layernorm" else None
     )
 
   def __call__(self, x: jax.Array) -> jax.Array:

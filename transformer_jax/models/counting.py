@@ -13,10 +13,14 @@ from transformer_jax.models.config import (
 )
 
 
-def _attention(c, use_bias: bool) -> int:
+def _attention(c, use_bias: bool, out_bias: bool | None = None, qk_norm: int = 0) -> int:
+  """Projections with biases on query/key/value (``use_bias``) and output (``out_bias``, None:
+  ``use_bias``), plus ``qk_norm`` parameters per head_dim entry of each of the two norms."""
   d, n, k, h = c.d_model, c.num_heads, c.kv_heads, c.head_size
   weights = d * n * h + 2 * d * k * h + n * h * d
-  return weights + ((n * h + 2 * k * h + d) if use_bias else 0)
+  out_bias = use_bias if out_bias is None else out_bias
+  qkv = (n * h + 2 * k * h) if use_bias else 0
+  return weights + qkv + (d if out_bias else 0) + 2 * qk_norm * h
 
 
 def _mlp(c, gated: bool, use_bias: bool) -> int:
@@ -61,9 +65,9 @@ def param_count(config: ModelConfig) -> ParamCount:
   c = config
   match c:
     case GPTConfig():
-      block = (
-        _attention(c, c.use_bias) + _mlp(c, c.gated, c.use_bias) + 2 * _norm(c.d_model, c.norm)
-      )
+      qkv, out, mlp = (c.use_bias if b is None else b for b in (c.qkv_bias, c.out_bias, c.mlp_bias))
+      attn = _attention(c, qkv, out, _norm(1, c.norm) if c.qk_norm else 0)
+      block = attn + _mlp(c, c.gated, mlp) + 2 * _norm(c.d_model, c.norm)
       tables = c.vocab_size * c.d_model + (c.max_len * c.d_model if c.position == "learned" else 0)
       head = 0 if c.tie_embeddings else c.d_model * c.vocab_size
       head += c.d_model * c.num_labels + c.num_labels

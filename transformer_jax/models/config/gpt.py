@@ -37,6 +37,13 @@ class GPTConfig(checks.Heads):
   activation: ops.Activation = "gelu_tanh"
   gated: bool = False  # SwiGLU/GeGLU feed-forward (LLaMA)
   use_bias: bool = True  # biases on projections (GPT-2 yes, LLaMA no)
+  # Biases per projection group; None follows use_bias (Qwen2: qkv_bias=True, use_bias=False).
+  qkv_bias: bool | None = None  # on the query, key and value projections
+  out_bias: bool | None = None  # on the attention's output projection
+  mlp_bias: bool | None = None  # on the feed-forward projections
+  # The model's norm (kind, norm_eps) over head_dim on each query and key head, before RoPE
+  # (Qwen3's q_norm/k_norm; one [head_dim] scale each, shared by the heads).
+  qk_norm: bool = False
   tie_embeddings: bool = True  # output projection = token embedding^T (GPT-2)
   num_labels: int = 0  # > 0 adds a classification head on the last real token
   rope_theta: float = 10000.0
@@ -95,6 +102,12 @@ class GPTConfig(checks.Heads):
     checks.choice(self, "position", ("learned", "sinusoidal", "rope", "alibi", "none"))
     checks.choice(self, "norm", ("layernorm", "rmsnorm"))
     checks.choice(self, "activation", checks.ACTIVATIONS)
+    for name in ("qkv_bias", "out_bias", "mlp_bias"):
+      value = getattr(self, name)
+      if not (value is None or isinstance(value, bool)):
+        raise ValueError(f"{name}={value!r} must be true, false or null (follow use_bias)")
+    if not isinstance(self.qk_norm, bool):
+      raise ValueError(f"qk_norm={self.qk_norm!r} must be true or false")
     if self.sliding_window is not None:
       checks.positive(self, "sliding_window")
     checks.choice(self, "attention_kind", ("softmax", "linear", "sparse"))
@@ -162,6 +175,10 @@ class GPTConfig(checks.Heads):
       norm_eps=self.norm_eps,
       pre_norm=True,
       use_bias=self.use_bias,
+      qkv_bias=self.qkv_bias,
+      out_bias=self.out_bias,
+      mlp_bias=self.mlp_bias,
+      qk_norm=self.qk_norm,
       rope_theta=self.rope_theta if self.position == "rope" else None,
       rope_interleaved=self.rope_interleaved,
       rope_scaling=self.rope_scaling,
