@@ -113,14 +113,20 @@ def test_train_step_on_expert_mesh_equals_one_device():
 def test_experts_must_divide_over_the_expert_axis():
   mesh = parallel.make_mesh({"data": 1, "expert": 8})
   cfg = dataclasses.replace(
-    tj.models.get_config("gpt2-small"), gated=True, num_experts=6, activation="silu"
+    tj.models.get_config("gpt2-small"), gated=True, num_experts=6, activation="silu", use_bias=False
   )
   with pytest.raises(ValueError, match="num_experts=6 is not divisible by mesh.expert=8"):
     parallel.check_config(cfg, mesh)
 
 
 def test_dry_run_shows_the_expert_exchange(tmp_path):
-  moe = {"gated": True, "activation": "silu", "num_experts": 8, "expert_d_ff": 64}
+  moe = {
+    "gated": True,
+    "activation": "silu",
+    "mlp_bias": False,
+    "num_experts": 8,
+    "expert_d_ff": 64,
+  }
   config = _config(tmp_path, {"data": 2, "expert": 4}, moe)
   out = _tjax("train", config, "--dry-run")
   assert out.returncode == 0, out.stderr

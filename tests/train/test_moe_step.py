@@ -101,6 +101,7 @@ def test_scan_equals_unrolled_layers():
     ("router_aux_coef", -0.1, "router_aux_coef=-0.1"),
     ("gated", False, "gated=True"),
     ("expert_d_ff", 0, "expert_d_ff=0"),
+    ("mlp_bias", True, "mlp_bias=False"),
   ],
 )
 def test_bad_moe_fields_are_named(field, value, match):

@@ -44,6 +44,12 @@ def validate(cfg) -> None:
   for name in ("router_aux_coef", "router_z_coef"):
     if not getattr(cfg, name) >= 0:
       raise ValueError(f"{name}={getattr(cfg, name)!r} must be >= 0")
+  mlp_bias = cfg.use_bias if getattr(cfg, "mlp_bias", None) is None else cfg.mlp_bias
+  if mlp_bias:
+    raise ValueError(
+      "num_experts > 0: the experts and router have no biases; set mlp_bias=False (or "
+      "use_bias=False)"
+    )
   if not cfg.gated:
     raise ValueError("num_experts > 0: the experts are gated (SwiGLU); set gated=True")
   if cfg.reversible:
