@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from transformer_jax.hf.configs import common, decoders, encoders, seq2seq, ssm
+from transformer_jax.hf.configs import common, decoders, encoders, moe, seq2seq, ssm
 from transformer_jax.hf.errors import CheckpointError, UnsupportedError
 from transformer_jax.models import BERTConfig, GPTConfig, MambaConfig, ModelConfig, Seq2SeqConfig
+from transformer_jax.models.config import moe as moe_fields
 
 # Architecture name -> (family, model_type). The family picks the config reader/writer and params
 # table.
@@ -32,6 +33,8 @@ ARCHITECTURES = {
   "BigBirdForPreTraining": ("bigbird", "big_bird"),
   "MambaForCausalLM": ("mamba", "mamba"),
   "Mamba2ForCausalLM": ("mamba2", "mamba2"),
+  "MixtralForCausalLM": ("mixtral", "mixtral"),
+  "Qwen3MoeForCausalLM": ("qwen3_moe", "qwen3_moe"),
 }
 
 # Fields that do not change the function a model computes; ignored when checking a round trip.
@@ -46,6 +49,8 @@ _NON_ARCHITECTURAL = {
   "remat",
   "scan_layers",
   "attention_impl",
+  "router_z_coef",  # training losses of a mixture of experts
+  "router_aux_coef",
 }
 
 
@@ -100,6 +105,10 @@ def from_hf(hf: dict, arch: str) -> ModelConfig:
       return ssm.mamba_from(hf)
     case "mamba2":
       return ssm.mamba2_from(hf)
+    case "mixtral":
+      return moe.mixtral_from(hf)
+    case "qwen3_moe":
+      return moe.qwen3_moe_from(hf)
     case family:
       raise UnsupportedError(f"no config reader for family {family!r}")
 
@@ -107,6 +116,8 @@ def from_hf(hf: dict, arch: str) -> ModelConfig:
 def default_architecture(config: ModelConfig) -> str:
   """The architecture ``save`` writes when none is given."""
   match config:
+    case GPTConfig(num_experts=n, qk_norm=qk) if n:
+      return "Qwen3MoeForCausalLM" if qk else "MixtralForCausalLM"
     case GPTConfig(position="rope", sliding_window=None):
       return "LlamaForCausalLM"
     case GPTConfig(position="rope"):
@@ -147,7 +158,7 @@ def token_ids(arch: str, tokenizer=None) -> dict:
       ``transformer_jax.data.Tokenizer``), or None.
   """
   family = ARCHITECTURES[arch][0]
-  if family in ("gpt2", "llama", "mistral", "mamba", "mamba2"):
+  if family in ("gpt2", "llama", "mistral", "mamba", "mamba2", "mixtral", "qwen3_moe"):
     eot = None if tokenizer is None else int(tokenizer.eot_id)
     return {"bos_token_id": eot, "eos_token_id": eot}
   if tokenizer is None:
@@ -203,6 +214,8 @@ def to_hf(config: ModelConfig, arch: str, tokenizer=None) -> dict:
     "marian": (Seq2SeqConfig, seq2seq.marian_to),
     "mamba": (MambaConfig, ssm.mamba_to),
     "mamba2": (MambaConfig, ssm.mamba2_to),
+    "mixtral": (GPTConfig, moe.mixtral_to),
+    "qwen3_moe": (GPTConfig, moe.qwen3_moe_to),
   }
   cls, writer = writers[family]
   if not isinstance(config, cls):
@@ -243,6 +256,9 @@ def to_hf(config: ModelConfig, arch: str, tokenizer=None) -> dict:
       "head_dim": lambda: c.head_size,
       "num_kv_heads": lambda: c.kv_heads,
       "sparse_pattern": lambda: encoders.bigbird_shape(c.sparse_pattern),
+      # With experts, d_ff sizes nothing and expert_d_ff is the experts' effective width.
+      "d_ff": lambda: None if getattr(c, "num_experts", 0) else c.d_ff,
+      "expert_d_ff": lambda: moe_fields.expert_width(c) if c.num_experts else c.expert_d_ff,
     }.get(name, lambda: getattr(c, name))()
 
   differ = [
