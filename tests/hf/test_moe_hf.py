@@ -141,3 +141,38 @@ def test_capacity_factor_is_not_expressible(pair, tmp_path):
   capped = dataclasses.replace(config, capacity_factor=1.25)
   with pytest.raises(UnsupportedError, match="capacity_factor=1.25"):
     tjhf.save(model, capped, str(tmp_path / "x"))
+
+
+@pytest.mark.parametrize("preset", ["mixtral-8x7b", "qwen3-30b-a3b", "moe-tiny"])
+def test_preset_counts_equal_transformers(preset, tmp_path):
+  config = tj.models.get_config(preset)
+  arch = tjhf.configs.default_architecture(config)
+  hf = tjhf.configs.to_hf(config, arch)
+  cls = CASES[arch][0]
+  hf_config = getattr(transformers, cls)(**{k: v for k, v in hf.items() if k != "architectures"})
+  with torch.device("meta"):  # shapes only: no memory for 47B parameters
+    hf_model = getattr(transformers, arch)(hf_config)
+  total = sum(p.numel() for p in hf_model.parameters())
+  pc = tj.models.param_count(config)
+  assert pc.total == total
+  # Active: all but the unchosen experts' three matrices in every layer.
+  e, k = config.num_experts, config.experts_per_token
+  f = config.expert_d_ff or config.d_ff
+  assert pc.active == total - config.num_layers * (e - k) * 3 * config.d_model * f
+  if preset == "mixtral-8x7b":
+    assert total == 46_702_792_704  # Mixtral 8x7B's published count
+  if preset == "qwen3-30b-a3b":
+    assert total == 30_532_122_624
+
+
+def test_info_reports_total_and_active(capsys):
+  from transformer_jax import cli
+
+  assert cli.main(["info", "mixtral-8x7b"]) == 0
+  out = capsys.readouterr().out
+  c = tj.models.get_config("mixtral-8x7b")
+  pc = tj.models.param_count(c)
+  assert "46,702,792,704" in out and f"active per token  {pc.active:>16,d}" in out
+  # MFU's FLOPs count the active parameters (and the vocabulary projection).
+  attn = 12 * c.num_layers * 1024 * c.num_heads * c.head_size
+  assert tj.models.train_flops_per_token(c, 1024) == 6 * (pc.active - pc.embedding) + attn

@@ -64,7 +64,7 @@ def qwen3_moe_from(hf: dict) -> GPTConfig:
   base = decoders.llama_from({**hf, "mlp_bias": hf.get("attention_bias", False)})
   return dataclasses.replace(
     base,
-    mlp_bias=False,
+    mlp_bias=False if base.use_bias else None,  # attention biases only: the experts have none
     qk_norm=True,
     sliding_window=window,
     d_ff=f.int("intermediate_size", 6144),
