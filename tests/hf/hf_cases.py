@@ -233,6 +233,8 @@ def family(arch: str) -> str:
     "GPT2LMHeadModel": "causal",
     "LlamaForCausalLM": "causal",
     "MistralForCausalLM": "causal",
+    "MixtralForCausalLM": "causal",
+    "Qwen3MoeForCausalLM": "causal",
     "MambaForCausalLM": "causal",
     "Mamba2ForCausalLM": "causal",
     "MarianMTModel": "seq2seq",
@@ -265,7 +267,13 @@ def hf_outputs(model, arch: str, x: dict, tgt: dict | None = None) -> dict[str, 
 
   with torch.no_grad():
     match arch:
-      case "GPT2LMHeadModel" | "LlamaForCausalLM" | "MistralForCausalLM":
+      case (
+        "GPT2LMHeadModel"
+        | "LlamaForCausalLM"
+        | "MistralForCausalLM"
+        | "MixtralForCausalLM"
+        | "Qwen3MoeForCausalLM"
+      ):
         out = model(
           input_ids=tt(x["ids"]), attention_mask=tt(x["mask"]), position_ids=tt(x["positions"])
         )
@@ -307,7 +315,13 @@ def our_outputs(model, arch: str, x: dict, tgt: dict | None = None) -> dict[str,
   """The same outputs from the transformer_jax model."""
   ids, mask = np.asarray(x["ids"]), np.asarray(x["mask"]).astype(bool)
   match arch:
-    case "GPT2LMHeadModel" | "LlamaForCausalLM" | "MistralForCausalLM":
+    case (
+      "GPT2LMHeadModel"
+      | "LlamaForCausalLM"
+      | "MistralForCausalLM"
+      | "MixtralForCausalLM"
+      | "Qwen3MoeForCausalLM"
+    ):
       res = {"logits": model(ids, positions=np.asarray(x["positions"]), attention_mask=mask)}
     case "MambaForCausalLM" | "Mamba2ForCausalLM":
       res = {"logits": model(ids, attention_mask=mask)}
