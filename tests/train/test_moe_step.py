@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 import transformer_jax as tj
+from transformer_jax import lora
 from transformer_jax.train import step as step_lib
 from transformer_jax.train import tasks
 
@@ -107,3 +108,26 @@ def test_scan_equals_unrolled_layers():
 def test_bad_moe_fields_are_named(field, value, match):
   with pytest.raises(ValueError, match=match):
     dataclasses.replace(CFG, **{field: value})
+
+
+def test_lora_adapts_the_experts_and_merges_exactly():
+  model = tj.models.GPT(CFG, rngs=nnx.Rngs(0))
+  tok = batch()["tokens"]
+  base = np.asarray(model(tok))
+  cfg = lora.LoRAConfig(rank=2, targets=("experts_in", "experts_out", "router"))
+  lora.add_adapters(model, cfg, rngs=nnx.Rngs(1))
+  np.testing.assert_array_equal(np.asarray(model(tok)), base)  # B = 0: the base model
+  graphdef, trainable, frozen = lora.split(model)
+  names = {"/".join(map(str, p)) for p, _ in nnx.to_flat_state(trainable)}
+  for w in ("gate", "up", "down"):
+    assert f"blocks/layers/mlp/adapters/{w}/lora_b" in names
+  assert "blocks/layers/mlp/router/lora/lora/lora_b" in names
+  # Random B: the adapted model differs from the base and equals its merged weights.
+  trainable = jax.tree.map(
+    lambda x: jax.random.normal(jax.random.key(2), x.shape, x.dtype) * 0.1, trainable
+  )
+  adapted = nnx.merge(graphdef, trainable, frozen)
+  out = np.asarray(adapted(tok))
+  assert np.abs(out - base).max() > 1e-3
+  merged = nnx.merge(tj.models.graphdef(CFG), lora.merged_params(graphdef, trainable, frozen))
+  np.testing.assert_allclose(np.asarray(merged(tok)), out, rtol=1e-5, atol=1e-5)

@@ -105,6 +105,17 @@ class MoE(nnx.Module):
       if kind.num_shared
       else None
     )
+    # LoRA adapters of the expert weights by name ("gate", "up", "down"): lora.ExpertAdapter.
+    self.adapters = nnx.data({})
+
+  def weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The experts' (gate, up, down) weights, each with its LoRA update where it has one."""
+    out = []
+    for name in ("gate", "up", "down"):
+      w = getattr(self, name)[...]
+      adapter = self.adapters.get(name)
+      out.append(w if adapter is None else w + adapter.delta().astype(w.dtype))
+    return tuple(out)
 
   def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The layer on ``x`` ``[B, T, D]``.
@@ -147,7 +158,7 @@ class MoE(nnx.Module):
   def _experts(self, x_MD, group_sizes_E, weights=None) -> jax.Array:
     """The SwiGLU experts on rows sorted by expert: ``[M, D]`` (``weights``: (gate, up, down),
     default this layer's)."""
-    gate, up, down = weights or (self.gate, self.up, self.down)
+    gate, up, down = weights or self.weights()
     gmm = self.backend.grouped_matmul
     g_MF = gmm(x_MD, gate, group_sizes_E, dtype=self.dtype)
     u_MF = gmm(x_MD, up, group_sizes_E, dtype=self.dtype)
@@ -156,9 +167,8 @@ class MoE(nnx.Module):
 
   def _dropless(self, x_ND, r: moe_ops.Routing) -> jax.Array:
     if expert_parallel.expert_shards(self.mesh) > 1:
-      weights = tuple(getattr(self, n)[...] for n in ("gate", "up", "down"))
       return expert_parallel.expert_parallel_ffn(
-        x_ND, r.experts_Nk, r.weights_Nk, weights, mesh=self.mesh, experts_fn=self._experts
+        x_ND, r.experts_Nk, r.weights_Nk, self.weights(), mesh=self.mesh, experts_fn=self._experts
       )
     srt = moe_ops.sort_by_expert(r.experts_Nk, self.kind.num_experts)
     y_MD = self._experts(moe_ops.permute(x_ND, srt, self.kind.top_k), srt.group_sizes_E)
@@ -167,7 +177,7 @@ class MoE(nnx.Module):
   def _expert_products(self, x_ECD) -> jax.Array:
     """Every expert on its own rows: ``[E, C, D]`` -> ``[E, C, D]``."""
     dt = self.dtype
-    w = {n: getattr(self, n)[...].astype(dt) for n in ("gate", "up", "down")}
+    w = dict(zip(("gate", "up", "down"), (x.astype(dt) for x in self.weights())))
     x_ECD = x_ECD.astype(dt)
     g_ECF = jnp.einsum("ECD,EDF->ECF", x_ECD, w["gate"])
     u_ECF = jnp.einsum("ECD,EDF->ECF", x_ECD, w["up"])
