@@ -181,6 +181,8 @@ def _collect(path: str, name: str, text: str | None, best: bool) -> _Run:
 
   if any("loss" in r or "val_loss" in r for r in run.records):
     add("loss", viz.loss_curves({name: run.records}), "Training loss and validation loss.")
+  if any(k.startswith("tokens/") for r in run.records for k in r):
+    add("sources", viz.source_tokens(run.records), "Tokens read from each mixture source.")
   lr = _lr_picture(run.raw_config)
   if lr is not None:
     add("lr", lr, "Learning-rate schedule of the run's configuration.")

@@ -246,6 +246,28 @@ def loss_curves(
   return fig
 
 
+def source_tokens(records: Sequence[Mapping[str, Any]]) -> Figure:
+  """Tokens read from each mixture source over the steps (the ``tokens/NAME`` of training lines),
+  one line per source, and their shares of all tokens read (dashed, right axis)."""
+  names = sorted({k[len("tokens/") :] for r in records for k in r if k.startswith("tokens/")})
+  fig = Figure(figsize=(7.5, 4.5), layout="constrained")
+  ax = fig.subplots()
+  share_ax = ax.twinx()
+  lines = [r for r in records if "step" in r and any(f"tokens/{n}" in r for n in names)]
+  steps = np.asarray([r["step"] for r in lines], np.float64)
+  counts = np.asarray([[r.get(f"tokens/{n}", 0) for n in names] for r in lines], np.float64)
+  total = np.maximum(counts.sum(axis=1, keepdims=True), 1.0)
+  for i, name in enumerate(names):
+    ax.plot(steps, counts[:, i], "-", color=f"C{i % 10}", label=name)
+    share_ax.plot(steps, counts[:, i] / total[:, 0], "--", color=f"C{i % 10}", alpha=0.6)
+  ax.set(xlabel="step", ylabel="tokens read", title="Tokens per mixture source")
+  share_ax.set(ylabel="share of tokens (dashed)", ylim=(0.0, 1.0))
+  ax.grid(alpha=0.3)
+  if names:
+    ax.legend(fontsize=8)
+  return fig
+
+
 def lr_schedule(
   schedule: Callable[[int], float], steps: int, *, title: str = "Learning rate"
 ) -> Figure:

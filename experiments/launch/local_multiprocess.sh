@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# Two `tjax train` processes on this machine, 4 simulated CPU devices each, joined by
-# jax.distributed on 127.0.0.1 (gloo collectives): the multi-host code path without a cluster.
+# NUM_PROCESSES `tjax train` processes on this machine (default 2), DEVICES_PER_PROCESS simulated
+# CPU devices each (default 4), joined by jax.distributed on 127.0.0.1 (gloo collectives): the
+# multi-host code path without a cluster.
 #
 # Usage (paths relative to the repository root):
-#   experiments/launch/local_multiprocess.sh [CONFIG.yaml [key=value ...]]
+#   [NUM_PROCESSES=N] [DEVICES_PER_PROCESS=D] experiments/launch/local_multiprocess.sh \
+#     [CONFIG.yaml [key=value ...]]
 # Default: experiments/gpt_tiny.yaml for 20 steps into runs/gpt_tiny_2proc, without its learning bar
 # (too few steps to reach it). A CONFIG without a run_dir=DIR override runs in a folder of its own,
 # $RUN_LOG_DIR/NAME_Nproc (NAME: the config's file name, N: NUM_PROCESSES), never in the
-# single-process run's folder (which a finished run would leave untouched). Process 0 prints to the
-# terminal, process 1 logs to $RUN_LOG_DIR/process1.log. Environment: PYTHON (default
-# .venv/bin/python when it exists), NUM_PROCESSES (2), DEVICES_PER_PROCESS (4), PORT (default: a
-# free one), RUN_LOG_DIR (runs).
+# single-process run's folder (which a finished run would leave untouched). Starting the same
+# run_dir again with another NUM_PROCESSES x DEVICES_PER_PROCESS resumes it on that topology.
+# Process 0 prints to the terminal, process i > 0 logs to $RUN_LOG_DIR/process<i>.log.
+# Environment: PYTHON (default .venv/bin/python when it exists), NUM_PROCESSES (2),
+# DEVICES_PER_PROCESS (4), PORT (default: a free one), RUN_LOG_DIR (runs).
 set -euo pipefail
 
 cd "$(dirname "$0")/../.."
@@ -20,6 +23,12 @@ fi
 NUM_PROCESSES=${NUM_PROCESSES:-2}
 DEVICES_PER_PROCESS=${DEVICES_PER_PROCESS:-4}
 RUN_LOG_DIR=${RUN_LOG_DIR:-runs}
+for name in NUM_PROCESSES DEVICES_PER_PROCESS; do
+  if ! [[ ${!name} =~ ^[1-9][0-9]*$ ]]; then
+    echo "local_multiprocess: $name=${!name} must be a whole number >= 1" >&2
+    exit 2
+  fi
+done
 
 if [[ $# -eq 0 ]]; then
   set -- experiments/gpt_tiny.yaml run_dir=runs/gpt_tiny_2proc train.steps=20 train.log_every=5 \

@@ -121,6 +121,21 @@ KINDS: list[Kind] = [
     "MistralForCausalLM",
     extremes=({"sliding_window": 1, "rope_theta": 1e6, "norm_eps": 1e-12},),
   ),
+  # Qwen2: biases on the query/key/value projections only, here over a sliding window; Qwen3:
+  # per-head query/key norms before RoPE, head_dim (12) apart from d_model / num_heads (8).
+  Kind(
+    "qwen2",
+    _gpt("qwen2-tiny", num_kv_heads=1, sliding_window=WINDOW),
+    _DECODER,
+    "Qwen2ForCausalLM",
+  ),
+  Kind(
+    "qwen3",
+    _gpt("qwen3-tiny", num_kv_heads=1, head_dim=12),
+    _DECODER,
+    "Qwen3ForCausalLM",
+    extremes=({"norm_eps": 1e-12, "sliding_window": 1, "qkv_bias": True, "out_bias": True},),
+  ),
   Kind(
     "bert",
     lambda: models.get_config(

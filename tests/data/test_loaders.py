@@ -84,7 +84,7 @@ def test_gpt_deterministic_and_resumable(ds):
   )
   first = [next(a) for _ in range(3)]
   state = a.get_state()
-  assert state == {"step": 3}
+  assert state == {"step": 3, "sequences": 12}
   expected = next(a)
   b.set_state(state)
   np.testing.assert_array_equal(next(b)["tokens"], expected["tokens"])

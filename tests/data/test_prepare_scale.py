@@ -4,6 +4,8 @@ stream, resuming an interrupted run, and the dry run's estimate."""
 import argparse
 import importlib
 
+import os
+
 import numpy as np
 import pytest
 
@@ -36,6 +38,56 @@ def test_gather_copies_runs_of_documents():
     docs = np.flatnonzero(rng.random(200) < p)
     want = np.concatenate([tokens[offsets[d] : offsets[d + 1]] for d in docs])
     np.testing.assert_array_equal(_gather(tokens, offsets, docs), want)
+
+
+def test_the_command_tokenizes_in_forked_processes_without_loading_jax(corpus_dir, tmp_path):
+  """``tjax prepare`` never imports JAX (its start-up is most of a small corpus's time), so its
+  workers are forked; here, with JAX loaded, they are spawned: the bytes are the same."""
+  import subprocess
+  import sys
+
+  from transformer_jax.data import stream
+
+  program = (
+    "import sys\nfrom transformer_jax.cli import main\n"
+    f"code = main(['prepare', {str(corpus_dir)!r}, '--out', {str(tmp_path / 'cli')!r}, "
+    "'--workers', '2', '--no-progress'])\n"
+    "assert code == 0 and 'jax' not in sys.modules, (code, 'jax' in sys.modules)\n"
+  )
+  env = {**os.environ, "PYTHONPATH": os.getcwd()}
+  done = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True)
+  assert done.returncode == 0, done.stderr
+  pools = []
+  real = stream.tokenizer_pool
+
+  def spy(workers, tok):
+    pools.append(pool := real(workers, tok))
+    return pool
+
+  for workers in (1, 2):
+    prepare_module.tokenizer_pool = spy
+    try:
+      prepare([str(corpus_dir)], str(tmp_path / f"w{workers}"), progress=False, workers=workers)
+    finally:
+      prepare_module.tokenizer_pool = real
+  assert [type(p).__name__ for p in pools] == ["ThreadPoolExecutor", "ProcessPoolExecutor"]
+  assert pools[1]._mp_context.get_start_method() == "spawn"  # JAX is loaded here
+  for other in ("w1", "w2"):
+    _same_dataset(tmp_path / "cli", tmp_path / other)
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 7])
+def test_a_batch_is_shared_among_workers_by_characters_in_order(parts):
+  from transformer_jax.data.stream import split_by_size
+
+  rng = np.random.default_rng(parts)
+  docs = [("x" * int(n),) for n in rng.integers(1, 2000, size=50)] + [("", "y" * 5)]
+  shares = split_by_size(docs, parts)
+  assert [d for s in shares for d in s] == docs and all(shares) and len(shares) <= parts
+  chars = [sum(len(t) for d in share for t in d) for share in shares]
+  # Each share is within one document of an equal share of the characters.
+  assert max(chars) - sum(chars) / len(chars) <= 2001, chars
+  assert split_by_size(docs[:1], parts) == [docs[:1]]
 
 
 def test_workers_default_to_every_available_core(corpus_dir, tmp_path, monkeypatch):
@@ -242,9 +294,14 @@ def test_a_resumed_run_keeps_the_counts_of_skipped_records(tmp_path, monkeypatch
   _same_dataset(tmp_path / "whole", tmp_path / "out")
 
 
+def _children(pid: int) -> list[int]:
+  with open(f"/proc/{pid}/task/{pid}/children") as f:
+    return [int(c) for c in f.read().split()]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads /proc (Linux)")
 @pytest.mark.slow  # ~10 s: a real `tjax prepare` process, killed, then the rerun
 def test_a_killed_prepare_process_resumes_and_never_looks_complete(tmp_path, capsys):
-  import os
   import signal
   import subprocess
   import sys
@@ -254,7 +311,16 @@ def test_a_killed_prepare_process_resumes_and_never_looks_complete(tmp_path, cap
 
   corpus = _jsonl_corpus(tmp_path / "c", files=8, docs=1500, words=300)
   out = tmp_path / "out"
-  args = [str(corpus), "--out", str(out), "--val-fraction", "0.1", "--no-progress"]
+  args = [
+    str(corpus),
+    "--out",
+    str(out),
+    "--val-fraction",
+    "0.1",
+    "--no-progress",
+    "--workers",
+    "2",
+  ]
   env = {**os.environ, "PYTHONPATH": os.getcwd()}
   process = subprocess.Popen(
     [sys.executable, "-m", "transformer_jax.cli", "prepare", *args], env=env
@@ -263,9 +329,16 @@ def test_a_killed_prepare_process_resumes_and_never_looks_complete(tmp_path, cap
   while not (out / "progress.json").exists() and process.poll() is None:
     assert time.monotonic() < deadline
     time.sleep(0.01)
+  workers = _children(process.pid)
+  assert len(workers) == 2, workers  # the tokenizing processes
   process.send_signal(signal.SIGKILL)
   process.wait()
   assert process.returncode == -signal.SIGKILL, "the run ended before it was killed"
+  while (
+    alive := [w for w in workers if os.path.exists(f"/proc/{w}")]
+  ) and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert not alive, f"tokenizing processes {alive} outlived their killed parent"
   assert not (out / "metadata.json").exists()
   with pytest.raises(FileNotFoundError):
     load_dataset(str(out))

@@ -95,6 +95,78 @@ CASES: dict[str, tuple[str, dict]] = {
       sliding_window=5,
     ),
   ),
+  # Qwen2: biases on q/k/v only; one with a 5-token window on every layer (max_window_layers 0),
+  # tied, with linear RoPE scaling. Qwen3: q_norm/k_norm, head_dim != D / N.
+  "qwen2-gqa": (
+    "Qwen2ForCausalLM",
+    dict(
+      vocab_size=180,
+      hidden_size=64,
+      intermediate_size=96,
+      num_hidden_layers=2,
+      num_attention_heads=4,
+      num_key_value_heads=2,
+      max_position_embeddings=128,
+      rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+  ),
+  "qwen2-tied-window": (
+    "Qwen2ForCausalLM",
+    dict(
+      vocab_size=150,
+      hidden_size=48,
+      intermediate_size=80,
+      num_hidden_layers=2,
+      num_attention_heads=6,
+      num_key_value_heads=2,
+      max_position_embeddings=128,
+      tie_word_embeddings=True,
+      use_sliding_window=True,
+      sliding_window=5,
+      max_window_layers=0,
+      rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+    ),
+  ),
+  "qwen3-headdim": (
+    "Qwen3ForCausalLM",
+    dict(
+      vocab_size=170,
+      hidden_size=32,
+      intermediate_size=72,
+      num_hidden_layers=2,
+      num_attention_heads=4,
+      num_key_value_heads=2,
+      head_dim=24,
+      max_position_embeddings=128,
+      rms_norm_eps=1e-5,
+    ),
+  ),
+  "qwen3-tied-bias-window": (
+    "Qwen3ForCausalLM",
+    dict(
+      vocab_size=140,
+      hidden_size=48,
+      intermediate_size=64,
+      num_hidden_layers=2,
+      num_attention_heads=4,
+      num_key_value_heads=1,
+      head_dim=16,
+      max_position_embeddings=128,
+      tie_word_embeddings=True,
+      attention_bias=True,
+      use_sliding_window=True,
+      sliding_window=5,
+      max_window_layers=0,
+      rope_parameters={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+        "rope_theta": 10000.0,
+      },
+    ),
+  ),
   "bert-pretraining": (
     "BertForPreTraining",
     dict(
@@ -197,6 +269,8 @@ _CONFIGS = {
   "GPT2LMHeadModel": "GPT2Config",
   "LlamaForCausalLM": "LlamaConfig",
   "MistralForCausalLM": "MistralConfig",
+  "Qwen2ForCausalLM": "Qwen2Config",
+  "Qwen3ForCausalLM": "Qwen3Config",
   "BertForPreTraining": "BertConfig",
   "BertForMaskedLM": "BertConfig",
   "BertForSequenceClassification": "BertConfig",
@@ -233,6 +307,8 @@ def family(arch: str) -> str:
     "GPT2LMHeadModel": "causal",
     "LlamaForCausalLM": "causal",
     "MistralForCausalLM": "causal",
+    "Qwen2ForCausalLM": "causal",
+    "Qwen3ForCausalLM": "causal",
     "MixtralForCausalLM": "causal",
     "Qwen3MoeForCausalLM": "causal",
     "MambaForCausalLM": "causal",
@@ -271,6 +347,8 @@ def hf_outputs(model, arch: str, x: dict, tgt: dict | None = None) -> dict[str, 
         "GPT2LMHeadModel"
         | "LlamaForCausalLM"
         | "MistralForCausalLM"
+        | "Qwen2ForCausalLM"
+        | "Qwen3ForCausalLM"
         | "MixtralForCausalLM"
         | "Qwen3MoeForCausalLM"
       ):
@@ -319,6 +397,8 @@ def our_outputs(model, arch: str, x: dict, tgt: dict | None = None) -> dict[str,
       "GPT2LMHeadModel"
       | "LlamaForCausalLM"
       | "MistralForCausalLM"
+      | "Qwen2ForCausalLM"
+      | "Qwen3ForCausalLM"
       | "MixtralForCausalLM"
       | "Qwen3MoeForCausalLM"
     ):

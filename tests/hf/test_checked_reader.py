@@ -28,6 +28,8 @@ _FAMILIES = {
   "gpt2": lambda: hc.build("gpt2-base"),
   "llama": lambda: hc.build("llama-gqa"),
   "mistral": lambda: hc.build("mistral-window"),
+  "qwen2": lambda: hc.build("qwen2-tied-window"),
+  "qwen3": lambda: hc.build("qwen3-tied-bias-window"),
   "bert": lambda: hc.build("bert-pretraining"),
   "t5": lambda: hc.build("t5-v1.0"),
   "marian": lambda: hc.build("marian"),

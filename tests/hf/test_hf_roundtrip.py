@@ -17,6 +17,8 @@ OURS = {
   "gpt2-tiny": ({}, "GPT2LMHeadModel"),
   "llama-tiny": ({}, "LlamaForCausalLM"),
   "mistral-tiny": (dict(sliding_window=5), "MistralForCausalLM"),
+  "qwen2-tiny": (dict(sliding_window=5), "Qwen2ForCausalLM"),
+  "qwen3-tiny": (dict(tie_embeddings=False), "Qwen3ForCausalLM"),
   "bert-tiny": (dict(vocab_size=300), "BertForPreTraining"),
   "t5-tiny": ({}, "T5ForConditionalGeneration"),
   "t5-v1.1-small": (

@@ -13,7 +13,15 @@ from transformer_jax import models
 from tests.models.conftest import VOCAB, forward, jit_forward, params_for, tiny
 from tests.backends import only_on
 
-FAMILIES = ["gpt2-tiny", "llama-tiny", "gpt-alibi-tiny", "bert-tiny", "transformer-tiny", "t5-tiny"]
+FAMILIES = [
+  "gpt2-tiny",
+  "llama-tiny",
+  "qwen3-tiny",
+  "gpt-alibi-tiny",
+  "bert-tiny",
+  "transformer-tiny",
+  "t5-tiny",
+]
 
 
 @pytest.mark.slow

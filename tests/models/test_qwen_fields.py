@@ -3,6 +3,7 @@ queries and keys before RoPE), against a float64 NumPy reference, counted exactl
 by name when malformed."""
 
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -155,3 +156,16 @@ def test_new_params_carry_logical_axes():
 def test_malformed_fields_are_refused_by_name(field, value):
   with pytest.raises(ValueError, match=f"{field}={value!r}"):
     models.get_config("llama-tiny", **{field: value})
+
+
+def test_tjax_info_shows_a_qwen_presets_count_flops_and_memory():
+  from tests.train.conftest import run_cli
+
+  code, out, _ = run_cli("info", "qwen3-0.6b")
+  c = models.get_config("qwen3-0.6b")
+  assert code == 0 and re.search(rf"parameters +{models.count_params(c):,} ", out)
+  # 6 N + 12 L T N_h H at T = 1024 with N the matmul parameters (tied: the embedding counts once,
+  # as the head) and H = head_dim 128, not d_model / num_heads = 64.
+  flops = models.train_flops_per_token(c, 1024)
+  assert flops == 6 * models.count_params(c) + 12 * 28 * 1024 * 16 * 128
+  assert re.search(rf"train FLOPs/token +{int(flops):,} ", out) and "memory estimate" in out

@@ -230,7 +230,7 @@ def _check_restore_and_one_step_matches_the_continued_run(run_dir):
   params, opt_state, meta = ckpt.restore(STEPS - 1, target.params, target.opt_state)
   expected, _, _ = ckpt.restore(STEPS, target.params, target.opt_state)
   ckpt.close()
-  assert meta["loader"] == {"step": STEPS - 1}
+  assert meta["loader"] == {"step": STEPS - 1, "sequences": (STEPS - 1) * 8}
   assert any("tensor" in str(a.sharding.spec) for a in jax.tree.leaves(params))
 
   t = exp.train

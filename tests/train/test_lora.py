@@ -30,6 +30,17 @@ CONFIGS = {
     d_ff=64,
     max_len=16,
   ),
+  "qwen3": models.get_config(
+    "qwen3-tiny",
+    vocab_size=64,
+    d_model=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=12,
+    d_ff=64,
+    max_len=16,
+  ),
   "bert": models.get_config(
     "bert-tiny",
     vocab_size=64,
@@ -108,7 +119,7 @@ def test_zero_b_bert_out_projection_to_float_rounding():
   )
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama", "seq2seq"])
+@pytest.mark.parametrize("name", ["gpt", "llama", "qwen3", "seq2seq"])
 def test_merge_equals_the_unmerged_forward(name):
   model = _random_b(_adapted(name))
   before = np.asarray(_forward(model, name))

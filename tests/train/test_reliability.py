@@ -773,6 +773,7 @@ def test_a_torn_metrics_line_is_dropped_when_the_run_resumes(finished, tmp_path,
   [
     ('{"step": 6, "loader": "x"}', "loader='x': expected null or an object"),
     ('{"step": 6, "loader": {"step": -1}}', "loader={'step': -1}"),
+    ('{"step": 6, "loader": {"step": 6, "sequences": -1}}', "integer sequences >= 0"),
     ("[6]", "expected an object"),
     ('{"step": 6, "lo', "broken JSON"),
   ],
@@ -788,6 +789,6 @@ def test_a_damaged_checkpoint_meta_is_a_damaged_step_naming_the_file(
   try:
     with pytest.raises(ValueError, match=re.escape(path) + r".*" + re.escape(named)):
       ckpt.read_meta(6)
-    assert ckpt.read_meta(4)["loader"] == {"step": 4}
+    assert ckpt.read_meta(4)["loader"] == {"step": 4, "sequences": 16}
   finally:
     ckpt.close()

@@ -1,10 +1,11 @@
 """The ``tjax`` command line: ``main`` parses and runs one command, ``launch`` is the program.
 
 Each command group is a module of this package with an ``add_commands(sub, common)`` that adds its
-subcommands and their handlers: ``info``, ``prepare``, ``train`` (train and eval), ``generate``
-(generate and fill-mask), ``convert``, ``bench``, ``report``; ``demo`` is ``make tour``. The
-library does the work; these modules hold the arguments, the printing and the exit codes. Nothing
-outside this package imports it. ``python -m transformer_jax.cli`` runs ``launch``.
+subcommands and their handlers: ``info``, ``prepare``, ``data``, ``train`` (train and eval),
+``generate`` (generate and fill-mask), ``convert``, ``bench``, ``report``; ``demo`` is
+``make tour``. The library does the work; these modules hold the arguments, the printing and the
+exit codes. Nothing outside this package imports it. ``python -m transformer_jax.cli`` runs
+``launch``.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import sys
 
 # ``tjax --help``'s description.
 DESCRIPTION = (
-  "The ``tjax`` command: ``info``, ``prepare``, ``train``, ``eval``, ``generate``, ``fill-mask``,\n"
-  "``convert``, ``bench``, ``report``."
+  "The ``tjax`` command: ``info``, ``prepare``, ``data``, ``train``, ``eval``, ``generate``,\n"
+  "``fill-mask``, ``convert``, ``bench``, ``report``."
 )
 
 
@@ -28,8 +29,23 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
       benchmarks' kinds without their arguments, which import the training stack: its own
       options are then checked before anything heavy loads.
   """
-  from transformer_jax.cli import bench, convert, generate, info, prepare, report, train
+  from transformer_jax.cli import prepare
 
+  parser, sub, common = _base_parser()
+  if command == "prepare":  # the one command that never loads JAX: its start-up is its cost
+    prepare.add_commands(sub, common)
+    return parser
+  from transformer_jax.cli import bench, convert, data, generate, info, report, train
+
+  for commands in (info, prepare, data, train, generate, convert, report):
+    commands.add_commands(sub, common)
+  bench.add_commands(sub, common, with_args=command in (None, "bench"))
+  return parser
+
+
+def _base_parser():
+  """``tjax`` with no commands yet: ``(parser, subparsers, common)``, where ``common`` holds the
+  options every subcommand also takes after its name."""
   parser = argparse.ArgumentParser(prog="tjax", description=DESCRIPTION)
   parser.add_argument("-v", "--verbose", action="store_true", help="show the traceback of an error")
   common = argparse.ArgumentParser(add_help=False)  # -v also after the command
@@ -47,11 +63,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return add(name, parents=[common], **kw)
 
   sub.add_parser = add_parser
-
-  for commands in (info, prepare, train, generate, convert, report):
-    commands.add_commands(sub, common)
-  bench.add_commands(sub, common, with_args=command in (None, "bench"))
-  return parser
+  return parser, sub, common
 
 
 def _command_of(argv: list[str]) -> str | None:
@@ -60,7 +72,7 @@ def _command_of(argv: list[str]) -> str | None:
 
 
 # Subcommands whose positional ``key=value`` overrides may come after options.
-_OVERRIDES = ("train", "eval")
+_OVERRIDES = ("train", "eval", "data")
 _error_reported = False  # main caught an exception and reported it in one line (see launch)
 
 
@@ -124,9 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("absl").setLevel(logging.CRITICAL)
     logging.getLogger("tensorboardX").setLevel(logging.ERROR)  # the guard reports a NaN itself
     sys.unraisablehook = _drop_closed_loop_reports
-  from transformer_jax import runtime
+  if args.command not in ("prepare", "data"):  # the compilation cache; these never load JAX
+    from transformer_jax import runtime
 
-  runtime.enable_compilation_cache()
+    runtime.enable_compilation_cache()
   try:
     return args.func(args)
   except KeyboardInterrupt:
@@ -147,23 +160,26 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def launch() -> None:
-  """The ``tjax`` program: when it will compute on CPU (any command but ``prepare``), runs itself
-  again over mimalloc
+  """The ``tjax`` program: when it will compute on CPU (any command but ``prepare`` and
+  ``data``), runs itself again over mimalloc
   (``backends.cpu.allocator.allocator_env``; ``TJAX_MALLOC=0`` keeps the system allocator) or,
   without mimalloc installed, says once on stderr that it runs on the system allocator
   (``backends.cpu.allocator.system_allocator_notice``); then ``main``."""
   import os
 
-  from transformer_jax.backends.cpu import allocator
-
   # Tokenizing computes nothing on JAX's allocations: for `prepare`, a second interpreter start
-  # would only cost time (about a second, next to tiktoken's rate of a few MB/s a core).
-  computes = sys.argv[1:2] != ["prepare"]
-  try:
-    env = allocator.allocator_env() if computes else None
-  except ValueError as e:  # a bad TJAX_MALLOC: one line, before anything runs
-    print(f"tjax: error: {e}", file=sys.stderr)
-    sys.exit(2)
+  # would only cost time (about a second, next to tiktoken's rate of a few MB/s a core), and so
+  # would importing JAX (the allocator's module is a backend's). `data` reads windows, no JAX.
+  computes = sys.argv[1:2] not in (["prepare"], ["data"])
+  env = None
+  if computes:
+    from transformer_jax.backends.cpu import allocator
+
+    try:
+      env = allocator.allocator_env()
+    except ValueError as e:  # a bad TJAX_MALLOC: one line, before anything runs
+      print(f"tjax: error: {e}", file=sys.stderr)
+      sys.exit(2)
   if env is not None:
     try:
       os.execve(sys.executable, [sys.executable, "-m", "transformer_jax.cli", *sys.argv[1:]], env)

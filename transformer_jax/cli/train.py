@@ -28,7 +28,11 @@ def _cmd_train(args) -> int:
   hint = " ".join(["tjax train", args.config, *args.overrides])
   try:
     final = train(
-      exp, progress=False if args.no_progress else None, force_new=args.force_new, resume_hint=hint
+      exp,
+      progress=False if args.no_progress else None,
+      force_new=args.force_new,
+      resume_hint=hint,
+      accept_data_change=args.accept_data_change,
     )
   except TrainingDiverged as e:
     print(f"tjax train: {e}", file=sys.stderr)
@@ -84,6 +88,12 @@ def add_commands(sub, common) -> None:
     "--force-new",
     action="store_true",
     help="start over in an existing run_dir (what the old run wrote is removed)",
+  )
+  train.add_argument(
+    "--accept-data-change",
+    action="store_true",
+    help="resume on a dataset whose content (or data.path) changed since the run trained on it, "
+    "at the same data position",
   )
   train.add_argument(
     "--distributed",

@@ -18,6 +18,7 @@ from transformer_jax.data.loaders import (
   unigram_cross_entropy,
 )
 from transformer_jax.data.layout import METADATA_FILE, read_metadata
+from transformer_jax.data.mixture import MixtureLoader, load_mixture, row_documents
 
 # ``prepare`` here is the function; the module is ``transformer_jax.data.prepare`` imported by its
 # full name (``from transformer_jax.data import prepare`` gives the function).
@@ -41,10 +42,13 @@ __all__ = [
   "bert_eval_batches",
   "gpt_eval_batches",
   "load_dataset",
+  "load_mixture",
   "make_loader",
+  "MixtureLoader",
   "METADATA_FILE",
   "prepare",
   "read_metadata",
+  "row_documents",
   "seq2seq_eval_batches",
   "synthetic_examples",
   "unigram_cross_entropy",

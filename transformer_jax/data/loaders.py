@@ -2,7 +2,9 @@
 
 Every loader is a pure function of ``(seed, step)``: ``batch_at(step)`` always returns the same
 batch, so resuming from a checkpoint is exact. Iterating calls ``batch_at(step)`` with an internal
-counter exposed by ``get_state()`` / ``set_state()`` as ``{"step": n}``.
+counter exposed by ``get_state()`` / ``set_state()`` as ``{"step": n, "sequences": m}`` (the data
+position in sequences, ``data.loader_base``); the GPT loader may start a step at any sequence, so
+a resumed run may change its global batch size.
 
 ``batch_size`` is the *global* batch. Randomness is drawn for the whole global batch and process
 ``i`` of ``n`` keeps rows ``[i * B / n, (i + 1) * B / n)``, so processes read disjoint shares of the
@@ -55,7 +57,9 @@ class GPTLoader(Loader):
   The virtual stream ``doc_0 eot doc_1 eot ...`` (eot inserted on the fly, not stored) is cut into
   windows of ``seq_len + 1`` tokens starting at ``shift_e + w * seq_len``; each epoch ``e`` draws a
   random shift and a random permutation of the windows from ``(seed, e)``, so each token is seen
-  once per epoch.
+  once per epoch. Sequence ``g`` of the run is window ``g mod num_windows`` of epoch
+  ``g // num_windows``; the batch of a step holds the next ``batch_size`` sequences, whatever the
+  batch size before (``sequence_offsets``).
 
   Batch (local rows ``B``, ``T = seq_len``):
       tokens [B, T] int32; labels [B, T] int32 (tokens shifted by one);
@@ -69,6 +73,8 @@ class GPTLoader(Loader):
           input is an eot (predicting the next document's first token from nothing). The default
           keeps those positions, as GPT-2 / nanoGPT do.
   """
+
+  sequence_offsets = True
 
   def __init__(
     self,
@@ -114,14 +120,22 @@ class GPTLoader(Loader):
 
   def window_starts(self, step: int) -> np.ndarray:
     """Virtual start positions of the global batch's windows at ``step``, shape ``[batch_size]``."""
-    g = step * self.batch_size + np.arange(self.batch_size, dtype=np.int64)
-    epochs, within = np.divmod(g, self.num_windows)
-    starts = np.empty(self.batch_size, dtype=np.int64)
+    return self.starts_of(self.sequences_at(step) + np.arange(self.batch_size, dtype=np.int64))
+
+  def starts_of(self, index: np.ndarray) -> np.ndarray:
+    """Virtual start positions of the windows with sequence indices ``index`` (row ``g`` of the
+    loader's whole sequence: epoch ``g // num_windows``)."""
+    epochs, within = np.divmod(np.asarray(index, np.int64), self.num_windows)
+    starts = np.empty(epochs.shape, dtype=np.int64)
     for epoch in np.unique(epochs):  # a batch spans at most two epochs
       shift, perm = self._epoch_plan(int(epoch))
       sel = epochs == epoch
       starts[sel] = shift + perm[within[sel]] * self.seq_len
     return starts
+
+  def documents_at(self, starts: np.ndarray) -> np.ndarray:
+    """The document (index in the split) where each window starting at ``starts`` begins."""
+    return np.searchsorted(self._vstarts, np.asarray(starts, np.int64), side="right") - 1
 
   def batch_at(self, step: int) -> Batch:
     return self.gather(self.window_starts(step)[self.local_rows])

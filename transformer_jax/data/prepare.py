@@ -12,7 +12,6 @@ the same documents give the same dataset in any input format and file layout.
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import os
 import sys
@@ -35,7 +34,13 @@ from transformer_jax.data.layout import (
 )
 from transformer_jax.data.shards import FileTokens, PendingDocs, id_counts, write_split
 from transformer_jax.data.sources import SYNTHETIC_TOKENIZER, resolve_inputs
-from transformer_jax.data.stream import Pipeline, load_checkpoint, remove_checkpoint, stream_corpus
+from transformer_jax.data.stream import (
+  Pipeline,
+  load_checkpoint,
+  remove_checkpoint,
+  stream_corpus,
+  tokenizer_pool,
+)
 from transformer_jax.data.tokenizer import CompactVocab, Tokenizer
 
 
@@ -144,9 +149,8 @@ def prepare(
       val_fraction: Fraction of documents for validation, or a whole number ``>= 1`` of validation
           documents.
       seed: Seed of the train/val split and of synthetic data.
-      workers: Threads for tokenizing (tiktoken's BPE releases the GIL, so threads use
-          all cores without process start-up cost or fork-after-JAX hazards); None: one a core
-          this process may run on (``available_cores``).
+      workers: Tokenizing workers (processes when more than one: ``stream.tokenizer_pool``);
+          None: one a core this process may run on (``available_cores``).
       text_field: Field (column) holding the text in JSON lines, Parquet and Arrow inputs.
       force: Rebuild even if the directory is up to date.
       progress: Show a tqdm progress bar.
@@ -234,7 +238,7 @@ def prepare(
   streams = ("src", "tgt") if task == "seq2seq" else ("tokens",)
   pending, start = _open_pending(out, streams, content_hash, force)
   try:
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    with tokenizer_pool(workers, tok) as pool:
       stats = _ENGINE_STREAM[engine]()(
         sources,
         synthetic,

@@ -1,6 +1,6 @@
 """Streaming a corpus into the pending files of ``data.shards``: records read one at a time,
-tokenized in batches on a thread pool, the progress bar (bytes read, documents, tokens), and the
-checkpoint that lets an interrupted ``prepare`` resume.
+tokenized in batches by worker processes (``tokenizer_pool``), the progress bar (bytes read,
+documents, tokens), and the checkpoint that lets an interrupted ``prepare`` resume.
 
 The checkpoint (``progress.json`` in the output folder, replaced atomically) says how far the
 pending files are good: the documents written, and the place in the inputs (file, and records of
@@ -12,9 +12,12 @@ hash truncates the pending files to it and reads on from there.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import json
+import multiprocessing
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -73,10 +76,81 @@ def remove_checkpoint(out: str) -> None:
       os.remove(os.path.join(out, name))
 
 
+_TOKENIZERS: dict[str, Tokenizer] = {}  # this process's tokenizers, by name
+
+
+def _tokenizer(name: str) -> Tokenizer:
+  if name not in _TOKENIZERS:
+    _TOKENIZERS[name] = Tokenizer.from_name(name)
+  return _TOKENIZERS[name]
+
+
+def _worker_start(name: str, parent: int) -> None:
+  """A tokenizing process's start: its tokenizer, and a thread that ends the process when its
+  parent is gone (a killed ``prepare`` leaves no worker waiting on its queue)."""
+  _tokenizer(name)
+
+  def exit_with_parent() -> None:
+    while os.getppid() == parent:
+      time.sleep(0.5)
+    os._exit(1)
+
+  threading.Thread(target=exit_with_parent, daemon=True).start()
+
+
+def tokenize_documents(
+  name: str, seed: int, documents: list[tuple[str, ...]]
+) -> list[tuple[list[np.ndarray], int]]:
+  """Each document's texts as base-vocabulary uint32 ids, and its seeded content hash: what a
+  worker returns for a part of a batch."""
+  tok = _tokenizer(name)
+  return [
+    ([tok.encode_full_array(t) for t in texts], document_hash(texts, seed)) for texts in documents
+  ]
+
+
+def tokenizer_pool(workers: int, tok: Tokenizer) -> concurrent.futures.Executor:
+  """The executor ``Pipeline`` tokenizes on: one thread beside the reading thread for one worker;
+  else ``workers`` processes, each with its own tokenizer. tiktoken releases the GIL, but threads
+  still contend for it to hand texts in and arrays out, and on two cores two tokenizing threads
+  cost more CPU time than one without finishing sooner; processes do not share a GIL.
+
+  Processes are forked (started in milliseconds, the tokenizer already loaded) unless this
+  process has loaded JAX, whose threads make forking unsafe: then they are spawned (each loads
+  the tokenizer once, in about 0.3 s). They are started here, before the progress bar's thread.
+  """
+  if workers == 1:
+    return concurrent.futures.ThreadPoolExecutor(1)
+  method = (
+    "spawn"
+    if "jax" in sys.modules or "fork" not in multiprocessing.get_all_start_methods()
+    else "fork"
+  )
+  if method == "fork":
+    _TOKENIZERS[tok.name] = tok
+  pool = concurrent.futures.ProcessPoolExecutor(
+    workers,
+    mp_context=multiprocessing.get_context(method),
+    initializer=_worker_start,
+    initargs=(tok.name, os.getpid()),
+  )
+  concurrent.futures.wait([pool.submit(_tokenizer, tok.name) for _ in range(workers)])
+  return pool
+
+
+def split_by_size(documents: list[tuple[str, ...]], parts: int) -> list[list[tuple[str, ...]]]:
+  """``documents`` cut in order into at most ``parts`` runs of about equal characters (the
+  tokenizer's work), none empty: each worker's share of a batch."""
+  sizes = np.cumsum([sum(len(t) for t in texts) + 1 for texts in documents])
+  cuts = np.searchsorted(sizes, sizes[-1] * np.arange(1, parts) / parts, side="right")
+  bounds = [0, *sorted({int(c) for c in cuts if 0 < c < len(documents)}), len(documents)]
+  return [documents[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
 class Pipeline:
-  """Records in, tokenized documents appended to ``PendingDocs`` in arrival order: batches are
-  tokenized on a thread pool (tiktoken releases the GIL) with at most ``workers`` batches in
-  flight, so memory holds a few batches, never the corpus. Each batch carries the place in the
+  """Records in, tokenized documents appended to ``PendingDocs`` in arrival order: each batch is
+  split among the ``workers`` of ``pool`` (``tokenizer_pool``) with at most ``workers`` batches
+  in flight, so memory holds a few batches, never the corpus. Each batch carries the place in the
   inputs after its last record; once it is written, that place is checkpointed."""
 
   def __init__(
@@ -97,12 +171,6 @@ class Pipeline:
     self.saved_at = 0.0
     self.written: dict[str, Any] | None = None  # the place of the last batch written
 
-  def _tokenize(self, records: list[Record]) -> list[tuple[list[np.ndarray], int]]:
-    return [
-      ([self.tok.encode_full_array(t) for t in r.texts], document_hash(r.texts, self.seed))
-      for r in records
-    ]
-
   def add(self, record: Record) -> bool:
     """Batches ``record``; True when the batch is full (``submit`` it)."""
     self.batch.append(record)
@@ -113,9 +181,10 @@ class Pipeline:
   def submit(self, place: dict[str, Any]) -> None:
     """Sends the batch to the pool; ``place`` is where the inputs stand after it."""
     if self.batch:
-      step = -(-len(self.batch) // self.workers)
-      parts = [self.batch[i : i + step] for i in range(0, len(self.batch), step)]
-      futures = [self.pool.submit(self._tokenize, part) for part in parts]
+      futures = [
+        self.pool.submit(tokenize_documents, self.tok.name, self.seed, part)
+        for part in split_by_size([r.texts for r in self.batch], self.workers)
+      ]
       self.in_flight.append((futures, {**place, "docs": self.added}))
       self.batch, self.chars = [], 0
     while len(self.in_flight) > self.workers:

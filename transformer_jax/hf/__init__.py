@@ -8,7 +8,8 @@ back.
 Supported architectures (``ARCHITECTURES``, plus the Reformer):
 
 - GPT2LMHeadModel -> ``models.GPT``
-- LlamaForCausalLM, MistralForCausalLM (sliding window) -> ``models.GPT``
+- LlamaForCausalLM, MistralForCausalLM (sliding window), Qwen2ForCausalLM (query/key/value
+  biases), Qwen3ForCausalLM (per-head query/key norms) -> ``models.GPT``
 - BertForPreTraining, BertForMaskedLM, BertForSequenceClassification, BertModel -> ``models.BERT``
 - BigBirdForPreTraining, BigBirdForMaskedLM, BigBirdModel -> ``models.BERT`` with block-sparse
   attention (``attention_kind="sparse"``); like any BERT its call returns a ``BERTOutput``

@@ -22,6 +22,8 @@ _EMBEDDING = {
   "gpt2": "transformer.wte.weight",
   "llama": "model.embed_tokens.weight",
   "mistral": "model.embed_tokens.weight",
+  "qwen2": "model.embed_tokens.weight",
+  "qwen3": "model.embed_tokens.weight",
   "t5": "shared.weight",
   "mamba": "backbone.embeddings.weight",
   "mamba2": "backbone.embeddings.weight",

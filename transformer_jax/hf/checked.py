@@ -13,8 +13,8 @@ refuses the checkpoint with one ``CheckpointError`` that lists every problem:
 - tied duplicates (``aliases``) that differ from the tensor they stand for.
 
 The config's fields are read by type through ``configs.common.Fields``; together they are the
-checks every reader (GPT-2, BERT, T5, LLaMA, Mistral, Marian, Mamba, Mamba-2, BigBird, Reformer)
-shares.
+checks every reader (GPT-2, BERT, T5, LLaMA, Mistral, Qwen2, Qwen3, Marian, Mamba, Mamba-2,
+BigBird, Reformer) shares.
 """
 
 from __future__ import annotations

@@ -181,14 +181,21 @@ def _norm(hf: str, ours: str, bias: bool, L=0) -> list[Rule]:
 
 
 def _attention(
-  hf: str, ours: str, names: tuple[str, str, str, str], bias: bool, L: int
+  hf: str,
+  ours: str,
+  names: tuple[str, str, str, str],
+  bias: bool,
+  L: int,
+  out_bias: bool | None = None,
 ) -> list[Rule]:
+  """Query, key, value (biases: ``bias``) and output (``out_bias``, None: ``bias``)."""
   q, k, v, o = names
+  out_bias = bias if out_bias is None else out_bias
   return (
     _linear(f"{hf}.{q}", f"{ours}.query", bias, Transform.LINEAR_Q, Transform.BIAS_Q, L)
     + _linear(f"{hf}.{k}", f"{ours}.key", bias, Transform.LINEAR_KV, Transform.BIAS_KV, L)
     + _linear(f"{hf}.{v}", f"{ours}.value", bias, Transform.LINEAR_KV, Transform.BIAS_KV, L)
-    + _linear(f"{hf}.{o}", f"{ours}.out", bias, Transform.LINEAR_O, Transform.COPY, L)
+    + _linear(f"{hf}.{o}", f"{ours}.out", out_bias, Transform.LINEAR_O, Transform.COPY, L)
   )
 
 
@@ -241,32 +248,31 @@ def _experts(h: str, B: str, L: int) -> list[Rule]:
 
 
 def _llama(c) -> Table:
-  L, P, B, bias = c.num_layers, "model.", "blocks.layers", c.use_bias
+  """LLaMA, Mistral, Qwen2 and Qwen3: biases per projection group, Qwen3's q_norm/k_norm."""
+  L, P, B = c.num_layers, "model.", "blocks.layers"
+  qkv, out, mlp = (c.use_bias if b is None else b for b in (c.qkv_bias, c.out_bias, c.mlp_bias))
   h = f"{P}layers.{{i}}"
-  mlp = (
+  qkvo = ("q_proj", "k_proj", "v_proj", "o_proj")
+  mlp_rules = (
     _experts(h, B, L)
-    if getattr(c, "num_experts", 0)
+    if c.num_experts
     else [
-      *_linear(f"{h}.mlp.gate_proj", f"{B}.mlp.gate", bias, L=L),
-      *_linear(f"{h}.mlp.up_proj", f"{B}.mlp.up", bias, L=L),
-      *_linear(f"{h}.mlp.down_proj", f"{B}.mlp.down", bias, L=L),
+      *_linear(f"{h}.mlp.gate_proj", f"{B}.mlp.gate", mlp, L=L),
+      *_linear(f"{h}.mlp.up_proj", f"{B}.mlp.up", mlp, L=L),
+      *_linear(f"{h}.mlp.down_proj", f"{B}.mlp.down", mlp, L=L),
     ]
   )
-  qk_norm = [
-    r
-    for n in ("q", "k")
-    if getattr(c, "qk_norm", False)
-    for r in _norm(f"{h}.self_attn.{n}_norm", f"{B}.attn.{n}_norm", False, L)
-  ]
   rules = [
     Rule(f"{P}embed_tokens.weight", ("embed.embedding",)),
-    *_attention(f"{h}.self_attn", f"{B}.attn", ("q_proj", "k_proj", "v_proj", "o_proj"), bias, L),
-    *mlp,
+    *_attention(f"{h}.self_attn", f"{B}.attn", qkvo, qkv, L, out_bias=out),
+    *mlp_rules,
     *_norm(f"{h}.input_layernorm", f"{B}.attn_norm", False, L),
     *_norm(f"{h}.post_attention_layernorm", f"{B}.mlp_norm", False, L),
     *_norm(f"{P}norm", "final_norm", False),
   ]
-  rules += qk_norm
+  if c.qk_norm:
+    rules += _norm(f"{h}.self_attn.q_norm", f"{B}.attn.q_norm", False, L)
+    rules += _norm(f"{h}.self_attn.k_norm", f"{B}.attn.k_norm", False, L)
   aliases = {}
   if c.tie_embeddings:
     aliases["lm_head.weight"] = f"{P}embed_tokens.weight"
@@ -463,7 +469,7 @@ def table(config: ModelConfig, arch: str) -> Table:
   match ARCHITECTURES[arch][0]:
     case "gpt2":
       return _gpt2(config)
-    case "llama" | "mistral" | "mixtral" | "qwen3_moe":
+    case "llama" | "mistral" | "qwen2" | "qwen3" | "mixtral" | "qwen3_moe":
       return _llama(config)
     case "bert":
       return _bert(config, arch)

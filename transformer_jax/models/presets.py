@@ -45,6 +45,11 @@ def _llama(**kw) -> GPTConfig:
   return GPTConfig(**{**_LLAMA, **kw})
 
 
+def _qwen(**kw) -> GPTConfig:
+  # Qwen2/2.5 and Qwen3 (Yang et al. 2024, 2025): rope_theta 1e6, RMSNorm eps 1e-6.
+  return _llama(**{"rope_theta": 1000000.0, "norm_eps": 1e-6, **kw})
+
+
 def _bert(d_model: int, num_layers: int) -> BERTConfig:
   # Devlin et al. and Turc et al. ("Well-Read Students Learn Better"): 64-dim heads, d_ff = 4 d.
   return BERTConfig(
@@ -175,6 +180,76 @@ PRESETS: dict[str, ModelConfig] = {
     max_len=256,
     norm_eps=1e-5,
     sliding_window=16,
+  ),
+  # --- Qwen2.5 (Qwen2ForCausalLM): LLaMA's layers with biases on the query/key/value
+  # projections only, rope_theta 1e6; the published config.json values.
+  "qwen2.5-0.5b": _qwen(
+    vocab_size=151936,
+    d_model=896,
+    num_layers=24,
+    num_heads=14,
+    num_kv_heads=2,
+    d_ff=4864,
+    max_len=32768,
+    tie_embeddings=True,
+    qkv_bias=True,
+  ),
+  "qwen2.5-7b": _qwen(
+    vocab_size=152064,
+    d_model=3584,
+    num_layers=28,
+    num_heads=28,
+    num_kv_heads=4,
+    d_ff=18944,
+    max_len=131072,
+    qkv_bias=True,
+  ),
+  "qwen2-tiny": _qwen(
+    vocab_size=512,
+    d_model=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    d_ff=176,
+    max_len=256,
+    qkv_bias=True,
+  ),
+  # --- Qwen3 (Qwen3ForCausalLM): RMSNorm over head_dim on queries and keys before RoPE, no
+  # biases, head_dim 128 whatever d_model.
+  "qwen3-0.6b": _qwen(
+    vocab_size=151936,
+    d_model=1024,
+    num_layers=28,
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=128,
+    d_ff=3072,
+    max_len=40960,
+    tie_embeddings=True,
+    qk_norm=True,
+  ),
+  "qwen3-8b": _qwen(
+    vocab_size=151936,
+    d_model=4096,
+    num_layers=36,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    d_ff=12288,
+    max_len=40960,
+    qk_norm=True,
+  ),
+  "qwen3-tiny": _qwen(
+    vocab_size=512,
+    d_model=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    d_ff=176,
+    max_len=256,
+    tie_embeddings=True,
+    qk_norm=True,
   ),
   # --- Mixtures of experts: every MLP a set of gated experts (layers.moe).
   # Mixtral 8x7B (Jiang et al. 2024): Mistral 7B's attention without the window, 8 experts of

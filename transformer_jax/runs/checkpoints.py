@@ -2,10 +2,13 @@
 models saved alone by ``tjax convert``.
 
 A training step ``checkpoints/<N>/`` holds ``params``, ``opt_state`` and ``meta`` (JSON: step,
-loader state, and ``params_only`` for a converted model, which has no optimizer state);
-``checkpoints/best/<N>/`` holds ``params``. A step is verified when restored (tree structure,
-shapes and dtypes against the target, finite parameters); a damaged step is named in a warning and
-the newest intact one is used. Steps set aside keep their files as ``<label>-<N>`` beside them.
+loader state: the step and the sequences consumed before it, and ``params_only`` for a converted
+model, which has no optimizer state); ``checkpoints/best/<N>/`` holds ``params``. A step is
+verified when restored (tree structure, shapes and dtypes against the target, finite parameters);
+a damaged step is named in a warning and the newest intact one is used. Steps set aside keep their
+files as ``<label>-<N>`` beside them. Restoring places every array straight onto the target's
+shardings (orbax reads each shard where the target puts it): a step saved on another mesh, device
+or process count restores without gathering the state on one host.
 Multi-host: every process calls these methods (orbax synchronises them).
 """
 
@@ -23,6 +26,10 @@ from transformer_jax import models
 from transformer_jax.runs.directory import RunDir, read_json, warn
 from transformer_jax.runs.orbax_errors import naming, quiet_aborted_reads, reason
 from transformer_jax.runs.trees import abstract_target, check_finite, nonfinite_leaves, verify_tree
+
+
+def _count(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 class CheckpointDamaged(ValueError):
@@ -80,7 +87,9 @@ class Checkpoints:
 
   def read_meta(self, step: int) -> dict:
     """The ``meta`` item of ``step``, read from its file: an object whose ``loader`` (the data
-    position to resume from) is null or an object with an integer ``step`` >= 0.
+    position to resume from) is null or an object with an integer ``step`` >= 0 and, in steps
+    written since the data position is kept in sequences, an integer ``sequences`` >= 0 (the
+    sequences consumed before ``step``; without it, ``step`` x the run's batch size).
 
     Raises:
       ValueError: the item is missing or damaged (the file and the field named).
@@ -92,12 +101,12 @@ class Checkpoints:
     loader = meta.get("loader")
     if loader is not None and not (
       isinstance(loader, dict)
-      and isinstance(loader.get("step"), int)
-      and not isinstance(loader["step"], bool)
-      and loader["step"] >= 0
+      and _count(loader.get("step"))
+      and ("sequences" not in loader or _count(loader["sequences"]))
     ):
       raise ValueError(
-        f"{path}: loader={loader!r}: expected null or an object with an integer step >= 0"
+        f"{path}: loader={loader!r}: expected null or an object with an integer step >= 0 "
+        "(and, where present, an integer sequences >= 0)"
       )
     return meta
 

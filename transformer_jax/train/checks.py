@@ -19,6 +19,7 @@ from transformer_jax import data as data_lib
 from transformer_jax import hardware, models
 from transformer_jax.backends.table import OPTION_FIELDS
 from transformer_jax.train.config import Experiment
+from transformer_jax.train.console import log0
 
 
 def model_changes(stored: models.ModelConfig, exp: Experiment) -> list[tuple[str, Any, Any]]:
@@ -47,7 +48,7 @@ def ensure_dataset(exp: Experiment, *, prepare: bool = True) -> data_lib.Dataset
       dataset, or one prepared for another task.
   """
   d = exp.data
-  path = d.path or os.path.join(exp.run_dir, "data")
+  path = d.dataset_path or os.path.join(exp.run_dir, "data")
   meta = os.path.join(path, "metadata.json")
   if not os.path.exists(meta):
     if not prepare:
@@ -77,7 +78,9 @@ def ensure_dataset(exp: Experiment, *, prepare: bool = True) -> data_lib.Dataset
   return dataset
 
 
-def check_dataset_unchanged(ref: dict, old: dict | None, *, resuming: bool) -> None:
+def check_dataset_unchanged(
+  ref: dict, old: dict | None, *, resuming: bool, accept: bool = False
+) -> None:
   """Refuses a dataset whose content changed since the run trained on it.
 
   Args:
@@ -86,6 +89,8 @@ def check_dataset_unchanged(ref: dict, old: dict | None, *, resuming: bool) -> N
     resuming: a resumed run (its data path cannot change: any other hash is a change) rather than
       an evaluation (whose ``data.path`` may name another dataset: only the recorded one is
       compared, where its hash is known).
+    accept: a resumed run continues on the changed dataset (``--accept-data-change``): a notice
+      names both hashes instead.
 
   Raises:
     ValueError: naming the dataset and both content hashes.
@@ -94,10 +99,16 @@ def check_dataset_unchanged(ref: dict, old: dict | None, *, resuming: bool) -> N
     return
   if resuming:
     if old.get("hash") != ref["hash"]:
-      raise ValueError(
+      what = (
         f"the dataset {ref['path']} changed since this run started (content hash "
-        f"{old.get('hash', '?')[:12]} -> {ref['hash'][:12]}); use the same data, "
-        "or --force-new / another run_dir"
+        f"{old.get('hash', '?')[:12]} -> {ref['hash'][:12]})"
+      )
+      if accept:
+        log0(f"notice: {what}; --accept-data-change: continuing on it at the same data position")
+        return
+      raise ValueError(
+        f"{what}; use the same data, pass --accept-data-change to continue on it, or "
+        "--force-new / another run_dir"
       )
     return
   if "hash" in old and os.path.abspath(old["path"]) == ref["path"] and old["hash"] != ref["hash"]:

@@ -18,9 +18,10 @@ import yaml
 
 from transformer_jax import models, runs
 from transformer_jax.backends import KernelTable
+from transformer_jax.data.mixture import MixtureError, MixtureSource, MixtureStage, check_mixture
 from transformer_jax.train import finetune
 from transformer_jax.lora import LoRAConfig
-from transformer_jax.runs.schema import FieldError, build_section, parse_yaml, typed_fields
+from transformer_jax.runs.schema import FieldError, build_section, coerce, parse_yaml, typed_fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +34,16 @@ class DataConfig:
   val_fraction: float = 0.05
   mask_prob: float = 0.15  # BERT masked-LM rate
   vocab_from: str | None = None  # classify: reuse this dataset's tokenizer/vocabulary
+  # GPT only: prepared datasets read by weight (data.mixture); `path` then names the one whose
+  # validation split evaluates (default the first source).
+  mixture: tuple[MixtureSource, ...] = ()
+  stages: tuple[MixtureStage, ...] = ()  # the mixture's weights from a step on
+  max_epochs: int | None = None  # a mixture source may not start more epochs than this
+
+  @property
+  def dataset_path(self) -> str | None:
+    """The dataset the run evaluates on and takes its vocabulary from."""
+    return self.path or (self.mixture[0].path if self.mixture else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +128,8 @@ class Experiment:
   def to_dict(self) -> dict[str, Any]:
     out = dataclasses.asdict(self)
     out["data"]["inputs"] = list(self.data.inputs)
+    out["data"]["mixture"] = [dataclasses.asdict(m) for m in self.data.mixture]
+    out["data"]["stages"] = [dataclasses.asdict(m) for m in self.data.stages]
     if out["train"]["lora"] is not None:
       out["train"]["lora"]["targets"] = list(self.train.lora.targets)
     out["kernels"] = self.kernels.to_dict()
@@ -142,6 +155,7 @@ class Experiment:
       path=absolute(self.data.path),
       inputs=tuple(absolute_input(p) for p in self.data.inputs),
       vocab_from=absolute(self.data.vocab_from),
+      mixture=tuple(dataclasses.replace(m, path=absolute(m.path)) for m in self.data.mixture),
     )
     model = dict(self.model)
     if isinstance(model.get("init_from"), str):
@@ -337,7 +351,7 @@ def _build(raw: dict, overrides: list[tuple[str, Any]], path: str | None) -> Exp
   exp = Experiment(
     run_dir=run_dir,
     model=model_section(dict(model or {})),
-    data=build_section(DataConfig, "data", raw.get("data")),
+    data=build_section(DataConfig, "data", _indexed(raw.get("data"))),
     train=build_section(TrainConfig, "train", raw.get("train")),
     mesh=build_section(MeshConfig, "mesh", raw.get("mesh")),
     bars=dict(bars or {}),
@@ -460,8 +474,9 @@ def _validate(exp: Experiment) -> None:
       raise _unknown("bars.", key, BARS)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
       raise FieldError(f"bars.{key}", f"bars.{key}={value!r}: expected a finite number")
-  if exp.data.path is None and not exp.data.inputs:
-    raise FieldError("data", "data.path or data.inputs must be given")
+  _validate_mixture(d)
+  if d.path is None and not d.inputs and not d.mixture:
+    raise FieldError("data", "data.path, data.inputs or data.mixture must be given")
   init_from = exp.model.get("init_from")
   if init_from is not None and ("preset" in exp.model or "family" in exp.model):
     raise FieldError(
@@ -473,4 +488,31 @@ def _validate(exp: Experiment) -> None:
       "model.preset",
       "model.preset (or a full model with model.family) is "
       "required; see `tjax info` for the presets",
+    )
+
+
+def _indexed(data: Any) -> Any:
+  """``data``, its mixture and stage entries checked first with their index in the error
+  (``data.mixture[1].weight=inf: ...``)."""
+  for key, cls in (("mixture", MixtureSource), ("stages", MixtureStage)):
+    items = data.get(key) if isinstance(data, dict) else None
+    for i, item in enumerate(items if isinstance(items, list) else ()):
+      coerce(f"data.{key}[{i}]", item, cls)
+  return data
+
+
+def _validate_mixture(d: DataConfig) -> None:
+  """``data.mixture``/``stages``/``max_epochs`` (``data.mixture.check_mixture``): GPT only, from
+  prepared datasets."""
+  try:
+    check_mixture(d.mixture, d.stages, d.max_epochs)
+  except MixtureError as e:
+    raise FieldError(e.key, str(e)) from None
+  if d.mixture and d.task != "gpt":
+    raise FieldError(
+      "data.mixture", f"data.mixture applies to the gpt task (causal LM), not data.task={d.task!r}"
+    )
+  if d.mixture and d.inputs:
+    raise FieldError(
+      "data.inputs", "data.inputs with data.mixture: prepare each source (tjax prepare) first"
     )

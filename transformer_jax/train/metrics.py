@@ -3,7 +3,8 @@ bar or one plain line per ``train.log_every`` steps, and ``loss.png`` at the end
 
 A training line holds ``step``, ``loss``, ``tokens_per_sec``, ``lr``, ``grad_norm``,
 ``batch_hash`` (CRC-32 of the host batch: resumed runs read the same data), ``mfu`` (where the
-model's FLOPs per token are known) and the task's ``*_loss`` / ``*_accuracy`` terms; an eval line
+model's FLOPs per token are known), the task's ``*_loss`` / ``*_accuracy`` terms and, with
+``data.mixture``, ``tokens/NAME``: the tokens each source gave up to that step; an eval line
 holds ``step`` and ``val_*``.
 """
 
@@ -174,6 +175,8 @@ class TrainLog:
     self.log = MetricsLog(run_dir, start)
     self.bar = progress_bar(start, t.steps, progress)
     self.mfu = MFU.of(run)
+    # A mixture's tokens per source up to a step (closed form: exact on resume).
+    self.source_tokens = getattr(run.loader, "tokens_consumed", None)
     self.since = time.perf_counter()
 
   def write_steps(self, pending: list[StepMetrics]) -> tuple[int, float] | None:
@@ -204,6 +207,8 @@ class TrainLog:
       if self.mfu is not None:
         record["mfu"] = self.mfu(record["tokens_per_sec"])
       record.update({k: float(v) for k, v in m.items() if k.endswith(("_loss", "_accuracy"))})
+      if self.source_tokens is not None:
+        record.update({f"tokens/{k}": v for k, v in self.source_tokens(p.step).items()})
       # A mixture of experts' counts: tokens per expert [L, E] as lists, the dropped fraction.
       record.update({k: np.asarray(v).tolist() for k, v in m.items() if k.startswith("moe_")})
       self.log.write(record)

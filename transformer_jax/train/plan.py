@@ -13,7 +13,8 @@ parsed, :mod:`transformer_jax.train.config`); which purpose makes which:
 check                                                      train  dry_run  export  eval
 =========================================================  =====  =======  ======  ====
 the run directory can hold this run and holds only a run's   x
-a resumed run's model and data unchanged                     x       x        x
+a resumed run's model and data unchanged (data: unless       x       x        x
+accepted), its batch size changed by an integer ratio only
 ``train.steps`` not below the run's last checkpoint          x
 the task fits the model; its learning bars                   x       x        x      x
 the window fits the model's positions                        x       x        x      x
@@ -71,6 +72,9 @@ EVAL_KEYS = (
   "mesh.sequence",
   "mesh.expert",
 )
+# What ``accept_data_change`` lets a resumed run change besides the dataset's content: where it
+# is and what it is prepared from.
+DATA_CHANGES = ("data.path", "data.inputs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +106,7 @@ class Plan:
     run_dir: its run directory.
     resume: what the directory holds of an earlier run.
     force_new: the run starts over (the directory's earlier run is removed when it starts).
+    accept_data_change: a resumed run may continue on another dataset (``--accept-data-change``).
     finished: the run in the directory is done (``train`` only: nothing else is built).
     model_config: the model (a resumed run's own ``model.yaml``).
     vocab_note: where the model's vocabulary came from.
@@ -122,6 +127,7 @@ class Plan:
   run_dir: runs.RunDir
   resume: Resume
   force_new: bool = False
+  accept_data_change: bool = False
   finished: bool = False
   model_config: models.ModelConfig | None = None
   vocab_note: str = ""
@@ -157,7 +163,12 @@ class Plan:
 
 
 def make_plan(
-  exp: Experiment, *, purpose: Purpose = "train", force_new: bool = False, mesh=None
+  exp: Experiment,
+  *,
+  purpose: Purpose = "train",
+  force_new: bool = False,
+  mesh=None,
+  accept_data_change: bool = False,
 ) -> Plan:
   """The plan of ``exp`` for ``purpose``, every check of the module's table made.
 
@@ -170,6 +181,8 @@ def make_plan(
     force_new: Start over: the directory's earlier run is neither read nor checked against.
     mesh: The mesh to plan for (``export``: possibly a ``jax.sharding.AbstractMesh``); default
       the experiment's on this process's devices.
+    accept_data_change: A resumed run continues on a dataset whose content (or ``data.path``,
+      ``data.inputs``) differs from the one it trained on, at the same data position.
 
   Raises:
     ValueError: any check of the table, one line naming the file, field and value.
@@ -182,7 +195,7 @@ def make_plan(
     rd.check_usable()  # before a pretraining run or a dataset preparation that may take hours
     rd.check_owned()
   resume = Resume() if purpose == "eval" else read_resume(rd, force_new)
-  plan = Plan(purpose, exp, rd, resume, force_new)
+  plan = Plan(purpose, exp, rd, resume, force_new, accept_data_change)
   if purpose != "eval":
     check_resume(plan)
   if purpose == "train" and _finished(exp, resume):
@@ -202,8 +215,11 @@ def make_plan(
       model_config = exp.model_config(**tasks_lib.TASKS[exp.data.task].model_defaults(dataset))
     runs.check_vocab(dataset.vocab_size, model_config, dataset.path)
     ref = runs.dataset_ref(dataset)
+    if exp.data.mixture:  # every source's content, checked on resume
+      ref["mixture"] = {m.name: runs.dataset_fingerprint(m.path) for m in exp.data.mixture}
     if purpose == "train":
-      check_dataset_unchanged(ref, resume.dataset_ref, resuming=True)
+      check_dataset_unchanged(ref, resume.dataset_ref, resuming=True, accept=accept_data_change)
+      check_mixture_unchanged(ref, resume.dataset_ref, accept=accept_data_change)
     else:
       check_dataset_unchanged(ref, rd.read_dataset_ref(), resuming=False)
   task = tasks_lib.for_experiment(exp, model_config)
@@ -244,6 +260,15 @@ def make_plan(
   )
   if purpose == "train":
     plan = dataclasses.replace(plan, loader=make_train_loader(plan))
+    stored = resume.stored.train.batch_size if resume.stored is not None else None
+    offsets = getattr(plan.loader, "sequence_offsets", False)
+    if stored not in (None, exp.train.batch_size) and not offsets:
+      raise ValueError(
+        f"train.batch_size: {stored} -> {exp.train.batch_size}: "
+        f"{'a mixture' if exp.data.mixture else f'the {exp.data.task} task'}'s "
+        "loader draws its batches per step, so it cannot continue at the first sequence not "
+        f"consumed; resume with train.batch_size={stored}"
+      )
   if purpose in ("train", "dry_run"):
     plan = _with_step(plan)
   return plan
@@ -272,14 +297,17 @@ def read_resume(rd: runs.RunDir, force_new: bool = False) -> Resume:
 
 
 def check_resume(plan: Plan) -> None:
-  """Refuses to resume (or to plan over) a run with another model or data, or a ``train.steps``
-  below its last checkpoint (``train`` only). A model converted into the directory (no
-  ``config.yaml``) is fine-tuned as its own ``model.yaml`` says.
+  """Refuses to resume (or to plan over) a run with another model or data (``data.path`` and
+  ``data.inputs`` may change with ``accept_data_change``), a batch size that is not an integer
+  multiple or divisor of the run's, or a ``train.steps`` below its last checkpoint (``train``
+  only). A model converted into the directory (no ``config.yaml``) is fine-tuned as its own
+  ``model.yaml`` says.
 
   Raises:
     ValueError: each changed key named with its old and new value.
   """
   resume, exp, rd = plan.resume, plan.exp, plan.run_dir
+  accept_data_change = plan.accept_data_change
   if not resume.steps:
     return
   if resume.stored is None:
@@ -292,8 +320,12 @@ def check_resume(plan: Plan) -> None:
   changes = [
     c
     for c in fixed_changes(resume.stored.to_dict(), exp.to_dict())
-    if c[0] != "model" and not c[0].startswith("model.")
+    if c[0] != "model"
+    and not c[0].startswith("model.")
+    and c[0] != "train.batch_size"
+    and not (accept_data_change and c[0] in DATA_CHANGES)
   ]
+  check_batch_change(resume.stored.train.batch_size, exp.train.batch_size)
   changes = model_changes(resume.model, exp) + changes
   if changes:
     listed = ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changes)
@@ -309,6 +341,20 @@ def check_resume(plan: Plan) -> None:
     raise ValueError(
       f"train.steps={exp.train.steps} is below the run's last checkpoint (step "
       f"{resume.last}); give train.steps >= {resume.last}"
+    )
+
+
+def check_batch_change(before: int, after: int) -> None:
+  """Refuses a resumed run's ``train.batch_size`` unless it is the run's times or divided by an
+  integer (the data position is kept in sequences, the schedule in steps).
+
+  Raises:
+    ValueError: naming both sizes.
+  """
+  if before != after and max(before, after) % min(before, after):
+    raise ValueError(
+      f"train.batch_size: {before} -> {after} is not an integer change (resume with a multiple "
+      f"or a divisor of {before})"
     )
 
 
@@ -337,7 +383,7 @@ def _model_before_data(
   stored = rd.require_model() if purpose == "eval" else resume.model
   if stored is not None:
     return stored, f"vocabulary {stored.vocab_size} from {rd.file(runs.MODEL)}"
-  path = exp.data.path
+  path = exp.data.dataset_path
   if path is not None and os.path.exists(os.path.join(path, data_lib.METADATA_FILE)):
     vocab = data_lib.read_metadata(path)["vocab_size"]
     return exp.model_config(vocab_size=vocab), f"vocabulary {vocab} from {path}"
@@ -355,6 +401,9 @@ def make_train_loader(plan: Plan):
   exp, dataset = plan.exp, plan.dataset
   loader = plan.task.loader(dataset, exp)
   count, unit = loader.examples_per_epoch
+  if exp.data.mixture:  # refused before the run starts: another vocabulary, data.max_epochs
+    loader.check_vocabulary(dataset, f"data.path={dataset.path!r}")
+    loader.check_steps(exp.train.steps)
   if count < exp.train.batch_size:
     raise ValueError(
       f"the train split of {dataset.path} holds {count} {unit}, fewer than "
@@ -362,6 +411,27 @@ def make_train_loader(plan: Plan):
       f"prepare more data or give train.batch_size <= {count}"
     )
   return loader
+
+
+def check_mixture_unchanged(ref: dict, old: dict | None, *, accept: bool = False) -> None:
+  """Refuses to resume a mixture run whose sources' contents changed (named, with both hashes);
+  ``accept`` (``--accept-data-change``): a notice instead."""
+  if old is None or "mixture" not in ref:
+    return
+  for name, fingerprint in ref["mixture"].items():
+    before = (old.get("mixture") or {}).get(name)
+    if before is not None and before != fingerprint:
+      what = (
+        f"mixture source {name!r} changed since this run started (content hash {before[:12]} "
+        f"-> {fingerprint[:12]})"
+      )
+      if accept:
+        log0(f"notice: {what}; --accept-data-change: continuing on it at the same data position")
+        continue
+      raise ValueError(
+        f"{what}; use the same data, pass --accept-data-change to continue on it, or "
+        "--force-new / another run_dir"
+      )
 
 
 def _platform(mesh, purpose: str) -> str:

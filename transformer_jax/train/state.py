@@ -2,9 +2,11 @@
 0: initialised, ``model.init_from`` loaded, or a LoRA run's adapters over its base).
 
 Resuming follows MaxText and the HF Trainer: a larger ``train.steps`` continues a run (the plan
-has refused any change of model or data); optimisation, logging and mesh settings may change. A
-changed ``train.steps`` re-plans a decaying schedule over the new length, which a notice says with
-the learning rate before and after at the resume point.
+has refused any change of model, and of data unless accepted); optimisation, logging and mesh
+settings may change. A changed ``train.steps`` re-plans a decaying schedule over the new length,
+which a notice says with the learning rate before and after at the resume point. The mesh and the
+process count may change (the state is restored onto the new mesh's shardings), and the global
+batch size by an integer ratio (the data position is kept in sequences, the schedule in steps).
 """
 
 from __future__ import annotations
@@ -50,6 +52,14 @@ def schedule_notice(before: TrainConfig, after: TrainConfig, step: int) -> str |
   )
 
 
+def data_position(loader_state: dict, before: TrainConfig | None) -> dict:
+  """A checkpoint's loader state with its data position in sequences: a step written before the
+  position was recorded consumed ``step`` batches of the run's stored ``train.batch_size``."""
+  if "sequences" in loader_state or before is None:
+    return loader_state
+  return {**loader_state, "sequences": loader_state["step"] * before.batch_size}
+
+
 def restore_or_init(plan: Plan, ckpt: runs.Checkpoints) -> Start:
   """The state the run starts from; then (only now: everything is checked) the run directory's
   snapshot (``config.yaml``, ``model.yaml``, ``dataset.json``) is written from the plan.
@@ -57,7 +67,9 @@ def restore_or_init(plan: Plan, ckpt: runs.Checkpoints) -> Start:
   Restores the newest intact checkpoint into the method's sharded shapes (orbax places each array
   straight onto its shards: the checkpoint may come from another mesh or device count); damaged
   newer steps are set aside as ``damaged-<step>``. Without a checkpoint: the method's fresh state
-  (``init_from.json`` written when ``model.init_from`` is loaded). Sets the loader's position.
+  (``init_from.json`` written when ``model.init_from`` is loaded). Sets the loader's position,
+  in sequences: a run resumed with another ``train.batch_size`` starts at the first sequence not
+  yet consumed (its learning-rate schedule stays in steps).
 
   Raises:
     CheckpointDamaged: no checkpoint of the directory is intact (nothing is rewritten).
@@ -90,10 +102,16 @@ def _restore(plan: Plan, ckpt: runs.Checkpoints) -> Start | None:
     opt_state = plan.optimizer.init(params)
   restored = step_lib.TrainState(step=np.int32(start), params=params, opt_state=opt_state)
   state = step_lib.place_state(method.restored(restored, plan.run_dir.path), plan.mesh)
-  if meta.get("loader"):
-    plan.loader.set_state(meta["loader"])
-  log0(f"resuming from {ckpt.directory} at step {start}")
   before = resume.stored.train if resume.stored is not None else None
+  if meta.get("loader"):
+    plan.loader.set_state(data_position(meta["loader"], before))
+  log0(f"resuming from {ckpt.directory} at step {start}")
+  if before is not None and before.batch_size != plan.exp.train.batch_size:
+    log0(
+      f"notice: train.batch_size changed from {before.batch_size} to "
+      f"{plan.exp.train.batch_size}: step {start} starts at sequence "
+      f"{plan.loader.sequences_at(start)}, the first not yet consumed; the schedule stays in steps"
+    )
   notice = None if before is None else schedule_notice(before, plan.exp.train, start)
   if notice:
     log0(notice)

@@ -103,7 +103,16 @@ class GPTTask(_Task):
 
   @staticmethod
   def loader(dataset, exp):
-    t = exp.train
+    t, d = exp.train, exp.data
+    if d.mixture:  # the sources by weight; ``dataset`` is the one evaluated on
+      return data_lib.load_mixture(
+        d.mixture,
+        d.stages,
+        batch_size=t.batch_size,
+        seq_len=t.seq_len,
+        seed=t.seed,
+        max_epochs=d.max_epochs,
+      )
     return data_lib.GPTLoader(dataset, batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed)
 
   @staticmethod

@@ -40,6 +40,7 @@ def train(
   progress: bool | None = None,
   force_new: bool = False,
   resume_hint: str | None = None,
+  accept_data_change: bool = False,
 ) -> dict[str, Any]:
   """Runs (or resumes) the experiment; returns the final metrics and learning-bar results.
 
@@ -49,6 +50,7 @@ def train(
       only when stderr is a terminal (None).
     force_new: Start over in an existing run directory (what the run wrote is removed).
     resume_hint: The command to print for resuming after an interruption.
+    accept_data_change: Resume on a dataset that changed since the run trained on it.
 
   Returns:
     ``final.json``'s contents, plus ``finished_before`` (the run was already done) or
@@ -62,7 +64,7 @@ def train(
   """
   pretrain_first(exp.absolute(), progress)
   runtime.enable_compilation_cache()
-  plan = make_plan(exp, force_new=force_new)
+  plan = make_plan(exp, force_new=force_new, accept_data_change=accept_data_change)
   if plan.finished:
     return finished(plan)
   with claimed(plan) as ckpt:
@@ -151,6 +153,8 @@ def report(plan: Plan, outcome: Outcome, resume_hint: str | None) -> dict[str, A
     **plan.method.summary(state),
     **plan.task.final_summary(plan.dataset, outcome.per_class),
   }
+  if hasattr(plan.loader, "tokens_consumed"):  # a mixture: the tokens each source gave
+    final["tokens_per_source"] = plan.loader.tokens_consumed(exp.train.steps)
   params = plan.method.base_params(plan.graphdef, state)  # samples and bars: the base model
   if jax.process_count() > 1:  # parameters may span hosts: every process joins the gather
     from jax.experimental import multihost_utils  # noqa: PLC0415 - multi-process only

@@ -27,6 +27,8 @@ ARCHITECTURES = {
   "T5ForConditionalGeneration": ("t5", "t5"),
   "LlamaForCausalLM": ("llama", "llama"),
   "MistralForCausalLM": ("mistral", "mistral"),
+  "Qwen2ForCausalLM": ("qwen2", "qwen2"),
+  "Qwen3ForCausalLM": ("qwen3", "qwen3"),
   "MarianMTModel": ("marian", "marian"),
   "BigBirdModel": ("bigbird", "big_bird"),
   "BigBirdForMaskedLM": ("bigbird", "big_bird"),
@@ -95,6 +97,10 @@ def from_hf(hf: dict, arch: str) -> ModelConfig:
       return decoders.llama_from(hf)
     case "mistral":
       return decoders.mistral_from(hf)
+    case "qwen2":
+      return decoders.qwen2_from(hf)
+    case "qwen3":
+      return decoders.qwen3_from(hf)
     case "bert":
       return encoders.bert_from(hf, arch)
     case "t5":
@@ -118,6 +124,10 @@ def default_architecture(config: ModelConfig) -> str:
   match config:
     case GPTConfig(num_experts=n, qk_norm=qk) if n:
       return "Qwen3MoeForCausalLM" if qk else "MixtralForCausalLM"
+    case GPTConfig(position="rope", qk_norm=True):
+      return "Qwen3ForCausalLM"
+    case GPTConfig(position="rope", use_bias=False, qkv_bias=True, out_bias=None | False):
+      return "Qwen2ForCausalLM"
     case GPTConfig(position="rope", sliding_window=None):
       return "LlamaForCausalLM"
     case GPTConfig(position="rope"):
@@ -158,7 +168,17 @@ def token_ids(arch: str, tokenizer=None) -> dict:
       ``transformer_jax.data.Tokenizer``), or None.
   """
   family = ARCHITECTURES[arch][0]
-  if family in ("gpt2", "llama", "mistral", "mamba", "mamba2", "mixtral", "qwen3_moe"):
+  if family in (
+    "gpt2",
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "mamba",
+    "mamba2",
+    "mixtral",
+    "qwen3_moe",
+  ):
     eot = None if tokenizer is None else int(tokenizer.eot_id)
     return {"bos_token_id": eot, "eos_token_id": eot}
   if tokenizer is None:
@@ -208,6 +228,8 @@ def to_hf(config: ModelConfig, arch: str, tokenizer=None) -> dict:
     "gpt2": (GPTConfig, decoders.gpt2_to),
     "llama": (GPTConfig, decoders.llama_to),
     "mistral": (GPTConfig, decoders.mistral_to),
+    "qwen2": (GPTConfig, decoders.qwen2_to),
+    "qwen3": (GPTConfig, decoders.qwen3_to),
     "bert": (BERTConfig, encoders.bert_to),
     "t5": (Seq2SeqConfig, seq2seq.t5_to),
     "bigbird": (BERTConfig, encoders.bigbird_to),
@@ -251,10 +273,13 @@ def to_hf(config: ModelConfig, arch: str, tokenizer=None) -> dict:
       max_len=config.max_len,
     )
 
-  def value(c, name):  # head counts compare by their effective values (None = the default)
+  def value(c, name):  # head counts and biases compare by their effective values (None = default)
     return {
       "head_dim": lambda: c.head_size,
       "num_kv_heads": lambda: c.kv_heads,
+      "qkv_bias": lambda: c.use_bias if c.qkv_bias is None else c.qkv_bias,
+      "out_bias": lambda: c.use_bias if c.out_bias is None else c.out_bias,
+      "mlp_bias": lambda: c.use_bias if c.mlp_bias is None else c.mlp_bias,
       "sparse_pattern": lambda: encoders.bigbird_shape(c.sparse_pattern),
       # With experts, d_ff sizes nothing and expert_d_ff is the experts' effective width.
       "d_ff": lambda: None if getattr(c, "num_experts", 0) else c.d_ff,

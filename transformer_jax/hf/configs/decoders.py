@@ -1,10 +1,12 @@
-"""GPT-2, LLaMA and Mistral ``config.json`` <-> ``GPTConfig``.
+"""GPT-2, LLaMA, Mistral, Qwen2 and Qwen3 ``config.json`` <-> ``GPTConfig``.
 
 GPT-2 is the learned-position, LayerNorm, GELU decoder; LLaMA the RoPE, RMSNorm, gated-SiLU one
 with grouped-query heads, whose RoPE settings are read in both transformers 4's (``rope_theta``,
 ``rope_scaling``) and 5's (``rope_parameters``) spellings and written in both; Mistral is LLaMA
-with a sliding window. Each ``*_from`` reads a dict into our config and each ``*_to`` writes one;
-``architectures.to_hf`` checks the written dict by reading it back.
+with a sliding window; Qwen2 is LLaMA with query/key/value biases and Qwen3 LLaMA with per-head
+query/key norms (``qk_norm``), both with a sliding window on every layer or none. Each ``*_from``
+reads a dict into our config and each ``*_to`` writes one; ``architectures.to_hf`` checks the
+written dict by reading it back.
 """
 
 from __future__ import annotations
@@ -196,3 +198,106 @@ def mistral_from(hf: dict) -> GPTConfig:
 def mistral_to(c: GPTConfig) -> dict:
   """Mistral's ``config.json`` fields for ``c``: LLaMA's plus ``sliding_window``."""
   return {**llama_to(c), "model_type": "mistral", "sliding_window": c.sliding_window}
+
+
+# --- Qwen2, Qwen3 ---------------------------------------------------------------------------------
+
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+# Where transformers' Qwen2Config and Qwen3Config defaults differ from LlamaConfig's.
+_QWEN_DEFAULTS = dict(vocab_size=151936, intermediate_size=22016, max_position_embeddings=32768)
+
+
+def _qwen_window(hf: dict, num_layers: int) -> int | None:
+  """The sliding window every layer has, or None for full attention everywhere.
+
+  transformers gives layer ``i`` a window of ``sliding_window`` when ``use_sliding_window`` is
+  true and ``layer_types[i]`` (default: sliding from layer ``max_window_layers`` on) is
+  ``sliding_attention``. A window on some layers only is refused by name.
+  """
+  f = common.Fields(hf)
+  use = f.bool("use_sliding_window", False)
+  window = f.int("sliding_window", null=True) if use else None
+  if use and window is None:
+    raise CheckpointError("use_sliding_window=true needs an integer sliding_window (got null)")
+  max_window = f.int("max_window_layers", 28)
+  types = f.strs("layer_types")
+  if types is None:
+    types = tuple(
+      "sliding_attention" if use and i >= max_window else "full_attention"
+      for i in range(num_layers)
+    )
+  if len(types) != num_layers or not set(types) <= set(_LAYER_TYPES):
+    raise CheckpointError(
+      f"layer_types={list(types)!r}: expected {num_layers} entries (num_hidden_layers), each "
+      f"one of {', '.join(_LAYER_TYPES)}"
+    )
+  sliding = [i for i, t in enumerate(types) if t == "sliding_attention"] if use else []
+  if not sliding:
+    return None
+  if len(sliding) == num_layers:
+    return window
+  raise UnsupportedError(
+    f"use_sliding_window=true with sliding_window={window} on layers {sliding} only "
+    f"(max_window_layers={max_window}, layer_types) is not supported: the window is on every "
+    "layer or on none"
+  )
+
+
+def _qwen_window_fields(c: GPTConfig) -> dict:
+  sliding = c.sliding_window is not None
+  kind = "sliding_attention" if sliding else "full_attention"
+  return dict(
+    use_sliding_window=sliding,
+    sliding_window=c.sliding_window,
+    max_window_layers=0 if sliding else c.num_layers,
+    layer_types=[kind] * c.num_layers,
+  )
+
+
+def _without_llama_biases(c: GPTConfig) -> dict:
+  hf = llama_to(c)
+  del hf["attention_bias"], hf["mlp_bias"]
+  return hf
+
+
+def qwen2_from(hf: dict) -> GPTConfig:
+  """Qwen2 (and 2.5): LLaMA with biases on the query, key and value projections only, and a
+  sliding window on every layer or none (``_qwen_window``)."""
+  # Qwen2's biases are fixed by the architecture, not config fields.
+  hf = {**_QWEN_DEFAULTS, **hf, "attention_bias": False, "mlp_bias": False}
+  c = llama_from(hf)
+  return dataclasses.replace(c, qkv_bias=True, sliding_window=_qwen_window(hf, c.num_layers))
+
+
+def qwen2_to(c: GPTConfig) -> dict:
+  """Qwen2's ``config.json`` fields for ``c`` (whose biases ``to_hf`` checks by reading back)."""
+  return {**_without_llama_biases(c), "model_type": "qwen2", **_qwen_window_fields(c)}
+
+
+def qwen3_from(hf: dict) -> GPTConfig:
+  """Qwen3: LLaMA with RMSNorm over head_dim on queries and keys before RoPE (``qk_norm``),
+  ``attention_bias`` on the query/key/value and output projections (none on the MLP), and a
+  sliding window on every layer or none."""
+  hf = {**_QWEN_DEFAULTS, **hf}
+  f = common.Fields(hf)
+  bias = f.bool("attention_bias", False)
+  c = llama_from({**hf, "attention_bias": False, "mlp_bias": False})
+  return dataclasses.replace(
+    c,
+    qkv_bias=bias or None,
+    out_bias=bias or None,
+    qk_norm=True,
+    head_dim=f.int("head_dim", 128),
+    sliding_window=_qwen_window(hf, c.num_layers),
+  )
+
+
+def qwen3_to(c: GPTConfig) -> dict:
+  """Qwen3's ``config.json`` fields for ``c``: ``attention_bias`` is the query/key/value one."""
+  qkv_bias = c.use_bias if c.qkv_bias is None else c.qkv_bias
+  return {
+    **_without_llama_biases(c),
+    "model_type": "qwen3",
+    "attention_bias": qkv_bias,
+    **_qwen_window_fields(c),
+  }
