@@ -24,6 +24,7 @@ README = os.path.join(REPO, "README.md")
 TJAX_SUBCOMMANDS = {
   "info",
   "prepare",
+  "data",
   "train",
   "eval",
   "generate",

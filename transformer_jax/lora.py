@@ -15,7 +15,8 @@ the kernels and removes them: the base architecture again, for export or fast de
 Targets: ``query``, ``key``, ``value``, ``out`` (attention, self and cross), ``mlp_in`` (the MLP's
 up and gate projections) and ``mlp_out`` (its down projection); Mamba mixers: ``ssm_in``
 (``in_proj``), ``ssm_x`` (Mamba-1's ``x_proj``), ``ssm_dt`` (its ``dt_proj``) and ``ssm_out``
-(``out_proj``).
+(``out_proj``); mixtures of experts: ``router``, ``experts_in`` (every expert's gate and up
+weights) and ``experts_out`` (their down weights), one adapter per expert (``ExpertAdapter``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from flax import nnx
 
 from transformer_jax import models
 from transformer_jax.layers.dense import Projection, einsum_dims
+from transformer_jax.layers.moe import MoE
 from transformer_jax.parallel import axes as ax
 
 TARGETS = (
@@ -44,6 +46,9 @@ TARGETS = (
   "ssm_x",
   "ssm_dt",
   "ssm_out",
+  "router",
+  "experts_in",
+  "experts_out",
 )
 # Attribute name of a projection in its parent -> target name.
 _ATTR_TARGET = {
@@ -62,7 +67,10 @@ _ATTR_TARGET = {
   ("mixer", "x_proj"): "ssm_x",
   ("mixer", "dt_proj"): "ssm_dt",
   ("mixer", "out_proj"): "ssm_out",
+  ("mlp", "router"): "router",
 }
+# A mixture of experts' stacked weights -> target name.
+_EXPERT_TARGET = {"gate": "experts_in", "up": "experts_in", "down": "experts_out"}
 # What a LoRA run trains: the adapters and a classification head (new for the task).
 TRAINABLE = nnx.Any(nnx.LoRAParam, nnx.PathContains("classifier"))
 
@@ -135,6 +143,30 @@ class Adapter(nnx.Module):
     return d.reshape(*d.shape[:-2], *self.in_shape, *self.out_shape)
 
 
+class ExpertAdapter(nnx.Module):
+  """Low-rank updates of a mixture's stacked expert weights ``[..., E, I, O]``: one ``A [I, r]``,
+  ``B [r, O]`` per expert (and layer); the layer adds ``(alpha / r) A B`` to each expert's weight
+  before its grouped product (``MoE.weights``)."""
+
+  def __init__(self, weight: nnx.Param, rank: int, alpha: float, *, rngs: nnx.Rngs):
+    shape, axes = tuple(weight.shape), tuple(weight.get_metadata()["out_sharding"])
+    lead, (d_in, d_out) = shape[:-2], shape[-2:]
+    self.scale = alpha / rank
+    init_a = nnx.initializers.he_uniform()
+    keys = jax.random.split(rngs.params(), math.prod(lead))
+    a = jax.vmap(lambda k: init_a(k, (d_in, rank), weight.dtype))(keys).reshape(*lead, d_in, rank)
+    b = jnp.zeros((*lead, rank, d_out), weight.dtype)
+    a_axes = (*axes[:-1], ax.LORA_RANK)
+    b_axes = (*axes[:-2], ax.LORA_RANK, axes[-1])
+    self.lora_a = nnx.LoRAParam(a, out_sharding=a_axes, eager_sharding=False)
+    self.lora_b = nnx.LoRAParam(b, out_sharding=b_axes, eager_sharding=False)
+
+  def delta(self) -> jax.Array:
+    """``(alpha / r) A B`` in the weight's layout."""
+    d = jnp.matmul(self.lora_a[...], self.lora_b[...], precision=jax.lax.Precision.HIGHEST)
+    return d * self.scale
+
+
 def _targeted(model: nnx.Module, targets: Sequence[str]):
   """``(path, projection)`` of every projection a target names."""
   out = []
@@ -153,7 +185,9 @@ def add_adapters(model: nnx.Module, config: LoRAConfig, *, rngs: nnx.Rngs) -> nn
     ValueError: no projection matches the targets, or the model already has adapters.
   """
   found = _targeted(model, config.targets)
-  if not found:
+  moes = [m for _, m in nnx.iter_modules(model) if isinstance(m, MoE)]
+  experts = [n for n, t in _EXPERT_TARGET.items() if t in config.targets]
+  if not found and not (moes and experts):
     raise ValueError(
       f"lora.targets={list(config.targets)}: no such projection in this {type(model).__name__}"
     )
@@ -161,11 +195,18 @@ def add_adapters(model: nnx.Module, config: LoRAConfig, *, rngs: nnx.Rngs) -> nn
     if proj.lora is not None:
       raise ValueError(f"{'/'.join(map(str, path))} already has a LoRA adapter")
     proj.lora = nnx.data(Adapter(proj, config.rank, config.alpha, rngs=rngs))
+  for moe in moes:
+    for name in experts:
+      if moe.adapters.get(name) is not None:
+        raise ValueError(f"the experts' {name} weights already have a LoRA adapter")
+    moe.adapters = nnx.data(
+      {n: ExpertAdapter(getattr(moe, n), config.rank, config.alpha, rngs=rngs) for n in experts}
+    )
   return model
 
 
 def has_adapters(model: nnx.Module) -> bool:
-  return any(isinstance(m, Adapter) for _, m in nnx.iter_modules(model))
+  return any(isinstance(m, (Adapter, ExpertAdapter)) for _, m in nnx.iter_modules(model))
 
 
 def merge(model: nnx.Module) -> nnx.Module:
@@ -178,6 +219,12 @@ def merge(model: nnx.Module) -> nnx.Module:
         kernel.astype(jnp.float32) + proj.lora.delta().astype(jnp.float32)
       ).astype(kernel.dtype)
       proj.lora = None
+  for _, moe in list(nnx.iter_modules(model)):
+    if isinstance(moe, MoE) and moe.adapters:
+      for name, adapter in moe.adapters.items():
+        w = getattr(moe, name)
+        w[...] = (w[...].astype(jnp.float32) + adapter.delta().astype(jnp.float32)).astype(w.dtype)
+      moe.adapters = nnx.data({})
   return model
 
 

@@ -268,6 +268,20 @@ KINDS += [
   ),
 ]
 
+# Mixtures of experts (layers.moe): dropless routing is per token, so every decoder property
+# holds as for a dense MLP. 4 experts of 24, top 2 renormalised (Mixtral), or top 3 of raw
+# probabilities with q/k norms (Qwen3-MoE).
+_MOE = dict(num_experts=4, expert_d_ff=24)
+KINDS += [
+  Kind("moe", _gpt("moe-tiny", **_MOE), _DECODER, "MixtralForCausalLM"),
+  Kind(
+    "qwen3-moe",
+    _gpt("moe-tiny", **_MOE, experts_per_token=3, router_norm_topk=False, qk_norm=True, head_dim=8),
+    _DECODER,
+    "Qwen3MoeForCausalLM",
+  ),
+]
+
 BY_NAME = {k.name: k for k in KINDS}
 
 

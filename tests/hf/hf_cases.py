@@ -309,6 +309,8 @@ def family(arch: str) -> str:
     "MistralForCausalLM": "causal",
     "Qwen2ForCausalLM": "causal",
     "Qwen3ForCausalLM": "causal",
+    "MixtralForCausalLM": "causal",
+    "Qwen3MoeForCausalLM": "causal",
     "MambaForCausalLM": "causal",
     "Mamba2ForCausalLM": "causal",
     "MarianMTModel": "seq2seq",
@@ -349,6 +351,8 @@ def hf_outputs(model, arch: str, x: dict, tgt: dict | None = None) -> dict[str, 
         | "Gemma3ForCausalLM"
         | "Qwen2ForCausalLM"
         | "Qwen3ForCausalLM"
+        | "MixtralForCausalLM"
+        | "Qwen3MoeForCausalLM"
       ):
         out = model(
           input_ids=tt(x["ids"]), attention_mask=tt(x["mask"]), position_ids=tt(x["positions"])
@@ -399,6 +403,8 @@ def our_outputs(model, arch: str, x: dict, tgt: dict | None = None) -> dict[str,
       | "Gemma3ForCausalLM"
       | "Qwen2ForCausalLM"
       | "Qwen3ForCausalLM"
+      | "MixtralForCausalLM"
+      | "Qwen3MoeForCausalLM"
     ):
       res = {"logits": model(ids, positions=np.asarray(x["positions"]), attention_mask=mask)}
     case "MambaForCausalLM" | "Mamba2ForCausalLM":

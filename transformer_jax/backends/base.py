@@ -292,6 +292,25 @@ class Backend:
       return ops.get_activation(activation)(x)
     return ops.gated(activation, x, up)
 
+  def grouped_matmul(self, x_MK: jax.Array, w_EKN, group_sizes_E: jax.Array, *, dtype) -> jax.Array:
+    """The grouped product of a mixture of experts: rows ``x[start_e:start_e + size_e]`` times
+    ``w[e]`` for each expert e, rows sorted by expert (``ops.moe.sort_by_expert``).
+
+    Args:
+      x_MK: ``[M, K]`` rows in expert order.
+      w_EKN: the experts' stacked weights ``[E, K, N]`` (an ``nnx.Variable`` or an array).
+      group_sizes_E: int32 ``[E]`` rows per expert, summing to M.
+      dtype: the compute dtype (and the output's).
+
+    Returns:
+      ``[M, N]`` in ``dtype``; here ``jax.lax.ragged_dot`` (differentiable; XLA:CPU lowers it
+      and its transposes as masked dense products over all experts).
+    """
+    w = value(w_EKN).astype(dtype)
+    return jax.lax.ragged_dot(
+      x_MK.astype(dtype), w, group_sizes_E.astype(jnp.int32), preferred_element_type=dtype
+    )
+
   # -- decoding --------------------------------------------------------------------------------
 
   def decode_layout(self, kernel, *, n_in: int, dtype, threads: int | None = None):

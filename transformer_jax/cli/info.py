@@ -35,6 +35,11 @@ def info_text(
     f"  parameters        {pc.total:>16,d}  ({_human(pc.total)})",
     f"  embedding         {pc.embedding:>16,d}",
     f"  non-embedding     {pc.non_embedding:>16,d}  ({_human(pc.non_embedding)})",
+    *(
+      [f"  active per token  {pc.active:>16,d}  ({_human(pc.active)}; chosen experts only)"]
+      if pc.inactive
+      else []
+    ),
     f"  train FLOPs/token {flops:>16,.0f}  ({_human(flops)}; 6N + attention at T={seq_len})",
     f"  memory estimate   batch={batch_size} seq_len={seq_len}, AdamW fp32, dtype={cfg.dtype}:",
   ]

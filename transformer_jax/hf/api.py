@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 
 from transformer_jax import models
-from transformer_jax.hf import checked, configs, io, params
+from transformer_jax.hf import checked, configs, experts, io, params
 from transformer_jax.hf import reformer as reformer_hf
 from transformer_jax.hf.errors import CheckpointError, UnsupportedError
 from transformer_jax.models import ModelConfig
@@ -210,6 +210,8 @@ def load(
     config, param_dtype=param_dtype or "float32", dtype=dtype or "float32"
   )
   tensors = _with_prefix(tensors, params.table(config, arch).prefix)
+  if configs.ARCHITECTURES[arch][0] in experts.NAMES:  # either layout of the experts' weights
+    tensors = experts.stack(tensors)
   if configs.ARCHITECTURES[arch][0] == "marian":
     _check_marian_extras(config, tensors)
   config = _resolve_tie(config, arch, tensors)
@@ -231,6 +233,7 @@ def save(
   architecture: str | None = None,
   tokenizer=None,
   special_ids: dict | None = None,
+  per_expert: bool = False,
 ) -> str:
   """Writes ``config.json`` + ``model.safetensors`` that ``transformers`` ``from_pretrained`` loads.
 
@@ -250,6 +253,8 @@ def save(
       GPT's ``bos_token_id``/``eos_token_id`` are written as ``null``: unknown.
     special_ids: without a tokenizer, the special ids to write in place of the model's recorded
       ones (``recorded_ids``), e.g. those ``tjax convert --from-hf`` kept in a run directory.
+    per_expert: a mixture of experts' weights one tensor per expert (the layout before
+      transformers 5, ``hf.experts``); default stacked, as transformers 5 writes them.
 
   Returns:
     The architecture written.
@@ -298,5 +303,7 @@ def save(
     tensors["model.encoder.embed_positions.weight"] = table
     tensors["model.decoder.embed_positions.weight"] = table
     tensors["final_logits_bias"] = np.zeros((1, config.vocab_size), flat["embed.embedding"].dtype)
+  if per_expert and family in experts.NAMES:
+    tensors = experts.unstack(tensors, family)
   io.write_directory(path, hf, tensors)
   return arch

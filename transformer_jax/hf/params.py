@@ -36,6 +36,8 @@ class Transform(enum.Enum):
   LINEAR_HALVES = "linear_halves"  # Mamba in_proj [2*E, D] -> [D, 2, E] (x and gate)
   BIAS_HALVES = "bias_halves"  # [2*E] -> [2, E]
   DEPTHWISE = "depthwise"  # Conv1d(groups=C) weight [C, 1, W] -> [W, C]
+  EXPERTS_GATE_UP = "experts_gate_up"  # gate_up_proj [E, 2F, D] -> gate [E, D, F], up [E, D, F]
+  EXPERTS_DOWN = "experts_down"  # down_proj [E, D, F] -> [E, F, D]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +76,11 @@ def to_ours(t: Transform, x: np.ndarray, d: Dims) -> tuple[np.ndarray, ...]:
       return (x.reshape(2, -1),)
     case Transform.DEPTHWISE:
       return (x[:, 0, :].T,)
+    case Transform.EXPERTS_GATE_UP:
+      gate, up = np.split(x, 2, axis=1)
+      return gate.transpose(0, 2, 1), up.transpose(0, 2, 1)
+    case Transform.EXPERTS_DOWN:
+      return (x.transpose(0, 2, 1),)
     case _:
       raise ValueError(f"unknown transform {t}")
 
@@ -100,6 +107,10 @@ def to_hf(t: Transform, xs: tuple[np.ndarray, ...], d: Dims) -> np.ndarray:
       return np.concatenate([b.reshape(-1) for b in xs])
     case Transform.CONV_O:
       return x.reshape(-1, x.shape[-1])
+    case Transform.EXPERTS_GATE_UP:
+      return np.concatenate([w.transpose(0, 2, 1) for w in xs], axis=1)
+    case Transform.EXPERTS_DOWN:
+      return x.transpose(0, 2, 1)
     case _:
       raise ValueError(f"unknown transform {t}")
 
@@ -126,6 +137,10 @@ def hf_shape(t: Transform, shapes: tuple[tuple[int, ...], ...]) -> tuple[int, ..
       return (3 * s[0] * s[1],)
     case Transform.CONV_O:
       return (s[0] * s[1], s[2])
+    case Transform.EXPERTS_GATE_UP:
+      return (s[0], 2 * s[2], s[1])
+    case Transform.EXPERTS_DOWN:
+      return (s[0], s[2], s[1])
     case _:
       raise ValueError(f"unknown transform {t}")
 
@@ -217,18 +232,40 @@ def _gpt2(c) -> Table:
   return Table(rules, aliases, (r"\.attn\.bias$", r"\.attn\.masked_bias$"), P)
 
 
+def _experts(h: str, B: str, L: int) -> list[Rule]:
+  """A mixture of experts (Mixtral, Qwen3-MoE) in transformers 5's stacked layout (older
+  per-expert keys are stacked first: ``stack_experts``)."""
+  return [
+    Rule(f"{h}.mlp.gate.weight", (f"{B}.mlp.router.kernel",), Transform.LINEAR, L),
+    Rule(
+      f"{h}.mlp.experts.gate_up_proj",
+      (f"{B}.mlp.gate", f"{B}.mlp.up"),
+      Transform.EXPERTS_GATE_UP,
+      L,
+    ),
+    Rule(f"{h}.mlp.experts.down_proj", (f"{B}.mlp.down",), Transform.EXPERTS_DOWN, L),
+  ]
+
+
 def _llama(c) -> Table:
   """LLaMA, Mistral, Qwen2 and Qwen3: biases per projection group, Qwen3's q_norm/k_norm."""
   L, P, B = c.num_layers, "model.", "blocks.layers"
   qkv, out, mlp = (c.use_bias if b is None else b for b in (c.qkv_bias, c.out_bias, c.mlp_bias))
   h = f"{P}layers.{{i}}"
   qkvo = ("q_proj", "k_proj", "v_proj", "o_proj")
+  mlp_rules = (
+    _experts(h, B, L)
+    if c.num_experts
+    else [
+      *_linear(f"{h}.mlp.gate_proj", f"{B}.mlp.gate", mlp, L=L),
+      *_linear(f"{h}.mlp.up_proj", f"{B}.mlp.up", mlp, L=L),
+      *_linear(f"{h}.mlp.down_proj", f"{B}.mlp.down", mlp, L=L),
+    ]
+  )
   rules = [
     Rule(f"{P}embed_tokens.weight", ("embed.embedding",)),
     *_attention(f"{h}.self_attn", f"{B}.attn", qkvo, qkv, L, out_bias=out),
-    *_linear(f"{h}.mlp.gate_proj", f"{B}.mlp.gate", mlp, L=L),
-    *_linear(f"{h}.mlp.up_proj", f"{B}.mlp.up", mlp, L=L),
-    *_linear(f"{h}.mlp.down_proj", f"{B}.mlp.down", mlp, L=L),
+    *mlp_rules,
     *_norm(f"{h}.input_layernorm", f"{B}.attn_norm", False, L),
     *_norm(f"{h}.post_attention_layernorm", f"{B}.mlp_norm", False, L),
     *_norm(f"{P}norm", "final_norm", False),
@@ -461,7 +498,7 @@ def table(config: ModelConfig, arch: str) -> Table:
   match ARCHITECTURES[arch][0]:
     case "gpt2":
       return _gpt2(config)
-    case "llama" | "mistral" | "qwen2" | "qwen3":
+    case "llama" | "mistral" | "qwen2" | "qwen3" | "mixtral" | "qwen3_moe":
       return _llama(config)
     case "gemma2" | "gemma3":
       return _gemma(config)

@@ -19,6 +19,7 @@ from transformer_jax.layers.cache import KVCache
 from transformer_jax.layers.common import split_key
 from transformer_jax.layers.dense import Norm
 from transformer_jax.layers.mlp import MLP
+from transformer_jax.layers.moe import MoE, MoEKind
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -62,6 +63,7 @@ class BlockConfig:
   post_norms: bool = False  # a norm on each sub-layer's output before the residual add (Gemma)
   attn_softcap: float | None = None  # self-attention logits soft-cap (Gemma 2)
   rope_local_theta: float | None = None  # RoPE base of the layer's local (sliding) calls
+  moe: MoEKind | None = None  # the feed-forward as a mixture of experts (layers.moe)
 
 
 class Block(nnx.Module):
@@ -129,19 +131,33 @@ class Block(nnx.Module):
     self.mlp_norm = Norm(cfg.d_model, **norm)
     if cfg.post_norms:
       self.attn_post_norm, self.mlp_post_norm = Norm(cfg.d_model, **norm), Norm(cfg.d_model, **norm)
-    self.mlp = MLP(
-      cfg.d_model,
-      cfg.d_ff,
-      activation=cfg.activation,
-      gated=cfg.gated,
-      use_bias=cfg.use_bias if cfg.mlp_bias is None else cfg.mlp_bias,
-      init_std=cfg.init_std,
-      out_init_std=cfg.out_init_std,
-      dtype=dtype,
-      param_dtype=param_dtype,
-      rngs=rngs,
-      backend=backend,
-    )
+    if cfg.moe is not None:
+      self.mlp = MoE(
+        cfg.d_model,
+        cfg.moe,
+        activation=cfg.activation,
+        init_std=cfg.init_std,
+        out_init_std=cfg.out_init_std,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        rngs=rngs,
+        backend=backend,
+        mesh=mesh,
+      )
+    else:
+      self.mlp = MLP(
+        cfg.d_model,
+        cfg.d_ff,
+        activation=cfg.activation,
+        gated=cfg.gated,
+        use_bias=cfg.use_bias if cfg.mlp_bias is None else cfg.mlp_bias,
+        init_std=cfg.init_std,
+        out_init_std=cfg.out_init_std,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        rngs=rngs,
+        backend=backend,
+      )
 
   def _residual(self, x, norm, fn, rng, post=None):
     """One sub-layer with its residual connection, dropout and norm in the configured place
@@ -169,6 +185,7 @@ class Block(nnx.Module):
     dropout_rng: jax.Array | None = None,
     cache: KVCache | None = None,
     local: bool = False,
+    moe_stats: list | None = None,
   ) -> tuple[jax.Array, KVCache | None]:
     """The block on ``x`` ``[B, T, D]``.
 
@@ -178,6 +195,8 @@ class Block(nnx.Module):
     ``cache`` (decoding) is one layer of a ``KVCache``: self-attention writes into it, and
     cross-attention reads ``cache.cross`` (``encoder_out`` is then unused). ``local``: this is
     a sliding (local) layer: its RoPE base is ``rope_local_theta`` where the config has one.
+    ``moe_stats``: a list a mixture-of-experts block appends its router statistics to
+    (``layers.moe.MoE``).
 
     Returns:
       ``(x [B, T, D], cache)``, the cache with this step's keys/values (None without one).
@@ -227,13 +246,17 @@ class Block(nnx.Module):
         r_cross,
       )
     x = self._residual(
-      x,
-      self.mlp_norm,
-      lambda h: self.mlp(h, dropout_rate=cfg.ffn_dropout_rate, dropout_rng=r_mlp_in),
-      r_mlp,
-      posts[1],
+      x, self.mlp_norm, lambda h: self._ffn(h, r_mlp_in, moe_stats), r_mlp, posts[1]
     )
     return x, cache
+
+  def _ffn(self, h_BTD, dropout_rng, moe_stats):
+    if self.cfg.moe is None:
+      return self.mlp(h_BTD, dropout_rate=self.cfg.ffn_dropout_rate, dropout_rng=dropout_rng)
+    y_BTD, stats = self.mlp(h_BTD)
+    if moe_stats is not None:
+      moe_stats.append(stats)
+    return y_BTD
 
   def attention_weights(self, x_BTD: jax.Array, **mask_parts) -> jax.Array:
     """The self-attention weights ``[B, N, T, S]`` of this block on its input ``x`` (the mask and

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -96,6 +97,7 @@ class Stack(nnx.Module):
     dropout_rng: jax.Array | None = None,
     cache: KVCache | None = None,
     layer_params: tuple[nnx.State, ...] | None = None,
+    moe_stats: list | None = None,
     **block_kwargs,
   ) -> tuple[jax.Array, KVCache | None]:
     """Runs every block on ``x``; ``block_kwargs`` (mask parts, bias, positions, encoder output)
@@ -111,6 +113,8 @@ class Stack(nnx.Module):
       layer_params: this stack's parameters split per layer (``split_layers``), for a decoding
         loop: split once outside the loop, each step reads every layer's weights where they are
         instead of slicing (copying) them out of the stacked arrays.
+      moe_stats: a list that mixture-of-experts layers' router statistics are appended to, as one
+        dict of arrays with a leading ``[L]`` axis (training and eval; not with a cache).
 
     Returns:
       ``(x [B, T, D], cache)``: the updated cache, or None without one.
@@ -134,29 +138,36 @@ class Stack(nnx.Module):
       def run(x, layer_params, key):
         # Block boundary: under a mesh, activations split over batch (and length), width whole.
         x = constrain(x, ACTIVATION_BTD, self.mesh)
-        return nnx.merge(graphdef, layer_params)(x, dropout_rng=key, **kwargs)[0]
+        stats = []  # a mixture of experts' router statistics, the scan's per-layer output
+        x = nnx.merge(graphdef, layer_params)(x, dropout_rng=key, moe_stats=stats, **kwargs)[0]
+        return x, (stats[0] if stats else None)
 
       if self.remat != "none":
         return jax.checkpoint(run, policy=_REMAT_POLICIES[self.remat], prevent_cse=False)
       return run
 
     if self.unroll:
+      per_layer = []
       for i in range(self.num_layers):
         layer = jax.tree.map(lambda a: a[i], (params, keys))
-        x_BTD = layer_fn(self._layer_kwargs(block_kwargs, i))(x_BTD, *layer)
+        x_BTD, stats = layer_fn(self._layer_kwargs(block_kwargs, i))(x_BTD, *layer)
+        per_layer.append(stats)
+      stats = None if per_layer[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
     elif self._mixed():  # local and global layers: one branch each, chosen per layer
       local_fn = layer_fn(self._layer_kwargs(block_kwargs, local=True))
       global_fn = layer_fn(self._layer_kwargs(block_kwargs, local=False))
 
       def mixed_body(x, layer):
         layer_params, key, local = layer
-        return jax.lax.cond(local, local_fn, global_fn, x, layer_params, key), None
+        return jax.lax.cond(local, local_fn, global_fn, x, layer_params, key)
 
-      flags = jax.numpy.asarray(self.local_layers)
-      x_BTD, _ = jax.lax.scan(mixed_body, x_BTD, (params, keys, flags))
+      flags = jnp.asarray(self.local_layers)
+      x_BTD, stats = jax.lax.scan(mixed_body, x_BTD, (params, keys, flags))
     else:
       fn = layer_fn(self._layer_kwargs(block_kwargs, 0))
-      x_BTD, _ = jax.lax.scan(lambda x, layer: (fn(x, *layer), None), x_BTD, (params, keys))
+      x_BTD, stats = jax.lax.scan(lambda x, layer: fn(x, *layer), x_BTD, (params, keys))
+    if moe_stats is not None and stats is not None:
+      moe_stats.append(stats)
     return constrain(x_BTD, ACTIVATION_BTD, self.mesh), None
 
   def _mixed(self) -> bool:

@@ -30,6 +30,16 @@ def _mlp(c, gated: bool, use_bias: bool) -> int:
   )
 
 
+def _experts(c) -> tuple[int, int]:
+  """A mixture-of-experts layer's (parameters, parameters a token uses): gated experts, the
+  router, the shared experts."""
+  f = c.d_ff if c.expert_d_ff is None else c.expert_d_ff
+  per_expert = 3 * c.d_model * f
+  shared_ff = c.num_shared_experts * (f if c.shared_expert_d_ff is None else c.shared_expert_d_ff)
+  always = c.d_model * c.num_experts + 3 * c.d_model * shared_ff
+  return c.num_experts * per_expert + always, c.experts_per_token * per_expert + always
+
+
 def _norm(d: int, kind: str) -> int:
   return 2 * d if kind == "layernorm" else d
 
@@ -54,10 +64,16 @@ def _mamba_mixer(c: MambaConfig) -> int:
 class ParamCount:
   total: int
   embedding: int  # lookup tables: tokens, positions, token types, relative-position buckets
+  inactive: int = 0  # a mixture of experts' weights a token does not use (unchosen experts)
 
   @property
   def non_embedding(self) -> int:
     return self.total - self.embedding
+
+  @property
+  def active(self) -> int:
+    """The parameters one token uses (all of them but a mixture's unchosen experts)."""
+    return self.total - self.inactive
 
 
 def param_count(config: ModelConfig) -> ParamCount:
@@ -67,11 +83,13 @@ def param_count(config: ModelConfig) -> ParamCount:
     case GPTConfig():
       qkv, out, mlp = (c.use_bias if b is None else b for b in (c.qkv_bias, c.out_bias, c.mlp_bias))
       attn = _attention(c, qkv, out, _norm(1, c.norm) if c.qk_norm else 0)
-      block = attn + _mlp(c, c.gated, mlp) + (4 if c.post_norms else 2) * _norm(c.d_model, c.norm)
+      ffn, used = _experts(c) if c.num_experts else (_mlp(c, c.gated, mlp),) * 2
+      block = attn + ffn + (4 if c.post_norms else 2) * _norm(c.d_model, c.norm)
       tables = c.vocab_size * c.d_model + (c.max_len * c.d_model if c.position == "learned" else 0)
       head = 0 if c.tie_embeddings else c.d_model * c.vocab_size
       head += c.d_model * c.num_labels + c.num_labels
-      return ParamCount(tables + c.num_layers * block + _norm(c.d_model, c.norm) + head, tables)
+      total = tables + c.num_layers * block + _norm(c.d_model, c.norm) + head
+      return ParamCount(total, tables, c.num_layers * (ffn - used))
     case BERTConfig():
       block = _attention(c, True) + _mlp(c, False, True) + 2 * _norm(c.d_model, "layernorm")
       d = c.d_model
@@ -125,16 +143,19 @@ def _layers(c: ModelConfig) -> tuple[int, int]:
 def train_flops_per_token(config: ModelConfig, seq_len: int) -> float:
   """Training FLOPs per token: ``6 N + 12 L T N_h H`` (Kaplan et al.; PaLM's attention term).
 
-  ``N`` counts the parameters used in matrix multiplies: the non-embedding parameters plus the
-  output projection onto the vocabulary (tied or not). The attention term counts ``q k^T`` and
+  ``N`` counts the parameters used in matrix multiplies: the non-embedding parameters a token uses
+  (a mixture of experts' chosen ones only) plus the output projection onto the vocabulary (tied or
+  not). The attention term counts ``q k^T`` and
   ``weights v`` over ``T`` keys (not halved for causal masking, as PaLM does). For an
   encoder-decoder, a "token" is one source plus one target token with ``S = T = seq_len``. A Mamba
   model counts its projections; the scans' elementwise work (O(E S) per token and layer) is left
   out, and attention only for a hybrid's attention layers.
   """
   pc = param_count(config)
-  matmul = pc.non_embedding + (
-    config.d_model * config.vocab_size if getattr(config, "tie_embeddings", True) else 0
+  matmul = (
+    pc.non_embedding
+    - pc.inactive
+    + (config.d_model * config.vocab_size if getattr(config, "tie_embeddings", True) else 0)
   )
   _, attn_modules = _layers(config)
   attn = 12 * attn_modules * seq_len * config.num_heads * config.head_size

@@ -104,6 +104,7 @@ class GPT(nnx.Module):
     dropout_rng: jax.Array | None = None,
     cache: KVCache | None = None,
     layer_params: tuple[nnx.State, ...] | None = None,
+    moe_stats: list | None = None,
   ):
     """Next-token logits.
 
@@ -123,6 +124,8 @@ class GPT(nnx.Module):
         ``attention_mask`` must then be None.
       layer_params: with a cache, the layers' parameters from ``split_layers`` (optional: the
         same numbers, faster inside a decoding loop).
+      moe_stats: a list the mixture-of-experts layers' router statistics are appended to (one
+        dict of ``[L, ...]`` arrays: ``layers.moe.MoE``), for the training loss and metrics.
 
     Returns:
       float32 logits ``[B, T, V]``; with a cache, ``(logits, cache)`` with the new tokens added.
@@ -135,6 +138,7 @@ class GPT(nnx.Module):
       dropout_rng=dropout_rng,
       cache=cache,
       layer_params=layer_params,
+      moe_stats=moe_stats,
     )
     logits_BTV = self.logits(x_BTD)
     return logits_BTV if cache is None else (logits_BTV, cache)
@@ -150,6 +154,7 @@ class GPT(nnx.Module):
     dropout_rng=None,
     cache=None,
     layer_params=None,
+    moe_stats=None,
   ):
     """The final-normed hidden states ``[B, T, D]`` (before the output projection); with a
     ``cache`` (as in ``__call__``), ``(hidden states, cache)``."""
@@ -161,6 +166,7 @@ class GPT(nnx.Module):
       dropout_rng=dropout_rng,
       cache=cache,
       layer_params=layer_params,
+      moe_stats=moe_stats,
     )
     return x_BTD if cache is None else (x_BTD, cache)
 
@@ -187,10 +193,13 @@ class GPT(nnx.Module):
     dropout_rng=None,
     cache=None,
     layer_params=None,
+    moe_stats=None,
   ):
     x_BTD, block_kwargs, blocks_rng, cache = self._block_inputs(
       tokens, positions, segment_ids, attention_mask, dropout_rng=dropout_rng, cache=cache
     )
+    if moe_stats is not None:  # a dense model's stack takes no such argument
+      block_kwargs["moe_stats"] = moe_stats
     x_BTD, cache = self.blocks(
       x_BTD, **block_kwargs, dropout_rng=blocks_rng, cache=cache, layer_params=layer_params
     )
@@ -332,6 +341,7 @@ class GPT(nnx.Module):
     dropout_rng: jax.Array | None = None,
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
+    moe_stats: list | None = None,
   ) -> tuple[jax.Array, jax.Array]:
     """The next-token loss without the ``[B, T, V]`` logits (``ops.linear_cross_entropy`` in the
     backend's layout).
@@ -343,12 +353,15 @@ class GPT(nnx.Module):
       weights: ``[B, T]`` per-token loss weights (the loss mask).
       label_smoothing: as in ``ops.cross_entropy``.
       z_loss: as in ``ops.cross_entropy``.
+      moe_stats: as in ``__call__``.
 
     Returns:
       ``(loss_sum, correct_sum)``: float32 scalars, the weighted sum of the token losses and of
       the tokens whose label has the largest logit.
     """
-    x_BTD = self.hidden_states(tokens, positions, segment_ids, dropout_rng=dropout_rng)
+    x_BTD = self.hidden_states(
+      tokens, positions, segment_ids, dropout_rng=dropout_rng, moe_stats=moe_stats
+    )
     if self.config.final_softcap is not None:  # the fused loss takes no cap: through the logits
       logits_BTV = self.logits(x_BTD)
       loss, count = ops.cross_entropy(

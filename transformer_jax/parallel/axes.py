@@ -18,6 +18,7 @@ TYPES = "types"  # token-type table rows
 BUCKETS = "buckets"  # relative-position buckets
 CLASSES = "classes"  # classifier outputs
 LORA_RANK = "lora_rank"  # the rank r of a LoRA adapter
+EXPERT = "expert"  # the experts E of a mixture-of-experts layer (their stacked weights)
 # State-space mixers (Mamba-1, Mamba-2).
 SSM_INNER = "ssm_inner"  # the expanded width E (d_inner): channels, Mamba-2's gated norm
 SSM_STATE = "ssm_state"  # the state size S

@@ -1,5 +1,5 @@
-"""The device mesh (``data``, ``fsdp``, ``tensor``, ``sequence``) and the checks that a model, batch
-and sequence length fit it, made before anything compiles."""
+"""The device mesh (``data``, ``fsdp``, ``tensor``, ``sequence``, ``expert``) and the checks that a
+model, batch and sequence length fit it, made before anything compiles."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-AXES = ("data", "fsdp", "tensor", "sequence")
-BATCH_AXES = ("data", "fsdp")
+AXES = ("data", "fsdp", "tensor", "sequence", "expert")
+# A batch's rows split over the data axes and over ``expert`` (expert parallelism is data parallel
+# outside the experts: parallel/experts.py).
+BATCH_AXES = ("data", "fsdp", "expert")
 
 
 def mesh_shape(shape: Mapping[str, int] | None, num_devices: int) -> dict[str, int]:
@@ -48,7 +50,8 @@ def mesh_shape(shape: Mapping[str, int] | None, num_devices: int) -> dict[str, i
 
 
 def make_mesh(shape: Mapping[str, int] | None = None, devices=None) -> Mesh:
-  """A mesh with axes (data, fsdp, tensor, sequence); one entry may be -1 (the remaining devices).
+  """A mesh with axes (data, fsdp, tensor, sequence, expert); one entry may be -1 (the remaining
+  devices).
 
   Devices are laid out by ``jax.make_mesh``-style topology order when all devices are used, so the
   innermost axes (tensor, sequence) land on the closest devices (same host/slice).
@@ -67,7 +70,7 @@ def make_mesh(shape: Mapping[str, int] | None = None, devices=None) -> Mesh:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """Batch rows split over the data-parallel axes (``data`` and ``fsdp``)."""
+  """Batch rows split over the data-parallel axes (``data``, ``fsdp`` and ``expert``)."""
   return NamedSharding(mesh, P(BATCH_AXES))
 
 
@@ -91,7 +94,10 @@ def check_config(
       batch not divisible by the data-parallel devices times microbatches.
   """
   tensor, sequence = mesh.shape["tensor"], mesh.shape["sequence"]
-  n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
+  n_batch = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
+  experts, ep = getattr(config, "num_experts", 0), mesh.shape["expert"]
+  if ep > 1 and (not experts or experts % ep):
+    raise ValueError(f"num_experts={experts} is not divisible by mesh.expert={ep}")
   if config.num_heads % tensor:
     raise ValueError(f"num_heads={config.num_heads} is not divisible by mesh.tensor={tensor}")
   if seq_len is not None and seq_len % sequence:
@@ -99,6 +105,7 @@ def check_config(
   if batch_size is not None and batch_size % (n_batch * microbatches):
     raise ValueError(
       f"batch size {batch_size} is not divisible by the {n_batch} data-parallel devices "
-      f"(mesh.data={mesh.shape['data']} x mesh.fsdp={mesh.shape['fsdp']}) x "
+      f"(mesh.data={mesh.shape['data']} x mesh.fsdp={mesh.shape['fsdp']} x "
+      f"mesh.expert={mesh.shape['expert']}) x "
       f"microbatches={microbatches}"
     )

@@ -37,7 +37,7 @@ Rules = tuple[tuple[str, MeshAxes], ...]
 
 RULES: Rules = (
   # Activations.
-  (ax.BATCH, ("data", "fsdp")),
+  (ax.BATCH, ("data", "fsdp", "expert")),
   (ax.LENGTH, "sequence"),
   # Vocabulary: embedding rows and logits.
   (ax.VOCAB, "tensor"),
@@ -57,6 +57,8 @@ RULES: Rules = (
   # LoRA adapters: A [in, r] and B [r, out] name their in/out dims like the kernel they adapt
   # (embed over fsdp, heads/mlp over tensor); the rank is small and stays whole.
   (ax.LORA_RANK, None),
+  # Mixtures of experts: the stacked experts' leading axis over ``expert`` (expert parallelism).
+  (ax.EXPERT, "expert"),
   # State-space mixers: Mamba-1's channels over tensor (column split in, row split out, as the
   # MLP); fused projections, states and taps stay whole.
   (ax.SSM_INNER, "tensor"),

@@ -91,6 +91,7 @@ class MeshConfig:
   fsdp: int = 1
   tensor: int = 1
   sequence: int = 1
+  expert: int = 1  # mixture-of-experts weights split over this many devices (parallel/experts.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -483,7 +484,7 @@ def _validate(exp: Experiment) -> None:
       "data.val_fraction",
       f"data.val_fraction={d.val_fraction} must be > 0 (a fraction, or a count of documents)",
     )
-  for name in ("data", "fsdp", "tensor", "sequence"):
+  for name in ("data", "fsdp", "tensor", "sequence", "expert"):
     size = getattr(exp.mesh, name)
     if size != -1 and size < 1:
       raise FieldError(

@@ -17,6 +17,7 @@ import jax
 
 from transformer_jax import backends, models, parallel
 from transformer_jax.data import estimate
+from transformer_jax.parallel import experts as experts_lib
 from transformer_jax.ops import ssm as ssm_ops
 from transformer_jax.ops import ssm_pallas
 from transformer_jax.train import checks
@@ -39,7 +40,7 @@ def simulate_devices(exp: Experiment, num_devices: int | None) -> int:
     ValueError: the mesh has a -1 axis and no device count was given, or the count lies outside
       ``[1, MAX_SIMULATED_DEVICES]``.
   """
-  sizes = [exp.mesh.data, exp.mesh.fsdp, exp.mesh.tensor, exp.mesh.sequence]
+  sizes = [exp.mesh.data, exp.mesh.fsdp, exp.mesh.tensor, exp.mesh.sequence, exp.mesh.expert]
   if num_devices is None:
     if -1 in sizes:
       raise ValueError(
@@ -102,6 +103,7 @@ def dry_run(exp: Experiment) -> dict[str, Any]:
     config, dict(mesh.shape), t.batch_size, t.seq_len, packed=task.packed, kernels=exp.kernels
   )
   report["mixers"] = mixer_kernels(config, t.seq_len)
+  report["experts"] = experts_lib.exchange_report(config, dict(mesh.shape), t.batch_size, t.seq_len)
   report["dataset"] = dataset_report(exp)
   report["loader"] = loader_report(plan.exp, task)
   return report
@@ -281,7 +283,8 @@ def format_report(report: dict[str, Any]) -> str:
   def gib(n):
     return f"{n / 2**30:10.3f} GiB"
 
-  mesh = " x ".join(f"{k}={v}" for k, v in report["mesh"].items())
+  # The expert axis is named when it splits something (older reports have no such axis).
+  mesh = " x ".join(f"{k}={v}" for k, v in report["mesh"].items() if k != "expert" or v > 1)
   b = report["per_device_bytes"]
   lines = [
     f"dry run: {report['model']} with {report['parameters']:,} parameters, {report['vocab']}",
@@ -308,6 +311,18 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(
       f"  layers {', '.join(map(str, m['layers']))}: {m['mixer']} mixer, {m['op']}: "
       f"{m['detail']}; {m['conv']}"
+    )
+  x = report.get("experts")
+  if x:
+    exchange = (
+      f"all-to-all of [{x['expert_shards']}, {x['send_rows'] // x['expert_shards']}, D] rows "
+      f"({gib(x['exchange_bytes']).strip()} each way per layer)"
+      if x["send_rows"]
+      else "no exchange (one expert shard)"
+    )
+    lines.append(
+      f"  experts: {x['experts']} ({x['per_device']} per device), top-{x['top_k']} of "
+      f"{x['tokens']} tokens per device; {exchange}"
     )
   if report.get("attention"):
     lines.append("  attention kernel per backend (Backend.choose_attention), one device's share:")

@@ -43,7 +43,8 @@ def evaluate(plan: Plan, params, eval_step) -> tuple[dict[str, float], dict[str,
       f"the validation split of {plan.dataset.path} gives no batch of "
       f"{plan.exp.train.batch_size}; lower train.batch_size"
     )
-  out = {k: float(v) for k, v in tasks_lib.summarize(task, sums, counts).items()}
+  summary = tasks_lib.summarize(task, sums, counts)
+  out = {k: float(v) for k, v in summary.items() if np.ndim(v) == 0}  # not per-expert counts
   result = {"val_loss": out.pop("loss")}
   for term in task.loss_terms:
     result[f"val_{term}_loss"] = out[f"{term}_loss"]

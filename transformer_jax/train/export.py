@@ -164,7 +164,13 @@ def _mesh(exp: Experiment):
     ValueError: the mesh has a -1 axis and too few devices to resolve it.
   """
   m = exp.mesh
-  shape = {"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor, "sequence": m.sequence}
+  shape = {
+    "data": m.data,
+    "fsdp": m.fsdp,
+    "tensor": m.tensor,
+    "sequence": m.sequence,
+    "expert": m.expert,
+  }
   if -1 not in shape.values():
     wanted = 1
     for size in shape.values():
@@ -396,7 +402,7 @@ def holds(report: dict[str, Any]) -> bool:
 
 
 def format_report(report: dict[str, Any]) -> str:
-  mesh = " x ".join(f"{k}={v}" for k, v in report["mesh"].items())
+  mesh = " x ".join(f"{k}={v}" for k, v in report["mesh"].items() if k != "expert" or v > 1)
   kind = "abstract mesh" if report["abstract_mesh"] else "simulated devices"
   calls = ", ".join(f"{k} x{v}" for k, v in sorted(report["custom_calls"].items())) or "none"
   lines = [

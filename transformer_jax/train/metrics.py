@@ -227,6 +227,8 @@ class TrainLog:
       record.update({k: float(v) for k, v in m.items() if k.endswith(("_loss", "_accuracy"))})
       if self.source_tokens is not None:
         record.update({f"tokens/{k}": v for k, v in self.source_tokens(p.step).items()})
+      # A mixture of experts' counts: tokens per expert [L, E] as lists, the dropped fraction.
+      record.update({k: np.asarray(v).tolist() for k, v in m.items() if k.startswith("moe_")})
       if p is pending[-1]:
         record.update(times)
       self.log.write(record)

@@ -70,6 +70,7 @@ EVAL_KEYS = (
   "mesh.fsdp",
   "mesh.tensor",
   "mesh.sequence",
+  "mesh.expert",
 )
 # What ``accept_data_change`` lets a resumed run change besides the dataset's content: where it
 # is and what it is prepared from.

@@ -86,6 +86,7 @@ def make_train_step(
         model, micro, key, label_smoothing=label_smoothing, z_loss=z_loss
       )
       loss = sum(loss_sums[t] / jnp.maximum(counts[t], 1.0) for t in task.loss_terms)
+      loss = loss + tasks_lib.aux_loss(task, metric_sums, counts)  # router losses of experts
       return loss, {**loss_sums, **metric_sums}
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)

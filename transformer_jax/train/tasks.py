@@ -138,6 +138,7 @@ class GPTTask(_Task):
 
   def sums(self, model, batch: Batch, rng, *, label_smoothing=0.0, z_loss=0.0):
     mask = batch["loss_mask"]
+    moe = {"moe_stats": []} if getattr(model.config, "num_experts", 0) else {}
     if self.loss_head == "fused":
       loss_sum, correct = model.lm_loss(
         batch["tokens"],
@@ -148,11 +149,19 @@ class GPTTask(_Task):
         dropout_rng=rng,
         label_smoothing=label_smoothing,
         z_loss=z_loss,
+        **moe,
       )
-      return {"lm": loss_sum}, {"lm_correct": correct}
-    logits = model(batch["tokens"], batch["positions"], batch["segment_ids"], dropout_rng=rng)
+      metrics = {"lm_correct": correct}
+      if moe:
+        metrics.update(moe_sums(model.config, moe["moe_stats"][0], mask))
+      return {"lm": loss_sum}, metrics
+    logits = model(
+      batch["tokens"], batch["positions"], batch["segment_ids"], dropout_rng=rng, **moe
+    )
     loss = {"lm": _ce_sum(logits, batch["labels"], mask, label_smoothing, z_loss)}
     metrics = {"lm_correct": _correct(logits, batch["labels"], mask)}
+    if moe:
+      metrics.update(moe_sums(model.config, moe["moe_stats"][0], mask))
     return loss, metrics
 
 
@@ -479,6 +488,30 @@ def check_token_ids(task, batch, vocab_size: int) -> None:
       )
 
 
+def moe_sums(config, stats: dict[str, jax.Array], mask) -> dict[str, jax.Array]:
+  """A mixture of experts' router losses and counts as sums over one (micro)batch: the losses
+  (means over layers) weighted by its loss tokens, so that summed over microbatches and divided by
+  the batch's tokens they are a token-weighted mean (``stats``: ``layers.moe.MoE``'s, ``[L]``
+  each). ``moe_aux``: what the training loss adds (the coefficients times the losses)."""
+  n = jnp.sum(mask.astype(jnp.float32))
+  balance, z = jnp.mean(stats["load_balancing"]), jnp.mean(stats["z"])
+  return {
+    "moe_aux": n * (config.router_aux_coef * balance + config.router_z_coef * z),
+    "moe_balance": n * balance,
+    "moe_z": n * z,
+    "moe_tokens": stats["tokens_per_expert"],  # [L, E] copies routed to each expert
+    "moe_dropped": jnp.sum(stats["dropped"]),
+  }
+
+
+def aux_loss(task, sums: dict[str, jax.Array], counts: dict[str, jax.Array]) -> jax.Array:
+  """The regularisers the training loss adds beyond the task's terms: a mixture of experts'
+  router losses per loss token (0 without experts)."""
+  if "moe_aux" not in sums:
+    return jnp.zeros((), jnp.float32)
+  return sums["moe_aux"] / jnp.maximum(counts[task.loss_terms[0]], 1.0)
+
+
 def summarize(
   task, sums: dict[str, jax.Array], counts: dict[str, jax.Array]
 ) -> dict[str, jax.Array]:
@@ -489,4 +522,13 @@ def summarize(
     out[f"{term}_loss"] = sums[term] / c
     out[f"{term}_accuracy"] = sums[f"{term}_correct"] / c
   out["loss"] = sum(out[f"{t}_loss"] for t in task.loss_terms)
+  if "moe_aux" in sums:  # router losses (not in "loss": the task's own terms, as eval reports)
+    c = jnp.maximum(counts[task.loss_terms[0]], 1.0)
+    out["moe_aux_loss"] = sums["moe_aux"] / c
+    out["moe_balance_loss"] = sums["moe_balance"] / c
+    out["moe_router_z_loss"] = sums["moe_z"] / c
+    out["moe_tokens_per_expert"] = sums["moe_tokens"]
+    out["moe_dropped_fraction"] = sums["moe_dropped"] / jnp.maximum(
+      jnp.sum(sums["moe_tokens"]), 1.0
+    )
   return out

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from transformer_jax.hf.configs import common, decoders, encoders, gemma, seq2seq, ssm
+from transformer_jax.hf.configs import common, decoders, encoders, gemma, moe, seq2seq, ssm
 from transformer_jax.hf.errors import CheckpointError, UnsupportedError
 from transformer_jax.models import BERTConfig, GPTConfig, MambaConfig, ModelConfig, Seq2SeqConfig
+from transformer_jax.models.config import moe as moe_fields
 
 # Architecture name -> (family, model_type). The family picks the config reader/writer and params
 # table.
@@ -36,6 +37,8 @@ ARCHITECTURES = {
   "BigBirdForPreTraining": ("bigbird", "big_bird"),
   "MambaForCausalLM": ("mamba", "mamba"),
   "Mamba2ForCausalLM": ("mamba2", "mamba2"),
+  "MixtralForCausalLM": ("mixtral", "mixtral"),
+  "Qwen3MoeForCausalLM": ("qwen3_moe", "qwen3_moe"),
 }
 
 # Fields that do not change the function a model computes; ignored when checking a round trip.
@@ -50,6 +53,8 @@ _NON_ARCHITECTURAL = {
   "remat",
   "scan_layers",
   "attention_impl",
+  "router_z_coef",  # training losses of a mixture of experts
+  "router_aux_coef",
 }
 
 
@@ -110,6 +115,10 @@ def from_hf(hf: dict, arch: str) -> ModelConfig:
       return ssm.mamba_from(hf)
     case "mamba2":
       return ssm.mamba2_from(hf)
+    case "mixtral":
+      return moe.mixtral_from(hf)
+    case "qwen3_moe":
+      return moe.qwen3_moe_from(hf)
     case family:
       raise UnsupportedError(f"no config reader for family {family!r}")
 
@@ -117,6 +126,8 @@ def from_hf(hf: dict, arch: str) -> ModelConfig:
 def default_architecture(config: ModelConfig) -> str:
   """The architecture ``save`` writes when none is given."""
   match config:
+    case GPTConfig(num_experts=n, qk_norm=qk) if n:
+      return "Qwen3MoeForCausalLM" if qk else "MixtralForCausalLM"
     case GPTConfig(norm_offset=offset, qk_norm=qk_norm) if offset:
       return "Gemma3ForCausalLM" if qk_norm else "Gemma2ForCausalLM"
     case GPTConfig(position="rope", qk_norm=True):
@@ -173,6 +184,8 @@ def token_ids(arch: str, tokenizer=None) -> dict:
     "gemma3",
     "mamba",
     "mamba2",
+    "mixtral",
+    "qwen3_moe",
   ):
     eot = None if tokenizer is None else int(tokenizer.eot_id)
     return {"bos_token_id": eot, "eos_token_id": eot}
@@ -233,6 +246,8 @@ def to_hf(config: ModelConfig, arch: str, tokenizer=None) -> dict:
     "marian": (Seq2SeqConfig, seq2seq.marian_to),
     "mamba": (MambaConfig, ssm.mamba_to),
     "mamba2": (MambaConfig, ssm.mamba2_to),
+    "mixtral": (GPTConfig, moe.mixtral_to),
+    "qwen3_moe": (GPTConfig, moe.qwen3_moe_to),
   }
   cls, writer = writers[family]
   if not isinstance(config, cls):
@@ -276,6 +291,9 @@ def to_hf(config: ModelConfig, arch: str, tokenizer=None) -> dict:
       "out_bias": lambda: c.use_bias if c.out_bias is None else c.out_bias,
       "mlp_bias": lambda: c.use_bias if c.mlp_bias is None else c.mlp_bias,
       "sparse_pattern": lambda: encoders.bigbird_shape(c.sparse_pattern),
+      # With experts, d_ff sizes nothing and expert_d_ff is the experts' effective width.
+      "d_ff": lambda: None if getattr(c, "num_experts", 0) else c.d_ff,
+      "expert_d_ff": lambda: moe_fields.expert_width(c) if c.num_experts else c.expert_d_ff,
     }.get(name, lambda: getattr(c, name))()
 
   differ = [

@@ -16,6 +16,7 @@ from transformer_jax import ops
 from transformer_jax.layers import BlockConfig, LinearKind, Remat
 from transformer_jax.layers.approx import ApproxKind, SparseKind
 from transformer_jax.models.config import checks
+from transformer_jax.models.config import moe as moe_fields
 
 LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names for the layer kinds
 
@@ -93,6 +94,21 @@ class GPTConfig(checks.Heads):
   # The sliding layers' RoPE base, without rope_scaling (Gemma 3's rope_local_base_freq); None:
   # every layer uses rope_theta and rope_scaling.
   rope_local_theta: float | None = None
+  # Mixture of experts (layers.moe, models/config/moe.py): every block's MLP becomes num_experts
+  # gated experts of expert_d_ff (None: d_ff), experts_per_token of them per token; 0: dense.
+  num_experts: int = 0
+  experts_per_token: int = 2
+  expert_d_ff: int | None = None
+  num_shared_experts: int = 0  # always-on experts (Qwen2-MoE, DeepSeek), one MLP of their sum
+  shared_expert_d_ff: int | None = None  # None: expert_d_ff
+  router_scoring: Literal["softmax", "sigmoid"] = "softmax"  # sigmoid: DeepSeek-V3
+  router_norm_topk: bool = True  # the k weights renormalised (Mixtral; Qwen3's norm_topk_prob)
+  router_groups: int = 1  # group-limited routing (sigmoid): experts in this many groups ...
+  router_topk_groups: int = 1  # ... of which a token's best this many stay eligible
+  routed_scale: float = 1.0  # multiplies the routed weights (DeepSeek's routed_scaling_factor)
+  capacity_factor: float | None = None  # None: dropless; else copies over capacity are dropped
+  router_aux_coef: float = 0.01  # load-balancing loss coefficient in the training loss
+  router_z_coef: float = 0.0  # router z-loss coefficient
 
   def __post_init__(self):
     self._validate_heads()
@@ -155,6 +171,7 @@ class GPTConfig(checks.Heads):
     if self.position == "sinusoidal" and self.d_model % 2:
       raise ValueError(f"d_model={self.d_model} must be even for sinusoidal positions")
     self._validate_gemma()
+    moe_fields.validate(self)
     if not isinstance(self.reversible, bool):
       raise ValueError(f"reversible={self.reversible!r} must be true or false")
     if self.reversible and self.remat != "none":
@@ -248,6 +265,7 @@ class GPTConfig(checks.Heads):
       linear=self.linear_kind(),
       approx=self.approx_kind(),
       **self._gemma_block_fields(),
+      moe=moe_fields.kind(self),
     )
 
   def _gemma_block_fields(self) -> dict:

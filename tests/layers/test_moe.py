@@ -1,0 +1,188 @@
+"""Tests for ``transformer_jax.layers.moe`` and the backends' grouped product, against a float64
+per-token reference (PyTorch autograd for the gradients)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from transformer_jax import backends
+from transformer_jax.backends.tpu import megablox_grouped_matmul
+from transformer_jax.layers.moe import MoE, MoEKind
+
+torch = pytest.importorskip("torch")
+
+D, F, E, B, T = 8, 12, 4, 2, 7
+
+
+def make(kind: MoEKind, seed=0):
+  return MoE(
+    D,
+    kind,
+    activation="silu",
+    init_std=0.3,
+    out_init_std=0.3,
+    dtype=jnp.float32,
+    param_dtype=jnp.float32,
+    rngs=nnx.Rngs(seed),
+  )
+
+
+def inputs(seed=1):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal((B, T, D)), jnp.float32)
+
+
+def reference(layer: MoE, x, cot, kind: MoEKind, keep=None):
+  """Per token: softmax over the router, top-k, renormalised, sum of w * SwiGLU expert (float64
+  torch); returns (y, grads of sum(y * cot) w.r.t. x and each weight). ``keep [N, k]``: copies
+  that count (a capacity's)."""
+  t = lambda a: torch.tensor(np.asarray(a, np.float64), requires_grad=True)  # noqa: E731
+  w = {
+    "x": t(np.asarray(x).reshape(-1, D)),
+    "router": t(layer.router.kernel[...]),
+    "gate": t(layer.gate[...]),
+    "up": t(layer.up[...]),
+    "down": t(layer.down[...]),
+  }
+  probs = torch.softmax(w["x"] @ w["router"], -1)
+  top, idx = torch.topk(probs, kind.top_k, -1)
+  if kind.normalize:
+    top = top / top.sum(-1, keepdim=True)
+  ys = []
+  for n in range(w["x"].shape[0]):
+    y = 0.0
+    for j in range(kind.top_k):
+      if keep is not None and not keep[n, j]:
+        continue
+      e = int(idx[n, j])
+      xe = w["x"][n]
+      h = torch.nn.functional.silu(xe @ w["gate"][e]) * (xe @ w["up"][e])
+      y = y + top[n, j] * (h @ w["down"][e])
+    ys.append(y if torch.is_tensor(y) else torch.zeros(D, dtype=torch.float64))
+  y = torch.stack(ys)
+  (y * torch.tensor(np.asarray(cot, np.float64).reshape(-1, D))).sum().backward()
+  return y.detach().numpy().reshape(B, T, D), {k: v.grad.numpy() for k, v in w.items()}, idx
+
+
+def grads(layer, x, cot):
+  graphdef, params = nnx.split(layer)
+
+  def f(params, x):
+    y, _ = nnx.merge(graphdef, params)(x)
+    return jnp.sum(y * cot)
+
+  gp, gx = jax.jit(jax.grad(f, argnums=(0, 1)))(params, x)
+  return {
+    "x": np.asarray(gx).reshape(-1, D),
+    "router": np.asarray(gp["router"]["kernel"][...]),
+    **{n: np.asarray(gp[n][...]) for n in ("gate", "up", "down")},
+  }
+
+
+@pytest.mark.parametrize("impl", ["grouped", "dense"])
+@pytest.mark.parametrize("top_k,normalize", [(2, True), (1, False)])
+def test_moe_matches_per_token_reference(impl, top_k, normalize):
+  kind = MoEKind(num_experts=E, top_k=top_k, d_ff=F, normalize=normalize, impl=impl)
+  layer, x = make(kind), inputs()
+  cot = jnp.asarray(np.random.default_rng(2).standard_normal((B, T, D)), jnp.float32)
+  y, stats = layer(x)
+  y_ref, g_ref, idx = reference(layer, x, cot, kind)
+  # float32 products of width <= 12 over values of size ~1: relative error well under 1e-5.
+  np.testing.assert_allclose(np.asarray(y), y_ref, rtol=1e-5, atol=1e-5)
+  for name, g in grads(layer, x, cot).items():
+    np.testing.assert_allclose(g, g_ref[name], rtol=1e-4, atol=1e-5, err_msg=name)
+  counts = np.bincount(idx.numpy().reshape(-1), minlength=E)
+  np.testing.assert_array_equal(np.asarray(stats["tokens_per_expert"]), counts)
+  assert float(stats["dropped"]) == 0.0
+
+
+def test_dropless_keeps_every_token_when_all_choose_one_expert():
+  kind = MoEKind(num_experts=E, top_k=1, d_ff=F, normalize=True)
+  layer = make(kind)
+  # Every token routed to expert 2: a router that only sees a constant feature.
+  k = np.zeros((D, E), np.float32)
+  k[0, 2] = 10.0
+  layer.router.kernel[...] = jnp.asarray(k)
+  x = inputs().at[..., 0].set(1.0)
+  y, stats = layer(x)
+  assert float(stats["tokens_per_expert"][2]) == B * T
+  y_ref, _, _ = reference(layer, x, jnp.zeros_like(x), kind)
+  np.testing.assert_allclose(np.asarray(y), y_ref, rtol=1e-5, atol=1e-5)
+  assert np.abs(np.asarray(y)).min(axis=-1).all()  # no token's output left at zero
+  # The same routing under a capacity factor drops all but the expert's capacity.
+  capped = make(MoEKind(num_experts=E, top_k=1, d_ff=F, capacity_factor=1.0))
+  nnx.update(capped, nnx.state(layer))
+  y_cap, stats_cap = capped(x)
+  cap = int(np.ceil(B * T / E))
+  assert float(stats_cap["dropped"]) == B * T - cap
+  keep = (np.arange(B * T) < cap)[:, None]
+  y_ref, _, _ = reference(layer, x, jnp.zeros_like(x), kind, keep=keep)
+  np.testing.assert_allclose(np.asarray(y_cap), y_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_capacity_path_matches_reference_with_drops():
+  kind = MoEKind(num_experts=E, top_k=2, d_ff=F, capacity_factor=0.5)
+  layer, x = make(kind, seed=3), inputs(4)
+  cot = jnp.asarray(np.random.default_rng(5).standard_normal((B, T, D)), jnp.float32)
+  y, stats = layer(x)
+  _, _, idx = reference(layer, x, cot, kind)
+  # Slots first come first served: all first choices in token order, then second choices.
+  cap, seen, keep = int(np.ceil(0.5 * B * T * 2 / E)), np.zeros(E, int), np.zeros((B * T, 2), bool)
+  for j in range(2):
+    for n in range(B * T):
+      e = int(idx[n, j])
+      keep[n, j] = seen[e] < cap
+      seen[e] += 1
+  assert 0 < (~keep).sum() == float(stats["dropped"])
+  y_ref, g_ref, _ = reference(layer, x, cot, kind, keep=keep)
+  np.testing.assert_allclose(np.asarray(y), y_ref, rtol=1e-5, atol=1e-5)
+  for name, g in grads(layer, x, cot).items():
+    np.testing.assert_allclose(g, g_ref[name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_shared_experts_add_a_dense_mlp():
+  kind = MoEKind(num_experts=E, top_k=2, d_ff=F, num_shared=2, shared_d_ff=3)
+  layer, x = make(kind), inputs()
+  y, _ = layer(x)
+  assert layer.shared.up.kernel.shape == (D, 6)
+  y_ref, _, _ = reference(layer, x, jnp.zeros_like(x), kind)
+  np.testing.assert_allclose(
+    np.asarray(y), y_ref + np.asarray(layer.shared(x)), rtol=1e-5, atol=1e-5
+  )
+
+
+def gmm_ref(x, w, sizes):
+  out, start = [], 0
+  for e, s in enumerate(sizes):
+    out.append(np.asarray(x[start : start + s], np.float64) @ np.asarray(w[e], np.float64))
+    start += s
+  return np.concatenate(out)
+
+
+@pytest.mark.parametrize("kernel", ["ragged_dot", "megablox_interpret"])
+def test_grouped_matmul_matches_reference(kernel):
+  r = np.random.default_rng(6)
+  x = jnp.asarray(r.standard_normal((21, 16)), jnp.float32)
+  w = jnp.asarray(r.standard_normal((4, 16, 24)), jnp.float32)
+  sizes = np.array([5, 0, 12, 4])
+  if kernel == "ragged_dot":
+    fn = lambda x, w: backends.current().grouped_matmul(x, w, jnp.asarray(sizes), dtype=jnp.float32)  # noqa: E731
+  else:
+    fn = lambda x, w: megablox_grouped_matmul(  # noqa: E731
+      x, w, jnp.asarray(sizes), dtype=jnp.float32, interpret=True
+    )
+  # 16-term float32 sums of products of unit normals: within 1e-5 relative of float64.
+  np.testing.assert_allclose(np.asarray(fn(x, w)), gmm_ref(x, w, sizes), rtol=1e-5, atol=1e-5)
+  cot = r.standard_normal((21, 24))
+  gx, gw = jax.grad(lambda x, w: jnp.sum(fn(x, w) * cot), argnums=(0, 1))(x, w)
+  start, gx_ref, gw_ref = 0, np.zeros((21, 16)), np.zeros((4, 16, 24))
+  for e, s in enumerate(sizes):
+    xs, cs = np.asarray(x[start : start + s], np.float64), cot[start : start + s]
+    gx_ref[start : start + s] = cs @ np.asarray(w[e], np.float64).T
+    gw_ref[e] = xs.T @ cs
+    start += s
+  np.testing.assert_allclose(np.asarray(gx), gx_ref, rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(gw), gw_ref, rtol=1e-5, atol=1e-4)
