@@ -126,6 +126,51 @@ def test_resume_across_topologies_matches_the_uninterrupted_run(dataset, tmp_pat
   _check_restore_places_onto_the_new_mesh(run_dir)
 
 
+@pytest.fixture(scope="module")
+def two_sources(tmp_path_factory, dataset):
+  """A second prepared dataset in ``dataset``'s vocabulary: with it, a two-source mixture."""
+  root = tmp_path_factory.mktemp("second_source")
+  rng = random.Random(1)
+  words = ["return", "import", "self", "value", "node", "while", "try", "None"]
+  (root / "code.txt").write_text(
+    "\n".join(" ".join(rng.choice(words) for _ in range(rng.randint(4, 10))) for _ in range(60))
+  )
+  out = str(root / "code")
+  data.prepare([str(root / "code.txt")], out, vocab_from=dataset, progress=False, val_fraction=0)
+  return [
+    {"name": "web", "path": dataset, "weight": 0.7},
+    {"name": "code", "path": out, "weight": 0.3},
+  ]
+
+
+@pytest.mark.slow
+def test_four_processes_train_a_two_source_mixture_as_one_process_does(two_sources, tmp_path):
+  """The launcher's rehearsal: four processes of one device each read a 0.7/0.3 mixture; the
+  losses and each source's token count equal one process's run of the same config."""
+
+  def experiment(run_dir):
+    exp = _experiment(run_dir, None)
+    exp["data"] = {"mixture": two_sources, "path": two_sources[0]["path"], "task": "gpt"}
+    exp["train"]["steps"] = 2
+    return exp
+
+  reference = tmp_path / "reference"
+  train(load_experiment(None, raw=experiment(reference)), progress=False)  # this process's 8
+  run_dir, config = tmp_path / "run", tmp_path / "mix.yaml"
+  config.write_text(yaml.safe_dump(experiment(run_dir)))
+  out = _leg(config, run_dir, 4, 1, 2, tmp_path)
+  assert "process 0/4: 1 local devices (cpu), 4 global devices" in out
+  want, got = _losses(reference), _losses(run_dir)
+  assert sorted(got) == sorted(want) == [1, 2]
+  assert all(abs(got[s] - want[s]) <= RTOL * abs(want[s]) for s in want), (got, want)
+  final = json.loads((run_dir / "final.json").read_text())
+  assert (
+    final["tokens_per_source"]
+    == json.loads((reference / "final.json").read_text())["tokens_per_source"]
+  )
+  assert all(n > 0 for n in final["tokens_per_source"].values()), final["tokens_per_source"]
+
+
 def _meta(run_dir, step):
   ckpt = runs.Checkpoints(os.path.join(run_dir, "checkpoints"), async_save=False)
   try:

@@ -10,6 +10,10 @@ Supported architectures (``ARCHITECTURES``, plus the Reformer):
 - GPT2LMHeadModel -> ``models.GPT``
 - LlamaForCausalLM, MistralForCausalLM (sliding window), Qwen2ForCausalLM (query/key/value
   biases), Qwen3ForCausalLM (per-head query/key norms) -> ``models.GPT``
+- Gemma2ForCausalLM, Gemma3ForCausalLM (text: (1 + w) norms, soft-caps, local and global layers)
+  -> ``models.GPT``
+- MixtralForCausalLM, Qwen3MoeForCausalLM (stacked or per-expert weights) -> ``models.GPT`` with
+  mixture-of-experts feed-forwards
 - BertForPreTraining, BertForMaskedLM, BertForSequenceClassification, BertModel -> ``models.BERT``
 - BigBirdForPreTraining, BigBirdForMaskedLM, BigBirdModel -> ``models.BERT`` with block-sparse
   attention (``attention_kind="sparse"``); like any BERT its call returns a ``BERTOutput``
