@@ -25,39 +25,27 @@ loss mask), stacked by ``grain.transforms.Batch``. After the interleaved rounds,
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import statistics
 import sys
-import sysconfig
 import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from prepare_throughput import corpus_texts  # noqa: E402 (experiments/: this script's own folder)
+
 
 def corpus(path: str, megabytes: float) -> int:
-  """Writes standard-library sources, cycled with a numbered header to ``megabytes`` MB, as JSON
-  lines to ``path``; returns the documents written."""
-  files = sorted(
-    glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py"), recursive=True)
-  )
-  sources = []
-  for p in files:
-    with open(p, encoding="utf-8", errors="replace") as f:
-      text = f.read()
-    if text.strip():
-      sources.append(text)
-  size = i = 0
+  """Writes ``prepare_throughput``'s corpus of ``megabytes`` MB as JSON lines to ``path``; returns
+  the documents written."""
+  texts = corpus_texts(megabytes)
   with open(path, "w") as out:
-    while size < megabytes * 1e6:
-      text = f"# copy {i // len(sources)}\n{sources[i % len(sources)]}"
+    for text in texts:
       out.write(json.dumps({"text": text}) + "\n")
-      size += len(text.encode("utf-8"))
-      i += 1
-  return i
+  return len(texts)
 
 
 class Ours:

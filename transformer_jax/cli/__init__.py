@@ -71,6 +71,9 @@ def _command_of(argv: list[str]) -> str | None:
   return next((a for a in argv if not a.startswith("-")), None)
 
 
+# Commands that never load JAX: no compilation cache, no restart over mimalloc (tokenizing and
+# reading windows compute nothing on JAX's allocations; the restart would only cost start-up).
+_WITHOUT_JAX = ("prepare", "data")
 # Subcommands whose positional ``key=value`` overrides may come after options.
 _OVERRIDES = ("train", "eval", "data")
 _error_reported = False  # main caught an exception and reported it in one line (see launch)
@@ -136,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("absl").setLevel(logging.CRITICAL)
     logging.getLogger("tensorboardX").setLevel(logging.ERROR)  # the guard reports a NaN itself
     sys.unraisablehook = _drop_closed_loop_reports
-  if args.command not in ("prepare", "data"):  # the compilation cache; these never load JAX
+  if args.command not in _WITHOUT_JAX:
     from transformer_jax import runtime
 
     runtime.enable_compilation_cache()
@@ -167,10 +170,7 @@ def launch() -> None:
   (``backends.cpu.allocator.system_allocator_notice``); then ``main``."""
   import os
 
-  # Tokenizing computes nothing on JAX's allocations: for `prepare`, a second interpreter start
-  # would only cost time (about a second, next to tiktoken's rate of a few MB/s a core), and so
-  # would importing JAX (the allocator's module is a backend's). `data` reads windows, no JAX.
-  computes = sys.argv[1:2] not in (["prepare"], ["data"])
+  computes = (sys.argv[1] if len(sys.argv) > 1 else None) not in _WITHOUT_JAX
   env = None
   if computes:
     from transformer_jax.backends.cpu import allocator

@@ -2,8 +2,8 @@
 a tokenized dataset directory, as a stream.
 
 The input names ``prepare`` takes are expanded by ``data.sources`` (files and URLs: ``data.files``)
-and read a record at a time by ``data.readers``; batches of documents are tokenized on a thread
-pool (``data.stream``, which also checkpoints for resumption; or by a Ray Data job,
+and read a record at a time by ``data.readers``; batches of documents are tokenized by worker
+processes (``data.stream``, which also checkpoints for resumption; or by a Ray Data job,
 ``data.ray_job``) and appended to pending files as they come (``data.shards``), then copied into
 the train and val shards. The directory it writes (its files, ``metadata.json``, the content hash
 and the train/val split) is ``data.layout``'s. A document's split is a seeded hash of its text:
