@@ -247,6 +247,22 @@ def _experts(h: str, B: str, L: int) -> list[Rule]:
   ]
 
 
+def _decoder_table(c, rules: list[Rule], ignored: str) -> Table:
+  """A LLaMA-named decoder's table from its ``rules``: with Qwen3/Gemma 3's per-head q/k norms,
+  and the output head tied to the embedding (an alias) or its own ``lm_head``."""
+  L, P, B = c.num_layers, "model.", "blocks.layers"
+  h = f"{P}layers.{{i}}"
+  if c.qk_norm:
+    rules += _norm(f"{h}.self_attn.q_norm", f"{B}.attn.q_norm", False, L)
+    rules += _norm(f"{h}.self_attn.k_norm", f"{B}.attn.k_norm", False, L)
+  aliases = {}
+  if c.tie_embeddings:
+    aliases["lm_head.weight"] = f"{P}embed_tokens.weight"
+  else:
+    rules.append(Rule("lm_head.weight", ("lm_head.kernel",), Transform.LINEAR))
+  return Table(rules, aliases, (ignored,), P)
+
+
 def _llama(c) -> Table:
   """LLaMA, Mistral, Qwen2 and Qwen3: biases per projection group, Qwen3's q_norm/k_norm."""
   L, P, B = c.num_layers, "model.", "blocks.layers"
@@ -270,15 +286,7 @@ def _llama(c) -> Table:
     *_norm(f"{h}.post_attention_layernorm", f"{B}.mlp_norm", False, L),
     *_norm(f"{P}norm", "final_norm", False),
   ]
-  if c.qk_norm:
-    rules += _norm(f"{h}.self_attn.q_norm", f"{B}.attn.q_norm", False, L)
-    rules += _norm(f"{h}.self_attn.k_norm", f"{B}.attn.k_norm", False, L)
-  aliases = {}
-  if c.tie_embeddings:
-    aliases["lm_head.weight"] = f"{P}embed_tokens.weight"
-  else:
-    rules.append(Rule("lm_head.weight", ("lm_head.kernel",), Transform.LINEAR))
-  return Table(rules, aliases, (r"rotary_emb\.inv_freq$",), P)
+  return _decoder_table(c, rules, r"rotary_emb\.inv_freq$")
 
 
 def _gemma(c) -> Table:
@@ -299,15 +307,7 @@ def _gemma(c) -> Table:
     *_norm(f"{h}.post_feedforward_layernorm", f"{B}.mlp_post_norm", False, L),
     *_norm(f"{P}norm", "final_norm", False),
   ]
-  if c.qk_norm:
-    rules += _norm(f"{h}.self_attn.q_norm", f"{B}.attn.q_norm", False, L)
-    rules += _norm(f"{h}.self_attn.k_norm", f"{B}.attn.k_norm", False, L)
-  aliases = {}
-  if c.tie_embeddings:
-    aliases["lm_head.weight"] = f"{P}embed_tokens.weight"
-  else:
-    rules.append(Rule("lm_head.weight", ("lm_head.kernel",), Transform.LINEAR))
-  return Table(rules, aliases, (r"rotary_emb(_local)?\.inv_freq$",), P)
+  return _decoder_table(c, rules, r"rotary_emb(_local)?\.inv_freq$")
 
 
 def _bert(c, arch: str) -> Table:
