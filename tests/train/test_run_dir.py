@@ -2,8 +2,12 @@
 one, or a run written before the marker existed; anything else is refused before a file in it is
 replaced or deleted, ``--force-new`` included."""
 
+import importlib.util
 import json
 import os
+import struct
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -115,3 +119,35 @@ def test_too_little_of_an_unmarked_run_is_refused_with_the_way_out(tmp_path, tex
     rd.check_owned()
   (tmp_path / "old" / runs.MARKER).write_text("")
   rd.check_owned()
+
+
+def test_tensorboard_scalars_are_written_without_importing_pytorch(tmp_path):
+  """A run's TensorBoard writer leaves PyTorch unloaded (tensorboardX would import it, over two
+  seconds of every start) and PyTorch importable; the event file holds the scalars."""
+  code = (
+    "import sys\n"
+    "from transformer_jax.train import metrics\n"
+    "w = metrics.summary_writer(sys.argv[1])\n"
+    "w.add_scalar('train/loss', 1.5, 3)\n"
+    "w.close()\n"
+    "print('torch' in sys.modules)\n"
+    "import importlib.util\n"
+    "print(importlib.util.find_spec('torch') is not None)\n"
+  )
+  has_torch = importlib.util.find_spec("torch") is not None
+  res = subprocess.run(
+    [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120
+  )
+  assert res.returncode == 0, res.stderr
+  assert res.stdout.split() == ["False", str(has_torch)]
+  # The event file is TFRecord: [length u64, crc u32, Event proto, crc u32] per record.
+  from tensorboardX.proto import event_pb2
+
+  [name] = os.listdir(tmp_path)
+  data, scalars = (tmp_path / name).read_bytes(), []
+  while data:
+    (n,) = struct.unpack("<Q", data[:8])
+    event = event_pb2.Event.FromString(data[12 : 12 + n])
+    data = data[16 + n :]
+    scalars += [(event.step, v.tag, v.simple_value) for v in event.summary.value]
+  assert scalars == [(3, "train/loss", 1.5)]

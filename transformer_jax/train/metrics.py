@@ -15,6 +15,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 import zlib
 from typing import Any
@@ -46,9 +47,7 @@ class MetricsLog:
       self.lost = goodput.lost(records, resume_step)
       keep = [r for r in records if r["step"] <= resume_step]
       runs.write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in keep))
-    from tensorboardX import SummaryWriter  # noqa: PLC0415 - optional
-
-    self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+    self.tb = summary_writer(os.path.join(run_dir, "tensorboard"))
     self.file = open(self.path, "a")
 
   def write(self, record: dict[str, Any], prefix: str = "train") -> None:
@@ -68,6 +67,26 @@ class MetricsLog:
     if self.enabled:
       self.file.close()
       self.tb.close()
+
+
+def summary_writer(logdir: str):
+  """tensorboardX's ``SummaryWriter`` for ``logdir``.
+
+  tensorboardX imports PyTorch whenever it is installed, only so as to accept torch tensors, which
+  a run's scalars never are: over two seconds of every run's start. Unless PyTorch is loaded
+  already, tensorboardX is imported with ``torch`` unimportable for that moment (it then takes
+  NumPy arrays and Python numbers); PyTorch stays importable afterwards.
+  """
+  if "tensorboardX" not in sys.modules and "torch" not in sys.modules:
+    sys.modules["torch"] = None  # `import torch` raises ImportError while tensorboardX loads
+    try:
+      import tensorboardX  # noqa: F401, PLC0415 - optional, heavy
+    finally:
+      if sys.modules.get("torch", 0) is None:
+        del sys.modules["torch"]
+  from tensorboardX import SummaryWriter  # noqa: PLC0415 - optional, heavy
+
+  return SummaryWriter(logdir)
 
 
 def plot_loss(run_dir: str) -> str | None:
