@@ -30,6 +30,20 @@ def layer(mesh, top_k=2):
   )  # fmt: skip
 
 
+def test_a_mesh_has_the_expert_axis_only_where_it_splits_something():
+  """A dense model's mesh keeps the four axes it had before experts existed, so its programs
+  (sharding annotations included) stay the same; an expert mesh has the fifth axis."""
+  dense = parallel.make_mesh({"data": 2, "fsdp": 4})
+  assert dense.axis_names == ("data", "fsdp", "tensor", "sequence")
+  assert parallel.batch_sharding(dense).spec == jax.sharding.PartitionSpec(("data", "fsdp"))
+  assert parallel.batch_shards(dense.shape) == 8
+  moe = parallel.make_mesh({"data": 2, "expert": 4})
+  assert moe.axis_names == ("data", "fsdp", "tensor", "sequence", "expert")
+  assert moe.shape["expert"] == 4 and parallel.batch_shards(moe.shape) == 8
+  spec = parallel.batch_sharding(moe).spec
+  assert spec == jax.sharding.PartitionSpec(("data", "fsdp", "expert"))
+
+
 @pytest.mark.parametrize(
   "shape", [{"expert": 8}, {"data": 2, "expert": 4}, {"expert": 2, "tensor": 4}]
 )
@@ -52,7 +66,7 @@ def test_expert_parallel_layer_equals_one_device(shape):
   state = jax.device_put(state, parallel.param_shardings(state, mesh))
   assert state["gate"][...].sharding.spec[0] == "expert"
   x_sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
-    tuple(a for a in ("data", "expert") if mesh.shape[a] > 1)
+    tuple(a for a in ("data", "expert") if mesh.shape.get(a, 1) > 1)
   )))  # fmt: skip
 
   (_, (y8, s8)), g8 = grads(gdef)(state, x_sharded)

@@ -54,10 +54,10 @@ def test_tpu_step_holds_splash_the_planned_shardings_and_no_host_transfer(tpu_st
   assert report["host_transfers"] == [] and report["sharding_mismatches"] == []
   assert not re.search(r"callback|outfeed|infeed|stablehlo\.(send|recv)", step.text)
   # FSDP as the rules table plans it: parameter rows or columns split over fsdp, AdamW's moments
-  # like their parameters, the batch's rows over data x fsdp (x expert, of size 1 here).
+  # like their parameters, the batch's rows over data x fsdp (no expert axis: a dense model).
   args = _args(step.text)
   tokens = args["batch['tokens']"]
-  assert tokens == '[{"data", "fsdp", "expert"}, {}]'
+  assert tokens == '[{"data", "fsdp"}, {}]'
   embed = "state.params['embed']['embedding'].value"
   assert args[embed] == '[{}, {"fsdp"}]'  # [V, D]: D split
   moment = "state.opt_state[1][0].mu['embed']['embedding'].value"

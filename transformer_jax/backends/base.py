@@ -35,7 +35,7 @@ def sequence_shards(mesh: Mesh | None, b: int, t: int) -> int:
     return 1
   sizes = mesh.shape
   n = sizes.get("sequence", 1)
-  rows = sizes.get("data", 1) * sizes.get("fsdp", 1)
+  rows = sizes.get("data", 1) * sizes.get("fsdp", 1) * sizes.get("expert", 1)  # batch rows
   return n if t % n == 0 and b % rows == 0 else 1
 
 

@@ -5,9 +5,11 @@ from transformer_jax.parallel import axes, distributed
 from transformer_jax.parallel.mesh import (
   AXES,
   BATCH_AXES,
+  batch_shards,
   batch_sharding,
   check_config,
   make_mesh,
+  mesh_axes_of,
   mesh_shape,
   replicated,
 )
@@ -31,6 +33,7 @@ __all__ = [
   "RULES",
   "Rules",
   "axes",
+  "batch_shards",
   "batch_sharding",
   "bytes_per_device",
   "check_config",
@@ -38,6 +41,7 @@ __all__ = [
   "distributed",
   "logical_specs",
   "make_mesh",
+  "mesh_axes_of",
   "mesh_axes",
   "mesh_shape",
   "param_shardings",

@@ -1,5 +1,9 @@
 """The device mesh (``data``, ``fsdp``, ``tensor``, ``sequence``, ``expert``) and the checks that a
-model, batch and sequence length fit it, made before anything compiles."""
+model, batch and sequence length fit it, made before anything compiles.
+
+A mesh has the ``expert`` axis only where it splits something (size above 1): a dense model's
+programs are then the ones they were before mixtures of experts existed, sharding annotations
+included. Code reads it as ``mesh.shape.get("expert", 1)``."""
 
 from __future__ import annotations
 
@@ -15,6 +19,12 @@ AXES = ("data", "fsdp", "tensor", "sequence", "expert")
 # A batch's rows split over the data axes and over ``expert`` (expert parallelism is data parallel
 # outside the experts: parallel/experts.py).
 BATCH_AXES = ("data", "fsdp", "expert")
+OPTIONAL_AXES = ("expert",)  # left out of a mesh where they would be of size 1
+
+
+def mesh_axes_of(sizes: Mapping[str, int]) -> tuple[str, ...]:
+  """The axes a mesh of ``sizes`` (each axis of ``AXES``) has: all but an optional one of size 1."""
+  return tuple(a for a in AXES if a not in OPTIONAL_AXES or sizes[a] > 1)
 
 
 def mesh_shape(shape: Mapping[str, int] | None, num_devices: int) -> dict[str, int]:
@@ -50,15 +60,16 @@ def mesh_shape(shape: Mapping[str, int] | None, num_devices: int) -> dict[str, i
 
 
 def make_mesh(shape: Mapping[str, int] | None = None, devices=None) -> Mesh:
-  """A mesh with axes (data, fsdp, tensor, sequence, expert); one entry may be -1 (the remaining
-  devices).
+  """A mesh with axes (data, fsdp, tensor, sequence[, expert]); one entry may be -1 (the remaining
+  devices). ``expert`` is an axis only when its size is above 1 (``mesh_axes_of``).
 
   Devices are laid out by ``jax.make_mesh``-style topology order when all devices are used, so the
   innermost axes (tensor, sequence) land on the closest devices (same host/slice).
   """
   devices = jax.devices() if devices is None else list(devices)
   sizes = mesh_shape(shape, len(devices))
-  dims = tuple(sizes[n] for n in AXES)
+  names = mesh_axes_of(sizes)
+  dims = tuple(sizes[n] for n in names)
   if len(devices) == jax.device_count() and devices == jax.devices():
     try:
       arr = mesh_utils.create_device_mesh(dims, devices=devices)
@@ -66,12 +77,18 @@ def make_mesh(shape: Mapping[str, int] | None = None, devices=None) -> Mesh:
       arr = np.asarray(devices).reshape(dims)
   else:
     arr = np.asarray(devices).reshape(dims)
-  return Mesh(arr, AXES)
+  return Mesh(arr, names)
+
+
+def batch_shards(shape: Mapping[str, int]) -> int:
+  """How many devices a batch's rows split over: the product of the ``BATCH_AXES`` sizes in
+  ``shape`` (a mesh's ``shape``, or a dict of axis sizes; an axis not there counts as 1)."""
+  return math.prod(shape.get(a, 1) for a in BATCH_AXES)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   """Batch rows split over the data-parallel axes (``data``, ``fsdp`` and ``expert``)."""
-  return NamedSharding(mesh, P(BATCH_AXES))
+  return NamedSharding(mesh, P(tuple(a for a in BATCH_AXES if a in mesh.axis_names)))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -94,8 +111,9 @@ def check_config(
       batch not divisible by the data-parallel devices times microbatches.
   """
   tensor, sequence = mesh.shape["tensor"], mesh.shape["sequence"]
-  n_batch = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
-  experts, ep = getattr(config, "num_experts", 0), mesh.shape["expert"]
+  ep = mesh.shape.get("expert", 1)
+  n_batch = batch_shards(mesh.shape)
+  experts = getattr(config, "num_experts", 0)
   if ep > 1 and (not experts or experts % ep):
     raise ValueError(f"num_experts={experts} is not divisible by mesh.expert={ep}")
   if config.num_heads % tensor:
@@ -106,6 +124,6 @@ def check_config(
     raise ValueError(
       f"batch size {batch_size} is not divisible by the {n_batch} data-parallel devices "
       f"(mesh.data={mesh.shape['data']} x mesh.fsdp={mesh.shape['fsdp']} x "
-      f"mesh.expert={mesh.shape['expert']}) x "
+      f"mesh.expert={ep}) x "
       f"microbatches={microbatches}"
     )

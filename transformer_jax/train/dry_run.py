@@ -208,7 +208,7 @@ def attention_kernels(
   and model pass (GPT: causal, the sliding window, and the segment ids of a task that packs
   documents (``packed``); BERT: key padding; Seq2Seq: padding, causal decoder self-attention,
   cross-attention)."""
-  rows_per_device = max(1, batch_size // (mesh.get("data", 1) * mesh.get("fsdp", 1)))
+  rows_per_device = max(1, batch_size // parallel.batch_shards(mesh))
   heads = max(1, config.num_heads // mesh.get("tensor", 1))
   kv_heads = max(1, config.kv_heads // mesh.get("tensor", 1))
   dtype = jax.numpy.dtype(config.dtype)

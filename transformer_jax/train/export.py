@@ -176,7 +176,8 @@ def _mesh(exp: Experiment):
     for size in shape.values():
       wanted *= size
     if jax.device_count() < wanted:
-      return AbstractMesh(tuple(shape[a] for a in parallel.AXES), parallel.AXES)
+      names = parallel.mesh_axes_of(shape)
+      return AbstractMesh(tuple(shape[a] for a in names), names)
   return parallel.make_mesh(shape)
 
 

@@ -481,7 +481,7 @@ def _with_step(plan: Plan) -> Plan:
     t.microbatches,
     compile_for,
     t.batch_size,
-    mesh.shape["data"] * mesh.shape["fsdp"],
+    parallel.batch_shards(mesh.shape),
     backend=plan.backend,
   )
   seconds = time.perf_counter() - began

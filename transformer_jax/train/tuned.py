@@ -117,7 +117,7 @@ class Step:
       return jitted.lower(*shapes).compile()
 
     batch_size = next(iter(batch.values())).shape[0]
-    n_batch = self.mesh.shape.get("data", 1) * self.mesh.shape.get("fsdp", 1)
+    n_batch = parallel.batch_shards(self.mesh.shape)
     self.microbatches, compiled = step_lib.pick_microbatches(
       self.microbatches, compile_for, batch_size, n_batch, backend=self.backend
     )
