@@ -2,6 +2,7 @@
 models calling the backend they are given, ``jax.default_backend()`` asked in one place."""
 
 import ast
+import functools
 import pathlib
 
 
@@ -21,11 +22,10 @@ def _module_name(path: pathlib.Path) -> str:
 MODULES = {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
 
 
-def _trees() -> dict[str, ast.Module]:
+@functools.cache
+def trees() -> dict[str, ast.Module]:
+  """Every module's syntax tree (parsed on first use, not when pytest collects this file)."""
   return {name: ast.parse(path.read_text(), str(path)) for name, path in MODULES.items()}
-
-
-TREES = _trees()
 
 
 def _resolve(module: str, node: ast.ImportFrom) -> str:
@@ -44,7 +44,7 @@ def imports(module: str) -> set[str]:
   included): ``from pkg import name`` counts as ``pkg.name`` where that is a module, else
   ``pkg``."""
   out = set()
-  for node in ast.walk(TREES[module]):
+  for node in ast.walk(trees()[module]):
     if isinstance(node, ast.Import):
       out.update(a.name for a in node.names if a.name.split(".")[0] == PACKAGE)
     elif isinstance(node, ast.ImportFrom):
@@ -57,7 +57,10 @@ def imports(module: str) -> set[str]:
   return {m for m in out if m in MODULES and m != module}
 
 
-GRAPH = {m: imports(m) for m in MODULES}
+@functools.cache
+def graph() -> dict[str, set[str]]:
+  """Which of the package's modules each module imports."""
+  return {m: imports(m) for m in MODULES}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -107,17 +110,17 @@ LISTED_CYCLES = []
 
 
 def test_no_import_cycle_but_the_listed_ones():
-  assert cycles(GRAPH) == LISTED_CYCLES
+  assert cycles(graph()) == LISTED_CYCLES
 
 
 def test_no_import_cycle_through_the_kernels_layers():
   core = [f"{PACKAGE}.{p}" for p in ("ops", "parallel", "backends", "layers", "models")]
-  assert [c for c in cycles(GRAPH) if any(_under(m, *core) for m in c)] == []
+  assert [c for c in cycles(graph()) if any(_under(m, *core) for m in c)] == []
 
 
 def test_ops_imports_no_backend_and_layers_only_the_backends_interface():
   backends_pkg = f"{PACKAGE}.backends"
-  for module, targets in GRAPH.items():
+  for module, targets in graph().items():
     if _under(module, f"{PACKAGE}.ops", f"{PACKAGE}.parallel"):
       assert not any(_under(t, backends_pkg) for t in targets), module
     if _under(module, f"{PACKAGE}.layers", f"{PACKAGE}.models"):
@@ -129,7 +132,7 @@ def test_ops_imports_no_backend_and_layers_only_the_backends_interface():
 def test_default_backend_is_asked_only_by_the_backends_and_the_cli():
   askers = sorted(
     module
-    for module, tree in TREES.items()
+    for module, tree in trees().items()
     for node in ast.walk(tree)
     if isinstance(node, ast.Call)
     and isinstance(node.func, ast.Attribute)
@@ -141,6 +144,6 @@ def test_default_backend_is_asked_only_by_the_backends_and_the_cli():
 
 def test_the_checks_see_the_imports_they_look_for():
   # Guards against a reader that finds nothing: known edges are seen, function-local ones too.
-  assert f"{PACKAGE}.backends" in GRAPH[f"{PACKAGE}.layers.dense"]
-  assert f"{PACKAGE}.backends.cudnn" in GRAPH[f"{PACKAGE}.backends.base"]
-  assert f"{PACKAGE}.ops.dispatch" in GRAPH[f"{PACKAGE}.ops.attention"]
+  assert f"{PACKAGE}.backends" in graph()[f"{PACKAGE}.layers.dense"]
+  assert f"{PACKAGE}.backends.cudnn" in graph()[f"{PACKAGE}.backends.base"]
+  assert f"{PACKAGE}.ops.dispatch" in graph()[f"{PACKAGE}.ops.attention"]
