@@ -3,12 +3,15 @@ per-token reference (PyTorch autograd for the gradients)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+import transformer_jax as tj
 from transformer_jax import backends
 from transformer_jax.backends.tpu import megablox_grouped_matmul
 from transformer_jax.layers.moe import MoE, MoEKind
@@ -186,3 +189,57 @@ def test_grouped_matmul_matches_reference(kernel):
     start += s
   np.testing.assert_allclose(np.asarray(gx), gx_ref, rtol=1e-5, atol=1e-4)
   np.testing.assert_allclose(np.asarray(gw), gw_ref, rtol=1e-5, atol=1e-4)
+
+
+# Plain MLP layers among the expert layers (GPTConfig.dense_layers): two stacks, run in order.
+MIXED = dict(
+  vocab_size=61, d_model=16, num_layers=4, num_heads=2, d_ff=32, max_len=32, num_experts=4,
+  expert_d_ff=8, dense_layers=[2, 0],
+)  # fmt: skip
+
+
+def test_dense_layers_build_two_stacks_run_in_order():
+  cfg = tj.models.get_config("moe-tiny", **MIXED)
+  assert cfg.dense_layers == (0, 2)
+  tok = jnp.asarray(np.random.default_rng(0).integers(0, 61, (2, 9)), jnp.int32)
+  out = {}
+  for scan in (True, False):
+    model = tj.models.GPT(dataclasses.replace(cfg, scan_layers=scan), rngs=nnx.Rngs(0))
+    stats = []
+    out[scan] = np.asarray(model(tok, moe_stats=stats)), stats[0]
+  params = nnx.state(model, nnx.Param)
+  assert params["blocks"]["dense_layers"]["mlp"]["gate"]["kernel"][...].shape == (2, 16, 32)
+  assert params["blocks"]["layers"]["mlp"]["gate"][...].shape == (2, 4, 16, 8)
+  # Router statistics of the two expert layers only.
+  assert out[True][1]["tokens_per_expert"].shape == (2, 4)
+  np.testing.assert_allclose(out[True][0], out[False][0], atol=1e-6)
+  # The same function as the blocks called one by one, each kind from its own stack.
+  blocks = model.blocks
+  x = model.embed(tok)
+  kw = dict(positions=jnp.arange(9)[None], causal=True)
+  for i, name, j in [(0, "dense_layers", 0), (1, "layers", 0), (2, "dense_layers", 1),
+                     (3, "layers", 1)]:  # fmt: skip
+    graphdef, p = nnx.split(getattr(blocks, name))
+    x = nnx.merge(graphdef, jax.tree.map(lambda a: a[j], p))(x, **kw)[0]
+  manual = np.asarray(model.logits(model.final_norm(x)))
+  np.testing.assert_allclose(out[False][0], manual, atol=1e-6)
+  # Counting: every parameter of the model, the unchosen experts of the expert layers inactive.
+  pc = tj.models.param_count(cfg)
+  assert pc.total == sum(a.size for a in jax.tree.leaves(params))
+  assert pc.inactive == 2 * (4 - 2) * 3 * 16 * 8
+
+
+@pytest.mark.parametrize(
+  "change,match",
+  [
+    (dict(dense_layers=[4]), r"dense_layers=\[4\]: \[4\] outside \[0, num_layers=4\)"),
+    (dict(dense_layers=[-1]), r"\[-1\] outside"),
+    (dict(dense_layers=[1, 1]), r"names layers \[1\] more than once"),
+    (dict(dense_layers=[0, 1, 2, 3]), "every layer dense"),
+    (dict(dense_layers=[0], num_experts=0), r"dense_layers=\[0\] needs num_experts > 0"),
+    (dict(dense_layers=[True]), "must be a list of layer indices"),
+  ],
+)
+def test_bad_dense_layers_are_named(change, match):
+  with pytest.raises(ValueError, match=match):
+    tj.models.get_config("moe-tiny", **{**MIXED, **change})
