@@ -13,6 +13,7 @@ from flax import nnx
 
 import transformer_jax as tj
 from transformer_jax import backends
+from transformer_jax.backends.cpu.grouped import blocked_grouped_matmul
 from transformer_jax.backends.tpu import megablox_grouped_matmul
 from transformer_jax.layers.moe import MoE, MoEKind
 
@@ -165,22 +166,34 @@ def gmm_ref(x, w, sizes):
   return np.concatenate(out)
 
 
-@pytest.mark.parametrize("kernel", ["ragged_dot", "megablox_interpret"])
+def grouped_fn(kernel: str):
+  """The grouped product ``kernel``: ``fn(x, w, sizes) -> [M, N]`` in float32."""
+  match kernel.split("_"):
+    case ["ragged", "dot"]:
+      return lambda x, w, s: jax.lax.ragged_dot(x, w, s)
+    case ["blocked", b]:
+      return lambda x, w, s: blocked_grouped_matmul(x, w, s, dtype=jnp.float32, block=int(b))
+    case ["backend"]:  # the default backend's (on CPU the blocked form)
+      return lambda x, w, s: backends.current().grouped_matmul(x, w, s, dtype=jnp.float32)
+    case ["megablox", "interpret"]:
+      return lambda x, w, s: megablox_grouped_matmul(x, w, s, dtype=jnp.float32, interpret=True)
+
+
+KERNELS = ["ragged_dot", "blocked_1", "blocked_4", "blocked_64", "backend", "megablox_interpret"]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_grouped_matmul_matches_reference(kernel):
   r = np.random.default_rng(6)
   x = jnp.asarray(r.standard_normal((21, 16)), jnp.float32)
   w = jnp.asarray(r.standard_normal((4, 16, 24)), jnp.float32)
   sizes = np.array([5, 0, 12, 4])
-  if kernel == "ragged_dot":
-    fn = lambda x, w: backends.current().grouped_matmul(x, w, jnp.asarray(sizes), dtype=jnp.float32)  # noqa: E731
-  else:
-    fn = lambda x, w: megablox_grouped_matmul(  # noqa: E731
-      x, w, jnp.asarray(sizes), dtype=jnp.float32, interpret=True
-    )
+  fn = grouped_fn(kernel)
   # 16-term float32 sums of products of unit normals: within 1e-5 relative of float64.
-  np.testing.assert_allclose(np.asarray(fn(x, w)), gmm_ref(x, w, sizes), rtol=1e-5, atol=1e-5)
+  y = fn(x, w, jnp.asarray(sizes))
+  np.testing.assert_allclose(np.asarray(y), gmm_ref(x, w, sizes), rtol=1e-5, atol=1e-5)
   cot = r.standard_normal((21, 24))
-  gx, gw = jax.grad(lambda x, w: jnp.sum(fn(x, w) * cot), argnums=(0, 1))(x, w)
+  gx, gw = jax.grad(lambda x, w: jnp.sum(fn(x, w, jnp.asarray(sizes)) * cot), argnums=(0, 1))(x, w)
   start, gx_ref, gw_ref = 0, np.zeros((21, 16)), np.zeros((4, 16, 24))
   for e, s in enumerate(sizes):
     xs, cs = np.asarray(x[start : start + s], np.float64), cot[start : start + s]
@@ -189,6 +202,32 @@ def test_grouped_matmul_matches_reference(kernel):
     start += s
   np.testing.assert_allclose(np.asarray(gx), gx_ref, rtol=1e-5, atol=1e-4)
   np.testing.assert_allclose(np.asarray(gw), gw_ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("block", [1, 3, 8])
+@pytest.mark.parametrize("sizes", [[0, 21, 0, 0], [1, 1, 1, 1], [9, 0, 2, 3]])
+def test_blocked_grouped_matmul_equals_ragged_dot(block, sizes):
+  """Groups that fill whole blocks or none, single rows, and rows past the groups (zeros, as
+  ragged_dot gives them): the same numbers and gradients as ``jax.lax.ragged_dot``."""
+  r = np.random.default_rng(7)
+  x = jnp.asarray(r.standard_normal((21, 16)), jnp.float32)
+  w = jnp.asarray(r.standard_normal((4, 16, 24)), jnp.float32)
+  cot = jnp.asarray(r.standard_normal((21, 24)), jnp.float32)
+  out = {}
+  for kernel in ("ragged_dot", f"blocked_{block}"):
+    fn = grouped_fn(kernel)
+    f = lambda x, w: jnp.sum(fn(x, w, jnp.asarray(sizes)) * cot)  # noqa: E731
+    out[kernel] = (fn(x, w, jnp.asarray(sizes)), *jax.grad(f, argnums=(0, 1))(x, w))
+  total = sum(sizes)
+  np.testing.assert_array_equal(np.asarray(out[f"blocked_{block}"][0])[total:], 0.0)
+  for a, b in zip(out["ragged_dot"], out[f"blocked_{block}"]):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5)
+
+
+def test_blocked_grouped_matmul_refuses_a_bad_block():
+  x, w = jnp.zeros((4, 2)), jnp.zeros((2, 2, 3))
+  with pytest.raises(ValueError, match="block=0"):
+    blocked_grouped_matmul(x, w, jnp.asarray([2, 2]), dtype=jnp.float32, block=0)
 
 
 # Plain MLP layers among the expert layers (GPTConfig.dense_layers): two stacks, run in order.
