@@ -13,7 +13,9 @@ The ways:
   dropped).
 
 ``decode_forward``: the forward pass alone on ``--decode-tokens`` tokens (a decoding step), for
-``ragged_dot``, ``blocked_128`` and ``dense``.
+``ragged_dot``, ``blocked_128`` and ``dense``. ``train_step_seconds``: an AdamW train step of
+``moe-tiny`` (4 x 128) and of Mixtral cut to 2 layers of width 512 (4 x 256), the models of
+docs/moe.md's ``tjax bench train`` rows, with ``ragged_dot`` and with blocks, timed in turn.
 
 Each is compiled as the train step is (``Backend.step_compiler_options``) and timed as the median
 of ``--reps`` calls after one; memory is the compiled program's ``memory_analysis()``: temporaries
@@ -37,11 +39,14 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
-from transformer_jax import backends
+from transformer_jax import backends, models
 from transformer_jax.bench import machine
 from transformer_jax.layers.moe import MoE, MoEKind
+from transformer_jax.train import step as step_lib
+from transformer_jax.train import tasks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CAPACITY_FACTOR = 1.25
@@ -102,6 +107,58 @@ def measure(name: str, num_experts: int, tokens: int, reps: int, backward: bool 
   }
 
 
+# Train steps of whole models (the configs of docs/moe.md's ``tjax bench train`` rows):
+# (name, preset, overrides, batch, seq_len).
+STEPS = (
+  ("moe-tiny", "moe-tiny", {}, 4, 128),
+  (
+    "mixtral_mid",
+    "mixtral-8x7b",
+    dict(num_layers=2, d_model=512, num_heads=8, num_kv_heads=2, expert_d_ff=1024),
+    4,
+    256,
+  ),
+)
+
+
+def train_steps(reps: int) -> dict:
+  """Median seconds of an AdamW train step of each ``STEPS`` model with ``ragged_dot`` and with
+  the blocked product, the two timed in turn (one of each per round) so that other jobs on the
+  machine slow both alike."""
+  out = {}
+  for name, preset, overrides, b, t in STEPS:
+    config = models.get_config(preset, **overrides)
+    rng = np.random.default_rng(0)
+    tok = jnp.asarray(rng.integers(0, config.vocab_size, (b, t)), jnp.int32)
+    batch = dict(
+      tokens=tok, labels=tok, segment_ids=jnp.ones_like(tok), loss_mask=jnp.ones((b, t), bool),
+      positions=jnp.broadcast_to(jnp.arange(t), (b, t)),
+    )  # fmt: skip
+    steps = {}
+    for way in ("ragged_dot", "blocked_128"):
+      _, backend = variant(way, config.num_experts)
+      graphdef, params = nnx.split(models.GPT(config, rngs=nnx.Rngs(0), backend=backend), nnx.Param)
+      opt = optax.adamw(1e-4)
+      fn = backend.jit_step(step_lib.make_train_step(graphdef, tasks.GPTTask(), opt, seed=0))
+      state = step_lib.create_state(params, opt)
+      with backend.compiling():
+        jax.block_until_ready(fn(state, batch))
+      steps[way] = (fn, state)
+    times = {way: [] for way in steps}
+    for _ in range(reps):
+      for way, (fn, state) in steps.items():
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(state, batch))
+        times[way].append(time.perf_counter() - t0)
+    out[name] = {
+      "batch": [b, t],
+      "overrides": overrides,
+      **{way: float(np.median(v)) for way, v in times.items()},
+    }
+    print("train step", name, json.dumps(out[name]), flush=True)
+  return out
+
+
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--tokens", type=int, default=4096)
@@ -112,6 +169,7 @@ def main(argv=None) -> dict:
     nargs="+",
     default=["ragged_dot", "blocked_32", "blocked_64", "blocked_128", "dense", "capacity"],
   )
+  p.add_argument("--step-reps", type=int, default=5, help="train steps timed per way (0: none)")
   p.add_argument("--decode-tokens", type=int, default=8, help="forward only, as in decoding")
   p.add_argument("--out", default=os.path.join(ROOT, "experiments/results/grouped_matmul.json"))
   args = p.parse_args(argv)
@@ -134,6 +192,8 @@ def main(argv=None) -> dict:
       row = measure(way, e, args.decode_tokens, 20, backward=False)
       result["decode_forward"].setdefault(f"{e}_experts", {})[way] = row
       print("decode", e, way, json.dumps(row), flush=True)
+  if args.step_reps:
+    result["train_step_seconds"] = train_steps(args.step_reps)
   result["machine"] = machine.describe()
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:

@@ -17,8 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-# The most rows per block: 128 ran fastest of 32, 64 and 128 at 8 and 64 experts
-# (experiments/results/grouped_matmul_xeon.json).
+# The most rows per block: of 32, 64 and 128, 128 ran fastest at 8 experts and 64 and 128 within
+# the noise of shared cores at 64 (experiments/results/grouped_matmul_xeon.json).
 BLOCK = 128
 
 
