@@ -9,8 +9,9 @@ tokens per second), and for the mixture the tokens each expert received over the
 (and the largest expert's share over an even one).
 
 Part 2 times one forward and backward pass of a mixture layer (4096 tokens, width 128, experts of
-256, top 2) at 8 and 64 experts, dropless through ``Backend.grouped_matmul`` against every expert
-on every token with the unchosen weighted 0 (``MoEKind.impl="dense"``).
+256, top 2) at 8 and 64 experts, dropless through ``Backend.grouped_matmul`` (on CPU the blocked
+form, ``backends/cpu/grouped.py``) against every expert on every token with the unchosen weighted
+0 (``MoEKind.impl="dense"``); experiments/grouped_matmul.py compares every way.
 
   python experiments/moe_vs_dense.py                 # both parts; part 1 ~3 x 5 min on 2 CPU cores
   python experiments/moe_vs_dense.py --steps 60 --skip-training

@@ -270,13 +270,14 @@ KINDS += [
 
 # Mixtures of experts (layers.moe): dropless routing is per token, so every decoder property
 # holds as for a dense MLP. 4 experts of 24, top 2 renormalised (Mixtral), or top 3 of raw
-# probabilities with q/k norms (Qwen3-MoE).
+# probabilities with q/k norms and a plain MLP in layer 0 (Qwen3-MoE's mlp_only_layers).
 _MOE = dict(num_experts=4, expert_d_ff=24)
+_QWEN3_MOE = dict(experts_per_token=3, router_norm_topk=False, qk_norm=True, head_dim=8)
 KINDS += [
   Kind("moe", _gpt("moe-tiny", **_MOE), _DECODER, "MixtralForCausalLM"),
   Kind(
     "qwen3-moe",
-    _gpt("moe-tiny", **_MOE, experts_per_token=3, router_norm_topk=False, qk_norm=True, head_dim=8),
+    _gpt("moe-tiny", **_MOE, **_QWEN3_MOE, dense_layers=(0,)),
     _DECODER,
     "Qwen3MoeForCausalLM",
   ),

@@ -35,9 +35,18 @@ CASES = {
     ),
   ),  # fmt: skip
 }
+# Qwen3-MoE with plain MLP layers among the expert layers (the config's dense_layers): layer 0 by
+# mlp_only_layers (then two expert layers, scanned), or every odd-numbered one by the step.
+MIXED = {
+  "Qwen3Moe-mlp_only_layers": dict(num_hidden_layers=3, mlp_only_layers=[0]),
+  "Qwen3Moe-decoder_sparse_step": dict(num_hidden_layers=4, decoder_sparse_step=2),
+}
+DENSE_LAYERS = {"Qwen3Moe-mlp_only_layers": (0,), "Qwen3Moe-decoder_sparse_step": (0, 2)}
 
 
 def build(arch: str, **overrides):
+  if arch in MIXED:
+    arch, overrides = "Qwen3MoeForCausalLM", {**MIXED[arch], **overrides}
   cls, kw = CASES[arch]
   torch.manual_seed(0)
   config = getattr(transformers, cls)(**{**COMMON, **kw, **overrides})
@@ -60,16 +69,20 @@ def logits_pair(hf_model, model):
   return ours[valid], theirs[valid]
 
 
-@pytest.fixture(scope="module", params=list(CASES))
+@pytest.fixture(scope="module", params=[*CASES, *MIXED])
 def pair(request):
   hf_model = build(request.param)
   config, model = tjhf.load(hf_model)
-  return request.param, hf_model, config, model
+  assert config.dense_layers == DENSE_LAYERS.get(request.param, ())
+  return hf_model.config.architectures[0], hf_model, config, model
 
 
 def test_config_reads_the_experts(pair):
   arch, hf_model, config, _ = pair
   c = hf_model.config
+  assert config.dense_layers == tuple(
+    i for i, layer in enumerate(hf_model.model.layers) if not hasattr(layer.mlp, "experts")
+  )
   assert config.num_experts == (
     c.num_local_experts if arch.startswith("Mixtral") else c.num_experts
   )
@@ -128,12 +141,21 @@ def test_per_expert_keys_must_be_complete():
   assert "expert 0 down" in str(e.value)
 
 
-def test_dense_layers_among_experts_are_refused_by_name():
+def test_dense_layers_out_of_range_are_refused_by_name():
   hf = build("Qwen3MoeForCausalLM").config.to_dict()
-  hf["architectures"] = ["Qwen3MoeForCausalLM"]
-  hf["mlp_only_layers"] = [0]
-  with pytest.raises(UnsupportedError, match="mlp_only_layers=\\[0\\]"):
-    tjhf.configs.from_hf(hf, "Qwen3MoeForCausalLM")
+  with pytest.raises(UnsupportedError, match="mlp_only_layers=\\[0, 2\\]: \\[2\\] outside"):
+    tjhf.configs.from_hf({**hf, "mlp_only_layers": [0, 2]}, "Qwen3MoeForCausalLM")
+  with pytest.raises(UnsupportedError, match="decoder_sparse_step=0"):
+    tjhf.configs.from_hf({**hf, "decoder_sparse_step": 0}, "Qwen3MoeForCausalLM")
+  # Every layer dense: a dense model, which this architecture does not make.
+  with pytest.raises(ValueError, match="every layer dense"):
+    tjhf.configs.from_hf({**hf, "decoder_sparse_step": 3}, "Qwen3MoeForCausalLM")
+
+
+def test_mixtral_cannot_express_dense_layers():
+  config = tj.models.get_config("moe-tiny", num_layers=3, dense_layers=[1])
+  with pytest.raises(UnsupportedError, match="dense_layers"):
+    tjhf.configs.to_hf(config, "MixtralForCausalLM")
 
 
 def test_capacity_factor_is_not_expressible(pair, tmp_path):
@@ -143,9 +165,12 @@ def test_capacity_factor_is_not_expressible(pair, tmp_path):
     tjhf.save(model, capped, str(tmp_path / "x"))
 
 
-@pytest.mark.parametrize("preset", ["mixtral-8x7b", "qwen3-30b-a3b", "moe-tiny"])
-def test_preset_counts_equal_transformers(preset, tmp_path):
-  config = tj.models.get_config(preset)
+@pytest.mark.parametrize(
+  "preset,dense_layers",
+  [("mixtral-8x7b", ()), ("qwen3-30b-a3b", ()), ("moe-tiny", ()), ("qwen3-30b-a3b", (0, 1, 47))],
+)
+def test_preset_counts_equal_transformers(preset, dense_layers, tmp_path):
+  config = tj.models.get_config(preset, dense_layers=dense_layers)
   arch = tjhf.configs.default_architecture(config)
   hf = tjhf.configs.to_hf(config, arch)
   cls = CASES[arch][0]
@@ -158,11 +183,16 @@ def test_preset_counts_equal_transformers(preset, tmp_path):
   # Active: all but the unchosen experts' three matrices in every layer.
   e, k = config.num_experts, config.experts_per_token
   f = config.expert_d_ff or config.d_ff
-  assert pc.active == total - config.num_layers * (e - k) * 3 * config.d_model * f
+  expert_layers = config.num_layers - len(dense_layers)
+  assert pc.active == total - expert_layers * (e - k) * 3 * config.d_model * f
   if preset == "mixtral-8x7b":
     assert total == 46_702_792_704  # Mixtral 8x7B's published count
-  if preset == "qwen3-30b-a3b":
+  if preset == "qwen3-30b-a3b" and not dense_layers:
     assert total == 30_532_122_624
+  if dense_layers:  # each dense layer: a gated MLP of d_ff in place of the experts and router
+    dense_mlp = 3 * config.d_model * config.d_ff
+    experts = e * 3 * config.d_model * f + config.d_model * e
+    assert total == 30_532_122_624 + len(dense_layers) * (dense_mlp - experts)
 
 
 def test_info_reports_total_and_active(capsys):

@@ -3,13 +3,17 @@ per-token reference (PyTorch autograd for the gradients)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+import transformer_jax as tj
 from transformer_jax import backends
+from transformer_jax.backends.cpu.grouped import blocked_grouped_matmul
 from transformer_jax.backends.tpu import megablox_grouped_matmul
 from transformer_jax.layers.moe import MoE, MoEKind
 
@@ -162,22 +166,34 @@ def gmm_ref(x, w, sizes):
   return np.concatenate(out)
 
 
-@pytest.mark.parametrize("kernel", ["ragged_dot", "megablox_interpret"])
+def grouped_fn(kernel: str):
+  """The grouped product ``kernel``: ``fn(x, w, sizes) -> [M, N]`` in float32."""
+  match kernel.split("_"):
+    case ["ragged", "dot"]:
+      return lambda x, w, s: jax.lax.ragged_dot(x, w, s)
+    case ["blocked", b]:
+      return lambda x, w, s: blocked_grouped_matmul(x, w, s, dtype=jnp.float32, block=int(b))
+    case ["backend"]:  # the default backend's (on CPU the blocked form)
+      return lambda x, w, s: backends.current().grouped_matmul(x, w, s, dtype=jnp.float32)
+    case ["megablox", "interpret"]:
+      return lambda x, w, s: megablox_grouped_matmul(x, w, s, dtype=jnp.float32, interpret=True)
+
+
+KERNELS = ["ragged_dot", "blocked_1", "blocked_4", "blocked_64", "backend", "megablox_interpret"]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_grouped_matmul_matches_reference(kernel):
   r = np.random.default_rng(6)
   x = jnp.asarray(r.standard_normal((21, 16)), jnp.float32)
   w = jnp.asarray(r.standard_normal((4, 16, 24)), jnp.float32)
   sizes = np.array([5, 0, 12, 4])
-  if kernel == "ragged_dot":
-    fn = lambda x, w: backends.current().grouped_matmul(x, w, jnp.asarray(sizes), dtype=jnp.float32)  # noqa: E731
-  else:
-    fn = lambda x, w: megablox_grouped_matmul(  # noqa: E731
-      x, w, jnp.asarray(sizes), dtype=jnp.float32, interpret=True
-    )
+  fn = grouped_fn(kernel)
   # 16-term float32 sums of products of unit normals: within 1e-5 relative of float64.
-  np.testing.assert_allclose(np.asarray(fn(x, w)), gmm_ref(x, w, sizes), rtol=1e-5, atol=1e-5)
+  y = fn(x, w, jnp.asarray(sizes))
+  np.testing.assert_allclose(np.asarray(y), gmm_ref(x, w, sizes), rtol=1e-5, atol=1e-5)
   cot = r.standard_normal((21, 24))
-  gx, gw = jax.grad(lambda x, w: jnp.sum(fn(x, w) * cot), argnums=(0, 1))(x, w)
+  gx, gw = jax.grad(lambda x, w: jnp.sum(fn(x, w, jnp.asarray(sizes)) * cot), argnums=(0, 1))(x, w)
   start, gx_ref, gw_ref = 0, np.zeros((21, 16)), np.zeros((4, 16, 24))
   for e, s in enumerate(sizes):
     xs, cs = np.asarray(x[start : start + s], np.float64), cot[start : start + s]
@@ -186,3 +202,83 @@ def test_grouped_matmul_matches_reference(kernel):
     start += s
   np.testing.assert_allclose(np.asarray(gx), gx_ref, rtol=1e-5, atol=1e-4)
   np.testing.assert_allclose(np.asarray(gw), gw_ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("block", [1, 3, 8])
+@pytest.mark.parametrize("sizes", [[0, 21, 0, 0], [1, 1, 1, 1], [9, 0, 2, 3]])
+def test_blocked_grouped_matmul_equals_ragged_dot(block, sizes):
+  """Groups that fill whole blocks or none, single rows, and rows past the groups (zeros, as
+  ragged_dot gives them): the same numbers and gradients as ``jax.lax.ragged_dot``."""
+  r = np.random.default_rng(7)
+  x = jnp.asarray(r.standard_normal((21, 16)), jnp.float32)
+  w = jnp.asarray(r.standard_normal((4, 16, 24)), jnp.float32)
+  cot = jnp.asarray(r.standard_normal((21, 24)), jnp.float32)
+  out = {}
+  for kernel in ("ragged_dot", f"blocked_{block}"):
+    fn = grouped_fn(kernel)
+    f = lambda x, w: jnp.sum(fn(x, w, jnp.asarray(sizes)) * cot)  # noqa: E731
+    out[kernel] = (fn(x, w, jnp.asarray(sizes)), *jax.grad(f, argnums=(0, 1))(x, w))
+  total = sum(sizes)
+  np.testing.assert_array_equal(np.asarray(out[f"blocked_{block}"][0])[total:], 0.0)
+  for a, b in zip(out["ragged_dot"], out[f"blocked_{block}"]):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5)
+
+
+def test_blocked_grouped_matmul_refuses_a_bad_block():
+  x, w = jnp.zeros((4, 2)), jnp.zeros((2, 2, 3))
+  with pytest.raises(ValueError, match="block=0"):
+    blocked_grouped_matmul(x, w, jnp.asarray([2, 2]), dtype=jnp.float32, block=0)
+
+
+# Plain MLP layers among the expert layers (GPTConfig.dense_layers): two stacks, run in order.
+MIXED = dict(
+  vocab_size=61, d_model=16, num_layers=4, num_heads=2, d_ff=32, max_len=32, num_experts=4,
+  expert_d_ff=8, dense_layers=[2, 0],
+)  # fmt: skip
+
+
+def test_dense_layers_build_two_stacks_run_in_order():
+  cfg = tj.models.get_config("moe-tiny", **MIXED)
+  assert cfg.dense_layers == (0, 2)
+  tok = jnp.asarray(np.random.default_rng(0).integers(0, 61, (2, 9)), jnp.int32)
+  out = {}
+  for scan in (True, False):
+    model = tj.models.GPT(dataclasses.replace(cfg, scan_layers=scan), rngs=nnx.Rngs(0))
+    stats = []
+    out[scan] = np.asarray(model(tok, moe_stats=stats)), stats[0]
+  params = nnx.state(model, nnx.Param)
+  assert params["blocks"]["dense_layers"]["mlp"]["gate"]["kernel"][...].shape == (2, 16, 32)
+  assert params["blocks"]["layers"]["mlp"]["gate"][...].shape == (2, 4, 16, 8)
+  # Router statistics of the two expert layers only.
+  assert out[True][1]["tokens_per_expert"].shape == (2, 4)
+  np.testing.assert_allclose(out[True][0], out[False][0], atol=1e-6)
+  # The same function as the blocks called one by one, each kind from its own stack.
+  blocks = model.blocks
+  x = model.embed(tok)
+  kw = dict(positions=jnp.arange(9)[None], causal=True)
+  for i, name, j in [(0, "dense_layers", 0), (1, "layers", 0), (2, "dense_layers", 1),
+                     (3, "layers", 1)]:  # fmt: skip
+    graphdef, p = nnx.split(getattr(blocks, name))
+    x = nnx.merge(graphdef, jax.tree.map(lambda a: a[j], p))(x, **kw)[0]
+  manual = np.asarray(model.logits(model.final_norm(x)))
+  np.testing.assert_allclose(out[False][0], manual, atol=1e-6)
+  # Counting: every parameter of the model, the unchosen experts of the expert layers inactive.
+  pc = tj.models.param_count(cfg)
+  assert pc.total == sum(a.size for a in jax.tree.leaves(params))
+  assert pc.inactive == 2 * (4 - 2) * 3 * 16 * 8
+
+
+@pytest.mark.parametrize(
+  "change,match",
+  [
+    (dict(dense_layers=[4]), r"dense_layers=\[4\]: \[4\] outside \[0, num_layers=4\)"),
+    (dict(dense_layers=[-1]), r"\[-1\] outside"),
+    (dict(dense_layers=[1, 1]), r"names layers \[1\] more than once"),
+    (dict(dense_layers=[0, 1, 2, 3]), "every layer dense"),
+    (dict(dense_layers=[0], num_experts=0), r"dense_layers=\[0\] needs num_experts > 0"),
+    (dict(dense_layers=[True]), "must be a list of layer indices"),
+  ],
+)
+def test_bad_dense_layers_are_named(change, match):
+  with pytest.raises(ValueError, match=match):
+    tj.models.get_config("moe-tiny", **{**MIXED, **change})

@@ -103,14 +103,13 @@ def _convert(config: ModelConfig, arch: str, tensors: dict) -> tuple[dict, list[
     per_layer = tuple(
       expected[p].get_value().shape[1 if rule.num_layers else 0 :] for p in rule.ours
     )
-    for i in range(rule.num_layers or 1):
+    for _, i in rule.layers():
       shapes[rule.hf.format(i=i)] = params.hf_shape(rule.transform, per_layer)
   read = checked.read(tensors, checked.Expected(shapes, t.aliases, t.ignore), arch)
   out = {}
   for rule in t.rules:
     layers = [
-      params.to_ours(rule.transform, read[rule.hf.format(i=i)], d)
-      for i in range(rule.num_layers or 1)
+      params.to_ours(rule.transform, read[rule.hf.format(i=i)], d) for _, i in rule.layers()
     ]
     for j, path in enumerate(rule.ours):
       out[path] = np.stack([x[j] for x in layers]) if rule.num_layers else layers[0][j]
@@ -290,8 +289,8 @@ def save(
   d = params.dims(config)
   tensors = {}
   for rule in t.rules:
-    for i in range(rule.num_layers or 1):
-      xs = tuple(flat[p][i] if rule.num_layers else flat[p] for p in rule.ours)
+    for j, i in rule.layers():
+      xs = tuple(flat[p][j] if rule.num_layers else flat[p] for p in rule.ours)
       tensors[rule.hf.format(i=i)] = np.ascontiguousarray(params.to_hf(rule.transform, xs, d))
   family = configs.ARCHITECTURES[arch][0]
   if family == "t5" and config.tie_embeddings and not config.logits_rescale:

@@ -6,10 +6,13 @@ transformers 5 stores each layer's experts stacked: ``mlp.experts.gate_up_proj``
 ``block_sparse_moe.experts.{e}.w1/w3/w2.weight`` (gate, up, down) and ``block_sparse_moe.gate``,
 Qwen-MoE's ``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight``. ``stack`` turns the older
 layout into the stacked one (what the parameter table reads); ``unstack`` writes it back.
+``with_dense_layers``: the table of a model with plain MLP layers among the expert layers
+(Qwen3-MoE's ``mlp_only_layers``), whose two kinds of layer are stacked apart.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -80,3 +83,31 @@ def unstack(tensors: dict[str, np.ndarray], family: str) -> dict[str, np.ndarray
     else:
       out[key] = value
   return out
+
+
+def with_dense_layers(c, build):
+  """The parameter table (``params.Table``) of a decoder whose ``dense_layers`` keep the plain
+  MLP among mixture-of-experts layers: the per-layer rules of the expert layers
+  (``blocks.layers``) and of the dense ones (``blocks.dense_layers``), each at its Hugging Face
+  layer indices. ``build(config)``: the table of a config without ``dense_layers``."""
+  dense_ids = tuple(c.dense_layers)
+  moe_ids = tuple(i for i in range(c.num_layers) if i not in dense_ids)
+  moe_table = build(dataclasses.replace(c, dense_layers=()))
+  dense = build(dataclasses.replace(c, num_experts=0, dense_layers=()))
+  rules = [r for r in moe_table.rules if not r.num_layers]
+  rules += [
+    dataclasses.replace(r, num_layers=len(moe_ids), layer_ids=moe_ids)
+    for r in moe_table.rules
+    if r.num_layers
+  ]
+  rules += [
+    dataclasses.replace(
+      r,
+      ours=tuple(p.replace("blocks.layers.", "blocks.dense_layers.", 1) for p in r.ours),
+      num_layers=len(dense_ids),
+      layer_ids=dense_ids,
+    )
+    for r in dense.rules
+    if r.num_layers
+  ]
+  return dataclasses.replace(moe_table, rules=rules)

@@ -18,6 +18,7 @@ import enum
 
 import numpy as np
 
+from transformer_jax.hf import experts
 from transformer_jax.hf.configs import ARCHITECTURES
 from transformer_jax.models import ModelConfig
 
@@ -151,6 +152,14 @@ class Rule:
   ours: tuple[str, ...]  # our parameter path(s), dotted
   transform: Transform = Transform.COPY
   num_layers: int = 0  # > 0: per-layer rule, stacked on our leading axis
+  # The Hugging Face layer index ("{i}") of each entry of our stacked axis; None: 0 .. L-1.
+  layer_ids: tuple[int, ...] | None = None
+
+  def layers(self) -> tuple[tuple[int, int], ...]:
+    """``(entry of our stacked axis, Hugging Face layer index)`` pairs; ``((0, 0),)`` for a rule
+    that is not per layer."""
+    ids = range(self.num_layers or 1) if self.layer_ids is None else self.layer_ids
+    return tuple(enumerate(ids))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -495,6 +504,8 @@ def _mamba(c) -> Table:
 
 def table(config: ModelConfig, arch: str) -> Table:
   """The mapping for ``config`` saved as ``arch``."""
+  if getattr(config, "dense_layers", ()) and config.num_experts:
+    return experts.with_dense_layers(config, lambda c: table(c, arch))
   match ARCHITECTURES[arch][0]:
     case "gpt2":
       return _gpt2(config)

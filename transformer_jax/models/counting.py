@@ -83,13 +83,17 @@ def param_count(config: ModelConfig) -> ParamCount:
     case GPTConfig():
       qkv, out, mlp = (c.use_bias if b is None else b for b in (c.qkv_bias, c.out_bias, c.mlp_bias))
       attn = _attention(c, qkv, out, _norm(1, c.norm) if c.qk_norm else 0)
-      ffn, used = _experts(c) if c.num_experts else (_mlp(c, c.gated, mlp),) * 2
-      block = attn + ffn + (4 if c.post_norms else 2) * _norm(c.d_model, c.norm)
+      dense_ffn = _mlp(c, c.gated, mlp)
+      ffn, used = _experts(c) if c.num_experts else (dense_ffn,) * 2
+      # With experts, the layers of dense_layers keep the plain MLP.
+      moe_layers = c.num_layers - len(c.dense_layers) if c.num_experts else c.num_layers
+      block = attn + (4 if c.post_norms else 2) * _norm(c.d_model, c.norm)
+      layers = c.num_layers * block + moe_layers * ffn + (c.num_layers - moe_layers) * dense_ffn
       tables = c.vocab_size * c.d_model + (c.max_len * c.d_model if c.position == "learned" else 0)
       head = 0 if c.tie_embeddings else c.d_model * c.vocab_size
       head += c.d_model * c.num_labels + c.num_labels
-      total = tables + c.num_layers * block + _norm(c.d_model, c.norm) + head
-      return ParamCount(total, tables, c.num_layers * (ffn - used))
+      total = tables + layers + _norm(c.d_model, c.norm) + head
+      return ParamCount(total, tables, moe_layers * (ffn - used))
     case BERTConfig():
       block = _attention(c, True) + _mlp(c, False, True) + 2 * _norm(c.d_model, "layernorm")
       d = c.d_model

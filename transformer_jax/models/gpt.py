@@ -80,6 +80,7 @@ class GPT(nnx.Module):
         if c.layer_types is None
         else {"local_layers": tuple(k == "sliding_attention" for k in c.layer_types)}
       ),
+      **({"dense_layers": c.dense_layers} if c.dense_layers else {}),
     )
     self.final_norm = Norm(
       c.d_model,

@@ -14,6 +14,8 @@ as the methods of one ``Backend``.
   ``linear_cross_entropy``      x^T copied row-major (``matmul.transposed``)
   ``activate``                  bfloat16 on bf16 units: the inputs saved as bits
                                 (``ops.packed_activation``)
+  ``grouped_matmul``            blocks of one expert's rows (``grouped``), not ``ragged_dot``'s
+                                masked product over every expert
   ``decode_layout``             ``decode.out_in_kernel``
   ``step_compiler_options``     each matrix product to oneDNN (``onednn.step_options``), held
                                 (``onednn.hold``)
@@ -31,7 +33,15 @@ import jax.numpy as jnp
 
 from transformer_jax import hardware, ops
 from transformer_jax.backends.base import Backend, padded_attend, value
-from transformer_jax.backends.cpu import allocator, attention, decode, matmul, microbatches, onednn
+from transformer_jax.backends.cpu import (
+  allocator,
+  attention,
+  decode,
+  grouped,
+  matmul,
+  microbatches,
+  onednn,
+)
 
 # The chunked attention kernel's blocks on XLA:CPU: a [B, N, 128, 128] float32 block of scores
 # stays in the cores' own caches, and causal attention skips more of the pairs
@@ -49,9 +59,12 @@ class CpuBackend(Backend):
     bf16_units: the CPU has bfloat16 matrix units (AVX-512 BF16 or AMX:
       ``hardware.has_bf16_units``): bfloat16 products then run natively, in the layouts
       ``matmul`` keeps.
+    grouped_block: the most rows per block of the grouped product (``grouped``); None: the
+      base backend's ``jax.lax.ragged_dot``.
   """
 
   bf16_units: bool = False
+  grouped_block: int | None = grouped.BLOCK
 
   platform = "cpu"
   chunk_block = CPU_BLOCK
@@ -110,6 +123,17 @@ class CpuBackend(Backend):
       # as bits.
       return ops.packed_activation(activation, x, up)
     return super().activate(activation, x, up, dtype=dtype)
+
+  def grouped_matmul(self, x_MK, w_EKN, group_sizes_E, *, dtype):
+    """Blocks of up to ``grouped_block`` rows, each times its one expert's weight
+    (``grouped.blocked_grouped_matmul``): the chosen experts' work, where XLA:CPU's
+    ``ragged_dot`` multiplies every row by every expert (experiments/results/
+    grouped_matmul_xeon.json)."""
+    if self.grouped_block is None:
+      return super().grouped_matmul(x_MK, w_EKN, group_sizes_E, dtype=dtype)
+    return grouped.blocked_grouped_matmul(
+      x_MK, value(w_EKN), group_sizes_E, dtype=dtype, max_block=self.grouped_block
+    )
 
   def decode_layout(self, kernel, *, n_in, dtype, threads=None):
     """The kernel's read-only decoding-layout copy (``decode.out_in_kernel``: ``[out..., in...]``,

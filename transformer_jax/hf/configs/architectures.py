@@ -291,8 +291,10 @@ def to_hf(config: ModelConfig, arch: str, tokenizer=None) -> dict:
       "out_bias": lambda: c.use_bias if c.out_bias is None else c.out_bias,
       "mlp_bias": lambda: c.use_bias if c.mlp_bias is None else c.mlp_bias,
       "sparse_pattern": lambda: encoders.bigbird_shape(c.sparse_pattern),
-      # With experts, d_ff sizes nothing and expert_d_ff is the experts' effective width.
-      "d_ff": lambda: None if getattr(c, "num_experts", 0) else c.d_ff,
+      # With experts, d_ff sizes only dense_layers; expert_d_ff is the experts' effective width.
+      "d_ff": lambda: (
+        None if getattr(c, "num_experts", 0) and not getattr(c, "dense_layers", ()) else c.d_ff
+      ),
       "expert_d_ff": lambda: moe_fields.expert_width(c) if c.num_experts else c.expert_d_ff,
     }.get(name, lambda: getattr(c, name))()
 

@@ -109,6 +109,9 @@ class GPTConfig(checks.Heads):
   capacity_factor: float | None = None  # None: dropless; else copies over capacity are dropped
   router_aux_coef: float = 0.01  # load-balancing loss coefficient in the training loss
   router_z_coef: float = 0.0  # router z-loss coefficient
+  # With experts: the indices of the layers whose feed-forward stays the plain gated MLP of d_ff
+  # (Qwen3-MoE's mlp_only_layers and decoder_sparse_step, DeepSeek's first dense layers).
+  dense_layers: tuple[int, ...] = ()
 
   def __post_init__(self):
     self._validate_heads()

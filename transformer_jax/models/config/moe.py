@@ -13,6 +13,7 @@ def validate(cfg) -> None:
   n = cfg.num_experts
   if isinstance(n, bool) or not isinstance(n, int) or n < 0:
     raise ValueError(f"num_experts={n!r} must be an integer >= 0 (0: a dense model)")
+  _dense_layers(cfg)
   if n == 0:
     return
   checks.positive(cfg, "experts_per_token", "router_groups", "router_topk_groups")
@@ -58,6 +59,38 @@ def validate(cfg) -> None:
     raise ValueError(
       f"num_experts > 0 runs with softmax attention (attention_kind={cfg.attention_kind!r})"
     )
+
+
+def _dense_layers(cfg) -> None:
+  """``dense_layers``: distinct layer indices in ``[0, num_layers)``, not all of them, with
+  experts; stored sorted, as a tuple (a YAML list is read as one)."""
+  ids = cfg.dense_layers
+  if isinstance(ids, list):
+    ids = tuple(ids)
+  if not isinstance(ids, tuple) or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+    raise ValueError(f"dense_layers={ids!r} must be a list of layer indices")
+  object.__setattr__(cfg, "dense_layers", tuple(sorted(ids)))
+  if not ids:
+    return
+  if not cfg.num_experts:
+    raise ValueError(
+      f"dense_layers={list(ids)} needs num_experts > 0 (without experts every layer is dense)"
+    )
+  outside = [i for i in ids if not 0 <= i < cfg.num_layers]
+  if outside:
+    raise ValueError(
+      f"dense_layers={list(ids)}: {outside} outside [0, num_layers={cfg.num_layers})"
+    )
+  if len(set(ids)) != len(ids):
+    twice = sorted({i for i in ids if ids.count(i) > 1})
+    raise ValueError(f"dense_layers={list(ids)} names layers {twice} more than once")
+  if len(ids) == cfg.num_layers:
+    raise ValueError(f"dense_layers={list(ids)} makes every layer dense: set num_experts=0 instead")
+
+
+def expert_layers(cfg) -> int:
+  """How many layers are mixtures of experts (0 for a dense model)."""
+  return cfg.num_layers - len(cfg.dense_layers) if cfg.num_experts else 0
 
 
 def expert_width(cfg) -> int:
