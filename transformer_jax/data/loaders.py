@@ -19,7 +19,7 @@ pipeline, but its transforms run per example in Python, while these loaders buil
 a handful of vectorised numpy gathers from memory-mapped shards (a 16 x 256 GPT batch in ~100 us).
 The batch construction itself is the determinism guarantee, so Grain would add per-example
 overhead without adding reproducibility; its multi-worker prefetching is not needed at these costs
-(measured against Grain's ``DataLoader``: experiments/PERFORMANCE.md, "Batch loader").
+(measured against Grain's ``DataLoader``: experiments/PERFORMANCE.md, "Data path").
 """
 
 from __future__ import annotations
