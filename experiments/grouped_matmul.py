@@ -195,9 +195,7 @@ def main(argv=None) -> dict:
   if args.step_reps:
     result["train_step_seconds"] = train_steps(args.step_reps)
   result["machine"] = machine.describe()
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=2)
+  machine.write_json(args.out, result)
   return result
 
 

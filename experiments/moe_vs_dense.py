@@ -36,6 +36,7 @@ from flax import nnx
 from transformer_jax import hardware, models
 from transformer_jax.layers.moe import MoE, MoEKind
 from transformer_jax.train import load_experiment, train
+from transformer_jax.bench import machine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 YAML = os.path.join(ROOT, "experiments/moe_tiny.yaml")
@@ -132,9 +133,7 @@ def main(argv=None) -> dict:
     "jax": jax.__version__,
     "backend": jax.default_backend(),
   }
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=2)
+  machine.write_json(args.out, result)
   return result
 
 

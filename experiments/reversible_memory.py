@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer_jax import hardware, models, ops
+from transformer_jax.bench import machine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -91,9 +92,7 @@ def main(argv=None) -> dict:
       "backend": jax.default_backend(),
     },
   }
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=2)
+  machine.write_json(args.out, result)
   return result
 
 

@@ -244,3 +244,12 @@ def weight_bandwidth(nbytes: int = 512 << 20, dtype: str = "float32", reps: int 
     "bytes_per_sec": w.nbytes / min(times),
     "sustained_bytes_per_sec": w.nbytes * reps / sum(times),
   }
+
+
+def write_json(path: str, result: dict) -> None:
+  """Writes an experiment's ``result`` to ``path`` as indented JSON, creating its folder."""
+  import json  # noqa: PLC0415 - only the experiments write results
+
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(result, f, indent=2)
