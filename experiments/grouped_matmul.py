@@ -57,6 +57,8 @@ def variant(name: str, num_experts: int) -> tuple[MoEKind, backends.Backend]:
   kind = MoEKind(num_experts=num_experts, top_k=2, d_ff=256)
   cpu = backends.current()
   match name.split("_"):
+    case ["grouped"]:  # the backend's own grouped product, whatever the platform
+      return kind, cpu
     case ["ragged", "dot"]:
       return kind, dataclasses.replace(cpu, grouped_block=None)
     case ["blocked", b]:  # blocks of up to b rows (fewer for few rows per expert)

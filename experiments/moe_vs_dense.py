@@ -11,7 +11,8 @@ tokens per second), and for the mixture the tokens each expert received over the
 Part 2 times one forward and backward pass of a mixture layer (4096 tokens, width 128, experts of
 256, top 2) at 8 and 64 experts, dropless through ``Backend.grouped_matmul`` (on CPU the blocked
 form, ``backends/cpu/grouped.py``) against every expert on every token with the unchosen weighted
-0 (``MoEKind.impl="dense"``); experiments/grouped_matmul.py compares every way.
+0 (``MoEKind.impl="dense"``), each measured by experiments/grouped_matmul.py's ``measure``
+(compiled as the train step is), which compares every way.
 
   python experiments/moe_vs_dense.py                 # both parts; part 1 ~3 x 5 min on 2 CPU cores
   python experiments/moe_vs_dense.py --steps 60 --skip-training
@@ -25,18 +26,16 @@ import argparse
 import json
 import os
 import platform
-import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import yaml
-from flax import nnx
 
 from transformer_jax import hardware, models
-from transformer_jax.layers.moe import MoE, MoEKind
 from transformer_jax.train import load_experiment, train
 from transformer_jax.bench import machine
+
+from grouped_matmul import measure  # experiments/: this script's own folder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 YAML = os.path.join(ROOT, "experiments/moe_tiny.yaml")
@@ -83,30 +82,6 @@ def train_variant(name: str, args) -> dict:
   return row
 
 
-def time_layer(num_experts: int, impl: str, tokens: int, reps: int) -> float:
-  """Seconds of one forward+backward of a mixture layer (median of ``reps``)."""
-  kind = MoEKind(num_experts=num_experts, top_k=2, d_ff=256, impl=impl)
-  layer = MoE(
-    128, kind, activation="silu", init_std=0.02, out_init_std=0.02, dtype=jnp.float32,
-    param_dtype=jnp.float32, rngs=nnx.Rngs(0),
-  )  # fmt: skip
-  graphdef, params = nnx.split(layer)
-  x = jax.random.normal(jax.random.key(1), (tokens // 128, 128, 128))
-
-  def loss(params, x):
-    y, stats = nnx.merge(graphdef, params)(x)
-    return jnp.sum(y**2) + stats["load_balancing"]
-
-  step = jax.jit(jax.grad(loss, argnums=(0, 1)))
-  jax.block_until_ready(step(params, x))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(step(params, x))
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times))
-
-
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--steps", type=int, default=400)
@@ -124,7 +99,8 @@ def main(argv=None) -> dict:
     print(json.dumps(result["training"], indent=1), flush=True)
   impls = ("grouped", "dense")
   result["layer_seconds"] = {
-    f"{e}_experts": {i: time_layer(e, i, args.tokens, args.reps) for i in impls} for e in (8, 64)
+    f"{e}_experts": {i: measure(i, e, args.tokens, args.reps)["seconds"] for i in impls}
+    for e in (8, 64)
   }
   print(json.dumps(result["layer_seconds"]), flush=True)
   result["machine"] = {
