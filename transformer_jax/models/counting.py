@@ -11,6 +11,7 @@ from transformer_jax.models.config import (
   ModelConfig,
   Seq2SeqConfig,
 )
+from transformer_jax.models.config import moe as moe_fields
 
 
 def _attention(c, use_bias: bool, out_bias: bool | None = None, qk_norm: int = 0) -> int:
@@ -33,7 +34,7 @@ def _mlp(c, gated: bool, use_bias: bool) -> int:
 def _experts(c) -> tuple[int, int]:
   """A mixture-of-experts layer's (parameters, parameters a token uses): gated experts, the
   router, the shared experts."""
-  f = c.d_ff if c.expert_d_ff is None else c.expert_d_ff
+  f = moe_fields.expert_width(c)
   per_expert = 3 * c.d_model * f
   shared_ff = c.num_shared_experts * (f if c.shared_expert_d_ff is None else c.shared_expert_d_ff)
   always = c.d_model * c.num_experts + 3 * c.d_model * shared_ff
@@ -85,8 +86,7 @@ def param_count(config: ModelConfig) -> ParamCount:
       attn = _attention(c, qkv, out, _norm(1, c.norm) if c.qk_norm else 0)
       dense_ffn = _mlp(c, c.gated, mlp)
       ffn, used = _experts(c) if c.num_experts else (dense_ffn,) * 2
-      # With experts, the layers of dense_layers keep the plain MLP.
-      moe_layers = c.num_layers - len(c.dense_layers) if c.num_experts else c.num_layers
+      moe_layers = moe_fields.expert_layers(c)  # the layers of dense_layers keep the plain MLP
       block = attn + (4 if c.post_norms else 2) * _norm(c.d_model, c.norm)
       layers = c.num_layers * block + moe_layers * ffn + (c.num_layers - moe_layers) * dense_ffn
       tables = c.vocab_size * c.d_model + (c.max_len * c.d_model if c.position == "learned" else 0)
