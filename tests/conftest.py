@@ -11,6 +11,8 @@ applied here; the library itself has no such switch (the kernel is always the co
 
 import os
 import random
+import shutil
+import tempfile
 
 from tests.xla_flags import OLDER_EMITTERS, xla_knows
 
@@ -34,6 +36,16 @@ if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"] and xla_knows(
 ):
   os.environ["XLA_FLAGS"] += " " + OLDER_EMITTERS
 
+# One persistent compilation cache for the test session, in a temporary folder the session removes
+# at its end, shared by the xdist workers and the commands they start: a program compiled again (a
+# resumed run's steps, a tiny model another test built, a CLI run in a subprocess) is loaded
+# instead. Programs that compile in under 0.1 s (JAX's op-by-op dispatches) are not written. The
+# library's own cache folder (``runtime.enable_compilation_cache``) stays off below.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="tjax-tests-xla-")
+  os.environ["TJAX_TESTS_CACHE_OWNER"] = str(os.getpid())
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+
 # On a GPU, XLA may pick kernels that differ in the last bits between runs and processes (atomic
 # scatter-adds, autotuned gemms): tests that expect a resumed run to equal an uninterrupted one to
 # the last bit ask for deterministic ones. No effect on CPU.
@@ -54,11 +66,26 @@ jax.config.update("jax_default_matmul_precision", "float32")
 
 FORCED_IMPL = os.environ.get("TJAX_ATTENTION_IMPL") or None
 
+# What a test that checks a compilation cache of its own removes from its subprocesses' environment.
+SESSION_CACHE_ENV = (
+  "JAX_COMPILATION_CACHE_DIR",
+  "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+  "TJAX_TESTS_CACHE_OWNER",
+)
+
 # Tests compile afresh and leave no files in the user's cache folder (tests/test_runtime.py checks
 # the persistent compilation cache itself, tests/test_hardware.py the matmul limits, in temporary
 # folders).
 os.environ.setdefault("TJAX_COMPILATION_CACHE", "0")
 os.environ.setdefault("TJAX_MATMUL_LIMIT_CACHE", "0")  # matmul limits: tests/test_hardware.py
+
+# On CPU the train and eval steps hand their products to oneDNN (``backends.cpu.onednn``): a run
+# of the step is faster, its compilation slower, and the suite compiles far more steps than it
+# runs. The tests' steps leave their products to XLA; the ``onednn_steps`` fixture turns oneDNN
+# back on for the tests of oneDNN itself (tests/backends/cpu/test_onednn.py, tests/test_harness.py,
+# tests/test_runtime.py) and for one end-to-end run (tests/train/test_trainer.py).
+# ``TJAX_ONEDNN=1 make test`` runs the whole suite's steps with oneDNN.
+os.environ.setdefault("TJAX_ONEDNN", "0")
 
 
 def pytest_report_header(config):
@@ -136,6 +163,13 @@ def reverse_dataset(tmp_path_factory):
   return out
 
 
+@pytest.fixture
+def onednn_steps(monkeypatch):
+  """The CPU backend's default: train and eval steps with oneDNN products, in this test and the
+  processes it starts (the suite's steps otherwise leave them to XLA)."""
+  monkeypatch.delenv("TJAX_ONEDNN", raising=False)
+
+
 def release_boundary(item, nextitem) -> bool:
   """Whether the compiled programs are released after ``item``: the last test of its folder in
   this process (``nextitem`` is in another folder, or there is none). The test modules of one
@@ -164,6 +198,17 @@ def pytest_runtest_teardown(item, nextitem):
   """After the module fixtures of ``item`` are torn down: at a folder's end, the programs go."""
   if release_boundary(item, nextitem):
     release_compiled_programs()
+
+
+def pytest_unconfigure(config):
+  """The process that made the session's compilation cache removes it."""
+  if os.environ.get("TJAX_TESTS_CACHE_OWNER") == str(os.getpid()):
+    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
+def without_session_cache(env: dict) -> dict:
+  """``env`` without the session's compilation cache: for a process that checks its own."""
+  return {k: v for k, v in env.items() if k not in SESSION_CACHE_ENV}
 
 
 def pytest_terminal_summary(terminalreporter):

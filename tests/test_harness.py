@@ -31,6 +31,7 @@ def test_compiled_programs_are_released_at_the_end_of_each_folder(request):
 
 
 @only_on("cpu", "XLA:CPU's oneDNN products")
+@pytest.mark.usefixtures("onednn_steps")
 def test_releasing_after_a_held_onednn_step_ran_does_not_abort():  # about 9 s: a new process
   """Clearing JAX's caches destroys the executables behind held ``jax.jit`` steps; one with oneDNN
   products destroyed just after a call aborts the process (``backends.cpu.onednn``). A step big

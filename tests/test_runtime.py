@@ -6,8 +6,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from transformer_jax import runtime
 from transformer_jax.bench import machine
+from tests import conftest
 from tests.backends import only_on
 
 
@@ -39,7 +42,7 @@ def test_second_process_loads_the_compiled_step_from_the_cache(tmp_path):
       f(jnp.ones((64, 64))).block_until_ready()
       print(len(hits))
   """)
-  env = {**os.environ, "TJAX_COMPILATION_CACHE": ""}
+  env = {**conftest.without_session_cache(os.environ), "TJAX_COMPILATION_CACHE": ""}
   cache = tmp_path / "xla"
   seen = []
   for _ in range(2):
@@ -80,6 +83,7 @@ def test_machine_description_names_cpu_and_flags():
 
 
 @only_on("cpu", "XLA:CPU's product libraries")
+@pytest.mark.usefixtures("onednn_steps")
 def test_matmul_limit_counts_flops_of_each_layout_and_library():
   r = machine.matmul_limit([(64, 32, 48)], reps=1)
   rates = r["per_shape"]["64x32x48"]

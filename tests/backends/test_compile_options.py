@@ -11,6 +11,7 @@ from transformer_jax.backends.cpu import backend as cpu_backend
 from transformer_jax.backends.cpu import onednn
 
 
+@pytest.mark.usefixtures("onednn_steps")
 def test_packed_segments_put_conditionals_in_the_gpu_command_buffers():
   # Packed segments choose their cuDNN call in a lax.cond per attention: on GPUs the step keeps
   # those conditionals inside its CUDA graphs; nothing changes while the lever is off, or off GPUs.

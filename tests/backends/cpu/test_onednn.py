@@ -19,10 +19,14 @@ import pytest
 from transformer_jax import backends, ops
 from transformer_jax.backends import compile as compile_lib
 from transformer_jax.backends.cpu import onednn
+from tests import conftest
 from tests.backends import only_on
 from tests.ops.test_attention import attention_ref
 
 CPU = backends.for_platform("cpu")
+
+# The suite's steps leave their products to XLA (tests/conftest.py): here they take oneDNN.
+pytestmark = pytest.mark.usefixtures("onednn_steps")
 
 
 @pytest.mark.slow
@@ -71,7 +75,7 @@ def test_steps_with_onednn_products_are_compiled_each_run_without_a_warning(tmp_
       print(bool(options), quiet, len(loud), "jit_unheld" in "".join(loud),
             warnings.filters == filters)
   """)
-  env = {**os.environ, "TJAX_COMPILATION_CACHE": ""}
+  env = {**conftest.without_session_cache(os.environ), "TJAX_COMPILATION_CACHE": ""}
   for _ in range(2):
     out = subprocess.run(
       [sys.executable, "-c", script, str(tmp_path / "xla")],
