@@ -38,12 +38,13 @@ def test_cached_logits_equal_uncached_past_the_window(model):
   """A prompt of 9 (> W) in one call, then one token at a time to 23: every position's logits
   as the full forward pass gives them."""
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 97, (2, 23)))
-  full = model(tokens)
+  call = nnx.jit(lambda m, ids, cache=None: m(ids, cache=cache))  # compiled, not op by op
+  full = call(model, tokens)
   cache = generate.init_cache(model.config, 2, 23)
-  logits, cache = model(tokens[:, :9], cache=cache)
+  logits, cache = call(model, tokens[:, :9], cache)
   steps = [logits]
   for t in range(9, 23):
-    logits, cache = model(tokens[:, t : t + 1], cache=cache)
+    logits, cache = call(model, tokens[:, t : t + 1], cache)
     steps.append(logits)
   # float32 rounding of the same sums taken over cache slots in another order.
   np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, 1)), full, rtol=1e-5, atol=1e-5)

@@ -130,8 +130,8 @@ def test_scanned_mixed_stack_equals_unrolled_with_gradients(mixed):
   def loss(model):
     return jnp.sum(model(tok) ** 2) / tok.size
 
-  ls, gs = nnx.value_and_grad(loss)(scanned)
-  lu, gu = nnx.value_and_grad(loss)(unrolled)
+  ls, gs = nnx.jit(nnx.value_and_grad(loss))(scanned)
+  lu, gu = nnx.jit(nnx.value_and_grad(loss))(unrolled)
   # The same operations compiled apart: float32 rounding only, ~100 ulps of each array's largest
   # entry (entries much smaller than it carry the same absolute rounding).
   np.testing.assert_allclose(ls, lu, rtol=1e-5)

@@ -256,8 +256,9 @@ def test_attention_impl_reaches_the_kernel_of_every_attention(name, tokens, monk
 
   monkeypatch.setattr(backends.Backend, "attention", spy)
   config = tiny(name, attention_impl="cudnn", dtype="bfloat16", scan_layers=False)
-  model = models.create(config, rngs=nnx.Rngs(0))
-  forward(model, config, tokens)
+  # Traced, not compiled: the calls happen as the forward pass is traced.
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: models.create(config, rngs=nnx.Rngs(0))))
+  jax.eval_shape(lambda s, t: forward(nnx.merge(graphdef, s), config, t), state, tokens)
   layers = (
     config.num_layers
     if hasattr(config, "num_layers")

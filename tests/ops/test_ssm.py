@@ -133,8 +133,9 @@ def check_against_reference(op, ref, args, names, **extra):
   with jax.enable_x64(True):
     args64 = [jnp.asarray(a, jnp.float64) for a in args]
     extra64 = {k: (jnp.asarray(v, jnp.float64) if k == "h0" else v) for k, v in extra.items()}
-    (ry, rh), rgrads = value_and_grads(
-      lambda *a: ref(*a, **extra64), args64, jnp.asarray(w, jnp.float64)
+    w64 = jnp.asarray(w, jnp.float64)
+    (ry, rh), rgrads = jax.jit(lambda *a: value_and_grads(lambda *b: ref(*b, **extra64), a, w64))(
+      *args64
     )
     ry, rh, rgrads = np.asarray(ry), np.asarray(rh), [np.asarray(g) for g in rgrads]
   assert y.dtype == jnp.float32
@@ -288,9 +289,18 @@ def test_ssd_step_equals_the_chunked_form():
 
 # --- both scans: causality, ragged rows, memory --------------------------------------------------
 
+# Compiled whole: op by op, JAX would compile each operation of a scan's call on its own.
 SCANS = {
-  "selective_scan": (m1_inputs, lambda *a, **k: ops.selective_scan(*a, chunk_size=4, **k)),
-  "ssd": (m2_inputs, lambda *a, **k: ops.ssd(*a, chunk_size=4, **k)),
+  "selective_scan": (
+    m1_inputs,
+    jax.jit(
+      lambda *a, **k: ops.selective_scan(*a, chunk_size=4, **k), static_argnames="return_state"
+    ),
+  ),
+  "ssd": (
+    m2_inputs,
+    jax.jit(lambda *a, **k: ops.ssd(*a, chunk_size=4, **k), static_argnames="return_state"),
+  ),
 }
 
 

@@ -40,16 +40,17 @@ def test_the_kernel_equals_the_pure_form_with_every_mask_and_a_ragged_tail():
 
     return f
 
+  # Each compiled whole: op by op, JAX would compile every operation of the grid on its own.
   (y1, h1), (y2, h2) = (
-    ssm_pallas.ssd(x, dt, A, B, C, D, interpret=True, **kw),
-    ops.ssd(x, dt, A, B, C, D, **kw),
+    jax.jit(lambda *a: ssm_pallas.ssd(*a, interpret=True, **kw))(x, dt, A, B, C, D),
+    jax.jit(lambda *a: ops.ssd(*a, **kw))(x, dt, A, B, C, D),
   )
   np.testing.assert_allclose(y1, y2, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(h1, h2, rtol=1e-5, atol=1e-5)
-  g1 = jax.grad(
-    loss(lambda *a, **k: ssm_pallas.ssd(*a, interpret=True, **k)), argnums=(0, 1, 2, 3)
+  g1 = jax.jit(
+    jax.grad(loss(lambda *a, **k: ssm_pallas.ssd(*a, interpret=True, **k)), argnums=(0, 1, 2, 3))
   )(x, dt, B, C)
-  g2 = jax.grad(loss(ops.ssd), argnums=(0, 1, 2, 3))(x, dt, B, C)
+  g2 = jax.jit(jax.grad(loss(ops.ssd), argnums=(0, 1, 2, 3)))(x, dt, B, C)
   for a, b in zip(g1, g2):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
