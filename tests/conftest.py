@@ -66,7 +66,7 @@ jax.config.update("jax_default_matmul_precision", "float32")
 
 FORCED_IMPL = os.environ.get("TJAX_ATTENTION_IMPL") or None
 
-# What a test that checks a compilation cache of its own removes from its subprocesses' environment.
+# What the environment of a process that checks a compilation cache of its own leaves out.
 SESSION_CACHE_ENV = (
   "JAX_COMPILATION_CACHE_DIR",
   "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
@@ -82,8 +82,9 @@ os.environ.setdefault("TJAX_MATMUL_LIMIT_CACHE", "0")  # matmul limits: tests/te
 # On CPU the train and eval steps hand their products to oneDNN (``backends.cpu.onednn``): a run
 # of the step is faster, its compilation slower, and the suite compiles far more steps than it
 # runs. The tests' steps leave their products to XLA; the ``onednn_steps`` fixture turns oneDNN
-# back on for the tests of oneDNN itself (tests/backends/cpu/test_onednn.py, tests/test_harness.py,
-# tests/test_runtime.py) and for one end-to-end run (tests/train/test_trainer.py).
+# back on for the tests of oneDNN and of the CPU's defaults (tests/backends/cpu/test_onednn.py,
+# tests/backends/test_compile_options.py, tests/test_harness.py, tests/test_runtime.py) and for one
+# end-to-end run (tests/train/test_trainer.py).
 # ``TJAX_ONEDNN=1 make test`` runs the whole suite's steps with oneDNN.
 os.environ.setdefault("TJAX_ONEDNN", "0")
 
@@ -206,9 +207,11 @@ def pytest_unconfigure(config):
     shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
-def without_session_cache(env: dict) -> dict:
-  """``env`` without the session's compilation cache: for a process that checks its own."""
-  return {k: v for k, v in env.items() if k not in SESSION_CACHE_ENV}
+def own_cache_env() -> dict:
+  """This process's environment for a process that checks a compilation cache of its own: without
+  the session's cache, and with the library's own (``TJAX_COMPILATION_CACHE``) left to it."""
+  env = {k: v for k, v in os.environ.items() if k not in SESSION_CACHE_ENV}
+  return {**env, "TJAX_COMPILATION_CACHE": ""}
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -42,7 +42,7 @@ def test_second_process_loads_the_compiled_step_from_the_cache(tmp_path):
       f(jnp.ones((64, 64))).block_until_ready()
       print(len(hits))
   """)
-  env = {**conftest.without_session_cache(os.environ), "TJAX_COMPILATION_CACHE": ""}
+  env = conftest.own_cache_env()
   cache = tmp_path / "xla"
   seen = []
   for _ in range(2):

@@ -117,11 +117,19 @@ def rel_err(got, want):
 
 
 def value_and_grads(fn, args, w):
-  def loss(*a):
-    y, h = fn(*a)
-    return jnp.sum(y * w) + jnp.sum(h)
+  """``fn``'s outputs ``(y, h)`` and the gradients of ``sum(y * w) + sum(h)`` with respect to every
+  argument, as one compiled program (op by op, JAX would compile each operation of the scan's
+  forward and backward passes on its own)."""
 
-  return fn(*args), jax.grad(loss, argnums=tuple(range(len(args))))(*args)
+  @jax.jit
+  def both(args, w):
+    def loss(*a):
+      y, h = fn(*a)
+      return jnp.sum(y * w) + jnp.sum(h)
+
+    return fn(*args), jax.grad(loss, argnums=tuple(range(len(args))))(*args)
+
+  return both(list(args), w)
 
 
 def check_against_reference(op, ref, args, names, **extra):
@@ -129,13 +137,12 @@ def check_against_reference(op, ref, args, names, **extra):
   gradients of a weighted sum of both with respect to every argument."""
   rng = np.random.default_rng(99)
   w = rng.standard_normal(np.shape(args[0])).astype(np.float32)  # outputs have x's shape
-  (y, h), grads = jax.jit(lambda *a: value_and_grads(op, a, w))(*args)
+  (y, h), grads = value_and_grads(op, args, w)
   with jax.enable_x64(True):
     args64 = [jnp.asarray(a, jnp.float64) for a in args]
     extra64 = {k: (jnp.asarray(v, jnp.float64) if k == "h0" else v) for k, v in extra.items()}
-    w64 = jnp.asarray(w, jnp.float64)
-    (ry, rh), rgrads = jax.jit(lambda *a: value_and_grads(lambda *b: ref(*b, **extra64), a, w64))(
-      *args64
+    (ry, rh), rgrads = value_and_grads(
+      lambda *a: ref(*a, **extra64), args64, jnp.asarray(w, jnp.float64)
     )
     ry, rh, rgrads = np.asarray(ry), np.asarray(rh), [np.asarray(g) for g in rgrads]
   assert y.dtype == jnp.float32

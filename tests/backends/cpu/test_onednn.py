@@ -75,7 +75,7 @@ def test_steps_with_onednn_products_are_compiled_each_run_without_a_warning(tmp_
       print(bool(options), quiet, len(loud), "jit_unheld" in "".join(loud),
             warnings.filters == filters)
   """)
-  env = {**conftest.without_session_cache(os.environ), "TJAX_COMPILATION_CACHE": ""}
+  env = conftest.own_cache_env()
   for _ in range(2):
     out = subprocess.run(
       [sys.executable, "-c", script, str(tmp_path / "xla")],
