@@ -59,7 +59,8 @@ def quiet_aborted_reads():
   """Drops the "Exception ignored in coroutine" reports of the reads orbax abandons when a step
   is damaged: the damage is reported once, by name, instead. Those coroutines may be collected
   later, on orbax's event-loop thread or at exit, so the filter stays installed (once) and drops
-  nothing else."""
+  nothing else. A read that failed is collected on the way out (a full ``gc.collect``: only then,
+  since it costs a large process most of a second)."""
   hook = sys.unraisablehook
   if not getattr(hook, "drops_abandoned_reads", False):
 
@@ -74,8 +75,9 @@ def quiet_aborted_reads():
     asyncio_log.addFilter(_DropAbandonedReads())
   try:
     yield
-  finally:
-    gc.collect()
+  except BaseException:
+    gc.collect()  # the abandoned reads report now, through the filter, not at a later moment
+    raise
 
 
 @contextlib.contextmanager
