@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo tour test test-fast test-lower lint format venv clean
+.PHONY: demo tour test test-long test-fast test-lower lint format venv clean
 
 # (Re)create the virtual environment when it is missing or pyproject.toml changed.
 $(STAMP): pyproject.toml
@@ -28,9 +28,16 @@ tour: $(STAMP)
 	$(PY) -m transformer_jax.cli.demo
 
 # tests/parallel run in their own process: they need 8 simulated devices from the start.
+# Whole training runs end to end (marked long) are make test-long's; CI runs both.
 test: $(STAMP)
-	$(PY) -m pytest tests -n 2 --dist worksteal --ignore=tests/parallel
-	$(PY) -m pytest tests/parallel -n 2 --dist worksteal
+	$(PY) -m pytest tests -n 2 --dist worksteal --ignore=tests/parallel -m "not long"
+	$(PY) -m pytest tests/parallel -n 2 --dist worksteal -m "not long"
+
+# The whole training runs: killed and resumed through the CLI, two- and four-process launches,
+# resumes on other topologies, an experiment's tiny run, the learning bars of unit tests.
+test-long: $(STAMP)
+	$(PY) -m pytest tests -n 2 --dist worksteal --ignore=tests/parallel -m long
+	$(PY) -m pytest tests/parallel -n 2 --dist worksteal -m long
 
 # The inner loop: the core's unit tests (ops, layers, models, backends) without the tests marked
 # slow. The conformance suite (tests/conformance) compiles every model kind: make test runs it.

@@ -93,6 +93,7 @@ TINY = [
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_tiny_run_of_the_new_rows_gives_every_number_the_page_draws(tmp_path, text_dataset):
   path = tmp_path / "ea.json"
   ea.main([*TINY, f"--data={text_dataset}", f"--json={path}"])

@@ -34,6 +34,7 @@ TINY = [
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_two_processes_train_a_few_steps_in_a_folder_of_their_own(tmp_path, text_dataset):
   # No run_dir given: the script picks RUN_LOG_DIR/gpt_tiny_2proc, never the demo's runs/gpt_tiny.
   env = {

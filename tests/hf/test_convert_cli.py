@@ -42,6 +42,7 @@ def _tjax_here(*args):
   return out.getvalue()
 
 
+@pytest.mark.long
 def test_convert_eval_finetune_and_back(tmp_path):
   corpus = tmp_path / "corpus"
   corpus.mkdir()

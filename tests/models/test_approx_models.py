@@ -137,6 +137,7 @@ def test_bad_kind_options_are_named():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_bigbird_bert_fine_tunes_for_classification():
   # Label: does token 5 occur anywhere in the 48 tokens? Only the global [CLS] block sees them
   # all (blocks of 8: a window of 3 blocks, 1 random block per row).

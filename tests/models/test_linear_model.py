@@ -57,6 +57,7 @@ def test_beam_search_and_sampling_run_with_the_state():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_small_model_learns_from_the_ids_its_row_has_used():
   # Each row draws its tokens from 4 ids of 64, its own: a model that reads its context gets
   # near log(4) = 1.39 nats; one that does not stays at log(64) = 4.16 at best. The bar is their

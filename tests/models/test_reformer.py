@@ -60,6 +60,7 @@ def test_recomputed_gradients_equal_autodiff_and_chunked_ff_changes_nothing():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_causal_and_it_learns():
   params = models.init(CONFIG, jax.random.key(1))
   tokens = jnp.asarray(np.random.default_rng(1).integers(0, 32, (1, 64)))

@@ -177,6 +177,7 @@ def _metrics(run_dir):
     return [json.loads(line) for line in f]
 
 
+@pytest.mark.long
 def test_two_processes_train_then_restore_on_other_meshes(two_process_run):
   """One test, so that pytest-xdist never runs the two-process job twice."""
   run_dir, stdouts = two_process_run

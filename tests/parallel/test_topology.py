@@ -124,6 +124,7 @@ def two_sources(tmp_path_factory, dataset):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_resume_across_topologies_matches_the_uninterrupted_run(two_sources, tmp_path):
   """The legs read a 0.7/0.3 mixture of two sources: the losses and each source's token count
   equal one uninterrupted run of this process's 8 devices (the 4x2 leg is the launcher's

@@ -221,6 +221,7 @@ def test_bad_lora_config_is_named():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_resumed_lora_run_equals_an_uninterrupted_one(tmp_path, text_dataset):
   def experiment(run_dir, steps):
     raw = {
@@ -268,6 +269,7 @@ def test_resumed_lora_run_equals_an_uninterrupted_one(tmp_path, text_dataset):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_lora_run_exports_merged_weights_that_transformers_reproduces(tmp_path, text_dataset):
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")

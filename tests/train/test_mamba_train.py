@@ -48,6 +48,7 @@ def _params(run_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path, text_dataset):
   """A hybrid (Mamba and attention blocks): 6 steps straight, and 4 steps then 2 more from the
   step-4 checkpoint: the same losses and bitwise the same parameters. (Three runs: about 40 s on

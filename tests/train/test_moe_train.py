@@ -21,6 +21,7 @@ MODEL = {
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_resumed_moe_run_equals_an_uninterrupted_one(tmp_path, text_dataset):
   """6 steps straight, and 4 steps then 2 more from the step-4 checkpoint: the same losses, router
   counts and bitwise the same parameters (three short runs)."""

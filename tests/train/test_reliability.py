@@ -292,6 +292,7 @@ def test_every_step_damaged_is_one_error_naming_each(finished, tmp_path, text_da
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_sigkill_during_a_save_leaves_a_resumable_run(tmp_path, text_dataset):
   run_dir = tmp_path / "killed"
   cfg = _write(

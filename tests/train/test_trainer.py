@@ -64,6 +64,7 @@ def _params(run_dir):
 
 
 @pytest.mark.usefixtures("onednn_steps")  # the CPU default, end to end (tests/conftest.py)
+@pytest.mark.long
 def test_sigkill_and_resume_equals_uninterrupted_run(tmp_path, text_dataset):
   steps = 60
   common = dict(steps=steps, checkpoint_every=10, keep_checkpoints=2)
