@@ -9,6 +9,7 @@ applied here; the library itself has no such switch (the kernel is always the co
 ``attention_impl``). Commands run in subprocesses are not affected.
 """
 
+import gc
 import os
 import random
 import shutil
@@ -99,6 +100,14 @@ os.environ.setdefault("TJAX_ONEDNN", "0")
 
 def pytest_report_header(config):
   return f"attention implementation: {FORCED_IMPL or 'the configs own (default None = auto)'}"
+
+
+def pytest_collection_finish(session):
+  """Moves what collection built (modules, torch, transformers, the test items: a few hundred
+  thousand objects that live as long as the process) out of the garbage collector's sight, so
+  that its full collections in each worker walk only what the tests make."""
+  gc.collect()
+  gc.freeze()
 
 
 def pytest_configure(config):
