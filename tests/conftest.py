@@ -38,8 +38,8 @@ if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"] and xla_knows(
   os.environ["XLA_FLAGS"] += " " + OLDER_EMITTERS
 
 # XLA:CPU cuts each program's LLVM module into pieces it compiles on several threads. The suite's
-# xdist workers already use every core, and its programs are small: one piece is about 20% less
-# compilation per program (measured on 14 conformance kinds' forward and gradient programs).
+# xdist workers already use every core, and its programs are small: one piece is 10 to 25% less
+# backend compilation (measured on 14 conformance kinds' forward and gradient programs).
 if "xla_cpu_parallel_codegen_split_count" not in os.environ["XLA_FLAGS"] and xla_knows(
   "xla_cpu_parallel_codegen_split_count"
 ):
@@ -93,7 +93,7 @@ os.environ.setdefault("TJAX_MATMUL_LIMIT_CACHE", "0")  # matmul limits: tests/te
 # runs. The tests' steps leave their products to XLA; the ``onednn_steps`` fixture turns oneDNN
 # back on for the tests of oneDNN and of the CPU's defaults (tests/backends/cpu/test_onednn.py,
 # tests/backends/test_compile_options.py, tests/test_harness.py, tests/test_runtime.py) and for one
-# end-to-end run (tests/train/test_trainer.py).
+# end-to-end run (tests/train/test_trainer.py, marked long: ``make test-long`` runs it).
 # ``TJAX_ONEDNN=1 make test`` runs the whole suite's steps with oneDNN.
 os.environ.setdefault("TJAX_ONEDNN", "0")
 
