@@ -1,6 +1,7 @@
 """LoRA: exact equality with the base at B = 0, gradients only into adapters (and a head),
 merging, the sharding of adapters, and a resumed LoRA run equal to an uninterrupted one."""
 
+import functools
 import json
 import os
 
@@ -77,11 +78,18 @@ def _forward(model, name):
   return model(TOKENS)
 
 
+@functools.lru_cache(maxsize=None)
+def _initializer(name, config):
+  """``(graphdef, jitted key -> adapted state)``: one initialisation program per model and
+  adapter config, shared by the tests that build it (each call of ``_adapted`` gets fresh
+  arrays)."""
+  graphdef = nnx.split(lora.abstract(CONFIGS[name], config))[0]
+  return graphdef, jax.jit(lambda k: nnx.state(lora.create(CONFIGS[name], config, k)))
+
+
 def _adapted(name, config=ALL):
-  cfg = config
-  graphdef = nnx.split(lora.abstract(CONFIGS[name], cfg))[0]
-  state = jax.jit(lambda k: nnx.state(lora.create(CONFIGS[name], cfg, k)))(KEY)
-  return nnx.merge(graphdef, state)
+  graphdef, init = _initializer(name, config)
+  return nnx.merge(graphdef, init(KEY))
 
 
 def _random_b(model, scale=0.05):
