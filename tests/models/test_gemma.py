@@ -85,6 +85,22 @@ def test_preset_counts_equal_transformers(name):
   assert models.count_params(models.get_config(name)) == theirs
 
 
+@pytest.mark.parametrize("name", list(PUBLISHED))
+@pytest.mark.parametrize("layers", [1, 3, 6, 7, 13])
+def test_another_depth_keeps_the_layer_pattern_transformers_derives(name, layers):
+  """``num_layers`` alone: the preset's sliding/full pattern over the new depth, as transformers
+  derives ``layer_types`` from the same depth (no ``layer_types`` given either side)."""
+  transformers = pytest.importorskip("transformers")
+  family, kwargs = PUBLISHED[name]
+  cfg_cls = transformers.Gemma2Config if family == "Gemma2" else transformers.Gemma3TextConfig
+  theirs = cfg_cls(**{**kwargs, "num_hidden_layers": layers}).layer_types
+  config = models.get_config(name, num_layers=layers)
+  assert config.num_layers == layers and list(config.layer_types) == list(theirs)
+  # Given explicitly, layer_types is taken as it is (and checked against the depth).
+  with pytest.raises(ValueError, match=f"it needs one per layer \\(num_layers={layers + 1}\\)"):
+    models.get_config(name, num_layers=layers + 1, layer_types=config.layer_types)
+
+
 @pytest.mark.parametrize("name", [*PUBLISHED, "gemma2-tiny", "gemma3-tiny"])
 def test_info_describes_gemma_presets(name):
   text = info_text(name)

@@ -487,6 +487,12 @@ def list_presets() -> list[str]:
 def get_config(name: str, **overrides) -> ModelConfig:
   """The preset ``name`` with ``overrides`` applied (validated like any config).
 
+  A preset whose layers differ by kind (``layer_types``: Gemma's sliding and full attention, a
+  hybrid's Mamba and attention mixers) keeps its pattern at another depth: ``num_layers``
+  without ``layer_types`` repeats the preset's shortest period of layer kinds over the new count
+  (``get_config("gemma3-1b", num_layers=6)``: five sliding layers, then one full, as
+  transformers' ``Gemma3Config(num_hidden_layers=6)``).
+
   Raises:
     ValueError: for an unknown preset (suggesting close names) or an unknown field.
   """
@@ -501,4 +507,16 @@ def get_config(name: str, **overrides) -> ModelConfig:
     raise ValueError(
       f"{type(config).__name__} has no field(s) {', '.join(unknown)} (preset {name!r})"
     )
+  n = overrides.get("num_layers")
+  types = getattr(config, "layer_types", None)
+  if types and "layer_types" not in overrides and isinstance(n, int) and n > 0:
+    overrides["layer_types"] = _repeated(types, n)
   return dataclasses.replace(config, **overrides)
+
+
+def _repeated(types: tuple[str, ...], n: int) -> tuple[str, ...]:
+  """``types`` cut to its shortest period and repeated to ``n`` entries."""
+  period = next(
+    p for p in range(1, len(types) + 1) if all(t == types[i % p] for i, t in enumerate(types))
+  )
+  return tuple(types[i % period] for i in range(n))
