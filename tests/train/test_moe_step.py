@@ -110,18 +110,25 @@ def test_bad_moe_fields_are_named(field, value, match):
     dataclasses.replace(CFG, **{field: value})
 
 
-def test_lora_adapts_the_experts_and_merges_exactly():
-  model = tj.models.GPT(CFG, rngs=nnx.Rngs(0))
+@pytest.mark.parametrize("dense", [False, True], ids=["experts", "dense_layers"])
+def test_lora_adapts_the_experts_and_merges_exactly(dense):
+  """Dense layers among the expert layers (``dense_layers``): their MLP projections take the
+  ``mlp_in``/``mlp_out`` adapters in their own stack, the expert layers the experts' adapters."""
+  config = dataclasses.replace(CFG, dense_layers=[0]) if dense else CFG
+  model = tj.models.GPT(config, rngs=nnx.Rngs(0))
   tok = batch()["tokens"]
   base = np.asarray(model(tok))
-  cfg = lora.LoRAConfig(rank=2, targets=("experts_in", "experts_out", "router"))
-  lora.add_adapters(model, cfg, rngs=nnx.Rngs(1))
+  targets = ("experts_in", "experts_out", "router") + (("mlp_in", "mlp_out") if dense else ())
+  lora.add_adapters(model, lora.LoRAConfig(rank=2, targets=targets), rngs=nnx.Rngs(1))
   np.testing.assert_array_equal(np.asarray(model(tok)), base)  # B = 0: the base model
   graphdef, trainable, frozen = lora.split(model)
   names = {"/".join(map(str, p)) for p, _ in nnx.to_flat_state(trainable)}
   for w in ("gate", "up", "down"):
     assert f"blocks/layers/mlp/adapters/{w}/lora_b" in names
+    if dense:
+      assert f"blocks/dense_layers/mlp/{w}/lora/lora/lora_b" in names
   assert "blocks/layers/mlp/router/lora/lora/lora_b" in names
+  assert not any("/adapters/" in n for n in names if n.startswith("blocks/dense_layers"))
   # Random B: the adapted model differs from the base and equals its merged weights.
   trainable = jax.tree.map(
     lambda x: jax.random.normal(jax.random.key(2), x.shape, x.dtype) * 0.1, trainable
@@ -129,5 +136,5 @@ def test_lora_adapts_the_experts_and_merges_exactly():
   adapted = nnx.merge(graphdef, trainable, frozen)
   out = np.asarray(adapted(tok))
   assert np.abs(out - base).max() > 1e-3
-  merged = nnx.merge(tj.models.graphdef(CFG), lora.merged_params(graphdef, trainable, frozen))
+  merged = nnx.merge(tj.models.graphdef(config), lora.merged_params(graphdef, trainable, frozen))
   np.testing.assert_allclose(np.asarray(merged(tok)), out, rtol=1e-5, atol=1e-5)
