@@ -1,5 +1,5 @@
 """The test session's own machinery (tests/conftest.py): what each xdist worker keeps between
-folders."""
+test modules."""
 
 import pathlib
 import subprocess
@@ -15,12 +15,14 @@ from tests import conftest
 from tests.backends import only_on
 
 
-def test_compiled_programs_are_released_at_the_end_of_each_folder(request):
+def test_compiled_programs_are_released_at_the_end_of_each_module(request):
   item = request.node
-  here = types.SimpleNamespace(path=item.path.parent / "test_other.py")
+  here = types.SimpleNamespace(path=item.path)
+  beside = types.SimpleNamespace(path=item.path.parent / "test_other.py")
   elsewhere = types.SimpleNamespace(path=item.path.parent / "ops" / "test_norms.py")
   assert not conftest.release_boundary(item, here)
-  assert conftest.release_boundary(item, elsewhere) and conftest.release_boundary(item, None)
+  assert conftest.release_boundary(item, beside) and conftest.release_boundary(item, elsewhere)
+  assert conftest.release_boundary(item, None)
 
   double = jax.jit(lambda x: 2 * x)
   np.testing.assert_allclose(double(np.ones(3)), 2.0)

@@ -31,7 +31,8 @@ def forward(model, config, tokens, **kw):
 
 @functools.lru_cache(maxsize=None)
 def jit_forward(config):
-  """``(params, tokens, dropout_rng=None) -> output`` compiled once per config."""
+  """``(params, tokens, dropout_rng=None) -> output`` compiled once per config in each test module
+  (tests/conftest.py releases compiled programs after each)."""
 
   @jax.jit
   def fn(params, tokens, dropout_rng=None):
