@@ -25,10 +25,8 @@ import numpy as np
 
 from transformer_jax.data.files import need
 from transformer_jax.data.readers import Problem, Record, read_records
-from transformer_jax.data.shards import document_hash
 from transformer_jax.data.sources import Source
-from transformer_jax.data.stream import Pipeline, count_problem, first_place
-from transformer_jax.data.tokenizer import Tokenizer
+from transformer_jax.data.stream import Pipeline, count_problem, first_place, tokenize_documents
 
 _DOC, _PROBLEM, _END = 0, 1, 2
 _WRITE_DOCS = 512  # documents the driver appends at a time
@@ -36,17 +34,16 @@ _WRITE_DOCS = 512  # documents the driver appends at a time
 
 def _rows(source: Source, skip: int, tokenizer: str, seed: int, field: str, allow: bool):
   """The rows of one file: its documents (tokens as bytes, split hash), problems, and an end."""
-  tok = Tokenizer.from_name(tokenizer)
   rows = []
   for k, item in enumerate(read_records(source, field, allow), start=1):
     if k <= skip:
       continue
     row = {**_end_row(), "k": k, "kind": _DOC}
     if isinstance(item, Record):
-      arrays = [tok.encode_full_array(t).tobytes() for t in item.texts]
-      row.update(t0=arrays[0], t1=arrays[1] if len(arrays) > 1 else b"")
-      digest = document_hash(item.texts, seed).to_bytes(8, "little")  # Arrow has no Python int
-      row.update(hash=digest, replaced=item.replaced)
+      # The one-machine path's tokenizing, a document at a time.
+      [(arrays, digest)] = tokenize_documents(tokenizer, seed, [item.texts])
+      row.update(t0=arrays[0].tobytes(), t1=arrays[1].tobytes() if len(arrays) > 1 else b"")
+      row.update(hash=digest.to_bytes(8, "little"), replaced=item.replaced)  # Arrow: no Python int
     else:
       row.update(kind=_PROBLEM, where=item.where, message=item.message)
       row["whole_file"] = item.whole_file
