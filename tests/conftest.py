@@ -105,9 +105,13 @@ def pytest_report_header(config):
 def pytest_collection_finish(session):
   """Moves what collection built (modules, torch, transformers, the test items: a few hundred
   thousand objects that live as long as the process) out of the garbage collector's sight, so
-  that its full collections in each worker walk only what the tests make."""
+  that its full collections in each worker walk only what the tests make; and collects less
+  often (every 20,000 net allocations instead of 700: tracing allocates in bursts). Same-time A/B
+  on tests/ops, layers, models, generate and backends, one worker each: 662 s against 683 s, the
+  same peak memory."""
   gc.collect()
   gc.freeze()
+  gc.set_threshold(20_000, 20, 20)
 
 
 def pytest_configure(config):
