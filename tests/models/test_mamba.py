@@ -137,12 +137,12 @@ def test_mamba1_channels_split_over_tensor_like_an_mlp():
   )
 
 
-@pytest.mark.slow
 def test_a_hybrid_preset_at_another_depth_repeats_its_mixers():
   config = models.get_config("hybrid-tiny", num_layers=5)
   assert config.layer_types == ("mamba", "attention", "mamba", "attention", "mamba")
 
 
+@pytest.mark.slow
 def test_hybrid_layers_follow_layer_types():
   c = config("hybrid-tiny")
   m = model("hybrid-tiny")
