@@ -106,9 +106,8 @@ def pytest_collection_finish(session):
   """Moves what collection built (modules, torch, transformers, the test items: a few hundred
   thousand objects that live as long as the process) out of the garbage collector's sight, so
   that its full collections in each worker walk only what the tests make; and collects less
-  often (every 20,000 net allocations instead of 700: tracing allocates in bursts). Same-time A/B
-  on tests/ops, layers, models, generate and backends, one worker each: 662 s against 683 s, the
-  same peak memory."""
+  often (every 20,000 net allocations instead of 700: tracing allocates in bursts). The A/B:
+  experiments/results/suite_settings_ab_xeon.json, ``ab_5cfdcd7_release_and_collection``."""
   gc.collect()
   gc.freeze()
   gc.set_threshold(20_000, 20, 20)
@@ -199,10 +198,8 @@ def release_boundary(item, nextitem) -> bool:
   A module's tests share their compiled functions; the modules of a folder share some too
   (tests/models/conftest.py ``jit_forward``, tests/conformance/harness.py), but keeping those to
   the end of the folder cost more than compiling them again: tracing, lowering and compiling all
-  slow down as JAX's caches grow. Released per module rather than per folder, tests/ops, layers,
-  models, generate and backends ran in 572 s against 626 s on one worker (8.5% more
-  compilations, each cheaper; peak memory 2.6 GB against 5.1 GB); tests/conformance, train, hf
-  and data in 767 s against 769 s.
+  slow down as JAX's caches grow, and the workers' memory with them (the A/B:
+  experiments/results/suite_settings_ab_xeon.json, ``ab_5cfdcd7_release_and_collection``).
   """
   return nextitem is None or nextitem.path != item.path
 
