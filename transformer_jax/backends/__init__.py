@@ -29,16 +29,17 @@ The platforms: ``CpuBackend`` (``backends.cpu``: everything that exists only for
 
 from __future__ import annotations
 
-import jax
+import importlib
+from typing import TYPE_CHECKING
 
-from transformer_jax import hardware
-from transformer_jax.backends.base import Backend, einsum_dims, padded_attend
-from transformer_jax.backends.compile import temp_bytes
-from transformer_jax.backends.cpu.backend import CpuBackend
-from transformer_jax.backends.gpu import GpuBackend
-from transformer_jax.backends.table import KernelTable
-from transformer_jax.backends.tpu import TpuBackend
-from transformer_jax.ops.dispatch import PLATFORMS
+if TYPE_CHECKING:
+  from transformer_jax.backends.base import Backend, einsum_dims, padded_attend
+  from transformer_jax.backends.compile import temp_bytes
+  from transformer_jax.backends.cpu.backend import CpuBackend
+  from transformer_jax.backends.gpu import GpuBackend
+  from transformer_jax.backends.table import KernelTable
+  from transformer_jax.backends.tpu import TpuBackend
+  from transformer_jax.ops.dispatch import PLATFORMS
 
 __all__ = [
   "PLATFORMS",
@@ -55,9 +56,38 @@ __all__ = [
   "temp_bytes",
 ]
 
+# Where each exported name lives. They are imported on first use, so that a process that only
+# reads a module of one backend without computing (the ``tjax`` launcher's ``cpu.allocator``,
+# which decides how to start the process before JAX is loaded) does not load JAX.
+_EXPORTS = {
+  "Backend": "transformer_jax.backends.base",
+  "einsum_dims": "transformer_jax.backends.base",
+  "padded_attend": "transformer_jax.backends.base",
+  "temp_bytes": "transformer_jax.backends.compile",
+  "CpuBackend": "transformer_jax.backends.cpu.backend",
+  "GpuBackend": "transformer_jax.backends.gpu",
+  "KernelTable": "transformer_jax.backends.table",
+  "TpuBackend": "transformer_jax.backends.tpu",
+  "PLATFORMS": "transformer_jax.ops.dispatch",
+}
+
+
+def __getattr__(name: str):
+  """The names of ``_EXPORTS``, imported on first use."""
+  if name in _EXPORTS:
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+  return sorted({*globals(), *_EXPORTS})
+
 
 def platform() -> str:
   """The platform JAX computes on: "cpu", "gpu" (CUDA or ROCm) or "tpu"."""
+  import jax  # noqa: PLC0415 - see _EXPORTS
 
   backend = jax.default_backend()
   return "gpu" if backend in ("cuda", "rocm") else backend
@@ -71,6 +101,14 @@ def for_platform(name: str, table: KernelTable | None = None) -> Backend:
   Raises:
     ValueError: for an unknown platform.
   """
+  # Imported here, not at the top: see _EXPORTS.
+  from transformer_jax import hardware  # noqa: PLC0415
+  from transformer_jax.backends.cpu.backend import CpuBackend  # noqa: PLC0415
+  from transformer_jax.backends.gpu import GpuBackend  # noqa: PLC0415
+  from transformer_jax.backends.table import KernelTable  # noqa: PLC0415
+  from transformer_jax.backends.tpu import TpuBackend  # noqa: PLC0415
+  from transformer_jax.ops.dispatch import PLATFORMS  # noqa: PLC0415
+
   table = KernelTable() if table is None else table
   match name:
     case "cpu":

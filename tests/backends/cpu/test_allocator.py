@@ -2,6 +2,7 @@
 re-executed process over mimalloc, and the notices."""
 
 import os
+import subprocess
 import sys
 
 import pytest
@@ -117,6 +118,21 @@ def test_launcher_without_mimalloc_says_so_once_and_runs(monkeypatch, capsys):
   monkeypatch.setattr(allocator, "mimalloc_path", lambda: None)
   calls, err = _launch(monkeypatch, capsys)
   assert calls == [] and err.count("\n") == 1 and "system allocator" in err
+
+
+def test_the_launchers_decision_loads_no_jax():
+  """The first process of ``tjax train`` only decides how to start the second: in a fresh
+  interpreter, the allocator's decision and its environment leave JAX, Flax and the backends'
+  kernels unloaded (loading them there would cost every command a second start-up of JAX)."""
+  script = (
+    "import sys\n"
+    "from transformer_jax.backends.cpu import allocator\n"
+    "allocator.computes_on_cpu(); allocator.allocator_env()\n"
+    "heavy = ('jax', 'flax', 'transformer_jax.backends.cpu.backend', 'transformer_jax.ops')\n"
+    "print([m for m in heavy if m in sys.modules])\n"
+  )
+  out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+  assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_scratch_notice_only_for_cpu_steps_past_mimallocs_reuse_limit(monkeypatch):
