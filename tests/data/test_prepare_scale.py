@@ -90,7 +90,9 @@ def test_a_batch_is_shared_among_workers_by_characters_in_order(parts):
   assert split_by_size(docs[:1], parts) == [docs[:1]]
 
 
-def test_workers_default_to_every_available_core(corpus_dir, tmp_path, monkeypatch):
+def test_workers_default_to_every_core_past_a_small_corpus(corpus_dir, tmp_path, monkeypatch):
+  """Without ``workers``: one a core, or this process alone for a corpus under
+  ``SMALL_CORPUS_BYTES`` (its files' bytes, 64 a synthetic example) or of no known size."""
   args = add_prepare_args(argparse.ArgumentParser()).parse_args(["x", "--out", "y"])
   assert args.workers is None
   seen = []
@@ -102,8 +104,17 @@ def test_workers_default_to_every_available_core(corpus_dir, tmp_path, monkeypat
 
   monkeypatch.setattr(prepare_module, "available_cores", lambda: 3)
   monkeypatch.setattr(prepare_module.Pipeline, "__init__", spy)
-  prepare([str(corpus_dir)], str(tmp_path / "o"), progress=False)
-  assert seen == [3]
+  size = sum(p.stat().st_size for p in corpus_dir.rglob("*") if p.is_file())
+  for limit, out, workers in ((size + 1, "small", 1), (size, "at_the_limit", 3)):
+    monkeypatch.setattr(prepare_module, "SMALL_CORPUS_BYTES", limit)
+    prepare([str(corpus_dir)], str(tmp_path / out), progress=False)
+    assert seen.pop() == workers
+  default = prepare_module.default_workers
+  monkeypatch.setattr(prepare_module, "SMALL_CORPUS_BYTES", 64 * 100)
+  assert default([], ["synthetic:reverse:99"]) == 1
+  assert default([], ["synthetic:reverse:50", "synthetic:reverse:50"]) == 3
+  remote = prepare_module.Source(key="a.jsonl", path="memory://corpus/a.jsonl", kind="jsonl")
+  assert default([remote], []) == 3
 
 
 # ---- shards with a size limit --------------------------------------------------------------------

@@ -34,7 +34,8 @@ from transformer_jax.data.layout import (
   split_by_hash,
 )
 from transformer_jax.data.shards import FileTokens, PendingDocs, id_counts, write_split
-from transformer_jax.data.sources import SYNTHETIC_TOKENIZER, resolve_inputs
+from transformer_jax.data.files import Source, is_url
+from transformer_jax.data.sources import SYNTHETIC_TOKENIZER, parse_synthetic, resolve_inputs
 from transformer_jax.data.stream import (
   Pipeline,
   load_checkpoint,
@@ -46,6 +47,9 @@ from transformer_jax.data.tokenizer import CompactVocab, Tokenizer
 
 
 DEFAULT_SHARD_BYTES = 1 << 30  # a token shard's size limit (1 GiB)
+# A corpus under this size is tokenized in the calling process when ``workers`` is not given
+# (``default_workers``); a synthetic example counts as 64 bytes.
+SMALL_CORPUS_BYTES = 1 << 22
 ENGINES = ("local", "ray")
 _ENGINE_ALIASES = {"threads": "local"}  # the local engine's earlier name
 
@@ -57,6 +61,22 @@ def _ray_stream():
 
 
 _ENGINE_STREAM = {"local": lambda: stream_corpus, "ray": _ray_stream}
+
+
+def default_workers(sources: Sequence[Source], synthetic: Sequence[str]) -> int:
+  """``workers``' default for these inputs (``resolve_inputs``' two lists): one a core this
+  process may run on (``available_cores``), or 1 for a corpus of local files and synthetic
+  examples under ``SMALL_CORPUS_BYTES``. Tokenizing 4 MiB takes about half a second on one core,
+  while starting worker processes from a process that has loaded JAX takes about that each (they
+  are spawned, ``stream.tokenizer_pool``): the trainer preparing a small corpus, a test."""
+  total = 64 * sum(parse_synthetic(spec)[1] for spec in synthetic)
+  for source in sources:
+    if is_url(source.path):  # its size is a request away: a remote corpus is rarely small
+      return available_cores()
+    total += os.path.getsize(source.path)
+    if total >= SMALL_CORPUS_BYTES:
+      break
+  return 1 if total < SMALL_CORPUS_BYTES else available_cores()
 
 
 def available_cores() -> int:
@@ -152,7 +172,8 @@ def prepare(
           documents.
       seed: Seed of the train/val split and of synthetic data.
       workers: Tokenizing workers (processes when more than one: ``stream.tokenizer_pool``);
-          None: one a core this process may run on (``available_cores``).
+          None: one a core this process may run on, or 1 for a corpus under 4 MiB
+          (``default_workers``).
       text_field: Field (column) holding the text in JSON lines, Parquet and Arrow inputs.
       force: Rebuild even if the directory is up to date.
       progress: Show a tqdm progress bar.
@@ -190,7 +211,6 @@ def prepare(
   )
   check_output_dir(out)
   engine = _ENGINE_ALIASES.get(engine, engine)
-  workers = available_cores() if workers is None else workers
   if task == "classify":
     return prepare_classify(
       inputs,
@@ -206,6 +226,7 @@ def prepare(
   sources, synthetic = resolve_inputs(inputs, task)
   if synthetic:
     tokenizer = SYNTHETIC_TOKENIZER
+  workers = default_workers(sources, synthetic) if workers is None else workers
   tok = Tokenizer.from_name(tokenizer)
   reused = None
   if vocab_from is not None:  # another dataset's ids (a model pretrained on it reads these)
