@@ -36,7 +36,9 @@ def _config(tmp_path, mesh, model=None, **train):
 
 
 def _tjax(*args):
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+  """``tjax ARGS`` in a fresh interpreter, whose device count is the dry run's own: the session's
+  XLA flags (which compile faster, tests/conftest.py) go with it, the 8 test devices do not."""
+  env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
   return subprocess.run(
     [sys.executable, "-m", "transformer_jax.cli", *args],
     cwd=REPO,
