@@ -91,8 +91,9 @@ def test_a_batch_is_shared_among_workers_by_characters_in_order(parts):
 
 
 def test_workers_default_to_every_core_past_a_small_corpus(corpus_dir, tmp_path, monkeypatch):
-  """Without ``workers``: one a core, or this process alone for a corpus under
-  ``SMALL_CORPUS_BYTES`` (its files' bytes, 64 a synthetic example) or of no known size."""
+  """Without ``workers``: one a core, or on the local engine this process alone for a corpus
+  under ``SMALL_CORPUS_BYTES`` (its files' bytes, 64 a synthetic example); a URL's size is not
+  asked."""
   args = add_prepare_args(argparse.ArgumentParser()).parse_args(["x", "--out", "y"])
   assert args.workers is None
   seen = []
@@ -109,6 +110,20 @@ def test_workers_default_to_every_core_past_a_small_corpus(corpus_dir, tmp_path,
     monkeypatch.setattr(prepare_module, "SMALL_CORPUS_BYTES", limit)
     prepare([str(corpus_dir)], str(tmp_path / out), progress=False)
     assert seen.pop() == workers
+  # A Ray job's local instance gets every core, whatever the corpus.
+  monkeypatch.setattr(prepare_module, "SMALL_CORPUS_BYTES", size + 1)
+
+  class Started(Exception):
+    pass
+
+  def ray_job(sources, synthetic, pipeline, **kw):
+    seen.append(pipeline.workers)
+    raise Started
+
+  monkeypatch.setitem(prepare_module._ENGINE_STREAM, "ray", lambda: ray_job)
+  with pytest.raises(Started):
+    prepare([str(corpus_dir)], str(tmp_path / "ray"), progress=False, engine="ray")
+  assert seen.pop() == 3
   default = prepare_module.default_workers
   monkeypatch.setattr(prepare_module, "SMALL_CORPUS_BYTES", 64 * 100)
   assert default([], ["synthetic:reverse:99"]) == 1

@@ -172,8 +172,8 @@ def prepare(
           documents.
       seed: Seed of the train/val split and of synthetic data.
       workers: Tokenizing workers (processes when more than one: ``stream.tokenizer_pool``);
-          None: one a core this process may run on, or 1 for a corpus under 4 MiB
-          (``default_workers``).
+          None: one a core this process may run on, or with the local engine 1 for a corpus
+          under 4 MiB (``default_workers``).
       text_field: Field (column) holding the text in JSON lines, Parquet and Arrow inputs.
       force: Rebuild even if the directory is up to date.
       progress: Show a tqdm progress bar.
@@ -226,7 +226,8 @@ def prepare(
   sources, synthetic = resolve_inputs(inputs, task)
   if synthetic:
     tokenizer = SYNTHETIC_TOKENIZER
-  workers = default_workers(sources, synthetic) if workers is None else workers
+  if workers is None:  # a Ray job's local instance takes every core whatever the corpus
+    workers = default_workers(sources, synthetic) if engine == "local" else available_cores()
   tok = Tokenizer.from_name(tokenizer)
   reused = None
   if vocab_from is not None:  # another dataset's ids (a model pretrained on it reads these)
