@@ -81,7 +81,7 @@ def default_workers(sources: Sequence[Source], synthetic: Sequence[str]) -> int:
 
 def available_cores() -> int:
   """The cores this process may run on (its CPU affinity; ``os.cpu_count()`` where the system
-  does not say): ``--workers``' default."""
+  does not say): ``--workers``' default past a small corpus (``default_workers``)."""
   try:
     return len(os.sched_getaffinity(0))
   except AttributeError:  # macOS, Windows
