@@ -31,7 +31,7 @@ import xml.etree.ElementTree as ET
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from tests.xla_flags import OLDER_EMITTERS, xla_knows  # noqa: E402
+from tests.xla_flags import harness_flags  # noqa: E402
 from transformer_jax.bench import machine  # noqa: E402
 
 REFERENCE_PRESETS = ("gpt2-tiny", "llama-tiny", "bert-tiny", "t5-tiny")
@@ -59,21 +59,11 @@ print(round(time.perf_counter() - start, 3))
 """
 
 
-def suite_xla_flags() -> str:
-  """The XLA flags tests/conftest.py gives the suite's processes (those this jaxlib knows)."""
-  flags = ["--xla_backend_optimization_level=0"]
-  if xla_knows("xla_cpu_use_fusion_emitters"):
-    flags.append(OLDER_EMITTERS)
-  if xla_knows("xla_cpu_parallel_codegen_split_count"):
-    flags.append("--xla_cpu_parallel_codegen_split_count=1")
-  return " ".join(flags)
-
-
 def reference_seconds(presets=REFERENCE_PRESETS, ops: int = REFERENCE_OPS) -> float:
   """Seconds of the reference work (the module's docstring) in a fresh interpreter on CPU."""
   drop = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "XLA_FLAGS")
   env = {k: v for k, v in os.environ.items() if k not in drop}
-  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=suite_xla_flags(), TJAX_COMPILATION_CACHE="0")
+  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(harness_flags()), TJAX_COMPILATION_CACHE="0")
   env["PYTHONPATH"] = os.pathsep.join([REPO, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
   out = subprocess.run(
     [sys.executable, "-c", _REFERENCE, ",".join(presets), str(ops)],

@@ -15,35 +15,13 @@ import random
 import shutil
 import tempfile
 
-from tests.xla_flags import OLDER_EMITTERS, xla_knows
+from tests.xla_flags import harness_flags
 
-# The tests' programs are tiny and run a few times each: XLA:CPU's LLVM optimisation passes cost
-# more than they save (about half of every compilation). Set before JAX starts its backend; commands
-# run in subprocesses inherit it. Numerics are unchanged (no fast-math either way).
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-  ).strip()
-
-
-# XLA:CPU's MLIR fusion emitters take more than half of every test program's compilation; its
-# older elemental emitters compile the same fusions about 2.3x faster (the suite's programs are
-# tiny: run time does not matter). Results may differ from the default emitters in the last bits of
-# transcendental functions; the tests compare with tolerances against float64 references, and
-# exact comparisons are between two programs of this same process (or its subprocesses, which
-# inherit the flag). The library itself runs with XLA's defaults.
-if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"] and xla_knows(
-  "xla_cpu_use_fusion_emitters"
-):
-  os.environ["XLA_FLAGS"] += " " + OLDER_EMITTERS
-
-# XLA:CPU cuts each program's LLVM module into pieces it compiles on several threads. The suite's
-# xdist workers already use every core, and its programs are small: one piece is 10 to 25% less
-# backend compilation (measured on 14 conformance kinds' forward and gradient programs).
-if "xla_cpu_parallel_codegen_split_count" not in os.environ["XLA_FLAGS"] and xla_knows(
-  "xla_cpu_parallel_codegen_split_count"
-):
-  os.environ["XLA_FLAGS"] += " --xla_cpu_parallel_codegen_split_count=1"
+# The XLA:CPU flags that make the suite's compilations cheaper (``harness_flags`` says each one's
+# reason), set before JAX starts its backend; commands run in subprocesses inherit them.
+os.environ["XLA_FLAGS"] = " ".join(
+  [os.environ.get("XLA_FLAGS", ""), *harness_flags(os.environ.get("XLA_FLAGS", ""))]
+).strip()
 
 # One persistent compilation cache for the test session, in a temporary folder the session removes
 # at its end, shared by the xdist workers and the commands they start: a program compiled again (a

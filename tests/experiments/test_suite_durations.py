@@ -43,7 +43,7 @@ def test_folders_add_up_and_the_slowest_come_first(tmp_path):
 def test_the_reference_work_runs_in_a_fresh_interpreter_with_the_suites_flags():
   """A smaller reference (one preset, a few dispatches) than ``--reference`` takes: it compiles
   and runs, and its interpreter has the flags of the suite's processes and no cache."""
-  flags = suite_durations.suite_xla_flags()
+  flags = suite_durations.harness_flags()
   assert "--xla_backend_optimization_level=0" in flags
-  assert set(flags.split()) <= set(os.environ["XLA_FLAGS"].split())  # what conftest.py set
+  assert set(flags) <= set(os.environ["XLA_FLAGS"].split())  # what conftest.py set
   assert suite_durations.reference_seconds(("gpt2-tiny",), ops=3) > 0
