@@ -65,7 +65,7 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     type=int,
     default=None,
     help="tokenizing workers, processes when more than one (default: all cores this process may "
-    f"use, {available_cores()} here; 1 for a corpus under 4 MiB)",
+    f"use, {available_cores()} here; 1 for a corpus under 4 MiB on the local engine)",
   )
   parser.add_argument(
     "--text-field", default="text", help="text field (column) of JSON lines, Parquet, Arrow inputs"
