@@ -28,13 +28,14 @@ tour: $(STAMP)
 	$(PY) -m transformer_jax.cli.demo
 
 # tests/parallel run in their own process: they need 8 simulated devices from the start.
-# Whole training runs end to end (marked long) are make test-long's; CI runs both.
+# Whole programs end to end (marked long) are make test-long's; CI runs both.
 test: $(STAMP)
 	$(PY) -m pytest tests -n 2 --dist worksteal --ignore=tests/parallel -m "not long"
 	$(PY) -m pytest tests/parallel -n 2 --dist worksteal -m "not long"
 
-# The whole training runs: killed and resumed through the CLI, two- and four-process launches,
-# resumes on other topologies, an experiment's tiny run, the learning bars of unit tests.
+# Whole programs: training runs killed and resumed through the CLI, two- and four-process
+# launches, resumes on other topologies, the README's Python blocks, benchmarks against their
+# rivals, an experiment's tiny run, the learning bars of unit tests.
 test-long: $(STAMP)
 	$(PY) -m pytest tests -n 2 --dist worksteal --ignore=tests/parallel -m long
 	$(PY) -m pytest tests/parallel -n 2 --dist worksteal -m long

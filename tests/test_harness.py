@@ -32,6 +32,7 @@ def test_compiled_programs_are_released_at_the_end_of_each_module(request):
   np.testing.assert_allclose(double(np.ones(3)), 2.0)  # compiled again when called
 
 
+@pytest.mark.long
 @only_on("cpu", "XLA:CPU's oneDNN products")
 @pytest.mark.usefixtures("onednn_steps")
 def test_releasing_after_a_held_onednn_step_ran_does_not_abort():  # about 9 s: a new process

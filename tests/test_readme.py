@@ -116,6 +116,7 @@ def _env():
   return env
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("name, text, section", PYTHON, ids=[p[0] for p in PYTHON])
 def test_python_block_runs(name, text, section, tmp_path):
   cwd = str(tmp_path)

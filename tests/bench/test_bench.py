@@ -16,6 +16,7 @@ def _bench(tmp_path, *argv):
   return json.loads(out.read_text())
 
 
+@pytest.mark.long
 def test_train_against_torch_does_the_same_work(tmp_path, capsys):
   pytest.importorskip("torch")
   r = _bench(
@@ -63,6 +64,7 @@ def test_train_against_torch_does_the_same_work(tmp_path, capsys):
   assert r["model_overrides"] == {}
 
 
+@pytest.mark.long
 def test_train_against_torch_llama_is_transformers_llama(tmp_path):
   # ~10 s. A LLaMA-style preset's rival is transformers' LlamaForCausalLM on the same weights (RoPE,
   # GQA, SwiGLU, RMSNorm, untied head): the same first loss, and AdamW keeps them together.
@@ -86,6 +88,7 @@ def test_train_against_torch_llama_is_transformers_llama(tmp_path):
   assert r["ours"]["losses"] == pytest.approx(r["torch"]["losses"], abs=1e-3)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("preset", ["bert-tiny", "t5-tiny"])
 def test_train_runs_every_family_alone(tmp_path, preset):
   r = _bench(
@@ -108,6 +111,7 @@ def test_train_runs_every_family_alone(tmp_path, preset):
   assert "torch" not in r
 
 
+@pytest.mark.long
 def test_bf16_loss_curve_against_float32_from_the_same_start(tmp_path, capsys):
   r = _bench(
     tmp_path,
@@ -681,6 +685,7 @@ def test_attention_against_torch_sdpa_on_cpu(tmp_path):
   assert r["torch_device"] == "cpu" and r["rows"][1]["best_s"] > 0
 
 
+@pytest.mark.long
 def test_generate_against_transformers_same_tokens_and_floor_from_the_same_moments(
   tmp_path, monkeypatch
 ):

@@ -14,6 +14,7 @@ def _bench(tmp_path, *argv):
   return json.loads(out.read_text())
 
 
+@pytest.mark.long
 def test_train_against_transformers_mamba_does_the_same_work(tmp_path):
   pytest.importorskip("torch")
   r = _bench(
@@ -38,6 +39,7 @@ def test_train_against_transformers_mamba_does_the_same_work(tmp_path):
   assert 0 < r["ours"]["mfu"] and 0 < r["torch"]["mfu"]
 
 
+@pytest.mark.long
 def test_generate_against_transformers_mamba_gives_the_same_tokens(tmp_path):
   pytest.importorskip("transformers")
   r = _bench(

@@ -30,6 +30,7 @@ def _corpus(root):
   return root
 
 
+@pytest.mark.long
 @pytest.mark.slow  # ~15 s: starts a local Ray instance and its workers
 def test_the_ray_job_writes_the_same_dataset_byte_for_byte(tmp_path, capsys, monkeypatch):
   corpus = _corpus(tmp_path / "c")

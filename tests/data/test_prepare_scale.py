@@ -325,6 +325,7 @@ def _children(pid: int) -> list[int]:
     return [int(c) for c in f.read().split()]
 
 
+@pytest.mark.long
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads /proc (Linux)")
 @pytest.mark.slow  # ~10 s: a real `tjax prepare` process, killed, then the rerun
 def test_a_killed_prepare_process_resumes_and_never_looks_complete(tmp_path, capsys):
@@ -421,6 +422,7 @@ def test_dataset_facts_count_tokens_shards_bytes_and_epochs(corpus_dir, tmp_path
   assert "epochs" not in dataset_facts(out)
 
 
+@pytest.mark.long
 @pytest.mark.slow  # ~10 s: writes, hashes and tokenizes 10,000 files under tracemalloc
 def test_ten_thousand_files_prepare_without_holding_their_documents(tmp_path, monkeypatch):
   import random

@@ -161,6 +161,7 @@ def test_the_report_gives_each_kind_its_ratios_memory_and_task(tmp_path):
   assert "<td>mlm-bigbird</td><td>masked</td><td>6.25</td><td>8</td><td>2.5</td><td>1</td>" in page
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_run_may_leave_out_every_timing(tmp_path, text_dataset):
   path = tmp_path / "ea.json"

@@ -7,10 +7,13 @@ import statistics
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "experiments", "loader_throughput.py")
 
 
+@pytest.mark.long
 def test_one_hosts_share_is_timed_and_its_rates_follow_from_the_times(tmp_path):
   out = tmp_path / "loader.json"
   args = ["--mb", "0.2", "--batch-size", "8", "--seq-len", "32", "--hosts", "2"]

@@ -38,6 +38,7 @@ def _readme_figures() -> dict[bool, float]:
   return {True: float(shown.group(1)), False: float(block.group(1))}
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize("bf16", [True, False], ids=["bf16_units", "avx2"])
 def test_the_readme_peak_estimate_of_the_pod_recipe_is_what_the_dry_run_prints(bf16):

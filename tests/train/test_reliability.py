@@ -99,6 +99,7 @@ def _exp(run_dir, dataset, overrides=(), **train_overrides):
 # Logs, bars, finished runs.
 
 
+@pytest.mark.long
 def test_without_a_terminal_one_plain_line_per_log_every(finished):
   lines = [l for l in finished["stdout"].splitlines() if l.startswith("step ") and "  loss " in l]
   assert [l.split()[1] for l in lines] == ["2/6", "4/6", "6/6"]
@@ -390,6 +391,7 @@ def test_divergence_guard_never_saves_non_finite_parameters(tmp_path, text_datas
 # Signals and the lock.
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_exits_0(tmp_path, text_dataset):
   run_dir = tmp_path / "term"
@@ -565,6 +567,7 @@ def test_a_bare_full_disk_error_from_orbax_names_the_checkpoint_directory(tmp_pa
   ckpt.close()
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_full_disk_is_one_line_and_earlier_checkpoints_survive(tmp_path, text_dataset):
   small = tmp_path / "small"

@@ -220,6 +220,7 @@ def test_config_yaml_records_the_resolved_microbatches(text_dataset, tmp_path, m
     assert yaml.safe_load(f)["train"]["microbatches"] == 2
 
 
+@pytest.mark.long
 def test_run_directory_contents_and_eval(tmp_path, text_dataset):
   run_dir = tmp_path / "run"
   cfg = _write_experiment(
