@@ -76,6 +76,37 @@ def test_the_command_tokenizes_in_forked_processes_without_loading_jax(corpus_di
     _same_dataset(tmp_path / "cli", tmp_path / other)
 
 
+def test_a_script_without_a_main_guard_is_told_to_add_one(corpus_dir, tmp_path):
+  """With JAX loaded the workers are spawned, and each first runs the main script again: a script
+  that calls prepare at its top level gets one error naming the guard (not a broken pool), and no
+  dataset that looks complete."""
+  import subprocess
+  import sys
+
+  out = tmp_path / "out"
+  script = tmp_path / "prep.py"
+  script.write_text(
+    "import jax  # noqa: F401\nfrom transformer_jax import data\n"
+    f"data.prepare([{str(corpus_dir)!r}], {str(out)!r}, workers=2, progress=False)\n"
+  )
+  env = {**os.environ, "PYTHONPATH": os.getcwd()}
+  done = subprocess.run(
+    [sys.executable, str(script)],
+    cwd=tmp_path,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert done.returncode == 1, done.stderr[-3000:]
+  last = done.stderr.strip().splitlines()[-1]
+  assert last.startswith("RuntimeError: prepare's 2 tokenizing processes ended as they started"), (
+    done.stderr[-3000:]
+  )
+  assert 'if __name__ == "__main__":' in last and "workers=1" in last
+  assert not (out / "metadata.json").exists()
+
+
 @pytest.mark.parametrize("parts", [1, 2, 3, 7])
 def test_a_batch_is_shared_among_workers_by_characters_in_order(parts):
   from transformer_jax.data.stream import split_by_size

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import concurrent.futures.process
 import json
 import multiprocessing
 import os
@@ -118,6 +119,11 @@ def tokenizer_pool(workers: int, tok: Tokenizer) -> concurrent.futures.Executor:
   Processes are forked (started in milliseconds, the tokenizer already loaded) unless this
   process has loaded JAX, whose threads make forking unsafe: then they are spawned (each loads
   the tokenizer once, in about 0.3 s). They are started here, before the progress bar's thread.
+
+  Raises:
+    RuntimeError: spawned processes ended as they started (``NOT_STARTED``: most often a script
+      that calls ``prepare`` outside ``if __name__ == "__main__":``, which each spawned process
+      runs again).
   """
   if workers == 1:
     return concurrent.futures.ThreadPoolExecutor(1)
@@ -134,8 +140,23 @@ def tokenizer_pool(workers: int, tok: Tokenizer) -> concurrent.futures.Executor:
     initializer=_worker_start,
     initargs=(tok.name, os.getpid()),
   )
-  concurrent.futures.wait([pool.submit(_tokenizer, tok.name) for _ in range(workers)])
+  try:
+    for started in [pool.submit(_tokenizer, tok.name) for _ in range(workers)]:
+      started.result()
+  except BaseException as e:
+    pool.shutdown(wait=False, cancel_futures=True)
+    if method == "spawn" and isinstance(e, concurrent.futures.process.BrokenProcessPool):
+      raise RuntimeError(NOT_STARTED.format(workers=workers)) from e
+    raise
   return pool
+
+
+# What ``tokenizer_pool`` says when its spawned processes end as they start.
+NOT_STARTED = (
+  "prepare's {workers} tokenizing processes ended as they started (their error is above). This "
+  "process has loaded JAX, so they are spawned, and a spawned process first runs the main script "
+  "again: call prepare under `if __name__ == \"__main__\":`, or pass workers=1"
+)
 
 
 def split_by_size(documents: list[tuple[str, ...]], parts: int) -> list[list[tuple[str, ...]]]:
