@@ -153,9 +153,9 @@ def tokenizer_pool(workers: int, tok: Tokenizer) -> concurrent.futures.Executor:
 
 # What ``tokenizer_pool`` says when its spawned processes end as they start.
 NOT_STARTED = (
-  "prepare's {workers} tokenizing processes ended as they started (their error is above). This "
-  "process has loaded JAX, so they are spawned, and a spawned process first runs the main script "
-  "again: call prepare under `if __name__ == \"__main__\":`, or pass workers=1"
+  "prepare's {workers} tokenizing processes ended as they started (their error is above). They "
+  "are spawned (JAX is loaded, or this platform cannot fork), and a spawned process first runs the "
+  "main script again: call prepare under `if __name__ == \"__main__\":`, or pass workers=1"
 )
 
 
