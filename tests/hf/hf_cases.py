@@ -400,7 +400,8 @@ def _jitted(model, method: str | None = None):
     m = nnx.merge(graphdef, state)
     return (m if method is None else getattr(m, method))(*args, **kwargs)
 
-  return lambda *args, **kwargs: jax.jit(run)(state, args, kwargs)
+  jitted = jax.jit(run)
+  return lambda *args, **kwargs: jitted(state, args, kwargs)
 
 
 def our_outputs(model, arch: str, x: dict, tgt: dict | None = None) -> dict[str, np.ndarray]:

@@ -11,7 +11,7 @@ from flax import nnx
 
 from transformer_jax import models
 from transformer_jax.layers import Attention
-from tests.models.conftest import VOCAB, jit_forward, params_for, tiny
+from tests.models.conftest import VOCAB, compiled, jit_forward, params_for, tiny
 
 
 @pytest.mark.parametrize(
@@ -65,7 +65,7 @@ def test_bert_is_bidirectional():
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "bert-tiny"])
 def test_padding_does_not_change_real_positions(name):
   config = tiny(name)
-  model = nnx.merge(models.graphdef(config), params_for(config))
+  model = compiled(nnx.merge(models.graphdef(config), params_for(config)))
   tokens = jax.random.randint(jax.random.key(3), (2, 7), 0, VOCAB)
   padded = jnp.concatenate([tokens, jnp.zeros((2, 5), tokens.dtype)], axis=1)
   mask = jnp.arange(12)[None, :] < 7
@@ -83,7 +83,7 @@ def test_padding_does_not_change_real_positions(name):
 @pytest.mark.parametrize("name", ["t5-tiny", "transformer-tiny"])
 def test_source_padding_does_not_change_decoder_logits(name):
   config = tiny(name)
-  model = nnx.merge(models.graphdef(config), params_for(config))
+  model = compiled(nnx.merge(models.graphdef(config), params_for(config)))
   src = jax.random.randint(jax.random.key(4), (2, 6), 0, VOCAB)
   tgt = jax.random.randint(jax.random.key(5), (2, 5), 0, VOCAB)
   src_padded = jnp.concatenate([src, jnp.zeros((2, 4), src.dtype)], axis=1)
@@ -95,7 +95,7 @@ def test_source_padding_does_not_change_decoder_logits(name):
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "gpt-alibi-tiny"])
 def test_packed_documents_equal_separate_runs(name):
   config = tiny(name)
-  model = nnx.merge(models.graphdef(config), params_for(config))
+  model = compiled(nnx.merge(models.graphdef(config), params_for(config)))
   doc_a = jax.random.randint(jax.random.key(6), (1, 5), 0, VOCAB)
   doc_b = jax.random.randint(jax.random.key(7), (1, 7), 0, VOCAB)
   packed = jnp.concatenate([doc_a, doc_b], axis=1)
@@ -109,13 +109,13 @@ def test_packed_documents_equal_separate_runs(name):
 
 def test_rope_model_logits_invariant_to_position_shift():
   config = tiny("llama-tiny")
-  model = nnx.merge(models.graphdef(config), params_for(config))
+  model = compiled(nnx.merge(models.graphdef(config), params_for(config)))
   tokens = jax.random.randint(jax.random.key(8), (2, 9), 0, VOCAB)
   base = model(tokens, positions=jnp.arange(9))
   shifted = model(tokens, positions=jnp.arange(9) + 37)
   np.testing.assert_allclose(base, shifted, atol=2e-4)
   learned = tiny("gpt2-tiny")
-  m2 = nnx.merge(models.graphdef(learned), params_for(learned))
+  m2 = compiled(nnx.merge(models.graphdef(learned), params_for(learned)))
   assert not np.allclose(
     m2(tokens, positions=jnp.arange(9)), m2(tokens, positions=jnp.arange(9) + 37), atol=1e-3
   )
@@ -123,7 +123,7 @@ def test_rope_model_logits_invariant_to_position_shift():
 
 def test_sliding_window_limits_receptive_field():
   config = tiny("llama-tiny", sliding_window=3, num_layers=1)
-  model = nnx.merge(models.graphdef(config), params_for(config))
+  model = compiled(nnx.merge(models.graphdef(config), params_for(config)))
   tokens = jax.random.randint(jax.random.key(9), (1, 10), 0, VOCAB)
   changed = tokens.at[:, 2].set((tokens[:, 2] + 1) % VOCAB)
   a, b = model(tokens), model(changed)
@@ -169,7 +169,8 @@ def test_gqa_attention_equals_mha_with_repeated_kv_heads():
     dst.kernel[...] = jnp.repeat(src.kernel[...], n // k, axis=1)
     dst.bias[...] = jnp.repeat(src.bias[...], n // k, axis=0)
   x = jax.random.normal(jax.random.key(0), (2, 6, d))
-  np.testing.assert_allclose(gqa(x, causal=True)[0], mha(x, causal=True)[0], atol=1e-5)
+  run = nnx.jit(lambda m, x: m(x, causal=True)[0])  # one compiled program per module
+  np.testing.assert_allclose(run(gqa, x), run(mha, x), atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------
