@@ -63,15 +63,17 @@ def test_mask_parts_and_alibi_match_float64_reference():
   segments = np.array([[0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0]], np.int32)
   window = 3
   slopes = np.asarray(ops.alibi_slopes(N), np.float64)
-  out, cache = attn(
-    x,
-    causal=True,
-    kv_valid=jnp.asarray(valid),
-    segment_ids=jnp.asarray(segments),
-    window=window,
-    bias_fn=ops.AlibiBias(),
-    bias_params=jnp.asarray(slopes, jnp.float32),
-  )
+  out, cache = jax.jit(  # one compiled program, not each operation on its own
+    lambda x: attn(
+      x,
+      causal=True,
+      kv_valid=jnp.asarray(valid),
+      segment_ids=jnp.asarray(segments),
+      window=window,
+      bias_fn=ops.AlibiBias(),
+      bias_params=jnp.asarray(slopes, jnp.float32),
+    )
+  )(x)
   assert cache is None
   i, j = np.arange(t)[:, None], np.arange(t)[None, :]
   allowed = (
@@ -90,8 +92,10 @@ def test_relative_bias_table_gets_gradient_through_bias_params():
   x = jax.random.normal(jax.random.key(2), (1, 5, D))
   table = jax.random.normal(jax.random.key(3), (8, N))
 
-  def loss(table):
+  def summed(table):
     return jnp.sum(attn(x, bias_fn=fn, bias_params=table)[0] ** 2)
+
+  loss = jax.jit(summed)  # compiled programs, not each operation on its own
 
   rel = np.arange(5)[None, :] - np.arange(5)[:, None]
   buckets = np.asarray(
@@ -104,7 +108,7 @@ def test_relative_bias_table_gets_gradient_through_bias_params():
   np.testing.assert_allclose(
     loss(table), np.sum(_reference(attn, x, x, allowed, bias) ** 2), rtol=1e-5
   )
-  grad = jax.grad(loss)(table)
+  grad = jax.jit(jax.grad(summed))(table)
   # The directional derivative along a random direction, by central differences.
   u = jax.random.normal(jax.random.key(4), table.shape)
   eps = 1e-2
@@ -119,21 +123,23 @@ def test_cached_attention_equals_attention_over_the_sequence(num_kv_heads, batch
   """Prefill then one-token steps (RoPE, GQA/MQA, rows at different lengths) give the outputs of
   causal attention over each row's whole sequence. (Three rows: a batch of one is the same code
   path, and its row is one of these.)"""
-  attn = _attention(num_kv_heads, rope_theta=10000.0)
+  module = _attention(num_kv_heads, rope_theta=10000.0)
+  # One compiled program per shape (whole, prefill, step), not each operation on its own.
+  attn = nnx.jit(lambda x, cache=None: module(x, causal=True, cache=cache))
   total = 9
   x = jax.random.normal(jax.random.key(5), (batch, total, D))
-  full, _ = attn(x, causal=True)
+  full, _ = attn(x)
   prompt = np.array([5, 3, 4][:batch])
   cache = KVCache.zeros(1, batch, 16, num_kv_heads, H, jnp.float32).layer(0)
   # Prefill the first 5 columns (rows shorter than 5 are right-padded: their tail is overwritten).
-  out, cache = attn(x[:, :5], causal=True, cache=cache)
+  out, cache = attn(x[:, :5], cache=cache)
   for row, n in enumerate(prompt):
     np.testing.assert_allclose(out[row, :n], full[row, :n], rtol=1e-5, atol=1e-5)
   cache = cache.replace(lengths=jnp.asarray(prompt, jnp.int32))
   pos = prompt.copy()
   for _ in range(3):
     x_step = jnp.stack([x[row, p] for row, p in enumerate(pos)])[:, None]
-    out, cache = attn(x_step, causal=True, cache=cache)
+    out, cache = attn(x_step, cache=cache)
     for row, p in enumerate(pos):
       np.testing.assert_allclose(out[row, 0], full[row, p], rtol=1e-5, atol=1e-5)
     pos = pos + 1
