@@ -14,6 +14,16 @@ from transformers import ReformerConfig  # noqa: E402
 
 B, T, D, N, H = 2, 32, 24, 2, 8
 
+# The kernels as compiled programs (one per shape and options), not each operation on its own.
+LSH = jax.jit(
+  lsh.lsh_attention,
+  static_argnames=("n_buckets", "n_hashes", "chunk_length", "chunks_before", "chunks_after",
+                   "causal", "seed"),
+)  # fmt: skip
+LOCAL = jax.jit(
+  lsh.local_attention, static_argnames=("chunk_length", "chunks_before", "chunks_after", "causal")
+)
+
 
 def hf_config(**kw):
   base = dict(
@@ -70,7 +80,7 @@ def test_lsh_matches_transformers(causal, buckets, padded):
     heads(x, layer.query_key.weight.detach().numpy()),
     heads(x, layer.value.weight.detach().numpy()),
   )
-  got = lsh.lsh_attention(
+  got = LSH(
     qk,
     v,
     n_buckets=buckets,
@@ -100,7 +110,7 @@ def test_local_matches_transformers(causal, t):
   q, k, v = (
     heads(x, getattr(layer, name).weight.detach().numpy()) for name in ("query", "key", "value")
   )
-  got = lsh.local_attention(q, k, v, chunk_length=8, causal=causal, kv_valid=jnp.asarray(valid))
+  got = LOCAL(q, k, v, chunk_length=8, causal=causal, kv_valid=jnp.asarray(valid))
   got = np.asarray(got).reshape(B, t, N * H)
   np.testing.assert_allclose(got[valid], want[valid], atol=1e-5, rtol=1e-4)
 
@@ -160,7 +170,7 @@ def test_lsh_matches_transformers_where_int32_keys_overflowed():
   with torch.no_grad():
     want = layer(torch.from_numpy(x)).hidden_states.numpy()
   qk, v = (heads(x, getattr(layer, k).weight.detach().numpy()) for k in ("query_key", "value"))
-  got = lsh.lsh_attention(
+  got = LSH(
     qk,
     v,
     n_buckets=tuple(factors),
