@@ -91,6 +91,11 @@ def ref_conv(x, w, bias, state=None, seg=None):
 # --- inputs ------------------------------------------------------------------------------------
 
 
+# The scans as compiled programs (one per shape and options), not each operation on its own.
+SCAN = jax.jit(ops.selective_scan, static_argnames=("chunk_size", "return_state", "method"))
+SSD = jax.jit(ops.ssd, static_argnames=("chunk_size", "time_step_limit", "return_state"))
+
+
 def m1_inputs(seed, b=2, t=37, e=6, s=5):
   rng = np.random.default_rng(seed)
   f = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
@@ -198,7 +203,7 @@ def test_selective_scan_with_initial_state_padding_and_segments_matches_the_recu
 
 def test_selective_scan_step_equals_the_chunked_form():
   x, dt, A, B, C, D = m1_inputs(2, t=19)
-  full, final = ops.selective_scan(x, dt, A, B, C, D, chunk_size=4, return_state=True)
+  full, final = SCAN(x, dt, A, B, C, D, chunk_size=4, return_state=True)
   step = jax.jit(ops.selective_scan_step)
   h = jnp.zeros((2, 6, 5), jnp.float32)
   for i in range(19):
@@ -206,12 +211,10 @@ def test_selective_scan_step_equals_the_chunked_form():
     np.testing.assert_allclose(y, full[:, i], rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(h, final, rtol=1e-5, atol=1e-6)
   # A prefix's state carries the rest: two calls equal one.
-  head, mid = ops.selective_scan(
+  head, mid = SCAN(
     x[:, :11], dt[:, :11], A, B[:, :11], C[:, :11], D, chunk_size=3, return_state=True
   )
-  tail = ops.selective_scan(
-    x[:, 11:], dt[:, 11:], A, B[:, 11:], C[:, 11:], D, chunk_size=3, initial_state=mid
-  )
+  tail = SCAN(x[:, 11:], dt[:, 11:], A, B[:, 11:], C[:, 11:], D, chunk_size=3, initial_state=mid)
   np.testing.assert_allclose(jnp.concatenate([head, tail], 1), full, rtol=1e-5, atol=1e-5)
 
 
@@ -262,14 +265,14 @@ def test_ssd_with_initial_state_padding_and_segments_matches_the_recurrence():
 def test_ssd_step_equals_the_chunked_form():
   x, dt, A, B, C, D = m2_inputs(6, t=19)
   limit = (0.0, 1.5)
-  full, final = ops.ssd(x, dt, A, B, C, D, chunk_size=4, return_state=True, time_step_limit=limit)
+  full, final = SSD(x, dt, A, B, C, D, chunk_size=4, return_state=True, time_step_limit=limit)
   step = jax.jit(lambda *a: ops.ssd_step(*a, time_step_limit=limit))
   h = jnp.zeros((2, 4, 3, 5), jnp.float32)
   for i in range(19):
     y, h = step(h, x[:, i], dt[:, i], A, B[:, i], C[:, i], D)
     np.testing.assert_allclose(y, full[:, i], rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(h, final, rtol=1e-5, atol=1e-6)
-  head, mid = ops.ssd(
+  head, mid = SSD(
     x[:, :11],
     dt[:, :11],
     A,
@@ -280,7 +283,7 @@ def test_ssd_step_equals_the_chunked_form():
     return_state=True,
     time_step_limit=limit,
   )
-  tail = ops.ssd(
+  tail = SSD(
     x[:, 11:],
     dt[:, 11:],
     A,
