@@ -56,6 +56,15 @@ def rel_err(got, want):
   return np.abs(got - want).max() / np.abs(want).max()
 
 
+# ``la.linear_attention`` as one compiled program per shape and options, not each operation on
+# its own; ``decay`` is traced, as an array (a list of per-head gammas is no static argument).
+_LINEAR = jax.jit(la.linear_attention, static_argnames=("causal", "chunk_size", "return_state"))
+
+
+def linear(q, k, v, *, decay=None, **kw):
+  return _LINEAR(q, k, v, decay=None if decay is None else np.asarray(decay, np.float32), **kw)
+
+
 CASES = [
   dict(causal=True, chunk_size=8),
   dict(causal=True, chunk_size=64),
@@ -87,7 +96,7 @@ def test_float32_matches_the_float64_quadratic_reference(case):
 @pytest.mark.parametrize("decay", [None, 0.95])
 def test_recurrence_equals_the_parallel_form_token_for_token(decay):
   q, k, v, _ = inputs(1, t=20)
-  parallel, final = la.linear_attention(q, k, v, chunk_size=8, decay=decay, return_state=True)
+  parallel, final = linear(q, k, v, chunk_size=8, decay=decay, return_state=True)
   state = la.zero_state(2, 4, 8, 6)
   step = jax.jit(lambda s, q, k, v: la.linear_attention_step(s, q, k, v, decay=decay))
   for i in range(20):
@@ -98,12 +107,8 @@ def test_recurrence_equals_the_parallel_form_token_for_token(decay):
   np.testing.assert_allclose(np.asarray(state.s), np.asarray(final.s), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.asarray(state.z), np.asarray(final.z), rtol=1e-5, atol=1e-5)
   # A prefix's state carries the rest: two calls equal one.
-  head, mid = la.linear_attention(
-    q[:, :13], k[:, :13], v[:, :13], chunk_size=4, decay=decay, return_state=True
-  )
-  tail = la.linear_attention(
-    q[:, 13:], k[:, 13:], v[:, 13:], chunk_size=4, decay=decay, initial_state=mid
-  )
+  head, mid = linear(q[:, :13], k[:, :13], v[:, :13], chunk_size=4, decay=decay, return_state=True)
+  tail = linear(q[:, 13:], k[:, 13:], v[:, 13:], chunk_size=4, decay=decay, initial_state=mid)
   np.testing.assert_allclose(
     np.asarray(jnp.concatenate([head, tail], 1)), np.asarray(parallel), rtol=1e-5, atol=1e-6
   )
@@ -112,9 +117,7 @@ def test_recurrence_equals_the_parallel_form_token_for_token(decay):
 @pytest.mark.slow
 def test_no_position_sees_a_later_one():
   q, k, v, _ = inputs(2, b=1, t=16)
-  jac = jax.jacrev(
-    lambda k, v: la.linear_attention(q, k, v, chunk_size=4, decay=0.9), argnums=(0, 1)
-  )(k, v)
+  jac = jax.jacrev(lambda k, v: linear(q, k, v, chunk_size=4, decay=0.9), argnums=(0, 1))(k, v)
   for d in jac:  # [B, T, N, E, B, S, K, *]: output t against input s
     d = np.abs(np.asarray(d)).sum(axis=(0, 2, 3, 4, 6, 7))
     assert np.all(np.triu(d, 1) == 0) and np.all(np.diag(d) > 0)
@@ -184,7 +187,7 @@ def _close(got, want, tol=1e-5):
 def test_the_padded_last_chunk_never_decays_the_state(decay):
   # T = 65 with chunks of 64: 63 padding positions after the last one.
   q, k, v, _ = inputs(5, b=1, t=65)
-  out, state = la.linear_attention(q, k, v, chunk_size=64, decay=decay, return_state=True)
+  out, state = linear(q, k, v, chunk_size=64, decay=decay, return_state=True)
   want, s, z = masked_reference(q, k, v, decay=decay)
   _close(out, want)
   _close(state.s, s)
@@ -202,9 +205,7 @@ def test_padding_positions_neither_add_nor_decay(decay, t, lengths):
   valid = np.zeros((3, t), bool)
   valid[0, : lengths[0]] = valid[1, : lengths[1]] = True
   valid[2, t - lengths[0] :] = True
-  out, state = la.linear_attention(
-    q, k, v, chunk_size=64, decay=decay, return_state=True, kv_valid=valid
-  )
+  out, state = linear(q, k, v, chunk_size=64, decay=decay, return_state=True, kv_valid=valid)
   for b in range(3):
     keep = valid[b]
     want, s, z = masked_reference(
@@ -218,7 +219,7 @@ def test_padding_positions_neither_add_nor_decay(decay, t, lengths):
 def test_a_long_sequence_with_a_tiny_decay_stays_finite():
   # Every decay over a chunk underflows to 0 (1e-3 ** 64); nothing divides by it.
   q, k, v, _ = inputs(7, b=1, t=1000)
-  out, state = la.linear_attention(q, k, v, chunk_size=64, decay=1e-3, return_state=True)
+  out, state = linear(q, k, v, chunk_size=64, decay=1e-3, return_state=True)
   want, s, z = masked_reference(q, k, v, decay=1e-3)
   _close(out, want)
   _close(state.s, s)
@@ -232,14 +233,12 @@ def test_packed_documents_reset_the_state(decay):
   segments = np.zeros((2, 30), np.int32)
   segments[0, 7:], segments[0, 19:] = 1, 2  # documents of 7, 12 and 11 positions
   segments[1, 29:] = 5  # one of 29, then one of 1
-  out, state = la.linear_attention(
-    q, k, v, chunk_size=8, decay=decay, return_state=True, segment_ids=segments
-  )
+  out, state = linear(q, k, v, chunk_size=8, decay=decay, return_state=True, segment_ids=segments)
   want, s, z = masked_reference(q, k, v, decay=decay, segments=segments)
   _close(out, want)
   _close(state.s, s)
   _close(state.z, z)
-  alone = la.linear_attention(q[:1, 7:19], k[:1, 7:19], v[:1, 7:19], chunk_size=8, decay=decay)
+  alone = linear(q[:1, 7:19], k[:1, 7:19], v[:1, 7:19], chunk_size=8, decay=decay)
   _close(np.asarray(out)[0, 7:19], alone[0])
 
 
@@ -248,7 +247,7 @@ def test_padding_and_documents_together_match_the_reference():
   valid = np.ones((2, 21), bool)
   valid[0, :4] = valid[1, 15:] = False  # left padding; right padding
   segments = np.where(np.arange(21) < 10, 1, 2)[None].repeat(2, 0)
-  out, state = la.linear_attention(
+  out, state = linear(
     q,
     k,
     v,
