@@ -45,7 +45,6 @@ def jit_forward(config):
   return fn
 
 
-@functools.lru_cache(maxsize=None)
 def compiled(model):
   """``model``'s call (positional and keyword arguments) as one compiled program, a program per
   input shape: a whole forward compiles in less time than its operations dispatched one by one,
@@ -57,6 +56,7 @@ def compiled(model):
   return lambda *args, **kwargs: fn(state, args, kwargs)
 
 
+@functools.lru_cache(maxsize=None)
 def params_for(config, seed=0):
   return models.init(config, jax.random.key(seed))
 
