@@ -11,6 +11,8 @@ import torch
 from flax import nnx
 import transformers
 
+from tests.models.conftest import compiled
+
 # name -> (architecture, config kwargs). Tiny, with odd shapes: 3 heads, GQA 8:2, untied heads,
 # intermediate sizes that are not 4 D, head_dim != D / N.
 CASES: dict[str, tuple[str, dict]] = {
@@ -391,23 +393,11 @@ def hf_outputs(model, arch: str, x: dict, tgt: dict | None = None) -> dict[str, 
   return {k: v.float().numpy() for k, v in res.items()}
 
 
-def _jitted(model, method: str | None = None):
-  """``model`` (or its ``method``) as one compiled program: a whole forward compiles in less time
-  than its operations dispatched one by one, each compiled for its shapes."""
-  graphdef, state = nnx.split(model)
-
-  def run(state, args, kwargs):
-    m = nnx.merge(graphdef, state)
-    return (m if method is None else getattr(m, method))(*args, **kwargs)
-
-  jitted = jax.jit(run)
-  return lambda *args, **kwargs: jitted(state, args, kwargs)
-
-
 def our_outputs(model, arch: str, x: dict, tgt: dict | None = None) -> dict[str, np.ndarray]:
   """The same outputs from the transformer_jax model."""
   ids, mask = np.asarray(x["ids"]), np.asarray(x["mask"]).astype(bool)
-  model, classify, encode = _jitted(model), _jitted(model, "classify"), _jitted(model, "encode")
+  # One compiled program per call, not each operation on its own.
+  model, classify, encode = compiled(model), compiled(model, "classify"), compiled(model, "encode")
   match arch:
     case (
       "GPT2LMHeadModel"

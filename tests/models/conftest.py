@@ -45,14 +45,19 @@ def jit_forward(config):
   return fn
 
 
-def compiled(model):
-  """``model``'s call (positional and keyword arguments) as one compiled program, a program per
-  input shape: a whole forward compiles in less time than its operations dispatched one by one,
-  each compiled for its shapes."""
+def compiled(model, method: str | None = None):
+  """``model``'s call, or its ``method`` (positional and keyword arguments, all traced), as one
+  compiled program, a program per input shape: a whole forward compiles in less time than its
+  operations dispatched one by one, each compiled for its shapes."""
   from flax import nnx
 
   graphdef, state = nnx.split(model)
-  fn = jax.jit(lambda state, args, kwargs: nnx.merge(graphdef, state)(*args, **kwargs))
+
+  def run(state, args, kwargs):
+    m = nnx.merge(graphdef, state)
+    return (m if method is None else getattr(m, method))(*args, **kwargs)
+
+  fn = jax.jit(run)
   return lambda *args, **kwargs: fn(state, args, kwargs)
 
 

@@ -12,6 +12,7 @@ import yaml
 from flax import nnx
 
 from transformer_jax import lora, models
+from tests.models.conftest import compiled
 from transformer_jax.parallel import rules
 
 VOCAB = 97
@@ -271,10 +272,9 @@ def test_logits_and_states_are_finite_at_the_edges_of_the_config(overrides):
 
   c = config("mamba-tiny", **overrides)
   m = models.create(c)
-  graphdef, params = nnx.split(m)
-  forward = jax.jit(lambda params, toks: nnx.merge(graphdef, params)(toks))  # not op by op
+  forward = compiled(m)
   for t in sorted({1, 4 * c.ssm_chunk + 1}):
-    assert np.all(np.isfinite(np.asarray(forward(params, tokens(7, 2, t))))), t
+    assert np.all(np.isfinite(np.asarray(forward(tokens(7, 2, t))))), t
   logits, cache = generate.extend(m, jnp.asarray(tokens(8, 2, 9)), generate.init_cache(c, 2, 16))
   assert np.all(np.isfinite(np.asarray(logits)))
   assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(cache))
