@@ -168,6 +168,36 @@ def test_parquet_is_read_by_row_groups(tmp_path, monkeypatch):
   assert meta["splits"]["train"]["documents"] == 100
 
 
+def test_a_row_group_is_decoded_a_batch_of_rows_at_a_time(tmp_path):
+  """A row group may hold gigabytes of text: the reader holds a batch of its rows, and names a
+  bad row by its place in the group."""
+  import tracemalloc
+
+  pa = pytest.importorskip("pyarrow", reason="the 'data' extra (pyarrow) is missing")
+  import pyarrow.parquet as pq
+
+  from transformer_jax.data.readers import Problem, read_records
+  from transformer_jax.data.sources import resolve_inputs
+
+  rows = ["x" * 500 + str(i) for i in range(8192)]  # one row group, 4 MB of text
+  rows[2000] = None
+  pq.write_table(pa.table({"text": rows}), tmp_path / "c.parquet", row_group_size=len(rows))
+  (source,), _ = resolve_inputs([str(tmp_path / "c.parquet")], "gpt")
+  tracemalloc.start()
+  try:
+    items = problems = 0
+    for item in read_records(source, "text", allow_undecodable=False):
+      items += 1
+      if isinstance(item, Problem):
+        problems += 1
+        assert str(item).endswith("c.parquet: row group 0, row 2000: 'text' is null"), item
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  assert items == len(rows) and problems == 1
+  assert peak < 1_500_000, peak  # a batch of 1024 rows is ~0.6 MB of Python strings
+
+
 @pytest.mark.slow  # ~6 s: tracemalloc slows every allocation of tokenizing 1 M tokens
 def test_memory_holds_batches_not_the_corpus(tmp_path, monkeypatch):
   import tracemalloc

@@ -436,6 +436,45 @@ def test_prepare_dry_run_counts_and_estimates_without_writing(tmp_path):
   assert abs(estimated - tokens) < 0.1 * tokens, (estimated, tokens)
 
 
+def _write_columnar_and_compressed(root, name, docs):
+  """``docs`` as one file of format ``name``, larger than the estimate's sample of it."""
+  import json
+
+  pa = pytest.importorskip("pyarrow", reason="the 'data' extra (pyarrow) is missing")
+  path = root / {"parquet": "c.parquet", "arrow file": "c.arrow", "jsonl.zst": "c.jsonl.zst"}[name]
+  table = pa.table({"text": docs})
+  if name == "parquet":
+    import pyarrow.parquet as pq
+
+    pq.write_table(table, path, row_group_size=1500)
+  elif name == "arrow file":
+    with pa.ipc.new_file(path, table.schema) as writer:
+      for batch in table.to_batches(max_chunksize=500):
+        writer.write_batch(batch)
+  else:
+    zstandard = pytest.importorskip("zstandard", reason="the 'data' extra (zstandard) is missing")
+    lines = "".join(json.dumps({"text": d}) + "\n" for d in docs).encode()
+    path.write_bytes(zstandard.ZstdCompressor().compress(lines))
+  return path
+
+
+@pytest.mark.parametrize("name", ["parquet", "arrow file", "jsonl.zst"])
+def test_the_estimate_of_a_file_read_in_chunks_counts_what_they_hold(tmp_path, name):
+  """A Parquet or Arrow IPC file is read out of order (its footer first) and a compressed one a
+  chunk of compressed bytes at a time: the sample's size is what its records stand for, not
+  where the file handle stands."""
+  from transformer_jax.data.estimate import estimate_corpus
+
+  rng = np.random.default_rng(4)
+  vocab = "alpha beta gamma delta return import class def self value index total node".split()
+  docs = [" ".join(rng.choice(vocab, rng.integers(5, 60))) for _ in range(6000)]
+  path = _write_columnar_and_compressed(tmp_path, name, docs)
+  tokens = sum(Tokenizer("cl100k_base").encode_full_array(d).size for d in docs)
+  est = estimate_corpus([str(path)], sample_bytes=16 * 4096)  # 4 KiB of each file, or a chunk
+  assert est["sample"]["documents"] < len(docs) or name == "jsonl.zst", est["sample"]
+  assert abs(est["tokens"] - tokens) < 0.1 * tokens, (est, tokens)
+
+
 def test_dataset_facts_count_tokens_shards_bytes_and_epochs(corpus_dir, tmp_path):
   from transformer_jax.data import GPTLoader, load_dataset
   from transformer_jax.data.estimate import dataset_facts, describe_facts

@@ -14,7 +14,7 @@ from typing import Any
 from transformer_jax.data.files import size_of
 from transformer_jax.data.layout import read_metadata
 from transformer_jax.data.readers import Record, read_records
-from transformer_jax.data.sources import parse_synthetic, resolve_inputs
+from transformer_jax.data.sources import Source, parse_synthetic, resolve_inputs
 from transformer_jax.data.tokenizer import Tokenizer
 
 SAMPLE_BYTES = 4 << 20  # input bytes read and tokenized for the estimate
@@ -38,6 +38,35 @@ def _spread(n: int, m: int) -> list[int]:
   return out
 
 
+def _sample_file(
+  source: Source, text_field: str, tok: Tokenizer, budget: int, size: int
+) -> tuple[int, int, int, float]:
+  """The documents and tokens of the first ``budget`` bytes of one file or more (a reader moves
+  a chunk, row batch or record batch at a time), those bytes, and the seconds they took.
+
+  The records counted are the ones the bytes read hold: a reader's position moves when it reads
+  the next chunk, so the sample stops at the first record that needed a chunk beyond ``budget``
+  bytes, with the position before that chunk as its size. A stream that cannot tell its position
+  is measured by the text read."""
+  handle: list = []
+  documents = tokens = at = text = 0
+  start = time.perf_counter()
+  for item in read_records(source, text_field, allow_undecodable=True, opened=handle.append):
+    try:
+      now = handle[-1].tell() if handle else at
+    except (OSError, ValueError):
+      now = text
+    if now != at:
+      if at >= budget:
+        return documents, tokens, at, time.perf_counter() - start
+      at = now
+    if isinstance(item, Record):
+      documents += 1
+      tokens += sum(tok.encode_full_array(t).size for t in item.texts)
+      text += sum(len(t.encode()) for t in item.texts)
+  return documents, tokens, size, time.perf_counter() - start
+
+
 def estimate_corpus(
   inputs: Sequence[str],
   *,
@@ -48,8 +77,8 @@ def estimate_corpus(
   sample_bytes: int = SAMPLE_BYTES,
 ) -> dict[str, Any]:
   """Counts the files and bytes ``inputs`` stand for and times reading and tokenizing a sample of
-  about ``sample_bytes`` (spread over the files, at most a sixteenth of it from one) on one
-  thread.
+  about ``sample_bytes`` (spread over the files, a sixteenth of it from one, or what its reader
+  reads at once: a compressed chunk, a Parquet row batch, an Arrow record batch) on one thread.
 
   Returns:
       ``files``, ``bytes``, ``kinds`` (files a format), ``sample`` (``files``, ``bytes``,
@@ -74,21 +103,10 @@ def estimate_corpus(
   for i in _spread(len(sources), _MAX_SAMPLE_FILES):
     if sample["bytes"] >= sample_bytes:
       break
-    handle: list = []
-    start, read = time.perf_counter(), 0
-    for item in read_records(sources[i], text_field, allow_undecodable=True, opened=handle.append):
-      if isinstance(item, Record):
-        sample["documents"] += 1
-        sample["tokens"] += sum(tok.encode_full_array(t).size for t in item.texts)
-      try:
-        read = handle[0].tell()
-      except (OSError, ValueError):
-        read = sizes[i]
-      if read >= budget:
-        break
-    sample["seconds"] += time.perf_counter() - start
+    counts = _sample_file(sources[i], text_field, tok, budget, sizes[i])
     sample["files"] += 1
-    sample["bytes"] += min(read, sizes[i])
+    for key, n in zip(("documents", "tokens", "bytes", "seconds"), counts):
+      sample[key] += n
   result = {
     "files": len(sources),
     "bytes": total,

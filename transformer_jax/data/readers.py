@@ -2,8 +2,12 @@
 
 A reader yields ``Record`` (the texts of one document, or of one seq2seq pair) and ``Problem``
 (what is wrong, and where: file, line, row group or record batch). It never raises for bad data
-and never holds more than one document, line, row group or record batch: ``prepare`` decides
-whether a problem stops it or is skipped and counted.
+and never holds more than one document, line, record batch or 1,024 rows of a row group:
+``prepare`` decides whether a problem stops it or is skipped and counted.
+
+A reader reports how far it is through its file as a byte stream's ``tell()`` does: a byte stream
+is given to ``opened`` itself (compressed files report their compressed bytes read, a chunk at a
+time); Parquet and Arrow IPC files, read out of order, are given a ``Share`` instead.
 
 A problem with ``whole_file`` set (a corrupt compressed stream, an unreadable Parquet row group,
 too many undecodable bytes, a missing column) spoils the file: the records it yielded before are
@@ -25,7 +29,7 @@ from transformer_jax.data.files import Source, need, open_binary
 # Above this fraction of a file's bytes, undecodable bytes mean the file is not UTF-8 text (a
 # binary, compressed or other-encoding file): an error naming it, unless the caller allows them.
 MAX_UNDECODABLE_FRACTION = 0.001
-_ROWS_PER_BATCH = 1024  # Arrow record batches read from a Parquet row group
+_ROWS_PER_BATCH = 1024  # rows a Parquet row group is decoded in: memory does not grow with its size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +49,27 @@ class Problem:
 
   def __str__(self) -> str:
     return f"{self.where}: {self.message}"
+
+
+class Share:
+  """Where a reader of a Parquet or Arrow IPC file stands, in ``tell()``'s terms: the file's
+  ``size`` times the share of its ``total`` rows (or record batches) decoded so far. It moves a
+  decoded batch at a time, as a compressed stream's position moves a chunk at a time."""
+
+  def __init__(self, size: int, total: int):
+    self.size, self.total, self.done = size, total, 0
+
+  def advance(self, n: int) -> None:
+    self.done += n
+
+  def tell(self) -> int:
+    return self.size if self.total <= 0 else self.size * min(self.done, self.total) // self.total
+
+
+def _share(raw: IO[bytes], total: int) -> Share:
+  size = raw.seek(0, io.SEEK_END)
+  raw.seek(0)
+  return Share(size, total)
 
 
 def decode(data: bytes) -> tuple[str, int]:
@@ -177,8 +202,10 @@ def _text_column(source: Source, schema, field: str, what: str) -> Problem | Non
   return None
 
 
-def _column_records(where: str, values: list, field: str) -> Iterator[Record | Problem]:
-  for row, value in enumerate(values):
+def _column_records(
+  where: str, values: list, field: str, first: int = 0
+) -> Iterator[Record | Problem]:
+  for row, value in enumerate(values, start=first):
     if value is None:
       yield Problem(f"{where}, row {row}", f"{field!r} is null")
     elif not value:
@@ -187,42 +214,65 @@ def _column_records(where: str, values: list, field: str) -> Iterator[Record | P
       yield Record((value,), f"{where}, row {row}")
 
 
-def _parquet_records(source: Source, raw: IO[bytes], field: str) -> Iterator[Record | Problem]:
+def _parquet_records(
+  source: Source, raw: IO[bytes], field: str, opened: Callable[[Share], None] | None
+) -> Iterator[Record | Problem]:
   pa = need("pyarrow", source.path)
   pq = need("pyarrow.parquet", source.path)
   try:
+    share = _share(raw, 0)
     parquet = pq.ParquetFile(raw)
+    share.total = parquet.metadata.num_rows
   except (pa.ArrowException, OSError) as e:
     yield Problem(source.path, f"not a readable Parquet file ({e})", whole_file=True)
     return
+  if opened is not None:
+    opened(share)
   if (problem := _text_column(source, parquet.schema_arrow, field, "column")) is not None:
     yield problem
     return
   for group in range(parquet.num_row_groups):
-    where = f"{source.path}: row group {group}"
-    try:
-      values = parquet.read_row_group(group, columns=[field]).column(0).to_pylist()
-    except (pa.ArrowException, OSError) as e:
-      yield Problem(where, f"unreadable ({e})", whole_file=True)
-      return
-    yield from _column_records(where, values, field)
+    where, row, batches = f"{source.path}: row group {group}", 0, None
+    while True:
+      try:
+        if batches is None:
+          batches = parquet.iter_batches(_ROWS_PER_BATCH, row_groups=[group], columns=[field])
+        batch = next(batches, None)
+        values = None if batch is None else batch.column(0).to_pylist()
+      except (pa.ArrowException, OSError) as e:
+        yield Problem(where, f"unreadable ({e})", whole_file=True)
+        return
+      if values is None:
+        break
+      share.advance(len(values))
+      yield from _column_records(where, values, field, row)
+      row += len(values)
 
 
-def _arrow_records(source: Source, raw: IO[bytes], field: str) -> Iterator[Record | Problem]:
+def _arrow_records(
+  source: Source, raw: IO[bytes], field: str, opened: Callable[[IO[bytes] | Share], None] | None
+) -> Iterator[Record | Problem]:
   pa = need("pyarrow", source.path)
   ipc = need("pyarrow.ipc", source.path)
   try:
     head = raw.read(6)
     raw.seek(0)
-    reader = ipc.open_file(raw) if head == b"ARROW1" else ipc.open_stream(raw)
+    # An IPC file is read by record batch index (its footer first): a Share of its batches says
+    # how far; a stream is read in order, its position says it.
+    share = _share(raw, 0) if head == b"ARROW1" else None
+    reader = ipc.open_file(raw) if share is not None else ipc.open_stream(raw)
   except (pa.ArrowException, OSError) as e:
     yield Problem(source.path, f"not a readable Arrow file ({e})", whole_file=True)
     return
+  count = None
+  if share is not None:
+    count = share.total = reader.num_record_batches
+  if opened is not None:
+    opened(share if share is not None else raw)
   if (problem := _text_column(source, reader.schema, field, "column")) is not None:
     yield problem
     return
   index = reader.schema.get_field_index(field)
-  count = reader.num_record_batches if head == b"ARROW1" else None
   batch_no = 0
   while count is None or batch_no < count:
     where = f"{source.path}: record batch {batch_no}"
@@ -233,6 +283,8 @@ def _arrow_records(source: Source, raw: IO[bytes], field: str) -> Iterator[Recor
     except (pa.ArrowException, OSError) as e:
       yield Problem(where, f"unreadable ({e})", whole_file=True)
       return
+    if share is not None:
+      share.advance(1)
     yield from _column_records(where, batch.column(index).to_pylist(), field)
     batch_no += 1
 
@@ -241,20 +293,21 @@ def read_records(
   source: Source,
   text_field: str,
   allow_undecodable: bool,
-  opened: Callable[[IO[bytes]], None] | None = None,
+  opened: Callable[[IO[bytes] | Share], None] | None = None,
 ) -> Iterator[Record | Problem]:
   """The records of ``source`` in file order, and the problems met on the way (see the module
-  docstring); ``opened`` is given the file's byte stream (its ``tell()`` is how far it is read).
+  docstring). ``opened`` is given what tells how far the file is read, in its bytes: its byte
+  stream (compressed bytes for a compressed file), or a ``Share`` for a Parquet or Arrow IPC file.
   An unreadable file (a missing file, a lost connection) raises ``OSError``."""
   with open_binary(source.path) as raw:
-    if opened is not None:
-      opened(raw)
     if source.kind == "parquet":
-      yield from _parquet_records(source, raw, text_field)
+      yield from _parquet_records(source, raw, text_field, opened)
       return
     if source.kind == "arrow":
-      yield from _arrow_records(source, raw, text_field)
+      yield from _arrow_records(source, raw, text_field, opened)
       return
+    if opened is not None:
+      opened(raw)
     errors = _stream_errors() if source.compression else ()
     stream = _decompressed(raw, source)
     lineno = 0
