@@ -40,6 +40,27 @@ def test_info_refuses_sizes_below_one(flag):
   assert code == 2 and err == f"tjax info: error: {flag} 0: expected an integer >= 1\n"
 
 
+def test_info_describes_a_prepared_dataset(text_dataset, tmp_path):
+  from transformer_jax.data import GPTLoader, load_dataset
+  from transformer_jax.data.layout import read_metadata
+
+  args = ("--steps", "30", "--batch-size", "4", "--seq-len", "32")
+  code, out, err = run_cli("info", text_dataset, *args)
+  assert code == 0, err
+  meta, lines = read_metadata(text_dataset), out.splitlines()
+  assert lines[0] == f"{text_dataset}: gpt dataset, tokenizer {meta['tokenizer']}"
+  for name, line in zip(("train", "val"), lines[1:3]):
+    split = meta["splits"][name]
+    assert line.split()[0] == name, out
+    assert f"{split['tokens']:,} tokens in {split['documents']:,} documents" in line, out
+  # The windows the loader itself draws an epoch from.
+  windows = GPTLoader(load_dataset(text_dataset), batch_size=4, seq_len=32).num_windows
+  assert lines[3] == f"  30 steps of 4 x 32: {30 * 4 / windows:.3g} epoch(s) of train", out
+  assert run_cli("info", text_dataset, "--steps", "3")[2].endswith("need --seq-len\n")
+  code, _, err = run_cli("info", str(tmp_path))
+  assert code == 2 and "is not a prepared dataset (no metadata.json)" in err, err
+
+
 def test_the_presets_table_keeps_its_columns_apart():
   from transformer_jax import models
 

@@ -1,7 +1,9 @@
-"""``tjax info``: a preset's parameters, training FLOPs per token and memory estimate, or (no
-preset) the table of presets."""
+"""``tjax info``: a preset's parameters, training FLOPs per token and memory estimate, a prepared
+dataset's size, or (no argument) the table of presets."""
 
 from __future__ import annotations
+
+import os
 
 
 def _human(n: float) -> str:
@@ -47,6 +49,31 @@ def info_text(
   return "\n".join(lines)
 
 
+def dataset_text(
+  path: str, *, steps: int | None = None, batch_size: int = 8, seq_len: int | None = None
+) -> str:
+  """What ``tjax info DATASET_DIR`` prints: each split's tokens, documents, shards and bytes, and
+  with ``steps`` the epochs of the train split that many batches read (``data.dataset_facts``)."""
+  from transformer_jax.data import estimate
+  from transformer_jax.data.layout import read_metadata
+
+  try:
+    meta = read_metadata(path)
+  except FileNotFoundError as e:
+    raise ValueError(str(e)) from None
+  if steps is not None and meta["task"] in ("gpt", "bert") and seq_len is None:
+    raise ValueError(f"the epochs of a {meta['task']} dataset need --seq-len")
+  facts = estimate.dataset_facts(path, steps=steps, batch_size=batch_size, seq_len=seq_len)
+  lines = [f"{path}: {facts['task']} dataset, tokenizer {meta['tokenizer']}"]
+  width = max(map(len, facts["splits"]))
+  for name, split in facts["splits"].items():
+    lines.append(f"  {name:<{width}s}  {estimate.describe_facts(split)}")
+  if "epochs" in facts:
+    shape = f"{steps} steps of {batch_size}" + (f" x {seq_len}" if seq_len else "")
+    lines.append(f"  {shape}: {facts['epochs']:.3g} epoch(s) of train")
+  return "\n".join(lines)
+
+
 def presets_table() -> str:
   """What ``tjax info`` prints without a preset: each preset's family and parameter count."""
   from transformer_jax import models
@@ -65,6 +92,7 @@ def presets_table() -> str:
 
 def _cmd_info(args) -> int:
   for flag, value in (
+    ("--steps", args.steps),
     ("--batch-size", args.batch_size),
     ("--seq-len", args.seq_len),
     ("--vocab-size", args.vocab_size),
@@ -74,6 +102,13 @@ def _cmd_info(args) -> int:
   if args.preset is None:
     print(presets_table())
     return 0
+  if os.path.isdir(args.preset):
+    print(
+      dataset_text(args.preset, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len)
+    )
+    return 0
+  if args.steps is not None:
+    raise ValueError("--steps is for a prepared dataset (tjax info DATASET_DIR --steps N)")
   print(
     info_text(
       args.preset, vocab_size=args.vocab_size, batch_size=args.batch_size, seq_len=args.seq_len
@@ -84,8 +119,14 @@ def _cmd_info(args) -> int:
 
 def add_commands(sub, common) -> None:
   """Adds ``info`` to the ``tjax`` subcommands ``sub`` (see ``build_parser``)."""
-  info = sub.add_parser("info", help="parameters, FLOPs and memory of a preset (no preset: list)")
-  info.add_argument("preset", nargs="?")
+  info = sub.add_parser(
+    "info",
+    help="parameters, FLOPs and memory of a preset (no preset: list), or a prepared dataset's size",
+  )
+  info.add_argument("preset", nargs="?", help="a preset, or a prepared dataset's folder")
+  info.add_argument(
+    "--steps", type=int, default=None, help="dataset: the epochs this many batches read"
+  )
   info.add_argument("--vocab-size", type=int, default=None)
   info.add_argument("--batch-size", type=int, default=8)
   info.add_argument("--seq-len", type=int, default=None)
