@@ -1,5 +1,5 @@
 """What ``prepare`` does with inputs that are not plain UTF-8 text: compressed, columnar and binary
-files, ``datasets`` folders, and text with undecodable bytes."""
+files, ``datasets`` folders, text with undecodable bytes, and URLs that cannot be reached."""
 
 import gzip
 import json
@@ -116,3 +116,60 @@ def test_datasets_folder_and_its_files_are_never_tokenized_as_text(tmp_path):
       assert sum(ds.stream(s).num_docs for s in ("train", "val")) == len(DOCS)
     else:
       assert code == 2 and err.count("\n") == 1 and str(path) in err, err
+
+
+class _ConnectError(Exception):
+  """What an HTTP client raises for a host it cannot reach (not an OSError)."""
+
+
+class _Unreachable:
+  """A file system behind a network that cannot be reached: every call raises."""
+
+  def __getattr__(self, name):
+    def call(*args, **kwargs):
+      raise _ConnectError("[Errno -2] Name or service not known")
+
+    return call
+
+
+class _Empty:
+  """A file system that lists nothing (the Hub's client when ``HF_HUB_OFFLINE`` is set)."""
+
+  def glob(self, path):
+    return []
+
+  def exists(self, path):
+    return False
+
+
+@pytest.mark.parametrize(
+  "url, hint",
+  [
+    ("s3://bucket/pile/*.jsonl.zst", None),
+    ("hf://datasets/org/corpus/data/*.parquet", "hf download org/corpus --repo-type dataset"),
+  ],
+)
+def test_an_unreachable_url_is_one_line_naming_it(tmp_path, monkeypatch, url, hint):
+  from transformer_jax.data import files
+
+  monkeypatch.setattr(files, "_filesystem", lambda name: (_Unreachable(), name.split("://")[1]))
+  with pytest.raises(OSError) as e:
+    prepare([url], str(tmp_path / "o"), progress=False)
+  message = str(e.value)
+  assert message.startswith(f"{url}: cannot be listed (_ConnectError: [Errno -2]"), message
+  assert "\n" not in message and (hint is None or hint in message), message
+  assert not (tmp_path / "o").exists()
+
+
+def test_an_offline_hub_is_named_when_it_finds_nothing(tmp_path, monkeypatch):
+  from transformer_jax.data import files
+
+  monkeypatch.setattr(files, "_filesystem", lambda name: (_Empty(), name.split("://")[1]))
+  monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+  with pytest.raises(FileNotFoundError, match="HF_HUB_OFFLINE is set"):
+    prepare(["hf://datasets/org/corpus"], str(tmp_path / "o"), progress=False)
+  monkeypatch.delenv("HF_HUB_OFFLINE")
+  with pytest.raises(
+    FileNotFoundError, match=r"^no files found for input 'hf://datasets/org/corpus'$"
+  ):
+    prepare(["hf://datasets/org/corpus"], str(tmp_path / "o"), progress=False)

@@ -231,8 +231,36 @@ def _url_files(name: str) -> list[str]:
 
 
 def expand(name: str) -> list[str]:
-  """The files an input name (a path, glob, folder, or fsspec URL of one) stands for, sorted."""
-  return _url_files(name) if is_url(name) else _local_files(name)
+  """The files an input name (a path, glob, folder, or fsspec URL of one) stands for, sorted.
+
+  Raises:
+      OSError: a URL whose file system cannot be reached (one line naming the URL and the cause);
+      ImportError: the package its protocol needs is missing."""
+  if not is_url(name):
+    return _local_files(name)
+  try:
+    files = _url_files(name)
+  except (ImportError, ValueError, FileNotFoundError):
+    raise
+  except Exception as e:  # noqa: BLE001 - each file system raises its own network errors
+    raise OSError(f"{name}: cannot be listed ({type(e).__name__}: {e}){_hub_hint(name)}") from None
+  if not files and name.startswith("hf://") and _hub_offline():
+    raise FileNotFoundError(f"no files found for input {name!r}: HF_HUB_OFFLINE is set")
+  return files
+
+
+def _hub_offline() -> bool:
+  return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _hub_hint(name: str) -> str:
+  if not name.startswith("hf://datasets/"):
+    return ""
+  repo = "/".join(name[len("hf://datasets/") :].split("/")[:2])
+  return (
+    "; the Hugging Face Hub is not reachable from here: download the dataset where it is "
+    f"(hf download {repo} --repo-type dataset --local-dir DIR) and prepare DIR"
+  )
 
 
 def _common_folder(names: list[str]) -> str:
