@@ -1,9 +1,15 @@
 """The same documents in every corpus format ``prepare`` reads give the same prepared dataset;
 damaged inputs are named (file, line, row group) or, with ``skip_bad``, skipped and counted."""
 
+import contextlib
+import functools
 import gzip
+import http.server
+import io
 import json
+import os
 import random
+import threading
 import uuid
 
 import pytest
@@ -126,6 +132,76 @@ def test_every_format_gives_the_same_dataset(tmp_path, capsys):
       out = tmp_path / ("out-" + "".join(c if c.isalnum() else "_" for c in name))
       prepare(inputs[name], str(out), val_fraction=0.1, compact_vocab=True, progress=False)
       assert "up to date" in capsys.readouterr().out, name
+
+
+class _RangeHandler(http.server.SimpleHTTPRequestHandler):
+  """A file server that answers range requests, as object stores and the Hub do (Python's own
+  answers every request with the whole file)."""
+
+  def send_head(self):
+    path = self.translate_path(self.path)
+    if os.path.isdir(path) or "Range" not in self.headers:
+      return super().send_head()
+    with open(path, "rb") as f:
+      data = f.read()
+    first, last = self.headers["Range"].split("=", 1)[1].split("-")
+    body = data[int(first) : (int(last) + 1 if last else len(data))]
+    self.send_response(206)
+    self.send_header("Content-Range", f"bytes {first}-{int(first) + len(body) - 1}/{len(data)}")
+    self.send_header("Content-Length", str(len(body)))
+    self.end_headers()
+    return io.BytesIO(body)
+
+  def log_message(self, *args):
+    pass
+
+
+class _PlainHandler(http.server.SimpleHTTPRequestHandler):
+  def log_message(self, *args):
+    pass
+
+
+@contextlib.contextmanager
+def _serving(root, handler):
+  server = http.server.ThreadingHTTPServer(
+    ("127.0.0.1", 0), functools.partial(handler, directory=str(root))
+  )
+  thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+  thread.start()
+  try:
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+  finally:
+    server.shutdown()
+    server.server_close()
+
+
+def test_http_urls_give_the_same_dataset_from_any_server(tmp_path, monkeypatch):
+  """JSON lines stream in one response from a server that answers no range requests; Parquet
+  seeks, which a server answering them allows. fsspec's blocks are cut to 4 KiB here, so the
+  files span several."""
+  fsspec = pytest.importorskip("fsspec", reason="the 'data' extra (fsspec) is missing")
+  pytest.importorskip("aiohttp", reason="the 'data' extra (fsspec[http]) is missing")
+  pa = pytest.importorskip("pyarrow", reason="the 'data' extra (pyarrow) is missing")
+  import pyarrow.parquet as pq
+
+  monkeypatch.setitem(fsspec.config.conf, "http", {"block_size": 4096})
+  root = tmp_path / "served"
+  (root / "parts").mkdir(parents=True)
+  (root / "c.jsonl.gz").write_bytes(gzip.compress(_jsonl(DOCS)))
+  for k in range(3):
+    (root / "parts" / f"part-{k}.jsonl").write_bytes(_jsonl(DOCS[k * 100 : k * 100 + 100]))
+  pq.write_table(pa.table({"text": DOCS}), root / "c.parquet", row_group_size=64)
+  kw = dict(val_fraction=0.1, compact_vocab=True, progress=False)
+  prepare([str(root / "c.jsonl.gz")], str(tmp_path / "local"), **kw)
+  want = _dataset_files(tmp_path / "local")
+  with _serving(root, _PlainHandler) as url:
+    for name in ("c.jsonl.gz", "parts/part-*.jsonl"):
+      out = tmp_path / ("plain-" + name.replace("/", "_").replace("*", "_"))
+      prepare([f"{url}/{name}"], str(out), **kw)
+      assert _dataset_files(out) == want, name
+  with _serving(root, _RangeHandler) as url:
+    prepare([f"{url}/c.parquet"], str(tmp_path / "ranges"), **kw)
+    assert _dataset_files(tmp_path / "ranges") == want
 
 
 def test_split_follows_content_not_order_or_file(tmp_path):

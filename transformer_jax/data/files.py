@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import io
 import json
 import os
 from collections.abc import Callable
@@ -74,12 +75,42 @@ def _filesystem(url: str):
   return fsspec.core.url_to_fs(url)
 
 
-def open_binary(path: str) -> IO[bytes]:
-  """Opens a local path or an fsspec URL for reading bytes."""
+def open_binary(path: str, random_access: bool = False) -> IO[bytes]:
+  """Opens a local path or an fsspec URL for reading bytes: from the start to the end unless
+  ``random_access`` (Parquet, Arrow IPC files). An ``http(s)://`` file read from the start is one
+  streamed response (``block_size=0``), which any server gives; seeking takes range requests,
+  which not every server answers."""
   if not is_url(path):
     return open(path, "rb")
   fs, inner = _filesystem(path)
+  if not random_access and path.split("://", 1)[0].lower() in ("http", "https"):
+    return io.BufferedReader(_Streamed(fs.open(inner, "rb", block_size=0)), 1 << 20)
   return fs.open(inner, "rb")
+
+
+class _Streamed(io.RawIOBase):
+  """A streamed HTTP response as a raw byte stream: buffered, it reads lines without seeking
+  back (fsspec's own line reading seeks, which a streamed response cannot)."""
+
+  def __init__(self, response: IO[bytes]):
+    self._response, self._at = response, 0
+
+  def readable(self) -> bool:
+    return True
+
+  def readinto(self, buffer) -> int:
+    data = self._response.read(len(buffer))
+    buffer[: len(data)] = data
+    self._at += len(data)
+    return len(data)
+
+  def tell(self) -> int:
+    return self._at
+
+  def close(self) -> None:
+    if not self.closed:
+      self._response.close()
+    super().close()
 
 
 def size_of(path: str) -> int | None:

@@ -299,7 +299,7 @@ def read_records(
   docstring). ``opened`` is given what tells how far the file is read, in its bytes: its byte
   stream (compressed bytes for a compressed file), or a ``Share`` for a Parquet or Arrow IPC file.
   An unreadable file (a missing file, a lost connection) raises ``OSError``."""
-  with open_binary(source.path) as raw:
+  with open_binary(source.path, random_access=source.kind in ("parquet", "arrow")) as raw:
     if source.kind == "parquet":
       yield from _parquet_records(source, raw, text_field, opened)
       return
