@@ -66,10 +66,11 @@ class Share:
     return self.size if self.total <= 0 else self.size * min(self.done, self.total) // self.total
 
 
-def _share(raw: IO[bytes], total: int) -> Share:
+def _size(raw: IO[bytes]) -> int:
+  """The file's size in bytes; ``raw`` is left at its start."""
   size = raw.seek(0, io.SEEK_END)
   raw.seek(0)
-  return Share(size, total)
+  return size
 
 
 def decode(data: bytes) -> tuple[str, int]:
@@ -220,9 +221,9 @@ def _parquet_records(
   pa = need("pyarrow", source.path)
   pq = need("pyarrow.parquet", source.path)
   try:
-    share = _share(raw, 0)
+    size = _size(raw)
     parquet = pq.ParquetFile(raw)
-    share.total = parquet.metadata.num_rows
+    share = Share(size, parquet.metadata.num_rows)
   except (pa.ArrowException, OSError) as e:
     yield Problem(source.path, f"not a readable Parquet file ({e})", whole_file=True)
     return
@@ -255,18 +256,16 @@ def _arrow_records(
   pa = need("pyarrow", source.path)
   ipc = need("pyarrow.ipc", source.path)
   try:
-    head = raw.read(6)
-    raw.seek(0)
-    # An IPC file is read by record batch index (its footer first): a Share of its batches says
-    # how far; a stream is read in order, its position says it.
-    share = _share(raw, 0) if head == b"ARROW1" else None
-    reader = ipc.open_file(raw) if share is not None else ipc.open_stream(raw)
+    is_file = raw.read(6) == b"ARROW1"
+    size = _size(raw)
+    reader = ipc.open_file(raw) if is_file else ipc.open_stream(raw)
   except (pa.ArrowException, OSError) as e:
     yield Problem(source.path, f"not a readable Arrow file ({e})", whole_file=True)
     return
-  count = None
-  if share is not None:
-    count = share.total = reader.num_record_batches
+  # An IPC file is read by record batch index (its footer first): a Share of its batches says
+  # how far; a stream is read in order, its position says it.
+  count = reader.num_record_batches if is_file else None
+  share = Share(size, count) if is_file else None
   if opened is not None:
     opened(share if share is not None else raw)
   if (problem := _text_column(source, reader.schema, field, "column")) is not None:
